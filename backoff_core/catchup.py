@@ -1,0 +1,115 @@
+"""Catch-up: one forward of a lagging model over all pending tokens of many requests, and
+the optional verification of those tokens with the logits it yields for free (DESIGN §2).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .backends import Backend, SessionLost
+from .runner import Extension, SessionError
+from .sampling import distribution, kl_divergence, residual, sample, uniform
+from .state import Live
+from .types import CatchUp, Verification
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a catch-up at `level` decided for one request's step."""
+
+    level: int
+    logits: torch.Tensor  # [V] raw logits the step's token was drawn from
+    token: int
+    rolled_back: int  # committed tokens verification discarded (0: none)
+
+
+class CatchUpper:
+    def __init__(self, models: Sequence[Backend], collect_kl: bool) -> None:
+        self.models = list(models)
+        self.collect_kl = collect_kl
+
+    def run(self, level: int, group: list[Live]) -> dict[str, Outcome]:
+        if not group:
+            return {}
+        before = [r.fed[level] for r in group]
+        start = time.perf_counter()
+        exts = self._extend(level, group)
+        seconds = time.perf_counter() - start
+        outcomes = {}
+        for r, b, ext in zip(group, before, exts):
+            length = len(r.tokens) - b
+            r.fed[level] = len(r.tokens)
+            outcome = self._verify_and_sample(level, r, b, ext)
+            r.catch_ups.append(
+                CatchUp(level, length, seconds, outcome.rolled_back, len(group), max(0, r.prompt_len - b))
+            )
+            outcomes[r.sid] = outcome
+        return outcomes
+
+    def _extend(self, level: int, group: list[Live]) -> list[Extension]:
+        model = self.models[level]
+        for r in group:
+            if level not in r.opened:  # lazy: the first call at this level prefills the prompt
+                model.open(r.sid)
+                r.opened.add(level)
+        try:
+            return model.extend([(r.sid, r.tokens[r.fed[level] :]) for r in group])
+        except (SessionError, SessionLost):
+            # the model lost sessions (replica crash, TTL): the tokens are all here, so
+            # rebuild every session of the group from scratch and try once more
+            for r in group:
+                model.close(r.sid)
+                model.open(r.sid)
+                r.fed[level] = 0
+                r.last_logits.pop(level, None)
+            return model.extend([(r.sid, list(r.tokens)) for r in group])
+
+    def _verify_and_sample(self, level: int, r: Live, before: int, ext: Extension) -> Outcome:
+        preds = ext.logits  # [k, V]; preds[i] predicts position before + i + 1
+        routing, params = r.request.routing, r.request.sampling
+        first = max(before, r.prompt_len)
+        if self.collect_kl and level == r.num_levels - 1:
+            for j in range(max(first, before + 1), len(r.tokens)):
+                if j in r.small_logits:
+                    r.kl_at_catch_up.append(float(kl_divergence(preds[j - before - 1], r.small_logits[j])))
+        if routing.verification != Verification.NONE:
+            for j in range(first, len(r.tokens)):
+                if r.sources[j - r.prompt_len] >= level:
+                    continue
+                p_level = preds[j - before - 1] if j > before else r.last_logits.get(level)
+                if p_level is None or j not in r.source_logits:
+                    continue
+                replacement = self._check(r, j, p_level, r.source_logits[j])
+                if replacement is not None:
+                    return self._roll_back(level, r, j, p_level, replacement)
+        r.last_logits[level] = preds[-1]
+        return Outcome(level, preds[-1], sample(distribution(preds[-1], params), r.generator), 0)
+
+    def _check(self, r: Live, j: int, p_level: torch.Tensor, p_source: torch.Tensor) -> int | None:
+        """None to accept the token at position j, else the token that replaces it."""
+        routing, params = r.request.routing, r.request.sampling
+        if routing.verification == Verification.KL:
+            if float(kl_divergence(p_level, p_source)) > routing.tolerance:
+                return sample(distribution(p_level, params), r.generator)
+            return None
+        # exact rejection sampling: accept x with probability min(1, q(x) / p(x))
+        q, p = distribution(p_level, params), distribution(p_source, params)
+        x = r.tokens[j]
+        if uniform(r.generator) * float(p[x]) < float(q[x]):
+            return None
+        return sample(residual(q, p), r.generator)
+
+    def _roll_back(self, level: int, r: Live, j: int, p_level: torch.Tensor, token: int) -> Outcome:
+        dropped = r.truncate(j)
+        r.rollbacks += dropped
+        for m, model in enumerate(self.models):
+            if r.fed[m] > j:
+                model.crop(r.sid, j)
+                r.fed[m] = j
+                r.last_logits.pop(m, None)
+        r.last_logits[level] = p_level  # it predicted position j, which the new token fills
+        return Outcome(level, p_level, token, dropped)

@@ -1,0 +1,316 @@
+"""The backoff decoding step loop, for many requests at once.
+
+One `step()` advances every live request by one committed token (or one rollback):
+  1. levels known before M_S runs (speculative verify steps, always-large) skip M_S
+  2. M_S forward for the others, batched: next-token logits (+ hidden state for the router)
+  3. oracle routers: the largest model catches up first, to know KL(M_L||M_S)
+  4. decide: score -> level per request (thresholds read once per step)
+  5. catch-up per level, batched over requests: ONE forward over each request's pending
+     tokens; verification may roll back; the step's token comes from that level
+  6. commit: append, stream, stop
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from .backends import Backend
+from .catchup import CatchUpper, Outcome
+from .control import RateController
+from .routers import DecisionFunction, StepContext, build_router
+from .sampling import distribution, make_generator, sample, uniform
+from .state import Detokenizer, Live
+from .types import FinishReason, GenerationRequest, GenerationResult, TokenEvent, Verification
+
+
+class BackoffEngine:
+    """models: smallest first. Each is a ModelRunner or any Backend (e.g. a remote M_L)."""
+
+    def __init__(
+        self,
+        models: Sequence[Backend],
+        tokenizer,
+        *,
+        classifier_path: str | None = None,
+        hidden_size: int | None = None,
+        context_window: int | None = None,
+        collect_kl: bool = False,
+    ) -> None:
+        if len(models) < 2:
+            raise ValueError("backoff decoding needs at least two models (small and large)")
+        self.models = list(models)
+        self.tokenizer = tokenizer
+        self.classifier_path = classifier_path
+        self.hidden_size = hidden_size
+        self.context_window = context_window
+        self.collect_kl = collect_kl
+        self.eos_ids = _eos_ids(tokenizer)
+        self.detok = Detokenizer(tokenizer)
+        self.catch_up = CatchUpper(self.models, collect_kl)
+        self._live: dict[str, Live] = {}
+        self._routers: dict[tuple, DecisionFunction] = {}
+        self._ids = itertools.count()
+
+    @property
+    def num_levels(self) -> int:
+        return len(self.models)
+
+    # -- admission ------------------------------------------------------------------------
+    def submit(self, request: GenerationRequest, router: DecisionFunction | None = None) -> str:
+        """Admit a request (M_S prompt prefill now); returns its id. Raises ValueError on bad input."""
+        rid = request.request_id or f"req-{next(self._ids)}"
+        if rid in self._live:
+            raise ValueError(f"request id {rid!r} is already live")
+        total = len(request.prompt_ids) + request.sampling.max_tokens
+        if self.context_window and total > self.context_window:
+            raise ValueError(
+                f"prompt ({len(request.prompt_ids)} tokens) + max_tokens ({request.sampling.max_tokens}) "
+                f"exceeds the context window of {self.context_window} tokens"
+            )
+        vocab = self.models[0].vocab_size
+        if any(not 0 <= t < vocab for t in request.prompt_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        router = router or self._router(request)
+        routing = request.routing
+        thresholds = routing.thresholds or router.default_thresholds(self.num_levels)
+        if len(thresholds) != self.num_levels - 1:
+            raise ValueError(f"{self.num_levels} models need {self.num_levels - 1} thresholds, got {len(thresholds)}")
+        controller = None
+        if routing.target_backoff is not None:
+            if self.num_levels != 2:
+                raise ValueError("target_backoff needs exactly two models")
+            controller = RateController(routing.target_backoff, thresholds[0])
+        live = Live(
+            request=request, sid=rid, router=router,
+            thresholds=torch.tensor(thresholds, dtype=torch.float32),
+            generator=make_generator(request.sampling.seed), num_levels=self.num_levels,
+            controller=controller, tokens=list(request.prompt_ids), fed=[0] * self.num_levels,
+        )
+        start = time.perf_counter()
+        opened = []
+        try:
+            for level, model in enumerate(self.models):
+                if level == 0 or routing.eager_prefill or router.needs_large_logits:
+                    model.open(rid)
+                    opened.append(model)
+                    live.opened.add(level)
+            # prefill all but the last prompt token: every step then reads >= 1 pending token
+            head = list(request.prompt_ids[:-1])
+            if head:
+                for level, model in enumerate(self.models):
+                    if model in opened:
+                        model.extend([(rid, head)])
+                        live.fed[level] = len(head)
+        except Exception:
+            for model in opened:
+                model.close(rid)
+            raise
+        live.prefill_s = time.perf_counter() - start
+        self._live[rid] = live
+        return rid
+
+    def _router(self, request: GenerationRequest) -> DecisionFunction:
+        r = request.routing
+        if r.router == "scripted":
+            raise ValueError("the scripted router is passed as an object, not by name")
+        key = (r.router, r.rate, r.draft_tokens)
+        if key not in self._routers:
+            self._routers[key] = build_router(
+                r.router, rate=r.rate, draft_tokens=r.draft_tokens,
+                classifier_path=self.classifier_path, hidden_size=self.hidden_size,
+            )
+        return self._routers[key]
+
+    def cancel(self, rid: str) -> None:
+        live = self._live.pop(rid, None)
+        if live is not None:
+            self._close_sessions(live)
+
+    def _close_sessions(self, live: Live) -> None:
+        for model in self.models:
+            try:
+                model.close(live.sid)
+            except Exception:  # a lost remote session is already gone
+                pass
+
+    def has_work(self) -> bool:
+        return any(not r.finished for r in self._live.values())
+
+    def live_ids(self) -> list[str]:
+        return list(self._live)
+
+    # -- the step -------------------------------------------------------------------------
+    def step(self) -> dict[str, TokenEvent]:
+        live = [r for r in self._live.values() if not r.finished]
+        if not live:
+            return {}
+        # 1. levels decided without M_S
+        drafts = torch.tensor([r.drafts() for r in live])
+        forced = [r.router.levels_before_small_step(drafts[i : i + 1], self.num_levels) for i, r in enumerate(live)]
+        forced = [int(f[0]) if f is not None else -1 for f in forced]
+        # a request about to finish with unverified drafts: the largest model checks them
+        forced = [self.num_levels - 1 if r.finish_after_verify else f for r, f in zip(live, forced)]
+        stepping = [r for r, f in zip(live, forced) if f < 0]
+        # 2. M_S, batched
+        small = self._small_step(stepping)
+        # 3+4. decide (oracles catch the largest model up first)
+        levels: dict[str, int] = {r.sid: f for r, f in zip(live, forced) if f >= 0}
+        outcomes: dict[str, Outcome] = {}
+        scores: dict[str, float] = {}
+        for router, group in _by_router(stepping).items():
+            self._decide(router, group, small, levels, outcomes, scores)
+        # 5. catch-ups, one batched forward per level
+        for level in range(1, self.num_levels):
+            group = [r for r in live if levels.get(r.sid) == level and r.sid not in outcomes]
+            outcomes.update(self.catch_up.run(level, group))
+        # 6. commit
+        events = {}
+        for r in live:
+            outcome = outcomes.get(r.sid)
+            if outcome is None:  # stays small
+                logits = small[r.sid][0]
+                token = sample(distribution(logits, r.request.sampling), r.generator)
+                retracted, source = 0, 0
+            else:
+                logits, token, retracted, source = outcome.logits, outcome.token, outcome.rolled_back, outcome.level
+            if r.controller is not None and r.sid in scores:
+                r.thresholds[0] = r.controller.update(scores[r.sid], source == 0)
+            if r.finish_after_verify and not retracted:
+                r.finished = r.finish_after_verify  # all drafts held: the extra token is not wanted
+                continue
+            r.finish_after_verify = None
+            r.cut_at = None
+            events[r.sid] = self._commit(r, token, source, logits, small.get(r.sid), retracted)
+        return events
+
+    def _small_step(self, group: list[Live]) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+        """-> sid: (logits [V], hidden [d] or None). Different routers may want different layers."""
+        if not group:
+            return {}
+        layers = {r.router.hidden_layer for r in group}
+        layer = next(iter(layers)) if len(layers) == 1 else None
+        if len(layers) > 1:
+            raise ValueError("one step cannot serve classifier heads over different layers")
+        start = time.perf_counter()
+        out = self.models[0].extend([(r.sid, r.tokens[r.fed[0] :]) for r in group], hidden_layer=layer)
+        seconds = time.perf_counter() - start
+        result = {}
+        for r, ext in zip(group, out):
+            r.fed[0] = len(r.tokens)
+            r.small_times.append(seconds)
+            result[r.sid] = (ext.logits[-1], ext.hidden[-1] if ext.hidden is not None else None)
+        return result
+
+    def _decide(self, router, group, small, levels, outcomes, scores) -> None:
+        top = self.num_levels - 1
+        large_logits = None
+        if router.needs_large_logits:
+            for r, outcome in self.catch_up.run(top, group).items():
+                outcomes[r] = outcome
+            large_logits = torch.stack([outcomes[r.sid].logits for r in group])
+        start = time.perf_counter()
+        ctx = StepContext(
+            small_logits=torch.stack([small[r.sid][0] for r in group]),
+            hidden=torch.stack([small[r.sid][1] for r in group]) if router.hidden_layer is not None else None,
+            large_logits=large_logits,
+            drafts=torch.tensor([r.drafts() for r in group]),
+            uniforms=torch.tensor([uniform(r.generator) for r in group]),
+        )
+        s = router.scores(ctx)  # [B]
+        thresholds = torch.stack([r.thresholds for r in group])  # [B, N-1]
+        chosen = (s[:, None] >= thresholds).sum(-1)
+        seconds = time.perf_counter() - start
+        for i, r in enumerate(group):
+            r.router_times.append(seconds)
+            scores[r.sid] = float(s[i])
+            outcome = outcomes.get(r.sid)
+            if outcome is not None and outcome.rolled_back:
+                levels[r.sid] = top  # verification already replaced the step's token
+            else:
+                levels[r.sid] = int(chosen[i])
+                if outcome is not None and levels[r.sid] != top:
+                    del outcomes[r.sid]  # the oracle looked, but the step is not the large model's
+
+    def _commit(self, r: Live, token: int, source: int, logits, small, retracted: int) -> TokenEvent:
+        position = len(r.tokens)
+        r.tokens.append(token)
+        r.sources.append(source)
+        if r.num_levels > source + 1 and r.request.routing.verification != Verification.NONE:
+            r.source_logits[position] = logits
+        if self.collect_kl and small is not None:
+            r.small_logits[position] = small[0]
+        r.prune()
+        if r.first_token_s is None:
+            r.first_token_s = time.perf_counter() - r.started
+        self._check_stop(r, token)
+        return self.detok.event(r, source, retracted)
+
+    def _check_stop(self, r: Live, token: int) -> None:
+        params = r.request.sampling
+        reason = None
+        if token in self.eos_ids and not params.ignore_eos:
+            reason = FinishReason.STOP
+        elif params.stop:
+            text = self.tokenizer.decode(r.generated, skip_special_tokens=True)
+            hits = [text.find(s) for s in params.stop if s in text]
+            if hits:
+                r.cut_at = min(hits)
+                reason = FinishReason.STOP
+        if reason is None and len(r.generated) >= params.max_tokens:
+            reason = FinishReason.LENGTH
+        if reason is not None and r.request.routing.verification != Verification.NONE and r.drafts():
+            r.finish_after_verify = reason  # never hand out tokens verification would reject
+        else:
+            r.finished = reason
+
+    def finish(self, rid: str) -> GenerationResult:
+        """The result of a finished (or cancelled mid-way) request; frees its sessions."""
+        live = self._live.pop(rid)
+        self._close_sessions(live)
+        return live.result(self.detok.full_text(live))
+
+    # -- conveniences ---------------------------------------------------------------------
+    def generate(self, request: GenerationRequest, router: DecisionFunction | None = None) -> GenerationResult:
+        return self.generate_many([request], routers=[router])[0]
+
+    def generate_many(
+        self, requests: Sequence[GenerationRequest], routers: Sequence[DecisionFunction | None] | None = None
+    ) -> list[GenerationResult]:
+        """Run requests together (batched steps); results in request order."""
+        routers = routers or [None] * len(requests)
+        rids = [self.submit(req, router) for req, router in zip(requests, routers)]
+        try:
+            while any(not self._live[rid].finished for rid in rids):
+                self.step()
+        except BaseException:
+            for rid in rids:
+                self.cancel(rid)
+            raise
+        return [self.finish(rid) for rid in rids]
+
+    def stream(self, request: GenerationRequest, router: DecisionFunction | None = None) -> Iterator[TokenEvent]:
+        """Yields each committed token (with its source); the caller may stop early."""
+        rid = self.submit(request, router)
+        try:
+            while not self._live[rid].finished:
+                event = self.step().get(rid)
+                if event is not None:
+                    yield event
+        finally:
+            self.cancel(rid)
+
+
+def _by_router(group: list[Live]) -> dict[DecisionFunction, list[Live]]:
+    out: dict[DecisionFunction, list[Live]] = {}
+    for r in group:
+        out.setdefault(r.router, []).append(r)
+    return out
+
+
+def _eos_ids(tokenizer) -> frozenset[int]:
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    return frozenset(ids)

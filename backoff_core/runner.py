@@ -1,0 +1,195 @@
+"""One causal LM and the KV caches ("sessions") of the requests it serves.
+
+The only operation is `extend`: append some new tokens to some sessions and return the
+model's logits at every new position. For M_S that is one token per step; for M_L it is a
+catch-up prefill over all pending tokens; for a new session it is the prompt prefill. Many
+sessions extend in ONE forward: their caches are left-padded to a common past length and
+their new tokens right-padded to a common count, with an attention mask that hides the
+padding and position ids that carry each row's own positions, so ragged lengths give the
+same result as running each session alone.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+# [1, heads, length, head_dim] keys and values, one pair per layer
+KV = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class SessionError(KeyError):
+    """A session id this runner does not hold (never opened, closed or expired)."""
+
+
+@dataclass(frozen=True)
+class Extension:
+    """The result of extending one session by k tokens."""
+
+    logits: torch.Tensor  # [k, V] float32: the next-token logits after each new token
+    hidden: torch.Tensor | None  # [k, d] hidden state at the requested layer, or None
+
+
+@dataclass
+class _Session:
+    kv: KV | None = None  # None: nothing cached yet
+    length: int = 0  # positions held in kv
+    last_used: float = 0.0
+
+
+class ModelRunner:
+    """Holds one model and its sessions. Thread-safe: one forward at a time."""
+
+    def __init__(self, model: PreTrainedModel, name: str = "model") -> None:
+        self.model = model.eval()
+        self.name = name
+        self.device = next(model.parameters()).device
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.num_layers = int(model.config.num_hidden_layers)
+        self.forward_passes = 0
+        self._sessions: dict[str, _Session] = {}
+        self._lock = threading.RLock()
+
+    # -- sessions -------------------------------------------------------------------------
+    def open(self, session_id: str) -> None:
+        with self._lock:
+            if session_id in self._sessions:
+                raise ValueError(f"{self.name}: session {session_id!r} is already open")
+            self._sessions[session_id] = _Session(last_used=time.monotonic())
+
+    def close(self, session_id: str) -> None:
+        with self._lock:
+            self._sessions.pop(session_id, None)
+
+    def has(self, session_id: str) -> bool:
+        return session_id in self._sessions
+
+    def length(self, session_id: str) -> int:
+        return self._get(session_id).length
+
+    def session_ids(self) -> list[str]:
+        with self._lock:
+            return list(self._sessions)
+
+    def idle_sessions(self, older_than_s: float) -> list[str]:
+        cutoff = time.monotonic() - older_than_s
+        with self._lock:
+            return [sid for sid, s in self._sessions.items() if s.last_used < cutoff]
+
+    def crop(self, session_id: str, length: int) -> None:
+        """Forget every position from `length` on (rollback)."""
+        session = self._get(session_id)
+        if length > session.length or length < 0:
+            raise ValueError(f"{self.name}: cannot crop {session.length} positions to {length}")
+        if session.kv is not None and length < session.length:
+            session.kv = [(k[:, :, :length], v[:, :, :length]) for k, v in session.kv]
+        session.length = length
+
+    def _get(self, session_id: str) -> _Session:
+        try:
+            return self._sessions[session_id]
+        except KeyError:
+            raise SessionError(f"{self.name}: no session {session_id!r}") from None
+
+    # -- forward --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def extend(
+        self, items: list[tuple[str, list[int]]], hidden_layer: int | None = None
+    ) -> list[Extension]:
+        """Append tokens to sessions in one forward; returns one Extension per item."""
+        if not items:
+            return []
+        if any(len(ids) == 0 for _, ids in items):
+            raise ValueError(f"{self.name}: extend needs at least one token per session")
+        with self._lock:
+            sessions = [self._get(sid) for sid, _ in items]
+            if len({sid for sid, _ in items}) != len(items):
+                raise ValueError(f"{self.name}: a session appears twice in one extend")
+            if len(items) == 1:
+                out = self._extend_one(sessions[0], items[0][1], hidden_layer)
+            else:
+                out = self._extend_batch(sessions, [ids for _, ids in items], hidden_layer)
+            self.forward_passes += 1
+            now = time.monotonic()
+            for s in sessions:
+                s.last_used = now
+            return out
+
+    def _forward(self, input_ids, past: DynamicCache, hidden_layer, **kwargs):
+        return self.model(
+            input_ids=input_ids,
+            past_key_values=past,
+            use_cache=True,
+            output_hidden_states=hidden_layer is not None,
+            **kwargs,
+        )
+
+    def _extend_one(self, s: _Session, ids: list[int], hidden_layer: int | None) -> list[Extension]:
+        # Fast path: no padding, no mask, the cache extended in place by HF.
+        past = DynamicCache(ddp_cache_data=s.kv) if s.kv is not None else DynamicCache()
+        input_ids = torch.tensor([ids], device=self.device)  # [1, k]
+        position_ids = torch.arange(s.length, s.length + len(ids), device=self.device)[None]
+        out = self._forward(input_ids, past, hidden_layer, position_ids=position_ids)
+        s.kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+        s.length += len(ids)
+        hidden = out.hidden_states[hidden_layer][0] if hidden_layer is not None else None
+        return [Extension(out.logits[0].float(), hidden)]
+
+    def _extend_batch(
+        self, sessions: list[_Session], new_ids: list[list[int]], hidden_layer: int | None
+    ) -> list[Extension]:
+        past_lens = [s.length for s in sessions]
+        new_lens = [len(ids) for ids in new_ids]
+        b, p_max, k_max = len(sessions), max(past_lens), max(new_lens)
+        dev = self.device
+        # mask: [B, P + K]; row i sees its own past (right-aligned) and its k_i new tokens
+        mask = torch.zeros(b, p_max + k_max, dtype=torch.long, device=dev)
+        input_ids = torch.zeros(b, k_max, dtype=torch.long, device=dev)  # [B, K]
+        position_ids = torch.zeros(b, k_max, dtype=torch.long, device=dev)  # [B, K]
+        for i, (p, ids) in enumerate(zip(past_lens, new_ids)):
+            mask[i, p_max - p : p_max + len(ids)] = 1
+            input_ids[i, : len(ids)] = torch.tensor(ids, device=dev)
+            position_ids[i] = torch.arange(p, p + k_max, device=dev)
+        past = DynamicCache(ddp_cache_data=self._left_pad(sessions, p_max)) if p_max else DynamicCache()
+        out = self._forward(input_ids, past, hidden_layer, attention_mask=mask, position_ids=position_ids)
+        layers = out.past_key_values.layers
+        results = []
+        for i, (s, p, k) in enumerate(zip(sessions, past_lens, new_lens)):
+            lo, hi = p_max - p, p_max + k
+            s.kv = [(layer.keys[i : i + 1, :, lo:hi], layer.values[i : i + 1, :, lo:hi]) for layer in layers]
+            s.length = p + k
+            hidden = out.hidden_states[hidden_layer][i, :k] if hidden_layer is not None else None
+            results.append(Extension(out.logits[i, :k].float(), hidden))
+        return results
+
+    def _left_pad(self, sessions: list[_Session], p_max: int) -> KV:
+        """Stack the sessions' caches into [B, H, P, D] per layer, right-aligned."""
+        template = next(s.kv for s in sessions if s.kv is not None)
+        padded: KV = []
+        for layer, (k0, v0) in enumerate(template):
+            shape_k = (len(sessions), k0.shape[1], p_max, k0.shape[3])
+            shape_v = (len(sessions), v0.shape[1], p_max, v0.shape[3])
+            keys = k0.new_zeros(shape_k)
+            values = v0.new_zeros(shape_v)
+            for i, s in enumerate(sessions):
+                if s.length:
+                    k, v = s.kv[layer]
+                    keys[i, :, p_max - s.length :] = k[0]
+                    values[i, :, p_max - s.length :] = v[0]
+            padded.append((keys, values))
+        return padded
+
+
+def timed(fn, *args, **kwargs):
+    """(result, seconds) of one call, synchronising CUDA so the time is the real one."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    result = fn(*args, **kwargs)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return result, time.perf_counter() - start

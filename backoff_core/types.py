@@ -1,0 +1,169 @@
+"""Records that the stages of backoff decoding hand to each other.
+
+Every transport (CLI, HTTP, gRPC) converts its own schema into these frozen dataclasses;
+nothing inside `backoff_core` passes dicts. Level 0 is the smallest model, N-1 the largest
+("source" of a token = the level whose distribution it was sampled from).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+
+class Verification(str, enum.Enum):
+    """What a catch-up does with the M_L logits it gets for free at every pending position."""
+
+    NONE = "none"  # pure backoff: nothing is checked, committed tokens stay
+    KL = "kl"  # BiLD-style: roll back to the first position with KL(M_L||M_src) > tolerance
+    EXACT = "exact"  # rejection sampling (lossless, as in speculative decoding)
+
+
+class FinishReason(str, enum.Enum):
+    LENGTH = "length"
+    STOP = "stop"  # EOS or a stop string
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How a token is drawn from a distribution. temperature == 0 means greedy."""
+
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class RoutingParams:
+    """Which decision function picks each step's source, and how its score maps to a level.
+
+    thresholds: one per boundary between levels (N-1 of them, ascending); a step goes to
+    level = number of thresholds its score reaches. None: the router's own default.
+    rate: for `random`, the backoff rate (share of steps kept on the smallest model).
+    target_backoff: ask for a backoff rate instead of a threshold; a controller moves the
+    threshold during generation so the achieved rate tracks it.
+    """
+
+    router: str = "always-small"
+    thresholds: tuple[float, ...] | None = None
+    rate: float | None = None
+    target_backoff: float | None = None
+    draft_tokens: int = 4  # for `draft` (the speculative mode's router)
+    verification: Verification = Verification.NONE
+    tolerance: float = math.inf  # for Verification.KL
+    eager_prefill: bool = False  # prefill M_L's prompt at admission rather than at its first call
+
+    def __post_init__(self) -> None:
+        if self.thresholds is not None:
+            if any(math.isnan(t) for t in self.thresholds):
+                raise ValueError("thresholds must not be NaN")
+            if list(self.thresholds) != sorted(self.thresholds):
+                raise ValueError(f"thresholds must be ascending, got {self.thresholds}")
+        for name, value in (("rate", self.rate), ("target_backoff", self.target_backoff)):
+            if value is not None and not (0.0 <= value <= 1.0):
+                raise ValueError(f"{name} must be in [0, 1], got {value}")
+        if self.draft_tokens < 1:
+            raise ValueError(f"draft_tokens must be >= 1, got {self.draft_tokens}")
+        if math.isnan(self.tolerance) or self.tolerance < 0:
+            raise ValueError(f"tolerance must be >= 0, got {self.tolerance}")
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    routing: RoutingParams = field(default_factory=RoutingParams)
+    request_id: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError("the prompt must contain at least one token")
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One committed token, as a stream yields it. A rollback retracts tokens: `retracted`
+    is how many previously streamed tokens (and `retracted_text` of text) this event removes
+    before adding its own token."""
+
+    token_id: int
+    source: int
+    text: str  # text this token adds once decoding is stable (may be "" mid-UTF-8)
+    index: int  # position in the generated sequence
+    retracted: int = 0
+    retracted_text: str = ""
+
+
+@dataclass(frozen=True)
+class CatchUp:
+    """One M_L (or intermediate level) call: `length` pending positions in one forward."""
+
+    level: int
+    length: int
+    seconds: float
+    rolled_back: int = 0  # pending tokens discarded by verification
+    batch_size: int = 1  # sequences that shared this forward
+    prompt_tokens: int = 0  # of `length`, how many were prompt (a lazy prompt prefill)
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Seconds. c_S: small step, c_r: decision function, per step. Prefill separately."""
+
+    prefill: float
+    small_steps: tuple[float, ...]
+    router_steps: tuple[float, ...]
+    first_token: float
+    total: float
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]  # generated only
+    sources: tuple[int, ...]  # per generated token: 0 = smallest ... N-1 = largest
+    num_levels: int
+    finish_reason: FinishReason
+    prompt_tokens: int
+    catch_ups: tuple[CatchUp, ...]
+    rollbacks: int  # tokens discarded by verification, in all
+    timings: Timings
+    kl_at_catch_up: tuple[float, ...] = ()  # true KL(M_L||M_S) at pending positions (telemetry)
+    final_thresholds: tuple[float, ...] = ()
+
+    @property
+    def backoff_rate(self) -> float:
+        """Share of generated tokens that the smallest model produced."""
+        if not self.sources:
+            return 0.0
+        return sum(1 for s in self.sources if s == 0) / len(self.sources)
+
+    @property
+    def large_calls(self) -> int:
+        """Forward passes of the largest model (catch-ups), the prompt prefill included."""
+        return sum(1 for c in self.catch_ups if c.level == self.num_levels - 1)
+
+    def tokens_by_source(self) -> tuple[int, ...]:
+        return tuple(sum(1 for s in self.sources if s == level) for level in range(self.num_levels))
