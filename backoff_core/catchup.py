@@ -35,10 +35,10 @@ class CatchUpper:
     def run(self, level: int, group: list[Live]) -> dict[str, Outcome]:
         if not group:
             return {}
-        before = [r.fed[level] for r in group]
         start = time.perf_counter()
         exts = self._extend(level, group)
         seconds = time.perf_counter() - start
+        before = [r.fed[level] for r in group]  # after _extend: a re-prefill starts at 0
         outcomes = {}
         for r, b, ext in zip(group, before, exts):
             length = len(r.tokens) - b

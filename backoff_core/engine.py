@@ -22,6 +22,7 @@ from .backends import Backend
 from .catchup import CatchUpper, Outcome
 from .control import RateController
 from .routers import DecisionFunction, StepContext, build_router
+from .runner import ModelRunner
 from .sampling import distribution, make_generator, sample, uniform
 from .state import Detokenizer, Live
 from .types import FinishReason, GenerationRequest, GenerationResult, TokenEvent, Verification
@@ -54,6 +55,15 @@ class BackoffEngine:
         self._live: dict[str, Live] = {}
         self._routers: dict[tuple, DecisionFunction] = {}
         self._ids = itertools.count()
+
+    @classmethod
+    def from_chain(cls, chain, **kwargs) -> "BackoffEngine":
+        """An in-process engine over a loaded Chain (backoff_core.loading)."""
+        names = ["small", *[f"medium{i}" for i in range(1, len(chain.models) - 1)], "large"]
+        runners = [ModelRunner(m, n) for m, n in zip(chain.models, names)]
+        kwargs.setdefault("context_window", chain.context_window)
+        kwargs.setdefault("hidden_size", chain.models[0].config.hidden_size)
+        return cls(runners, chain.tokenizer, **kwargs)
 
     @property
     def num_levels(self) -> int:

@@ -77,7 +77,7 @@ class Live:
     def result(self, text: str) -> GenerationResult:
         total = time.perf_counter() - self.started
         return GenerationResult(
-            request_id=self.request.request_id,
+            request_id=self.sid,
             text=text,
             token_ids=tuple(self.generated),
             sources=tuple(self.sources),

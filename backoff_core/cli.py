@@ -1,0 +1,197 @@
+"""`backoff` command line: generate / demo in one process; serve hands over to deployments/."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+from .types import GenerationRequest, GenerationResult, RoutingParams, SamplingParams, Verification
+
+# ANSI colours per source level: smallest plain green, largest bold red, middle yellow
+_COLOURS = {0: "\033[32m", 1: "\033[33m"}
+_TOP = "\033[1;31m"
+_RESET = "\033[0m"
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("models (none named: the embedded default pair)")
+    g.add_argument("--small", help="M_S: local dir, cached HF id or .gguf file")
+    g.add_argument("--large", help="M_L: local dir, cached HF id or .gguf file")
+    g.add_argument("--medium", action="append", default=[], help="intermediate model(s), smallest first")
+    g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
+    g.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
+    g.add_argument("--device-map", default=None, help="accelerate device map (e.g. auto)")
+
+
+def _routing_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("routing")
+    g.add_argument("--router", default="entropy", help="decision function: always-small, always-large, "
+                   "oracle, flipped-oracle, entropy, max-prob, random, classifier")
+    g.add_argument("--threshold", default=None,
+                   help="threshold (comma-separated, ascending, one per boundary for chains)")
+    g.add_argument("--rate", type=float, default=None, help="random router: backoff rate (share of steps on M_S)")
+    g.add_argument("--target-backoff", type=float, default=None,
+                   help="ask for a backoff rate; a controller moves the threshold during generation")
+    g.add_argument("--classifier", default=None, help="router head directory (router-train output)")
+    g.add_argument("--mode", choices=("backoff", "speculative"), default="backoff")
+    g.add_argument("--draft-tokens", type=int, default=4, help="speculative mode: drafts per verification")
+    g.add_argument("--verification", choices=[v.value for v in Verification], default=None,
+                   help="check pending tokens at catch-up (default: none; speculative: exact)")
+    g.add_argument("--tolerance", type=float, default=float("inf"), help="KL tolerance for --verification kl")
+    g.add_argument("--eager-prefill", action="store_true", help="prefill M_L's prompt at admission")
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="backoff", description="Backoff decoding with a small and a large LM.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text in this process")
+    _model_args(gen)
+    _routing_args(gen)
+    _sampling_args(gen)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    gen.add_argument("--json", action="store_true", help="print one JSON object")
+    demo = sub.add_parser("demo", help="the embedded default pair at a few thresholds, coloured by source")
+    demo.add_argument("--prompt", default="Explain in two sentences why the sky is blue.")
+    demo.add_argument("--max-tokens", type=int, default=48)
+    sub.add_parser("serve", help="run the Ray Serve application locally (see deployments/)", add_help=False)
+    try:
+        from .routing_cli import register  # router-data / router-train / router-calibrate / evaluate
+    except ImportError:
+        register = None
+    if register is not None:
+        register(sub)
+    return parser
+
+
+def request_from_args(args, prompt_ids: list[int]) -> GenerationRequest:
+    thresholds = tuple(float(x) for x in args.threshold.split(",")) if args.threshold else None
+    verification = args.verification or ("exact" if args.mode == "speculative" else "none")
+    router = "draft" if args.mode == "speculative" else args.router
+    return GenerationRequest(
+        prompt_ids=tuple(prompt_ids),
+        sampling=SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                                top_p=args.top_p, seed=args.seed, stop=tuple(args.stop)),
+        routing=RoutingParams(router=router, thresholds=thresholds, rate=args.rate,
+                              target_backoff=args.target_backoff, draft_tokens=args.draft_tokens,
+                              verification=Verification(verification), tolerance=args.tolerance,
+                              eager_prefill=args.eager_prefill),
+    )
+
+
+def result_json(result: GenerationResult) -> dict:
+    t = result.timings
+    top = result.num_levels - 1
+    n = len(result.token_ids)
+    decode_s = max(t.total - t.first_token, 1e-9)
+    return {
+        "text": result.text,
+        "token_ids": list(result.token_ids),
+        "sources": list(result.sources),
+        "backoff_rate": result.backoff_rate,
+        "large_calls": result.large_calls,
+        "tokens_by_source": list(result.tokens_by_source()),
+        "catch_up_lengths": [c.length - c.prompt_tokens for c in result.catch_ups if c.level == top],
+        "rollbacks": result.rollbacks,
+        "finish_reason": result.finish_reason.value,
+        "prompt_tokens": result.prompt_tokens,
+        "first_token_latency_s": t.first_token,
+        "tokens_per_s": (n - 1) / decode_s if n > 1 else 0.0,
+        "total_s": t.total,
+        "c_S_median_s": statistics.median(t.small_steps) if t.small_steps else None,
+        "c_r_median_s": statistics.median(t.router_steps) if t.router_steps else None,
+        "P_L_s": [[c.length, c.seconds] for c in result.catch_ups if c.level == top],
+        "final_thresholds": list(result.final_thresholds),
+    }
+
+
+def coloured(tokenizer, result: GenerationResult) -> str:
+    """The generated text with each token coloured by its source."""
+    out, prev = [], ""
+    ids = list(result.token_ids)
+    for i, source in enumerate(result.sources):
+        text = tokenizer.decode(ids[: i + 1], skip_special_tokens=True)
+        piece, prev = text[len(prev):], text
+        colour = _TOP if source == result.num_levels - 1 else _COLOURS.get(source, "")
+        out.append(f"{colour}{piece}{_RESET}")
+    return "".join(out)
+
+
+def summary(result: GenerationResult) -> str:
+    r = result_json(result)
+    return (f"backoff rate {r['backoff_rate']:.2f} · tokens by source {r['tokens_by_source']} · "
+            f"large calls {r['large_calls']} · rollbacks {r['rollbacks']} · "
+            f"first token {r['first_token_latency_s'] * 1000:.0f} ms · {r['tokens_per_s']:.1f} tok/s")
+
+
+def _generate(args) -> int:
+    from .engine import BackoffEngine
+    from .loading import LoadSpec, load_chain
+    from .prompts import encode_prompt
+
+    chain = load_chain(args.small, args.large, args.medium, LoadSpec(args.device, args.dtype, args.device_map))
+    engine = BackoffEngine.from_chain(chain, classifier_path=args.classifier)
+    request = request_from_args(args, encode_prompt(chain.tokenizer, args.prompt, args.chat))
+    result = engine.generate(request)
+    if args.json:
+        print(json.dumps(result_json(result)))
+    else:
+        print(coloured(chain.tokenizer, result))
+        print(f"\n[{summary(result)}]   legend: {_COLOURS[0]}small{_RESET} {_TOP}large{_RESET}")
+    return 0
+
+
+def _demo(args) -> int:
+    from .engine import BackoffEngine
+    from .loading import load_chain
+    from .prompts import encode_prompt
+
+    print("loading the embedded default pair (SmolLM2-135M-Instruct + its distilled 2-layer student)…")
+    start = time.perf_counter()
+    chain = load_chain(None, None)
+    engine = BackoffEngine.from_chain(chain)
+    print(f"loaded in {time.perf_counter() - start:.1f} s\n\nprompt: {args.prompt}\n")
+    prompt_ids = encode_prompt(chain.tokenizer, args.prompt, chat=True)
+    runs = [("always-large", None), ("entropy", 2.0), ("entropy", 3.0), ("always-small", None)]
+    for router, threshold in runs:
+        routing = RoutingParams(router=router, thresholds=(threshold,) if threshold is not None else None)
+        result = engine.generate(GenerationRequest(tuple(prompt_ids), SamplingParams(max_tokens=args.max_tokens), routing))
+        label = router + (f" (threshold {threshold})" if threshold is not None else "")
+        print(f"── {label}\n{coloured(chain.tokenizer, result)}\n[{summary(result)}]\n")
+    print(f"legend: {_COLOURS[0]}small{_RESET} {_TOP}large{_RESET}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "serve":
+        from deployments.serve_cli import main as serve_main  # Ray is imported only there
+
+        return serve_main(argv[1:])
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            return _generate(args)
+        if args.command == "demo":
+            return _demo(args)
+        return args.run(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"backoff: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

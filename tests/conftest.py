@@ -1,0 +1,41 @@
+"""Shared fixtures: tiny random models (fast) built in-process; the default pair lives in
+tests of its own, loaded once per session."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+from tiny import tiny_model, tiny_tokenizer  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def pair():
+    """(small, large): peaky distributions so the two models disagree often."""
+    return tiny_model(1, sharpness=30), tiny_model(2, hidden=64, layers=4, sharpness=30)
+
+
+@pytest.fixture(scope="session")
+def chain3():
+    return (
+        tiny_model(1, sharpness=30),
+        tiny_model(3, hidden=48, layers=3, sharpness=30),
+        tiny_model(2, hidden=64, layers=4, sharpness=30),
+    )
+
+
+@pytest.fixture(scope="session")
+def soft_pair():
+    """Moderately peaked models for the statistical tests (every token has mass)."""
+    return tiny_model(11, sharpness=4), tiny_model(12, hidden=64, layers=4, sharpness=4)

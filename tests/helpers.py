@@ -1,0 +1,43 @@
+"""Test helpers: engines over tiny models and a backend that records every extend."""
+
+from __future__ import annotations
+
+import torch
+
+from backoff_core.engine import BackoffEngine
+from backoff_core.runner import ModelRunner
+from backoff_core.types import GenerationRequest, RoutingParams, SamplingParams
+
+
+def engine_for(models, tokenizer, **kwargs) -> BackoffEngine:
+    names = ["small", *[f"medium{i}" for i in range(1, len(models) - 1)], "large"]
+    return BackoffEngine([ModelRunner(m, n) for m, n in zip(models, names)], tokenizer, **kwargs)
+
+
+def request(prompt, max_tokens=16, router="always-small", seed=None, temperature=0.0, **routing) -> GenerationRequest:
+    return GenerationRequest(
+        tuple(prompt),
+        SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed, ignore_eos=True),
+        RoutingParams(router=router, **routing),
+    )
+
+
+def hf_greedy(model, prompt, n) -> tuple[int, ...]:
+    out = model.generate(torch.tensor([list(prompt)]), max_new_tokens=n, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)
+    return tuple(out[0, len(prompt):].tolist())
+
+
+class Recording(ModelRunner):
+    """A ModelRunner that keeps (session, tokens before, new ids, logits) of every extend."""
+
+    def __init__(self, model, name):
+        super().__init__(model, name)
+        self.calls: list[tuple[str, int, list[int], torch.Tensor]] = []
+
+    def extend(self, items, hidden_layer=None):
+        before = {sid: self.length(sid) for sid, _ in items}
+        out = super().extend(items, hidden_layer)
+        for (sid, ids), ext in zip(items, out):
+            self.calls.append((sid, before[sid], list(ids), ext.logits))
+        return out
