@@ -106,4 +106,9 @@ def load_chain(small: str | None, large: str | None, medium: list[str] = (), spe
     names = [small, *medium, large]
     loaded = [load_model(n, spec) for n in names]
     check_same_tokenizer(names, [t for _, t in loaded])
+    widths = [m.get_output_embeddings().weight.shape[0] for m, _ in loaded]
+    if len(set(widths)) > 1:
+        raise TokenizerMismatch(
+            "output vocabulary sizes differ: " + ", ".join(f"{n} has {w}" for n, w in zip(names, widths))
+        )
     return Chain(tuple(m for m, _ in loaded), loaded[0][1], tuple(names))

@@ -10,8 +10,8 @@ VOCAB = 48
 EOS = 0
 
 
-def tiny_tokenizer() -> PreTrainedTokenizerFast:
-    words = ["<eos>", "<unk>"] + [f"w{i}" for i in range(VOCAB - 2)]
+def tiny_tokenizer(vocab: int = VOCAB) -> PreTrainedTokenizerFast:
+    words = ["<eos>", "<unk>"] + [f"w{i}" for i in range(vocab - 2)]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>", pad_token="<eos>")
