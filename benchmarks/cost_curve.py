@@ -1,0 +1,206 @@
+"""Per-token cost vs backoff rate, beside M_S alone, M_L alone, our speculative mode and HF
+assisted generation, all in one run (DESIGN.md §3).
+
+    python benchmarks/cost_curve.py                 # the embedded default pair
+    python benchmarks/cost_curve.py --small DIR --large DIR --device cuda
+
+Prints a table and saves benchmarks/results/cost_curve[-TAG].{json,png}. Every figure is a
+median over repeats; c_S, c_r and P_L(k) are measured in the same run as the throughput, and
+the ideal of the cost model C(b) = c_S + c_r + (1-b)·P_L(1/(1-b)) is printed beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import transformers
+from tqdm import tqdm
+
+from backoff_core.engine import BackoffEngine
+from backoff_core.loading import LoadSpec, load_chain
+from backoff_core.prompts import encode_prompt
+from backoff_core.router_head import HeadMeta, RouterHead
+from backoff_core.routers import Classifier, StepContext, build_router
+from backoff_core.runner import ModelRunner, timed
+from backoff_core.types import GenerationRequest, RoutingParams, SamplingParams, Verification
+
+PROMPTS = [
+    "Write a short paragraph about the history of the Python programming language.",
+    "Give three tips for writing readable code, with one sentence each.",
+]
+RATES = (0.0, 0.5, 0.8, 0.9, 0.95, 1.0)
+
+
+def measure_primitives(chain, prompt_ids, repeats, max_k=20):
+    """c_S (one M_S token), P_L(k) (M_L over k new tokens), on a cache holding the prompt."""
+    small, large = ModelRunner(chain.models[0], "small"), ModelRunner(chain.models[-1], "large")
+
+    def step_cost(runner, k):
+        times = []
+        for i in range(repeats):
+            sid = f"probe-{k}-{i}"
+            runner.open(sid)
+            runner.extend([(sid, prompt_ids)])
+            _, seconds = timed(runner.extend, [(sid, prompt_ids[:k] if k <= len(prompt_ids) else [1] * k)])
+            times.append(seconds)
+            runner.close(sid)
+        return statistics.median(times)
+
+    c_s = statistics.median(step_cost(small, 1) for _ in range(3))
+    p_l = {k: step_cost(large, k) for k in tqdm(range(1, max_k + 1), desc="P_L(k)", leave=False)}
+    return c_s, p_l
+
+
+def measure_router_costs(chain, repeats=200):
+    """c_r of the entropy rule and of a classifier head (4096-wide MLP as in the paper, d->1024->2)."""
+    vocab, d = chain.models[0].config.vocab_size, chain.models[0].config.hidden_size
+    ctx = StepContext(torch.randn(1, vocab), torch.randn(1, d), None, torch.zeros(1), torch.rand(1))
+    out = {}
+    head = RouterHead(HeadMeta(hidden_size=d, layer=-1, inner_size=1024))
+    for name, router in (("entropy", build_router("entropy")), ("random", build_router("random", rate=0.5)),
+                         ("classifier", Classifier(head))):
+        times = [timed(router.scores, ctx)[1] for _ in range(repeats)]
+        out[name] = statistics.median(times)
+    return out
+
+
+def run_engine(engine, prompt_ids, max_tokens, routing, repeats):
+    per_token, results = [], []
+    for i in range(repeats):
+        req = GenerationRequest(tuple(prompt_ids), SamplingParams(max_tokens=max_tokens, seed=i, ignore_eos=True), routing)
+        start = time.perf_counter()
+        result = engine.generate(req)
+        per_token.append((time.perf_counter() - start - result.timings.prefill) / len(result.token_ids))
+        results.append(result)
+    return statistics.median(per_token), results
+
+
+def run_hf(model, prompt_ids, max_tokens, repeats, assistant=None):
+    ids = torch.tensor([prompt_ids], device=model.device)
+    times = []
+    for _ in range(repeats):
+        kwargs = dict(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+        if assistant is not None:
+            kwargs["assistant_model"] = assistant
+        (out, seconds) = timed(model.generate, ids, **kwargs)
+        times.append(seconds / (out.shape[1] - ids.shape[1]))
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--small")
+    ap.add_argument("--large")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--draft-tokens", type=int, default=4)
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--out", default="benchmarks/results")
+    args = ap.parse_args()
+    transformers.logging.set_verbosity_error()
+
+    chain = load_chain(args.small, args.large, (), LoadSpec(args.device, args.dtype))
+    engine = BackoffEngine.from_chain(chain)
+    prompt_ids = encode_prompt(chain.tokenizer, PROMPTS[0], chat=bool(chain.tokenizer.chat_template))
+    n, reps = args.max_tokens, args.repeats
+
+    # warm-up: first calls pay for allocator growth and lazy initialisation
+    for router in ("always-large", "always-small"):
+        run_engine(engine, prompt_ids, 4, RoutingParams(router=router), 1)
+    run_hf(chain.models[-1], prompt_ids, 4, 1, chain.models[0])
+    c_s, p_l = measure_primitives(chain, prompt_ids, max(5, reps))
+    c_r = measure_router_costs(chain)
+    rows = {}
+    configs = [(f"random b={b}", RoutingParams(router="random", rate=b)) for b in RATES]
+    configs += [("M_S alone (always-small)", RoutingParams(router="always-small")),
+                ("M_L alone (always-large)", RoutingParams(router="always-large")),
+                (f"ours speculative K={args.draft_tokens}",
+                 RoutingParams(router="draft", draft_tokens=args.draft_tokens, verification=Verification.EXACT))]
+    spec_results = []
+    for name, routing in tqdm(configs, desc="engine configs"):
+        per_prompt = []
+        for text in PROMPTS:
+            ids = encode_prompt(chain.tokenizer, text, chat=bool(chain.tokenizer.chat_template))
+            sec, results = run_engine(engine, ids, n, routing, reps)
+            per_prompt.append(sec)
+            if routing.router == "draft":
+                spec_results += results
+        rows[name] = statistics.median(per_prompt)
+    for name, assistant in tqdm([("HF generate M_L", None), ("HF assisted (M_S drafts)", chain.models[0])],
+                                desc="HF baselines"):
+        rows[name] = statistics.median(
+            run_hf(chain.models[-1], encode_prompt(chain.tokenizer, t, chat=bool(chain.tokenizer.chat_template)),
+                   n, reps, assistant) for t in PROMPTS)
+
+    proposed = sum(r.sources.count(0) + r.rollbacks for r in spec_results)
+    acceptance = sum(r.sources.count(0) for r in spec_results) / max(1, proposed)
+    ideal = {}
+    for b in RATES:
+        k_bar = 1 / (1 - b) if b < 1 else None
+        k = min(max(p_l), round(k_bar)) if k_bar else None
+        ideal[b] = c_s + c_r["random"] + ((1 - b) * p_l[k] if k else 0.0)
+    report = {
+        "device": args.device, "max_tokens": n, "repeats": reps,
+        "c_S_s": c_s, "c_r_s": c_r, "P_L_s": p_l, "cost_ratio_P_L1_over_c_S": p_l[1] / c_s,
+        "per_token_s": rows,
+        "ideal_per_token_s": {f"random b={b}": v for b, v in ideal.items()},
+        "measured_over_ideal_throughput": {f"random b={b}": ideal[b] / rows[f"random b={b}"] for b in RATES},
+        "speculative_acceptance_rate": acceptance,
+        "router_overhead_vs_c_S": {k: v / c_s for k, v in c_r.items()},
+    }
+    _print(report)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "cost_curve" + (f"-{args.tag}" if args.tag else "")
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=2))
+    _plot(report, out / f"{stem}.png")
+    print(f"saved {out / stem}.json and .png")
+
+
+def _print(r) -> None:
+    base = r["per_token_s"]["M_L alone (always-large)"]
+    print(f"\nc_S = {r['c_S_s'] * 1e3:.2f} ms   P_L(1) = {r['P_L_s'][1] * 1e3:.2f} ms   "
+          f"cost ratio {r['cost_ratio_P_L1_over_c_S']:.2f}x   P_L(8) = {r['P_L_s'][8] * 1e3:.2f} ms")
+    print("c_r: " + ", ".join(f"{k} {v * 1e3:.3f} ms ({r['router_overhead_vs_c_S'][k]:.1%} of c_S)"
+                              for k, v in r["c_r_s"].items()))
+    print(f"\n{'config':34s} {'ms/token':>9s} {'tok/s':>7s} {'vs M_L':>7s} {'ideal ms':>9s} {'meas/ideal':>10s}")
+    for name, sec in r["per_token_s"].items():
+        ideal = r["ideal_per_token_s"].get(name)
+        extra = f"{ideal * 1e3:9.2f} {r['measured_over_ideal_throughput'][name]:10.2f}" if ideal else ""
+        print(f"{name:34s} {sec * 1e3:9.2f} {1 / sec:7.1f} {base / sec:6.2f}x {extra}")
+    print(f"\nour speculative mode: acceptance rate {r['speculative_acceptance_rate']:.2f}")
+
+
+def _plot(r, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    bs = list(RATES)
+    ax.plot(bs, [r["per_token_s"][f"random b={b}"] * 1e3 for b in bs], "o-", label="backoff (random router), measured")
+    ax.plot(bs, [r["ideal_per_token_s"][f"random b={b}"] * 1e3 for b in bs], "--", label="cost model C(b)")
+    styles = {"M_S alone (always-small)": ":", "M_L alone (always-large)": "-.", "HF generate M_L": (0, (1, 3)),
+              "HF assisted (M_S drafts)": (0, (5, 2)), }
+    for name, style in styles.items():
+        ax.axhline(r["per_token_s"][name] * 1e3, linestyle=style, color="grey", label=name)
+    spec = next(k for k in r["per_token_s"] if k.startswith("ours speculative"))
+    ax.axhline(r["per_token_s"][spec] * 1e3, color="tab:green", label=spec)
+    ax.set_xlabel("backoff rate b (share of tokens from M_S)")
+    ax.set_ylabel("ms per generated token (median)")
+    ax.set_title(f"Per-token cost vs backoff rate ({r['device']})")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
