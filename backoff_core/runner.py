@@ -36,9 +36,13 @@ class Extension:
 
 @dataclass
 class _Session:
-    kv: KV | None = None  # None: nothing cached yet
-    length: int = 0  # positions held in kv
+    cache: DynamicCache | None = None  # None: nothing cached yet
+    length: int = 0  # positions held in the cache
     last_used: float = 0.0
+
+    @property
+    def kv(self) -> KV:
+        return [(layer.keys, layer.values) for layer in self.cache.layers]
 
 
 class ModelRunner:
@@ -85,8 +89,9 @@ class ModelRunner:
         session = self._get(session_id)
         if length > session.length or length < 0:
             raise ValueError(f"{self.name}: cannot crop {session.length} positions to {length}")
-        if session.kv is not None and length < session.length:
-            session.kv = [(k[:, :, :length], v[:, :, :length]) for k, v in session.kv]
+        if session.cache is not None and length < session.length:
+            for layer in session.cache.layers:  # views: no copy
+                layer.keys, layer.values = layer.keys[:, :, :length], layer.values[:, :, :length]
         session.length = length
 
     def _get(self, session_id: str) -> _Session:
@@ -129,12 +134,12 @@ class ModelRunner:
         )
 
     def _extend_one(self, s: _Session, ids: list[int], hidden_layer: int | None) -> list[Extension]:
-        # Fast path: no padding, no mask, the cache extended in place by HF.
-        past = DynamicCache(ddp_cache_data=s.kv) if s.kv is not None else DynamicCache()
+        # Fast path: no padding, no mask, the session's own cache extended in place by HF.
+        if s.cache is None:
+            s.cache = DynamicCache()
         input_ids = torch.tensor([ids], device=self.device)  # [1, k]
         position_ids = torch.arange(s.length, s.length + len(ids), device=self.device)[None]
-        out = self._forward(input_ids, past, hidden_layer, position_ids=position_ids)
-        s.kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+        out = self._forward(input_ids, s.cache, hidden_layer, position_ids=position_ids)
         s.length += len(ids)
         hidden = out.hidden_states[hidden_layer][0] if hidden_layer is not None else None
         return [Extension(out.logits[0].float(), hidden)]
@@ -160,7 +165,9 @@ class ModelRunner:
         results = []
         for i, (s, p, k) in enumerate(zip(sessions, past_lens, new_lens)):
             lo, hi = p_max - p, p_max + k
-            s.kv = [(layer.keys[i : i + 1, :, lo:hi], layer.values[i : i + 1, :, lo:hi]) for layer in layers]
+            s.cache = DynamicCache(
+                ddp_cache_data=[(layer.keys[i : i + 1, :, lo:hi], layer.values[i : i + 1, :, lo:hi]) for layer in layers]
+            )
             s.length = p + k
             hidden = out.hidden_states[hidden_layer][i, :k] if hidden_layer is not None else None
             results.append(Extension(out.logits[i, :k].float(), hidden))
@@ -168,18 +175,18 @@ class ModelRunner:
 
     def _left_pad(self, sessions: list[_Session], p_max: int) -> KV:
         """Stack the sessions' caches into [B, H, P, D] per layer, right-aligned."""
-        template = next(s.kv for s in sessions if s.kv is not None)
+        kvs = [s.kv if s.cache is not None and s.length else None for s in sessions]
+        template = next(kv for kv in kvs if kv is not None)
         padded: KV = []
         for layer, (k0, v0) in enumerate(template):
             shape_k = (len(sessions), k0.shape[1], p_max, k0.shape[3])
             shape_v = (len(sessions), v0.shape[1], p_max, v0.shape[3])
             keys = k0.new_zeros(shape_k)
             values = v0.new_zeros(shape_v)
-            for i, s in enumerate(sessions):
-                if s.length:
-                    k, v = s.kv[layer]
-                    keys[i, :, p_max - s.length :] = k[0]
-                    values[i, :, p_max - s.length :] = v[0]
+            for i, (s, kv) in enumerate(zip(sessions, kvs)):
+                if kv is not None:
+                    keys[i, :, p_max - s.length :] = kv[layer][0][0]
+                    values[i, :, p_max - s.length :] = kv[layer][1][0]
             padded.append((keys, values))
         return padded
 
