@@ -201,10 +201,11 @@ class BackoffEngine:
         """-> sid: (logits [V], hidden [d] or None). Different routers may want different layers."""
         if not group:
             return {}
-        layers = {r.router.hidden_layer for r in group}
-        layer = next(iter(layers)) if len(layers) == 1 else None
+        # one engine loads one classifier head, so at most one layer is asked for
+        layers = {r.router.hidden_layer for r in group} - {None}
         if len(layers) > 1:
             raise ValueError("one step cannot serve classifier heads over different layers")
+        layer = next(iter(layers), None)
         start = time.perf_counter()
         out = self.models[0].extend([(r.sid, r.tokens[r.fed[0] :]) for r in group], hidden_layer=layer)
         seconds = time.perf_counter() - start

@@ -73,3 +73,12 @@ def test_chain_levels_follow_thresholds(chain3, tokenizer):
     shares = [result.sources.count(level) / 200 for level in range(3)]
     for share, expected in zip(shares, (0.2, 0.4, 0.4)):
         assert abs(share - expected) < 4.5 * math.sqrt(expected * (1 - expected) / 200)
+
+
+def test_classifier_and_other_routers_share_a_step(pair, tokenizer):
+    small, _ = pair
+    engine = engine_for(pair, tokenizer, hidden_size=small.config.hidden_size)
+    reqs = [request(PROMPT, 8, "classifier", thresholds=(0.5,)), request(PROMPT, 8, "entropy"),
+            request(PROMPT, 8, "random", seed=1, rate=0.5)]
+    together = engine.generate_many(reqs)
+    assert [r.token_ids for r in together] == [engine.generate(r).token_ids for r in reqs]
