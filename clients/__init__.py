@@ -1,0 +1,14 @@
+"""Python clients of Backoff Serve: HTTP (OpenAI-compatible) and gRPC, sync and async.
+
+Imports neither Ray nor torch. The request/response types live in `clients.types` and are
+shared by every transport (and by the server's edge); errors map to the exceptions of
+`clients.errors` in one place.
+"""
+
+from .errors import BackoffError, BadRequestError, NotFoundError, ServerError, TransportError
+from .types import ChatMessage, Delta, GenerateParams, Generation, Usage
+
+__all__ = [
+    "BackoffError", "BadRequestError", "NotFoundError", "ServerError", "TransportError",
+    "ChatMessage", "Delta", "GenerateParams", "Generation", "Usage",
+]

@@ -1,0 +1,118 @@
+"""`backoff-client`: talk to a running Backoff Serve over HTTP or gRPC.
+
+  backoff-client generate "Why is the sky blue?" --chat --stream --threshold 2.5
+  backoff-client --grpc 127.0.0.1:9000 generate "def fib(n):" --max-tokens 32 --json
+  backoff-client models | health
+Streamed tokens are coloured by source: small green, any larger model bold red.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .errors import BackoffError
+from .types import ChatMessage, GenerateParams, Usage
+
+_SMALL, _LARGER, _RESET = "\033[32m", "\033[1;31m", "\033[0m"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="backoff-client", description="Client of Backoff Serve (HTTP or gRPC).")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--url", default="http://127.0.0.1:8000", help="HTTP base URL of the ingress")
+    where.add_argument("--grpc", metavar="HOST:PORT", help="use gRPC at this address instead of HTTP")
+    p.add_argument("--model", default=None, help="served model name (default: the server's)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds")
+    sub = p.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="complete a prompt (or one chat message with --chat)")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true", help="send the prompt as a user message (chat template)")
+    gen.add_argument("--stream", action="store_true", help="print tokens as they are committed")
+    gen.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    gen.add_argument("--no-color", action="store_true", help="do not colour tokens by source")
+    gen.add_argument("--max-tokens", type=int)
+    gen.add_argument("--temperature", type=float)
+    gen.add_argument("--top-p", type=float)
+    gen.add_argument("--top-k", type=int)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--router", help="decision function for this request")
+    gen.add_argument("--threshold", help="backoff threshold(s), comma-separated")
+    gen.add_argument("--target-backoff", type=float, help="target backoff rate")
+    sub.add_parser("models", help="list the served model names")
+    sub.add_parser("health", help="exit 0 when the server answers")
+    return p
+
+
+def _client(args):
+    if args.grpc:
+        from .grpc_client import BackoffGrpcClient
+
+        return BackoffGrpcClient(args.grpc, model=args.model, timeout=args.timeout)
+    from .http_client import BackoffHTTPClient
+
+    return BackoffHTTPClient(args.url, model=args.model, timeout=args.timeout)
+
+
+def _params(args) -> GenerateParams:
+    thresholds = [float(t) for t in args.threshold.split(",")] if args.threshold else None
+    return GenerateParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, seed=args.seed, stop=args.stop, router=args.router,
+                          backoff_threshold=thresholds, target_backoff=args.target_backoff)
+
+
+def _colour(text: str, source: int | None, plain: bool) -> str:
+    if plain or source is None:
+        return text
+    return f"{_SMALL if source == 0 else _LARGER}{text}{_RESET}"
+
+
+def _summary(usage: Usage) -> str:
+    return (f"[{usage.completion_tokens} tokens · backoff rate {usage.backoff_rate:.2f} · small {usage.small_tokens}"
+            f" · large {usage.large_tokens} · large calls {usage.large_calls}]")
+
+
+def _generate(client, args) -> None:
+    params = _params(args)
+    messages = [ChatMessage(role="user", content=args.prompt)]
+    if args.stream:
+        stream = client.stream_chat(messages, params) if args.chat else client.stream(args.prompt, params)
+        usage = None
+        for delta in stream:
+            if delta.usage is not None:
+                usage = delta.usage
+            print(_colour(delta.text, delta.source, args.no_color), end="", flush=True)
+        print()
+        if usage is not None:
+            print(_summary(usage), file=sys.stderr)
+        return
+    result = client.chat(messages, params) if args.chat else client.complete(args.prompt, params)
+    if args.json:
+        print(json.dumps(result.model_dump()))
+        return
+    print(result.text)
+    print(_summary(result.usage), file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        with _client(args) as client:
+            if args.command == "models":
+                print("\n".join(client.models()))
+            elif args.command == "health":
+                ok = client.health()
+                print("ok" if ok else "unavailable")
+                return 0 if ok else 1
+            else:
+                _generate(client, args)
+    except BackoffError as exc:
+        print(f"backoff-client: {type(exc).__name__}: {exc.message}", file=sys.stderr)
+        return 2 if exc.status is not None else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

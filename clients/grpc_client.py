@@ -1,0 +1,155 @@
+"""gRPC clients (sync and async) of the Backoff service behind Ray Serve's gRPC proxy.
+
+Same method names as the HTTP clients. Ray Serve picks the application from the
+`application` metadata key; pass `application=` when more than one app is deployed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator, Sequence
+
+import grpc
+
+from . import backoff_pb2 as pb
+from . import backoff_pb2_grpc as pb_grpc
+from .errors import from_grpc
+from .proto import delta_from_pb, generation_from_pb, request_to_pb
+from .types import ChatMessage, Delta, GenerateParams, Generation, merge_params
+
+Messages = Sequence[ChatMessage | dict]
+
+
+def _chat(messages: Messages) -> list[ChatMessage]:
+    return [m if isinstance(m, ChatMessage) else ChatMessage(**m) for m in messages]
+
+
+class _Base:
+    def __init__(self, model: str | None, application: str | None, timeout: float) -> None:
+        self.model = model
+        self.timeout = timeout
+        self._metadata = (("application", application),) if application else None
+
+    def _request(self, params, fields, **content) -> pb.GenerateRequest:
+        return request_to_pb(merge_params(params, fields), model=self.model, **content)
+
+
+class BackoffGrpcClient(_Base):
+    """Sync client: `BackoffGrpcClient("127.0.0.1:9000").complete("Hello", max_tokens=8)`."""
+
+    def __init__(self, target: str = "127.0.0.1:9000", *, model: str | None = None,
+                 application: str | None = None, timeout: float = 120.0,
+                 channel: grpc.Channel | None = None) -> None:
+        super().__init__(model, application, timeout)
+        self._channel = channel or grpc.insecure_channel(target)
+        self._stub = pb_grpc.BackoffStub(self._channel)
+
+    def __enter__(self) -> "BackoffGrpcClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def complete(self, prompt: str | list[int], params: GenerateParams | None = None, **fields) -> Generation:
+        return self._unary(self._request(params, fields, prompt=prompt))
+
+    def chat(self, messages: Messages, params: GenerateParams | None = None, **fields) -> Generation:
+        return self._unary(self._request(params, fields, messages=_chat(messages)))
+
+    def stream(self, prompt: str | list[int], params: GenerateParams | None = None, **fields) -> Iterator[Delta]:
+        return self._streaming(self._request(params, fields, prompt=prompt))
+
+    def stream_chat(self, messages: Messages, params: GenerateParams | None = None, **fields) -> Iterator[Delta]:
+        return self._streaming(self._request(params, fields, messages=_chat(messages)))
+
+    def models(self) -> list[str]:
+        try:
+            return list(self._stub.Models(pb.ModelsRequest(), timeout=self.timeout, metadata=self._metadata).models)
+        except grpc.RpcError as e:
+            raise from_grpc(e) from None
+
+    def health(self) -> bool:
+        try:
+            return self._stub.Health(pb.HealthRequest(), timeout=self.timeout, metadata=self._metadata).ok
+        except grpc.RpcError:
+            return False
+
+    def _unary(self, request: pb.GenerateRequest) -> Generation:
+        try:
+            return generation_from_pb(self._stub.Generate(request, timeout=self.timeout, metadata=self._metadata))
+        except grpc.RpcError as e:
+            raise from_grpc(e) from None
+
+    def _streaming(self, request: pb.GenerateRequest) -> Iterator[Delta]:
+        call = self._stub.GenerateStream(request, timeout=self.timeout, metadata=self._metadata)
+        try:
+            for chunk in call:
+                yield delta_from_pb(chunk)
+        except grpc.RpcError as e:
+            raise from_grpc(e) from None
+        finally:
+            call.cancel()  # the caller stopped early: tell the server (frees the sessions)
+
+
+class AsyncBackoffGrpcClient(_Base):
+    """Async client (grpc.aio) with the same methods."""
+
+    def __init__(self, target: str = "127.0.0.1:9000", *, model: str | None = None,
+                 application: str | None = None, timeout: float = 120.0,
+                 channel: grpc.aio.Channel | None = None) -> None:
+        super().__init__(model, application, timeout)
+        self._channel = channel or grpc.aio.insecure_channel(target)
+        self._stub = pb_grpc.BackoffStub(self._channel)
+
+    async def __aenter__(self) -> "AsyncBackoffGrpcClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def complete(self, prompt: str | list[int], params: GenerateParams | None = None, **fields) -> Generation:
+        return await self._unary(self._request(params, fields, prompt=prompt))
+
+    async def chat(self, messages: Messages, params: GenerateParams | None = None, **fields) -> Generation:
+        return await self._unary(self._request(params, fields, messages=_chat(messages)))
+
+    def stream(self, prompt: str | list[int], params: GenerateParams | None = None, **fields) -> AsyncIterator[Delta]:
+        return self._streaming(self._request(params, fields, prompt=prompt))
+
+    def stream_chat(self, messages: Messages, params: GenerateParams | None = None, **fields) -> AsyncIterator[Delta]:
+        return self._streaming(self._request(params, fields, messages=_chat(messages)))
+
+    async def models(self) -> list[str]:
+        try:
+            reply = await self._stub.Models(pb.ModelsRequest(), timeout=self.timeout, metadata=self._metadata)
+            return list(reply.models)
+        except grpc.RpcError as e:
+            raise from_grpc(e) from None
+
+    async def health(self) -> bool:
+        try:
+            return (await self._stub.Health(pb.HealthRequest(), timeout=self.timeout, metadata=self._metadata)).ok
+        except grpc.RpcError:
+            return False
+
+    async def _unary(self, request: pb.GenerateRequest) -> Generation:
+        try:
+            reply = await self._stub.Generate(request, timeout=self.timeout, metadata=self._metadata)
+            return generation_from_pb(reply)
+        except grpc.RpcError as e:
+            raise from_grpc(e) from None
+
+    async def _streaming(self, request: pb.GenerateRequest) -> AsyncIterator[Delta]:
+        call = self._stub.GenerateStream(request, timeout=self.timeout, metadata=self._metadata)
+        try:
+            async for chunk in call:
+                yield delta_from_pb(chunk)
+        except grpc.RpcError as e:
+            raise from_grpc(e) from None
+        finally:
+            call.cancel()

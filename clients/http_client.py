@@ -1,0 +1,190 @@
+"""HTTP clients (sync and async) of the OpenAI-compatible ingress, over httpx.
+
+Method names are the same as the gRPC clients': complete, chat, stream, stream_chat,
+models, health. Sampling and routing knobs go in a `GenerateParams` or as keyword fields.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Iterator, Sequence
+
+import httpx
+
+from .errors import BackoffError, from_http, from_transport
+from .types import (
+    ChatMessage, Delta, GenerateParams, Generation, delta_from_chunk, generation_from_body, merge_params,
+)
+
+Messages = Sequence[ChatMessage | dict]
+
+
+def _body(params: GenerateParams, model: str | None, stream: bool, **content) -> dict:
+    body = params.model_dump(exclude_none=True, exclude_defaults=True)
+    body.update(content)
+    if model:
+        body["model"] = model
+    if stream:
+        body.update(stream=True, stream_options={"include_usage": True})
+    return body
+
+
+def _messages(messages: Messages) -> list[dict]:
+    return [m.model_dump() if isinstance(m, ChatMessage) else dict(m) for m in messages]
+
+
+def _sse_data(line: str) -> dict | None:
+    """One SSE line -> the JSON of a `data:` event (None for other lines and [DONE])."""
+    if not line.startswith("data:"):
+        return None
+    data = line[5:].strip()
+    return None if data == "[DONE]" else json.loads(data)
+
+
+class BackoffHTTPClient:
+    """Sync client. `with BackoffHTTPClient(url) as c: c.complete("Hello", max_tokens=8)`."""
+
+    def __init__(self, base_url: str = "http://127.0.0.1:8000", *, model: str | None = None,
+                 timeout: float = 120.0, http: httpx.Client | None = None) -> None:
+        self.model = model
+        self._http = http or httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout)
+
+    def __enter__(self) -> "BackoffHTTPClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def complete(self, prompt: str | list[int], params: GenerateParams | None = None, **fields) -> Generation:
+        body = _body(merge_params(params, fields), self.model, False, prompt=prompt)
+        return generation_from_body(self._post("/v1/completions", body))
+
+    def chat(self, messages: Messages, params: GenerateParams | None = None, **fields) -> Generation:
+        body = _body(merge_params(params, fields), self.model, False, messages=_messages(messages))
+        return generation_from_body(self._post("/v1/chat/completions", body))
+
+    def stream(self, prompt: str | list[int], params: GenerateParams | None = None, **fields) -> Iterator[Delta]:
+        body = _body(merge_params(params, fields), self.model, True, prompt=prompt)
+        return self._stream("/v1/completions", body)
+
+    def stream_chat(self, messages: Messages, params: GenerateParams | None = None, **fields) -> Iterator[Delta]:
+        body = _body(merge_params(params, fields), self.model, True, messages=_messages(messages))
+        return self._stream("/v1/chat/completions", body)
+
+    def models(self) -> list[str]:
+        return [m["id"] for m in self._get("/v1/models")["data"]]
+
+    def health(self) -> bool:
+        try:
+            self._get("/health")
+            return True
+        except BackoffError:
+            return False
+
+    # -- transport --------------------------------------------------------------------------
+    def _get(self, path: str) -> dict:
+        try:
+            response = self._http.get(path)
+        except httpx.TransportError as e:
+            raise from_transport(e) from e
+        if response.status_code >= 400:
+            raise from_http(response.status_code, response.content)
+        return response.json()
+
+    def _post(self, path: str, body: dict) -> dict:
+        try:
+            response = self._http.post(path, json=body)
+        except httpx.TransportError as e:
+            raise from_transport(e) from e
+        if response.status_code >= 400:
+            raise from_http(response.status_code, response.content)
+        return response.json()
+
+    def _stream(self, path: str, body: dict) -> Iterator[Delta]:
+        try:
+            with self._http.stream("POST", path, json=body) as response:
+                if response.status_code >= 400:
+                    raise from_http(response.status_code, response.read())
+                for line in response.iter_lines():
+                    data = _sse_data(line)
+                    if data is not None:
+                        yield delta_from_chunk(data)
+        except httpx.TransportError as e:
+            raise from_transport(e) from e
+
+
+class AsyncBackoffHTTPClient:
+    """Async client with the same methods; `stream` / `stream_chat` are async iterators."""
+
+    def __init__(self, base_url: str = "http://127.0.0.1:8000", *, model: str | None = None,
+                 timeout: float = 120.0, http: httpx.AsyncClient | None = None) -> None:
+        self.model = model
+        self._http = http or httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout)
+
+    async def __aenter__(self) -> "AsyncBackoffHTTPClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    async def complete(self, prompt: str | list[int], params: GenerateParams | None = None, **fields) -> Generation:
+        body = _body(merge_params(params, fields), self.model, False, prompt=prompt)
+        return generation_from_body(await self._post("/v1/completions", body))
+
+    async def chat(self, messages: Messages, params: GenerateParams | None = None, **fields) -> Generation:
+        body = _body(merge_params(params, fields), self.model, False, messages=_messages(messages))
+        return generation_from_body(await self._post("/v1/chat/completions", body))
+
+    def stream(self, prompt: str | list[int], params: GenerateParams | None = None, **fields) -> AsyncIterator[Delta]:
+        body = _body(merge_params(params, fields), self.model, True, prompt=prompt)
+        return self._stream("/v1/completions", body)
+
+    def stream_chat(self, messages: Messages, params: GenerateParams | None = None, **fields) -> AsyncIterator[Delta]:
+        body = _body(merge_params(params, fields), self.model, True, messages=_messages(messages))
+        return self._stream("/v1/chat/completions", body)
+
+    async def models(self) -> list[str]:
+        return [m["id"] for m in (await self._get("/v1/models"))["data"]]
+
+    async def health(self) -> bool:
+        try:
+            await self._get("/health")
+            return True
+        except BackoffError:
+            return False
+
+    async def _get(self, path: str) -> dict:
+        try:
+            response = await self._http.get(path)
+        except httpx.TransportError as e:
+            raise from_transport(e) from e
+        if response.status_code >= 400:
+            raise from_http(response.status_code, response.content)
+        return response.json()
+
+    async def _post(self, path: str, body: dict) -> dict:
+        try:
+            response = await self._http.post(path, json=body)
+        except httpx.TransportError as e:
+            raise from_transport(e) from e
+        if response.status_code >= 400:
+            raise from_http(response.status_code, response.content)
+        return response.json()
+
+    async def _stream(self, path: str, body: dict) -> AsyncIterator[Delta]:
+        try:
+            async with self._http.stream("POST", path, json=body) as response:
+                if response.status_code >= 400:
+                    raise from_http(response.status_code, await response.aread())
+                async for line in response.aiter_lines():
+                    data = _sse_data(line)
+                    if data is not None:
+                        yield delta_from_chunk(data)
+        except httpx.TransportError as e:
+            raise from_transport(e) from e

@@ -1,0 +1,297 @@
+"""Request and response types shared by every transport (HTTP, gRPC) and by the server.
+
+Two layers:
+- transport-neutral records a client returns: `Generation` (a finished completion) and
+  `Delta` (one streamed token), plus `GenerateParams` (the knobs a request may set);
+- the OpenAI-compatible JSON bodies of the HTTP ingress (`CompletionRequest`, ...),
+  which the server validates with and the HTTP client parses.
+Names follow DESIGN.md §6: small/large, source, threshold, backoff rate.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# ----------------------------------------------------------------------------------------
+# transport-neutral
+# ----------------------------------------------------------------------------------------
+
+
+class ChatMessage(BaseModel):
+    role: str = Field(description="system, user or assistant (whatever the chat template accepts)")
+    content: str = Field(description="the message text")
+
+
+class GenerateParams(BaseModel):
+    """What one request may set; None leaves the server's default (or live config)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_tokens: int | None = Field(None, ge=1, description="tokens to generate at most")
+    temperature: float | None = Field(None, ge=0.0, description="0 = greedy")
+    top_p: float | None = Field(None, gt=0.0, le=1.0, description="nucleus sampling mass")
+    top_k: int | None = Field(None, ge=0, description="keep the k most likely tokens (0 = off)")
+    seed: int | None = Field(None, description="seed of this request's sampler (reproducible output)")
+    stop: list[str] | None = Field(None, description="stop strings (the text is cut before them)")
+    ignore_eos: bool = Field(False, description="keep generating past the end-of-sequence token")
+    router: str | None = Field(None, description="decision function (router) for this request")
+    backoff_threshold: float | list[float] | None = Field(
+        None, description="threshold on the router's score (one per boundary between models, ascending)")
+    target_backoff: float | None = Field(
+        None, ge=0.0, le=1.0, description="ask for a backoff rate; a controller moves the threshold")
+
+    def thresholds(self) -> list[float] | None:
+        t = self.backoff_threshold
+        return None if t is None else ([t] if isinstance(t, (int, float)) else list(t))
+
+
+def merge_params(params: GenerateParams | None, fields: dict) -> GenerateParams:
+    """A client method's `params` with its keyword `fields` on top (both validated)."""
+    if params is None:
+        return GenerateParams(**fields)
+    if not fields:
+        return params
+    return params.model_copy(update=GenerateParams(**fields).model_dump(exclude_unset=True))
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = Field(0, description="tokens in the prompt")
+    completion_tokens: int = Field(0, description="tokens generated")
+    total_tokens: int = Field(0, description="prompt + completion")
+    small_tokens: int = Field(0, description="generated tokens whose source is the small model")
+    large_tokens: int = Field(0, description="generated tokens whose source is the large model")
+    large_calls: int = Field(0, description="catch-ups (forward passes) of the large model for this request")
+
+    @property
+    def backoff_rate(self) -> float:
+        """Share of generated tokens the small model produced."""
+        return self.small_tokens / self.completion_tokens if self.completion_tokens else 0.0
+
+
+class Generation(BaseModel):
+    """A finished completion, whichever transport delivered it."""
+
+    id: str = Field(description="request id")
+    text: str = Field(description="generated text")
+    finish_reason: str = Field(description="stop or length")
+    usage: Usage = Field(description="token counts, by source")
+    token_ids: list[int] = Field(default_factory=list, description="generated token ids")
+    sources: list[int] = Field(default_factory=list, description="per generated token: 0 = small ... large")
+
+
+class Delta(BaseModel):
+    """One streamed token; the last delta of a stream carries finish_reason and usage."""
+
+    id: str = Field(description="request id")
+    text: str = Field("", description="text this token adds (may be empty mid UTF-8 sequence)")
+    token_id: int | None = Field(None, description="the committed token")
+    source: int | None = Field(None, description="level that produced it: 0 = small ... large")
+    index: int | None = Field(None, description="position in the generated sequence")
+    retracted: int = Field(0, description="earlier tokens a verification rollback removed")
+    retracted_text: str = Field("", description="text those tokens had added")
+    finish_reason: str | None = Field(None, description="set on the last delta")
+    usage: Usage | None = Field(None, description="set on the last delta")
+
+
+# ----------------------------------------------------------------------------------------
+# OpenAI-compatible HTTP bodies
+# ----------------------------------------------------------------------------------------
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = Field(False, description="send usage in a final chunk")
+
+
+class _OpenAIRequest(GenerateParams):
+    # unknown OpenAI fields (user, logit_bias, ...) are accepted and ignored; the ones that
+    # would change the output and are not supported are rejected below
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = Field(None, description="served model name (see GET /v1/models)")
+    stream: bool = Field(False, description="stream tokens as server-sent events")
+    stream_options: StreamOptions | None = Field(None, description="streaming options")
+    n: int = Field(1, description="completions per prompt (only 1 is supported)")
+    presence_penalty: float = Field(0.0, description="not supported: must be 0")
+    frequency_penalty: float = Field(0.0, description="not supported: must be 0")
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError("only n=1 is supported")
+        return v
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, v: float) -> float:
+        if v != 0.0:
+            raise ValueError("penalties are not supported")
+        return v
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_list(cls, v):
+        return [v] if isinstance(v, str) else v
+
+
+class CompletionRequest(_OpenAIRequest):
+    prompt: str | list[int] = Field(description="prompt text, or its token ids")
+
+
+class ChatCompletionRequest(_OpenAIRequest):
+    messages: list[ChatMessage] = Field(min_length=1, description="the conversation so far")
+    max_completion_tokens: int | None = Field(None, ge=1, description="newer name of max_tokens")
+
+
+class BackoffTrace(BaseModel):
+    """Extension field of a choice: which model produced each token."""
+
+    token_ids: list[int] = Field(default_factory=list, description="generated token ids")
+    sources: list[int] = Field(default_factory=list, description="per token: 0 = small ... large")
+    thresholds: list[float] = Field(default_factory=list, description="thresholds in force at the end")
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: str | None = None
+    logprobs: None = None
+    backoff: BackoffTrace | None = Field(None, description="per-token sources (extension)")
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatMessageOut
+    finish_reason: str | None = None
+    logprobs: None = None
+    backoff: BackoffTrace | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class TokenTrace(BaseModel):
+    """Extension field of a streamed choice: the token behind this chunk."""
+
+    token_id: int
+    source: int
+    index: int
+    retracted: int = 0
+    retracted_text: str = ""
+
+
+class CompletionChunkChoice(BaseModel):
+    index: int = 0
+    text: str = ""
+    finish_reason: str | None = None
+    logprobs: None = None
+    backoff: TokenTrace | None = None
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    finish_reason: str | None = None
+    logprobs: None = None
+    backoff: TokenTrace | None = None
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChunkChoice]
+    usage: Usage | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = 0
+    owned_by: str = "backoff-serve"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+# ----------------------------------------------------------------------------------------
+# OpenAI bodies -> transport-neutral records (used by the HTTP client)
+# ----------------------------------------------------------------------------------------
+
+
+def generation_from_body(body: dict) -> Generation:
+    choice = body["choices"][0]
+    text = choice["text"] if "text" in choice else choice["message"]["content"]
+    trace = choice.get("backoff") or {}
+    return Generation(
+        id=body["id"], text=text, finish_reason=choice.get("finish_reason") or "",
+        usage=Usage(**body.get("usage") or {}),
+        token_ids=trace.get("token_ids", []), sources=trace.get("sources", []),
+    )
+
+
+def delta_from_chunk(body: dict) -> Delta:
+    usage = Usage(**body["usage"]) if body.get("usage") else None
+    if not body.get("choices"):
+        return Delta(id=body["id"], usage=usage)
+    choice = body["choices"][0]
+    text = choice.get("text")
+    if text is None:
+        text = (choice.get("delta") or {}).get("content") or ""
+    trace = choice.get("backoff") or {}
+    return Delta(
+        id=body["id"], text=text, token_id=trace.get("token_id"), source=trace.get("source"),
+        index=trace.get("index"), retracted=trace.get("retracted", 0),
+        retracted_text=trace.get("retracted_text", ""), finish_reason=choice.get("finish_reason"),
+        usage=usage,
+    )
