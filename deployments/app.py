@@ -1,0 +1,61 @@
+"""The application builder: `import_path: deployments.app:build_app` in a Serve config.
+
+Binds Ingress -> SmallRouter -> one LargeModel-like deployment per larger level (a chain of
+three models adds `MediumModel1`). Scaling and resources come from `AppArgs`: the custom
+resources of cluster.yaml (small_gpu / large_gpu) and GPUs only where the cluster has them,
+zero GPUs on a CPU-only cluster.
+"""
+
+from __future__ import annotations
+
+import ray
+from ray.serve import Application
+
+from .config import AppArgs, ReplicaConfig
+from .ingress import Ingress
+from .large import LargeModel
+from .small import SmallRouter
+
+
+def level_deployment_name(level: int, num_levels: int) -> str:
+    return "LargeModel" if level == num_levels - 1 else f"MediumModel{level}"
+
+
+def _cluster_resources() -> dict[str, float]:
+    return ray.cluster_resources() if ray.is_initialized() else {}
+
+
+def replica_options(rc: ReplicaConfig, cluster: dict[str, float]) -> dict:
+    """Deployment.options(...) kwargs: scaling, concurrency and placement."""
+    if rc.gpus == "none":
+        gpus = 0.0
+    elif rc.gpus == "auto":
+        gpus = 1.0 if cluster.get("GPU", 0) > 0 else 0.0
+    else:
+        gpus = float(rc.gpus)
+    actor: dict = {"num_cpus": rc.num_cpus, "num_gpus": gpus}
+    if rc.custom_resource and cluster.get(rc.custom_resource, 0) > 0:
+        actor["resources"] = {rc.custom_resource: 1}
+    options: dict = {"ray_actor_options": actor, "max_ongoing_requests": rc.max_ongoing_requests}
+    if rc.num_replicas is not None:
+        options["num_replicas"] = rc.num_replicas
+    else:
+        options["autoscaling_config"] = {
+            "min_replicas": rc.min_replicas, "max_replicas": rc.max_replicas,
+            "target_ongoing_requests": rc.target_ongoing_requests,
+        }
+    return options
+
+
+def build_app(args: dict | AppArgs | None = None) -> Application:
+    cfg = args if isinstance(args, AppArgs) else AppArgs.model_validate(args or {})
+    cluster = _cluster_resources()
+    models, n = cfg.models.model_dump(), cfg.models.num_levels
+    levels = [
+        LargeModel.options(name=level_deployment_name(level, n), user_config=cfg.catch_up.model_dump(),
+                           **replica_options(cfg.large, cluster)).bind(models, level, cfg.torch_threads)
+        for level in range(1, n)
+    ]
+    router = SmallRouter.options(user_config=cfg.routing.model_dump(),
+                                 **replica_options(cfg.small, cluster)).bind(cfg.model_dump(), *levels)
+    return Ingress.options(**replica_options(cfg.ingress, cluster)).bind(router, cfg.model_dump())

@@ -1,0 +1,228 @@
+"""Batched catch-up on the large model's side (no Ray): many sessions, one forward.
+
+Each catch-up call carries ALL pending ids of one session (a chunk) and the number of
+positions the caller believes the session holds (`past`). Calls wait in a queue; a loop
+takes every call that has arrived -- and, for a bounded time, the rest of the caller's
+step (`group`) -- and runs them as ONE `ModelRunner.extend` (ragged lengths are the
+runner's business). Forwards and every session change run on one thread, in order, so
+the event loop keeps accepting calls while a forward runs (continuous batching).
+
+A call whose session is missing or shorter than `past` is answered `lost` (the caller
+re-prefills elsewhere); a longer one is cropped to `past` (a rollback).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from backoff_core.runner import ModelRunner
+
+
+@dataclass(frozen=True)
+class CatchUpCall:
+    key: str  # session key: request id + epoch (a re-prefill starts a new epoch)
+    past: int  # positions the caller believes the session holds
+    ids: tuple[int, ...]  # the pending ids, k >= 1
+    group: str = ""  # the caller's step: its calls are merged when they arrive together
+    group_size: int = 1  # calls the caller issued in that step
+
+
+@dataclass(frozen=True)
+class CatchUpReply:
+    logits: torch.Tensor | None  # [k, V] float32 next-token logits after each new id; None: lost
+    lost: str = ""  # why the session is not usable here
+
+
+@dataclass(frozen=True)
+class ForwardRecord:
+    """One forward of the large model, for metrics."""
+
+    batch_size: int  # sessions in the forward
+    lengths: tuple[int, ...]  # new ids per session
+    seconds: float
+
+
+@dataclass
+class BatcherStats:
+    forward_passes: int = 0
+    calls: int = 0
+    lost: int = 0
+    waited_s: float = 0.0  # total time forwards waited for the rest of a step's calls
+    batch_sizes: collections.Counter = field(default_factory=collections.Counter)
+
+
+class CatchUpBatcher:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        *,
+        batching: bool = True,
+        max_batch_size: int = 64,
+        batch_wait_s: float = 0.003,
+        on_forward: Callable[[ForwardRecord], None] | None = None,
+    ) -> None:
+        self.runner = runner
+        self.batching = batching
+        self.max_batch_size = max_batch_size
+        self.batch_wait_s = batch_wait_s
+        self.on_forward = on_forward
+        self.stats = BatcherStats()
+        self._pending: collections.deque[tuple[CatchUpCall, asyncio.Future]] = collections.deque()
+        self._arrived: asyncio.Event | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._forward_thread = ThreadPoolExecutor(1, thread_name_prefix="catch-up")
+        # calls of each recent caller step already taken into a forward (bounded)
+        self._taken: collections.OrderedDict[str, int] = collections.OrderedDict()
+
+    # -- API (event loop) -------------------------------------------------------------------
+    async def extend(self, call: CatchUpCall) -> CatchUpReply:
+        if not call.ids:
+            raise ValueError("a catch-up needs at least one pending id")
+        self._start()
+        future = asyncio.get_running_loop().create_future()
+        self._pending.append((call, future))
+        self._arrived.set()
+        return await future
+
+    async def close(self, key: str) -> None:
+        await asyncio.get_running_loop().run_in_executor(self._forward_thread, self.runner.close, key)
+
+    def close_soon(self, key: str) -> None:
+        """From any thread: free a session after the forwards already queued."""
+        try:
+            self._forward_thread.submit(self.runner.close, key)
+        except RuntimeError:  # shut down: the sessions go with the replica
+            pass
+
+    async def expire(self, ttl_s: float) -> list[str]:
+        """Free sessions idle for ttl_s; returns their keys."""
+        keys = self.runner.idle_sessions(ttl_s)
+        for key in keys:
+            await self.close(key)
+        return keys
+
+    def holds(self, key: str) -> bool:
+        return self.runner.has(key)
+
+    def shutdown(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+        self._forward_thread.shutdown(wait=False, cancel_futures=True)
+
+    # -- the loop ---------------------------------------------------------------------------
+    def _start(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._arrived = asyncio.Event()
+            self._loop_task = asyncio.get_running_loop().create_task(self._run_forever())
+
+    async def _run_forever(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = await self._next_batch()
+            try:
+                replies = await loop.run_in_executor(self._forward_thread, self._forward, [c for c, _ in batch])
+            except Exception as exc:  # a bad call fails its whole forward, never the loop
+                for _, future in batch:
+                    if not future.done():
+                        future.set_exception(exc)
+                continue
+            for (_, future), reply in zip(batch, replies):
+                if not future.done():  # the caller may have gone (cancelled)
+                    future.set_result(reply)
+
+    async def _next_batch(self) -> list[tuple[CatchUpCall, asyncio.Future]]:
+        while not self._pending:
+            self._arrived.clear()
+            await self._arrived.wait()
+        if not self.batching:
+            return [self._pending.popleft()]
+        batch: list[tuple[CatchUpCall, asyncio.Future]] = []
+        keys: set[str] = set()
+        opened = time.monotonic()
+        deadline = opened + self.batch_wait_s
+        while True:
+            self._take(batch, keys)
+            remaining = deadline - time.monotonic()
+            if len(batch) >= self.max_batch_size or remaining <= 0 or not self._incomplete(batch):
+                self._count_taken(batch)
+                self.stats.waited_s += time.monotonic() - opened
+                return batch
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), remaining)
+            except asyncio.TimeoutError:
+                pass
+
+    def _take(self, batch: list, keys: set[str]) -> None:
+        """Move queued calls into the batch; a second call of one session waits for the next."""
+        later = []
+        while self._pending and len(batch) < self.max_batch_size:
+            call, future = self._pending.popleft()
+            if call.key in keys:
+                later.append((call, future))
+            else:
+                keys.add(call.key)
+                batch.append((call, future))
+        self._pending.extendleft(reversed(later))
+
+    def _incomplete(self, batch: list[tuple[CatchUpCall, asyncio.Future]]) -> bool:
+        """Whether some caller step in the batch still has calls on their way here."""
+        seen: collections.Counter = collections.Counter(c.group for c, _ in batch if c.group)
+        sizes = {c.group: c.group_size for c, _ in batch if c.group}
+        return any(seen[g] + self._taken.get(g, 0) < sizes[g] for g in seen)
+
+    def _count_taken(self, batch: list[tuple[CatchUpCall, asyncio.Future]]) -> None:
+        for call, _ in batch:
+            if call.group:
+                self._taken[call.group] = self._taken.get(call.group, 0) + 1
+                self._taken.move_to_end(call.group)
+        while len(self._taken) > 1024:
+            self._taken.popitem(last=False)
+
+    # -- the forward thread -----------------------------------------------------------------
+    def _forward(self, calls: list[CatchUpCall]) -> list[CatchUpReply]:
+        replies: list[CatchUpReply | None] = [None] * len(calls)
+        ready = []
+        for i, call in enumerate(calls):
+            problem = self._prepare(call)
+            if problem:
+                replies[i] = CatchUpReply(None, problem)
+                self.stats.lost += 1
+            else:
+                ready.append(i)
+        self.stats.calls += len(calls)
+        if ready:
+            start = time.perf_counter()
+            exts = self.runner.extend([(calls[i].key, list(calls[i].ids)) for i in ready])
+            seconds = time.perf_counter() - start
+            for i, ext in zip(ready, exts):
+                replies[i] = CatchUpReply(ext.logits)
+            self.stats.forward_passes += 1
+            self.stats.batch_sizes[len(ready)] += 1
+            if self.on_forward is not None:
+                self.on_forward(ForwardRecord(len(ready), tuple(len(calls[i].ids) for i in ready), seconds))
+        return replies
+
+    def _prepare(self, call: CatchUpCall) -> str:
+        """Bring the session to `past` positions; '' when ready, else why it is lost."""
+        runner, key = self.runner, call.key
+        if call.past == 0:
+            runner.close(key)  # a fresh epoch starts from nothing
+            runner.open(key)
+            return ""
+        if not runner.has(key):
+            return f"{runner.name} holds no session {key!r}"
+        held = runner.length(key)
+        if held < call.past:
+            return f"{runner.name} holds {held} positions of {key!r}, the caller expects {call.past}"
+        if held > call.past:
+            runner.crop(key, call.past)  # the caller rolled back
+        return ""
+

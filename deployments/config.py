@@ -1,0 +1,98 @@
+"""Configuration of the Serve application: pydantic models, a description on every field.
+
+`AppArgs` are the builder's `args` in the Serve config YAML (changing them redeploys the
+replicas). `RoutingConfig` is the SmallRouter's `user_config` and `CatchUpConfig` the
+LargeModel's: `serve deploy` of an edited config applies them live through
+`reconfigure()`, replicas untouched. No Ray and no torch in this module.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Config(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelsConfig(_Config):
+    small: str | None = Field(None, description="M_S: local dir, cached HF id or .gguf file; "
+                                                "none (with large none) = the embedded default pair")
+    large: str | None = Field(None, description="M_L: local dir, cached HF id or .gguf file")
+    medium: list[str] = Field(default_factory=list, description="intermediate models, smallest first; "
+                                                                "each deploys as one more LargeModel-like actor")
+    device: str = Field("auto", description="cpu, cuda, cuda:N or auto (cuda where the replica has a GPU)")
+    dtype: str = Field("float32", description="float32, bfloat16 or float16")
+    classifier: str | None = Field(None, description="router head directory for the classifier router")
+    served_name: str = Field("backoff", description="model name that GET /v1/models reports")
+
+    @model_validator(mode="after")
+    def _both_or_neither(self) -> "ModelsConfig":
+        if (self.small is None) != (self.large is None):
+            raise ValueError("name both small and large, or neither (the embedded default pair)")
+        if self.medium and self.small is None:
+            raise ValueError("a chain with medium models needs small and large named too")
+        return self
+
+    @property
+    def num_levels(self) -> int:
+        return 2 + len(self.medium)
+
+
+class RoutingConfig(_Config):
+    """The live knob (SmallRouter user_config). A request's own fields override it."""
+
+    router: str = Field("entropy", description="decision function used when a request names none")
+    threshold: list[float] | None = Field(
+        None, description="thresholds, one per boundary between models, ascending; none = the router's default")
+    target_backoff: float | None = Field(
+        None, ge=0.0, le=1.0, description="ask for this backoff rate instead of a fixed threshold")
+    rate: float | None = Field(None, ge=0.0, le=1.0, description="backoff rate of the random router")
+
+
+class CatchUpConfig(_Config):
+    """How a LargeModel replica turns concurrent catch-up calls into forwards (its user_config)."""
+
+    batching: bool = Field(True, description="merge concurrent catch-ups of many sessions into one forward; "
+                                             "false runs one forward per call (the benchmark's baseline)")
+    max_batch_size: int = Field(64, ge=1, description="sessions in one forward at most")
+    batch_wait_ms: float = Field(3.0, ge=0.0, description="how long a forward waits for the rest of a router "
+                                                          "step's calls once the first has arrived")
+    session_ttl_s: float = Field(600.0, gt=0.0, description="sessions idle this long are freed")
+
+
+class ReplicaConfig(_Config):
+    """Scaling and placement of one deployment."""
+
+    num_replicas: int | None = Field(None, ge=1, description="fixed replica count (none: autoscale)")
+    min_replicas: int = Field(1, ge=0, description="autoscaling lower bound")
+    max_replicas: int = Field(2, ge=1, description="autoscaling upper bound")
+    target_ongoing_requests: float = Field(8.0, gt=0, description="autoscaling target per replica")
+    max_ongoing_requests: int = Field(256, ge=1, description="requests a replica accepts at once")
+    num_cpus: float = Field(1.0, ge=0.0, description="CPUs reserved per replica")
+    gpus: Literal["auto", "none"] | float = Field(
+        "auto", description="GPUs per replica: auto = 1 where the cluster has GPUs, none = 0, or a fraction")
+    custom_resource: str | None = Field(
+        None, description="cluster.yaml resource the replica needs where the cluster has it (small_gpu / large_gpu)")
+
+
+class AppArgs(_Config):
+    """The application builder's arguments (`args:` in the Serve config YAML)."""
+
+    models: ModelsConfig = Field(default_factory=ModelsConfig, description="which models form the chain")
+    routing: RoutingConfig = Field(default_factory=RoutingConfig, description="initial SmallRouter user_config")
+    catch_up: CatchUpConfig = Field(default_factory=CatchUpConfig, description="initial LargeModel user_config")
+    small: ReplicaConfig = Field(
+        default_factory=lambda: ReplicaConfig(custom_resource="small_gpu", max_ongoing_requests=64),
+        description="SmallRouter replicas (M_S + decision function + step loop)")
+    large: ReplicaConfig = Field(
+        default_factory=lambda: ReplicaConfig(custom_resource="large_gpu"),
+        description="LargeModel replicas (M_L); medium models use the same settings")
+    ingress: ReplicaConfig = Field(
+        default_factory=lambda: ReplicaConfig(num_cpus=0.25, gpus="none", max_replicas=4,
+                                              target_ongoing_requests=32, max_ongoing_requests=512),
+        description="Ingress replicas (HTTP + gRPC, no GPU)")
+    default_max_tokens: int = Field(64, ge=1, description="max_tokens of a request that sets none")
+    torch_threads: int | None = Field(None, ge=1, description="torch threads per model replica (none: Ray's default)")

@@ -1,0 +1,177 @@
+"""One thread owns the BackoffEngine; the event loop talks to it through queues (no Ray).
+
+The engine is not thread-safe, and its `step()` advances ALL live requests by one token in
+batched forwards, so one thread loops `step()` while there is work:
+  1. drain commands (admit / cancel), reading the live policy ONCE for the whole step
+  2. step every live request (M_S batched; catch-ups batched per level)
+  3. hand each request's TokenEvent to its stream; finished requests get their result
+Each stream is an asyncio.Queue fed with `call_soon_threadsafe`: items are Admitted,
+TokenEvent ..., GenerationResult, or Rejected / Failed instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Generic, TypeVar
+
+from backoff_core.engine import BackoffEngine
+from backoff_core.types import GenerationRequest, GenerationResult
+
+log = logging.getLogger(__name__)
+Policy = TypeVar("Policy")
+
+
+@dataclass(frozen=True)
+class Admitted:
+    request_id: str
+    prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """The request's content was refused (ValueError): a client error."""
+
+    message: str
+
+
+@dataclass(frozen=True)
+class Failed:
+    """Serving failed (not the client's fault)."""
+
+    message: str
+
+
+class _Sink:
+    """Thread-safe handle on one stream's asyncio.Queue."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, q: asyncio.Queue) -> None:
+        self.loop, self.queue = loop, q
+
+    def put(self, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the event loop is gone (shutdown)
+            pass
+
+
+class EngineLoop(Generic[Policy]):
+    """admit(request, policy) -> GenerationRequest runs on the engine thread (it tokenizes)."""
+
+    def __init__(
+        self,
+        engine: BackoffEngine,
+        admit: Callable[[object, Policy], GenerationRequest],
+        policy: Policy,
+        on_finish: Callable[[GenerationResult], None] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.admit = admit
+        self.policy = policy  # replaced whole (one reference store) by reconfigure
+        self.on_finish = on_finish
+        self.steps = 0
+        self.last_step_s = 0.0
+        self._commands: queue.Queue = queue.Queue()
+        self._sinks: dict[str, _Sink] = {}
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="backoff-engine", daemon=True)
+
+    # -- event-loop side --------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stopped.set()
+        self._commands.put(("wake", None, None))
+        self._thread.join(timeout_s)
+
+    def submit(self, request) -> asyncio.Queue:
+        """Queue a request; returns the queue its stream items arrive on."""
+        q: asyncio.Queue = asyncio.Queue()
+        self._commands.put(("submit", request, _Sink(asyncio.get_running_loop(), q)))
+        return q
+
+    def cancel(self, request_id: str) -> None:
+        self._commands.put(("cancel", request_id, None))
+
+    def live(self) -> int:
+        return len(self._sinks)
+
+    # -- engine thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            self._drain(block=not self.engine.has_work())
+            if self.engine.has_work():
+                self._step()
+        for rid in list(self._sinks):
+            self._fail(rid, "the server is shutting down")
+
+    def _drain(self, block: bool) -> None:
+        policy = self.policy  # 1. read once: a reconfigure never tears a step
+        while True:
+            try:
+                kind, arg, sink = self._commands.get(block=block, timeout=0.5)
+            except queue.Empty:
+                return
+            block = False
+            if kind == "submit":
+                self._admit(arg, sink, policy)
+            elif kind == "cancel":
+                self._cancel(arg)
+
+    def _admit(self, request, sink: _Sink, policy) -> None:
+        try:
+            generation = self.admit(request, policy)
+            rid = self.engine.submit(generation)
+        except ValueError as exc:
+            sink.put(Rejected(str(exc)))
+            return
+        except Exception as exc:  # noqa: BLE001 - reported to the caller, the loop goes on
+            log.exception("admission failed")
+            sink.put(Failed(f"{type(exc).__name__}: {exc}"))
+            return
+        self._sinks[rid] = sink
+        sink.put(Admitted(rid, len(generation.prompt_ids)))
+
+    def _cancel(self, rid: str) -> None:
+        if self._sinks.pop(rid, None) is not None:
+            self.engine.cancel(rid)
+
+    def _step(self) -> None:
+        start = time.perf_counter()
+        try:
+            events = self.engine.step()  # 2.
+        except Exception as exc:  # noqa: BLE001 - fail the requests of this step, keep serving
+            log.exception("step failed")
+            for rid in list(self._sinks):
+                self._fail(rid, f"{type(exc).__name__}: {exc}")
+            return
+        self.steps += 1
+        for rid, event in events.items():  # 3.
+            sink = self._sinks.get(rid)
+            if sink is not None:
+                sink.put(event)
+        for rid in _finished(self.engine):
+            result = self.engine.finish(rid)
+            sink = self._sinks.pop(rid, None)
+            if sink is not None:
+                sink.put(result)
+            if self.on_finish is not None:
+                self.on_finish(result)
+        self.last_step_s = time.perf_counter() - start
+
+    def _fail(self, rid: str, message: str) -> None:
+        sink = self._sinks.pop(rid, None)
+        if sink is not None:
+            sink.put(Failed(message))
+        self.engine.cancel(rid)
+
+
+def _finished(engine: BackoffEngine) -> list[str]:
+    # The engine has no public per-request status; `live_ids()` keeps finished requests
+    # until `finish()`, so read the flag the engine's own generate loop reads.
+    return [rid for rid, live in engine._live.items() if live.finished]  # noqa: SLF001

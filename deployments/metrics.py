@@ -1,0 +1,88 @@
+"""Prometheus metrics (ray.serve.metrics; Serve adds deployment / replica / app tags).
+
+Exported by Ray's metrics agent with the `ray_` prefix, e.g. `ray_backoff_tokens_total`.
+Names use the glossary: small / large, source, backoff rate, catch-up, threshold.
+"""
+
+from __future__ import annotations
+
+from ray.serve import metrics
+
+from backoff_core.types import GenerationResult
+
+from .batcher import ForwardRecord
+
+_LENGTHS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024]
+_SIZES = [1, 2, 4, 8, 16, 32, 64, 128]
+_SECONDS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
+_RATES = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
+
+
+def level_names(num_levels: int) -> list[str]:
+    return ["small", *[f"medium{i}" for i in range(1, num_levels - 1)], "large"]
+
+
+class RouterMetrics:
+    """SmallRouter: requests, tokens by source, backoff rate, catch-ups, latency, threshold."""
+
+    def __init__(self, num_levels: int) -> None:
+        self.names = level_names(num_levels)
+        self.requests = metrics.Counter(
+            "backoff_requests", "Requests by outcome (finished, rejected, failed, cancelled).", ("outcome",))
+        self.tokens = metrics.Counter("backoff_tokens", "Generated tokens by source model.", ("source",))
+        self.backoff_rate = metrics.Histogram(
+            "backoff_request_backoff_rate", "Per request: share of tokens the small model produced.", _RATES)
+        self.catch_up_length = metrics.Histogram(
+            "backoff_catch_up_length", "Pending tokens per catch-up (one session, one call).", _LENGTHS, ("level",))
+        self.catch_up_batch = metrics.Histogram(
+            "backoff_catch_up_batch_size", "Requests whose catch-ups one step sent together.", _SIZES, ("level",))
+        self.latency = metrics.Histogram("backoff_request_latency_s", "Admission to last token.", _SECONDS)
+        self.first_token = metrics.Histogram("backoff_time_to_first_token_s", "Admission to first token.", _SECONDS)
+        self.threshold = metrics.Gauge(
+            "backoff_threshold", "Threshold in the live config (per boundary between models).", ("boundary",))
+        self.sessions_lost = metrics.Counter("backoff_sessions_lost", "Remote sessions lost and re-prefilled.")
+
+    def request(self, outcome: str) -> None:
+        self.requests.inc(1, tags={"outcome": outcome})
+
+    def finished(self, result: GenerationResult) -> None:
+        self.request("finished")
+        for level, n in enumerate(result.tokens_by_source()):
+            if n:
+                self.tokens.inc(n, tags={"source": self.names[level]})
+        if result.sources:
+            self.backoff_rate.observe(result.backoff_rate)
+        for c in result.catch_ups:
+            tags = {"level": self.names[c.level]}
+            self.catch_up_length.observe(max(1, c.length - c.prompt_tokens), tags=tags)
+            self.catch_up_batch.observe(c.batch_size, tags=tags)
+        self.latency.observe(result.timings.total)
+        self.first_token.observe(result.timings.first_token)
+
+    def thresholds(self, values: list[float] | None) -> None:
+        for i, t in enumerate(values or []):
+            self.threshold.set(t, tags={"boundary": str(i)})
+
+
+class LargeMetrics:
+    """LargeModel: forward passes, their batch sizes and catch-up lengths, open sessions."""
+
+    def __init__(self, name: str) -> None:
+        self.tags = {"model": name}
+        self.forwards = metrics.Counter("backoff_large_forward_passes", "Forward passes of a large model.", ("model",))
+        self.batch = metrics.Histogram(
+            "backoff_large_forward_batch_size", "Sessions merged into one forward.", _SIZES, ("model",))
+        self.length = metrics.Histogram(
+            "backoff_large_catch_up_length", "New tokens per session in a forward.", _LENGTHS, ("model",))
+        self.seconds = metrics.Histogram("backoff_large_forward_s", "Seconds per forward.", _SECONDS, ("model",))
+        self.sessions = metrics.Gauge("backoff_large_sessions", "Sessions held by this replica.", ("model",))
+
+    def forward(self, record: ForwardRecord) -> None:
+        self.forwards.inc(1, tags=self.tags)
+        self.batch.observe(record.batch_size, tags=self.tags)
+        for k in record.lengths:
+            self.length.observe(k, tags=self.tags)
+        self.seconds.observe(record.seconds, tags=self.tags)
+
+    def held(self, n: int) -> None:
+        self.sessions.set(n, tags=self.tags)

@@ -1,0 +1,124 @@
+"""A Backend (backoff_core.backends) whose model lives in remote replicas (no Ray here).
+
+The step loop calls `extend` with the pending ids of many requests; this proxy sends ONE
+call per session carrying all of its pending ids (a chunk), all calls of a step at once,
+tagged with the step so the replica's batcher can merge them into one forward. Sessions
+are keyed `<request id>#<epoch>`: a re-prefill opens a new epoch, so a replica that still
+holds an old copy can never be extended by mistake. `open` and `crop` cost no round trip:
+the next call says how many positions it expects (`past`) and the replica creates or
+crops. A session the replicas no longer hold (replica lost, TTL) raises SessionLost and
+the engine re-prefills it from the token ids it keeps.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Protocol
+
+from backoff_core.backends import SessionLost
+from backoff_core.runner import Extension, SessionError
+
+from .batcher import CatchUpCall, CatchUpReply
+
+log = logging.getLogger(__name__)
+
+
+class Pending(Protocol):
+    def result(self, timeout_s: float | None = None) -> CatchUpReply: ...
+
+
+class LargeEndpoint(Protocol):
+    """How RemoteLarge reaches a large model's replicas (the Ray adapter is in small.py)."""
+
+    transport_errors: tuple[type[BaseException], ...]  # what a lost replica raises
+
+    def extend(self, call: CatchUpCall) -> Pending: ...
+
+    def close(self, key: str) -> None: ...
+
+
+@dataclass
+class _Session:
+    key: str
+    length: int = 0  # positions the replica holds, as far as this proxy knows
+
+
+_epochs = itertools.count()
+
+
+class RemoteLarge:
+    def __init__(self, endpoint: LargeEndpoint, name: str, vocab_size: int, *,
+                 timeout_s: float = 120.0, create_retries: int = 5) -> None:
+        self.endpoint = endpoint
+        self.name = name
+        self.vocab_size = vocab_size
+        self.timeout_s = timeout_s
+        self.create_retries = create_retries
+        self.lost_sessions = 0
+        self._sessions: dict[str, _Session] = {}
+        self._uid = uuid.uuid4().hex[:8]
+        self._steps = itertools.count()
+
+    def open(self, session_id: str) -> None:
+        if session_id in self._sessions:
+            raise ValueError(f"{self.name}: session {session_id!r} is already open")
+        self._sessions[session_id] = _Session(f"{session_id}#{next(_epochs)}")
+
+    def close(self, session_id: str) -> None:
+        session = self._sessions.pop(session_id, None)
+        if session is not None and session.length:
+            try:
+                self.endpoint.close(session.key)  # fire and forget; TTL frees what this misses
+            except Exception:  # noqa: BLE001 - a lost replica has nothing left to free
+                log.debug("close of %s failed", session.key, exc_info=True)
+
+    def crop(self, session_id: str, length: int) -> None:
+        session = self._get(session_id)
+        if not 0 <= length <= session.length:
+            raise ValueError(f"{self.name}: cannot crop {session.length} positions to {length}")
+        session.length = length  # the next call's `past` tells the replica
+
+    def extend(self, items: list[tuple[str, list[int]]], hidden_layer: int | None = None) -> list[Extension]:
+        if hidden_layer is not None:
+            raise ValueError(f"{self.name}: a remote model returns no hidden states")
+        group = f"{self._uid}-{next(self._steps)}"
+        calls = [CatchUpCall(self._get(sid).key, self._get(sid).length, tuple(ids), group, len(items))
+                 for sid, ids in items]
+        pending = [self.endpoint.extend(call) for call in calls]  # all in flight together
+        out, lost = [], []
+        for (sid, ids), call, p in zip(items, calls, pending):
+            reply = self._receive(call, p)
+            if reply.logits is None:
+                lost.append(sid)
+                continue
+            self._sessions[sid].length += len(ids)
+            out.append(Extension(reply.logits, None))
+        if lost:
+            self.lost_sessions += len(lost)
+            raise SessionLost(f"{self.name}: the replicas lost sessions {lost}; re-prefill them")
+        return out
+
+    def _receive(self, call: CatchUpCall, pending: Pending) -> CatchUpReply:
+        for attempt in range(self.create_retries + 1):
+            try:
+                return pending.result(timeout_s=self.timeout_s)
+            except self.endpoint.transport_errors as exc:
+                if call.past > 0:
+                    log.warning("%s: replica of %s lost (%s)", self.name, call.key, type(exc).__name__)
+                    return CatchUpReply(None, f"replica lost: {type(exc).__name__}")
+                if attempt == self.create_retries:
+                    raise
+                # nothing to lose yet: a fresh session just goes to a live replica
+                time.sleep(0.1 * 2**attempt)
+                pending = self.endpoint.extend(call)
+        raise AssertionError("unreachable")
+
+    def _get(self, session_id: str) -> _Session:
+        try:
+            return self._sessions[session_id]
+        except KeyError:
+            raise SessionError(f"{self.name}: no session {session_id!r}") from None

@@ -1,0 +1,108 @@
+"""`backoff serve`: run the Serve config locally (the same path as `serve run <config>`).
+
+Reads deployments/serve_config.yaml (or --config), applies the command line's overrides,
+writes the result to a temporary file and hands it to Ray Serve's own `serve run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+DEFAULT_CONFIG = Path(__file__).resolve().parent / "serve_config.yaml"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="backoff serve", description="Run backoff decoding on Ray Serve locally.")
+    p.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="Serve config YAML (default: the packaged one)")
+    p.add_argument("--small", help="M_S: local dir, cached HF id or .gguf (none: the embedded default pair)")
+    p.add_argument("--large", help="M_L: local dir, cached HF id or .gguf")
+    p.add_argument("--medium", action="append", default=None, help="intermediate model(s), smallest first")
+    p.add_argument("--device", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--router", help="decision function (live config)")
+    p.add_argument("--threshold", help="threshold(s), comma-separated, ascending (live config)")
+    p.add_argument("--target-backoff", type=float, help="target backoff rate (live config)")
+    p.add_argument("--no-batching", action="store_true", help="one large-model forward per catch-up call")
+    p.add_argument("--host", help="HTTP host")
+    p.add_argument("--http-port", type=int, help="HTTP port (default 8000)")
+    p.add_argument("--grpc-port", type=int, help="gRPC port (default 9000)")
+    p.add_argument("--print-config", action="store_true", help="print the resulting config and exit")
+    p.add_argument("--non-blocking", action="store_true", help="return once the config is submitted")
+    return p
+
+
+def _deployment(app: dict, name: str) -> dict:
+    deployments = app.setdefault("deployments", [])
+    for d in deployments:
+        if d.get("name") == name:
+            return d
+    deployments.append({"name": name})
+    return deployments[-1]
+
+
+def apply_overrides(config: dict, args: argparse.Namespace) -> dict:
+    """The config with the command line's choices written into it (a copy)."""
+    config = copy.deepcopy(config)
+    app = config["applications"][0]
+    models = app.setdefault("args", {}).setdefault("models", {})
+    for key in ("small", "large", "medium", "device"):
+        value = getattr(args, key)
+        if value is not None:
+            models[key] = value
+    routing = _deployment(app, "SmallRouter").setdefault("user_config", {})
+    if args.router is not None:
+        routing["router"] = args.router
+        routing["threshold"] = None  # the config's threshold belonged to the config's router
+    if args.threshold is not None:
+        routing["threshold"] = [float(t) for t in args.threshold.split(",")]
+    if args.target_backoff is not None:
+        routing["target_backoff"] = args.target_backoff
+    if args.no_batching:
+        _deployment(app, "LargeModel").setdefault("user_config", {})["batching"] = False
+    if args.host is not None:
+        config.setdefault("http_options", {})["host"] = args.host
+    if args.http_port is not None:
+        config.setdefault("http_options", {})["port"] = args.http_port
+    if args.grpc_port is not None:
+        config.setdefault("grpc_options", {})["port"] = args.grpc_port
+    return config
+
+
+def run_config(config: dict, blocking: bool = True) -> None:
+    """`serve run` of this config, in this process (it joins a running Ray if there is one)."""
+    from ray.serve.scripts import cli  # Ray only when something is deployed
+
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="backoff-serve-", delete=False) as f:
+        yaml.safe_dump(config, f, sort_keys=False)
+    argv = ["run", f.name] + ([] if blocking else ["--non-blocking"])
+    cli.main(args=argv, prog_name="serve", standalone_mode=False)
+
+
+def wait_until_running(app: str = "backoff", timeout_s: float = 300.0) -> None:
+    """Block until the application reports RUNNING (raises on DEPLOY_FAILED or timeout)."""
+    from ray import serve
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        status = serve.status().applications.get(app)
+        if status is not None and status.status == "RUNNING":
+            return
+        if status is not None and status.status == "DEPLOY_FAILED":
+            raise RuntimeError(f"application {app!r} failed to deploy: {status.message}")
+        time.sleep(0.5)
+    raise TimeoutError(f"application {app!r} not running after {timeout_s:.0f} s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    config = apply_overrides(yaml.safe_load(args.config.read_text()), args)
+    if args.print_config:
+        print(yaml.safe_dump(config, sort_keys=False), end="")
+        return 0
+    run_config(config, blocking=not args.non_blocking)
+    return 0

@@ -1,0 +1,126 @@
+"""SmallRouter deployment: M_S + decision function + the step loop of every request.
+
+Holds M_S as a local ModelRunner and a BackoffEngine whose larger levels are RemoteLarge
+proxies to LargeModel deployments. One thread runs the engine (EngineLoop), so the M_S
+steps of concurrent requests are batched; `generate` streams one request's items. The
+routing config (router, threshold, target backoff rate) is this deployment's user_config:
+`reconfigure()` swaps it and the engine thread reads it once per step.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from ray import serve
+from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.serve.exceptions import ReplicaUnavailableError
+from ray.serve.handle import DeploymentHandle
+
+from backoff_core.engine import BackoffEngine
+from backoff_core.prompts import encode_chat, encode_prompt
+from backoff_core.runner import ModelRunner
+from backoff_core.types import GenerationRequest, GenerationResult
+
+from .batcher import CatchUpCall
+from .config import AppArgs, RoutingConfig
+from .engine_loop import Admitted, EngineLoop, Failed, Rejected
+from .metrics import RouterMetrics, level_names
+from .models import load_small_side
+from .remote import RemoteLarge
+from .requests import ServeRequest, generation_request
+
+StreamItem = Admitted | object  # Admitted, then TokenEvent ..., then GenerationResult (or Rejected / Failed)
+
+
+class ServeEndpoint:
+    """RemoteLarge's view of a LargeModel deployment: calls routed by session key."""
+
+    transport_errors = (RayActorError, ActorUnavailableError, ReplicaUnavailableError)
+
+    def __init__(self, handle: DeploymentHandle) -> None:
+        self.handle = handle
+
+    def extend(self, call: CatchUpCall):
+        return self.handle.options(multiplexed_model_id=call.key).extend.remote(call)
+
+    def close(self, key: str) -> None:
+        self.handle.options(multiplexed_model_id=key).close.remote(key)
+
+
+@dataclass(frozen=True)
+class RouterInfo:
+    pid: int
+    replica: str
+    policy: RoutingConfig
+    steps: int
+    live: int
+    sessions_lost: int
+
+
+@serve.deployment(max_ongoing_requests=64)
+class SmallRouter:
+    def __init__(self, args: dict, *levels: DeploymentHandle) -> None:
+        self.args = AppArgs.model_validate(args)
+        side = load_small_side(self.args.models, self.args.torch_threads)
+        self.tokenizer = side.tokenizer
+        n = self.args.models.num_levels
+        names = level_names(n)
+        vocab = int(side.model.get_output_embeddings().weight.shape[0])
+        self.remotes = [RemoteLarge(ServeEndpoint(h), names[i + 1], vocab) for i, h in enumerate(levels)]
+        if len(self.remotes) != n - 1:
+            raise ValueError(f"a chain of {n} models needs {n - 1} larger deployments, got {len(self.remotes)}")
+        engine = BackoffEngine([ModelRunner(side.model, "small"), *self.remotes], side.tokenizer,
+                               classifier_path=self.args.models.classifier, hidden_size=side.hidden_size,
+                               context_window=side.context_window)
+        self.metrics = RouterMetrics(n)
+        self.loop: EngineLoop[RoutingConfig] = EngineLoop(engine, self._admit, self.args.routing, self._finished)
+        self.reconfigure(self.args.routing.model_dump())
+        self.loop.start()
+
+    def reconfigure(self, user_config: dict) -> None:
+        policy = RoutingConfig.model_validate(user_config or {})
+        self.loop.policy = policy  # one reference store: the engine thread sees old or new, never half
+        self.metrics.thresholds(policy.threshold)
+
+    async def generate(self, request: ServeRequest) -> AsyncIterator[StreamItem]:
+        """Admitted, one TokenEvent per committed token, then the GenerationResult."""
+        items = self.loop.submit(request)
+        ended = False
+        try:
+            while True:
+                item = await items.get()
+                ended = isinstance(item, (GenerationResult, Rejected, Failed))
+                if isinstance(item, (Rejected, Failed)):
+                    self.metrics.request("rejected" if isinstance(item, Rejected) else "failed")
+                yield item
+                if ended:
+                    return
+        finally:
+            if not ended:  # the caller went away (disconnect, cancel): free the sessions now
+                self.loop.cancel(request.request_id)
+                self.metrics.request("cancelled")
+
+    def info(self) -> RouterInfo:
+        return RouterInfo(pid=os.getpid(), replica=serve.get_replica_context().replica_id.unique_id,
+                          policy=self.loop.policy, steps=self.loop.steps, live=self.loop.live(),
+                          sessions_lost=sum(r.lost_sessions for r in self.remotes))
+
+    # -- engine thread ----------------------------------------------------------------------
+    def _admit(self, request: ServeRequest, policy: RoutingConfig) -> GenerationRequest:
+        if request.messages is not None:
+            ids = encode_chat(self.tokenizer, [{"role": r, "content": c} for r, c in request.messages])
+        elif request.prompt is not None:
+            ids = encode_prompt(self.tokenizer, request.prompt)
+        else:
+            ids = list(request.prompt_ids)
+        return generation_request(request, ids, policy)
+
+    def _finished(self, result: GenerationResult) -> None:
+        self.metrics.finished(result)
+
+    def __del__(self) -> None:
+        loop = getattr(self, "loop", None)
+        if loop is not None:
+            loop.stop()
