@@ -2,8 +2,9 @@
 
 Each catch-up call carries ALL pending ids of one session (a chunk) and the number of
 positions the caller believes the session holds (`past`). Calls wait in a queue; a loop
-takes every call that has arrived -- and, for a bounded time, the rest of the caller's
-step (`group`) -- and runs them as ONE `ModelRunner.extend` (ragged lengths are the
+takes every call that has arrived -- and, while they keep coming (no gap longer than
+`batch_gap_s`, at most `batch_wait_s`), the rest of the caller's step (`group`) -- and
+runs them as ONE `ModelRunner.extend` (ragged lengths are the
 runner's business). Forwards and every session change run on one thread, in order, so
 the event loop keeps accepting calls while a forward runs (continuous batching).
 
@@ -65,13 +66,15 @@ class CatchUpBatcher:
         *,
         batching: bool = True,
         max_batch_size: int = 64,
-        batch_wait_s: float = 0.003,
+        batch_wait_s: float = 0.02,
+        batch_gap_s: float = 0.002,
         on_forward: Callable[[ForwardRecord], None] | None = None,
     ) -> None:
         self.runner = runner
         self.batching = batching
         self.max_batch_size = max_batch_size
         self.batch_wait_s = batch_wait_s
+        self.batch_gap_s = batch_gap_s
         self.on_forward = on_forward
         self.stats = BatcherStats()
         self._pending: collections.deque[tuple[CatchUpCall, asyncio.Future]] = collections.deque()
@@ -156,9 +159,11 @@ class CatchUpBatcher:
                 return batch
             self._arrived.clear()
             try:
-                await asyncio.wait_for(self._arrived.wait(), remaining)
-            except asyncio.TimeoutError:
-                pass
+                await asyncio.wait_for(self._arrived.wait(), min(remaining, self.batch_gap_s))
+            except asyncio.TimeoutError:  # a gap: the step's other calls went to other replicas
+                self._count_taken(batch)
+                self.stats.waited_s += time.monotonic() - opened
+                return batch
 
     def _take(self, batch: list, keys: set[str]) -> None:
         """Move queued calls into the batch; a second call of one session waits for the next."""

@@ -58,8 +58,10 @@ class CatchUpConfig(_Config):
     batching: bool = Field(True, description="merge concurrent catch-ups of many sessions into one forward; "
                                              "false runs one forward per call (the benchmark's baseline)")
     max_batch_size: int = Field(64, ge=1, description="sessions in one forward at most")
-    batch_wait_ms: float = Field(3.0, ge=0.0, description="how long a forward waits for the rest of a router "
-                                                          "step's calls once the first has arrived")
+    batch_wait_ms: float = Field(20.0, ge=0.0, description="how long a forward may wait for the rest of a "
+                                                           "router step's calls once the first has arrived")
+    batch_gap_ms: float = Field(2.0, ge=0.0, description="stop waiting when no call of the step arrived for this "
+                                                         "long (the rest went to other replicas)")
     session_ttl_s: float = Field(600.0, gt=0.0, description="sessions idle this long are freed")
 
 

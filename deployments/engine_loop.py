@@ -111,17 +111,21 @@ class EngineLoop(Generic[Policy]):
             self._fail(rid, "the server is shutting down")
 
     def _drain(self, block: bool) -> None:
-        policy = self.policy  # 1. read once: a reconfigure never tears a step
+        try:
+            command = self._commands.get(block=block, timeout=0.5)
+        except queue.Empty:
+            return
+        policy = self.policy  # 1. read once, after any wait: a reconfigure never tears a step
         while True:
-            try:
-                kind, arg, sink = self._commands.get(block=block, timeout=0.5)
-            except queue.Empty:
-                return
-            block = False
+            kind, arg, sink = command
             if kind == "submit":
                 self._admit(arg, sink, policy)
             elif kind == "cancel":
                 self._cancel(arg)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
 
     def _admit(self, request, sink: _Sink, policy) -> None:
         try:

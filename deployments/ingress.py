@@ -163,7 +163,7 @@ class Ingress:
             stream = await self._open_pb(rid, request)
         except (ClientError, ServerFailure) as exc:
             _set_status(grpc_context, exc)
-            return
+            raise  # nothing was streamed: Serve sends the status set above only with an exception
         async for item in stream:
             if isinstance(item, TokenEvent):
                 yield pb_chunk(rid, item)
@@ -171,7 +171,7 @@ class Ingress:
                 yield pb_final_chunk(rid, item)
             elif isinstance(item, (Rejected, Failed)):
                 _set_status(grpc_context, ServerFailure(item.message))
-                return
+                raise ServerFailure(item.message)
 
     async def Models(self, request: pb.ModelsRequest, grpc_context: RayServegRPCContext) -> pb.ModelsResponse:
         return pb.ModelsResponse(models=[self.model_name])

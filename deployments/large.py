@@ -68,6 +68,7 @@ class LargeModel:
         self.batcher.batching = self.config.batching
         self.batcher.max_batch_size = self.config.max_batch_size
         self.batcher.batch_wait_s = self.config.batch_wait_ms / 1000.0
+        self.batcher.batch_gap_s = self.config.batch_gap_ms / 1000.0
 
     @serve.multiplexed(max_num_models_per_replica=MAX_SESSIONS)
     async def _register(self, key: str) -> _Lease:

@@ -51,7 +51,7 @@ def loop_thread():
 def test_one_forward_for_a_step_of_ragged_catch_ups(pair, loop_thread):
     _, large = pair
     runner, alone = ModelRunner(large, "large"), ModelRunner(large, "alone")
-    batcher = CatchUpBatcher(runner, batch_wait_s=1.0)
+    batcher = CatchUpBatcher(runner, batch_wait_s=1.0, batch_gap_s=0.1)
     prompts = [[3, 4, 5, 6, 7], [8, 9], [10, 11, 12], [13]]
 
     async def step():
@@ -69,6 +69,18 @@ def test_one_forward_for_a_step_of_ragged_catch_ups(pair, loop_thread):
         expected = alone.extend([(f"a{i}", p)])[0].logits
         assert reply.logits.shape == (len(p), runner.vocab_size)
         torch.testing.assert_close(reply.logits, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_gap_ends_the_wait_for_calls_that_went_elsewhere(pair, loop_thread):
+    batcher = CatchUpBatcher(ModelRunner(pair[1], "large"), batch_wait_s=5.0, batch_gap_s=0.02)
+
+    async def step():  # 2 of the step's 4 calls were routed to another replica
+        start = time.monotonic()
+        await asyncio.gather(*[batcher.extend(CatchUpCall(f"s{i}", 0, (3, 4), "g", 4)) for i in range(2)])
+        return time.monotonic() - start
+
+    assert loop_thread.run(step()) < 1.0
+    assert batcher.stats.batch_sizes == {2: 1}
 
 
 def test_unbatched_runs_one_forward_per_call(pair, loop_thread):
@@ -264,6 +276,7 @@ def test_engine_loop_streams_batches_and_reads_the_policy_per_step(pair, tokeniz
 
     async def main():
         first = await asyncio.gather(consume("a", [3, 4, 5]), consume("b", [6, 7]), consume("bad", [3], router="nope"))
+        await asyncio.sleep(0.2)  # the engine thread is idle, waiting for work
         loop.policy = RoutingConfig(router="entropy", threshold=[99.0])  # what reconfigure does
         second = await consume("c", [3, 4, 5])
         return first, second
