@@ -42,6 +42,8 @@ from tiny import tiny_model, tiny_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.slow
 THRESHOLD = 0.4  # entropy threshold of the deployed config: both sources occur
+CHAIN_THRESHOLDS = (0.4, 0.7)  # random router over three levels: ~40 / 30 / 30 %
+APP = (("application", "backoff"),)  # gRPC: which of the two applications
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 
 
@@ -60,20 +62,22 @@ class Served:
     config_path: Path
     small_dir: str
     large_dir: str
+    medium_dir: str
 
 
-def _save_tiny(root: Path) -> tuple[str, str]:
+def _save_tiny(root: Path) -> tuple[str, str, str]:
     tok = tiny_tokenizer()
     tok.chat_template = CHAT_TEMPLATE
     dirs = []
-    for name, model in (("small", tiny_model(1, sharpness=30)), ("large", tiny_model(2, hidden=64, layers=4, sharpness=30))):
+    for name, model in (("small", tiny_model(1, sharpness=30)), ("large", tiny_model(2, hidden=64, layers=4, sharpness=30)),
+                        ("medium", tiny_model(3, hidden=48, layers=3, sharpness=30))):
         model.save_pretrained(root / name)
         tok.save_pretrained(root / name)
         dirs.append(str(root / name))
-    return dirs[0], dirs[1]
+    return dirs[0], dirs[1], dirs[2]
 
 
-def _config(small: str, large: str, http_port: int, grpc_port: int) -> dict:
+def _config(small: str, large: str, medium: str, http_port: int, grpc_port: int) -> dict:
     config = yaml.safe_load(serve_cli.DEFAULT_CONFIG.read_text())
     config["proxy_location"] = "HeadOnly"
     config["http_options"] = {"host": "127.0.0.1", "port": http_port}
@@ -85,24 +89,33 @@ def _config(small: str, large: str, http_port: int, grpc_port: int) -> dict:
         app["args"][part].update(num_replicas=replicas, num_cpus=0)
     users = {d["name"]: d for d in app["deployments"]}
     users["SmallRouter"]["user_config"] = {"router": "entropy", "threshold": [THRESHOLD]}
+    # a chain of three: one more LargeModel-like deployment (MediumModel1), by config only
+    chain = json.loads(json.dumps(app))
+    chain.update(name="chain", route_prefix="/chain")
+    chain["args"]["models"]["medium"] = [medium]
+    chain["args"]["large"]["num_replicas"] = 1
+    {d["name"]: d for d in chain["deployments"]}["SmallRouter"]["user_config"] = {
+        "router": "random", "threshold": list(CHAIN_THRESHOLDS)}
+    config["applications"].append(chain)
     return config
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
-    small, large = _save_tiny(root)
+    small, large, medium = _save_tiny(root)
     http_port, grpc_port, metrics_port = _free_port(), _free_port(), _free_port()
-    config = _config(small, large, http_port, grpc_port)
+    config = _config(small, large, medium, http_port, grpc_port)
     path = root / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_port,
              _system_config={"metrics_report_interval_ms": 500})
     try:
         assert serve_cli.main(["--config", str(path), "--non-blocking"]) == 0  # `backoff serve`
-        serve_cli.wait_until_running()
+        serve_cli.wait_until_running("backoff")
+        serve_cli.wait_until_running("chain")
         yield Served(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{metrics_port}",
-                     config, path, small, large)
+                     config, path, small, large, medium)
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -163,7 +176,7 @@ def test_served_output_equals_in_process(served, local):
                                                                                   router="always-large",
                                                                                   thresholds=None)),
     ]
-    with BackoffHTTPClient(served.url) as http, BackoffGrpcClient(served.grpc_target) as rpc:
+    with BackoffHTTPClient(served.url) as http, BackoffGrpcClient(served.grpc_target, application="backoff") as rpc:
         for prompt, fields, ref_kwargs in cases:
             ref = _reference(local, prompt, 24, **ref_kwargs)
             for client in (http, rpc):
@@ -190,7 +203,7 @@ def test_concurrent_requests_share_steps_and_match_in_process(served, local):
 
 
 def test_grpc_unary_stream_and_invalid_argument(served):
-    with BackoffGrpcClient(served.grpc_target) as client:
+    with BackoffGrpcClient(served.grpc_target, application="backoff") as client:
         unary = client.complete("w3 w4 w5", max_tokens=10, temperature=0, ignore_eos=True)
         deltas = list(client.stream("w3 w4 w5", max_tokens=10, temperature=0, ignore_eos=True))
         chat = client.chat([{"role": "user", "content": "w3 w4"}], max_tokens=4, temperature=0, ignore_eos=True)
@@ -201,7 +214,7 @@ def test_grpc_unary_stream_and_invalid_argument(served):
     assert len(chat.token_ids) == 4 and bad.value.status == "INVALID_ARGUMENT"
 
     async def run():
-        async with AsyncBackoffGrpcClient(served.grpc_target) as client:
+        async with AsyncBackoffGrpcClient(served.grpc_target, application="backoff") as client:
             return [d async for d in client.stream("w3 w4 w5", max_tokens=10, temperature=0, ignore_eos=True)]
 
     assert [d.token_id for d in asyncio.run(run())[:-1]] == unary.token_ids
@@ -210,10 +223,10 @@ def test_grpc_unary_stream_and_invalid_argument(served):
         for bad_request in (pb.GenerateRequest(prompt="w3", top_p=2.0), pb.GenerateRequest(),
                             pb.GenerateRequest(prompt_ids=[3] * 600, max_tokens=8)):
             with pytest.raises(grpc.RpcError) as err:
-                stub.Generate(bad_request)
+                stub.Generate(bad_request, metadata=APP)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
             with pytest.raises(grpc.RpcError) as err:
-                list(stub.GenerateStream(bad_request))
+                list(stub.GenerateStream(bad_request, metadata=APP))
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
@@ -307,6 +320,26 @@ def test_prometheus_metrics_are_exported(served):
     assert not missing, missing
 
 
+def test_a_chain_of_three_serves_through_one_more_deployment(served):
+    (small, tok), (medium, _), (large, _) = (load_model(d, LoadSpec()) for d in
+                                             (served.small_dir, served.medium_dir, served.large_dir))
+    engine = BackoffEngine([ModelRunner(small, "small"), ModelRunner(medium, "medium1"), ModelRunner(large, "large")],
+                           tok, context_window=512)
+    prompt = [6, 5, 4, 3]
+    ref = engine.generate(GenerationRequest(tuple(prompt), SamplingParams(max_tokens=24, ignore_eos=True, seed=5,
+                                                                          temperature=0),
+                                            RoutingParams(router="random", thresholds=CHAIN_THRESHOLDS)))
+    assert set(ref.sources) == {0, 1, 2}
+    with BackoffHTTPClient(f"{served.url}/chain") as http, \
+            BackoffGrpcClient(served.grpc_target, application="chain") as rpc:
+        for client in (http, rpc):
+            out = client.complete(prompt, max_tokens=24, temperature=0, seed=5, ignore_eos=True)
+            assert (out.token_ids, out.sources) == (list(ref.token_ids), list(ref.sources))
+            assert out.usage.large_tokens == ref.sources.count(2)
+    medium_info = serve.get_deployment_handle("MediumModel1", "chain").info.remote().result(timeout_s=30)
+    assert medium_info.name == "medium1" and medium_info.forward_passes > 0
+
+
 # -- live config and failure (these change the app: they run last) --------------------------
 
 def _backoff_rate(url: str, n: int = 6) -> float:
@@ -328,7 +361,7 @@ def test_config_deploy_changes_the_threshold_live(served):
     while _router_info().policy.threshold != [50.0]:
         assert time.monotonic() < deadline, "reconfigure did not arrive"
         time.sleep(0.2)
-    serve_cli.wait_until_running()
+    serve_cli.wait_until_running("backoff")
     high = _backoff_rate(served.url)
     assert low < 0.9 and high == 1.0
     with BackoffHTTPClient(served.url) as client:  # a request may still override the config
@@ -354,4 +387,4 @@ def test_killed_large_replica_mid_generation_still_completes(served, local):
     ref = _reference(local, prompt, n, router="always-large", thresholds=None)
     assert tokens == list(ref.token_ids)  # re-prefilled elsewhere: the same text
     assert _router_info().sessions_lost > before
-    serve_cli.wait_until_running()
+    serve_cli.wait_until_running("backoff")
