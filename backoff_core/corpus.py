@@ -223,3 +223,44 @@ def chat_prompts(
             prompts += [(key + t, t.format(s=subject)) for t in _PYTHON_TEMPLATES]
     prompts.sort()
     return [prompt for _, prompt in prompts]
+
+
+# ---------------------------------------------------------------------------------------
+# Prose that ships with the stdlib outside `.py` files: IDLE's NEWS / HISTORY / README,
+# the licence, the email package's architecture notes, IDLE's HTML help (tags stripped).
+# Not part of `corpus_texts` (so distillation corpora are unchanged): the routers keep it
+# as a domain no model or router was trained on.
+# ---------------------------------------------------------------------------------------
+
+_NOTES_SUFFIXES = (".txt", ".rst", ".html")
+
+
+def stdlib_notes_texts(split: Split = "train") -> list[str]:
+    """Release notes, READMEs, licence and help pages of the stdlib (sorted path order).
+
+    Split like the sources (hash of the relative path); with only ~12 files the held-out
+    split is usually empty, so callers that need unseen prose use the whole set.
+    """
+    import html
+    import re
+
+    _check_split(split)
+    root = stdlib_root()
+    want_heldout = split == "heldout"
+    texts = []
+    for path in sorted(root.rglob("*")):
+        rel = path.relative_to(root)
+        if path.suffix not in _NOTES_SUFFIXES or _EXCLUDED_DIRS & set(rel.parts) or "Grammar" in path.name:
+            continue
+        if _is_heldout("notes:" + rel.as_posix()) != want_heldout:
+            continue
+        text = _read(path)
+        if not text:
+            continue
+        if path.suffix == ".html":
+            text = re.sub(r"(?is)<(script|style).*?</\1>", "", text)
+            text = html.unescape(re.sub(r"<[^>]+>", "", text))
+            text = re.sub(r"\n\s*\n+", "\n\n", text)
+        if len(text.strip()) >= 200:
+            texts.append(text)
+    return texts
