@@ -20,7 +20,7 @@ import torch
 
 from .backends import Backend
 from .catchup import CatchUpper, Outcome
-from .control import RateController
+from .control import RateController, rate_prior
 from .routers import DecisionFunction, StepContext, build_router
 from .runner import ModelRunner
 from .sampling import distribution, make_generator, sample, uniform
@@ -93,7 +93,10 @@ class BackoffEngine:
         if routing.target_backoff is not None:
             if self.num_levels != 2:
                 raise ValueError("target_backoff needs exactly two models")
-            controller = RateController(routing.target_backoff, thresholds[0])
+            # a calibrated router starts from its calibration table, then the controller steers
+            controller = RateController(routing.target_backoff, thresholds[0], prior=rate_prior(router),
+                                        horizon=request.sampling.max_tokens)
+            thresholds = (controller.threshold,)
         live = Live(
             request=request, sid=rid, router=router,
             thresholds=torch.tensor(thresholds, dtype=torch.float32),
