@@ -1,0 +1,174 @@
+"""results.json -> report.md: the goals first, then the paper's tables and figures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+GAP_GOAL = 0.60
+CONTROL_GOAL = 0.03
+HEAD_COST_GOAL = 0.05
+
+
+def _f(x, digits: int = 3) -> str:
+    if x is None:
+        return "–"
+    if isinstance(x, float):
+        return f"{x:.{digits}f}"
+    return str(x)
+
+
+def _table(header: list[str], rows: list[list]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(_f(c) for c in row) + " |" for row in rows]
+    return out + [""]
+
+
+def goals(res: dict) -> list[str]:
+    lines = ["## Goals", ""]
+    gap = res["curves"]["routers"]["classifier"]["gap_closed"]
+    h = res["head"]
+    lines.append(f"- **Gap closed** (area under NLL vs backoff, random → oracle, held-out text): "
+                 f"**{gap:.3f}** with the {h['objective']} head on layer {h['layer']} "
+                 f"(goal ≥ {GAP_GOAL:.2f}: {'met' if gap >= GAP_GOAL else 'MISSED'}).")
+    ctrl = [r for r in res.get("control", []) if r["mode"] == "controller"]
+    if ctrl:
+        worst = max(ctrl, key=lambda r: abs(r["error"]))
+        ok = abs(worst["error"]) <= CONTROL_GOAL
+        lines.append(f"- **Online control** on {len({r['domain'] for r in ctrl})} unseen domains × targets "
+                     f"{sorted({r['target'] for r in ctrl})}: worst |achieved − target| (pooled per domain) "
+                     f"**{abs(worst['error']) * 100:.1f} points** ({worst['domain']}, target {worst['target']}) "
+                     f"(goal ≤ {CONTROL_GOAL * 100:.0f}: {'met' if ok else 'MISSED'}); mean per-request |error| "
+                     f"{100 * sum(r['mean_abs_request_error'] for r in ctrl) / len(ctrl):.1f} points.")
+    sp = res.get("speed")
+    if sp:
+        ratio = sp["c_head_s"] / sp["c_S_s"]
+        lines.append(f"- **Router head cost**: {sp['c_head_s'] * 1e3:.3f} ms per step vs M_S step "
+                     f"{sp['c_S_s'] * 1e3:.2f} ms = **{100 * ratio:.2f}%** (goal ≤ {HEAD_COST_GOAL * 100:.0f}%: "
+                     f"{'met' if ratio <= HEAD_COST_GOAL else 'MISSED'}).")
+    return lines + [""]
+
+
+def curves_section(res: dict, plots: dict) -> list[str]:
+    c = res["curves"]
+    lines = ["## Quality vs backoff rate (paper Figure 2, teacher-forced)", "",
+             f"Held-out positions: {c['positions']}; NLL M_S alone {c['nll_small']:.3f}, M_L alone {c['nll_large']:.3f}.", ""]
+    names = list(c["routers"])
+    lines += _table(["router", "area under NLL(b)", "gap closed"],
+                    [[n, c["routers"][n]["area"], c["routers"][n]["gap_closed"]] for n in names])
+    for key, title in (("curves_by_domain", "Gap closed per held-out domain"),
+                       ("curves_unseen", "Gap closed on domains the router never saw")):
+        if res.get(key):
+            doms = res[key]
+            routers = [n for n in ("classifier", "entropy", "max-prob", "oracle") if n in next(iter(doms.values()))]
+            lines += [f"**{title}**", ""]
+            lines += _table(["domain", "positions", "NLL M_S", "NLL M_L", *routers],
+                            [[d, v["positions"], v["nll_small"], v["nll_large"], *[v[r] for r in routers]]
+                             for d, v in doms.items()])
+    lines += _img(plots, "quality_vs_backoff") + _img(plots, "quality_vs_speed")
+    return lines
+
+
+def kl_section(res: dict) -> list[str]:
+    lines = ["## KL(M_L ‖ M_S) buckets (paper Table 1)", ""]
+    doms = res["kl_table"]
+    buckets = list(next(iter(doms.values()))["buckets"])
+    lines += _table(["domain", "positions", *buckets, "mean KL", "argmax agree"],
+                    [[d, v["positions"], *[v["buckets"][b] for b in buckets], v["mean_kl"], v["argmax_agree"]]
+                     for d, v in doms.items()])
+    return lines
+
+
+def oracle_section(res: dict) -> list[str]:
+    lines = ["## Oracle vs flipped oracle (paper Table 2)", "",
+             "Teacher-forced on held-out text (NLL of the text; share of positions whose routed model's argmax "
+             "equals M_L's):", ""]
+    lines += _table(["model", "rule (stays on M_S)", "backoff %", "NLL", "top-1 = M_L"],
+                    [[r["model"], r["rule"], 100 * r["backoff_rate"], r["nll"], r["top1_agree_with_large"]]
+                     for r in res["oracle_table"]])
+    g = res.get("generation")
+    if g:
+        rows = [r for r in g["runs"] if r["label"] in ("M_L", "M_S") or "KL" in r["label"]]
+        lines += [f"Generated ({g['prompts']} held-out chat prompts × {g['max_tokens']} greedy tokens):", ""]
+        lines += _table(["run", "backoff %", "M_L NLL of text", "greedy agreement with M_L"],
+                        [[r["label"], 100 * r["backoff_rate"], r["large_nll"], r["agreement"]] for r in rows])
+    return lines
+
+
+def generation_section(res: dict, plots: dict) -> list[str]:
+    g = res.get("generation")
+    if not g:
+        return []
+    rows = [r for r in g["runs"] if "@" in r["label"] or r["label"] in ("M_L", "M_S")]
+    lines = ["## Generated text: M_L's NLL and greedy agreement with M_L", "",
+             "Thresholds fixed from the calibration set for each router's target rate.", ""]
+    lines += _table(["run", "target", "achieved backoff %", "M_L NLL of text", "greedy agreement"],
+                    [[r["label"], r["target"], 100 * r["backoff_rate"],
+                      r["large_nll"], r["agreement"]] for r in rows])
+    return lines + _img(plots, "generation")
+
+
+def high_kl_section(res: dict, plots: dict) -> list[str]:
+    hk = res["high_kl"]
+    want = [0.5, 0.7, 0.9]
+    idx = [min(range(len(hk["rates"])), key=lambda i: abs(hk["rates"][i] - w)) for w in want]
+    lines = ["## Accuracy on high-KL positions vs backoff rate (paper Figure 3)", "",
+             "Share of positions in each KL group that the head sends to M_L:", ""]
+    lines += _table(["group", "count", *[f"b={hk['rates'][i]:.2f}" for i in idx]],
+                    [[g, v["count"], *[v["accuracy"][i] for i in idx]] for g, v in hk["groups"].items()])
+    return lines + _img(plots, "high_kl_accuracy")
+
+
+def compare_section(res: dict, plots: dict) -> list[str]:
+    rows = res.get("compare", [])
+    if not rows:
+        return []
+    lines = ["## Heads by objective and layer (paper Figure 4: quality per layer depth)", ""]
+    lines += _table(["head", "objective", "layer", "inner", "held-out gap closed", "val gap closed", "val AUC"],
+                    [[Path(r["head"]).name, r["objective"], r["layer"], r["inner_size"], r["gap_closed"],
+                      r["val_gap_closed"], r["val_auc_high_kl"]] for r in sorted(rows, key=lambda r: (r["objective"], r["layer"]))])
+    return lines + _img(plots, "layers")
+
+
+def speed_section(res: dict) -> list[str]:
+    sp = res.get("speed")
+    if not sp:
+        return []
+    lines = ["## Measured speed (this machine, shared CPU)", "",
+             f"c_S (M_S step with hidden state) {sp['c_S_s'] * 1e3:.2f} ms; router head alone "
+             f"{sp['c_head_s'] * 1e3:.3f} ms; P_L(k): " + ", ".join(f"k={k}: {v * 1e3:.1f} ms" for k, v in sp["P_L_s"].items()), ""]
+    lines += _table(["run", "achieved backoff %", "decode tokens/s", "c_r in engine (ms)", "c_S in engine (ms)"],
+                    [[r["label"], 100 * r["backoff_rate"], r["tokens_per_s"], r["c_r_engine_s"] * 1e3,
+                      r["c_S_engine_s"] * 1e3] for r in sp["runs"]])
+    return lines
+
+
+def control_section(res: dict, plots: dict) -> list[str]:
+    rows = res.get("control")
+    if not rows:
+        return []
+    lines = ["## Online rate control on unseen domains", "",
+             "`controller`: the request asks for `target_backoff`; `fixed`: the calibrated threshold for that rate "
+             "held fixed (a lookup). Pooled = small tokens / all tokens over the domain's requests.", ""]
+    lines += _table(["domain", "target", "mode", "pooled achieved", "error (points)", "mean |request error| (points)",
+                     "tokens"],
+                    [[r["domain"], r["target"], r["mode"], r["pooled"], 100 * r["error"],
+                      100 * r["mean_abs_request_error"], sum(r["tokens"])] for r in rows])
+    return lines + _img(plots, "control")
+
+
+def _img(plots: dict, name: str) -> list[str]:
+    return [f"![{name}]({Path(plots[name]).name})", ""] if name in plots else []
+
+
+def write_report(res: dict, plots: dict, run_dir: Path) -> Path:
+    h = res["head"]
+    lines = ["# Backoff decoding: learned decision functions on our pair", "",
+             f"Head `{h['path']}`: {h['objective']} objective, M_S layer {h['layer']}, inner size {h['inner_size']}. "
+             "All numbers below are measured by `backoff evaluate` (results.json beside this file).", ""]
+    lines += goals(res)
+    for part in (curves_section(res, plots), kl_section(res), oracle_section(res), generation_section(res, plots),
+                 high_kl_section(res, plots), compare_section(res, plots), speed_section(res), control_section(res, plots)):
+        lines += part
+    path = Path(run_dir) / "report.md"
+    path.write_text("\n".join(lines))
+    return path
