@@ -143,3 +143,19 @@ def test_usage_counts_tokens_by_source():
     assert (usage.small_tokens, usage.large_tokens, usage.large_calls, usage.total_tokens) == (2, 1, 1, 7)
     body = response_body("cmpl-1", "backoff", 0, result, chat=True)
     assert body["choices"][0]["message"]["content"] == "a b c" and body["choices"][0]["backoff"]["sources"] == [0, 1, 0]
+
+
+def test_cluster_yaml_is_a_valid_launcher_config_with_small_and_large_gpu_nodes():
+    import json
+    from pathlib import Path
+
+    import jsonschema
+    import ray.autoscaler
+
+    config = yaml.safe_load((Path(__file__).resolve().parents[1] / "cluster.yaml").read_text())
+    schema = json.loads((Path(ray.autoscaler.__file__).parent / "ray-schema.json").read_text())
+    jsonschema.validate(config, schema)
+    types = config["available_node_types"]
+    assert types["small_gpu"]["resources"]["small_gpu"] == 1 and types["large_gpu"]["resources"]["large_gpu"] == 1
+    served = yaml.safe_load(DEFAULT_CONFIG.read_text())["applications"][0]["args"]
+    assert (served["small"]["custom_resource"], served["large"]["custom_resource"]) == ("small_gpu", "large_gpu")
