@@ -63,6 +63,10 @@ class BackoffEngine:
         runners = [ModelRunner(m, n) for m, n in zip(chain.models, names)]
         kwargs.setdefault("context_window", chain.context_window)
         kwargs.setdefault("hidden_size", chain.models[0].config.hidden_size)
+        if kwargs.get("classifier_path") is None:  # the default pair ships a trained router head
+            from .router_train import default_head_dir
+
+            kwargs["classifier_path"] = default_head_dir(chain)
         return cls(runners, chain.tokenizer, **kwargs)
 
     @property

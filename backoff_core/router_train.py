@@ -19,7 +19,8 @@ import copy
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, replace
+import warnings
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -31,6 +32,8 @@ from .router_head import OBJECTIVES, HeadMeta, RouterHead
 from .router_metrics import quality
 
 LOG_EPS = 1e-3  # regression target log(KL + ε): KL is clamped at 0
+DEFAULT_HEAD_DIR = Path(__file__).resolve().parent / "assets" / "router"  # for the default pair
+DEFAULT_PAIR_NAMES = ("default-small", "default-large")
 
 
 @dataclass(frozen=True)
@@ -209,5 +212,18 @@ def save(head: RouterHead, log: list[dict], out: str | Path) -> Path:
     return out
 
 
-def with_layer(cfg: TrainConfig, layer: int) -> TrainConfig:
-    return replace(cfg, layer=layer)
+def default_head_dir(chain) -> str | None:
+    """The committed router head, for the embedded default pair only (None otherwise).
+
+    Warns when the head was trained on another M_S than the one loaded (a re-distilled
+    student): its scores then mean little until `router-train` is rerun.
+    """
+    if tuple(chain.names) != DEFAULT_PAIR_NAMES or not (DEFAULT_HEAD_DIR / "head.json").exists():
+        return None
+    from .router_data import model_fingerprint
+
+    want = json.loads((DEFAULT_HEAD_DIR / "head.json").read_text()).get("extra", {}).get("small_fingerprint")
+    if want and want != model_fingerprint(chain.models[0]):
+        warnings.warn(f"{DEFAULT_HEAD_DIR} was trained on another M_S than the loaded one; retrain it "
+                      "(scripts/router_pipeline.sh)", stacklevel=2)
+    return str(DEFAULT_HEAD_DIR)
