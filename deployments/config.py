@@ -60,7 +60,7 @@ class CatchUpConfig(_Config):
     max_batch_size: int = Field(64, ge=1, description="sessions in one forward at most")
     batch_wait_ms: float = Field(20.0, ge=0.0, description="how long a forward may wait for the rest of a "
                                                            "router step's calls once the first has arrived")
-    batch_gap_ms: float = Field(2.0, ge=0.0, description="stop waiting when no call of the step arrived for this "
+    batch_gap_ms: float = Field(5.0, ge=0.0, description="stop waiting when no call of the step arrived for this "
                                                          "long (the rest went to other replicas)")
     session_ttl_s: float = Field(600.0, gt=0.0, description="sessions idle this long are freed")
 

@@ -49,8 +49,9 @@ class Failed:
 class _Sink:
     """Thread-safe handle on one stream's asyncio.Queue."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, q: asyncio.Queue) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, q: asyncio.Queue, tokens: bool) -> None:
         self.loop, self.queue = loop, q
+        self.tokens = tokens  # False: only Admitted and the result (a unary request)
 
     def put(self, item) -> None:
         try:
@@ -89,10 +90,11 @@ class EngineLoop(Generic[Policy]):
         self._commands.put(("wake", None, None))
         self._thread.join(timeout_s)
 
-    def submit(self, request) -> asyncio.Queue:
-        """Queue a request; returns the queue its stream items arrive on."""
+    def submit(self, request, tokens: bool = True) -> asyncio.Queue:
+        """Queue a request; returns the queue its stream items arrive on (TokenEvents only
+        if `tokens`: a unary request needs none, and each one costs the event loop)."""
         q: asyncio.Queue = asyncio.Queue()
-        self._commands.put(("submit", request, _Sink(asyncio.get_running_loop(), q)))
+        self._commands.put(("submit", request, _Sink(asyncio.get_running_loop(), q, tokens)))
         return q
 
     def cancel(self, request_id: str) -> None:
@@ -157,7 +159,7 @@ class EngineLoop(Generic[Policy]):
         self.steps += 1
         for rid, event in events.items():  # 3.
             sink = self._sinks.get(rid)
-            if sink is not None:
+            if sink is not None and sink.tokens:
                 sink.put(event)
         for rid in _finished(self.engine):
             result = self.engine.finish(rid)

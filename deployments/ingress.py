@@ -78,6 +78,10 @@ async def _collect(stream: AsyncIterator) -> GenerationResult:
     raise ServerFailure("the stream ended without a result")
 
 
+def _events(item) -> tuple[TokenEvent, ...]:
+    return item if isinstance(item, tuple) else (item,)
+
+
 def _set_status(context: RayServegRPCContext, exc: Exception) -> None:
     if isinstance(exc, ClientError):
         code = grpc.StatusCode.NOT_FOUND if exc.status == 404 else grpc.StatusCode.INVALID_ARGUMENT
@@ -128,7 +132,7 @@ class Ingress:
                               f"{self.model_name!r}", "model", 404, "model_not_found")
         params = GenerateParams(**body.model_dump(include=set(GenerateParams.model_fields)))
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        stream = await self._open(rid, params, **content)
+        stream = await self._open(rid, params, tokens=body.stream, **content)
         created = int(time.time())
         if not body.stream:
             result = await _collect(stream)
@@ -137,8 +141,8 @@ class Ingress:
 
     async def _sse(self, rid: str, created: int, stream: AsyncIterator, chat: bool) -> AsyncIterator[str]:
         async for item in stream:
-            if isinstance(item, TokenEvent):
-                yield _sse(chunk_body(rid, self.model_name, created, item, chat))
+            if isinstance(item, (TokenEvent, tuple)):
+                yield "".join(_sse(chunk_body(rid, self.model_name, created, e, chat)) for e in _events(item))
             elif isinstance(item, GenerationResult):
                 yield _sse(final_chunk_body(rid, self.model_name, created, item, chat))
             elif isinstance(item, (Rejected, Failed)):  # after admission: report in-band
@@ -150,7 +154,7 @@ class Ingress:
     async def Generate(self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext) -> pb.GenerateResponse:
         rid = f"cmpl-{uuid.uuid4().hex}"
         try:
-            stream = await self._open_pb(rid, request)
+            stream = await self._open_pb(rid, request, tokens=False)
             return pb_response(rid, await _collect(stream))
         except (ClientError, ServerFailure) as exc:
             _set_status(grpc_context, exc)
@@ -165,8 +169,9 @@ class Ingress:
             _set_status(grpc_context, exc)
             raise  # nothing was streamed: Serve sends the status set above only with an exception
         async for item in stream:
-            if isinstance(item, TokenEvent):
-                yield pb_chunk(rid, item)
+            if isinstance(item, (TokenEvent, tuple)):
+                for event in _events(item):
+                    yield pb_chunk(rid, event)
             elif isinstance(item, GenerationResult):
                 yield pb_final_chunk(rid, item)
             elif isinstance(item, (Rejected, Failed)):
@@ -179,7 +184,7 @@ class Ingress:
     async def Health(self, request: pb.HealthRequest, grpc_context: RayServegRPCContext) -> pb.HealthResponse:
         return pb.HealthResponse(ok=True, detail="ok")
 
-    async def _open_pb(self, rid: str, request: pb.GenerateRequest) -> AsyncIterator:
+    async def _open_pb(self, rid: str, request: pb.GenerateRequest, tokens: bool = True) -> AsyncIterator:
         if request.model and request.model != self.model_name:
             raise ClientError(f"model {request.model!r} is not served here", "model", 404, "model_not_found")
         try:
@@ -187,16 +192,17 @@ class Ingress:
             prompt, messages = prompt_from_pb(request)
         except (ValidationError, ValueError) as exc:
             raise ClientError(_first_error(exc)) from None
-        return await self._open(rid, params, prompt=prompt, messages=messages)
+        return await self._open(rid, params, tokens=tokens, prompt=prompt, messages=messages)
 
     # -- both -------------------------------------------------------------------------------
-    async def _open(self, rid: str, params: GenerateParams, **content) -> AsyncIterator:
-        """Send the request to a SmallRouter; returns its stream once it is admitted."""
+    async def _open(self, rid: str, params: GenerateParams, tokens: bool, **content) -> AsyncIterator:
+        """Send the request to a SmallRouter; returns its stream once it is admitted.
+        tokens=False (unary): the stream carries no TokenEvents, only the result."""
         try:
             request = serve_request(rid, params, default_max_tokens=self.args.default_max_tokens, **content)
         except ValueError as exc:
             raise ClientError(str(exc)) from None
-        stream = self.router.generate.remote(request)
+        stream = self.router.generate.remote(request, tokens)
         first = await stream.__anext__()
         if isinstance(first, Rejected):
             raise ClientError(first.message)

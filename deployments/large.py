@@ -37,6 +37,7 @@ class LargeInfo:
     calls: int
     lost: int
     waited_s: float
+    forward_s: float
     batch_sizes: tuple[tuple[int, int], ...]  # (sessions in a forward, how many forwards)
     config: CatchUpConfig
 
@@ -92,7 +93,7 @@ class LargeModel:
         return LargeInfo(
             pid=os.getpid(), replica=serve.get_replica_context().replica_id.unique_id, name=self.name,
             sessions=tuple(self.runner.session_ids()), forward_passes=s.forward_passes, calls=s.calls,
-            lost=s.lost, waited_s=s.waited_s, batch_sizes=tuple(sorted(s.batch_sizes.items())), config=self.config,
+            lost=s.lost, waited_s=s.waited_s, forward_s=s.forward_s, batch_sizes=tuple(sorted(s.batch_sizes.items())), config=self.config,
         )
 
     def _start_sweeper(self) -> None:

@@ -19,6 +19,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+import torch
+
 from backoff_core.backends import SessionLost
 from backoff_core.runner import Extension, SessionError
 
@@ -59,6 +62,8 @@ class RemoteLarge:
         self.timeout_s = timeout_s
         self.create_retries = create_retries
         self.lost_sessions = 0
+        self.calls = 0
+        self.wait_s = 0.0  # time the step loop spent waiting for catch-up replies
         self._sessions: dict[str, _Session] = {}
         self._uid = uuid.uuid4().hex[:8]
         self._steps = itertools.count()
@@ -88,6 +93,7 @@ class RemoteLarge:
         group = f"{self._uid}-{next(self._steps)}"
         calls = [CatchUpCall(self._get(sid).key, self._get(sid).length, tuple(ids), group, len(items))
                  for sid, ids in items]
+        start = time.perf_counter()
         pending = [self.endpoint.extend(call) for call in calls]  # all in flight together
         out, lost = [], []
         for (sid, ids), call, p in zip(items, calls, pending):
@@ -96,7 +102,9 @@ class RemoteLarge:
                 lost.append(sid)
                 continue
             self._sessions[sid].length += len(ids)
-            out.append(Extension(reply.logits, None))
+            out.append(Extension(torch.from_numpy(np.array(reply.logits, dtype=np.float32)), None))
+        self.calls += len(calls)
+        self.wait_s += time.perf_counter() - start
         if lost:
             self.lost_sessions += len(lost)
             raise SessionLost(f"{self.name}: the replicas lost sessions {lost}; re-prefill them")

@@ -16,6 +16,23 @@ import yaml
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "serve_config.yaml"
 
+# Catch-up replies carry [k, V] float32 logits (V = 49152 for the default pair: 196 KB a
+# row). Ray returns objects up to this size inline in the reply instead of through the
+# object store, which saves ~3 ms per catch-up on a CPU box. cluster.yaml sets the same.
+RAY_SYSTEM_CONFIG = {"max_direct_call_object_size": 4 * 1024 * 1024}
+
+
+def start_ray(address: str | None = None, **kwargs) -> None:
+    """Join the cluster at `address`, or start a local Ray tuned for catch-up replies."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    if address:
+        ray.init(address=address, **kwargs)
+    else:
+        ray.init(address="local", _system_config=RAY_SYSTEM_CONFIG, **kwargs)
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="backoff serve", description="Run backoff decoding on Ray Serve locally.")
@@ -31,6 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--host", help="HTTP host")
     p.add_argument("--http-port", type=int, help="HTTP port (default 8000)")
     p.add_argument("--grpc-port", type=int, help="gRPC port (default 9000)")
+    p.add_argument("--address", help="Ray cluster to deploy to (default: start a local one)")
     p.add_argument("--print-config", action="store_true", help="print the resulting config and exit")
     p.add_argument("--non-blocking", action="store_true", help="return once the config is submitted")
     return p
@@ -74,7 +92,8 @@ def apply_overrides(config: dict, args: argparse.Namespace) -> dict:
 
 
 def run_config(config: dict, blocking: bool = True) -> None:
-    """`serve run` of this config, in this process (it joins a running Ray if there is one)."""
+    """`serve run` of this config, in this process (on the Ray this process is connected to,
+    else one `serve run` starts)."""
     from ray.serve.scripts import cli  # Ray only when something is deployed
 
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="backoff-serve-", delete=False) as f:
@@ -104,5 +123,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(yaml.safe_dump(config, sort_keys=False), end="")
         return 0
+    start_ray(args.address)
     run_config(config, blocking=not args.non_blocking)
     return 0

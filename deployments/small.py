@@ -21,7 +21,7 @@ from ray.serve.handle import DeploymentHandle
 from backoff_core.engine import BackoffEngine
 from backoff_core.prompts import encode_chat, encode_prompt
 from backoff_core.runner import ModelRunner
-from backoff_core.types import GenerationRequest, GenerationResult
+from backoff_core.types import GenerationRequest, GenerationResult, TokenEvent
 
 from .batcher import CatchUpCall
 from .config import AppArgs, RoutingConfig
@@ -31,7 +31,8 @@ from .models import load_small_side
 from .remote import RemoteLarge
 from .requests import ServeRequest, generation_request
 
-StreamItem = Admitted | object  # Admitted, then TokenEvent ..., then GenerationResult (or Rejected / Failed)
+# Admitted, then TokenEvent | tuple[TokenEvent, ...] ..., then GenerationResult (or Rejected / Failed)
+StreamItem = object
 
 
 class ServeEndpoint:
@@ -57,6 +58,8 @@ class RouterInfo:
     steps: int
     live: int
     sessions_lost: int
+    catch_up_calls: int
+    catch_up_wait_s: float  # step-loop time spent waiting for catch-up replies
 
 
 @serve.deployment(max_ongoing_requests=64)
@@ -84,13 +87,21 @@ class SmallRouter:
         self.loop.policy = policy  # one reference store: the engine thread sees old or new, never half
         self.metrics.thresholds(policy.threshold)
 
-    async def generate(self, request: ServeRequest) -> AsyncIterator[StreamItem]:
-        """Admitted, one TokenEvent per committed token, then the GenerationResult."""
-        items = self.loop.submit(request)
+    async def generate(self, request: ServeRequest, tokens: bool = True) -> AsyncIterator[StreamItem]:
+        """Admitted, then the committed tokens (TokenEvents, several at once as a tuple when
+        they queued up meanwhile; none unless `tokens`), then the GenerationResult."""
+        items = self.loop.submit(request, tokens)
+        held: list = []  # an item read while gathering tokens, for the next round
         ended = False
         try:
             while True:
-                item = await items.get()
+                item = held.pop() if held else await items.get()
+                if isinstance(item, TokenEvent):
+                    batch = [item]
+                    while not items.empty() and not held:
+                        nxt = items.get_nowait()
+                        (batch if isinstance(nxt, TokenEvent) else held).append(nxt)
+                    item = batch[0] if len(batch) == 1 else tuple(batch)
                 ended = isinstance(item, (GenerationResult, Rejected, Failed))
                 if isinstance(item, (Rejected, Failed)):
                     self.metrics.request("rejected" if isinstance(item, Rejected) else "failed")
@@ -105,7 +116,9 @@ class SmallRouter:
     def info(self) -> RouterInfo:
         return RouterInfo(pid=os.getpid(), replica=serve.get_replica_context().replica_id.unique_id,
                           policy=self.loop.policy, steps=self.loop.steps, live=self.loop.live(),
-                          sessions_lost=sum(r.lost_sessions for r in self.remotes))
+                          sessions_lost=sum(r.lost_sessions for r in self.remotes),
+                          catch_up_calls=sum(r.calls for r in self.remotes),
+                          catch_up_wait_s=sum(r.wait_s for r in self.remotes))
 
     # -- engine thread ----------------------------------------------------------------------
     def _admit(self, request: ServeRequest, policy: RoutingConfig) -> GenerationRequest:

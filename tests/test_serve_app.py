@@ -109,7 +109,7 @@ def served(tmp_path_factory):
     path = root / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_port,
-             _system_config={"metrics_report_interval_ms": 500})
+             _system_config={**serve_cli.RAY_SYSTEM_CONFIG, "metrics_report_interval_ms": 500})
     try:
         assert serve_cli.main(["--config", str(path), "--non-blocking"]) == 0  # `backoff serve`
         serve_cli.wait_until_running("backoff")

@@ -35,8 +35,16 @@ class LoopThread:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def stop(self) -> None:
+        async def cancel_all():  # the batchers' loops, so nothing is left pending
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        self.run(cancel_all())
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
+        self.loop.close()
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +76,7 @@ def test_one_forward_for_a_step_of_ragged_catch_ups(pair, loop_thread):
         alone.open(f"a{i}")
         expected = alone.extend([(f"a{i}", p)])[0].logits
         assert reply.logits.shape == (len(p), runner.vocab_size)
-        torch.testing.assert_close(reply.logits, expected, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(torch.from_numpy(reply.logits), expected, rtol=1e-4, atol=1e-4)
 
 
 def test_a_gap_ends_the_wait_for_calls_that_went_elsewhere(pair, loop_thread):
@@ -106,7 +114,7 @@ def test_past_creates_crops_or_loses_a_session(pair, loop_thread):
     rolled = run(batcher.extend(CatchUpCall("k", 2, (9,))))
     fresh = ModelRunner(pair[1], "fresh")
     fresh.open("f")
-    torch.testing.assert_close(rolled.logits, fresh.extend([("f", [3, 4, 9])])[0].logits[-1:], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(torch.from_numpy(rolled.logits), fresh.extend([("f", [3, 4, 9])])[0].logits[-1:], rtol=1e-4, atol=1e-4)
     assert batcher.stats.lost == 2
 
 
