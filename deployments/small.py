@@ -31,8 +31,9 @@ from .models import load_small_side
 from .remote import RemoteLarge
 from .requests import ServeRequest, generation_request
 
-# Admitted, then TokenEvent | tuple[TokenEvent, ...] ..., then GenerationResult (or Rejected / Failed)
-StreamItem = object
+# one request's stream: Admitted, tokens (one, or several that queued up), the result;
+# or Rejected / Failed instead
+StreamItem = Admitted | TokenEvent | tuple[TokenEvent, ...] | GenerationResult | Rejected | Failed
 
 
 class ServeEndpoint:
