@@ -284,6 +284,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--latency-steps", type=int, default=32)
     p.add_argument("--latency-rounds", type=int, default=5)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     p.add_argument("--json", type=pathlib.Path, default=None, help="default: <student-dir>/eval.json")
     p.add_argument("--card", type=pathlib.Path, default=None, help="model card to fill in")
     return p.parse_args()
@@ -291,6 +292,8 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     large, tokenizer = load_default_large(args.device, torch.float32)
     small = load_default_small(large, student_dir=args.student_dir)
