@@ -12,8 +12,8 @@ import argparse
 import json
 import sys
 
-from .errors import BackoffError
-from .types import ChatMessage, GenerateParams, Usage
+from .errors import BackoffError, TransportError
+from .types import ChatMessage, GenerateParams, Usage, merge_params
 
 _SMALL, _LARGER, _RESET = "\033[32m", "\033[1;31m", "\033[0m"
 
@@ -58,9 +58,9 @@ def _client(args):
 
 def _params(args) -> GenerateParams:
     thresholds = [float(t) for t in args.threshold.split(",")] if args.threshold else None
-    return GenerateParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, seed=args.seed, stop=args.stop, router=args.router,
-                          backoff_threshold=thresholds, target_backoff=args.target_backoff)
+    return merge_params(None, dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                   top_k=args.top_k, seed=args.seed, stop=args.stop, router=args.router,
+                                   backoff_threshold=thresholds, target_backoff=args.target_backoff))
 
 
 def _colour(text: str, source: int | None, plain: bool) -> str:
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                 _generate(client, args)
     except BackoffError as exc:
         print(f"backoff-client: {type(exc).__name__}: {exc.message}", file=sys.stderr)
-        return 2 if exc.status is not None else 1
+        return 1 if isinstance(exc, TransportError) else 2
     return 0
 
 

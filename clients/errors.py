@@ -65,6 +65,14 @@ def from_grpc(error) -> BackoffError:
     return ServerError(message, name)
 
 
+def from_validation(error) -> BadRequestError:
+    """A request the client itself refuses (pydantic ValidationError) -> BadRequestError."""
+    first = error.errors()[0] if hasattr(error, "errors") and error.errors() else {}
+    param = ".".join(str(x) for x in first.get("loc", ())) or None
+    message = f"{param}: {first.get('msg')}" if first else str(error)
+    return BadRequestError(message, None, param)
+
+
 def from_transport(error: Exception) -> BackoffError:
     """A client library's connection / timeout exception -> TransportError."""
     return TransportError(f"{type(error).__name__}: {error}")

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .errors import from_validation
 
 # ----------------------------------------------------------------------------------------
 # transport-neutral
@@ -48,12 +50,15 @@ class GenerateParams(BaseModel):
 
 
 def merge_params(params: GenerateParams | None, fields: dict) -> GenerateParams:
-    """A client method's `params` with its keyword `fields` on top (both validated)."""
+    """A client method's `params` with its keyword `fields` on top (both validated);
+    raises BadRequestError before anything is sent."""
+    try:
+        extra = GenerateParams(**fields)
+    except ValidationError as exc:
+        raise from_validation(exc) from None
     if params is None:
-        return GenerateParams(**fields)
-    if not fields:
-        return params
-    return params.model_copy(update=GenerateParams(**fields).model_dump(exclude_unset=True))
+        return extra
+    return params.model_copy(update=extra.model_dump(exclude_unset=True)) if fields else params
 
 
 class Usage(BaseModel):

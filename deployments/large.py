@@ -18,7 +18,7 @@ from ray.serve.config import RequestRouterConfig
 
 from backoff_core.runner import ModelRunner
 
-from .batcher import CatchUpBatcher, CatchUpCall, CatchUpReply
+from .batcher import CatchUpBatcher, CatchUpCall, CatchUpReply, ForwardRecord
 from .config import CatchUpConfig, ModelsConfig
 from .metrics import LargeMetrics, level_names
 from .models import load_level
@@ -60,7 +60,7 @@ class LargeModel:
         self.runner = ModelRunner(load_level(cfg, level, torch_threads), self.name)
         self.metrics = LargeMetrics(self.name)
         self.config = CatchUpConfig()
-        self.batcher = CatchUpBatcher(self.runner, on_forward=self.metrics.forward)
+        self.batcher = CatchUpBatcher(self.runner, on_forward=self._forwarded)
         self.reconfigure({})
         self._sweeper: asyncio.Task | None = None
 
@@ -86,6 +86,10 @@ class LargeModel:
 
     async def close(self, key: str) -> None:
         await self.batcher.close(key)
+        self.metrics.held(len(self.runner.session_ids()))
+
+    def _forwarded(self, record: ForwardRecord) -> None:  # on the forward thread
+        self.metrics.forward(record)
         self.metrics.held(len(self.runner.session_ids()))
 
     def info(self) -> LargeInfo:

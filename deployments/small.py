@@ -79,6 +79,7 @@ class SmallRouter:
                                classifier_path=self.args.models.classifier, hidden_size=side.hidden_size,
                                context_window=side.context_window)
         self.metrics = RouterMetrics(n)
+        self._lost_reported = 0
         self.loop: EngineLoop[RoutingConfig] = EngineLoop(engine, self._admit, self.args.routing, self._finished)
         self.reconfigure(self.args.routing.model_dump())
         self.loop.start()
@@ -133,6 +134,10 @@ class SmallRouter:
 
     def _finished(self, result: GenerationResult) -> None:
         self.metrics.finished(result)
+        lost = sum(r.lost_sessions for r in self.remotes)
+        if lost > self._lost_reported:
+            self.metrics.sessions_lost.inc(lost - self._lost_reported)
+            self._lost_reported = lost
 
     def __del__(self) -> None:
         loop = getattr(self, "loop", None)

@@ -230,3 +230,13 @@ def test_async_grpc_client_round_trip(grpc_target):
 def test_last_chunk_carries_no_token():
     last = delta_from_pb(pb.GenerateChunk(id="x", finish_reason="stop", usage=pb.Usage(completion_tokens=4)))
     assert last.token_id is None and last.usage.completion_tokens == 4
+
+
+def test_bad_params_are_refused_before_sending_and_the_cli_reports_them(capsys):
+    from clients.cli import main
+
+    with pytest.raises(BadRequestError, match="top_p"):
+        merge_params(None, {"top_p": 5})
+    assert main(["--url", "http://127.0.0.1:9", "generate", "x", "--top-p", "5"]) == 2
+    assert "top_p" in capsys.readouterr().err
+    assert main(["--url", "http://127.0.0.1:9", "generate", "x"]) == 1  # nobody there

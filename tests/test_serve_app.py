@@ -307,7 +307,8 @@ def test_sessions_go_to_their_replica(served):
 
 
 def test_prometheus_metrics_are_exported(served):
-    wanted = ["ray_backoff_tokens", 'source="small"', 'source="large"', "ray_backoff_large_forward_passes",
+    wanted = ["ray_backoff_tokens_total", 'source="small"', 'source="large"', "ray_backoff_large_forward_passes_total",
+              "ray_backoff_large_sessions", "ray_backoff_time_to_first_token_s",
               "ray_backoff_large_forward_batch_size", "ray_backoff_catch_up_length", "ray_backoff_threshold",
               "ray_backoff_requests", "ray_backoff_request_latency_s", "ray_backoff_request_backoff_rate"]
     deadline = time.monotonic() + 30
