@@ -2,8 +2,8 @@
 
 Binds Ingress -> SmallRouter -> one LargeModel-like deployment per larger level (a chain of
 three models adds `MediumModel1`). Scaling and resources come from `AppArgs`: the custom
-resources of cluster.yaml (small_gpu / large_gpu) and GPUs only where the cluster has them,
-zero GPUs on a CPU-only cluster.
+resources of cluster.yaml (small_gpu / large_gpu) where the cluster has them, else shares of
+whatever GPUs it has (two models on one GPU: half each), zero GPUs on a CPU-only cluster.
 """
 
 from __future__ import annotations
@@ -25,16 +25,19 @@ def _cluster_resources() -> dict[str, float]:
     return ray.cluster_resources() if ray.is_initialized() else {}
 
 
-def replica_options(rc: ReplicaConfig, cluster: dict[str, float]) -> dict:
-    """Deployment.options(...) kwargs: scaling, concurrency and placement."""
+def replica_options(rc: ReplicaConfig, cluster: dict[str, float], models: int = 2) -> dict:
+    """Deployment.options(...) kwargs: scaling, concurrency and placement. `gpus: auto` is
+    a whole GPU on a node type of its own (cluster.yaml), else a share of the cluster's
+    GPUs such that one replica of each of the `models` model deployments fits, else 0."""
+    dedicated = bool(rc.custom_resource) and cluster.get(rc.custom_resource, 0) > 0
     if rc.gpus == "none":
         gpus = 0.0
     elif rc.gpus == "auto":
-        gpus = 1.0 if cluster.get("GPU", 0) > 0 else 0.0
+        gpus = 1.0 if dedicated and cluster.get("GPU", 0) > 0 else min(1.0, cluster.get("GPU", 0) / models)
     else:
         gpus = float(rc.gpus)
     actor: dict = {"num_cpus": rc.num_cpus, "num_gpus": gpus}
-    if rc.custom_resource and cluster.get(rc.custom_resource, 0) > 0:
+    if dedicated:
         actor["resources"] = {rc.custom_resource: 1}
     options: dict = {"ray_actor_options": actor, "max_ongoing_requests": rc.max_ongoing_requests}
     if rc.num_replicas is not None:
@@ -53,9 +56,9 @@ def build_app(args: dict | AppArgs | None = None) -> Application:
     models, n = cfg.models.model_dump(), cfg.models.num_levels
     levels = [
         LargeModel.options(name=level_deployment_name(level, n), user_config=cfg.catch_up.model_dump(),
-                           **replica_options(cfg.large, cluster)).bind(models, level, cfg.torch_threads)
+                           **replica_options(cfg.large, cluster, n)).bind(models, level, cfg.torch_threads)
         for level in range(1, n)
     ]
     router = SmallRouter.options(user_config=cfg.routing.model_dump(),
-                                 **replica_options(cfg.small, cluster)).bind(cfg.model_dump(), *levels)
+                                 **replica_options(cfg.small, cluster, n)).bind(cfg.model_dump(), *levels)
     return Ingress.options(**replica_options(cfg.ingress, cluster)).bind(router, cfg.model_dump())

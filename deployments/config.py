@@ -75,7 +75,9 @@ class ReplicaConfig(_Config):
     max_ongoing_requests: int = Field(256, ge=1, description="requests a replica accepts at once")
     num_cpus: float = Field(1.0, ge=0.0, description="CPUs reserved per replica")
     gpus: Literal["auto", "none"] | float = Field(
-        "auto", description="GPUs per replica: auto = 1 where the cluster has GPUs, none = 0, or a fraction")
+        "auto", description="GPUs per replica: auto = 1 on its own node type (custom_resource), else a share "
+                            "of the cluster's GPUs (one per model deployment if enough), 0 without GPUs; "
+                            "none = 0; or a number")
     custom_resource: str | None = Field(
         None, description="cluster.yaml resource the replica needs where the cluster has it (small_gpu / large_gpu)")
 

@@ -99,8 +99,12 @@ def test_placement_follows_the_cluster():
     assert cpu["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 0.0} and cpu["num_replicas"] == 2
     gpu = replica_options(rc, {"CPU": 8, "GPU": 2, "large_gpu": 1})
     assert gpu["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 1.0, "resources": {"large_gpu": 1}}
-    scaled = replica_options(ReplicaConfig(gpus=0.5, min_replicas=1, max_replicas=3), {"GPU": 1})
-    assert scaled["ray_actor_options"]["num_gpus"] == 0.5
+    one_gpu = replica_options(rc, {"CPU": 16, "GPU": 1})  # no node types: small and large share it
+    assert one_gpu["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 0.5}
+    assert replica_options(rc, {"GPU": 1}, models=3)["ray_actor_options"]["num_gpus"] == pytest.approx(1 / 3)
+    assert replica_options(rc, {"GPU": 8})["ray_actor_options"]["num_gpus"] == 1.0
+    scaled = replica_options(ReplicaConfig(gpus=0.25, min_replicas=1, max_replicas=3), {"GPU": 1})
+    assert scaled["ray_actor_options"]["num_gpus"] == 0.25
     assert scaled["autoscaling_config"]["max_replicas"] == 3 and "num_replicas" not in scaled
 
 
