@@ -156,16 +156,15 @@ class CatchUpBatcher:
             self._take(batch, keys)
             remaining = deadline - time.monotonic()
             if len(batch) >= self.max_batch_size or remaining <= 0 or not self._incomplete(batch):
-                self._count_taken(batch)
-                self.stats.waited_s += time.monotonic() - opened
-                return batch
+                break
             self._arrived.clear()
             try:
                 await asyncio.wait_for(self._arrived.wait(), min(remaining, self.batch_gap_s))
             except asyncio.TimeoutError:  # a gap: the step's other calls went to other replicas
-                self._count_taken(batch)
-                self.stats.waited_s += time.monotonic() - opened
-                return batch
+                break
+        self._count_taken(batch)
+        self.stats.waited_s += time.monotonic() - opened
+        return batch
 
     def _take(self, batch: list, keys: set[str]) -> None:
         """Move queued calls into the batch; a second call of one session waits for the next."""
