@@ -6,6 +6,7 @@ turned into SSE chunks, one JSON body, or protobuf messages. The first item deci
 status: a Rejected request is a 400 / INVALID_ARGUMENT before anything is streamed.
 """
 
+import asyncio
 import json
 import time
 import uuid
@@ -106,10 +107,22 @@ class Ingress:
         self.args = AppArgs.model_validate(args)
         self.model_name = self.args.models.served_name
         self.router = router.options(stream=True)
+        self.router_unary = router
+
+    async def _chain_ok(self) -> str:
+        """'' when a SmallRouter answers within 5 s, else why not."""
+        try:
+            await asyncio.wait_for(self.router_unary.info.remote(), 5.0)
+            return ""
+        except Exception as exc:  # noqa: BLE001 - any failure means unhealthy
+            return f"small router unavailable: {type(exc).__name__}"
 
     # -- HTTP -------------------------------------------------------------------------------
     @app.get("/health")
-    async def health(self) -> dict:
+    async def health(self):
+        problem = await self._chain_ok()
+        if problem:
+            return _error_response(503, problem, "server_error")
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -182,7 +195,8 @@ class Ingress:
         return pb.ModelsResponse(models=[self.model_name])
 
     async def Health(self, request: pb.HealthRequest, grpc_context: RayServegRPCContext) -> pb.HealthResponse:
-        return pb.HealthResponse(ok=True, detail="ok")
+        problem = await self._chain_ok()
+        return pb.HealthResponse(ok=not problem, detail=problem or "ok")
 
     async def _open_pb(self, rid: str, request: pb.GenerateRequest, tokens: bool = True) -> AsyncIterator:
         if request.model and request.model != self.model_name:
