@@ -20,13 +20,13 @@ from .router_metrics import thresholds_for_rates
 DEFAULT_RATES = tuple(round(i / 50, 4) for i in range(51))
 
 
-@torch.inference_mode()
-def head_scores(head: RouterHead, data: RouterData, batch: int = 8192) -> torch.Tensor:
+def head_scores(head: RouterHead, data: RouterData) -> torch.Tensor:
     """[N] the head's score for every position (what the engine compares to the threshold)."""
+    from .router_train import data_scores
+
     if head.layer not in data.hidden:
         raise ValueError(f"the head reads layer {head.layer}; this data has layers {sorted(data.hidden)}")
-    h = data.hidden[head.layer]
-    return torch.cat([head.score(h[i : i + batch].float()).float() for i in range(0, len(h), batch)])
+    return data_scores(head, data)
 
 
 def achieved_rates(scores: torch.Tensor, thresholds) -> list[float]:

@@ -155,12 +155,14 @@ def plot_control(res: dict, path: Path) -> Path | None:
     colour = {t: f"C{i}" for i, t in enumerate(sorted({r["target"] for r in rows}))}
     for r in rows:
         if r["mode"] == "controller" and r["domain"] == domains[0]:
-            for traj in r["trajectories"]:
-                axes[1].plot(range(1, len(traj) + 1), traj, color=colour[r["target"]], lw=0.8)
+            for j, traj in enumerate(r["trajectories"]):
+                axes[1].plot(range(1, len(traj) + 1), traj, color=colour[r["target"]], lw=0.8,
+                             label=f"target {r['target']}" if j == 0 else None)
             axes[1].axhline(r["target"], color="gray", ls=":", lw=0.8)
     axes[1].set_xlabel("generated tokens")
     axes[1].set_ylabel("running backoff rate")
-    axes[1].set_title(f"controller, {domains[0]}")
+    axes[1].set_title(f"controller, {domains[0]} (3 requests per target)")
+    axes[1].legend(fontsize=8)
     return _save(fig, path)
 
 

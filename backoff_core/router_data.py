@@ -220,6 +220,15 @@ class RouterData:
             raise ValueError(f"layer(s) {missing} not stored; this data has layers {sorted(self.hidden)}")
         return torch.cat([self.hidden[n].float() for n in layers], -1)
 
+    def inputs(self, layers: int | tuple[int, ...], logit_features: tuple[str, ...] = ()) -> torch.Tensor:
+        """[N, d (+ F)] float32: what a head reads, hidden state(s) then M_S-logit features
+        (router_head.LOGIT_FEATURES; the stored ent_s / maxp_s are the same quantities)."""
+        x = self.features(layers)
+        if logit_features:
+            stored = {"entropy": self.ent_s, "max_prob": self.maxp_s}
+            x = torch.cat([x, torch.stack([stored[n].float() for n in logit_features], -1)], -1)
+        return x
+
     def subset(self, mask: torch.Tensor) -> "RouterData":
         return RouterData({k: v[mask] for k, v in self.fields.items()},
                           {n: h[mask] for n, h in self.hidden.items()}, self.domains, self.pair)
@@ -267,5 +276,20 @@ def load(dirs: str | Path | list) -> RouterData:
                 hidden.setdefault(int(key.split(".")[1]), []).append(t[key])
         domains += [prefix + c for c in manifest["domains"]]
         window_base += manifest["windows"]
-    return RouterData({k: torch.cat(v) for k, v in fields.items()}, {n: torch.cat(h) for n, h in hidden.items()},
+    data = RouterData({k: torch.cat(v) for k, v in fields.items()}, {n: torch.cat(h) for n, h in hidden.items()},
                       domains, pair or {})
+    return _drop_repeated_windows(data) if len(dirs) > 1 else data
+
+
+def _drop_repeated_windows(data: RouterData) -> RouterData:
+    """Dirs drawn from one corpus with other seeds can hold the same window twice; keep the first."""
+    seen, repeated = set(), []
+    windows, starts = torch.unique_consecutive(data.window, return_counts=True)
+    offset = 0
+    for w, n in zip(windows.tolist(), starts.tolist()):
+        key = hashlib.sha1(data.token[offset : offset + n].numpy().tobytes()).digest()
+        if key in seen:
+            repeated.append(w)
+        seen.add(key)
+        offset += n
+    return data.subset(~torch.isin(data.window, torch.tensor(repeated, dtype=data.window.dtype))) if repeated else data

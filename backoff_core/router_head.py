@@ -5,6 +5,8 @@ pair, calibration table). Objectives and the score each gives (higher = needs M_
 - binary: the paper's balanced classifier on KL > T_KL; score = P(high KL)
 - regression: predicts log KL; score = predicted log KL
 - buckets: classes over KL buckets; score = expected KL bucket index
+A head may also read summaries of M_S's own next-token distribution (`features`, e.g.
+entropy and top probability), computed from the logits the step already has.
 """
 
 from __future__ import annotations
@@ -18,6 +20,14 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 OBJECTIVES = ("binary", "regression", "buckets")
+LOGIT_FEATURES = ("entropy", "max_prob")
+
+
+def logit_features(logits: torch.Tensor, names: tuple[str, ...]) -> torch.Tensor:
+    """[B, V] M_S logits -> [B, len(names)] (same definitions as router-data's ent_s / maxp_s)."""
+    log_p = torch.log_softmax(logits.float(), -1)
+    out = {"entropy": lambda: -(log_p.exp() * log_p).sum(-1), "max_prob": lambda: log_p.max(-1).values.exp()}
+    return torch.stack([out[n]() for n in names], -1)
 
 
 @dataclass(frozen=True)
@@ -31,10 +41,14 @@ class HeadMeta:
     # backoff rate -> threshold, filled by calibration: [[rate, threshold], ...]
     calibration: tuple[tuple[float, float], ...] = ()
     extra: dict = field(default_factory=dict)
+    features: tuple[str, ...] = ()  # LOGIT_FEATURES appended to the hidden state
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
             raise ValueError(f"unknown objective {self.objective!r}; choose one of {OBJECTIVES}")
+        unknown = set(self.features) - set(LOGIT_FEATURES)
+        if unknown:
+            raise ValueError(f"unknown head feature(s) {sorted(unknown)}; choose from {LOGIT_FEATURES}")
 
 
 class RouterHead(nn.Module):
@@ -43,18 +57,24 @@ class RouterHead(nn.Module):
         self.meta = meta
         out = 1 if meta.objective == "regression" else meta.num_classes
         self.mlp = nn.Sequential(
-            nn.Linear(meta.hidden_size, meta.inner_size), nn.GELU(), nn.Linear(meta.inner_size, out)
+            nn.Linear(meta.hidden_size + len(meta.features), meta.inner_size), nn.GELU(), nn.Linear(meta.inner_size, out)
         )
 
     @property
     def layer(self) -> int:
         return self.meta.layer
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [B, d] -> [B, out]
-        return self.mlp(hidden.to(self.mlp[0].weight.dtype))
+    def forward(self, hidden: torch.Tensor, logits: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden: [B, d] (+ logits: [B, V] when the head has features) -> [B, out]."""
+        x = hidden.to(self.mlp[0].weight.dtype)
+        if self.meta.features:
+            if logits is None:
+                raise ValueError(f"this router head reads M_S's logits too ({', '.join(self.meta.features)})")
+            x = torch.cat([x, logit_features(logits, self.meta.features).to(x.dtype)], -1)
+        return self.mlp(x)
 
-    def score(self, hidden: torch.Tensor) -> torch.Tensor:  # [B, d] -> [B]
-        out = self(hidden)
+    def score(self, hidden: torch.Tensor, logits: torch.Tensor | None = None) -> torch.Tensor:  # [B, d] -> [B]
+        out = self(hidden, logits)
         if self.meta.objective == "regression":
             return out[:, 0]
         probs = torch.softmax(out, -1)
@@ -95,6 +115,7 @@ class RouterHead(nn.Module):
             raise FileNotFoundError(f"no router head at {directory} (expected head.json + head.safetensors)")
         raw = json.loads(meta_file.read_text())
         raw["calibration"] = tuple(tuple(x) for x in raw.get("calibration", ()))
+        raw["features"] = tuple(raw.get("features", ()))
         head = cls(HeadMeta(**raw))
         head.load_state_dict(load_file(directory / "head.safetensors"))
         return head.eval()

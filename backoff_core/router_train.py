@@ -51,6 +51,7 @@ class TrainConfig:
     batch_size: int = 256
     input_dropout: float = 0.1
     val_fraction: float = 0.1
+    features: tuple[str, ...] = ()  # M_S-logit features next to the hidden state (router_head.LOGIT_FEATURES)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -72,7 +73,7 @@ class Labels:
 
 def make_labels(cfg: TrainConfig, data: RouterData, layer: int) -> Labels:
     kl = data.kl.double()
-    x = data.features(layer)
+    x = data.inputs(layer, cfg.features)
     edges = tuple(float(torch.quantile(kl, p / 100)) for p in cfg.bucket_percentiles)
     return Labels(float(torch.quantile(kl, cfg.percentile / 100)), edges, x.mean(0), x.std(0).clamp_min(1e-4))
 
@@ -105,11 +106,18 @@ def _epoch_indices(objective: str, y: torch.Tensor, g: torch.Generator) -> torch
 def _evaluate(head: RouterHead, x: torch.Tensor, data: RouterData, labels: Labels, objective: str) -> dict:
     head.eval()
     with torch.no_grad():
-        out = torch.cat([head(x[i : i + 4096]) for i in range(0, len(x), 4096)])
+        out = torch.cat([head.mlp(x[i : i + 4096]) for i in range(0, len(x), 4096)])
         loss = float(loss_fn(objective, out, targets(objective, data.kl, labels)))
         score = _score(head, out)
     q = quality(score, data.kl, data.nll_s, data.nll_l, labels.t_kl)
     return {"loss": loss, "area": q.area, "gap_closed": q.gap_closed, "auc_high_kl": q.auc_high_kl}
+
+
+@torch.no_grad()
+def data_scores(head: RouterHead, data: RouterData, batch: int = 8192) -> torch.Tensor:
+    """[N] the score the engine would compute at each stored position (fp16 hidden states)."""
+    x = data.inputs(head.layer, head.meta.features)
+    return torch.cat([_score(head, head.mlp(x[i : i + batch])) for i in range(0, len(x), batch)]).float()
 
 
 def _score(head: RouterHead, out: torch.Tensor) -> torch.Tensor:
@@ -125,7 +133,7 @@ def _stage(head, data: RouterData, labels: Labels, cfg: TrainConfig, epochs: int
            name: str, log: list) -> None:
     """Train on `data` (minus held-out windows); keep the epoch with the best held-out area."""
     train, val = data.split(cfg.val_fraction, cfg.seed)
-    norm = lambda d: (d.features(head.meta.layer) - labels.mean) / labels.std  # noqa: E731
+    norm = lambda d: (d.inputs(head.meta.layer, cfg.features) - labels.mean) / labels.std  # noqa: E731
     x, xv = norm(train), norm(val)
     y = targets(cfg.objective, train.kl, labels)
     g = torch.Generator().manual_seed(cfg.seed)
@@ -141,7 +149,7 @@ def _stage(head, data: RouterData, labels: Labels, cfg: TrainConfig, epochs: int
         for b in range(0, len(idx), cfg.batch_size):
             i = idx[b : b + cfg.batch_size]
             xb = F.dropout(x[i], cfg.input_dropout, training=True)
-            loss = loss_fn(cfg.objective, head(xb), y[i])
+            loss = loss_fn(cfg.objective, head.mlp(xb), y[i])
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -168,7 +176,7 @@ def train(cfg: TrainConfig, pretrain: RouterData, finetune: RouterData | None = 
         "log_eps": LOG_EPS, "train_config": _jsonable(asdict(cfg)), **(meta_extra or {}),
     }
     meta = HeadMeta(hidden_size=pretrain.hidden[layer].shape[1], layer=layer, objective=cfg.objective,
-                    inner_size=cfg.inner_size, num_classes=max(2, classes),
+                    inner_size=cfg.inner_size, num_classes=max(2, classes), features=tuple(cfg.features),
                     pair="+".join(pretrain.pair.get("names", [])), extra=extra)
     head = RouterHead(meta)
     log: list[dict] = []

@@ -183,7 +183,7 @@ class Classifier(DecisionFunction):
     def scores(self, ctx):
         if ctx.hidden is None:
             raise ValueError("classifier router needs M_S hidden states")
-        return self.head.score(ctx.hidden).float().cpu()
+        return self.head.score(ctx.hidden, ctx.small_logits).float().cpu()
 
 
 BUILTIN: dict[str, Callable[..., DecisionFunction]] = {

@@ -66,6 +66,7 @@ def _router_train(args) -> int:
         layer=args.layer, objective=args.objective, inner_size=args.inner_size, percentile=args.percentile,
         epochs=args.epochs, finetune_epochs=args.finetune_epochs, lr=args.lr, finetune_lr=args.finetune_lr,
         batch_size=args.batch_size, val_fraction=args.val_fraction, seed=args.seed,
+        features=tuple(f for f in (args.features or "").split(",") if f),
     )
     pretrain = router_data.load(args.data)
     finetune = router_data.load(args.finetune) if args.finetune else None
@@ -73,7 +74,8 @@ def _router_train(args) -> int:
                                    {"pretrain_data": args.data, "finetune_data": args.finetune or []})
     router_train.save(head, log, args.out)
     val = head.meta.extra["val"]
-    print(f"head ({cfg.objective}, layer {head.layer}, {head.meta.hidden_size}->{head.meta.inner_size}->"
+    feats = f" + {','.join(cfg.features)}" if cfg.features else ""
+    print(f"head ({cfg.objective}, layer {head.layer}{feats}, {head.meta.hidden_size}->{head.meta.inner_size}->"
           f"{head.meta.num_classes if cfg.objective != 'regression' else 1}) -> {args.out}; held-out windows: "
           f"gap closed {val['gap_closed']:.3f}, AUC(KL > T_KL) {val['auc_high_kl']:.3f}")
     return 0
@@ -137,6 +139,7 @@ def register(sub) -> None:
     p.add_argument("--objective", choices=("binary", "regression", "buckets"), default="binary")
     p.add_argument("--layer", type=int, default=-1, help="M_S hidden state the head reads (-1: last)")
     p.add_argument("--inner-size", type=int, default=512)
+    p.add_argument("--features", default="", help="M_S-logit features the head also reads, e.g. entropy,max_prob")
     p.add_argument("--percentile", type=float, default=75.0, help="binary: T_KL at this KL percentile")
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--finetune-epochs", type=int, default=10)

@@ -95,3 +95,31 @@ def test_bad_specs_are_user_errors(tmp_path):
     assert parse_spec("pydoc") == ("pydoc", "train")
     with pytest.raises(FileNotFoundError, match="no router data"):
         load(tmp_path)
+
+
+def test_a_head_scores_stored_positions_as_the_engine_does(built):
+    """data_scores (training, calibration, evaluation) == RouterHead.score on live tensors."""
+    from backoff_core.router_train import TrainConfig, data_scores, train
+
+    chain, cfg, out = built
+    data = load(out)
+    head, _ = train(TrainConfig(layer=2, objective="buckets", inner_size=8, epochs=1, finetune_epochs=0,
+                                features=("entropy", "max_prob")), data)
+    w = make_windows([load_documents(s, chain.tokenizer, out) for s in cfg.corpora], cfg)[0]
+    with torch.no_grad():
+        o = chain.models[0](torch.tensor([w.ids]), output_hidden_states=True)
+    p = torch.arange(w.start, len(w.ids) - 1)
+    live = head.score(o.hidden_states[2][0, p], o.logits[0, p])
+    assert torch.allclose(data_scores(head, data.subset(data.window == 0)), live, atol=2e-3)
+    with pytest.raises(ValueError, match="reads M_S's logits"):
+        head.score(o.hidden_states[2][0, p])
+
+
+def test_loading_several_dirs_drops_repeated_windows(built):
+    chain, cfg, out = built
+    once = load(out)
+    import shutil
+
+    shutil.copytree(out, out.parent / "copy")
+    twice = load([out, out.parent / "copy"])
+    assert len(twice) == len(once) and twice.domains[0].startswith("data/")
