@@ -160,6 +160,10 @@ class BackoffEngine:
     def live_ids(self) -> list[str]:
         return list(self._live)
 
+    def finished_ids(self) -> list[str]:
+        """Requests whose last token is committed; `finish(rid)` collects each."""
+        return [rid for rid, live in self._live.items() if live.finished]
+
     # -- the step -------------------------------------------------------------------------
     def step(self) -> dict[str, TokenEvent]:
         live = [r for r in self._live.values() if not r.finished]

@@ -161,7 +161,7 @@ class EngineLoop(Generic[Policy]):
             sink = self._sinks.get(rid)
             if sink is not None and sink.tokens:
                 sink.put(event)
-        for rid in _finished(self.engine):
+        for rid in self.engine.finished_ids():
             result = self.engine.finish(rid)
             sink = self._sinks.pop(rid, None)
             if sink is not None:
@@ -175,9 +175,3 @@ class EngineLoop(Generic[Policy]):
         if sink is not None:
             sink.put(Failed(message))
         self.engine.cancel(rid)
-
-
-def _finished(engine: BackoffEngine) -> list[str]:
-    # The engine has no public per-request status; `live_ids()` keeps finished requests
-    # until `finish()`, so read the flag the engine's own generate loop reads.
-    return [rid for rid, live in engine._live.items() if live.finished]  # noqa: SLF001
