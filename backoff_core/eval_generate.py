@@ -167,11 +167,12 @@ def speed(chain, engine: BackoffEngine, head, prompt: list[int], targets, max_to
 
     c_s = one_step(small, 1, hidden_layer=head.layer)
     p_l = {k: one_step(large, k) for k in (1, 2, 4, 8, 16) if k <= len(prompt)}
-    h = torch.randn(1, head.meta.hidden_size)
+    h = torch.randn(1, head.meta.hidden_size)  # [1, d]
+    logits = torch.randn(1, small.vocab_size) if head.meta.features else None  # [1, V]: features read them
     with torch.inference_mode():
         for _ in range(20):
-            head.score(h)
-        times = [timed(head.score, h)[1] for _ in range(200)]
+            head.score(h, logits)
+        times = [timed(head.score, h, logits)[1] for _ in range(200)]
     c_head = statistics.median(times)
     runs = [Run("always-large", "always-large"), Run("always-small", "always-small")]
     runs += [Run(f"classifier@{t}", "classifier", target=t) for t in targets]

@@ -104,7 +104,9 @@ def plot_generation(res: dict, path: Path) -> Path | None:
 
 
 def plot_high_kl(res: dict, path: Path) -> Path | None:
-    rows = [r for r in res.get("compare", []) if r["layer"] == res["head"]["layer"]] or []
+    main = res["head"]
+    rows = [r for r in res.get("compare", [])
+            if r["layer"] == main["layer"] and r.get("features", []) == main.get("features", [])]
     if not rows:
         rows = [{"objective": res["head"]["objective"], "high_kl": res["high_kl"]}]
     fig, axes = plt.subplots(1, len(rows), figsize=(4.2 * len(rows), 3.6), squeeze=False)
@@ -112,7 +114,7 @@ def plot_high_kl(res: dict, path: Path) -> Path | None:
         hk = r["high_kl"]
         for g, v in hk["groups"].items():
             ax.plot(hk["rates"], v["accuracy"], label=f"{g} (n={v['count']})")
-        ax.set_title(f"{r['objective']} head")
+        ax.set_title(f"{r['objective']} head" + (" + logit features" if r.get("features") else ""))
         ax.set_xlabel("backoff rate")
         ax.set_ylabel("share routed to M_L (accuracy)")
         ax.set_ylim(0, 1.02)
@@ -125,9 +127,10 @@ def plot_layers(res: dict, path: Path) -> Path | None:
     if len({r["layer"] for r in rows}) < 2:
         return None
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
-    for objective in sorted({r["objective"] for r in rows}):
-        pts = sorted((r["layer"], r["gap_closed"]) for r in rows if r["objective"] == objective)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=objective)
+    kind = lambda r: r["objective"] + (" + " + ",".join(r["features"]) if r.get("features") else "")  # noqa: E731
+    for k in sorted({kind(r) for r in rows}):
+        pts = sorted((r["layer"], r["gap_closed"]) for r in rows if kind(r) == k)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=k)
     ax.set_xlabel("M_S hidden state the head reads (0 = embeddings)")
     ax.set_ylabel("gap closed on held-out text")
     ax.set_xticks(sorted({r["layer"] for r in rows}))

@@ -134,6 +134,7 @@ def compare_heads(heads: dict[str, RouterHead], data: RouterData) -> list[dict]:
         a = area(nll_curve(s, data.nll_s, data.nll_l))
         val = head.meta.extra.get("val") or {}
         rows.append({"head": path, "objective": head.meta.objective, "layer": head.layer,
+                     "features": list(head.meta.features),
                      "inner_size": head.meta.inner_size, "gap_closed": gap_closed(a, rand, oracle), "area": a,
                      "val_gap_closed": val.get("gap_closed"), "val_auc_high_kl": val.get("auc_high_kl"),
                      "high_kl": high_kl_accuracy(s, data.kl)})
@@ -161,7 +162,8 @@ def run(cfg: EvalConfig, chain) -> Path:
     _check_pair(head, heldout, chain)
     res: dict = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in cfg.__dict__.items()},
                  "head": {"path": cfg.head, "objective": head.meta.objective, "layer": head.layer,
-                          "inner_size": head.meta.inner_size, "extra": head.meta.extra}}
+                          "inner_size": head.meta.inner_size, "features": list(head.meta.features),
+                          "extra": head.meta.extra}}
     res["curves"] = curves(head, heldout)
     res["curves_by_domain"] = per_domain(heldout, lambda d: _gaps(curves(head, d)))
     unseen = router_data.load(list(cfg.unseen)) if cfg.unseen else None

@@ -26,8 +26,8 @@ LOGIT_FEATURES = ("entropy", "max_prob")
 def logit_features(logits: torch.Tensor, names: tuple[str, ...]) -> torch.Tensor:
     """[B, V] M_S logits -> [B, len(names)] (same definitions as router-data's ent_s / maxp_s)."""
     log_p = torch.log_softmax(logits.float(), -1)
-    out = {"entropy": lambda: -(log_p.exp() * log_p).sum(-1), "max_prob": lambda: log_p.max(-1).values.exp()}
-    return torch.stack([out[n]() for n in names], -1)
+    cols = [-(log_p.exp() * log_p).sum(-1) if n == "entropy" else log_p.amax(-1).exp() for n in names]
+    return torch.stack(cols, -1)
 
 
 @dataclass(frozen=True)

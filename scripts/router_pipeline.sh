@@ -6,7 +6,8 @@
 #   STEPS="train evaluate" scripts/router_pipeline.sh
 #
 # Domains: the router is (pre)trained on stdlib code and finetuned on the large model's
-# answers to Python questions; calibrated on a disjoint 10% bucket of both; evaluated on
+# answers to Python questions; calibrated on a disjoint 10% bucket of both (the calibration set
+# also picks which head ships); evaluated on
 # their held-out splits. pydoc (reference docs), notes (the stdlib's release notes /
 # READMEs / licence) and chat-general (everyday chat answers) are never used for
 # training or calibration: the rate-control test runs there.
@@ -19,7 +20,8 @@ backoff() { python -m backoff_core.cli "$@"; }
 
 if [[ $STEPS == *data* ]]; then
   backoff router-data --out $R/pretrain --corpus stdlib:train --max-positions 24576 --threads $T
-  backoff router-data --out $R/finetune --corpus chat-python:train --chat-samples 48 --max-positions 8192 --threads $T
+  backoff router-data --out $R/pretrain-b --corpus stdlib:train --seed 1 --max-positions 24576 --threads $T
+  backoff router-data --out $R/finetune-b --corpus chat-python:train --chat-samples 144 --max-positions 16384 --threads $T
   backoff router-data --out $R/calib --corpus stdlib:calib --corpus chat-python:calib --chat-samples 16 \
     --max-positions 4096 --threads $T
   backoff router-data --out $R/heldout --corpus stdlib:heldout --corpus chat-python:heldout --chat-samples 16 \
@@ -29,12 +31,24 @@ if [[ $STEPS == *data* ]]; then
   backoff router-data --out $R/unseen-chat --corpus chat-general:train --chat-samples 16 --max-positions 2048 --threads $T
 fi
 
+PRE="--data $R/pretrain --data $R/pretrain-b --finetune $R/finetune-b"
 if [[ $STEPS == *train* ]]; then
   for objective in binary regression buckets; do
-    for layer in 0 1 2; do
-      backoff router-train --data $R/pretrain --finetune $R/finetune --objective $objective --layer $layer \
-        --out $R/heads/$objective-L$layer --threads $T
+    for layer in 0 1 2; do  # the paper's head: hidden state only (Figure 4 sweeps the layer)
+      backoff router-train $PRE --objective $objective --layer $layer --out $R/heads/$objective-L$layer --threads $T
     done
+    # + M_S's entropy and top probability from the step's logits
+    backoff router-train $PRE --objective $objective --layer 2 --features entropy,max_prob \
+      --out $R/heads/$objective-L2-feat --threads $T
+    # one stage over all three corpora at once (no finetune stage)
+    backoff router-train --data $R/pretrain --data $R/pretrain-b --data $R/finetune-b --finetune-epochs 0 \
+      --epochs 15 --objective $objective --layer 2 --features entropy,max_prob \
+      --out $R/heads/$objective-L2-feat-joint --threads $T
+  done
+  for inner in 64 128 256; do  # smaller heads: as good here, and cheaper per step (cold caches after M_S)
+    backoff router-train --data $R/pretrain --data $R/pretrain-b --data $R/finetune-b --finetune-epochs 0 \
+      --epochs 15 --objective buckets --layer 2 --features entropy,max_prob --inner-size $inner \
+      --out $R/heads/buckets-L2-feat-joint-i$inner --threads $T
   done
 fi
 
@@ -45,7 +59,7 @@ if [[ $STEPS == *calibrate* ]]; then
 fi
 
 if [[ $STEPS == *evaluate* ]]; then
-  HEAD=${HEAD:-$R/heads/regression-L2}
+  HEAD=${HEAD:-$R/heads/buckets-L2-feat-joint-i64}
   backoff evaluate --run-dir $R/eval --head $HEAD --heldout $R/heldout --calib $R/calib \
     --unseen $R/unseen-pydoc --unseen $R/unseen-notes --unseen $R/unseen-chat \
     $(for h in $R/heads/*; do echo --compare $h; done) --threads $T

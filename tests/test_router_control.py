@@ -124,3 +124,16 @@ def test_controller_in_the_engine(pair, tokenizer):
     rates = [r.backoff_rate for r in results]
     assert all(abs(r - t) <= 0.03 for r, t in zip(rates, targets)), rates
     assert all(r.final_thresholds[0] != 2.0 for r in results)  # steered away from the router default
+
+
+def test_the_default_pair_gets_the_committed_head(pair, tokenizer):
+    from backoff_core.loading import Chain
+    from backoff_core.router_train import DEFAULT_HEAD_DIR, default_head_dir
+
+    assert default_head_dir(Chain(tuple(pair), tokenizer, ("a", "b"))) is None
+    if not (DEFAULT_HEAD_DIR / "head.json").exists():
+        pytest.skip("no committed router head")
+    head = RouterHead.load(DEFAULT_HEAD_DIR)
+    assert head.meta.calibration and head.meta.hidden_size == 576
+    with pytest.warns(UserWarning, match="another M_S"):  # tiny M_S: not the one the head was trained on
+        assert default_head_dir(Chain(tuple(pair), tokenizer, ("default-small", "default-large"))) == str(DEFAULT_HEAD_DIR)
