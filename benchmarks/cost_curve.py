@@ -41,14 +41,16 @@ def measure_primitives(chain, prompt_ids, repeats, max_k=20):
     small, large = ModelRunner(chain.models[0], "small"), ModelRunner(chain.models[-1], "large")
 
     def step_cost(runner, k):
+        # one session holding the prompt; each probe extends by k tokens and crops back
+        sid = f"probe-{k}"
+        runner.open(sid)
+        runner.extend([(sid, prompt_ids)])
         times = []
-        for i in range(repeats):
-            sid = f"probe-{k}-{i}"
-            runner.open(sid)
-            runner.extend([(sid, prompt_ids)])
-            _, seconds = timed(runner.extend, [(sid, prompt_ids[:k] if k <= len(prompt_ids) else [1] * k)])
+        for _ in range(repeats):
+            _, seconds = timed(runner.extend, [(sid, (prompt_ids * (k // len(prompt_ids) + 1))[:k])])
+            runner.crop(sid, len(prompt_ids))
             times.append(seconds)
-            runner.close(sid)
+        runner.close(sid)
         return statistics.median(times)
 
     c_s = statistics.median(step_cost(small, 1) for _ in range(3))
