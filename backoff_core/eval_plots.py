@@ -104,11 +104,11 @@ def plot_generation(res: dict, path: Path) -> Path | None:
 
 
 def plot_high_kl(res: dict, path: Path) -> Path | None:
+    # the shipped head, then the paper-like heads (hidden state only) of each objective on its layer
     main = res["head"]
-    rows = [r for r in res.get("compare", [])
-            if r["layer"] == main["layer"] and r.get("features", []) == main.get("features", [])]
-    if not rows:
-        rows = [{"objective": res["head"]["objective"], "high_kl": res["high_kl"]}]
+    rows = [{"objective": main["objective"], "features": main.get("features"), "high_kl": res["high_kl"]}]
+    rows += sorted((r for r in res.get("compare", []) if r["layer"] == main["layer"] and not r.get("features")),
+                   key=lambda r: r["objective"])
     fig, axes = plt.subplots(1, len(rows), figsize=(4.2 * len(rows), 3.6), squeeze=False)
     for ax, r in zip(axes[0], rows):
         hk = r["high_kl"]
@@ -127,14 +127,18 @@ def plot_layers(res: dict, path: Path) -> Path | None:
     if len({r["layer"] for r in rows}) < 2:
         return None
     fig, ax = plt.subplots(figsize=(5.5, 3.8))
-    kind = lambda r: r["objective"] + (" + " + ",".join(r["features"]) if r.get("features") else "")  # noqa: E731
-    for k in sorted({kind(r) for r in rows}):
-        pts = sorted((r["layer"], r["gap_closed"]) for r in rows if kind(r) == k)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=k)
+    # the paper's sweep (hidden state only, one head per layer) as lines; other heads as points
+    sweep = [r for r in rows if not r.get("features")]
+    for objective in sorted({r["objective"] for r in sweep}):
+        pts = sorted({r["layer"]: r["gap_closed"] for r in sweep if r["objective"] == objective}.items())
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"{objective} (hidden state only)")
+    others = [r for r in rows if r.get("features")]
+    for i, r in enumerate(sorted(others, key=lambda r: r["head"])):
+        ax.plot([r["layer"] + 0.04 * (i + 1)], [r["gap_closed"]], marker="*", ls="none", label=Path(r["head"]).name)
     ax.set_xlabel("M_S hidden state the head reads (0 = embeddings)")
     ax.set_ylabel("gap closed on held-out text")
     ax.set_xticks(sorted({r["layer"] for r in rows}))
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=6)
     return _save(fig, path)
 
 

@@ -231,3 +231,13 @@ def _json_default(o):
     if isinstance(o, Path):
         return str(o)
     return str(o)
+
+
+def rewrite(run_dir: str | Path) -> Path:
+    """Plots and report again from run_dir/results.json (no model is run)."""
+    from .eval_plots import plot_all
+    from .eval_report import write_report
+
+    run_dir = Path(run_dir)
+    res = json.loads((run_dir / "results.json").read_text())
+    return write_report(res, plot_all(res, run_dir), run_dir)
