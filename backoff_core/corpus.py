@@ -80,14 +80,17 @@ def stdlib_paths(split: Split = "train") -> list[str]:
     return [rel for rel, _ in _stdlib_files() if _is_heldout(rel) == want_heldout]
 
 
-def stdlib_texts(split: Split = "train") -> list[str]:
-    """Full source text of each stdlib file in ``split``, in sorted path order."""
+def _split_files(split: Split):
+    """(relative path, path) of the stdlib files in ``split``, in sorted path order."""
     _check_split(split)
     want_heldout = split == "heldout"
+    return [(rel, path) for rel, path in _stdlib_files() if _is_heldout(rel) == want_heldout]
+
+
+def stdlib_texts(split: Split = "train") -> list[str]:
+    """Full source text of each stdlib file in ``split``, in sorted path order."""
     texts = []
-    for rel, path in _stdlib_files():
-        if _is_heldout(rel) != want_heldout:
-            continue
+    for _, path in _split_files(split):
         text = _read(path)
         if text and text.strip():
             texts.append(text)
@@ -110,12 +113,8 @@ def stdlib_docstring_texts(split: Split = "train") -> list[str]:
     Same file-level split as :func:`stdlib_texts`, so a held-out file's docstrings are
     held out too.
     """
-    _check_split(split)
-    want_heldout = split == "heldout"
     texts = []
-    for rel, path in _stdlib_files():
-        if _is_heldout(rel) != want_heldout:
-            continue
+    for _, path in _split_files(split):
         docs = _docstrings(_read(path) or "")
         if docs:
             texts.append("\n\n".join(docs))
