@@ -37,7 +37,9 @@ def _routing_args(p: argparse.ArgumentParser) -> None:
                    help="ask for a backoff rate; a controller moves the threshold during generation")
     g.add_argument("--classifier", default=None, help="router head directory (router-train output)")
     g.add_argument("--mode", choices=("backoff", "speculative"), default="backoff")
-    g.add_argument("--draft-tokens", type=int, default=4, help="speculative mode: drafts per verification")
+    g.add_argument("--draft-tokens", type=int, default=4, help="speculative mode: drafts per verification (initial)")
+    g.add_argument("--draft-schedule", choices=("heuristic", "constant"), default="heuristic",
+                   help="heuristic: +2 drafts after a fully accepted verification, -1 after a rejection")
     g.add_argument("--verification", choices=[v.value for v in Verification], default=None,
                    help="check pending tokens at catch-up (default: none; speculative: exact)")
     g.add_argument("--tolerance", type=float, default=float("inf"), help="KL tolerance for --verification kl")
@@ -87,6 +89,7 @@ def request_from_args(args, prompt_ids: list[int]) -> GenerationRequest:
                                 top_p=args.top_p, seed=args.seed, stop=tuple(args.stop)),
         routing=RoutingParams(router=router, thresholds=thresholds, rate=args.rate,
                               target_backoff=args.target_backoff, draft_tokens=args.draft_tokens,
+                              draft_schedule=args.draft_schedule,
                               verification=Verification(verification), tolerance=args.tolerance,
                               eager_prefill=args.eager_prefill),
     )

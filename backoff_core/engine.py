@@ -171,7 +171,10 @@ class BackoffEngine:
             return {}
         # 1. levels decided without M_S
         drafts = torch.tensor([r.drafts() for r in live])
-        forced = [r.router.levels_before_small_step(drafts[i : i + 1], self.num_levels) for i, r in enumerate(live)]
+        forced = [
+            r.router.levels_before_small_step(drafts[i : i + 1], r.thresholds[None], self.num_levels)
+            for i, r in enumerate(live)
+        ]
         forced = [int(f[0]) if f is not None else -1 for f in forced]
         # a request about to finish with unverified drafts: the largest model checks them
         forced = [self.num_levels - 1 if r.finish_after_verify else f for r, f in zip(live, forced)]
@@ -200,6 +203,8 @@ class BackoffEngine:
                 logits, token, retracted, source = outcome.logits, outcome.token, outcome.rolled_back, outcome.level
             if r.controller is not None and r.sid in scores:
                 r.thresholds[0] = r.controller.update(scores[r.sid], source == 0)
+            if outcome is not None and source == self.num_levels - 1:
+                _schedule_drafts(r, rejected=retracted > 0)
             if r.finish_after_verify and not retracted:
                 r.finished = r.finish_after_verify  # all drafts held: the extra token is not wanted
                 continue
@@ -324,6 +329,13 @@ class BackoffEngine:
                     yield event
         finally:
             self.cancel(rid)
+
+
+def _schedule_drafts(r: Live, rejected: bool) -> None:
+    """HF assisted generation's heuristic: more drafts while they hold, fewer once they fail."""
+    routing = r.request.routing
+    if routing.router == "draft" and routing.draft_schedule == "heuristic":
+        r.thresholds = (r.thresholds - 1 if rejected else r.thresholds + 2).clamp(1, 64)
 
 
 def _by_router(group: list[Live]) -> dict[DecisionFunction, list[Live]]:

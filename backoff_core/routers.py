@@ -41,8 +41,11 @@ class DecisionFunction:
     def scores(self, ctx: StepContext) -> torch.Tensor:  # -> [B]
         raise NotImplementedError
 
-    def levels_before_small_step(self, drafts: torch.Tensor, num_levels: int) -> torch.Tensor | None:
-        """Levels known without M_S's output ([B], -1 = unknown), so M_S can skip the step."""
+    def levels_before_small_step(
+        self, drafts: torch.Tensor, thresholds: torch.Tensor, num_levels: int
+    ) -> torch.Tensor | None:
+        """Levels known without M_S's output ([B], -1 = unknown), so M_S can skip the step.
+        drafts: [B]; thresholds: [B, N-1], each request's own."""
         return None
 
 
@@ -59,7 +62,7 @@ class AlwaysLarge(DecisionFunction):
     def scores(self, ctx):
         return torch.full((ctx.small_logits.shape[0],), math.inf)
 
-    def levels_before_small_step(self, drafts, num_levels):
+    def levels_before_small_step(self, drafts, thresholds, num_levels):
         return torch.full_like(drafts, num_levels - 1)
 
 
@@ -143,9 +146,10 @@ class Draft(DecisionFunction):
     def scores(self, ctx):
         return ctx.drafts.float()
 
-    def levels_before_small_step(self, drafts, num_levels):
-        # the largest model verifies K drafts: M_S's step would be thrown away
-        return torch.where(drafts >= self.draft_tokens, num_levels - 1, -1)
+    def levels_before_small_step(self, drafts, thresholds, num_levels):
+        # the largest model verifies K drafts (K = the request's threshold, which the
+        # draft schedule moves): M_S's step would be thrown away
+        return torch.where(drafts >= thresholds[:, -1], num_levels - 1, -1)
 
 
 class Scripted(DecisionFunction):

@@ -69,7 +69,10 @@ class RoutingParams:
     thresholds: tuple[float, ...] | None = None
     rate: float | None = None
     target_backoff: float | None = None
-    draft_tokens: int = 4  # for `draft` (the speculative mode's router)
+    draft_tokens: int = 4  # for `draft` (the speculative mode's router): drafts per verification
+    # "heuristic" (HF assisted generation's schedule): +2 drafts after a fully accepted
+    # verification, -1 (down to 1) after a rejection; "constant": always draft_tokens
+    draft_schedule: str = "heuristic"
     verification: Verification = Verification.NONE
     tolerance: float = math.inf  # for Verification.KL
     eager_prefill: bool = False  # prefill M_L's prompt at admission rather than at its first call
@@ -85,6 +88,8 @@ class RoutingParams:
                 raise ValueError(f"{name} must be in [0, 1], got {value}")
         if self.draft_tokens < 1:
             raise ValueError(f"draft_tokens must be >= 1, got {self.draft_tokens}")
+        if self.draft_schedule not in ("heuristic", "constant"):
+            raise ValueError(f"draft_schedule must be 'heuristic' or 'constant', got {self.draft_schedule!r}")
         if math.isnan(self.tolerance) or self.tolerance < 0:
             raise ValueError(f"tolerance must be >= 0, got {self.tolerance}")
 

@@ -123,7 +123,7 @@ def main() -> None:
     configs = [(f"random b={b}", RoutingParams(router="random", rate=b)) for b in RATES]
     configs += [("M_S alone (always-small)", RoutingParams(router="always-small")),
                 ("M_L alone (always-large)", RoutingParams(router="always-large")),
-                (f"ours speculative K={args.draft_tokens}",
+                (f"ours speculative K={args.draft_tokens}+heuristic",
                  RoutingParams(router="draft", draft_tokens=args.draft_tokens, verification=Verification.EXACT))]
     spec_results = []
     for name, routing in tqdm(configs, desc="engine configs"):

@@ -43,12 +43,27 @@ def test_small_and_large_really_differ(pair, tokenizer):
 @pytest.mark.parametrize("prompt", PROMPTS)
 @pytest.mark.parametrize("draft_tokens", [1, 3, 5])
 @pytest.mark.parametrize("max_tokens", [1, 7, 20])
-def test_speculative_greedy_is_large_alone(pair, tokenizer, prompt, draft_tokens, max_tokens):
+@pytest.mark.parametrize("schedule", ["heuristic", "constant"])
+def test_speculative_greedy_is_large_alone(pair, tokenizer, prompt, draft_tokens, max_tokens, schedule):
     _, large = pair
     result = engine_for(pair, tokenizer).generate(
-        request(prompt, max_tokens, "draft", draft_tokens=draft_tokens, verification=Verification.EXACT)
+        request(prompt, max_tokens, "draft", draft_tokens=draft_tokens, draft_schedule=schedule,
+                verification=Verification.EXACT)
     )
     assert result.token_ids == hf_greedy(large, prompt, max_tokens)
+
+
+def test_draft_schedule_shrinks_after_rejections_and_constant_stays(pair, tokenizer):
+    """The tiny pair rarely agrees: the heuristic falls to 1 draft; constant keeps K."""
+    engine = engine_for(pair, tokenizer)
+    kwargs = dict(draft_tokens=4, verification=Verification.EXACT)
+    heuristic = engine.generate(request(PROMPTS[0], 30, "draft", **kwargs))
+    constant = engine.generate(request(PROMPTS[0], 30, "draft", draft_schedule="constant", **kwargs))
+    assert heuristic.rollbacks > 0 and heuristic.final_thresholds == (1.0,)
+    assert constant.final_thresholds == (4.0,)
+    # each verification of the constant schedule reads 4 drafts + the large model's own token
+    assert [c.length for c in constant.catch_ups][1:] and all(
+        c.length == 5 for c in constant.catch_ups[1:] if c.rolled_back == 0)
 
 
 def test_kl_verification_tolerance_zero_is_large_alone(pair, tokenizer):
