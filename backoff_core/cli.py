@@ -24,6 +24,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
     g.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
     g.add_argument("--device-map", default=None, help="accelerate device map (e.g. auto)")
+    g.add_argument("--cpu-kernels", default="mkldnn", choices=["mkldnn", "default"],
+                   help="linear layers on CPU float32: oneDNN (faster for every catch-up length) or torch's default")
 
 
 def _routing_args(p: argparse.ArgumentParser) -> None:
@@ -145,7 +147,7 @@ def _generate(args) -> int:
     from .loading import LoadSpec, load_chain
     from .prompts import encode_prompt
 
-    chain = load_chain(args.small, args.large, args.medium, LoadSpec(args.device, args.dtype, args.device_map))
+    chain = load_chain(args.small, args.large, args.medium, LoadSpec(args.device, args.dtype, args.device_map, args.cpu_kernels))
     engine = BackoffEngine.from_chain(chain, classifier_path=args.classifier)
     request = request_from_args(args, encode_prompt(chain.tokenizer, args.prompt, args.chat))
     result = engine.generate(request)

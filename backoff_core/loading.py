@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from .kernels import use_cpu_kernels
+
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
@@ -26,6 +28,7 @@ class LoadSpec:
     device: str = "cpu"  # "cpu", "cuda", "cuda:1", or "auto" (cuda if present)
     dtype: str = "float32"
     device_map: str | None = None  # accelerate device map ("auto") for models bigger than a GPU
+    cpu_kernels: str = "mkldnn"  # "mkldnn": oneDNN linear layers on CPU float32 (kernels.py); "default"
 
     def torch_dtype(self) -> torch.dtype:
         try:
@@ -62,7 +65,7 @@ def load_model(name: str, spec: LoadSpec = LoadSpec()) -> tuple[PreTrainedModel,
     model = AutoModelForCausalLM.from_pretrained(where, **kwargs)
     if not spec.device_map:
         model = model.to(spec.torch_device())
-    return model.eval(), tokenizer
+    return use_cpu_kernels(model.eval(), spec.cpu_kernels), tokenizer
 
 
 def check_same_tokenizer(names: list[str], tokenizers: list) -> None:
@@ -100,6 +103,7 @@ def load_chain(small: str | None, large: str | None, medium: list[str] = (), spe
         from .default_pair import load_default_pair
 
         s, l, tok = load_default_pair(device=spec.torch_device(), dtype=spec.torch_dtype())
+        s, l = use_cpu_kernels(s, spec.cpu_kernels), use_cpu_kernels(l, spec.cpu_kernels)  # M_S keeps sharing M_L's head
         return Chain((s, l), tok, ("default-small", "default-large"))
     if small is None or large is None:
         raise ValueError("name both --small and --large, or neither (the embedded default pair)")

@@ -38,7 +38,7 @@ def _layers(text: str | None) -> tuple[int, ...] | None:
 def _load_chain(args):
     from .loading import LoadSpec, load_chain
 
-    return load_chain(args.small, args.large, args.medium, LoadSpec(args.device, args.dtype, args.device_map))
+    return load_chain(args.small, args.large, args.medium, LoadSpec(args.device, args.dtype, args.device_map, args.cpu_kernels))
 
 
 def _router_data(args) -> int:

@@ -100,6 +100,7 @@ def main() -> None:
     ap.add_argument("--large")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--cpu-kernels", default="mkldnn", choices=["mkldnn", "default"])
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--draft-tokens", type=int, default=4)
@@ -108,7 +109,7 @@ def main() -> None:
     args = ap.parse_args()
     transformers.logging.set_verbosity_error()
 
-    chain = load_chain(args.small, args.large, (), LoadSpec(args.device, args.dtype))
+    chain = load_chain(args.small, args.large, (), LoadSpec(args.device, args.dtype, cpu_kernels=args.cpu_kernels))
     engine = BackoffEngine.from_chain(chain)
     prompt_ids = encode_prompt(chain.tokenizer, PROMPTS[0], chat=bool(chain.tokenizer.chat_template))
     n, reps = args.max_tokens, args.repeats

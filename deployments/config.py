@@ -25,6 +25,8 @@ class ModelsConfig(_Config):
                                                                 "each deploys as one more LargeModel-like actor")
     device: str = Field("auto", description="cpu, cuda, cuda:N or auto (cuda where the replica has a GPU)")
     dtype: str = Field("float32", description="float32, bfloat16 or float16")
+    cpu_kernels: Literal["mkldnn", "default"] = Field(
+        "mkldnn", description="linear layers of float32 models on CPU: oneDNN (faster) or torch's default")
     classifier: str | None = Field(None, description="router head directory for the classifier router")
     served_name: str = Field("backoff", description="model name that GET /v1/models reports")
 

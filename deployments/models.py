@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoTokenizer, PreTrainedModel
 
+from backoff_core.kernels import use_cpu_kernels
 from backoff_core.loading import LoadSpec, check_same_tokenizer, load_model
 
 from .config import ModelsConfig
@@ -28,7 +29,7 @@ class SmallSide:
 
 
 def _spec(cfg: ModelsConfig) -> LoadSpec:
-    return LoadSpec(device=cfg.device, dtype=cfg.dtype)
+    return LoadSpec(device=cfg.device, dtype=cfg.dtype, cpu_kernels=cfg.cpu_kernels)
 
 
 def _where(name: str) -> tuple[str, dict]:
@@ -53,6 +54,7 @@ def load_small_side(cfg: ModelsConfig, threads: int | None = None) -> SmallSide:
 
         spec = _spec(cfg)
         small, _, tokenizer = load_default_pair(device=spec.torch_device(), dtype=spec.torch_dtype())
+        small = use_cpu_kernels(small, spec.cpu_kernels)
         window = getattr(small.config, "max_position_embeddings", None)
         return SmallSide(small, tokenizer, window, small.config.hidden_size)
     model, tokenizer = load_model(cfg.small, _spec(cfg))
@@ -74,5 +76,6 @@ def load_level(cfg: ModelsConfig, level: int, threads: int | None = None) -> Pre
         from backoff_core.default_pair import load_default_large
 
         spec = _spec(cfg)
-        return load_default_large(device=spec.torch_device(), dtype=spec.torch_dtype())[0]
+        large = load_default_large(device=spec.torch_device(), dtype=spec.torch_dtype())[0]
+        return use_cpu_kernels(large, spec.cpu_kernels)
     return load_model(name, _spec(cfg))[0]

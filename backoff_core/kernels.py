@@ -1,0 +1,62 @@
+"""CPU inference kernels: oneDNN (mkldnn) linear layers in place of torch's default.
+
+On CPU, torch runs `nn.Linear` through MKL's GEMM, which treats inputs of 2 or 3 rows as
+separate matrix-vector products: a catch-up over 2 or 3 pending tokens then costs up to
+twice as much as one over 8. oneDNN's linear with a pre-packed weight reads the weight
+once for any row count and is faster at one row too (default pair, 2 threads: M_S step
+9.9 -> ~5.6 ms with the LM head alone converted; M_L P_L(1) 39 -> 32 ms, P_L(2) 62 -> 38
+ms with every linear converted; `benchmarks/cost_curve.py` measures it).
+
+`torch.utils.mkldnn.MkldnnLinear` is torch's own module for this: same maths, weight held
+in oneDNN's layout, inference only (no autograd). So this is applied by the inference
+loaders (`loading.load_chain`, the Serve replicas), never to a model being trained.
+Modules shared between models (M_S shares M_L's LM head) stay shared: a module is
+converted once and every model that held it gets the same converted one.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+from torch.utils.mkldnn import MkldnnLinear
+
+CPU_KERNELS = ("mkldnn", "default")
+
+# dense module -> its converted twin, so that shared modules stay shared across calls
+_converted: "weakref.WeakKeyDictionary[nn.Linear, MkldnnLinear]" = weakref.WeakKeyDictionary()
+
+
+def applies(model: nn.Module) -> bool:
+    """oneDNN linear fits a float32 model on the CPU of a torch built with oneDNN."""
+    weight = next((p for p in model.parameters()), None)
+    return (
+        weight is not None
+        and weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and torch.backends.mkldnn.is_available()
+    )
+
+
+def use_cpu_kernels(model: nn.Module, kernels: str = "mkldnn") -> nn.Module:
+    """Swap every nn.Linear of an inference model for oneDNN's (in place; returns the
+    model). A no-op for kernels="default", off the CPU, or for other dtypes."""
+    if kernels not in CPU_KERNELS:
+        raise ValueError(f"unknown cpu kernels {kernels!r}; choose one of {', '.join(CPU_KERNELS)}")
+    if kernels == "default" or not applies(model):
+        return model
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                setattr(parent, name, _mkldnn_twin(child))
+    return model
+
+
+def _mkldnn_twin(linear: nn.Linear) -> MkldnnLinear:
+    twin = _converted.get(linear)
+    if twin is None:
+        with torch.no_grad():
+            twin = MkldnnLinear(linear, torch.float32)
+        _converted[linear] = twin
+    return twin
