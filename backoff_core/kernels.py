@@ -26,6 +26,7 @@ CPU_KERNELS = ("mkldnn", "default")
 
 # dense module -> its converted twin, so that shared modules stay shared across calls
 _converted: "weakref.WeakKeyDictionary[nn.Linear, MkldnnLinear]" = weakref.WeakKeyDictionary()
+_biasless: "weakref.WeakKeyDictionary[MkldnnLinear, bool]" = weakref.WeakKeyDictionary()
 
 
 def applies(model: nn.Module) -> bool:
@@ -53,10 +54,21 @@ def use_cpu_kernels(model: nn.Module, kernels: str = "mkldnn") -> nn.Module:
     return model
 
 
+def dense_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict the model had before conversion: dense tensors, and no bias where
+    the linear layer had none (oneDNN's module holds a zero bias there)."""
+    state = {name: t.to_dense() if t.is_mkldnn else t for name, t in model.state_dict().items()}
+    for name, module in model.named_modules():
+        if isinstance(module, MkldnnLinear) and _biasless.get(module, False):
+            del state[f"{name}.bias" if name else "bias"]
+    return state
+
+
 def _mkldnn_twin(linear: nn.Linear) -> MkldnnLinear:
     twin = _converted.get(linear)
     if twin is None:
         with torch.no_grad():
             twin = MkldnnLinear(linear, torch.float32)
         _converted[linear] = twin
+        _biasless[twin] = linear.bias is None
     return twin

@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+from .kernels import dense_state_dict
 from .router_corpus import ChatGen, Document, load_documents
 from .sampling import entropy, kl_divergence
 
@@ -57,9 +58,9 @@ class Window:
 def model_fingerprint(model) -> str:
     """Short hash of a model's weights (a head trained on another M_S is detectable)."""
     h = hashlib.sha1()
-    for name, p in sorted(model.named_parameters()):
+    for name, t in sorted(dense_state_dict(model).items()):  # whichever kernels run it
         h.update(name.encode())
-        h.update(p.detach().flatten()[:2048].float().cpu().numpy().tobytes())
+        h.update(t.detach().flatten()[:2048].float().cpu().numpy().tobytes())
     return h.hexdigest()[:12]
 
 

@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils.mkldnn import MkldnnLinear
 
 from backoff_core.kernels import use_cpu_kernels
+from backoff_core.router_data import model_fingerprint
 from backoff_core.runner import ModelRunner
 from helpers import engine_for, hf_greedy, request
 from tiny import tiny_model
@@ -64,3 +65,8 @@ def test_no_change_where_it_does_not_apply():
     assert _linears(use_cpu_kernels(half))[1] == 0  # oneDNN here is for float32 only
     with pytest.raises(ValueError, match="unknown cpu kernels 'fast'"):
         use_cpu_kernels(model, "fast")
+
+
+def test_fingerprint_is_the_same_whichever_kernels():
+    dense = tiny_model(4)
+    assert model_fingerprint(use_cpu_kernels(copy.deepcopy(dense))) == model_fingerprint(dense)
