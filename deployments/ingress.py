@@ -62,6 +62,9 @@ class Overload(ServerFailure):
     def retry_after(self) -> str:  # RFC 9110 delay-seconds: an integer, rounded up
         return str(max(0, math.ceil(self.retry_after_s)))
 
+    def __reduce__(self):  # the gRPC path pickles it to the proxy: keep both arguments
+        return type(self), (str(self), self.retry_after_s)
+
 
 @dataclass(frozen=True)
 class IngressInfo:
@@ -122,6 +125,7 @@ def _set_status(context: RayServegRPCContext, exc: Exception) -> None:
     elif isinstance(exc, Overload):
         context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)
         context.set_details(str(exc))
+        # reaches the client on unary calls; Serve's proxy drops it when a stream raises
         context.set_trailing_metadata([("retry-after", exc.retry_after)])
     else:
         context.set_code(grpc.StatusCode.INTERNAL)
