@@ -124,7 +124,8 @@ async def worker(i: int, args, urls: tuple[str, str], tally: Tally, stop: asynci
         n = 0
         while not stop.is_set():
             max_tokens = rng.randrange(args.min_tokens, args.max_tokens + 1)
-            drop = rng.randrange(1, max_tokens) if kind.endswith("stream") and rng.random() < args.cancel_share else None
+            dropped = kind.endswith("stream") and rng.random() < args.cancel_share
+            drop = rng.randrange(1, max_tokens) if dropped else None
             try:
                 outcome, tokens = await _one(kind, http, rpc, _prompt(args.pair, rng), max_tokens, drop, 1000 * i + n)
                 tally.tokens += tokens

@@ -157,7 +157,8 @@ async def _grpc_burst(target: str, n: int) -> list[tuple[grpc.StatusCode, dict, 
                     await stub.Generate(request, metadata=metadata)
                 return grpc.StatusCode.OK, {}, ""
             except grpc.aio.AioRpcError as err:
-                return err.code(), dict(err.trailing_metadata() or ()), f"{'stream' if i % 2 else 'unary'}: {err.details()}"
+                kind = "stream" if i % 2 else "unary"
+                return err.code(), dict(err.trailing_metadata() or ()), f"{kind}: {err.details()}"
 
         return await asyncio.gather(*[one(i) for i in range(n)])
 
