@@ -5,10 +5,11 @@ shared by every transport (and by the server's edge); errors map to the exceptio
 `clients.errors` in one place.
 """
 
-from .errors import BackoffError, BadRequestError, NotFoundError, ServerError, TransportError
+from .errors import BackoffError, BadRequestError, NotFoundError, OverloadedError, ServerError, TransportError
+from .retry import Retry
 from .types import ChatMessage, Delta, GenerateParams, Generation, Usage
 
 __all__ = [
-    "BackoffError", "BadRequestError", "NotFoundError", "ServerError", "TransportError",
+    "BackoffError", "BadRequestError", "NotFoundError", "OverloadedError", "ServerError", "TransportError", "Retry",
     "ChatMessage", "Delta", "GenerateParams", "Generation", "Usage",
 ]

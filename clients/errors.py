@@ -31,19 +31,32 @@ class TransportError(BackoffError):
     """No answer: connection refused, timeout, server unavailable."""
 
 
-def from_http(status: int, body: bytes | str) -> BackoffError:
-    """An HTTP error response -> exception (reads the OpenAI-style {"error": {...}} body)."""
+class OverloadedError(TransportError):
+    """The server is at capacity and refused the request before starting it (HTTP 503 / 429,
+    gRPC RESOURCE_EXHAUSTED): safe to send again, after `retry_after_s` when the server said."""
+
+    def __init__(self, message: str, status: int | str | None = None, param: str | None = None,
+                 retry_after_s: float | None = None) -> None:
+        super().__init__(message, status, param)
+        self.retry_after_s = retry_after_s
+
+
+def from_http(status: int, body: bytes | str, retry_after: str | None = None) -> BackoffError:
+    """An HTTP error response -> exception (reads the OpenAI-style {"error": {...}} body and,
+    for 503 / 429, the Retry-After header)."""
     message, param = _error_message(body), None
     try:
         detail = json.loads(body)["error"]
         message, param = detail.get("message") or message, detail.get("param")
     except (ValueError, KeyError, TypeError):
         pass
+    if status in (429, 503):
+        return OverloadedError(message, status, param, _seconds(retry_after))
     if status == 404:
         return NotFoundError(message, status, param)
     if 400 <= status < 500:
         return BadRequestError(message, status, param)
-    if status in (502, 503, 504):
+    if status in (502, 504):
         return TransportError(message, status, param)
     return ServerError(message, status, param)
 
@@ -60,6 +73,10 @@ def from_grpc(error) -> BackoffError:
         return BadRequestError(message, name)
     if code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNIMPLEMENTED):
         return NotFoundError(message, name)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        trailing = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
+        retry_after = dict(trailing or ()).get("retry-after")
+        return OverloadedError(message, name, None, _seconds(retry_after))
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return TransportError(message, name)
     return ServerError(message, name)
@@ -76,6 +93,14 @@ def from_validation(error) -> BadRequestError:
 def from_transport(error: Exception) -> BackoffError:
     """A client library's connection / timeout exception -> TransportError."""
     return TransportError(f"{type(error).__name__}: {error}")
+
+
+def _seconds(retry_after: str | None) -> float | None:
+    """A Retry-After value in delay-seconds (the HTTP-date form is not used here)."""
+    try:
+        return max(0.0, float(retry_after)) if retry_after is not None else None
+    except ValueError:
+        return None
 
 
 def _error_message(body: bytes | str) -> str:

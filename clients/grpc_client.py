@@ -2,10 +2,14 @@
 
 Same method names as the HTTP clients. Ray Serve picks the application from the
 `application` metadata key; pass `application=` when more than one app is deployed.
+RESOURCE_EXHAUSTED (the server is at capacity) raises OverloadedError; `retry=Retry(...)`
+retries it, bounded: a stream only before its first chunk.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 
 import grpc
@@ -13,6 +17,7 @@ import grpc
 from . import backoff_pb2 as pb
 from . import backoff_pb2_grpc as pb_grpc
 from .errors import from_grpc
+from .retry import NO_RETRY, Retry
 from .proto import delta_from_pb, generation_from_pb, request_to_pb
 from .types import ChatMessage, Delta, GenerateParams, Generation, merge_params
 
@@ -24,9 +29,10 @@ def _chat(messages: Messages) -> list[ChatMessage]:
 
 
 class _Base:
-    def __init__(self, model: str | None, application: str | None, timeout: float) -> None:
+    def __init__(self, model: str | None, application: str | None, timeout: float, retry: Retry) -> None:
         self.model = model
         self.timeout = timeout
+        self.retry = retry
         self._metadata = (("application", application),) if application else None
 
     def _request(self, params, fields, **content) -> pb.GenerateRequest:
@@ -37,9 +43,9 @@ class BackoffGrpcClient(_Base):
     """Sync client: `BackoffGrpcClient("127.0.0.1:9000").complete("Hello", max_tokens=8)`."""
 
     def __init__(self, target: str = "127.0.0.1:9000", *, model: str | None = None,
-                 application: str | None = None, timeout: float = 120.0,
+                 application: str | None = None, timeout: float = 120.0, retry: Retry = NO_RETRY,
                  channel: grpc.Channel | None = None) -> None:
-        super().__init__(model, application, timeout)
+        super().__init__(model, application, timeout, retry)
         self._channel = channel or grpc.insecure_channel(target)
         self._stub = pb_grpc.BackoffStub(self._channel)
 
@@ -77,29 +83,43 @@ class BackoffGrpcClient(_Base):
             return False
 
     def _unary(self, request: pb.GenerateRequest) -> Generation:
-        try:
-            return generation_from_pb(self._stub.Generate(request, timeout=self.timeout, metadata=self._metadata))
-        except grpc.RpcError as e:
-            raise from_grpc(e) from None
+        for attempt in range(self.retry.attempts + 1):
+            try:
+                return generation_from_pb(self._stub.Generate(request, timeout=self.timeout, metadata=self._metadata))
+            except grpc.RpcError as e:
+                error = from_grpc(e)
+            wait = self.retry.delay(error, attempt)
+            if wait is None:
+                raise error
+            time.sleep(wait)
+        raise AssertionError("unreachable: the last try raises or returns")
 
     def _streaming(self, request: pb.GenerateRequest) -> Iterator[Delta]:
-        call = self._stub.GenerateStream(request, timeout=self.timeout, metadata=self._metadata)
-        try:
-            for chunk in call:
-                yield delta_from_pb(chunk)
-        except grpc.RpcError as e:
-            raise from_grpc(e) from None
-        finally:
-            call.cancel()  # the caller stopped early: tell the server (frees the sessions)
+        for attempt in range(self.retry.attempts + 1):
+            call = self._stub.GenerateStream(request, timeout=self.timeout, metadata=self._metadata)
+            started = False
+            try:
+                for chunk in call:
+                    started = True
+                    yield delta_from_pb(chunk)
+                return
+            except grpc.RpcError as e:
+                error = from_grpc(e)
+            finally:
+                call.cancel()  # the caller stopped early: tell the server (frees the sessions)
+            wait = None if started else self.retry.delay(error, attempt)
+            if wait is None:
+                raise error
+            time.sleep(wait)
 
 
 class AsyncBackoffGrpcClient(_Base):
     """Async client (grpc.aio) with the same methods."""
 
     def __init__(self, target: str = "127.0.0.1:9000", *, model: str | None = None,
-                 application: str | None = None, timeout: float = 120.0,
+                 application: str | None = None, timeout: float = 120.0, retry: Retry = NO_RETRY,
                  channel: grpc.aio.Channel | None = None) -> None:
-        super().__init__(model, application, timeout)
+        super().__init__(model, application, timeout, retry)
         self._channel = channel or grpc.aio.insecure_channel(target)
         self._stub = pb_grpc.BackoffStub(self._channel)
 
@@ -138,18 +158,32 @@ class AsyncBackoffGrpcClient(_Base):
             return False
 
     async def _unary(self, request: pb.GenerateRequest) -> Generation:
-        try:
-            reply = await self._stub.Generate(request, timeout=self.timeout, metadata=self._metadata)
-            return generation_from_pb(reply)
-        except grpc.RpcError as e:
-            raise from_grpc(e) from None
+        for attempt in range(self.retry.attempts + 1):
+            try:
+                reply = await self._stub.Generate(request, timeout=self.timeout, metadata=self._metadata)
+                return generation_from_pb(reply)
+            except grpc.RpcError as e:
+                error = from_grpc(e)
+            wait = self.retry.delay(error, attempt)
+            if wait is None:
+                raise error
+            await asyncio.sleep(wait)
+        raise AssertionError("unreachable: the last try raises or returns")
 
     async def _streaming(self, request: pb.GenerateRequest) -> AsyncIterator[Delta]:
-        call = self._stub.GenerateStream(request, timeout=self.timeout, metadata=self._metadata)
-        try:
-            async for chunk in call:
-                yield delta_from_pb(chunk)
-        except grpc.RpcError as e:
-            raise from_grpc(e) from None
-        finally:
-            call.cancel()
+        for attempt in range(self.retry.attempts + 1):
+            call = self._stub.GenerateStream(request, timeout=self.timeout, metadata=self._metadata)
+            started = False
+            try:
+                async for chunk in call:
+                    started = True
+                    yield delta_from_pb(chunk)
+                return
+            except grpc.RpcError as e:
+                error = from_grpc(e)
+            finally:
+                call.cancel()
+            wait = None if started else self.retry.delay(error, attempt)
+            if wait is None:
+                raise error
+            await asyncio.sleep(wait)

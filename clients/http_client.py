@@ -2,16 +2,21 @@
 
 Method names are the same as the gRPC clients': complete, chat, stream, stream_chat,
 models, health. Sampling and routing knobs go in a `GenerateParams` or as keyword fields.
+A refusal for lack of capacity raises OverloadedError; `retry=Retry(...)` retries it,
+bounded, after the server's Retry-After.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 
 import httpx
 
 from .errors import BackoffError, from_http, from_transport
+from .retry import NO_RETRY, Retry
 from .types import (
     ChatMessage, Delta, GenerateParams, Generation, delta_from_chunk, generation_from_body, merge_params,
 )
@@ -33,6 +38,11 @@ def _messages(messages: Messages) -> list[dict]:
     return [m.model_dump() if isinstance(m, ChatMessage) else dict(m) for m in messages]
 
 
+def _raise_for_status(response: httpx.Response, body: bytes) -> None:
+    if response.status_code >= 400:
+        raise from_http(response.status_code, body, response.headers.get("retry-after"))
+
+
 def _sse_data(line: str) -> dict | None:
     """One SSE line -> the JSON of a `data:` event (None for other lines and [DONE])."""
     if not line.startswith("data:"):
@@ -45,8 +55,9 @@ class BackoffHTTPClient:
     """Sync client. `with BackoffHTTPClient(url) as c: c.complete("Hello", max_tokens=8)`."""
 
     def __init__(self, base_url: str = "http://127.0.0.1:8000", *, model: str | None = None,
-                 timeout: float = 120.0, http: httpx.Client | None = None) -> None:
+                 timeout: float = 120.0, retry: Retry = NO_RETRY, http: httpx.Client | None = None) -> None:
         self.model = model
+        self.retry = retry
         self._http = http or httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout)
 
     def __enter__(self) -> "BackoffHTTPClient":
@@ -86,42 +97,52 @@ class BackoffHTTPClient:
 
     # -- transport --------------------------------------------------------------------------
     def _get(self, path: str) -> dict:
-        try:
-            response = self._http.get(path)
-        except httpx.TransportError as e:
-            raise from_transport(e) from e
-        if response.status_code >= 400:
-            raise from_http(response.status_code, response.content)
-        return response.json()
+        return self._send(self._http.build_request("GET", path)).json()
 
     def _post(self, path: str, body: dict) -> dict:
-        try:
-            response = self._http.post(path, json=body)
-        except httpx.TransportError as e:
-            raise from_transport(e) from e
-        if response.status_code >= 400:
-            raise from_http(response.status_code, response.content)
-        return response.json()
+        return self._send(self._http.build_request("POST", path, json=body)).json()
 
     def _stream(self, path: str, body: dict) -> Iterator[Delta]:
+        response = self._send(self._http.build_request("POST", path, json=body), stream=True)
         try:
-            with self._http.stream("POST", path, json=body) as response:
-                if response.status_code >= 400:
-                    raise from_http(response.status_code, response.read())
-                for line in response.iter_lines():
-                    data = _sse_data(line)
-                    if data is not None:
-                        yield delta_from_chunk(data)
+            for line in response.iter_lines():
+                data = _sse_data(line)
+                if data is not None:
+                    yield delta_from_chunk(data)
         except httpx.TransportError as e:
             raise from_transport(e) from e
+        finally:
+            response.close()
+
+    def _send(self, request: httpx.Request, stream: bool = False) -> httpx.Response:
+        """A successful response (a stream's before its body is read), refusals retried per `retry`."""
+        for attempt in range(self.retry.attempts + 1):
+            try:
+                response = self._http.send(request, stream=stream)
+                if response.status_code >= 400:
+                    try:
+                        _raise_for_status(response, response.read())
+                    finally:
+                        response.close()
+                return response
+            except httpx.TransportError as e:
+                raise from_transport(e) from e
+            except BackoffError as e:
+                wait = self.retry.delay(e, attempt)
+                if wait is None:
+                    raise
+                time.sleep(wait)
+        raise AssertionError("unreachable: the last try raises or returns")
 
 
 class AsyncBackoffHTTPClient:
     """Async client with the same methods; `stream` / `stream_chat` are async iterators."""
 
     def __init__(self, base_url: str = "http://127.0.0.1:8000", *, model: str | None = None,
-                 timeout: float = 120.0, http: httpx.AsyncClient | None = None) -> None:
+                 timeout: float = 120.0, retry: Retry = NO_RETRY,
+                 http: httpx.AsyncClient | None = None) -> None:
         self.model = model
+        self.retry = retry
         self._http = http or httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout)
 
     async def __aenter__(self) -> "AsyncBackoffHTTPClient":
@@ -160,31 +181,39 @@ class AsyncBackoffHTTPClient:
             return False
 
     async def _get(self, path: str) -> dict:
-        try:
-            response = await self._http.get(path)
-        except httpx.TransportError as e:
-            raise from_transport(e) from e
-        if response.status_code >= 400:
-            raise from_http(response.status_code, response.content)
-        return response.json()
+        return (await self._send(self._http.build_request("GET", path))).json()
 
     async def _post(self, path: str, body: dict) -> dict:
-        try:
-            response = await self._http.post(path, json=body)
-        except httpx.TransportError as e:
-            raise from_transport(e) from e
-        if response.status_code >= 400:
-            raise from_http(response.status_code, response.content)
-        return response.json()
+        return (await self._send(self._http.build_request("POST", path, json=body))).json()
 
     async def _stream(self, path: str, body: dict) -> AsyncIterator[Delta]:
+        response = await self._send(self._http.build_request("POST", path, json=body), stream=True)
         try:
-            async with self._http.stream("POST", path, json=body) as response:
-                if response.status_code >= 400:
-                    raise from_http(response.status_code, await response.aread())
-                async for line in response.aiter_lines():
-                    data = _sse_data(line)
-                    if data is not None:
-                        yield delta_from_chunk(data)
+            async for line in response.aiter_lines():
+                data = _sse_data(line)
+                if data is not None:
+                    yield delta_from_chunk(data)
         except httpx.TransportError as e:
             raise from_transport(e) from e
+        finally:
+            await response.aclose()
+
+    async def _send(self, request: httpx.Request, stream: bool = False) -> httpx.Response:
+        """A successful response (a stream's before its body is read), refusals retried per `retry`."""
+        for attempt in range(self.retry.attempts + 1):
+            try:
+                response = await self._http.send(request, stream=stream)
+                if response.status_code >= 400:
+                    try:
+                        _raise_for_status(response, await response.aread())
+                    finally:
+                        await response.aclose()
+                return response
+            except httpx.TransportError as e:
+                raise from_transport(e) from e
+            except BackoffError as e:
+                wait = self.retry.delay(e, attempt)
+                if wait is None:
+                    raise
+                await asyncio.sleep(wait)
+        raise AssertionError("unreachable: the last try raises or returns")

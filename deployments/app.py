@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ray
 from ray.serve import Application
+from ray.serve.config import BackpressureConfig
 
 from .config import AppArgs, ReplicaConfig
 from .ingress import Ingress
@@ -25,10 +26,12 @@ def _cluster_resources() -> dict[str, float]:
     return ray.cluster_resources() if ray.is_initialized() else {}
 
 
-def replica_options(rc: ReplicaConfig, cluster: dict[str, float], models: int = 2) -> dict:
-    """Deployment.options(...) kwargs: scaling, concurrency and placement. `gpus: auto` is
-    a whole GPU on a node type of its own (cluster.yaml), else a share of the cluster's
-    GPUs such that one replica of each of the `models` model deployments fits, else 0."""
+def replica_options(rc: ReplicaConfig, cluster: dict[str, float], models: int = 2,
+                    retry_after_s: float | None = None) -> dict:
+    """Deployment.options(...) kwargs: scaling, concurrency, bounded queues and placement.
+    `gpus: auto` is a whole GPU on a node type of its own (cluster.yaml), else a share of
+    the cluster's GPUs such that one replica of each of the `models` model deployments
+    fits, else 0. A caller over max_queued_requests gets 503 with `retry_after_s`."""
     dedicated = bool(rc.custom_resource) and cluster.get(rc.custom_resource, 0) > 0
     if rc.gpus == "none":
         gpus = 0.0
@@ -40,6 +43,9 @@ def replica_options(rc: ReplicaConfig, cluster: dict[str, float], models: int = 
     if dedicated:
         actor["resources"] = {rc.custom_resource: 1}
     options: dict = {"ray_actor_options": actor, "max_ongoing_requests": rc.max_ongoing_requests}
+    if rc.max_queued_requests is not None:
+        options["max_queued_requests"] = rc.max_queued_requests
+        options["backpressure_config"] = BackpressureConfig(retry_after_s=retry_after_s)
     if rc.num_replicas is not None:
         options["num_replicas"] = rc.num_replicas
     else:
@@ -59,6 +65,7 @@ def build_app(args: dict | AppArgs | None = None) -> Application:
                            **replica_options(cfg.large, cluster, n)).bind(models, level, cfg.torch_threads)
         for level in range(1, n)
     ]
+    retry = cfg.admission.retry_after_s
     router = SmallRouter.options(user_config=cfg.routing.model_dump(),
-                                 **replica_options(cfg.small, cluster, n)).bind(cfg.model_dump(), *levels)
-    return Ingress.options(**replica_options(cfg.ingress, cluster)).bind(router, cfg.model_dump())
+                                 **replica_options(cfg.small, cluster, n, retry)).bind(cfg.model_dump(), *levels)
+    return Ingress.options(**replica_options(cfg.ingress, cluster, retry_after_s=retry)).bind(router, cfg.model_dump())

@@ -75,6 +75,11 @@ class ReplicaConfig(_Config):
     max_replicas: int = Field(2, ge=1, description="autoscaling upper bound")
     target_ongoing_requests: float = Field(8.0, gt=0, description="autoscaling target per replica")
     max_ongoing_requests: int = Field(256, ge=1, description="requests a replica accepts at once")
+    max_queued_requests: int | None = Field(
+        None, ge=1, description="requests that may wait in each caller for a replica below max_ongoing_requests "
+                                "(Serve's max_queued_requests); more are refused: HTTP 503 + Retry-After, gRPC "
+                                "RESOURCE_EXHAUSTED. none = unbounded, right for LargeModel: its callers are "
+                                "requests already admitted, at most one catch-up each in flight")
     num_cpus: float = Field(1.0, ge=0.0, description="CPUs reserved per replica")
     gpus: Literal["auto", "none"] | float = Field(
         "auto", description="GPUs per replica: auto = 1 on its own node type (custom_resource), else a share "
@@ -84,6 +89,17 @@ class ReplicaConfig(_Config):
         None, description="cluster.yaml resource the replica needs where the cluster has it (small_gpu / large_gpu)")
 
 
+class AdmissionConfig(_Config):
+    """How much work one SmallRouter replica takes on; the rest is refused at once (HTTP 503 +
+    Retry-After, gRPC RESOURCE_EXHAUSTED), never queued without bound."""
+
+    max_live_requests: int = Field(48, ge=1, description="requests in a replica's step loop at once; each is in "
+                                                         "every batched step, so more make every request slower")
+    max_waiting_requests: int = Field(8, ge=0, description="requests more that wait in the replica, first come "
+                                                           "first served, for a live one to finish")
+    retry_after_s: float = Field(1.0, ge=0.0, description="Retry-After of a refused request (seconds, rounded up)")
+
+
 class AppArgs(_Config):
     """The application builder's arguments (`args:` in the Serve config YAML)."""
 
@@ -91,14 +107,27 @@ class AppArgs(_Config):
     routing: RoutingConfig = Field(default_factory=RoutingConfig, description="initial SmallRouter user_config")
     catch_up: CatchUpConfig = Field(default_factory=CatchUpConfig, description="initial LargeModel user_config")
     small: ReplicaConfig = Field(
-        default_factory=lambda: ReplicaConfig(custom_resource="small_gpu", max_ongoing_requests=64),
+        default_factory=lambda: ReplicaConfig(custom_resource="small_gpu", max_ongoing_requests=64,
+                                              max_queued_requests=32),
         description="SmallRouter replicas (M_S + decision function + step loop)")
     large: ReplicaConfig = Field(
         default_factory=lambda: ReplicaConfig(custom_resource="large_gpu"),
         description="LargeModel replicas (M_L); medium models use the same settings")
     ingress: ReplicaConfig = Field(
         default_factory=lambda: ReplicaConfig(num_cpus=0.25, gpus="none", max_replicas=4,
-                                              target_ongoing_requests=32, max_ongoing_requests=512),
+                                              target_ongoing_requests=32, max_ongoing_requests=512,
+                                              max_queued_requests=256),
         description="Ingress replicas (HTTP + gRPC, no GPU)")
+    admission: AdmissionConfig = Field(default_factory=AdmissionConfig,
+                                       description="per SmallRouter replica: live and waiting requests at most")
     default_max_tokens: int = Field(64, ge=1, description="max_tokens of a request that sets none")
     torch_threads: int | None = Field(None, ge=1, description="torch threads per model replica (none: Ray's default)")
+
+    @model_validator(mode="after")
+    def _admission_below_serve_limit(self) -> "AppArgs":
+        # a refusal must reach the replica to be sent, and info() / health calls need a slot
+        carried = self.admission.max_live_requests + self.admission.max_waiting_requests
+        if carried >= self.small.max_ongoing_requests:
+            raise ValueError(f"admission.max_live_requests + max_waiting_requests ({carried}) must stay below "
+                             f"small.max_ongoing_requests ({self.small.max_ongoing_requests})")
+        return self

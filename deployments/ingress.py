@@ -3,14 +3,19 @@
 No model here. A request is validated at the edge (pydantic), sent to a SmallRouter as a
 ServeRequest, and its stream of items (Admitted, TokenEvent ..., GenerationResult) is
 turned into SSE chunks, one JSON body, or protobuf messages. The first item decides the
-status: a Rejected request is a 400 / INVALID_ARGUMENT before anything is streamed.
+status: a Rejected request is a 400 / INVALID_ARGUMENT before anything is streamed, an
+Overloaded one (or Serve's BackPressureError: a full queue) a 503 + Retry-After /
+RESOURCE_EXHAUSTED.
 """
 
 import asyncio
 import json
+import math
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import grpc
 from fastapi import FastAPI, Request
@@ -18,6 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
+from ray.serve.exceptions import BackPressureError
 from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
 
@@ -26,6 +32,7 @@ from clients import backoff_pb2 as pb
 from clients.proto import params_from_pb, prompt_from_pb
 from clients.types import ChatCompletionRequest, CompletionRequest, GenerateParams, ModelCard, ModelList
 
+from .admission import Overloaded
 from .config import AppArgs
 from .engine_loop import Admitted, Failed, Rejected
 from .formats import chunk_body, error_body, final_chunk_body, pb_chunk, pb_final_chunk, pb_response, response_body
@@ -44,6 +51,27 @@ class ServerFailure(RuntimeError):
     pass
 
 
+class Overload(ServerFailure):
+    """The chain is at capacity: refused before admission, the client may retry."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    @property
+    def retry_after(self) -> str:  # RFC 9110 delay-seconds: an integer, rounded up
+        return str(max(0, math.ceil(self.retry_after_s)))
+
+    def __reduce__(self):  # the gRPC path pickles it to the proxy: keep both arguments
+        return type(self), (str(self), self.retry_after_s)
+
+
+@dataclass(frozen=True)
+class IngressInfo:
+    pid: int
+    replica: str
+
+
 def _error_response(status: int, message: str, kind: str, param: str | None = None, code: str | None = None):
     return JSONResponse(error_body(message, kind, param, code), status_code=status)
 
@@ -59,6 +87,12 @@ async def _invalid(request: Request, exc: RequestValidationError) -> JSONRespons
 @app.exception_handler(ClientError)
 async def _client_error(request: Request, exc: ClientError) -> JSONResponse:
     return _error_response(exc.status, exc.message, "invalid_request_error", exc.param, exc.code)
+
+
+@app.exception_handler(Overload)
+async def _overload(request: Request, exc: Overload) -> JSONResponse:
+    return JSONResponse(error_body(str(exc), "server_error", None, "overloaded"), status_code=503,
+                        headers={"Retry-After": exc.retry_after})
 
 
 @app.exception_handler(ServerFailure)
@@ -88,6 +122,11 @@ def _set_status(context: RayServegRPCContext, exc: Exception) -> None:
         code = grpc.StatusCode.NOT_FOUND if exc.status == 404 else grpc.StatusCode.INVALID_ARGUMENT
         context.set_code(code)
         context.set_details(exc.message)
+    elif isinstance(exc, Overload):
+        context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)
+        context.set_details(str(exc))
+        # reaches the client on unary calls; Serve's proxy drops it when a stream raises
+        context.set_trailing_metadata([("retry-after", exc.retry_after)])
     else:
         context.set_code(grpc.StatusCode.INTERNAL)
         context.set_details(str(exc))
@@ -108,6 +147,9 @@ class Ingress:
         self.model_name = self.args.models.served_name
         self.router = router.options(stream=True)
         self.router_unary = router
+
+    def info(self) -> IngressInfo:
+        return IngressInfo(pid=os.getpid(), replica=serve.get_replica_context().replica_id.unique_id)
 
     async def _chain_ok(self) -> str:
         """'' when a SmallRouter answers within 5 s, else why not."""
@@ -216,8 +258,14 @@ class Ingress:
             request = serve_request(rid, params, default_max_tokens=self.args.default_max_tokens, **content)
         except ValueError as exc:
             raise ClientError(str(exc)) from None
-        stream = self.router.generate.remote(request, tokens)
-        first = await stream.__anext__()
+        try:
+            stream = self.router.generate.remote(request, tokens)
+            first = await stream.__anext__()
+        except BackPressureError as exc:  # Serve's queue for a SmallRouter replica is full
+            retry = self.args.admission.retry_after_s if exc.retry_after_s is None else exc.retry_after_s
+            raise Overload(exc.message, retry) from None
+        if isinstance(first, Overloaded):  # the SmallRouter replica is full
+            raise Overload(first.message, first.retry_after_s)
         if isinstance(first, Rejected):
             raise ClientError(first.message)
         if isinstance(first, Failed):

@@ -2,13 +2,15 @@
 
 Holds M_S as a local ModelRunner and a BackoffEngine whose larger levels are RemoteLarge
 proxies to LargeModel deployments. One thread runs the engine (EngineLoop), so the M_S
-steps of concurrent requests are batched; `generate` streams one request's items. The
+steps of concurrent requests are batched; `generate` streams one request's items once the
+AdmissionGate lets it in (a full replica refuses it at once: Overloaded). The
 routing config (router, threshold, target backoff rate) is this deployment's user_config:
 `reconfigure()` swaps it and the engine thread reads it once per step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -23,6 +25,7 @@ from backoff_core.prompts import encode_chat, encode_prompt
 from backoff_core.runner import ModelRunner
 from backoff_core.types import GenerationRequest, GenerationResult, TokenEvent
 
+from .admission import AdmissionGate, Overloaded
 from .batcher import CatchUpCall
 from .config import AppArgs, RoutingConfig
 from .engine_loop import Admitted, EngineLoop, Failed, Rejected
@@ -32,8 +35,8 @@ from .remote import RemoteLarge
 from .requests import ServeRequest, generation_request
 
 # one request's stream: Admitted, tokens (one, or several that queued up), the result;
-# or Rejected / Failed instead
-StreamItem = Admitted | TokenEvent | tuple[TokenEvent, ...] | GenerationResult | Rejected | Failed
+# or Rejected / Failed / Overloaded instead
+StreamItem = Admitted | TokenEvent | tuple[TokenEvent, ...] | GenerationResult | Rejected | Failed | Overloaded
 
 
 class ServeEndpoint:
@@ -57,7 +60,9 @@ class RouterInfo:
     replica: str
     policy: RoutingConfig
     steps: int
-    live: int
+    live: int  # requests in the step loop
+    admitted: int  # slots of the admission gate held (live + on their way in)
+    waiting: int  # requests waiting for a slot
     sessions_lost: int
     catch_up_calls: int
     catch_up_wait_s: float  # step-loop time spent waiting for catch-up replies
@@ -79,6 +84,7 @@ class SmallRouter:
                                classifier_path=self.args.models.classifier, hidden_size=side.hidden_size,
                                context_window=side.context_window)
         self.metrics = RouterMetrics(n)
+        self.gate = AdmissionGate(self.args.admission.max_live_requests, self.args.admission.max_waiting_requests)
         self._lost_reported = 0
         self.loop: EngineLoop[RoutingConfig] = EngineLoop(engine, self._admit, self.args.routing, self._finished)
         self.reconfigure(self.args.routing.model_dump())
@@ -91,7 +97,23 @@ class SmallRouter:
 
     async def generate(self, request: ServeRequest, tokens: bool = True) -> AsyncIterator[StreamItem]:
         """Admitted, then the committed tokens (TokenEvents, several at once as a tuple when
-        they queued up meanwhile; none unless `tokens`), then the GenerationResult."""
+        they queued up meanwhile; none unless `tokens`), then the GenerationResult.
+        Overloaded alone when the replica is full."""
+        if not await self.gate.enter():
+            self.metrics.request("overloaded")
+            limits = self.args.admission
+            yield Overloaded(f"the server is at capacity ({limits.max_live_requests} live and "
+                             f"{limits.max_waiting_requests} waiting requests per replica); retry later",
+                             limits.retry_after_s)
+            return
+        try:
+            async with contextlib.aclosing(self._stream(request, tokens)) as items:  # its finally runs first
+                async for item in items:
+                    yield item
+        finally:
+            self.gate.leave()
+
+    async def _stream(self, request: ServeRequest, tokens: bool) -> AsyncIterator[StreamItem]:
         items = self.loop.submit(request, tokens)
         held: list = []  # an item read while gathering tokens, for the next round
         ended = False
@@ -118,6 +140,7 @@ class SmallRouter:
     def info(self) -> RouterInfo:
         return RouterInfo(pid=os.getpid(), replica=serve.get_replica_context().replica_id.unique_id,
                           policy=self.loop.policy, steps=self.loop.steps, live=self.loop.live(),
+                          admitted=self.gate.live, waiting=self.gate.waiting,
                           sessions_lost=sum(r.lost_sessions for r in self.remotes),
                           catch_up_calls=sum(r.calls for r in self.remotes),
                           catch_up_wait_s=sum(r.wait_s for r in self.remotes))
