@@ -5,10 +5,13 @@ shared by every transport (and by the server's edge); errors map to the exceptio
 `clients.errors` in one place.
 """
 
-from .errors import BackoffError, BadRequestError, NotFoundError, ServerError, TransportError
+from .errors import (
+    AuthenticationError, BackoffError, BadRequestError, NotFoundError, RateLimitError, ServerError, TransportError,
+)
 from .types import ChatMessage, Delta, GenerateParams, Generation, Usage
 
 __all__ = [
-    "BackoffError", "BadRequestError", "NotFoundError", "ServerError", "TransportError",
+    "AuthenticationError", "BackoffError", "BadRequestError", "NotFoundError", "RateLimitError", "ServerError",
+    "TransportError",
     "ChatMessage", "Delta", "GenerateParams", "Generation", "Usage",
 ]
