@@ -2,11 +2,13 @@
 
 Method names are the same as the gRPC clients': complete, chat, stream, stream_chat,
 models, health. Sampling and routing knobs go in a `GenerateParams` or as keyword fields.
+`api_key` (default: the BACKOFF_API_KEY environment variable) goes in `Authorization: Bearer`.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import AsyncIterator, Iterator, Sequence
 
 import httpx
@@ -29,6 +31,16 @@ def _body(params: GenerateParams, model: str | None, stream: bool, **content) ->
     return body
 
 
+def api_key_headers(api_key: str | None) -> dict[str, str]:
+    """The Authorization header of `api_key`, else of $BACKOFF_API_KEY, else none."""
+    key = api_key if api_key is not None else os.environ.get("BACKOFF_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def _error(response: httpx.Response, body: bytes) -> BackoffError:
+    return from_http(response.status_code, body, response.headers.get("retry-after"))
+
+
 def _messages(messages: Messages) -> list[dict]:
     return [m.model_dump() if isinstance(m, ChatMessage) else dict(m) for m in messages]
 
@@ -45,8 +57,9 @@ class BackoffHTTPClient:
     """Sync client. `with BackoffHTTPClient(url) as c: c.complete("Hello", max_tokens=8)`."""
 
     def __init__(self, base_url: str = "http://127.0.0.1:8000", *, model: str | None = None,
-                 timeout: float = 120.0, http: httpx.Client | None = None) -> None:
+                 api_key: str | None = None, timeout: float = 120.0, http: httpx.Client | None = None) -> None:
         self.model = model
+        self._headers = api_key_headers(api_key)
         self._http = http or httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout)
 
     def __enter__(self) -> "BackoffHTTPClient":
@@ -87,27 +100,27 @@ class BackoffHTTPClient:
     # -- transport --------------------------------------------------------------------------
     def _get(self, path: str) -> dict:
         try:
-            response = self._http.get(path)
+            response = self._http.get(path, headers=self._headers)
         except httpx.TransportError as e:
             raise from_transport(e) from e
         if response.status_code >= 400:
-            raise from_http(response.status_code, response.content)
+            raise _error(response, response.content)
         return response.json()
 
     def _post(self, path: str, body: dict) -> dict:
         try:
-            response = self._http.post(path, json=body)
+            response = self._http.post(path, json=body, headers=self._headers)
         except httpx.TransportError as e:
             raise from_transport(e) from e
         if response.status_code >= 400:
-            raise from_http(response.status_code, response.content)
+            raise _error(response, response.content)
         return response.json()
 
     def _stream(self, path: str, body: dict) -> Iterator[Delta]:
         try:
-            with self._http.stream("POST", path, json=body) as response:
+            with self._http.stream("POST", path, json=body, headers=self._headers) as response:
                 if response.status_code >= 400:
-                    raise from_http(response.status_code, response.read())
+                    raise _error(response, response.read())
                 for line in response.iter_lines():
                     data = _sse_data(line)
                     if data is not None:
@@ -120,8 +133,9 @@ class AsyncBackoffHTTPClient:
     """Async client with the same methods; `stream` / `stream_chat` are async iterators."""
 
     def __init__(self, base_url: str = "http://127.0.0.1:8000", *, model: str | None = None,
-                 timeout: float = 120.0, http: httpx.AsyncClient | None = None) -> None:
+                 api_key: str | None = None, timeout: float = 120.0, http: httpx.AsyncClient | None = None) -> None:
         self.model = model
+        self._headers = api_key_headers(api_key)
         self._http = http or httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout)
 
     async def __aenter__(self) -> "AsyncBackoffHTTPClient":
@@ -161,27 +175,27 @@ class AsyncBackoffHTTPClient:
 
     async def _get(self, path: str) -> dict:
         try:
-            response = await self._http.get(path)
+            response = await self._http.get(path, headers=self._headers)
         except httpx.TransportError as e:
             raise from_transport(e) from e
         if response.status_code >= 400:
-            raise from_http(response.status_code, response.content)
+            raise _error(response, response.content)
         return response.json()
 
     async def _post(self, path: str, body: dict) -> dict:
         try:
-            response = await self._http.post(path, json=body)
+            response = await self._http.post(path, json=body, headers=self._headers)
         except httpx.TransportError as e:
             raise from_transport(e) from e
         if response.status_code >= 400:
-            raise from_http(response.status_code, response.content)
+            raise _error(response, response.content)
         return response.json()
 
     async def _stream(self, path: str, body: dict) -> AsyncIterator[Delta]:
         try:
-            async with self._http.stream("POST", path, json=body) as response:
+            async with self._http.stream("POST", path, json=body, headers=self._headers) as response:
                 if response.status_code >= 400:
-                    raise from_http(response.status_code, await response.aread())
+                    raise _error(response, await response.aread())
                 async for line in response.aiter_lines():
                     data = _sse_data(line)
                     if data is not None:
