@@ -12,9 +12,19 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .errors import from_validation
+
+
+def _unicode(text: str) -> str:
+    # JSON may spell a lone surrogate ("\ud800"); no tokenizer takes one, and UTF-8 has none
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("text must be valid Unicode (a lone surrogate such as \\ud800 is not)") from None
+    return text
+
 
 # Wire scalars are typed strictly: "5" is not a number, 1 is not a boolean, NaN and
 # infinities are not numbers (Python's JSON parser reads NaN / Infinity). A float field
@@ -22,7 +32,8 @@ from .errors import from_validation
 Int = Annotated[int, Field(strict=True)]
 Float = Annotated[float, Field(strict=True, allow_inf_nan=False)]
 Bool = Annotated[bool, Field(strict=True)]
-Text = Annotated[str, Field(strict=True, min_length=1)]
+Unicode = Annotated[str, Field(strict=True), AfterValidator(_unicode)]
+Text = Annotated[Unicode, Field(min_length=1)]
 TokenIds = Annotated[list[Annotated[int, Field(strict=True, ge=0)]], Field(min_length=1)]
 
 # ----------------------------------------------------------------------------------------
@@ -32,7 +43,7 @@ TokenIds = Annotated[list[Annotated[int, Field(strict=True, ge=0)]], Field(min_l
 
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant"] = Field(description="who speaks")
-    content: Annotated[str, Field(strict=True)] = Field(description="the message text (may be empty)")
+    content: Unicode = Field(description="the message text (may be empty)")
 
 
 class GenerateParams(BaseModel):
@@ -124,8 +135,7 @@ class _OpenAIRequest(GenerateParams):
     # would change the output and are not supported are rejected below
     model_config = ConfigDict(extra="ignore")
 
-    model: Annotated[str, Field(strict=True)] | None = Field(None, description="served model name "
-                                                                                "(see GET /v1/models)")
+    model: Unicode | None = Field(None, description="served model name (see GET /v1/models)")
     stream: Bool = Field(False, description="stream tokens as server-sent events")
     stream_options: StreamOptions | None = Field(None, description="streaming options")
     n: Int = Field(1, description="completions per prompt (only 1 is supported)")

@@ -31,8 +31,8 @@ from ray.serve.handle import DeploymentHandle
 
 from backoff_core.types import GenerationResult, TokenEvent
 from clients import backoff_pb2 as pb
-from clients.proto import params_from_pb, prompt_from_pb
 from clients.errors import describe_validation
+from clients.proto import params_from_pb, prompt_from_pb
 from clients.types import ChatCompletionRequest, CompletionRequest, GenerateParams, ModelCard, ModelList
 
 from .access import ClientError, Edge, EdgeGate, body_too_large, check_limits, peer_host

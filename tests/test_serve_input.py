@@ -194,6 +194,8 @@ CHAT = "/v1/chat/completions"
     ({"messages": [{"role": "user"}]}, CHAT, 400, "messages.0.content", "required"),
     ({"messages": [{"role": "user", "content": None}]}, CHAT, 400, "messages.0.content", ""),
     ({"messages": [{"role": "user", "content": 5}]}, CHAT, 400, "messages.0.content", ""),
+    (b'{"messages": [{"role": "user", "content": "w3 \\ud800"}]}', CHAT, 400, "messages.0.content", "surrogate"),
+    (b'{"prompt": "\\udfff w3"}', "/v1/completions", 400, "prompt", "surrogate"),
     # sizes: the configured caps and the context window, each named in the message
     ({"prompt": W, "max_tokens": 0}, "/v1/completions", 400, "max_tokens", ""),
     ({"prompt": W, "max_tokens": 10**9}, "/v1/completions", 400, "max_tokens", "limits.max_tokens"),
@@ -425,7 +427,8 @@ FIELDS = ["prompt", "messages", "max_tokens", "max_completion_tokens", "temperat
           "presence_penalty", "stream_options", "user", "logit_bias"]
 _scalars = (st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.integers(0, 6)
             | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=12)
-            | st.sampled_from(["entropy", "random", "always-large", "nope", "user", "assistant", "w3 w4", ""]))
+            | st.sampled_from(["entropy", "random", "always-large", "nope", "user", "assistant", "w3 w4", "",
+                               "w3 \ud800"]))  # a lone surrogate: JSON can spell it, UTF-8 cannot
 JSON_VALUES = st.recursive(_scalars, lambda inner: st.lists(inner, max_size=4)
                            | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=8)
 
@@ -434,7 +437,8 @@ JSON_VALUES = st.recursive(_scalars, lambda inner: st.lists(inner, max_size=4)
 def http_cases(draw) -> tuple[str, bytes, dict]:
     """(path, body bytes, headers): a valid request with a few fields broken, or junk."""
     chat = draw(st.booleans())
-    body: dict = ({"messages": [{"role": "user", "content": "w3 w4"}]} if chat else {"prompt": "w3 w4"})
+    text = draw(st.sampled_from(["w3 w4", "w3 w4", "w3 w4", "w3 \udfff", "\u00e9 \U0001f600"]))
+    body: dict = ({"messages": [{"role": "user", "content": text}]} if chat else {"prompt": text})
     body["max_tokens"] = draw(st.integers(1, 4))
     for _ in range(draw(st.integers(0, 3))):
         body[draw(st.sampled_from(FIELDS) | st.text(max_size=6))] = draw(JSON_VALUES)
