@@ -93,6 +93,10 @@ class BackoffEngine:
         thresholds = routing.thresholds or router.default_thresholds(self.num_levels)
         if len(thresholds) != self.num_levels - 1:
             raise ValueError(f"{self.num_levels} models need {self.num_levels - 1} thresholds, got {len(thresholds)}")
+        low, high = router.threshold_range
+        if any(not low <= t <= high for t in thresholds):
+            raise ValueError(f"thresholds of the {router.name} router must be in [{low}, {high}], "
+                             f"got {list(thresholds)}")
         controller = None
         if routing.target_backoff is not None:
             if self.num_levels != 2:

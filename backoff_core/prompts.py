@@ -4,12 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from jinja2.exceptions import TemplateError
+
 
 def encode_chat(tokenizer, messages: Sequence[dict[str, str]]) -> list[int]:
     """messages: [{"role": ..., "content": ...}] through the tokenizer's chat template."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template; send a plain prompt instead")
-    ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+    try:
+        ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+    except TemplateError as exc:  # the template's own raise_exception(): e.g. roles out of order
+        raise ValueError(f"the chat template refused the messages: {exc}") from None
     if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)

@@ -33,6 +33,8 @@ class DecisionFunction:
 
     name: ClassVar[str]
     needs_large_logits: ClassVar[bool] = False  # oracle: M_L must catch up every step
+    # thresholds that mean something for this score (outside it every step goes one way)
+    threshold_range: ClassVar[tuple[float, float]] = (-math.inf, math.inf)
     hidden_layer: int | None = None  # which M_S hidden state to hand over, if any
 
     def default_thresholds(self, num_levels: int) -> tuple[float, ...]:
@@ -107,6 +109,7 @@ class MaxProb(DecisionFunction):
     """1 - max_v p_S(v): BiLD's fallback rule."""
 
     name = "max-prob"
+    threshold_range = (0.0, 1.0)  # the score is a probability mass
 
     def default_thresholds(self, num_levels):
         return tuple(0.5 + 0.4 * i / max(1, num_levels - 1) for i in range(num_levels - 1))
@@ -119,6 +122,7 @@ class Random(DecisionFunction):
     """Score ~ U(0, 1), so threshold T keeps a share T of steps small: T IS the backoff rate."""
 
     name = "random"
+    threshold_range = (0.0, 1.0)  # a backoff rate
 
     def __init__(self, rate: float | None = None) -> None:
         self.rate = rate
@@ -136,6 +140,7 @@ class Draft(DecisionFunction):
     """Speculative decoding's schedule: K drafts from M_S, then the largest model verifies."""
 
     name = "draft"
+    threshold_range = (1.0, math.inf)  # drafts before a verification
 
     def __init__(self, draft_tokens: int) -> None:
         self.draft_tokens = draft_tokens

@@ -5,11 +5,15 @@ shared by every transport (and by the server's edge); errors map to the exceptio
 `clients.errors` in one place.
 """
 
-from .errors import BackoffError, BadRequestError, NotFoundError, OverloadedError, ServerError, TransportError
+from .errors import (
+    AuthenticationError, BackoffError, BadRequestError, NotFoundError, OverloadedError, RateLimitError, ServerError,
+    TransportError,
+)
 from .retry import Retry
 from .types import ChatMessage, Delta, GenerateParams, Generation, Usage
 
 __all__ = [
-    "BackoffError", "BadRequestError", "NotFoundError", "OverloadedError", "ServerError", "TransportError", "Retry",
+    "AuthenticationError", "BackoffError", "BadRequestError", "NotFoundError", "OverloadedError", "RateLimitError",
+    "ServerError", "TransportError", "Retry",
     "ChatMessage", "Delta", "GenerateParams", "Generation", "Usage",
 ]

@@ -3,6 +3,7 @@
   backoff-client generate "Why is the sky blue?" --chat --stream --threshold 2.5
   backoff-client --grpc 127.0.0.1:9000 generate "def fib(n):" --max-tokens 32 --json
   backoff-client models | health
+The API key comes from --api-key or, better (no shell history), BACKOFF_API_KEY.
 Streamed tokens are coloured by source: small green, any larger model bold red.
 """
 
@@ -24,6 +25,7 @@ def _parser() -> argparse.ArgumentParser:
     where.add_argument("--url", default="http://127.0.0.1:8000", help="HTTP base URL of the ingress")
     where.add_argument("--grpc", metavar="HOST:PORT", help="use gRPC at this address instead of HTTP")
     p.add_argument("--model", default=None, help="served model name (default: the server's)")
+    p.add_argument("--api-key", default=None, help="API key (default: the BACKOFF_API_KEY environment variable)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds")
     sub = p.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="complete a prompt (or one chat message with --chat)")
@@ -50,10 +52,10 @@ def _client(args):
     if args.grpc:
         from .grpc_client import BackoffGrpcClient
 
-        return BackoffGrpcClient(args.grpc, model=args.model, timeout=args.timeout)
+        return BackoffGrpcClient(args.grpc, model=args.model, api_key=args.api_key, timeout=args.timeout)
     from .http_client import BackoffHTTPClient
 
-    return BackoffHTTPClient(args.url, model=args.model, timeout=args.timeout)
+    return BackoffHTTPClient(args.url, model=args.model, api_key=args.api_key, timeout=args.timeout)
 
 
 def _params(args) -> GenerateParams:

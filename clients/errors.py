@@ -19,6 +19,12 @@ class BadRequestError(BackoffError, ValueError):
     """The server refused the request's content (HTTP 4xx, gRPC INVALID_ARGUMENT)."""
 
 
+class AuthenticationError(BackoffError):
+    """No API key, or a wrong one (HTTP 401, gRPC UNAUTHENTICATED)."""
+
+
+
+
 class NotFoundError(BackoffError):
     """Unknown route, model or method (HTTP 404, gRPC NOT_FOUND / UNIMPLEMENTED)."""
 
@@ -32,13 +38,18 @@ class TransportError(BackoffError):
 
 
 class OverloadedError(TransportError):
-    """The server is at capacity and refused the request before starting it (HTTP 503 / 429,
+    """The server is at capacity and refused the request before starting it (HTTP 503,
     gRPC RESOURCE_EXHAUSTED): safe to send again, after `retry_after_s` when the server said."""
 
     def __init__(self, message: str, status: int | str | None = None, param: str | None = None,
                  retry_after_s: float | None = None) -> None:
         super().__init__(message, status, param)
         self.retry_after_s = retry_after_s
+
+
+class RateLimitError(OverloadedError):
+    """This client has too many requests open (HTTP 429; over gRPC the same
+    RESOURCE_EXHAUSTED as an overload, so an OverloadedError there)."""
 
 
 def from_http(status: int, body: bytes | str, retry_after: str | None = None) -> BackoffError:
@@ -50,10 +61,14 @@ def from_http(status: int, body: bytes | str, retry_after: str | None = None) ->
         message, param = detail.get("message") or message, detail.get("param")
     except (ValueError, KeyError, TypeError):
         pass
-    if status in (429, 503):
-        return OverloadedError(message, status, param, _seconds(retry_after))
     if status == 404:
         return NotFoundError(message, status, param)
+    if status == 401:
+        return AuthenticationError(message, status, param)
+    if status == 429:
+        return RateLimitError(message, status, param, _seconds(retry_after))
+    if status == 503:
+        return OverloadedError(message, status, param, _seconds(retry_after))
     if 400 <= status < 500:
         return BadRequestError(message, status, param)
     if status in (502, 504):
@@ -71,12 +86,13 @@ def from_grpc(error) -> BackoffError:
     if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
                 grpc.StatusCode.FAILED_PRECONDITION):
         return BadRequestError(message, name)
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return AuthenticationError(message, name)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        trailing = dict(error.trailing_metadata() or ()) if hasattr(error, "trailing_metadata") else {}
+        return OverloadedError(message, name, retry_after_s=_seconds(trailing.get("retry-after")))
     if code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNIMPLEMENTED):
         return NotFoundError(message, name)
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        trailing = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
-        retry_after = dict(trailing or ()).get("retry-after")
-        return OverloadedError(message, name, None, _seconds(retry_after))
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return TransportError(message, name)
     return ServerError(message, name)
@@ -84,10 +100,36 @@ def from_grpc(error) -> BackoffError:
 
 def from_validation(error) -> BadRequestError:
     """A request the client itself refuses (pydantic ValidationError) -> BadRequestError."""
-    first = error.errors()[0] if hasattr(error, "errors") and error.errors() else {}
-    param = ".".join(str(x) for x in first.get("loc", ())) or None
-    message = f"{param}: {first.get('msg')}" if first else str(error)
+    param, message = describe_validation(error.errors()) if hasattr(error, "errors") else (None, str(error))
     return BadRequestError(message, None, param)
+
+
+# pydantic names the branch of a union in an error's location ("constrained-str",
+# "list[constrained-int]", "float"); those are not fields
+_UNION_BRANCHES = ("float", "int", "str", "bool")
+
+
+def _field_path(loc) -> str:
+    parts = [str(x) for x in loc if x != "body"]
+    return ".".join(p for p in parts if p not in _UNION_BRANCHES and not any(c in p for c in "-[]"))
+
+
+def describe_validation(errors: list[dict]) -> tuple[str | None, str]:
+    """pydantic errors -> (param, message) about the first field that failed. For a union
+    (a prompt is text or token ids) the branch whose type matched explains the problem;
+    when none matched, the message lists what the field may be."""
+    if not errors:
+        return None, "invalid request"
+    field = _field_path(errors[0].get("loc", ())).split(".")[0]
+    same = [e for e in errors if _field_path(e.get("loc", ())).split(".")[0] == field]
+    matched = [e for e in same if not str(e.get("type", "")).endswith("_type")]
+    if matched:
+        param, message = _field_path(matched[0].get("loc", ())), matched[0].get("msg", "invalid")
+    else:
+        param = _field_path(errors[0].get("loc", ()))
+        message = " or ".join(dict.fromkeys(e.get("msg", "invalid") for e in same
+                                            if _field_path(e.get("loc", ())) == param))
+    return param or None, f"{param}: {message}" if param else message
 
 
 def from_transport(error: Exception) -> BackoffError:
@@ -95,11 +137,11 @@ def from_transport(error: Exception) -> BackoffError:
     return TransportError(f"{type(error).__name__}: {error}")
 
 
-def _seconds(retry_after: str | None) -> float | None:
+def _seconds(value) -> float | None:
     """A Retry-After value in delay-seconds (the HTTP-date form is not used here)."""
     try:
-        return max(0.0, float(retry_after)) if retry_after is not None else None
-    except ValueError:
+        return max(0.0, float(value))
+    except (TypeError, ValueError):
         return None
 
 

@@ -3,12 +3,14 @@
 Same method names as the HTTP clients. Ray Serve picks the application from the
 `application` metadata key; pass `application=` when more than one app is deployed.
 RESOURCE_EXHAUSTED (the server is at capacity) raises OverloadedError; `retry=Retry(...)`
-retries it, bounded: a stream only before its first chunk.
+retries it, bounded: a stream only before its first chunk. `api_key` (default: the
+BACKOFF_API_KEY environment variable) goes in the metadata `authorization: Bearer <key>`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 
@@ -28,12 +30,21 @@ def _chat(messages: Messages) -> list[ChatMessage]:
     return [m if isinstance(m, ChatMessage) else ChatMessage(**m) for m in messages]
 
 
+def call_metadata(application: str | None, api_key: str | None) -> tuple[tuple[str, str], ...] | None:
+    """Metadata of every call: the Serve application, the API key (else $BACKOFF_API_KEY)."""
+    key = api_key if api_key is not None else os.environ.get("BACKOFF_API_KEY")
+    metadata = ((("application", application),) if application else ()) + \
+        ((("authorization", f"Bearer {key}"),) if key else ())
+    return metadata or None
+
+
 class _Base:
-    def __init__(self, model: str | None, application: str | None, timeout: float, retry: Retry) -> None:
+    def __init__(self, model: str | None, application: str | None, timeout: float, retry: Retry,
+                 api_key: str | None) -> None:
         self.model = model
         self.timeout = timeout
         self.retry = retry
-        self._metadata = (("application", application),) if application else None
+        self._metadata = call_metadata(application, api_key)
 
     def _request(self, params, fields, **content) -> pb.GenerateRequest:
         return request_to_pb(merge_params(params, fields), model=self.model, **content)
@@ -43,9 +54,10 @@ class BackoffGrpcClient(_Base):
     """Sync client: `BackoffGrpcClient("127.0.0.1:9000").complete("Hello", max_tokens=8)`."""
 
     def __init__(self, target: str = "127.0.0.1:9000", *, model: str | None = None,
-                 application: str | None = None, timeout: float = 120.0, retry: Retry = NO_RETRY,
+                 application: str | None = None, api_key: str | None = None, timeout: float = 120.0,
+                 retry: Retry = NO_RETRY,
                  channel: grpc.Channel | None = None) -> None:
-        super().__init__(model, application, timeout, retry)
+        super().__init__(model, application, timeout, retry, api_key)
         self._channel = channel or grpc.insecure_channel(target)
         self._stub = pb_grpc.BackoffStub(self._channel)
 
@@ -117,9 +129,10 @@ class AsyncBackoffGrpcClient(_Base):
     """Async client (grpc.aio) with the same methods."""
 
     def __init__(self, target: str = "127.0.0.1:9000", *, model: str | None = None,
-                 application: str | None = None, timeout: float = 120.0, retry: Retry = NO_RETRY,
+                 application: str | None = None, api_key: str | None = None, timeout: float = 120.0,
+                 retry: Retry = NO_RETRY,
                  channel: grpc.aio.Channel | None = None) -> None:
-        super().__init__(model, application, timeout, retry)
+        super().__init__(model, application, timeout, retry, api_key)
         self._channel = channel or grpc.aio.insecure_channel(target)
         self._stub = pb_grpc.BackoffStub(self._channel)
 

@@ -3,13 +3,15 @@
 Method names are the same as the gRPC clients': complete, chat, stream, stream_chat,
 models, health. Sampling and routing knobs go in a `GenerateParams` or as keyword fields.
 A refusal for lack of capacity raises OverloadedError; `retry=Retry(...)` retries it,
-bounded, after the server's Retry-After.
+bounded, after the server's Retry-After. `api_key` (default: the BACKOFF_API_KEY
+environment variable) goes in `Authorization: Bearer`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 
@@ -34,6 +36,12 @@ def _body(params: GenerateParams, model: str | None, stream: bool, **content) ->
     return body
 
 
+def api_key_headers(api_key: str | None) -> dict[str, str]:
+    """The Authorization header of `api_key`, else of $BACKOFF_API_KEY, else none."""
+    key = api_key if api_key is not None else os.environ.get("BACKOFF_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 def _messages(messages: Messages) -> list[dict]:
     return [m.model_dump() if isinstance(m, ChatMessage) else dict(m) for m in messages]
 
@@ -55,9 +63,11 @@ class BackoffHTTPClient:
     """Sync client. `with BackoffHTTPClient(url) as c: c.complete("Hello", max_tokens=8)`."""
 
     def __init__(self, base_url: str = "http://127.0.0.1:8000", *, model: str | None = None,
-                 timeout: float = 120.0, retry: Retry = NO_RETRY, http: httpx.Client | None = None) -> None:
+                 api_key: str | None = None, timeout: float = 120.0, retry: Retry = NO_RETRY,
+                 http: httpx.Client | None = None) -> None:
         self.model = model
         self.retry = retry
+        self._headers = api_key_headers(api_key)
         self._http = http or httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout)
 
     def __enter__(self) -> "BackoffHTTPClient":
@@ -97,13 +107,13 @@ class BackoffHTTPClient:
 
     # -- transport --------------------------------------------------------------------------
     def _get(self, path: str) -> dict:
-        return self._send(self._http.build_request("GET", path)).json()
+        return self._send(self._http.build_request("GET", path, headers=self._headers)).json()
 
     def _post(self, path: str, body: dict) -> dict:
-        return self._send(self._http.build_request("POST", path, json=body)).json()
+        return self._send(self._http.build_request("POST", path, json=body, headers=self._headers)).json()
 
     def _stream(self, path: str, body: dict) -> Iterator[Delta]:
-        response = self._send(self._http.build_request("POST", path, json=body), stream=True)
+        response = self._send(self._http.build_request("POST", path, json=body, headers=self._headers), stream=True)
         try:
             for line in response.iter_lines():
                 data = _sse_data(line)
@@ -139,10 +149,11 @@ class AsyncBackoffHTTPClient:
     """Async client with the same methods; `stream` / `stream_chat` are async iterators."""
 
     def __init__(self, base_url: str = "http://127.0.0.1:8000", *, model: str | None = None,
-                 timeout: float = 120.0, retry: Retry = NO_RETRY,
+                 api_key: str | None = None, timeout: float = 120.0, retry: Retry = NO_RETRY,
                  http: httpx.AsyncClient | None = None) -> None:
         self.model = model
         self.retry = retry
+        self._headers = api_key_headers(api_key)
         self._http = http or httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout)
 
     async def __aenter__(self) -> "AsyncBackoffHTTPClient":
@@ -181,13 +192,13 @@ class AsyncBackoffHTTPClient:
             return False
 
     async def _get(self, path: str) -> dict:
-        return (await self._send(self._http.build_request("GET", path))).json()
+        return (await self._send(self._http.build_request("GET", path, headers=self._headers))).json()
 
     async def _post(self, path: str, body: dict) -> dict:
-        return (await self._send(self._http.build_request("POST", path, json=body))).json()
+        return (await self._send(self._http.build_request("POST", path, json=body, headers=self._headers))).json()
 
     async def _stream(self, path: str, body: dict) -> AsyncIterator[Delta]:
-        response = await self._send(self._http.build_request("POST", path, json=body), stream=True)
+        response = await self._send(self._http.build_request("POST", path, json=body, headers=self._headers), stream=True)
         try:
             async for line in response.aiter_lines():
                 data = _sse_data(line)

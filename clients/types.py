@@ -10,11 +10,31 @@ Names follow DESIGN.md §6: small/large, source, threshold, backoff rate.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .errors import from_validation
+
+
+def _unicode(text: str) -> str:
+    # JSON may spell a lone surrogate ("\ud800"); no tokenizer takes one, and UTF-8 has none
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("text must be valid Unicode (a lone surrogate such as \\ud800 is not)") from None
+    return text
+
+
+# Wire scalars are typed strictly: "5" is not a number, 1 is not a boolean, NaN and
+# infinities are not numbers (Python's JSON parser reads NaN / Infinity). A float field
+# still takes an int, as JSON does not tell 1 from 1.0.
+Int = Annotated[int, Field(strict=True)]
+Float = Annotated[float, Field(strict=True, allow_inf_nan=False)]
+Bool = Annotated[bool, Field(strict=True)]
+Unicode = Annotated[str, Field(strict=True), AfterValidator(_unicode)]
+Text = Annotated[Unicode, Field(min_length=1)]
+TokenIds = Annotated[list[Annotated[int, Field(strict=True, ge=0)]], Field(min_length=1)]
 
 # ----------------------------------------------------------------------------------------
 # transport-neutral
@@ -22,8 +42,8 @@ from .errors import from_validation
 
 
 class ChatMessage(BaseModel):
-    role: str = Field(description="system, user or assistant (whatever the chat template accepts)")
-    content: str = Field(description="the message text")
+    role: Literal["system", "user", "assistant"] = Field(description="who speaks")
+    content: Unicode = Field(description="the message text (may be empty)")
 
 
 class GenerateParams(BaseModel):
@@ -31,17 +51,18 @@ class GenerateParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    max_tokens: int | None = Field(None, ge=1, description="tokens to generate at most")
-    temperature: float | None = Field(None, ge=0.0, description="0 = greedy")
-    top_p: float | None = Field(None, gt=0.0, le=1.0, description="nucleus sampling mass")
-    top_k: int | None = Field(None, ge=0, description="keep the k most likely tokens (0 = off)")
-    seed: int | None = Field(None, description="seed of this request's sampler (reproducible output)")
-    stop: list[str] | None = Field(None, description="stop strings (the text is cut before them)")
-    ignore_eos: bool = Field(False, description="keep generating past the end-of-sequence token")
-    router: str | None = Field(None, description="decision function (router) for this request")
-    backoff_threshold: float | list[float] | None = Field(
+    max_tokens: Int | None = Field(None, ge=1, description="tokens to generate at most")
+    temperature: Float | None = Field(None, ge=0.0, description="0 = greedy")
+    top_p: Float | None = Field(None, gt=0.0, le=1.0, description="nucleus sampling mass")
+    top_k: Int | None = Field(None, ge=0, description="keep the k most likely tokens (0 = off)")
+    seed: Int | None = Field(None, ge=-(2**63), lt=2**63, description="seed of this request's sampler "
+                                                                      "(reproducible output; an int64)")
+    stop: list[Text] | None = Field(None, description="stop strings (the text is cut before them)")
+    ignore_eos: Bool = Field(False, description="keep generating past the end-of-sequence token")
+    router: Text | None = Field(None, description="decision function (router) for this request")
+    backoff_threshold: Float | Annotated[list[Float], Field(min_length=1)] | None = Field(
         None, description="threshold on the router's score (one per boundary between models, ascending)")
-    target_backoff: float | None = Field(
+    target_backoff: Float | None = Field(
         None, ge=0.0, le=1.0, description="ask for a backoff rate; a controller moves the threshold")
 
     def thresholds(self) -> list[float] | None:
@@ -106,7 +127,7 @@ class Delta(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = Field(False, description="send usage in a final chunk")
+    include_usage: Bool = Field(False, description="send usage in a final chunk")
 
 
 class _OpenAIRequest(GenerateParams):
@@ -114,12 +135,12 @@ class _OpenAIRequest(GenerateParams):
     # would change the output and are not supported are rejected below
     model_config = ConfigDict(extra="ignore")
 
-    model: str | None = Field(None, description="served model name (see GET /v1/models)")
-    stream: bool = Field(False, description="stream tokens as server-sent events")
+    model: Unicode | None = Field(None, description="served model name (see GET /v1/models)")
+    stream: Bool = Field(False, description="stream tokens as server-sent events")
     stream_options: StreamOptions | None = Field(None, description="streaming options")
-    n: int = Field(1, description="completions per prompt (only 1 is supported)")
-    presence_penalty: float = Field(0.0, description="not supported: must be 0")
-    frequency_penalty: float = Field(0.0, description="not supported: must be 0")
+    n: Int = Field(1, description="completions per prompt (only 1 is supported)")
+    presence_penalty: Float = Field(0.0, description="not supported: must be 0")
+    frequency_penalty: Float = Field(0.0, description="not supported: must be 0")
 
     @field_validator("n")
     @classmethod
@@ -142,12 +163,12 @@ class _OpenAIRequest(GenerateParams):
 
 
 class CompletionRequest(_OpenAIRequest):
-    prompt: str | list[int] = Field(description="prompt text, or its token ids")
+    prompt: Text | TokenIds = Field(description="prompt text, or its token ids")
 
 
 class ChatCompletionRequest(_OpenAIRequest):
     messages: list[ChatMessage] = Field(min_length=1, description="the conversation so far")
-    max_completion_tokens: int | None = Field(None, ge=1, description="newer name of max_tokens")
+    max_completion_tokens: Int | None = Field(None, ge=1, description="newer name of max_tokens")
 
 
 class BackoffTrace(BaseModel):

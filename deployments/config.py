@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 
 class _Config(BaseModel):
@@ -100,6 +100,41 @@ class AdmissionConfig(_Config):
     retry_after_s: float = Field(1.0, ge=0.0, description="Retry-After of a refused request (seconds, rounded up)")
 
 
+class AccessConfig(_Config):
+    """Who may call. Without keys the service is open to whoever reaches its ports."""
+
+    api_keys: list[SecretStr] = Field(
+        default_factory=list, description="accepted API keys (HTTP `Authorization: Bearer <key>`, gRPC metadata "
+                                          "`authorization: Bearer <key>`); prefer api_keys_env: a Serve config's "
+                                          "args are visible to whoever can read the cluster's config")
+    api_keys_env: str | None = Field(
+        None, description="name of an environment variable of the Ingress replicas holding more keys, "
+                          "comma-separated; the replica refuses to start when it is not set")
+    health_open: bool = Field(True, description="GET /health and the gRPC Health method need no key "
+                                                "(load balancers probe them)")
+
+
+class LimitsConfig(_Config):
+    """What one request may ask for, and how many requests one client may have open. A client
+    is its API key where keys are set, else its peer address."""
+
+    max_body_bytes: int = Field(1 << 20, ge=1, description="HTTP request body size in bytes (413 above; on gRPC "
+                                                           "the encoded request size, INVALID_ARGUMENT above)")
+    max_prompt_chars: int = Field(100_000, ge=1, description="characters of a text prompt, or of all chat "
+                                                             "messages together")
+    max_prompt_tokens: int | None = Field(
+        None, ge=1, description="prompt tokens (token ids sent, or the tokenized text, counted by the "
+                                "SmallRouter); none: only the models' context window bounds the prompt")
+    max_tokens: int = Field(4096, ge=1, description="largest max_tokens a request may ask for (prompt + "
+                                                    "max_tokens must also fit the context window)")
+    max_stop: int = Field(4, ge=0, description="stop strings per request (OpenAI allows 4)")
+    max_stop_chars: int = Field(64, ge=1, description="characters of one stop string")
+    max_concurrent_per_client: int | None = Field(
+        16, ge=1, description="requests one client may have open at once, counted in each Ingress replica "
+                              "(429 / RESOURCE_EXHAUSTED above); none: unlimited")
+    retry_after_s: int = Field(1, ge=0, description="Retry-After (seconds) sent with a 429")
+
+
 class AppArgs(_Config):
     """The application builder's arguments (`args:` in the Serve config YAML)."""
 
@@ -122,6 +157,8 @@ class AppArgs(_Config):
                                        description="per SmallRouter replica: live and waiting requests at most")
     default_max_tokens: int = Field(64, ge=1, description="max_tokens of a request that sets none")
     torch_threads: int | None = Field(None, ge=1, description="torch threads per model replica (none: Ray's default)")
+    access: AccessConfig = Field(default_factory=AccessConfig, description="API keys (none: open)")
+    limits: LimitsConfig = Field(default_factory=LimitsConfig, description="request size and per-client limits")
 
     @model_validator(mode="after")
     def _admission_below_serve_limit(self) -> "AppArgs":
@@ -130,4 +167,11 @@ class AppArgs(_Config):
         if carried >= self.small.max_ongoing_requests:
             raise ValueError(f"admission.max_live_requests + max_waiting_requests ({carried}) must stay below "
                              f"small.max_ongoing_requests ({self.small.max_ongoing_requests})")
+        return self
+
+    @model_validator(mode="after")
+    def _default_within_cap(self) -> "AppArgs":
+        if self.default_max_tokens > self.limits.max_tokens:
+            raise ValueError(f"default_max_tokens {self.default_max_tokens} exceeds limits.max_tokens "
+                             f"{self.limits.max_tokens}")
         return self

@@ -1,11 +1,13 @@
 """Ingress deployment: OpenAI-compatible HTTP (FastAPI) and gRPC (Ray Serve's gRPC proxy).
 
-No model here. A request is validated at the edge (pydantic), sent to a SmallRouter as a
-ServeRequest, and its stream of items (Admitted, TokenEvent ..., GenerationResult) is
-turned into SSE chunks, one JSON body, or protobuf messages. The first item decides the
-status: a Rejected request is a 400 / INVALID_ARGUMENT before anything is streamed, an
-Overloaded one (or Serve's BackPressureError: a full queue) a 503 + Retry-After /
-RESOURCE_EXHAUSTED.
+No model here. A request is validated at the edge (pydantic, then the configured limits
+and API keys of `access.py`), sent to a SmallRouter as a ServeRequest, and its stream of
+items (Admitted, TokenEvent ..., GenerationResult) is turned into SSE chunks, one JSON
+body, or protobuf messages. The first item decides the status: a Rejected request is a
+400 / INVALID_ARGUMENT before anything is streamed, an Overloaded one (or Serve's
+BackPressureError: a full queue) a 503 + Retry-After / RESOURCE_EXHAUSTED. Every client
+mistake is a 4xx with an OpenAI-style error body, or INVALID_ARGUMENT / NOT_FOUND /
+UNAUTHENTICATED / RESOURCE_EXHAUSTED on gRPC; 5xx / INTERNAL mean the server failed.
 """
 
 import asyncio
@@ -14,7 +16,8 @@ import math
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from dataclasses import dataclass
 
 import grpc
@@ -24,27 +27,39 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
 from ray.serve.exceptions import BackPressureError
+from starlette.exceptions import HTTPException
+from starlette.middleware.body_limit import MAX_BODY_SIZE_SCOPE_KEY
 from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
 
 from backoff_core.types import GenerationResult, TokenEvent
 from clients import backoff_pb2 as pb
+from clients.errors import describe_validation
 from clients.proto import params_from_pb, prompt_from_pb
 from clients.types import ChatCompletionRequest, CompletionRequest, GenerateParams, ModelCard, ModelList
 
+from .access import ClientError, Edge, EdgeGate, body_too_large, check_limits, peer_host
 from .admission import Overloaded
 from .config import AppArgs
 from .engine_loop import Admitted, Failed, Rejected
 from .formats import chunk_body, error_body, final_chunk_body, pb_chunk, pb_final_chunk, pb_response, response_body
+from .grpc_service import Undecodable
 from .requests import serve_request
 
 app = FastAPI(title="Backoff Serve", description="Backoff decoding: a small and a large LM, one live threshold.")
 
 
-class ClientError(ValueError):
-    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None) -> None:
-        super().__init__(message)
-        self.message, self.param, self.status, self.code = message, param, status, code
+def _replica_edge() -> Edge:
+    # the app is built (and copied by @serve.ingress) before any replica exists; each
+    # replica's Ingress holds its own Edge, found the way Serve finds `self` for a route
+    return serve.get_replica_context().servable_object.edge
+
+
+app.add_middleware(EdgeGate, edge=_replica_edge)
+
+# HTTP status of a client error -> its gRPC status (anything else 4xx: INVALID_ARGUMENT)
+GRPC_CODES = {401: grpc.StatusCode.UNAUTHENTICATED, 404: grpc.StatusCode.NOT_FOUND,
+              429: grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
 class ServerFailure(RuntimeError):
@@ -70,23 +85,43 @@ class Overload(ServerFailure):
 class IngressInfo:
     pid: int
     replica: str
+    open_by_client: dict[str, int]  # requests open per client id (key digest prefix or peer host)
 
 
-def _error_response(status: int, message: str, kind: str, param: str | None = None, code: str | None = None):
-    return JSONResponse(error_body(message, kind, param, code), status_code=status)
+def _error_response(status: int, message: str, kind: str, param: str | None = None, code: str | None = None,
+                    headers: dict | None = None):
+    # a message may quote client text with lone surrogates, which UTF-8 cannot encode
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
+    return JSONResponse(error_body(message, kind, param, code), status_code=status, headers=headers)
 
 
 @app.exception_handler(RequestValidationError)
 async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-    first = exc.errors()[0] if exc.errors() else {}
-    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-    message = f"{'.'.join(loc) + ': ' if loc else ''}{first.get('msg', 'invalid request')}"
-    return _error_response(400, message, "invalid_request_error", ".".join(loc) or None)
+    errors = exc.errors()
+    if errors and errors[0].get("type") == "json_invalid":
+        error = errors[0]
+        message = f"the body is not valid JSON: {error.get('ctx', {}).get('error', 'decode error')}"
+        return _error_response(400, f"{message} at position {error['loc'][-1]}", "invalid_request_error")
+    param, message = describe_validation(errors)
+    return _error_response(400, message, "invalid_request_error", param)
+
+
+@app.exception_handler(HTTPException)
+async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    """Starlette's and FastAPI's own refusals (unknown route, wrong method, a body that is not
+    UTF-8 or too large) in the OpenAI error shape."""
+    message, code = str(exc.detail), None
+    if exc.status_code == 413:  # a streamed body went past the limit
+        too_large = body_too_large(request.scope.get(MAX_BODY_SIZE_SCOPE_KEY))
+        message, code = too_large.message, too_large.code
+    elif exc.status_code == 400 and message == "There was an error parsing the body":
+        message = "the body could not be read as JSON (is it UTF-8?)"
+    return _error_response(exc.status_code, message, "invalid_request_error", None, code, exc.headers)
 
 
 @app.exception_handler(ClientError)
 async def _client_error(request: Request, exc: ClientError) -> JSONResponse:
-    return _error_response(exc.status, exc.message, "invalid_request_error", exc.param, exc.code)
+    return _error_response(exc.status, exc.message, exc.kind, exc.param, exc.code, exc.headers)
 
 
 @app.exception_handler(Overload)
@@ -105,12 +140,22 @@ def _sse(body: dict) -> str:
 
 
 async def _collect(stream: AsyncIterator) -> GenerationResult:
-    async for item in stream:
-        if isinstance(item, GenerationResult):
-            return item
-        if isinstance(item, (Rejected, Failed)):
-            raise ServerFailure(item.message)
+    async with aclosing(stream):
+        async for item in stream:
+            if isinstance(item, GenerationResult):
+                return item
+            if isinstance(item, (Rejected, Failed)):
+                raise ServerFailure(item.message)
     raise ServerFailure("the stream ended without a result")
+
+
+async def _holding(stream: AsyncIterator, release: Callable[[], None]) -> AsyncIterator:
+    """The router's stream, holding the client's slot until it ends or is closed."""
+    try:
+        async for item in stream:
+            yield item
+    finally:
+        release()
 
 
 def _events(item) -> tuple[TokenEvent, ...]:
@@ -119,9 +164,10 @@ def _events(item) -> tuple[TokenEvent, ...]:
 
 def _set_status(context: RayServegRPCContext, exc: Exception) -> None:
     if isinstance(exc, ClientError):
-        code = grpc.StatusCode.NOT_FOUND if exc.status == 404 else grpc.StatusCode.INVALID_ARGUMENT
-        context.set_code(code)
+        context.set_code(GRPC_CODES.get(exc.status, grpc.StatusCode.INVALID_ARGUMENT))
         context.set_details(exc.message)
+        if exc.headers.get("Retry-After"):
+            context.set_trailing_metadata([("retry-after", exc.headers["Retry-After"])])
     elif isinstance(exc, Overload):
         context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)
         context.set_details(str(exc))
@@ -133,10 +179,15 @@ def _set_status(context: RayServegRPCContext, exc: Exception) -> None:
 
 
 def _first_error(exc: Exception) -> str:
-    if isinstance(exc, ValidationError) and exc.errors():
-        e = exc.errors()[0]
-        return f"{'.'.join(str(x) for x in e.get('loc', ()))}: {e.get('msg')}"
+    if isinstance(exc, ValidationError):
+        return describe_validation(exc.errors())[1]
     return str(exc)
+
+
+def _grpc_client(edge: Edge, context: RayServegRPCContext) -> str:
+    """The caller's client id from its metadata (`authorization: Bearer <key>`); ClientError(401)."""
+    authorization = next((v for k, v in context.invocation_metadata() if k == "authorization"), None)
+    return edge.access.client(authorization, context.peer())
 
 
 @serve.deployment(max_ongoing_requests=512)
@@ -144,12 +195,14 @@ def _first_error(exc: Exception) -> str:
 class Ingress:
     def __init__(self, router: DeploymentHandle, args: dict) -> None:
         self.args = AppArgs.model_validate(args)
+        self.edge = Edge.from_config(self.args.access, self.args.limits)
         self.model_name = self.args.models.served_name
         self.router = router.options(stream=True)
         self.router_unary = router
 
     def info(self) -> IngressInfo:
-        return IngressInfo(pid=os.getpid(), replica=serve.get_replica_context().replica_id.unique_id)
+        return IngressInfo(pid=os.getpid(), replica=serve.get_replica_context().replica_id.unique_id,
+                           open_by_client=dict(self.edge.slots.open))
 
     async def _chain_ok(self) -> str:
         """'' when a SmallRouter answers within 5 s, else why not."""
@@ -172,22 +225,23 @@ class Ingress:
         return ModelList(data=[ModelCard(id=self.model_name)]).model_dump()
 
     @app.post("/v1/completions")
-    async def completions(self, body: CompletionRequest):
-        return await self._http(body, chat=False, prompt=body.prompt)
+    async def completions(self, body: CompletionRequest, request: Request):
+        return await self._http(body, request, chat=False, prompt=body.prompt)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(self, body: ChatCompletionRequest):
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         if body.max_completion_tokens is not None and body.max_tokens is None:
             body = body.model_copy(update={"max_tokens": body.max_completion_tokens})
-        return await self._http(body, chat=True, messages=body.messages)
+        return await self._http(body, request, chat=True, messages=body.messages)
 
-    async def _http(self, body, chat: bool, **content):
+    async def _http(self, body, request: Request, chat: bool, **content):
         if body.model and body.model != self.model_name:
             raise ClientError(f"model {body.model!r} is not served here; GET /v1/models lists "
                               f"{self.model_name!r}", "model", 404, "model_not_found")
         params = GenerateParams(**body.model_dump(include=set(GenerateParams.model_fields)))
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        stream = await self._open(rid, params, tokens=body.stream, **content)
+        client = getattr(request.state, "client", None) or f"peer:{peer_host(request.client)}"  # set by EdgeGate
+        stream = await self._open(rid, params, client, tokens=body.stream, **content)
         created = int(time.time())
         if not body.stream:
             result = await _collect(stream)
@@ -195,52 +249,76 @@ class Ingress:
         return StreamingResponse(self._sse(rid, created, stream, chat), media_type="text/event-stream")
 
     async def _sse(self, rid: str, created: int, stream: AsyncIterator, chat: bool) -> AsyncIterator[str]:
-        async for item in stream:
-            if isinstance(item, (TokenEvent, tuple)):
-                yield "".join(_sse(chunk_body(rid, self.model_name, created, e, chat)) for e in _events(item))
-            elif isinstance(item, GenerationResult):
-                yield _sse(final_chunk_body(rid, self.model_name, created, item, chat))
-            elif isinstance(item, (Rejected, Failed)):  # after admission: report in-band
-                yield _sse(error_body(item.message, "server_error"))
-                break
+        async with aclosing(stream):
+            async for item in stream:
+                if isinstance(item, (TokenEvent, tuple)):
+                    yield "".join(_sse(chunk_body(rid, self.model_name, created, e, chat)) for e in _events(item))
+                elif isinstance(item, GenerationResult):
+                    yield _sse(final_chunk_body(rid, self.model_name, created, item, chat))
+                elif isinstance(item, (Rejected, Failed)):  # after admission: report in-band
+                    yield _sse(error_body(item.message, "server_error"))
+                    break
         yield "data: [DONE]\n\n"
 
     # -- gRPC -------------------------------------------------------------------------------
-    async def Generate(self, request: pb.GenerateRequest, grpc_context: RayServegRPCContext) -> pb.GenerateResponse:
+    async def Generate(self, request: pb.GenerateRequest | Undecodable,
+                       grpc_context: RayServegRPCContext) -> pb.GenerateResponse:
         rid = f"cmpl-{uuid.uuid4().hex}"
         try:
-            stream = await self._open_pb(rid, request, tokens=False)
+            stream = await self._open_pb(rid, request, grpc_context, tokens=False)
             return pb_response(rid, await _collect(stream))
         except (ClientError, ServerFailure) as exc:
             _set_status(grpc_context, exc)
             return pb.GenerateResponse()
 
-    async def GenerateStream(self, request: pb.GenerateRequest,
+    async def GenerateStream(self, request: pb.GenerateRequest | Undecodable,
                              grpc_context: RayServegRPCContext) -> AsyncIterator[pb.GenerateChunk]:
         rid = f"cmpl-{uuid.uuid4().hex}"
         try:
-            stream = await self._open_pb(rid, request)
+            stream = await self._open_pb(rid, request, grpc_context)
         except (ClientError, ServerFailure) as exc:
             _set_status(grpc_context, exc)
             raise  # nothing was streamed: Serve sends the status set above only with an exception
-        async for item in stream:
-            if isinstance(item, (TokenEvent, tuple)):
-                for event in _events(item):
-                    yield pb_chunk(rid, event)
-            elif isinstance(item, GenerationResult):
-                yield pb_final_chunk(rid, item)
-            elif isinstance(item, (Rejected, Failed)):
-                _set_status(grpc_context, ServerFailure(item.message))
-                raise ServerFailure(item.message)
+        async with aclosing(stream):
+            async for item in stream:
+                if isinstance(item, (TokenEvent, tuple)):
+                    for event in _events(item):
+                        yield pb_chunk(rid, event)
+                elif isinstance(item, GenerationResult):
+                    yield pb_final_chunk(rid, item)
+                elif isinstance(item, (Rejected, Failed)):
+                    _set_status(grpc_context, ServerFailure(item.message))
+                    raise ServerFailure(item.message)
 
-    async def Models(self, request: pb.ModelsRequest, grpc_context: RayServegRPCContext) -> pb.ModelsResponse:
+    async def Models(self, request: pb.ModelsRequest | Undecodable,
+                     grpc_context: RayServegRPCContext) -> pb.ModelsResponse:
+        try:
+            _grpc_client(self.edge, grpc_context)
+        except ClientError as exc:
+            _set_status(grpc_context, exc)
+            return pb.ModelsResponse()
         return pb.ModelsResponse(models=[self.model_name])
 
-    async def Health(self, request: pb.HealthRequest, grpc_context: RayServegRPCContext) -> pb.HealthResponse:
+    async def Health(self, request: pb.HealthRequest | Undecodable,
+                     grpc_context: RayServegRPCContext) -> pb.HealthResponse:
+        if not self.edge.access.health_open:
+            try:
+                _grpc_client(self.edge, grpc_context)
+            except ClientError as exc:
+                _set_status(grpc_context, exc)
+                return pb.HealthResponse()
         problem = await self._chain_ok()
         return pb.HealthResponse(ok=not problem, detail=problem or "ok")
 
-    async def _open_pb(self, rid: str, request: pb.GenerateRequest, tokens: bool = True) -> AsyncIterator:
+    async def _open_pb(self, rid: str, request: pb.GenerateRequest | Undecodable, context: RayServegRPCContext,
+                       tokens: bool = True) -> AsyncIterator:
+        client = _grpc_client(self.edge, context)  # first: an unknown caller learns nothing else
+        if isinstance(request, Undecodable):
+            raise ClientError(request.describe())
+        size = request.ByteSize()
+        if size > self.edge.limits.max_body_bytes:
+            raise ClientError(f"the request is {size} bytes; the limit is {self.edge.limits.max_body_bytes} "
+                              "(limits.max_body_bytes)", code="request_too_large")
         if request.model and request.model != self.model_name:
             raise ClientError(f"model {request.model!r} is not served here", "model", 404, "model_not_found")
         try:
@@ -248,22 +326,31 @@ class Ingress:
             prompt, messages = prompt_from_pb(request)
         except (ValidationError, ValueError) as exc:
             raise ClientError(_first_error(exc)) from None
-        return await self._open(rid, params, tokens=tokens, prompt=prompt, messages=messages)
+        return await self._open(rid, params, client, tokens=tokens, prompt=prompt, messages=messages)
 
     # -- both -------------------------------------------------------------------------------
-    async def _open(self, rid: str, params: GenerateParams, tokens: bool, **content) -> AsyncIterator:
-        """Send the request to a SmallRouter; returns its stream once it is admitted.
-        tokens=False (unary): the stream carries no TokenEvents, only the result."""
+    async def _open(self, rid: str, params: GenerateParams, client: str, tokens: bool, **content) -> AsyncIterator:
+        """Check the limits, take one of the client's slots and send the request to a
+        SmallRouter; returns its stream once it is admitted (the slot is freed when the
+        stream ends or is closed). tokens=False (unary): no TokenEvents, only the result."""
+        check_limits(self.edge.limits, params, **content)
         try:
             request = serve_request(rid, params, default_max_tokens=self.args.default_max_tokens, **content)
         except ValueError as exc:
             raise ClientError(str(exc)) from None
+        release = self.edge.slots.take(client)
         try:
             stream = self.router.generate.remote(request, tokens)
             first = await stream.__anext__()
         except BackPressureError as exc:  # Serve's queue for a SmallRouter replica is full
+            release()
             retry = self.args.admission.retry_after_s if exc.retry_after_s is None else exc.retry_after_s
             raise Overload(exc.message, retry) from None
+        except BaseException:
+            release()
+            raise
+        if not isinstance(first, Admitted):
+            release()
         if isinstance(first, Overloaded):  # the SmallRouter replica is full
             raise Overload(first.message, first.retry_after_s)
         if isinstance(first, Rejected):
@@ -271,5 +358,5 @@ class Ingress:
         if isinstance(first, Failed):
             raise ServerFailure(first.message)
         assert isinstance(first, Admitted), first
-        return stream
+        return _holding(stream, release)
 

@@ -45,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--threshold", help="threshold(s), comma-separated, ascending (live config)")
     p.add_argument("--target-backoff", type=float, help="target backoff rate (live config)")
     p.add_argument("--no-batching", action="store_true", help="one large-model forward per catch-up call")
-    p.add_argument("--host", help="HTTP host")
+    p.add_argument("--host", help="HTTP host (default 127.0.0.1; 0.0.0.0 exposes it: set access.api_keys)")
     p.add_argument("--http-port", type=int, help="HTTP port (default 8000)")
     p.add_argument("--grpc-port", type=int, help="gRPC port (default 9000)")
     p.add_argument("--address", help="Ray cluster to deploy to (default: start a local one)")

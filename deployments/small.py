@@ -153,6 +153,9 @@ class SmallRouter:
             ids = encode_prompt(self.tokenizer, request.prompt)
         else:
             ids = list(request.prompt_ids)
+        limit = self.args.limits.max_prompt_tokens
+        if limit is not None and len(ids) > limit:
+            raise ValueError(f"the prompt is {len(ids)} tokens; the limit is {limit} (limits.max_prompt_tokens)")
         return generation_request(request, ids, policy)
 
     def _finished(self, result: GenerationResult) -> None:

@@ -29,14 +29,15 @@ def test_packaged_config_is_a_valid_serve_config():
     AppArgs.model_validate(app.args)
     users = {d.name: d.user_config for d in app.deployments}
     RoutingConfig.model_validate(users["SmallRouter"])
-    assert "clients.backoff_pb2_grpc.add_BackoffServicer_to_server" in schema.grpc_options.grpc_servicer_functions
+    assert "deployments.grpc_service.add_BackoffServicer_to_server" in schema.grpc_options.grpc_servicer_functions
+    assert schema.http_options.host == "127.0.0.1"  # loopback unless exposed on purpose
 
 
 def test_every_config_field_is_described():
     from deployments import config
 
     for model in (config.ModelsConfig, config.RoutingConfig, config.CatchUpConfig, config.ReplicaConfig,
-                  config.AppArgs):
+                  config.AccessConfig, config.LimitsConfig, config.AppArgs):
         missing = [name for name, f in model.model_fields.items() if not f.description]
         assert not missing, f"{model.__name__}: {missing}"
 
