@@ -4,6 +4,12 @@ No model here. A request is validated at the edge (pydantic), sent to a SmallRou
 ServeRequest, and its stream of items (Admitted, TokenEvent ..., GenerationResult) is
 turned into SSE chunks, one JSON body, or protobuf messages. The first item decides the
 status: a Rejected request is a 400 / INVALID_ARGUMENT before anything is streamed.
+
+Failures after admission: a SmallRouter replica that dies under a request (its stream
+raises a Ray actor error) and a larger model that failed a request (on_large_failure =
+fail) are "unavailable": HTTP 503 with an OpenAI error body for a unary request, an
+in-band OpenAI error event then [DONE] for an SSE stream (its 200 is already sent), gRPC
+UNAVAILABLE; other failures are 500 / INTERNAL. The client may retry either.
 """
 
 import asyncio
@@ -18,6 +24,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
+from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.serve.exceptions import ReplicaUnavailableError
 from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
 
@@ -41,7 +49,32 @@ class ClientError(ValueError):
 
 
 class ServerFailure(RuntimeError):
-    pass
+    """Serving failed; status 503 when a part of the chain is down or too slow."""
+
+    def __init__(self, message: str, status: int = 500, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.status, self.code = message, status, code
+
+
+ROUTER_LOST = (RayActorError, ActorUnavailableError, ReplicaUnavailableError)
+
+
+def _failure(item: Rejected | Failed) -> ServerFailure:
+    if isinstance(item, Failed) and item.unavailable:
+        return ServerFailure(item.message, 503, "large_unavailable")
+    return ServerFailure(item.message)
+
+
+async def _guarded(stream: AsyncIterator) -> AsyncIterator:
+    """A SmallRouter's stream; the router failing under it becomes a ServerFailure."""
+    try:
+        async for item in stream:
+            yield item
+    except ROUTER_LOST as exc:
+        raise ServerFailure(f"the small router serving this request was lost ({type(exc).__name__}); "
+                            f"retry the request", 503, "router_unavailable") from exc
+    except Exception as exc:  # noqa: BLE001 - reported to the client, not a broken connection
+        raise ServerFailure(f"{type(exc).__name__}: {exc}") from exc
 
 
 def _error_response(status: int, message: str, kind: str, param: str | None = None, code: str | None = None):
@@ -63,7 +96,7 @@ async def _client_error(request: Request, exc: ClientError) -> JSONResponse:
 
 @app.exception_handler(ServerFailure)
 async def _server_failure(request: Request, exc: ServerFailure) -> JSONResponse:
-    return _error_response(500, str(exc), "server_error")
+    return _error_response(exc.status, exc.message, "server_error", code=exc.code)
 
 
 def _sse(body: dict) -> str:
@@ -75,7 +108,7 @@ async def _collect(stream: AsyncIterator) -> GenerationResult:
         if isinstance(item, GenerationResult):
             return item
         if isinstance(item, (Rejected, Failed)):
-            raise ServerFailure(item.message)
+            raise _failure(item)
     raise ServerFailure("the stream ended without a result")
 
 
@@ -87,6 +120,9 @@ def _set_status(context: RayServegRPCContext, exc: Exception) -> None:
     if isinstance(exc, ClientError):
         code = grpc.StatusCode.NOT_FOUND if exc.status == 404 else grpc.StatusCode.INVALID_ARGUMENT
         context.set_code(code)
+        context.set_details(exc.message)
+    elif isinstance(exc, ServerFailure) and exc.status == 503:
+        context.set_code(grpc.StatusCode.UNAVAILABLE)
         context.set_details(exc.message)
     else:
         context.set_code(grpc.StatusCode.INTERNAL)
@@ -153,14 +189,16 @@ class Ingress:
         return StreamingResponse(self._sse(rid, created, stream, chat), media_type="text/event-stream")
 
     async def _sse(self, rid: str, created: int, stream: AsyncIterator, chat: bool) -> AsyncIterator[str]:
-        async for item in stream:
-            if isinstance(item, (TokenEvent, tuple)):
-                yield "".join(_sse(chunk_body(rid, self.model_name, created, e, chat)) for e in _events(item))
-            elif isinstance(item, GenerationResult):
-                yield _sse(final_chunk_body(rid, self.model_name, created, item, chat))
-            elif isinstance(item, (Rejected, Failed)):  # after admission: report in-band
-                yield _sse(error_body(item.message, "server_error"))
-                break
+        try:
+            async for item in stream:
+                if isinstance(item, (TokenEvent, tuple)):
+                    yield "".join(_sse(chunk_body(rid, self.model_name, created, e, chat)) for e in _events(item))
+                elif isinstance(item, GenerationResult):
+                    yield _sse(final_chunk_body(rid, self.model_name, created, item, chat))
+                elif isinstance(item, (Rejected, Failed)):
+                    raise _failure(item)
+        except ServerFailure as exc:  # after admission (the 200 is out): report in-band, as OpenAI does
+            yield _sse(error_body(exc.message, "server_error", code=exc.code))
         yield "data: [DONE]\n\n"
 
     # -- gRPC -------------------------------------------------------------------------------
@@ -181,15 +219,18 @@ class Ingress:
         except (ClientError, ServerFailure) as exc:
             _set_status(grpc_context, exc)
             raise  # nothing was streamed: Serve sends the status set above only with an exception
-        async for item in stream:
-            if isinstance(item, (TokenEvent, tuple)):
-                for event in _events(item):
-                    yield pb_chunk(rid, event)
-            elif isinstance(item, GenerationResult):
-                yield pb_final_chunk(rid, item)
-            elif isinstance(item, (Rejected, Failed)):
-                _set_status(grpc_context, ServerFailure(item.message))
-                raise ServerFailure(item.message)
+        try:
+            async for item in stream:
+                if isinstance(item, (TokenEvent, tuple)):
+                    for event in _events(item):
+                        yield pb_chunk(rid, event)
+                elif isinstance(item, GenerationResult):
+                    yield pb_final_chunk(rid, item)
+                elif isinstance(item, (Rejected, Failed)):
+                    raise _failure(item)
+        except ServerFailure as exc:
+            _set_status(grpc_context, exc)
+            raise
 
     async def Models(self, request: pb.ModelsRequest, grpc_context: RayServegRPCContext) -> pb.ModelsResponse:
         return pb.ModelsResponse(models=[self.model_name])
@@ -216,12 +257,12 @@ class Ingress:
             request = serve_request(rid, params, default_max_tokens=self.args.default_max_tokens, **content)
         except ValueError as exc:
             raise ClientError(str(exc)) from None
-        stream = self.router.generate.remote(request, tokens)
+        stream = _guarded(self.router.generate.remote(request, tokens))
         first = await stream.__anext__()
         if isinstance(first, Rejected):
             raise ClientError(first.message)
         if isinstance(first, Failed):
-            raise ServerFailure(first.message)
+            raise _failure(first)
         assert isinstance(first, Admitted), first
         return stream
 
