@@ -105,6 +105,9 @@ class EngineLoop(Generic[Policy]):
     def live(self) -> int:
         return len(self._sinks)
 
+    def live_ids(self) -> tuple[str, ...]:
+        return tuple(self._sinks)
+
     # -- engine thread ----------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stopped.is_set():

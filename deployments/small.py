@@ -73,6 +73,8 @@ class RouterInfo:
     policy: RoutingConfig
     steps: int
     live: int
+    requests: tuple[str, ...]  # ids of the live requests
+    cancelled: int  # requests whose caller went away (disconnect, cancel) before the end
     sessions_lost: int
     catch_up_calls: int
     catch_up_wait_s: float  # step-loop time spent waiting for catch-up replies
@@ -98,6 +100,7 @@ class SmallRouter:
                                context_window=side.context_window)
         self.metrics = RouterMetrics(n)
         self._lost_reported = 0
+        self._cancelled = 0
         self.loop: EngineLoop[RoutingConfig] = EngineLoop(engine, self._admit, self.args.routing, self._finished)
         self.reconfigure(self.args.routing.model_dump())
         self.loop.start()
@@ -135,10 +138,12 @@ class SmallRouter:
             if not ended:  # the caller went away (disconnect, cancel): free the sessions now
                 self.loop.cancel(request.request_id)
                 self.metrics.request("cancelled")
+                self._cancelled += 1
 
     def info(self) -> RouterInfo:
         return RouterInfo(pid=os.getpid(), replica=serve.get_replica_context().replica_id.unique_id,
                           policy=self.loop.policy, steps=self.loop.steps, live=self.loop.live(),
+                          requests=self.loop.live_ids(), cancelled=self._cancelled,
                           sessions_lost=sum(r.lost_sessions for r in self.remotes),
                           catch_up_calls=sum(r.calls for r in self.remotes),
                           catch_up_wait_s=sum(r.wait_s for r in self.remotes))
