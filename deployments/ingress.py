@@ -27,7 +27,7 @@ from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import ReplicaUnavailableError
 from ray.serve.grpc_util import RayServegRPCContext
-from ray.serve.handle import DeploymentHandle
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from backoff_core.types import GenerationResult, TokenEvent
 from clients import backoff_pb2 as pb
@@ -65,16 +65,25 @@ def _failure(item: Rejected | Failed) -> ServerFailure:
     return ServerFailure(item.message)
 
 
-async def _guarded(stream: AsyncIterator) -> AsyncIterator:
-    """A SmallRouter's stream; the router failing under it becomes a ServerFailure."""
+async def _guarded(stream: DeploymentResponseGenerator) -> AsyncIterator:
+    """A SmallRouter's stream. The router failing under it becomes a ServerFailure; a
+    caller that stops early (disconnect, cancel) cancels the router's request here, not
+    trusting Ray's recursive cancel from this replica (under load it misses some)."""
+    ended = False
     try:
         async for item in stream:
+            ended = isinstance(item, (GenerationResult, Rejected, Failed))
             yield item
     except ROUTER_LOST as exc:
+        ended = True
         raise ServerFailure(f"the small router serving this request was lost ({type(exc).__name__}); "
                             f"retry the request", 503, "router_unavailable") from exc
     except Exception as exc:  # noqa: BLE001 - reported to the client, not a broken connection
+        ended = True
         raise ServerFailure(f"{type(exc).__name__}: {exc}") from exc
+    finally:
+        if not ended:
+            stream.cancel()
 
 
 def _error_response(status: int, message: str, kind: str, param: str | None = None, code: str | None = None):
@@ -104,12 +113,15 @@ def _sse(body: dict) -> str:
 
 
 async def _collect(stream: AsyncIterator) -> GenerationResult:
-    async for item in stream:
-        if isinstance(item, GenerationResult):
-            return item
-        if isinstance(item, (Rejected, Failed)):
-            raise _failure(item)
-    raise ServerFailure("the stream ended without a result")
+    try:
+        async for item in stream:
+            if isinstance(item, GenerationResult):
+                return item
+            if isinstance(item, (Rejected, Failed)):
+                raise _failure(item)
+        raise ServerFailure("the stream ended without a result")
+    finally:
+        await stream.aclose()
 
 
 def _events(item) -> tuple[TokenEvent, ...]:
@@ -199,6 +211,8 @@ class Ingress:
                     raise _failure(item)
         except ServerFailure as exc:  # after admission (the 200 is out): report in-band, as OpenAI does
             yield _sse(error_body(exc.message, "server_error", code=exc.code))
+        finally:
+            await stream.aclose()  # closed early (a disconnect while a chunk was sent): cancels the router's request
         yield "data: [DONE]\n\n"
 
     # -- gRPC -------------------------------------------------------------------------------
@@ -231,6 +245,8 @@ class Ingress:
         except ServerFailure as exc:
             _set_status(grpc_context, exc)
             raise
+        finally:
+            await stream.aclose()
 
     async def Models(self, request: pb.ModelsRequest, grpc_context: RayServegRPCContext) -> pb.ModelsResponse:
         return pb.ModelsResponse(models=[self.model_name])
