@@ -26,3 +26,14 @@ class Backend(Protocol):
 
 class SessionLost(RuntimeError):
     """The backend no longer holds a session (replica lost, TTL): re-prefill elsewhere."""
+
+
+class LargeUnavailable(RuntimeError):
+    """A larger model cannot answer in time (too slow, no replica left). The requests of
+    the sessions that got no reply lose their larger models for good and go on with the
+    small model alone, or fail, as their `on_large_failure` says; `extensions` holds the
+    replies of the call's sessions that did answer (they carry on as usual)."""
+
+    def __init__(self, message: str, extensions: dict[str, Extension] | None = None) -> None:
+        super().__init__(message)
+        self.extensions = extensions or {}

@@ -1,5 +1,11 @@
 """Catch-up: one forward of a lagging model over all pending tokens of many requests, and
 the optional verification of those tokens with the logits it yields for free (DESIGN §2).
+
+A model that cannot answer in time (LargeUnavailable: too slow, no replica) costs the
+requests without a reply their larger models for good: their sessions are closed (their
+state is unknown: the call may still land) and they are marked `degraded`, so the step
+loop takes M_S's token now and routes them nowhere else; or, with on_large_failure =
+"fail", they end with the error.
 """
 
 from __future__ import annotations
@@ -10,7 +16,7 @@ from typing import Sequence
 
 import torch
 
-from .backends import Backend, SessionLost
+from .backends import Backend, LargeUnavailable, SessionLost
 from .runner import Extension, SessionError
 from .sampling import distribution, kl_divergence, residual, sample, uniform
 from .state import Live
@@ -33,10 +39,18 @@ class CatchUpper:
         self.collect_kl = collect_kl
 
     def run(self, level: int, group: list[Live]) -> dict[str, Outcome]:
+        """Outcomes of the requests whose catch-up worked (a degraded request has none)."""
         if not group:
             return {}
         start = time.perf_counter()
-        exts = self._extend(level, group)
+        try:
+            exts = self._extend(level, group)
+        except LargeUnavailable as exc:
+            for r in group:
+                if r.sid not in exc.extensions:
+                    self._give_up(level, r, str(exc))
+            group = [r for r in group if r.sid in exc.extensions]
+            exts = [exc.extensions[r.sid] for r in group]
         seconds = time.perf_counter() - start
         before = [r.fed[level] for r in group]  # after _extend: a re-prefill starts at 0
         outcomes = {}
@@ -67,6 +81,18 @@ class CatchUpper:
                 r.fed[level] = 0
                 r.last_logits.pop(level, None)
             return model.extend([(r.sid, list(r.tokens)) for r in group])
+
+    def _give_up(self, level: int, r: Live, reason: str) -> None:
+        """The request goes on with M_S alone (or fails): no larger model is called again."""
+        r.degraded = reason or f"{self.models[level].name} unavailable"
+        if r.request.routing.on_large_failure == "fail":
+            r.failure = r.degraded
+        for m in sorted(r.opened - {0}):
+            try:
+                self.models[m].close(r.sid)  # fire and forget for a remote model
+            except Exception:  # noqa: BLE001 - an unreachable model has its own ways to free it
+                pass
+        r.opened &= {0}
 
     def _verify_and_sample(self, level: int, r: Live, before: int, ext: Extension) -> Outcome:
         preds = ext.logits  # [k, V]; preds[i] predicts position before + i + 1

@@ -8,6 +8,8 @@ One `step()` advances every live request by one committed token (or one rollback
   5. catch-up per level, batched over requests: ONE forward over each request's pending
      tokens; verification may roll back; the step's token comes from that level
   6. commit: append, stream, stop
+A request whose larger model could not answer (catchup.py) is `degraded`: from then on it
+is routed nowhere but M_S, and a step whose catch-up failed takes M_S's token instead.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from .backends import Backend
+from .backends import Backend, LargeUnavailable
 from .catchup import CatchUpper, Outcome
 from .control import RateController, rate_prior
 from .routers import DecisionFunction, StepContext, build_router
@@ -159,21 +161,21 @@ class BackoffEngine:
                 pass
 
     def has_work(self) -> bool:
-        return any(not r.finished for r in self._live.values())
+        return any(not r.done for r in self._live.values())
 
     def live_ids(self) -> list[str]:
         return list(self._live)
 
     def finished_ids(self) -> list[str]:
-        """Requests whose last token is committed; `finish(rid)` collects each."""
-        return [rid for rid, live in self._live.items() if live.finished]
+        """Requests whose last token is committed (or that failed); `finish(rid)` collects each."""
+        return [rid for rid, live in self._live.items() if live.done]
 
     # -- the step -------------------------------------------------------------------------
     def step(self) -> dict[str, TokenEvent]:
-        live = [r for r in self._live.values() if not r.finished]
+        live = [r for r in self._live.values() if not r.done]
         if not live:
             return {}
-        # 1. levels decided without M_S
+        # 1. levels decided without M_S (a degraded request has M_S only)
         drafts = torch.tensor([r.drafts() for r in live])
         forced = [
             r.router.levels_before_small_step(drafts[i : i + 1], r.thresholds[None], self.num_levels)
@@ -182,6 +184,7 @@ class BackoffEngine:
         forced = [int(f[0]) if f is not None else -1 for f in forced]
         # a request about to finish with unverified drafts: the largest model checks them
         forced = [self.num_levels - 1 if r.finish_after_verify else f for r, f in zip(live, forced)]
+        forced = [-1 if r.degraded else f for r, f in zip(live, forced)]
         stepping = [r for r, f in zip(live, forced) if f < 0]
         # 2. M_S, batched
         small = self._small_step(stepping)
@@ -189,16 +192,24 @@ class BackoffEngine:
         levels: dict[str, int] = {r.sid: f for r, f in zip(live, forced) if f >= 0}
         outcomes: dict[str, Outcome] = {}
         scores: dict[str, float] = {}
-        for router, group in _by_router(stepping).items():
+        for router, group in _by_router([r for r in stepping if not r.degraded]).items():
             self._decide(router, group, small, levels, outcomes, scores)
         # 5. catch-ups, one batched forward per level
         for level in range(1, self.num_levels):
-            group = [r for r in live if levels.get(r.sid) == level and r.sid not in outcomes]
+            group = [r for r in live if levels.get(r.sid) == level and r.sid not in outcomes and not r.degraded]
             outcomes.update(self.catch_up.run(level, group))
+        # a catch-up failed (degraded): M_S's token instead, for those that skipped M_S
+        small.update(self._small_step([r for r in live if r.degraded and not r.failure and r.sid not in small
+                                       and not r.finish_after_verify]))
         # 6. commit
         events = {}
         for r in live:
             outcome = outcomes.get(r.sid)
+            if r.failure:
+                continue  # ends with its error (finish raises it)
+            if outcome is None and r.finish_after_verify:  # the verification failed: the drafts stand
+                r.finished = r.finish_after_verify
+                continue
             if outcome is None:  # stays small
                 logits = small[r.sid][0]
                 token = sample(distribution(logits, r.request.sampling), r.generator)
@@ -240,8 +251,10 @@ class BackoffEngine:
         top = self.num_levels - 1
         large_logits = None
         if router.needs_large_logits:
-            for r, outcome in self.catch_up.run(top, group).items():
-                outcomes[r] = outcome
+            outcomes.update(self.catch_up.run(top, group))
+            group = [r for r in group if r.sid in outcomes]  # a degraded request stays small
+            if not group:
+                return
             large_logits = torch.stack([outcomes[r.sid].logits for r in group])
         start = time.perf_counter()
         ctx = StepContext(
@@ -270,7 +283,7 @@ class BackoffEngine:
         position = len(r.tokens)
         r.tokens.append(token)
         r.sources.append(source)
-        if r.num_levels > source + 1 and r.request.routing.verification != Verification.NONE:
+        if r.num_levels > source + 1 and r.request.routing.verification != Verification.NONE and not r.degraded:
             r.source_logits[position] = logits
         if self.collect_kl and small is not None:
             r.small_logits[position] = small[0]
@@ -293,15 +306,19 @@ class BackoffEngine:
                 reason = FinishReason.STOP
         if reason is None and len(r.generated) >= params.max_tokens:
             reason = FinishReason.LENGTH
-        if reason is not None and r.request.routing.verification != Verification.NONE and r.drafts():
+        verified = r.request.routing.verification != Verification.NONE and not r.degraded
+        if reason is not None and verified and r.drafts():
             r.finish_after_verify = reason  # never hand out tokens verification would reject
         else:
             r.finished = reason
 
     def finish(self, rid: str) -> GenerationResult:
-        """The result of a finished (or cancelled mid-way) request; frees its sessions."""
+        """The result of a finished (or cancelled mid-way) request; frees its sessions.
+        Raises LargeUnavailable for a request that failed (on_large_failure = "fail")."""
         live = self._live.pop(rid)
         self._close_sessions(live)
+        if live.failure:
+            raise LargeUnavailable(live.failure)
         return live.result(self.detok.full_text(live))
 
     # -- conveniences ---------------------------------------------------------------------
@@ -315,22 +332,24 @@ class BackoffEngine:
         routers = routers or [None] * len(requests)
         rids = [self.submit(req, router) for req, router in zip(requests, routers)]
         try:
-            while any(not self._live[rid].finished for rid in rids):
+            while any(not self._live[rid].done for rid in rids):
                 self.step()
+            return [self.finish(rid) for rid in rids]
         except BaseException:
             for rid in rids:
                 self.cancel(rid)
             raise
-        return [self.finish(rid) for rid in rids]
 
     def stream(self, request: GenerationRequest, router: DecisionFunction | None = None) -> Iterator[TokenEvent]:
         """Yields each committed token (with its source); the caller may stop early."""
         rid = self.submit(request, router)
         try:
-            while not self._live[rid].finished:
+            while not self._live[rid].done:
                 event = self.step().get(rid)
                 if event is not None:
                     yield event
+            if self._live[rid].failure:
+                self.finish(rid)  # raises LargeUnavailable
         finally:
             self.cancel(rid)
 

@@ -43,6 +43,12 @@ class Live:
     finish_after_verify: FinishReason | None = None  # unverified drafts to check first
     text: str = ""  # text streamed so far (stable prefix)
     cut_at: int | None = None  # stop string: text length to keep
+    degraded: str = ""  # why the larger models were given up ("": they were not); M_S only since
+    failure: str = ""  # the error that ends the request (on_large_failure = "fail")
+
+    @property
+    def done(self) -> bool:
+        return self.finished is not None or bool(self.failure)
 
     @property
     def prompt_len(self) -> int:
@@ -95,6 +101,8 @@ class Live:
             ),
             kl_at_catch_up=tuple(self.kl_at_catch_up),
             final_thresholds=tuple(float(t) for t in self.thresholds),
+            degraded=bool(self.degraded),
+            degraded_reason=self.degraded,
         )
 
 

@@ -76,6 +76,9 @@ class RoutingParams:
     verification: Verification = Verification.NONE
     tolerance: float = math.inf  # for Verification.KL
     eager_prefill: bool = False  # prefill M_L's prompt at admission rather than at its first call
+    # a larger model that cannot answer in time (backends.LargeUnavailable): "degrade" = the
+    # request goes on with the small model alone (flagged `degraded`), "fail" = it ends with the error
+    on_large_failure: str = "degrade"
 
     def __post_init__(self) -> None:
         if self.thresholds is not None:
@@ -90,6 +93,8 @@ class RoutingParams:
             raise ValueError(f"draft_tokens must be >= 1, got {self.draft_tokens}")
         if self.draft_schedule not in ("heuristic", "constant"):
             raise ValueError(f"draft_schedule must be 'heuristic' or 'constant', got {self.draft_schedule!r}")
+        if self.on_large_failure not in ("degrade", "fail"):
+            raise ValueError(f"on_large_failure must be 'degrade' or 'fail', got {self.on_large_failure!r}")
         if math.isnan(self.tolerance) or self.tolerance < 0:
             raise ValueError(f"tolerance must be >= 0, got {self.tolerance}")
 
@@ -157,6 +162,9 @@ class GenerationResult:
     timings: Timings
     kl_at_catch_up: tuple[float, ...] = ()  # true KL(M_L||M_S) at pending positions (telemetry)
     final_thresholds: tuple[float, ...] = ()
+    # a larger model failed to answer: every token from then on is the small model's
+    degraded: bool = False
+    degraded_reason: str = ""
 
     @property
     def backoff_rate(self) -> float:

@@ -76,6 +76,14 @@ def from_http(status: int, body: bytes | str, retry_after: str | None = None) ->
     return ServerError(message, status, param)
 
 
+def from_event(body: dict) -> BackoffError:
+    """An in-band error event of an SSE stream (its 200 already sent) -> exception: a
+    `*_unavailable` code (a part of the chain went down) reads as a 503, else a 500."""
+    detail = body.get("error") or {}
+    unavailable = str(detail.get("code") or "").endswith("unavailable")
+    return from_http(503 if unavailable else 500, json.dumps(body))
+
+
 def from_grpc(error) -> BackoffError:
     """A grpc.RpcError -> exception (grpc is imported lazily: HTTP users need not have it)."""
     import grpc

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 
 import httpx
 
-from .errors import BackoffError, from_http, from_transport
+from .errors import BackoffError, from_event, from_http, from_transport
 from .retry import NO_RETRY, Retry
 from .types import (
     ChatMessage, Delta, GenerateParams, Generation, delta_from_chunk, generation_from_body, merge_params,
@@ -52,11 +52,15 @@ def _raise_for_status(response: httpx.Response, body: bytes) -> None:
 
 
 def _sse_data(line: str) -> dict | None:
-    """One SSE line -> the JSON of a `data:` event (None for other lines and [DONE])."""
+    """One SSE line -> the JSON of a `data:` event (None for other lines and [DONE]); an
+    in-band error event raises."""
     if not line.startswith("data:"):
         return None
     data = line[5:].strip()
-    return None if data == "[DONE]" else json.loads(data)
+    body = None if data == "[DONE]" else json.loads(data)
+    if isinstance(body, dict) and "error" in body:
+        raise from_event(body)
+    return body
 
 
 class BackoffHTTPClient:

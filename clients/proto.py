@@ -50,7 +50,8 @@ def usage_to_pb(usage: Usage) -> pb.Usage:
 def usage_from_pb(msg: pb.Usage) -> Usage:
     return Usage(prompt_tokens=msg.prompt_tokens, completion_tokens=msg.completion_tokens,
                  total_tokens=msg.total_tokens, small_tokens=msg.small_tokens,
-                 large_tokens=msg.large_tokens, large_calls=msg.large_calls)
+                 large_tokens=msg.large_tokens, large_calls=msg.large_calls, degraded=msg.degraded,
+                 degraded_reason=msg.degraded_reason)
 
 
 def generation_from_pb(msg: pb.GenerateResponse) -> Generation:

@@ -89,6 +89,9 @@ class Usage(BaseModel):
     small_tokens: int = Field(0, description="generated tokens whose source is the small model")
     large_tokens: int = Field(0, description="generated tokens whose source is the large model")
     large_calls: int = Field(0, description="catch-ups (forward passes) of the large model for this request")
+    degraded: bool = Field(False, description="a larger model failed (too slow or unavailable) during the request: "
+                                              "every token after that came from the small model alone")
+    degraded_reason: str = Field("", description="why it was degraded (empty when it was not)")
 
     @property
     def backoff_rate(self) -> float:

@@ -10,6 +10,13 @@ the event loop keeps accepting calls while a forward runs (continuous batching).
 
 A call whose session is missing or shorter than `past` is answered `lost` (the caller
 re-prefills elsewhere); a longer one is cropped to `past` (a rollback).
+
+Sessions are freed by their caller's close, by TTL, and by lease: a call names its
+`owner` (a SmallRouter replica), every call and every `renew(owner)` renews that owner's
+lease, and `expire_leases` frees the sessions of owners silent for longer than the lease
+(a router that died cannot close them). A closed key is remembered (a tombstone), so a
+late call that arrives after its close -- a call the caller gave up on -- cannot recreate
+the session.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ class CatchUpCall:
     ids: tuple[int, ...]  # the pending ids, k >= 1
     group: str = ""  # the caller's step: its calls are merged when they arrive together
     group_size: int = 1  # calls the caller issued in that step
+    owner: str = ""  # the caller (a SmallRouter replica) whose lease keeps the session; "": TTL only
 
 
 @dataclass(frozen=True)
@@ -58,6 +66,7 @@ class BatcherStats:
     lost: int = 0
     waited_s: float = 0.0  # total time forwards waited for the rest of a step's calls
     forward_s: float = 0.0  # total time in forwards
+    orphans_freed: int = 0  # sessions freed because their owner's lease expired
     batch_sizes: collections.Counter = field(default_factory=collections.Counter)
 
 
@@ -85,26 +94,46 @@ class CatchUpBatcher:
         self._forward_thread = ThreadPoolExecutor(1, thread_name_prefix="catch-up")
         # calls of each recent caller step already taken into a forward (bounded)
         self._taken: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._leases: dict[str, float] = {}  # owner -> monotonic time of its last call or renewal
+        self._owners: dict[str, str] = {}  # session key -> owner (forward thread only)
+        self._closed: collections.OrderedDict[str, None] = collections.OrderedDict()  # tombstones (bounded)
 
     # -- API (event loop) -------------------------------------------------------------------
     async def extend(self, call: CatchUpCall) -> CatchUpReply:
         if not call.ids:
             raise ValueError("a catch-up needs at least one pending id")
         self._start()
+        if call.owner:
+            self.renew(call.owner)
         future = asyncio.get_running_loop().create_future()
         self._pending.append((call, future))
         self._arrived.set()
         return await future
 
     async def close(self, key: str) -> None:
-        await asyncio.get_running_loop().run_in_executor(self._forward_thread, self.runner.close, key)
+        await asyncio.get_running_loop().run_in_executor(self._forward_thread, self._close, key)
 
     def close_soon(self, key: str) -> None:
         """From any thread: free a session after the forwards already queued."""
         try:
-            self._forward_thread.submit(self.runner.close, key)
+            self._forward_thread.submit(self._close, key)
         except RuntimeError:  # shut down: the sessions go with the replica
             pass
+
+    def renew(self, owner: str) -> None:
+        """The owner is alive: its sessions stay for another lease."""
+        self._leases[owner] = time.monotonic()
+
+    async def expire_leases(self, lease_s: float) -> list[str]:
+        """Free the sessions of owners that neither called nor renewed for lease_s; their keys."""
+        cutoff = time.monotonic() - lease_s
+        for owner in [o for o, t in self._leases.items() if t < cutoff]:
+            del self._leases[owner]
+        return await asyncio.get_running_loop().run_in_executor(self._forward_thread, self._free_orphans)
+
+    def owners(self) -> dict[str, int]:
+        """owner -> sessions held for it."""
+        return dict(collections.Counter(self._owners.values()))
 
     async def expire(self, ttl_s: float) -> list[str]:
         """Free sessions idle for ttl_s; returns their keys."""
@@ -193,6 +222,20 @@ class CatchUpBatcher:
             self._taken.popitem(last=False)
 
     # -- the forward thread -----------------------------------------------------------------
+    def _close(self, key: str) -> None:
+        self.runner.close(key)
+        self._owners.pop(key, None)
+        self._closed[key] = None
+        while len(self._closed) > 65536:
+            self._closed.popitem(last=False)
+
+    def _free_orphans(self) -> list[str]:
+        keys = [key for key, owner in self._owners.items() if owner not in self._leases]
+        for key in keys:
+            self._close(key)
+        self.stats.orphans_freed += len(keys)
+        return keys
+
     def _forward(self, calls: list[CatchUpCall]) -> list[CatchUpReply]:
         replies: list[CatchUpReply | None] = [None] * len(calls)
         ready = []
@@ -221,8 +264,12 @@ class CatchUpBatcher:
         """Bring the session to `past` positions; '' when ready, else why it is lost."""
         runner, key = self.runner, call.key
         if call.past == 0:
+            if key in self._closed:
+                return f"session {key!r} was closed (a late call)"
             runner.close(key)  # a fresh epoch starts from nothing
             runner.open(key)
+            if call.owner:
+                self._owners[key] = call.owner
             return ""
         if not runner.has(key):
             return f"{runner.name} holds no session {key!r}"

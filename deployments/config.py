@@ -52,6 +52,12 @@ class RoutingConfig(_Config):
     target_backoff: float | None = Field(
         None, ge=0.0, le=1.0, description="ask for this backoff rate instead of a fixed threshold")
     rate: float | None = Field(None, ge=0.0, le=1.0, description="backoff rate of the random router")
+    large_timeout_s: float = Field(
+        30.0, gt=0.0, description="a catch-up with no reply within this long (M_L slow, or no replica left) "
+                                  "counts as a failure of the larger model (the wait includes its queue)")
+    on_large_failure: Literal["degrade", "fail"] = Field(
+        "degrade", description="after such a failure: degrade = the request goes on with M_S alone and its "
+                               "usage says degraded; fail = it ends with an error (HTTP 503 / gRPC UNAVAILABLE)")
 
 
 class CatchUpConfig(_Config):
@@ -65,6 +71,12 @@ class CatchUpConfig(_Config):
     batch_gap_ms: float = Field(5.0, ge=0.0, description="stop waiting when no call of the step arrived for this "
                                                          "long (the rest went to other replicas)")
     session_ttl_s: float = Field(600.0, gt=0.0, description="sessions idle this long are freed")
+    lease_s: float = Field(
+        30.0, gt=0.0, description="a SmallRouter replica renews the lease on its sessions every lease_s / 3; "
+                                  "the sessions of one that stopped renewing (it died) are freed after lease_s")
+    inject_delay_ms: float = Field(
+        0.0, ge=0.0, description="chaos / testing knob: every catch-up call waits this long before it is served "
+                                 "(a slow M_L); 0 in production")
 
 
 class ReplicaConfig(_Config):
@@ -130,8 +142,9 @@ class LimitsConfig(_Config):
     max_stop: int = Field(4, ge=0, description="stop strings per request (OpenAI allows 4)")
     max_stop_chars: int = Field(64, ge=1, description="characters of one stop string")
     max_concurrent_per_client: int | None = Field(
-        16, ge=1, description="requests one client may have open at once, counted in each Ingress replica "
-                              "(429 / RESOURCE_EXHAUSTED above); none: unlimited")
+        64, ge=1, description="requests one client may have open at once, counted in each Ingress replica "
+                              "(429 / RESOURCE_EXHAUSTED above; the default lets one client fill one "
+                              "SmallRouter replica's admission, not more); none: unlimited")
     retry_after_s: int = Field(1, ge=0, description="Retry-After (seconds) sent with a 429")
 
 

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Generic, TypeVar
 
+from backoff_core.backends import LargeUnavailable
 from backoff_core.engine import BackoffEngine
 from backoff_core.types import GenerationRequest, GenerationResult
 
@@ -44,6 +45,7 @@ class Failed:
     """Serving failed (not the client's fault)."""
 
     message: str
+    unavailable: bool = False  # a part of the chain is down or too slow: retrying later may work
 
 
 class _Sink:
@@ -102,6 +104,9 @@ class EngineLoop(Generic[Policy]):
 
     def live(self) -> int:
         return len(self._sinks)
+
+    def live_ids(self) -> tuple[str, ...]:
+        return tuple(self._sinks)
 
     # -- engine thread ----------------------------------------------------------------------
     def _run(self) -> None:
@@ -162,8 +167,13 @@ class EngineLoop(Generic[Policy]):
             if sink is not None and sink.tokens:
                 sink.put(event)
         for rid in self.engine.finished_ids():
-            result = self.engine.finish(rid)
             sink = self._sinks.pop(rid, None)
+            try:
+                result = self.engine.finish(rid)
+            except LargeUnavailable as exc:  # on_large_failure = "fail"
+                if sink is not None:
+                    sink.put(Failed(str(exc), unavailable=True))
+                continue
             if sink is not None:
                 sink.put(result)
             if self.on_finish is not None:

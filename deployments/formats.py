@@ -16,7 +16,8 @@ def usage_of(result: GenerationResult) -> Usage:
     by_source = result.tokens_by_source()
     n = len(result.token_ids)
     return Usage(prompt_tokens=result.prompt_tokens, completion_tokens=n, total_tokens=result.prompt_tokens + n,
-                 small_tokens=by_source[0], large_tokens=by_source[-1], large_calls=result.large_calls)
+                 small_tokens=by_source[0], large_tokens=by_source[-1], large_calls=result.large_calls,
+                 degraded=result.degraded, degraded_reason=result.degraded_reason)
 
 
 def _trace(result: GenerationResult) -> BackoffTrace:

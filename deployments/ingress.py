@@ -8,6 +8,12 @@ body, or protobuf messages. The first item decides the status: a Rejected reques
 BackPressureError: a full queue) a 503 + Retry-After / RESOURCE_EXHAUSTED. Every client
 mistake is a 4xx with an OpenAI-style error body, or INVALID_ARGUMENT / NOT_FOUND /
 UNAUTHENTICATED / RESOURCE_EXHAUSTED on gRPC; 5xx / INTERNAL mean the server failed.
+
+Failures after admission: a SmallRouter replica that dies under a request (its stream
+raises a Ray actor error) and a larger model that failed a request (on_large_failure =
+fail) are "unavailable": HTTP 503 with an OpenAI error body for a unary request, an
+in-band OpenAI error event then [DONE] for an SSE stream (its 200 is already sent), gRPC
+UNAVAILABLE; other failures are 500 / INTERNAL. The client may retry either.
 """
 
 import asyncio
@@ -26,11 +32,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
-from ray.serve.exceptions import BackPressureError
+from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.serve.exceptions import BackPressureError, ReplicaUnavailableError
 from starlette.exceptions import HTTPException
 from starlette.middleware.body_limit import MAX_BODY_SIZE_SCOPE_KEY
 from ray.serve.grpc_util import RayServegRPCContext
-from ray.serve.handle import DeploymentHandle
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from backoff_core.types import GenerationResult, TokenEvent
 from clients import backoff_pb2 as pb
@@ -63,7 +70,44 @@ GRPC_CODES = {401: grpc.StatusCode.UNAUTHENTICATED, 404: grpc.StatusCode.NOT_FOU
 
 
 class ServerFailure(RuntimeError):
-    pass
+    """Serving failed; status 503 when a part of the chain is down or too slow."""
+
+    def __init__(self, message: str, status: int = 500, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.status, self.code = message, status, code
+
+
+ROUTER_LOST = (RayActorError, ActorUnavailableError, ReplicaUnavailableError)
+
+
+def _failure(item: Rejected | Failed) -> ServerFailure:
+    if isinstance(item, Failed) and item.unavailable:
+        return ServerFailure(item.message, 503, "large_unavailable")
+    return ServerFailure(item.message)
+
+
+async def _guarded(stream: DeploymentResponseGenerator) -> AsyncIterator:
+    """A SmallRouter's stream. The router failing under it becomes a ServerFailure; a
+    caller that stops early (disconnect, cancel) cancels the router's request here, not
+    trusting Ray's recursive cancel from this replica (under load it misses some)."""
+    ended = False
+    try:
+        async for item in stream:
+            ended = isinstance(item, (GenerationResult, Rejected, Failed))
+            yield item
+    except BackPressureError:  # not admitted: the caller answers 503 + Retry-After
+        ended = True
+        raise
+    except ROUTER_LOST as exc:
+        ended = True
+        raise ServerFailure(f"the small router serving this request was lost ({type(exc).__name__}); "
+                            f"retry the request", 503, "router_unavailable") from exc
+    except Exception as exc:  # noqa: BLE001 - reported to the client, not a broken connection
+        ended = True
+        raise ServerFailure(f"{type(exc).__name__}: {exc}") from exc
+    finally:
+        if not ended:
+            stream.cancel()
 
 
 class Overload(ServerFailure):
@@ -132,7 +176,7 @@ async def _overload(request: Request, exc: Overload) -> JSONResponse:
 
 @app.exception_handler(ServerFailure)
 async def _server_failure(request: Request, exc: ServerFailure) -> JSONResponse:
-    return _error_response(500, str(exc), "server_error")
+    return _error_response(exc.status, exc.message, "server_error", code=exc.code)
 
 
 def _sse(body: dict) -> str:
@@ -140,20 +184,23 @@ def _sse(body: dict) -> str:
 
 
 async def _collect(stream: AsyncIterator) -> GenerationResult:
-    async with aclosing(stream):
+    try:
         async for item in stream:
             if isinstance(item, GenerationResult):
                 return item
             if isinstance(item, (Rejected, Failed)):
-                raise ServerFailure(item.message)
-    raise ServerFailure("the stream ended without a result")
+                raise _failure(item)
+        raise ServerFailure("the stream ended without a result")
+    finally:
+        await stream.aclose()
 
 
 async def _holding(stream: AsyncIterator, release: Callable[[], None]) -> AsyncIterator:
     """The router's stream, holding the client's slot until it ends or is closed."""
     try:
-        async for item in stream:
-            yield item
+        async with aclosing(stream):
+            async for item in stream:
+                yield item
     finally:
         release()
 
@@ -173,6 +220,9 @@ def _set_status(context: RayServegRPCContext, exc: Exception) -> None:
         context.set_details(str(exc))
         # reaches the client on unary calls; Serve's proxy drops it when a stream raises
         context.set_trailing_metadata([("retry-after", exc.retry_after)])
+    elif isinstance(exc, ServerFailure) and exc.status == 503:
+        context.set_code(grpc.StatusCode.UNAVAILABLE)
+        context.set_details(exc.message)
     else:
         context.set_code(grpc.StatusCode.INTERNAL)
         context.set_details(str(exc))
@@ -249,15 +299,18 @@ class Ingress:
         return StreamingResponse(self._sse(rid, created, stream, chat), media_type="text/event-stream")
 
     async def _sse(self, rid: str, created: int, stream: AsyncIterator, chat: bool) -> AsyncIterator[str]:
-        async with aclosing(stream):
+        try:
             async for item in stream:
                 if isinstance(item, (TokenEvent, tuple)):
                     yield "".join(_sse(chunk_body(rid, self.model_name, created, e, chat)) for e in _events(item))
                 elif isinstance(item, GenerationResult):
                     yield _sse(final_chunk_body(rid, self.model_name, created, item, chat))
-                elif isinstance(item, (Rejected, Failed)):  # after admission: report in-band
-                    yield _sse(error_body(item.message, "server_error"))
-                    break
+                elif isinstance(item, (Rejected, Failed)):
+                    raise _failure(item)
+        except ServerFailure as exc:  # after admission (the 200 is out): report in-band, as OpenAI does
+            yield _sse(error_body(exc.message, "server_error", code=exc.code))
+        finally:
+            await stream.aclose()  # closed early (a disconnect while a chunk was sent): cancels the router's request
         yield "data: [DONE]\n\n"
 
     # -- gRPC -------------------------------------------------------------------------------
@@ -279,7 +332,7 @@ class Ingress:
         except (ClientError, ServerFailure) as exc:
             _set_status(grpc_context, exc)
             raise  # nothing was streamed: Serve sends the status set above only with an exception
-        async with aclosing(stream):
+        try:
             async for item in stream:
                 if isinstance(item, (TokenEvent, tuple)):
                     for event in _events(item):
@@ -287,8 +340,12 @@ class Ingress:
                 elif isinstance(item, GenerationResult):
                     yield pb_final_chunk(rid, item)
                 elif isinstance(item, (Rejected, Failed)):
-                    _set_status(grpc_context, ServerFailure(item.message))
-                    raise ServerFailure(item.message)
+                    raise _failure(item)
+        except ServerFailure as exc:
+            _set_status(grpc_context, exc)
+            raise
+        finally:
+            await stream.aclose()
 
     async def Models(self, request: pb.ModelsRequest | Undecodable,
                      grpc_context: RayServegRPCContext) -> pb.ModelsResponse:
@@ -339,8 +396,8 @@ class Ingress:
         except ValueError as exc:
             raise ClientError(str(exc)) from None
         release = self.edge.slots.take(client)
+        stream = _guarded(self.router.generate.remote(request, tokens))
         try:
-            stream = self.router.generate.remote(request, tokens)
             first = await stream.__anext__()
         except BackPressureError as exc:  # Serve's queue for a SmallRouter replica is full
             release()
@@ -351,12 +408,13 @@ class Ingress:
             raise
         if not isinstance(first, Admitted):
             release()
+            await stream.aclose()
         if isinstance(first, Overloaded):  # the SmallRouter replica is full
             raise Overload(first.message, first.retry_after_s)
         if isinstance(first, Rejected):
             raise ClientError(first.message)
         if isinstance(first, Failed):
-            raise ServerFailure(first.message)
+            raise _failure(first)
         assert isinstance(first, Admitted), first
         return _holding(stream, release)
 

@@ -4,12 +4,22 @@ Concurrent catch-up calls of many requests and many SmallRouter replicas are mer
 one forward by the CatchUpBatcher. Sessions register through `@serve.multiplexed` (the
 session key is the multiplexed model id), so SessionAffinityRouter keeps sending a
 session's calls here; they are freed on finish / cancel / disconnect (the router's close),
-by TTL, and by the multiplexer's LRU bound.
+by TTL, by the multiplexer's LRU bound, and by lease.
+
+The lease frees the sessions of a SmallRouter replica that died (it cannot close them):
+every catch-up call names its owner (the router replica), and each router broadcasts
+`renew(owner)` to every replica of this deployment every lease_s / 3 (Serve's
+`handle.broadcast`, one call per replica: the cost does not grow with the sessions).
+The sweeper frees the sessions of owners silent for lease_s. A live router whose renewals
+stall for that long (an overloaded event loop) loses its sessions too; its next catch-up
+is answered `lost` and re-prefilled (latency, not the request). A hung router that still
+renews keeps them, until TTL.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from dataclasses import dataclass
 
@@ -23,6 +33,7 @@ from .config import CatchUpConfig, ModelsConfig
 from .metrics import LargeMetrics, level_names
 from .models import load_level
 
+log = logging.getLogger(__name__)
 AFFINITY = RequestRouterConfig(request_router_class="deployments.affinity:SessionAffinityRouter")
 MAX_SESSIONS = 4096  # LRU bound of registered sessions per replica
 
@@ -36,13 +47,15 @@ class LargeInfo:
     forward_passes: int
     calls: int
     lost: int
+    owners: tuple[tuple[str, int], ...]  # (SmallRouter replica, sessions held for it)
+    orphans_freed: int  # sessions freed because their owner's lease expired
     waited_s: float
     forward_s: float
     batch_sizes: tuple[tuple[int, int], ...]  # (sessions in a forward, how many forwards)
     config: CatchUpConfig
 
 
-class _Lease:
+class _Registration:
     """What the multiplexer holds per session; evicting it frees the session."""
 
     def __init__(self, key: str, batcher: CatchUpBatcher) -> None:
@@ -72,17 +85,25 @@ class LargeModel:
         self.batcher.batch_gap_s = self.config.batch_gap_ms / 1000.0
 
     @serve.multiplexed(max_num_models_per_replica=MAX_SESSIONS)
-    async def _register(self, key: str) -> _Lease:
-        return _Lease(key, self.batcher)
+    async def _register(self, key: str) -> _Registration:
+        return _Registration(key, self.batcher)
 
     async def extend(self, call: CatchUpCall) -> CatchUpReply:
         """One session's catch-up: all its pending ids, merged with other sessions' calls."""
         self._start_sweeper()
         if serve.get_multiplexed_model_id() != call.key:
             raise ValueError("send a catch-up with multiplexed_model_id=<its session key>")
+        if self.config.inject_delay_ms:  # chaos knob: a slow M_L
+            await asyncio.sleep(self.config.inject_delay_ms / 1000.0)
         if call.past == 0 or self.batcher.holds(call.key):
             await self._register(call.key)  # tells the routers that this replica holds it
         return await self.batcher.extend(call)
+
+    async def renew(self, owner: str) -> float:
+        """The SmallRouter replica `owner` is alive; returns the lease (s) it must renew within."""
+        self._start_sweeper()
+        self.batcher.renew(owner)
+        return self.config.lease_s
 
     async def close(self, key: str) -> None:
         await self.batcher.close(key)
@@ -97,7 +118,8 @@ class LargeModel:
         return LargeInfo(
             pid=os.getpid(), replica=serve.get_replica_context().replica_id.unique_id, name=self.name,
             sessions=tuple(self.runner.session_ids()), forward_passes=s.forward_passes, calls=s.calls,
-            lost=s.lost, waited_s=s.waited_s, forward_s=s.forward_s, batch_sizes=tuple(sorted(s.batch_sizes.items())), config=self.config,
+            lost=s.lost, owners=tuple(sorted(self.batcher.owners().items())), orphans_freed=s.orphans_freed,
+            waited_s=s.waited_s, forward_s=s.forward_s, batch_sizes=tuple(sorted(s.batch_sizes.items())), config=self.config,
         )
 
     def _start_sweeper(self) -> None:
@@ -106,9 +128,12 @@ class LargeModel:
 
     async def _sweep(self) -> None:
         while True:
-            ttl = self.config.session_ttl_s
-            await asyncio.sleep(min(ttl / 4, 30.0))
-            await self.batcher.expire(ttl)
+            cfg = self.config
+            await asyncio.sleep(min(cfg.session_ttl_s / 4, cfg.lease_s / 4, 30.0))
+            await self.batcher.expire(cfg.session_ttl_s)
+            orphans = await self.batcher.expire_leases(cfg.lease_s)
+            if orphans:
+                log.warning("%s: freed %d sessions whose router stopped renewing its lease", self.name, len(orphans))
             self.metrics.held(len(self.runner.session_ids()))
 
     def __del__(self) -> None:

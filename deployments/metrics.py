@@ -41,12 +41,17 @@ class RouterMetrics:
         self.threshold = metrics.Gauge(
             "backoff_threshold", "Threshold in the live config (per boundary between models).", ("boundary",))
         self.sessions_lost = metrics.Counter("backoff_sessions_lost", "Remote sessions lost and re-prefilled.")
+        self.degraded = metrics.Counter(
+            "backoff_requests_degraded", "Finished requests that went on with the small model alone after a "
+                                         "larger model failed (slow or unavailable).")
 
     def request(self, outcome: str) -> None:
         self.requests.inc(1, tags={"outcome": outcome})
 
     def finished(self, result: GenerationResult) -> None:
         self.request("finished")
+        if result.degraded:
+            self.degraded.inc(1)
         for level, n in enumerate(result.tokens_by_source()):
             if n:
                 self.tokens.inc(n, tags={"source": self.names[level]})

@@ -8,6 +8,12 @@ holds an old copy can never be extended by mistake. `open` and `crop` cost no ro
 the next call says how many positions it expects (`past`) and the replica creates or
 crops. A session the replicas no longer hold (replica lost, TTL) raises SessionLost and
 the engine re-prefills it from the token ids it keeps.
+
+A step's calls share one deadline, `timeout_s` (the live `large_timeout_s`): sessions
+without a reply by then -- M_L too slow, or no replica to create a session on -- raise
+LargeUnavailable with the replies that did come, and the engine degrades (or fails) just
+those requests. Their sessions are closed like any other (a late call meets a tombstone).
+Every call names `owner`, the SmallRouter replica whose lease keeps its sessions alive.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from backoff_core.backends import SessionLost
+from backoff_core.backends import LargeUnavailable, SessionLost
 from backoff_core.runner import Extension, SessionError
 
 from .batcher import CatchUpCall, CatchUpReply
@@ -48,6 +54,7 @@ class LargeEndpoint(Protocol):
 class _Session:
     key: str
     length: int = 0  # positions the replica holds, as far as this proxy knows
+    sent: bool = False  # a call went out: a replica may hold it (even one that got no reply)
 
 
 _epochs = itertools.count()
@@ -55,11 +62,12 @@ _epochs = itertools.count()
 
 class RemoteLarge:
     def __init__(self, endpoint: LargeEndpoint, name: str, vocab_size: int, *,
-                 timeout_s: float = 120.0, create_retries: int = 5) -> None:
+                 timeout_s: float = 30.0, create_retries: int = 5, owner: str = "") -> None:
         self.endpoint = endpoint
         self.name = name
         self.vocab_size = vocab_size
-        self.timeout_s = timeout_s
+        self.timeout_s = timeout_s  # replaced by reconfigure; read once per step
+        self.owner = owner
         self.create_retries = create_retries
         self.lost_sessions = 0
         self.calls = 0
@@ -75,7 +83,7 @@ class RemoteLarge:
 
     def close(self, session_id: str) -> None:
         session = self._sessions.pop(session_id, None)
-        if session is not None and session.length:
+        if session is not None and session.sent:
             try:
                 self.endpoint.close(session.key)  # fire and forget; TTL frees what this misses
             except Exception:  # noqa: BLE001 - a lost replica has nothing left to free
@@ -91,37 +99,49 @@ class RemoteLarge:
         if hidden_layer is not None:
             raise ValueError(f"{self.name}: a remote model returns no hidden states")
         group = f"{self._uid}-{next(self._steps)}"
-        calls = [CatchUpCall(self._get(sid).key, self._get(sid).length, tuple(ids), group, len(items))
+        calls = [CatchUpCall(self._get(sid).key, self._get(sid).length, tuple(ids), group, len(items), self.owner)
                  for sid, ids in items]
-        start = time.perf_counter()
+        start, deadline = time.perf_counter(), time.monotonic() + self.timeout_s
+        for sid, _ in items:
+            self._sessions[sid].sent = True
         pending = [self.endpoint.extend(call) for call in calls]  # all in flight together
-        out, lost = [], []
+        out, lost, failed = {}, [], []
         for (sid, ids), call, p in zip(items, calls, pending):
-            reply = self._receive(call, p)
+            try:
+                reply = self._receive(call, p, deadline)
+            except LargeUnavailable as exc:
+                failed.append(str(exc))
+                continue
             if reply.logits is None:
                 lost.append(sid)
                 continue
             self._sessions[sid].length += len(ids)
-            out.append(Extension(torch.from_numpy(np.array(reply.logits, dtype=np.float32)), None))
+            out[sid] = Extension(torch.from_numpy(np.array(reply.logits, dtype=np.float32)), None)
         self.calls += len(calls)
         self.wait_s += time.perf_counter() - start
+        if failed:
+            log.warning("%s: %d of %d catch-ups failed (%s)", self.name, len(failed), len(calls), failed[0])
+            raise LargeUnavailable(failed[0], out)
         if lost:
             self.lost_sessions += len(lost)
             raise SessionLost(f"{self.name}: the replicas lost sessions {lost}; re-prefill them")
-        return out
+        return list(out.values())
 
-    def _receive(self, call: CatchUpCall, pending: Pending) -> CatchUpReply:
+    def _receive(self, call: CatchUpCall, pending: Pending, deadline: float) -> CatchUpReply:
         for attempt in range(self.create_retries + 1):
             try:
-                return pending.result(timeout_s=self.timeout_s)
+                return pending.result(timeout_s=max(0.001, deadline - time.monotonic()))
+            except TimeoutError:
+                raise LargeUnavailable(f"{self.name}: no reply within {self.timeout_s:g} s") from None
             except self.endpoint.transport_errors as exc:
                 if call.past > 0:
                     log.warning("%s: replica of %s lost (%s)", self.name, call.key, type(exc).__name__)
                     return CatchUpReply(None, f"replica lost: {type(exc).__name__}")
-                if attempt == self.create_retries:
-                    raise
+                pause = 0.1 * 2**attempt
+                if attempt == self.create_retries or time.monotonic() + pause > deadline:
+                    raise LargeUnavailable(f"{self.name}: no replica answers ({type(exc).__name__})") from exc
                 # nothing to lose yet: a fresh session just goes to a live replica
-                time.sleep(0.1 * 2**attempt)
+                time.sleep(pause)
                 pending = self.endpoint.extend(call)
         raise AssertionError("unreachable")
 

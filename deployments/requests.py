@@ -90,6 +90,7 @@ def routing_params(overrides: RoutingOverrides, policy: RoutingConfig) -> Routin
         thresholds=thresholds or None,
         rate=policy.rate if router == "random" else None,
         target_backoff=target,
+        on_large_failure=policy.on_large_failure,
     )
 
 

@@ -6,11 +6,19 @@ steps of concurrent requests are batched; `generate` streams one request's items
 AdmissionGate lets it in (a full replica refuses it at once: Overloaded). The
 routing config (router, threshold, target backoff rate) is this deployment's user_config:
 `reconfigure()` swaps it and the engine thread reads it once per step.
+
+Faults: a catch-up without a reply within `large_timeout_s` degrades its request to M_S
+alone (or fails it: `on_large_failure`). The sessions this replica holds on the larger
+deployments are leased (large.py): a task on the event loop renews the lease of this
+replica on every replica of each larger deployment, so that if this replica dies they are
+freed within `lease_s` instead of the TTL.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -34,6 +42,8 @@ from .models import load_small_side
 from .remote import RemoteLarge
 from .requests import ServeRequest, generation_request
 
+log = logging.getLogger(__name__)
+
 # one request's stream: Admitted, tokens (one, or several that queued up), the result;
 # or Rejected / Failed / Overloaded instead
 StreamItem = Admitted | TokenEvent | tuple[TokenEvent, ...] | GenerationResult | Rejected | Failed | Overloaded
@@ -53,6 +63,11 @@ class ServeEndpoint:
     def close(self, key: str) -> None:
         self.handle.options(multiplexed_model_id=key).close.remote(key)
 
+    async def renew(self, owner: str) -> list[float]:
+        """Renew `owner`'s lease on every replica; the leases (s) they granted."""
+        granted = await self.handle.broadcast("renew", owner).results_async(timeout_s=10.0, return_exceptions=True)
+        return [g for g in granted if isinstance(g, (int, float))]
+
 
 @dataclass(frozen=True)
 class RouterInfo:
@@ -61,8 +76,10 @@ class RouterInfo:
     policy: RoutingConfig
     steps: int
     live: int  # requests in the step loop
+    requests: tuple[str, ...]  # ids of the live requests
     admitted: int  # slots of the admission gate held (live + on their way in)
     waiting: int  # requests waiting for a slot
+    cancelled: int  # requests whose caller went away (disconnect, cancel) before the end
     sessions_lost: int
     catch_up_calls: int
     catch_up_wait_s: float  # step-loop time spent waiting for catch-up replies
@@ -77,7 +94,10 @@ class SmallRouter:
         n = self.args.models.num_levels
         names = level_names(n)
         vocab = int(side.model.get_output_embeddings().weight.shape[0])
-        self.remotes = [RemoteLarge(ServeEndpoint(h), names[i + 1], vocab) for i, h in enumerate(levels)]
+        self.owner = serve.get_replica_context().replica_id.unique_id  # whose lease keeps our sessions
+        self.endpoints = [ServeEndpoint(h) for h in levels]
+        self.remotes = [RemoteLarge(e, names[i + 1], vocab, owner=self.owner) for i, e in enumerate(self.endpoints)]
+        self._renewals: asyncio.Task | None = None
         if len(self.remotes) != n - 1:
             raise ValueError(f"a chain of {n} models needs {n - 1} larger deployments, got {len(self.remotes)}")
         engine = BackoffEngine([ModelRunner(side.model, "small"), *self.remotes], side.tokenizer,
@@ -86,6 +106,7 @@ class SmallRouter:
         self.metrics = RouterMetrics(n)
         self.gate = AdmissionGate(self.args.admission.max_live_requests, self.args.admission.max_waiting_requests)
         self._lost_reported = 0
+        self._cancelled = 0
         self.loop: EngineLoop[RoutingConfig] = EngineLoop(engine, self._admit, self.args.routing, self._finished)
         self.reconfigure(self.args.routing.model_dump())
         self.loop.start()
@@ -93,12 +114,15 @@ class SmallRouter:
     def reconfigure(self, user_config: dict) -> None:
         policy = RoutingConfig.model_validate(user_config or {})
         self.loop.policy = policy  # one reference store: the engine thread sees old or new, never half
+        for remote in self.remotes:
+            remote.timeout_s = policy.large_timeout_s
         self.metrics.thresholds(policy.threshold)
 
     async def generate(self, request: ServeRequest, tokens: bool = True) -> AsyncIterator[StreamItem]:
         """Admitted, then the committed tokens (TokenEvents, several at once as a tuple when
         they queued up meanwhile; none unless `tokens`), then the GenerationResult.
         Overloaded alone when the replica is full."""
+        self._start_renewals()
         if not await self.gate.enter():
             self.metrics.request("overloaded")
             limits = self.args.admission
@@ -136,14 +160,31 @@ class SmallRouter:
             if not ended:  # the caller went away (disconnect, cancel): free the sessions now
                 self.loop.cancel(request.request_id)
                 self.metrics.request("cancelled")
+                self._cancelled += 1
 
     def info(self) -> RouterInfo:
         return RouterInfo(pid=os.getpid(), replica=serve.get_replica_context().replica_id.unique_id,
                           policy=self.loop.policy, steps=self.loop.steps, live=self.loop.live(),
-                          admitted=self.gate.live, waiting=self.gate.waiting,
+                          requests=self.loop.live_ids(), admitted=self.gate.live, waiting=self.gate.waiting,
+                          cancelled=self._cancelled,
                           sessions_lost=sum(r.lost_sessions for r in self.remotes),
                           catch_up_calls=sum(r.calls for r in self.remotes),
                           catch_up_wait_s=sum(r.wait_s for r in self.remotes))
+
+    def _start_renewals(self) -> None:
+        if self._renewals is None or self._renewals.done():
+            self._renewals = asyncio.get_running_loop().create_task(self._renew_leases())
+
+    async def _renew_leases(self) -> None:
+        """Every lease_s / 3 (the shortest lease granted), on every larger replica."""
+        period = 1.0
+        while True:
+            try:
+                granted = [g for e in self.endpoints for g in await e.renew(self.owner)]
+                period = min(granted, default=3 * period) / 3
+            except Exception:  # noqa: BLE001 - a deployment being replaced; try again soon
+                log.warning("lease renewal failed", exc_info=True)
+            await asyncio.sleep(period)
 
     # -- engine thread ----------------------------------------------------------------------
     def _admit(self, request: ServeRequest, policy: RoutingConfig) -> GenerationRequest:

@@ -1,0 +1,100 @@
+"""Faults in the Ray-free parts of deployments/: session leases and tombstones in the
+catch-up batcher, and a slow large model behind RemoteLarge (the fake transport of
+test_serve_units). Tiny models, no Ray."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from helpers import engine_for, request
+from test_serve_units import FakeEndpoint, LoopThread, remote_engine
+
+from backoff_core.backends import LargeUnavailable
+from backoff_core.runner import ModelRunner
+from deployments.batcher import CatchUpBatcher, CatchUpCall
+
+
+@pytest.fixture(scope="module")
+def loop_thread():
+    lt = LoopThread()
+    yield lt
+    lt.stop()
+
+
+def test_sessions_of_an_owner_that_stops_renewing_are_freed(pair, loop_thread):
+    runner = ModelRunner(pair[1], "large")
+    batcher = CatchUpBatcher(runner)
+    for key, owner in (("a1", "router-a"), ("a2", "router-a"), ("b1", "router-b"), ("x", "")):
+        loop_thread.run(batcher.extend(CatchUpCall(key, 0, (3, 4), owner=owner)))
+    assert batcher.owners() == {"router-a": 2, "router-b": 1}
+    time.sleep(0.06)
+    batcher.renew("router-b")  # b is alive; a died (no call, no renewal)
+    assert sorted(loop_thread.run(batcher.expire_leases(0.05))) == ["a1", "a2"]
+    assert sorted(runner.session_ids()) == ["b1", "x"]  # no owner: TTL only
+    assert batcher.owners() == {"router-b": 1} and batcher.stats.orphans_freed == 2
+    reply = loop_thread.run(batcher.extend(CatchUpCall("b1", 2, (5,), owner="router-b")))  # b carries on
+    assert reply.logits is not None
+
+
+def test_a_late_call_cannot_recreate_a_closed_session(pair, loop_thread):
+    runner = ModelRunner(pair[1], "large")
+    batcher = CatchUpBatcher(runner)
+    loop_thread.run(batcher.close("k#1"))  # the caller gave up and closed before its call landed
+    reply = loop_thread.run(batcher.extend(CatchUpCall("k#1", 0, (3, 4), owner="router-a")))
+    assert reply.logits is None and "closed" in reply.lost and runner.session_ids() == []
+
+
+class SlowEndpoint(FakeEndpoint):
+    """Every catch-up waits `delay_s` before its replica sees it (LargeModel's inject_delay_ms)."""
+
+    delay_s = 0.0
+
+    def extend(self, call: CatchUpCall):
+        replica = self.replicas[self.route(call.key)]
+        real = replica.extend
+
+        async def late(c):
+            await asyncio.sleep(self.delay_s)
+            return await real(c)
+
+        replica.extend = late
+        try:
+            return super().extend(call)  # schedules the coroutine now (with the delay)
+        finally:
+            replica.extend = real
+
+
+def test_a_slow_large_model_degrades_within_the_timeout_and_leaves_no_session(pair, tokenizer, loop_thread):
+    endpoint = SlowEndpoint(pair[1], loop_thread)
+    engine, remote = remote_engine(pair, tokenizer, endpoint)
+    remote.timeout_s = 0.2
+    req = request([3, 4, 5], max_tokens=12, router="always-large")
+    rid = engine.submit(req)
+    for _ in range(4):  # four M_L tokens at full speed
+        engine.step()
+    endpoint.delay_s = 1.0
+    start = time.monotonic()
+    while engine.has_work():
+        engine.step()
+    seconds = time.monotonic() - start
+    result = engine.finish(rid)
+    assert seconds < 1.0 and result.degraded and "no reply within 0.2 s" in result.degraded_reason
+    assert result.sources == (1,) * 4 + (0,) * 8
+    assert result.token_ids[:4] == engine_for(pair, tokenizer).generate(req).token_ids[:4]
+    time.sleep(1.2)  # the late call lands after the close: a tombstone, not a session
+    assert not any(b.runner.session_ids() for b in endpoint.replicas)
+
+
+def test_no_replica_to_create_a_session_on_is_unavailable(pair, tokenizer, loop_thread):
+    endpoint = FakeEndpoint(pair[1], loop_thread)
+    endpoint.dead = {0, 1}
+    engine, remote = remote_engine(pair, tokenizer, endpoint)
+    remote.timeout_s, remote.create_retries = 1.0, 2
+    endpoint.route = lambda key: 0  # both dead; the router has not noticed
+    result = engine.generate(request([3, 4], max_tokens=5, router="always-large"))
+    assert result.degraded and "no replica answers" in result.degraded_reason and result.sources == (0,) * 5
+    with pytest.raises(LargeUnavailable):
+        remote.open("s")
+        remote.extend([("s", [3, 4])])
