@@ -74,6 +74,8 @@ def _config(small: str, large: str, http_port: int, grpc_port: int) -> dict:
     app = config["applications"][0]
     app["args"]["models"].update(small=small, large=large, device="cpu")
     app["args"]["torch_threads"] = 1
+    # one test client opens hundreds of streams; the per-client cap is tests/test_serve_input.py's
+    app["args"]["limits"] = {"max_concurrent_per_client": None}
     for part, replicas in (("small", 2), ("large", 2), ("ingress", 1)):
         app["args"][part].update(num_replicas=replicas, num_cpus=0)
     users = {d["name"]: d for d in app["deployments"]}
