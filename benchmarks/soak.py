@@ -26,7 +26,6 @@ import contextlib
 import json
 import math
 import random
-import socket
 import statistics
 import time
 from collections import Counter
@@ -34,7 +33,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import psutil
-import yaml
 from tqdm import tqdm
 
 from clients import OverloadedError
@@ -66,28 +64,15 @@ class Tally:
 
 # -- the app ---------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def soak_config(small: str | None, large: str | None, http_port: int, grpc_port: int, threads: int,
                 routing: dict | None = None) -> dict:
     """The packaged config, one replica each, on loopback (the default pair when small is None);
     `routing` replaces the SmallRouter's user_config."""
     from deployments import serve_cli
 
-    config = yaml.safe_load(serve_cli.DEFAULT_CONFIG.read_text())
-    config["proxy_location"] = "HeadOnly"
-    config["http_options"] = {"host": "127.0.0.1", "port": http_port}
-    config["grpc_options"]["port"] = grpc_port
-    app = config["applications"][0]
-    app["args"]["models"].update(small=small, large=large, device="cpu")
-    app["args"]["torch_threads"] = threads
-    for part in ("small", "large", "ingress"):
-        app["args"][part].update(num_replicas=1, num_cpus=0)
+    config = serve_cli.loopback_config(small, large, http_port, grpc_port, threads=threads)
     if routing is not None:
+        app = config["applications"][0]
         {d["name"]: d for d in app["deployments"]}["SmallRouter"]["user_config"] = routing
     return config
 
@@ -312,7 +297,7 @@ def main() -> int:
 
     from deployments import serve_cli
 
-    http_port, grpc_port = _free_port(), _free_port()
+    http_port, grpc_port = serve_cli.free_port(), serve_cli.free_port()
     serve_cli.start_ray(include_dashboard=False, log_to_driver=False)
     try:
         # the tiny random models are never uncertain enough for the config's entropy threshold:

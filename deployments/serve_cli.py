@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import socket
 import tempfile
 import time
 from pathlib import Path
@@ -100,6 +101,30 @@ def run_config(config: dict, blocking: bool = True) -> None:
         yaml.safe_dump(config, f, sort_keys=False)
     argv = ["run", f.name] + ([] if blocking else ["--non-blocking"])
     cli.main(args=argv, prog_name="serve", standalone_mode=False)
+
+
+def free_port() -> int:
+    """A TCP port free on loopback right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def loopback_config(small: str | None, large: str | None, http_port: int, grpc_port: int, *, threads: int = 1,
+                    replicas: dict[str, int] | None = None) -> dict:
+    """The packaged Serve config on 127.0.0.1 (one application, `backoff`) with these models
+    (None, None: the default pair) on CPU, fixed replica counts (default one each) and no CPU
+    reservations -- what tests and benchmarks start on one machine."""
+    config = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    config["proxy_location"] = "HeadOnly"
+    config["http_options"] = {"host": "127.0.0.1", "port": http_port}
+    config["grpc_options"]["port"] = grpc_port
+    args = config["applications"][0]["args"]
+    args["models"].update(small=small, large=large, device="cpu")
+    args["torch_threads"] = threads
+    for part in ("small", "large", "ingress"):
+        args[part].update(num_replicas=(replicas or {}).get(part, 1), num_cpus=0)
+    return config
 
 
 def wait_until_running(app: str = "backoff", timeout_s: float = 300.0) -> None:

@@ -12,7 +12,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -47,12 +46,6 @@ APP = (("application", "backoff"),)  # gRPC: which of the two applications
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class Served:
     url: str
@@ -78,15 +71,8 @@ def _save_tiny(root: Path) -> tuple[str, str, str]:
 
 
 def _config(small: str, large: str, medium: str, http_port: int, grpc_port: int) -> dict:
-    config = yaml.safe_load(serve_cli.DEFAULT_CONFIG.read_text())
-    config["proxy_location"] = "HeadOnly"
-    config["http_options"] = {"host": "127.0.0.1", "port": http_port}
-    config["grpc_options"]["port"] = grpc_port
+    config = serve_cli.loopback_config(small, large, http_port, grpc_port, replicas={"large": 2})
     app = config["applications"][0]
-    app["args"]["models"].update(small=small, large=large, device="cpu")
-    app["args"]["torch_threads"] = 1
-    for part, replicas in (("small", 1), ("large", 2), ("ingress", 1)):
-        app["args"][part].update(num_replicas=replicas, num_cpus=0)
     users = {d["name"]: d for d in app["deployments"]}
     users["SmallRouter"]["user_config"] = {"router": "entropy", "threshold": [THRESHOLD]}
     # a chain of three: one more LargeModel-like deployment (MediumModel1), by config only
@@ -104,7 +90,7 @@ def _config(small: str, large: str, medium: str, http_port: int, grpc_port: int)
 def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
     small, large, medium = _save_tiny(root)
-    http_port, grpc_port, metrics_port = _free_port(), _free_port(), _free_port()
+    http_port, grpc_port, metrics_port = serve_cli.free_port(), serve_cli.free_port(), serve_cli.free_port()
     config = _config(small, large, medium, http_port, grpc_port)
     path = root / "config.yaml"
     path.write_text(yaml.safe_dump(config))

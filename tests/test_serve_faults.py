@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -50,12 +49,6 @@ LONG = dict(max_tokens=400, temperature=0, ignore_eos=True, router="always-large
 PROMPT = [4, 5, 6]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class Served:
     url: str
@@ -67,17 +60,10 @@ class Served:
 
 
 def _config(small: str, large: str, http_port: int, grpc_port: int) -> dict:
-    config = yaml.safe_load(serve_cli.DEFAULT_CONFIG.read_text())
-    config["proxy_location"] = "HeadOnly"
-    config["http_options"] = {"host": "127.0.0.1", "port": http_port}
-    config["grpc_options"]["port"] = grpc_port
+    config = serve_cli.loopback_config(small, large, http_port, grpc_port, replicas={"small": 2, "large": 2})
     app = config["applications"][0]
-    app["args"]["models"].update(small=small, large=large, device="cpu")
-    app["args"]["torch_threads"] = 1
     # one test client opens hundreds of streams; the per-client cap is tests/test_serve_input.py's
     app["args"]["limits"] = {"max_concurrent_per_client": None}
-    for part, replicas in (("small", 2), ("large", 2), ("ingress", 1)):
-        app["args"][part].update(num_replicas=replicas, num_cpus=0)
     users = {d["name"]: d for d in app["deployments"]}
     users["SmallRouter"]["user_config"] = {"router": "entropy", "threshold": [0.4], "large_timeout_s": 10.0}
     users["LargeModel"]["user_config"].update(lease_s=LEASE_S, inject_delay_ms=DELAY_MS)
@@ -93,7 +79,7 @@ def served(tmp_path_factory):
         model.save_pretrained(root / name)
         tok.save_pretrained(root / name)
         dirs.append(str(root / name))
-    http_port, grpc_port = _free_port(), _free_port()
+    http_port, grpc_port = serve_cli.free_port(), serve_cli.free_port()
     config = _config(dirs[0], dirs[1], http_port, grpc_port)
     path = root / "config.yaml"
     path.write_text(yaml.safe_dump(config))

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import sys
 import time
 from collections import Counter
@@ -52,12 +51,6 @@ ERROR_FIELDS = {"message", "type", "param", "code"}
 CLIENT_CODES = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class Served:
     url: str
@@ -74,18 +67,12 @@ def served(tmp_path_factory):
     for name, model in (("small", tiny_model(1, sharpness=30)), ("large", tiny_model(2, hidden=512, layers=8))):
         model.save_pretrained(root / name)
         tok.save_pretrained(root / name)
-    http_port, grpc_port = _free_port(), _free_port()
-    config = yaml.safe_load(serve_cli.DEFAULT_CONFIG.read_text())
-    config["proxy_location"] = "HeadOnly"
-    config["http_options"]["port"] = http_port  # host: the packaged default (127.0.0.1)
-    config["grpc_options"]["port"] = grpc_port
+    http_port, grpc_port = serve_cli.free_port(), serve_cli.free_port()
+    config = serve_cli.loopback_config(str(root / "small"), str(root / "large"), http_port, grpc_port)
     args = config["applications"][0]["args"]
-    args["models"].update(small=str(root / "small"), large=str(root / "large"), device="cpu")
-    args.update(torch_threads=1, default_max_tokens=8)
+    args["default_max_tokens"] = 8
     args["access"].update(api_keys=[KEY], api_keys_env=KEY_ENV_VAR)
     args["limits"].update(LIMITS)
-    for part in ("small", "large", "ingress"):
-        args[part].update(num_replicas=1, num_cpus=0)
     path = root / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     os.environ[KEY_ENV_VAR] = f" {ENV_KEY} ,"  # the Ray workers started below inherit it

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import sys
 import threading
 import time
@@ -43,12 +42,6 @@ ALL_SMALL = 50.0  # nothing is that uncertain: every token from M_S
 RETRY_AFTER_S = 2.0  # `tight`'s Retry-After
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class Served:
     url: str
@@ -69,15 +62,8 @@ def _save_tiny(root: Path) -> tuple[str, str]:
 
 
 def _config(small: str, large: str, http_port: int, grpc_port: int) -> dict:
-    config = yaml.safe_load(serve_cli.DEFAULT_CONFIG.read_text())
-    config["proxy_location"] = "HeadOnly"
-    config["http_options"] = {"host": "127.0.0.1", "port": http_port}
-    config["grpc_options"]["port"] = grpc_port
+    config = serve_cli.loopback_config(small, large, http_port, grpc_port, replicas={"large": 2})
     app = config["applications"][0]
-    app["args"]["models"].update(small=small, large=large, device="cpu")
-    app["args"]["torch_threads"] = 1
-    for part, replicas in (("small", 1), ("large", 2), ("ingress", 1)):
-        app["args"][part].update(num_replicas=replicas, num_cpus=0)
     {d["name"]: d for d in app["deployments"]}["SmallRouter"]["user_config"] = {
         "router": "entropy", "threshold": [THRESHOLD]}
     tight = json.loads(json.dumps(app))
@@ -93,7 +79,7 @@ def _config(small: str, large: str, http_port: int, grpc_port: int) -> dict:
 def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve_load")
     small, large = _save_tiny(root)
-    http_port, grpc_port = _free_port(), _free_port()
+    http_port, grpc_port = serve_cli.free_port(), serve_cli.free_port()
     config = _config(small, large, http_port, grpc_port)
     path = root / "config.yaml"
     path.write_text(yaml.safe_dump(config))
