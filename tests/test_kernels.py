@@ -4,6 +4,7 @@ shared modules stay shared, and nothing changes where they do not apply."""
 from __future__ import annotations
 
 import copy
+import weakref
 
 import pytest
 import torch
@@ -48,6 +49,13 @@ def test_converted_pair_decodes_like_transformers(tokenizer):
     prompt = (3, 4, 5, 6)
     result = engine_for(pair, tokenizer).generate(request(prompt, 20, "always-large"))
     assert result.token_ids == hf_greedy(pair[1], prompt, 20) == hf_greedy(dense_large, prompt, 20)
+
+
+def test_the_dense_weights_are_let_go():
+    model = tiny_model(6)
+    weight = weakref.ref(model.model.layers[0].mlp.up_proj.weight)
+    use_cpu_kernels(model)
+    assert weight() is None  # nothing keeps the float32 copy alive beside oneDNN's
 
 
 def test_shared_modules_stay_shared_across_calls():
