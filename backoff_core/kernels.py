@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import os
 import weakref
 
 import torch
@@ -25,6 +26,10 @@ from torch import nn
 from torch.utils.mkldnn import MkldnnLinear
 
 CPU_KERNELS = ("mkldnn", "default")
+# oneDNN caches one primitive per input shape (default: 1024 of them, ~2 MB each for an LM
+# head); serving sees many row counts, so a process would grow by a GB or more as the cache
+# fills. 64 covers a stream's shapes; a miss costs one primitive creation.
+PRIMITIVE_CACHE = 64
 
 # dense module -> its converted twin, so that shared modules stay shared across calls
 _converted: "weakref.WeakKeyDictionary[nn.Linear, MkldnnLinear]" = weakref.WeakKeyDictionary()
@@ -49,6 +54,8 @@ def use_cpu_kernels(model: nn.Module, kernels: str = "mkldnn") -> nn.Module:
         raise ValueError(f"unknown cpu kernels {kernels!r}; choose one of {', '.join(CPU_KERNELS)}")
     if kernels == "default" or not applies(model):
         return model
+    # read by oneDNN when it creates its first primitive; a value set by the user stays
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(PRIMITIVE_CACHE))
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
