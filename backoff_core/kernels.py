@@ -28,11 +28,12 @@ from torch.utils.mkldnn import MkldnnLinear
 CPU_KERNELS = ("mkldnn", "default")
 # oneDNN caches one primitive per input shape (default: 1024 of them, ~2 MB each for an LM
 # head); serving sees many row counts, so a process would grow by a GB or more as the cache
-# fills. 64 covers a stream's shapes; a miss costs one primitive creation.
+# fills. Rows are padded to a power of two (RowBucketed), so a model needs about
+# (distinct weight shapes) x 13 primitives up to 4096 rows: 64 holds a small model's set.
 PRIMITIVE_CACHE = 64
 
 # dense module -> its converted twin, so that shared modules stay shared across calls
-_converted: "weakref.WeakKeyDictionary[nn.Linear, MkldnnLinear]" = weakref.WeakKeyDictionary()
+_converted: "weakref.WeakKeyDictionary[nn.Linear, RowBucketed]" = weakref.WeakKeyDictionary()
 _biasless: "weakref.WeakKeyDictionary[MkldnnLinear, bool]" = weakref.WeakKeyDictionary()
 
 
@@ -82,14 +83,43 @@ def dense_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     for name, module in model.named_modules():
         if isinstance(module, MkldnnLinear) and _biasless.get(module, False):
             del state[f"{name}.bias" if name else "bias"]
-    return state
+    # RowBucketed adds a level to the names: <x>.linear.weight was <x>.weight
+    bucketed = {name for name, module in model.named_modules() if isinstance(module, RowBucketed)}
+    dense = {}
+    for key, t in state.items():
+        owner, _, leaf = key.rpartition(".")
+        parent, _, last = owner.rpartition(".")
+        dense[f"{parent}.{leaf}" if last == "linear" and parent in bucketed else key] = t
+    return dense
 
 
-def _mkldnn_twin(linear: nn.Linear) -> MkldnnLinear:
+class RowBucketed(nn.Module):
+    """oneDNN's linear over the rows padded to a power of two. Its cost is flat in the row
+    count for the few rows of a step or catch-up, and its primitive cache then holds a
+    handful of shapes per weight instead of one per catch-up length."""
+
+    def __init__(self, linear: MkldnnLinear) -> None:
+        super().__init__()
+        self.linear = linear
+
+    @property
+    def weight(self) -> torch.Tensor:  # what get_output_embeddings().weight.shape reads
+        return self.linear.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        m = rows.shape[0]
+        bucket = 1 << (m - 1).bit_length()
+        if bucket != m:
+            rows = torch.nn.functional.pad(rows, (0, 0, 0, bucket - m))
+        return self.linear(rows)[:m].reshape(*x.shape[:-1], -1)
+
+
+def _mkldnn_twin(linear: nn.Linear) -> RowBucketed:
     twin = _converted.get(linear)
     if twin is None:
         with torch.no_grad():
-            twin = MkldnnLinear(linear, torch.float32)
+            twin = RowBucketed(MkldnnLinear(linear, torch.float32))
         _converted[linear] = twin
-        _biasless[twin] = linear.bias is None
+        _biasless[twin.linear] = linear.bias is None
     return twin
