@@ -68,8 +68,15 @@ def use_cpu_kernels(model: nn.Module, kernels: str = "mkldnn") -> nn.Module:
 def _return_freed_memory() -> None:
     """The dense weights just dropped are about the model's size; glibc keeps such freed
     heap pages mapped (the default pair's M_L replica: 1.44 GB RSS after conversion, 1.03
-    GB after a trim), so hand them back to the OS where the C library can."""
+    GB after a trim), so hand them back to the OS."""
     gc.collect()
+    trim_heap()
+
+
+def trim_heap() -> None:
+    """Return the C heap's free pages to the OS where the C library is glibc (a no-op
+    elsewhere). Serving frees buffers of ever-changing sizes; a long-lived replica calls
+    this now and then so that its RSS follows what it holds."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: nothing to trim this way

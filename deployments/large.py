@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from backoff_core.kernels import trim_heap
 from backoff_core.runner import ModelRunner
 
 from .batcher import CatchUpBatcher, CatchUpCall, CatchUpReply, ForwardRecord
@@ -135,6 +136,7 @@ class LargeModel:
             if orphans:
                 log.warning("%s: freed %d sessions whose router stopped renewing its lease", self.name, len(orphans))
             self.metrics.held(len(self.runner.session_ids()))
+            await asyncio.get_running_loop().run_in_executor(None, trim_heap)  # RSS follows what is held
 
     def __del__(self) -> None:
         self.batcher.shutdown()
