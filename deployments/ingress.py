@@ -18,12 +18,10 @@ UNAVAILABLE; other failures are 500 / INTERNAL. The client may retry either.
 
 import asyncio
 import json
-import math
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from contextlib import aclosing
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
@@ -32,12 +30,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
-from ray.exceptions import ActorUnavailableError, RayActorError
-from ray.serve.exceptions import BackPressureError, ReplicaUnavailableError
+from ray.serve.exceptions import BackPressureError
+from ray.serve.grpc_util import RayServegRPCContext
+from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException
 from starlette.middleware.body_limit import MAX_BODY_SIZE_SCOPE_KEY
-from ray.serve.grpc_util import RayServegRPCContext
-from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from backoff_core.types import GenerationResult, TokenEvent
 from clients import backoff_pb2 as pb
@@ -52,6 +49,7 @@ from .engine_loop import Admitted, Failed, Rejected
 from .formats import chunk_body, error_body, final_chunk_body, pb_chunk, pb_final_chunk, pb_response, response_body
 from .grpc_service import Undecodable
 from .requests import serve_request
+from .streams import Overload, ServerFailure, collect, failure, guarded, holding
 
 app = FastAPI(title="Backoff Serve", description="Backoff decoding: a small and a large LM, one live threshold.")
 
@@ -67,62 +65,6 @@ app.add_middleware(EdgeGate, edge=_replica_edge)
 # HTTP status of a client error -> its gRPC status (anything else 4xx: INVALID_ARGUMENT)
 GRPC_CODES = {401: grpc.StatusCode.UNAUTHENTICATED, 404: grpc.StatusCode.NOT_FOUND,
               429: grpc.StatusCode.RESOURCE_EXHAUSTED}
-
-
-class ServerFailure(RuntimeError):
-    """Serving failed; status 503 when a part of the chain is down or too slow."""
-
-    def __init__(self, message: str, status: int = 500, code: str | None = None) -> None:
-        super().__init__(message)
-        self.message, self.status, self.code = message, status, code
-
-
-ROUTER_LOST = (RayActorError, ActorUnavailableError, ReplicaUnavailableError)
-
-
-def _failure(item: Rejected | Failed) -> ServerFailure:
-    if isinstance(item, Failed) and item.unavailable:
-        return ServerFailure(item.message, 503, "large_unavailable")
-    return ServerFailure(item.message)
-
-
-async def _guarded(stream: DeploymentResponseGenerator) -> AsyncIterator:
-    """A SmallRouter's stream. The router failing under it becomes a ServerFailure; a
-    caller that stops early (disconnect, cancel) cancels the router's request here, not
-    trusting Ray's recursive cancel from this replica (under load it misses some)."""
-    ended = False
-    try:
-        async for item in stream:
-            ended = isinstance(item, (GenerationResult, Rejected, Failed))
-            yield item
-    except BackPressureError:  # not admitted: the caller answers 503 + Retry-After
-        ended = True
-        raise
-    except ROUTER_LOST as exc:
-        ended = True
-        raise ServerFailure(f"the small router serving this request was lost ({type(exc).__name__}); "
-                            f"retry the request", 503, "router_unavailable") from exc
-    except Exception as exc:  # noqa: BLE001 - reported to the client, not a broken connection
-        ended = True
-        raise ServerFailure(f"{type(exc).__name__}: {exc}") from exc
-    finally:
-        if not ended:
-            stream.cancel()
-
-
-class Overload(ServerFailure):
-    """The chain is at capacity: refused before admission, the client may retry."""
-
-    def __init__(self, message: str, retry_after_s: float) -> None:
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
-
-    @property
-    def retry_after(self) -> str:  # RFC 9110 delay-seconds: an integer, rounded up
-        return str(max(0, math.ceil(self.retry_after_s)))
-
-    def __reduce__(self):  # the gRPC path pickles it to the proxy: keep both arguments
-        return type(self), (str(self), self.retry_after_s)
 
 
 @dataclass(frozen=True)
@@ -170,8 +112,8 @@ async def _client_error(request: Request, exc: ClientError) -> JSONResponse:
 
 @app.exception_handler(Overload)
 async def _overload(request: Request, exc: Overload) -> JSONResponse:
-    return JSONResponse(error_body(str(exc), "server_error", None, "overloaded"), status_code=503,
-                        headers={"Retry-After": exc.retry_after})
+    return _error_response(exc.status, exc.message, "server_error", code=exc.code,
+                           headers={"Retry-After": exc.retry_after})
 
 
 @app.exception_handler(ServerFailure)
@@ -181,28 +123,6 @@ async def _server_failure(request: Request, exc: ServerFailure) -> JSONResponse:
 
 def _sse(body: dict) -> str:
     return f"data: {json.dumps(body)}\n\n"
-
-
-async def _collect(stream: AsyncIterator) -> GenerationResult:
-    try:
-        async for item in stream:
-            if isinstance(item, GenerationResult):
-                return item
-            if isinstance(item, (Rejected, Failed)):
-                raise _failure(item)
-        raise ServerFailure("the stream ended without a result")
-    finally:
-        await stream.aclose()
-
-
-async def _holding(stream: AsyncIterator, release: Callable[[], None]) -> AsyncIterator:
-    """The router's stream, holding the client's slot until it ends or is closed."""
-    try:
-        async with aclosing(stream):
-            async for item in stream:
-                yield item
-    finally:
-        release()
 
 
 def _events(item) -> tuple[TokenEvent, ...]:
@@ -294,7 +214,7 @@ class Ingress:
         stream = await self._open(rid, params, client, tokens=body.stream, **content)
         created = int(time.time())
         if not body.stream:
-            result = await _collect(stream)
+            result = await collect(stream)
             return response_body(rid, self.model_name, created, result, chat)
         return StreamingResponse(self._sse(rid, created, stream, chat), media_type="text/event-stream")
 
@@ -306,7 +226,7 @@ class Ingress:
                 elif isinstance(item, GenerationResult):
                     yield _sse(final_chunk_body(rid, self.model_name, created, item, chat))
                 elif isinstance(item, (Rejected, Failed)):
-                    raise _failure(item)
+                    raise failure(item)
         except ServerFailure as exc:  # after admission (the 200 is out): report in-band, as OpenAI does
             yield _sse(error_body(exc.message, "server_error", code=exc.code))
         finally:
@@ -319,7 +239,7 @@ class Ingress:
         rid = f"cmpl-{uuid.uuid4().hex}"
         try:
             stream = await self._open_pb(rid, request, grpc_context, tokens=False)
-            return pb_response(rid, await _collect(stream))
+            return pb_response(rid, await collect(stream))
         except (ClientError, ServerFailure) as exc:
             _set_status(grpc_context, exc)
             return pb.GenerateResponse()
@@ -340,7 +260,7 @@ class Ingress:
                 elif isinstance(item, GenerationResult):
                     yield pb_final_chunk(rid, item)
                 elif isinstance(item, (Rejected, Failed)):
-                    raise _failure(item)
+                    raise failure(item)
         except ServerFailure as exc:
             _set_status(grpc_context, exc)
             raise
@@ -396,7 +316,7 @@ class Ingress:
         except ValueError as exc:
             raise ClientError(str(exc)) from None
         release = self.edge.slots.take(client)
-        stream = _guarded(self.router.generate.remote(request, tokens))
+        stream = guarded(self.router.generate.remote(request, tokens))
         try:
             first = await stream.__anext__()
         except BackPressureError as exc:  # Serve's queue for a SmallRouter replica is full
@@ -416,5 +336,5 @@ class Ingress:
         if isinstance(first, Failed):
             raise _failure(first)
         assert isinstance(first, Admitted), first
-        return _holding(stream, release)
+        return holding(stream, release)
 

@@ -1,0 +1,95 @@
+"""What the Ingress makes of a SmallRouter's stream of items (Admitted, TokenEvent ...,
+GenerationResult; or Rejected / Failed / Overloaded): the failures a client is told about,
+a guard that turns a lost router into one of them and cancels an abandoned request, and
+the two ways a stream is consumed (collected for a unary reply, or held open while it
+holds one of the client's slots).
+"""
+
+import math
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+
+from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.serve.exceptions import BackPressureError, ReplicaUnavailableError
+from ray.serve.handle import DeploymentResponseGenerator
+
+from backoff_core.types import GenerationResult
+
+from .engine_loop import Failed, Rejected
+
+class ServerFailure(RuntimeError):
+    """Serving failed; status 503 when a part of the chain is down or too slow."""
+
+    def __init__(self, message: str, status: int = 500, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.status, self.code = message, status, code
+
+
+ROUTER_LOST = (RayActorError, ActorUnavailableError, ReplicaUnavailableError)
+
+
+def failure(item: Rejected | Failed) -> ServerFailure:
+    if isinstance(item, Failed) and item.unavailable:
+        return ServerFailure(item.message, 503, "large_unavailable")
+    return ServerFailure(item.message)
+
+
+async def guarded(stream: DeploymentResponseGenerator) -> AsyncIterator:
+    """A SmallRouter's stream. The router failing under it becomes a ServerFailure; a
+    caller that stops early (disconnect, cancel) cancels the router's request here, not
+    trusting Ray's recursive cancel from this replica (under load it misses some)."""
+    ended = False
+    try:
+        async for item in stream:
+            ended = isinstance(item, (GenerationResult, Rejected, Failed))
+            yield item
+    except BackPressureError:  # not admitted: the caller answers 503 + Retry-After
+        ended = True
+        raise
+    except ROUTER_LOST as exc:
+        ended = True
+        raise ServerFailure(f"the small router serving this request was lost ({type(exc).__name__}); "
+                            f"retry the request", 503, "router_unavailable") from exc
+    except Exception as exc:  # noqa: BLE001 - reported to the client, not a broken connection
+        ended = True
+        raise ServerFailure(f"{type(exc).__name__}: {exc}") from exc
+    finally:
+        if not ended:
+            stream.cancel()
+
+
+class Overload(ServerFailure):
+    """The chain is at capacity: refused before admission, the client may retry."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message, 503, "overloaded")
+        self.retry_after_s = retry_after_s
+
+    @property
+    def retry_after(self) -> str:  # RFC 9110 delay-seconds: an integer, rounded up
+        return str(max(0, math.ceil(self.retry_after_s)))
+
+    def __reduce__(self):  # the gRPC path pickles it to the proxy: keep both arguments
+        return type(self), (str(self), self.retry_after_s)
+
+
+async def collect(stream: AsyncIterator) -> GenerationResult:
+    try:
+        async for item in stream:
+            if isinstance(item, GenerationResult):
+                return item
+            if isinstance(item, (Rejected, Failed)):
+                raise failure(item)
+        raise ServerFailure("the stream ended without a result")
+    finally:
+        await stream.aclose()
+
+
+async def holding(stream: AsyncIterator, release: Callable[[], None]) -> AsyncIterator:
+    """The router's stream, holding the client's slot until it ends or is closed."""
+    try:
+        async with aclosing(stream):
+            async for item in stream:
+                yield item
+    finally:
+        release()
