@@ -21,7 +21,7 @@ demo: venv
 	$(BIN)/backoff demo
 
 test: venv
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --tb=short tests
 
 bench: venv
 	$(BIN)/python benchmarks/cost_curve.py

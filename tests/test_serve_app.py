@@ -38,6 +38,7 @@ from deployments import serve_cli  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from tiny import tiny_model, tiny_tokenizer  # noqa: E402
+from ray_local import start_local_ray  # noqa: E402
 
 pytestmark = pytest.mark.slow
 THRESHOLD = 0.4  # entropy threshold of the deployed config: both sources occur
@@ -94,8 +95,8 @@ def served(tmp_path_factory):
     config = _config(small, large, medium, http_port, grpc_port)
     path = root / "config.yaml"
     path.write_text(yaml.safe_dump(config))
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _metrics_export_port=metrics_port,
-             _system_config={**serve_cli.RAY_SYSTEM_CONFIG, "metrics_report_interval_ms": 500})
+    start_local_ray(num_cpus=4, _metrics_export_port=metrics_port,
+                    _system_config={**serve_cli.RAY_SYSTEM_CONFIG, "metrics_report_interval_ms": 500})
     try:
         assert serve_cli.main(["--config", str(path), "--non-blocking"]) == 0  # `backoff serve`
         serve_cli.wait_until_running("backoff")

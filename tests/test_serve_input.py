@@ -39,6 +39,7 @@ from deployments import serve_cli  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from tiny import tiny_model, tiny_tokenizer  # noqa: E402
+from ray_local import start_local_ray  # noqa: E402
 
 pytestmark = pytest.mark.slow
 KEY = "test-key-a"  # in the config's access.api_keys
@@ -76,7 +77,7 @@ def served(tmp_path_factory):
     path = root / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     os.environ[KEY_ENV_VAR] = f" {ENV_KEY} ,"  # the Ray workers started below inherit it
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _system_config=serve_cli.RAY_SYSTEM_CONFIG)
+    start_local_ray(num_cpus=2, _system_config=serve_cli.RAY_SYSTEM_CONFIG)
     try:
         assert serve_cli.main(["--config", str(path), "--non-blocking"]) == 0
         serve_cli.wait_until_running("backoff")

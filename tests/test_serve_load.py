@@ -35,6 +35,7 @@ from deployments import serve_cli  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from tiny import tiny_model, tiny_tokenizer  # noqa: E402
+from ray_local import start_local_ray  # noqa: E402
 
 pytestmark = pytest.mark.slow
 THRESHOLD = 0.4  # entropy threshold of `backoff`: both sources occur
@@ -83,7 +84,7 @@ def served(tmp_path_factory):
     config = _config(small, large, http_port, grpc_port)
     path = root / "config.yaml"
     path.write_text(yaml.safe_dump(config))
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _system_config=serve_cli.RAY_SYSTEM_CONFIG)
+    start_local_ray(num_cpus=4, _system_config=serve_cli.RAY_SYSTEM_CONFIG)
     try:
         assert serve_cli.main(["--config", str(path), "--non-blocking"]) == 0
         serve_cli.wait_until_running("backoff")

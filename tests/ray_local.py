@@ -1,0 +1,33 @@
+"""Start the local Ray instance a Serve test module runs on.
+
+Always a NEW local instance (`address="local"`: never a cluster named by $RAY_ADDRESS or a
+stale /tmp/ray/ray_current_cluster), and a failed start is retried after a pause: on a
+busy 2-core CI machine the processes of the previous module's instance may still be
+exiting. Every failed attempt is reported, so a real fault is not hidden.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+ATTEMPTS = 3
+
+
+def start_local_ray(**kwargs) -> None:
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    errors = []
+    for attempt in range(1, ATTEMPTS + 1):
+        try:
+            ray.init(address="local", include_dashboard=False, log_to_driver=False, **kwargs)
+            return
+        except Exception as exc:  # noqa: BLE001 - reported below and on the last attempt
+            errors.append(f"attempt {attempt}: {type(exc).__name__}: {exc}")
+            print(f"ray.init failed ({errors[-1]})", file=sys.stderr)
+            ray.shutdown()
+            if attempt < ATTEMPTS:
+                time.sleep(5.0 * attempt)
+    raise RuntimeError("could not start a local Ray instance:\n" + "\n".join(errors))
