@@ -21,7 +21,8 @@ class Backend(Protocol):
 
     def crop(self, session_id: str, length: int) -> None: ...
 
-    def extend(self, items: list[tuple[str, list[int]]], hidden_layer: int | None = None) -> list[Extension]: ...
+    def extend(self, items: list[tuple[str, list[int]]], hidden_layer: int | None = None,
+               last_only: bool = False) -> list[Extension]: ...
 
 
 class SessionLost(RuntimeError):

@@ -70,8 +70,10 @@ class CatchUpper:
             if level not in r.opened:  # lazy: the first call at this level prefills the prompt
                 model.open(r.sid)
                 r.opened.add(level)
+        # verification and the KL record read every new position; sampling reads the last one
+        last_only = not self.collect_kl and all(r.request.routing.verification == Verification.NONE for r in group)
         try:
-            return model.extend([(r.sid, r.tokens[r.fed[level] :]) for r in group])
+            return model.extend([(r.sid, r.tokens[r.fed[level] :]) for r in group], last_only=last_only)
         except (SessionError, SessionLost):
             # the model lost sessions (replica crash, TTL): the tokens are all here, so
             # rebuild every session of the group from scratch and try once more
@@ -80,7 +82,7 @@ class CatchUpper:
                 model.open(r.sid)
                 r.fed[level] = 0
                 r.last_logits.pop(level, None)
-            return model.extend([(r.sid, list(r.tokens)) for r in group])
+            return model.extend([(r.sid, list(r.tokens)) for r in group], last_only=last_only)
 
     def _give_up(self, level: int, r: Live, reason: str) -> None:
         """The request goes on with M_S alone (or fails): no larger model is called again."""

@@ -126,7 +126,7 @@ class BackoffEngine:
             if head:
                 for level, model in enumerate(self.models):
                     if model in opened:
-                        model.extend([(rid, head)])
+                        model.extend([(rid, head)], last_only=True)
                         live.fed[level] = len(head)
         except Exception:
             for model in opened:
@@ -238,7 +238,7 @@ class BackoffEngine:
             raise ValueError("one step cannot serve classifier heads over different layers")
         layer = next(iter(layers), None)
         start = time.perf_counter()
-        out = self.models[0].extend([(r.sid, r.tokens[r.fed[0] :]) for r in group], hidden_layer=layer)
+        out = self.models[0].extend([(r.sid, r.tokens[r.fed[0] :]) for r in group], hidden_layer=layer, last_only=True)
         seconds = time.perf_counter() - start
         result = {}
         for r, ext in zip(group, out):

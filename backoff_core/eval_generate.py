@@ -159,8 +159,8 @@ def speed(chain, engine: BackoffEngine, head, prompt: list[int], targets, max_to
         for i in range(repeats * 3):
             sid = f"probe-{k}-{i}"
             runner.open(sid)
-            runner.extend([(sid, prompt)])
-            _, seconds = timed(runner.extend, [(sid, prompt[:k])], hidden_layer=hidden_layer)
+            runner.extend([(sid, prompt)], last_only=True)
+            _, seconds = timed(runner.extend, [(sid, prompt[:k])], hidden_layer=hidden_layer, last_only=True)
             times.append(seconds)
             runner.close(sid)
         return statistics.median(times)

@@ -7,10 +7,15 @@ sessions extend in ONE forward: their caches are left-padded to a common past le
 their new tokens right-padded to a common count, with an attention mask that hides the
 padding and position ids that carry each row's own positions, so ragged lengths give the
 same result as running each session alone.
+
+`last_only=True` asks for the logits after the LAST new token only (all the step loop
+needs unless it verifies or measures every position): the LM head then runs on one row
+per session instead of k, through the model's own `logits_to_keep` where it has one.
 """
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 from dataclasses import dataclass
@@ -30,7 +35,7 @@ class SessionError(KeyError):
 class Extension:
     """The result of extending one session by k tokens."""
 
-    logits: torch.Tensor  # [k, V] float32: the next-token logits after each new token
+    logits: torch.Tensor  # [k, V] float32: the next-token logits after each new token ([1, V]: last_only)
     hidden: torch.Tensor | None  # [k, d] hidden state at the requested layer, or None
 
 
@@ -55,6 +60,7 @@ class ModelRunner:
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.num_layers = int(model.config.num_hidden_layers)
         self.forward_passes = 0
+        self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._sessions: dict[str, _Session] = {}
         self._lock = threading.RLock()
 
@@ -103,9 +109,10 @@ class ModelRunner:
     # -- forward --------------------------------------------------------------------------
     @torch.inference_mode()
     def extend(
-        self, items: list[tuple[str, list[int]]], hidden_layer: int | None = None
+        self, items: list[tuple[str, list[int]]], hidden_layer: int | None = None, last_only: bool = False
     ) -> list[Extension]:
-        """Append tokens to sessions in one forward; returns one Extension per item."""
+        """Append tokens to sessions in one forward; returns one Extension per item (its
+        logits at every new position, or at the last one only)."""
         if not items:
             return []
         if any(len(ids) == 0 for _, ids in items):
@@ -115,16 +122,19 @@ class ModelRunner:
             if len({sid for sid, _ in items}) != len(items):
                 raise ValueError(f"{self.name}: a session appears twice in one extend")
             if len(items) == 1:
-                out = self._extend_one(sessions[0], items[0][1], hidden_layer)
+                out = self._extend_one(sessions[0], items[0][1], hidden_layer, last_only)
             else:
-                out = self._extend_batch(sessions, [ids for _, ids in items], hidden_layer)
+                out = self._extend_batch(sessions, [ids for _, ids in items], hidden_layer, last_only)
             self.forward_passes += 1
             now = time.monotonic()
             for s in sessions:
                 s.last_used = now
             return out
 
-    def _forward(self, input_ids, past: DynamicCache, hidden_layer, **kwargs):
+    def _forward(self, input_ids, past: DynamicCache, hidden_layer, keep=None, **kwargs):
+        """keep: the positions (ints, or -1 for the last) whose logits are wanted; None: all."""
+        if keep is not None and self._keeps_logits:
+            kwargs["logits_to_keep"] = 1 if keep == -1 else torch.tensor(keep, device=self.device)
         return self.model(
             input_ids=input_ids,
             past_key_values=past,
@@ -133,19 +143,20 @@ class ModelRunner:
             **kwargs,
         )
 
-    def _extend_one(self, s: _Session, ids: list[int], hidden_layer: int | None) -> list[Extension]:
+    def _extend_one(self, s: _Session, ids: list[int], hidden_layer: int | None, last_only: bool) -> list[Extension]:
         # Fast path: no padding, no mask, the session's own cache extended in place by HF.
         if s.cache is None:
             s.cache = DynamicCache()
         input_ids = torch.tensor([ids], device=self.device)  # [1, k]
         position_ids = torch.arange(s.length, s.length + len(ids), device=self.device)[None]
-        out = self._forward(input_ids, s.cache, hidden_layer, position_ids=position_ids)
+        out = self._forward(input_ids, s.cache, hidden_layer, -1 if last_only else None, position_ids=position_ids)
         s.length += len(ids)
         hidden = out.hidden_states[hidden_layer][0] if hidden_layer is not None else None
-        return [Extension(out.logits[0].float(), hidden)]
+        logits = out.logits[0, -1:] if last_only else out.logits[0]
+        return [Extension(logits.float(), hidden)]
 
     def _extend_batch(
-        self, sessions: list[_Session], new_ids: list[list[int]], hidden_layer: int | None
+        self, sessions: list[_Session], new_ids: list[list[int]], hidden_layer: int | None, last_only: bool
     ) -> list[Extension]:
         past_lens = [s.length for s in sessions]
         new_lens = [len(ids) for ids in new_ids]
@@ -160,7 +171,10 @@ class ModelRunner:
             input_ids[i, : len(ids)] = torch.tensor(ids, device=dev)
             position_ids[i] = torch.arange(p, p + k_max, device=dev)
         past = DynamicCache(ddp_cache_data=self._left_pad(sessions, p_max)) if p_max else DynamicCache()
-        out = self._forward(input_ids, past, hidden_layer, attention_mask=mask, position_ids=position_ids)
+        # last_only: each row's last new token sits at column k_i - 1 (new tokens are right-padded)
+        keep = sorted({k - 1 for k in new_lens}) if last_only else None
+        out = self._forward(input_ids, past, hidden_layer, keep, attention_mask=mask, position_ids=position_ids)
+        kept = out.logits.shape[1] == len(keep) if keep is not None else False  # the model took logits_to_keep
         layers = out.past_key_values.layers
         results = []
         for i, (s, p, k) in enumerate(zip(sessions, past_lens, new_lens)):
@@ -170,7 +184,12 @@ class ModelRunner:
             )
             s.length = p + k
             hidden = out.hidden_states[hidden_layer][i, :k] if hidden_layer is not None else None
-            results.append(Extension(out.logits[i, :k].float(), hidden))
+            if not last_only:
+                logits = out.logits[i, :k]
+            else:
+                column = keep.index(k - 1) if kept else k - 1
+                logits = out.logits[i, column : column + 1]
+            results.append(Extension(logits.float(), hidden))
         return results
 
     def _left_pad(self, sessions: list[_Session], p_max: int) -> KV:

@@ -44,10 +44,10 @@ def measure_primitives(chain, prompt_ids, repeats, max_k=20):
         # one session holding the prompt; each probe extends by k tokens and crops back
         sid = f"probe-{k}"
         runner.open(sid)
-        runner.extend([(sid, prompt_ids)])
+        runner.extend([(sid, prompt_ids)], last_only=True)
         times = []
-        for _ in range(repeats):
-            _, seconds = timed(runner.extend, [(sid, (prompt_ids * (k // len(prompt_ids) + 1))[:k])])
+        for _ in range(repeats):  # as the engine's catch-up asks: the logits after the last id
+            _, seconds = timed(runner.extend, [(sid, (prompt_ids * (k // len(prompt_ids) + 1))[:k])], last_only=True)
             runner.crop(sid, len(prompt_ids))
             times.append(seconds)
         runner.close(sid)

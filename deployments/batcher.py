@@ -41,11 +41,13 @@ class CatchUpCall:
     group: str = ""  # the caller's step: its calls are merged when they arrive together
     group_size: int = 1  # calls the caller issued in that step
     owner: str = ""  # the caller (a SmallRouter replica) whose lease keeps the session; "": TTL only
+    last_only: bool = False  # reply with the logits after the last id only ([1, V]: 1/k of the bytes)
 
 
 @dataclass(frozen=True)
 class CatchUpReply:
-    # [k, V] float32 next-token logits after each new id (numpy: the cheapest to ship); None: lost
+    # [k, V] float32 next-token logits after each new id ([1, V]: last_only; numpy: the cheapest
+    # to ship); None: lost
     logits: np.ndarray | None
     lost: str = ""  # why the session is not usable here
 
@@ -249,11 +251,13 @@ class CatchUpBatcher:
         self.stats.calls += len(calls)
         if ready:
             start = time.perf_counter()
-            exts = self.runner.extend([(calls[i].key, list(calls[i].ids)) for i in ready])
+            last_only = all(calls[i].last_only for i in ready)  # one forward: every row if any call wants them
+            exts = self.runner.extend([(calls[i].key, list(calls[i].ids)) for i in ready], last_only=last_only)
             seconds = time.perf_counter() - start
             self.stats.forward_s += seconds
             for i, ext in zip(ready, exts):
-                replies[i] = CatchUpReply(ext.logits.cpu().numpy())
+                logits = ext.logits[-1:] if calls[i].last_only else ext.logits
+                replies[i] = CatchUpReply(logits.cpu().numpy())
             self.stats.forward_passes += 1
             self.stats.batch_sizes[len(ready)] += 1
             if self.on_forward is not None:

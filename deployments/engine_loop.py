@@ -78,6 +78,7 @@ class EngineLoop(Generic[Policy]):
         self.on_finish = on_finish
         self.steps = 0
         self.last_step_s = 0.0
+        self.busy_s = 0.0  # time spent in steps
         self._commands: queue.Queue = queue.Queue()
         self._sinks: dict[str, _Sink] = {}
         self._stopped = threading.Event()
@@ -179,6 +180,7 @@ class EngineLoop(Generic[Policy]):
             if self.on_finish is not None:
                 self.on_finish(result)
         self.last_step_s = time.perf_counter() - start
+        self.busy_s += self.last_step_s
 
     def _fail(self, rid: str, message: str) -> None:
         sink = self._sinks.pop(rid, None)

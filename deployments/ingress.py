@@ -44,7 +44,7 @@ from clients.types import ChatCompletionRequest, CompletionRequest, GeneratePara
 
 from .access import ClientError, Edge, EdgeGate, body_too_large, check_limits, peer_host
 from .admission import Overloaded
-from .config import AppArgs
+from .config import AppArgs, handle_options
 from .engine_loop import Admitted, Failed, Rejected
 from .formats import chunk_body, error_body, final_chunk_body, pb_chunk, pb_final_chunk, pb_response, response_body
 from .grpc_service import Undecodable
@@ -167,7 +167,7 @@ class Ingress:
         self.args = AppArgs.model_validate(args)
         self.edge = Edge.from_config(self.args.access, self.args.limits)
         self.model_name = self.args.models.served_name
-        self.router = router.options(stream=True)
+        self.router = router.options(stream=True, **handle_options(self.args.handle_transport))
         self.router_unary = router
 
     def info(self) -> IngressInfo:

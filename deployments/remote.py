@@ -2,6 +2,7 @@
 
 The step loop calls `extend` with the pending ids of many requests; this proxy sends ONE
 call per session carrying all of its pending ids (a chunk), all calls of a step at once,
+(a reply carries the logits after the last id only, unless the engine asks for every row),
 tagged with the step so the replica's batcher can merge them into one forward. Sessions
 are keyed `<request id>#<epoch>`: a re-prefill opens a new epoch, so a replica that still
 holds an old copy can never be extended by mistake. `open` and `crop` cost no round trip:
@@ -95,12 +96,13 @@ class RemoteLarge:
             raise ValueError(f"{self.name}: cannot crop {session.length} positions to {length}")
         session.length = length  # the next call's `past` tells the replica
 
-    def extend(self, items: list[tuple[str, list[int]]], hidden_layer: int | None = None) -> list[Extension]:
+    def extend(self, items: list[tuple[str, list[int]]], hidden_layer: int | None = None,
+               last_only: bool = False) -> list[Extension]:
         if hidden_layer is not None:
             raise ValueError(f"{self.name}: a remote model returns no hidden states")
         group = f"{self._uid}-{next(self._steps)}"
-        calls = [CatchUpCall(self._get(sid).key, self._get(sid).length, tuple(ids), group, len(items), self.owner)
-                 for sid, ids in items]
+        calls = [CatchUpCall(self._get(sid).key, self._get(sid).length, tuple(ids), group, len(items), self.owner,
+                             last_only) for sid, ids in items]
         start, deadline = time.perf_counter(), time.monotonic() + self.timeout_s
         for sid, _ in items:
             self._sessions[sid].sent = True

@@ -35,7 +35,7 @@ from backoff_core.types import GenerationRequest, GenerationResult, TokenEvent
 
 from .admission import AdmissionGate, Overloaded
 from .batcher import CatchUpCall
-from .config import AppArgs, RoutingConfig
+from .config import AppArgs, RoutingConfig, handle_options
 from .engine_loop import Admitted, EngineLoop, Failed, Rejected
 from .metrics import RouterMetrics, level_names
 from .models import load_small_side
@@ -54,14 +54,15 @@ class ServeEndpoint:
 
     transport_errors = (RayActorError, ActorUnavailableError, ReplicaUnavailableError)
 
-    def __init__(self, handle: DeploymentHandle) -> None:
-        self.handle = handle
+    def __init__(self, handle: DeploymentHandle, transport: str = "actor") -> None:
+        self.handle = handle  # renewals: a broadcast, over actor calls
+        self.calls = handle.options(**handle_options(transport))  # extend / close, per step
 
     def extend(self, call: CatchUpCall):
-        return self.handle.options(multiplexed_model_id=call.key).extend.remote(call)
+        return self.calls.options(multiplexed_model_id=call.key).extend.remote(call)
 
     def close(self, key: str) -> None:
-        self.handle.options(multiplexed_model_id=key).close.remote(key)
+        self.calls.options(multiplexed_model_id=key).close.remote(key)
 
     async def renew(self, owner: str) -> list[float]:
         """Renew `owner`'s lease on every replica; the leases (s) they granted."""
@@ -83,6 +84,7 @@ class RouterInfo:
     sessions_lost: int
     catch_up_calls: int
     catch_up_wait_s: float  # step-loop time spent waiting for catch-up replies
+    busy_s: float = 0.0  # step-loop time spent in steps
 
 
 @serve.deployment(max_ongoing_requests=64)
@@ -95,7 +97,7 @@ class SmallRouter:
         names = level_names(n)
         vocab = int(side.model.get_output_embeddings().weight.shape[0])
         self.owner = serve.get_replica_context().replica_id.unique_id  # whose lease keeps our sessions
-        self.endpoints = [ServeEndpoint(h) for h in levels]
+        self.endpoints = [ServeEndpoint(h, self.args.handle_transport) for h in levels]
         self.remotes = [RemoteLarge(e, names[i + 1], vocab, owner=self.owner) for i, e in enumerate(self.endpoints)]
         self._renewals: asyncio.Task | None = None
         if len(self.remotes) != n - 1:
@@ -169,7 +171,7 @@ class SmallRouter:
                           cancelled=self._cancelled,
                           sessions_lost=sum(r.lost_sessions for r in self.remotes),
                           catch_up_calls=sum(r.calls for r in self.remotes),
-                          catch_up_wait_s=sum(r.wait_s for r in self.remotes))
+                          catch_up_wait_s=sum(r.wait_s for r in self.remotes), busy_s=self.loop.busy_s)
 
     def _start_renewals(self) -> None:
         if self._renewals is None or self._renewals.done():

@@ -35,9 +35,9 @@ class Recording(ModelRunner):
         super().__init__(model, name)
         self.calls: list[tuple[str, int, list[int], torch.Tensor]] = []
 
-    def extend(self, items, hidden_layer=None):
+    def extend(self, items, hidden_layer=None, last_only=False):
         before = {sid: self.length(sid) for sid, _ in items}
-        out = super().extend(items, hidden_layer)
+        out = super().extend(items, hidden_layer, last_only)
         for (sid, ids), ext in zip(items, out):
             self.calls.append((sid, before[sid], list(ids), ext.logits))
         return out

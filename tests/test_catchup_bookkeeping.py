@@ -71,12 +71,17 @@ def test_scripted_tokens_come_from_the_scripted_model(pair, tokenizer):
 
 
 @pytest.mark.parametrize("batched", [False, True])
-def test_logits_after_catch_up_equal_full_recompute(pair, tokenizer, batched):
+@pytest.mark.parametrize("verification", [Verification.NONE, Verification.KL])
+def test_logits_after_catch_up_equal_full_recompute(pair, tokenizer, batched, verification):
+    """Without verification a catch-up asks for the logits after its last id only (one row);
+    with it, for every new position (an infinite tolerance: checked, never rolled back);
+    either way they equal a full recompute."""
     small, large = pair
     runners = [ModelRunner(small, "small"), Recording(large, "large")]
     engine = BackoffEngine(runners, tokenizer)
     prompts = [PROMPT, (7,), (9, 9, 9, 9, 9, 9, 9, 1)]
-    reqs = [request(p, 24, "random", rate=0.7, seed=i) for i, p in enumerate(prompts)]
+    reqs = [request(p, 24, "random", rate=0.7, seed=i, verification=verification, tolerance=float("inf"))
+            for i, p in enumerate(prompts)]
     results = engine.generate_many(reqs) if batched else [engine.generate(r) for r in reqs]
     full = {}
     for r, res in zip(reqs, results):
@@ -86,6 +91,9 @@ def test_logits_after_catch_up_equal_full_recompute(pair, tokenizer, batched):
         seq = full[sid][: before + len(ids)]
         with torch.no_grad():
             reference = large(torch.tensor([seq])).logits[0, before:]
+        if verification == Verification.NONE:
+            reference = reference[-1:]
+        assert len(logits) == len(reference)
         # tolerance: fp32, different reduction orders (padding, cache): 1e-4 absolute
         torch.testing.assert_close(logits, reference, atol=1e-4, rtol=1e-4)
         checked += 1
@@ -99,12 +107,12 @@ class Forgetful(ModelRunner):
         super().__init__(model, name)
         self.lose_at, self.calls = lose_at, 0
 
-    def extend(self, items, hidden_layer=None):
+    def extend(self, items, hidden_layer=None, last_only=False):
         self.calls += 1
         if self.calls == self.lose_at:
             for sid in self.session_ids():
                 self.close(sid)
-        return super().extend(items, hidden_layer)
+        return super().extend(items, hidden_layer, last_only)
 
 
 def test_lost_large_session_is_rebuilt_by_re_prefill(pair, tokenizer):
@@ -145,3 +153,23 @@ def test_greedy_speculative_drafts_accepted_count(pair, tokenizer):
     assert result.token_ids == hf_greedy(large, PROMPT, 20)
     top_calls = [c for c in result.catch_ups if c.level == 1]
     assert sum(c.rolled_back for c in top_calls) == result.rollbacks
+
+
+@pytest.mark.parametrize("keeps", [True, False])
+def test_last_only_is_the_last_row_of_every_row(pair, keeps):
+    """extend(last_only=True) gives each session the row after its last new id, for one
+    session and for a ragged batch, through `logits_to_keep` or (a model without it) a slice."""
+    large = pair[1]
+    full, last = ModelRunner(large, "full"), ModelRunner(large, "last")
+    last._keeps_logits = keeps
+    steps = [[("a", [5, 6, 7, 8])], [("a", [9])], [("a", [3, 4]), ("b", [1, 2, 3, 4, 5, 6]), ("c", [7])],
+             [("b", [2]), ("c", [8, 9, 10]), ("a", [11, 12, 13, 14])]]
+    for runner in (full, last):
+        for sid in "abc":
+            runner.open(sid)
+    for items in steps:
+        every = full.extend(items)
+        ends = last.extend(items, last_only=True)
+        for (sid, ids), e, l in zip(items, every, ends):
+            assert e.logits.shape[0] == len(ids) and l.logits.shape[0] == 1
+            torch.testing.assert_close(l.logits, e.logits[-1:], atol=1e-5, rtol=1e-5)

@@ -22,12 +22,12 @@ class Failing(ModelRunner):
         self.after, self.dead = after, dead
         self.calls: list[list[str]] = []
 
-    def extend(self, items, hidden_layer=None):
+    def extend(self, items, hidden_layer=None, last_only=False):
         self.calls.append([sid for sid, _ in items])
         if len(self.calls) <= self.after:
-            return super().extend(items, hidden_layer)
+            return super().extend(items, hidden_layer, last_only)
         alive = [(sid, ids) for sid, ids in items if self.dead is not None and sid not in self.dead]
-        done = dict(zip([sid for sid, _ in alive], super().extend(alive))) if alive else {}
+        done = dict(zip([sid for sid, _ in alive], super().extend(alive, last_only=last_only))) if alive else {}
         raise LargeUnavailable("large: no reply within 0.1 s", done)
 
 

@@ -56,14 +56,18 @@ def loop_thread():
 
 # -- the batcher ----------------------------------------------------------------------------
 
-def test_one_forward_for_a_step_of_ragged_catch_ups(pair, loop_thread):
+@pytest.mark.parametrize("last_only", [(False,) * 4, (True,) * 4, (True, False, True, False)])
+def test_one_forward_for_a_step_of_ragged_catch_ups(pair, loop_thread, last_only):
+    """Ragged catch-ups merge into one forward; a call that asks for the last row only gets
+    [1, V] (even beside calls that want every row), the others [k, V]."""
     _, large = pair
     runner, alone = ModelRunner(large, "large"), ModelRunner(large, "alone")
     batcher = CatchUpBatcher(runner, batch_wait_s=1.0, batch_gap_s=0.1)
     prompts = [[3, 4, 5, 6, 7], [8, 9], [10, 11, 12], [13]]
 
     async def step():
-        calls = [CatchUpCall(f"s{i}", 0, tuple(p), "g0", len(prompts)) for i, p in enumerate(prompts)]
+        calls = [CatchUpCall(f"s{i}", 0, tuple(p), "g0", len(prompts), last_only=last)
+                 for i, (p, last) in enumerate(zip(prompts, last_only))]
         tasks = []
         for call in calls:  # arriving one by one, as from a router
             tasks.append(asyncio.ensure_future(batcher.extend(call)))
@@ -72,10 +76,10 @@ def test_one_forward_for_a_step_of_ragged_catch_ups(pair, loop_thread):
 
     replies = loop_thread.run(step())
     assert batcher.stats.forward_passes == 1 and batcher.stats.batch_sizes == {4: 1}
-    for i, (p, reply) in enumerate(zip(prompts, replies)):
+    for i, (p, reply, last) in enumerate(zip(prompts, replies, last_only)):
         alone.open(f"a{i}")
-        expected = alone.extend([(f"a{i}", p)])[0].logits
-        assert reply.logits.shape == (len(p), runner.vocab_size)
+        expected = alone.extend([(f"a{i}", p)])[0].logits[-1:] if last else alone.extend([(f"a{i}", p)])[0].logits
+        assert reply.logits.shape == (1 if last else len(p), runner.vocab_size)
         torch.testing.assert_close(torch.from_numpy(reply.logits), expected, rtol=1e-4, atol=1e-4)
 
 
