@@ -248,16 +248,9 @@ class Flight:
     router: str = ""  # SmallRouter replica serving it
 
 
-async def _http_stream(client: AsyncBackoffHTTPClient, first: asyncio.Future):
-    deltas = []
-    async for d in client.stream(PROMPT, **LONG):
-        deltas.append(d)
-        if not first.done():
-            first.set_result(d.id)
-    return deltas
-
-
-async def _grpc_stream(client: AsyncBackoffGrpcClient, first: asyncio.Future):
+async def _stream(client: AsyncBackoffHTTPClient | AsyncBackoffGrpcClient, first: asyncio.Future):
+    """All deltas of one long stream (HTTP or gRPC: the clients share `stream`); `first`
+    gets the request id as soon as the first delta arrives."""
     deltas = []
     async for d in client.stream(PROMPT, **LONG):
         deltas.append(d)
@@ -274,7 +267,7 @@ async def _launch(kind: str, clients: tuple, known: set[str]) -> Flight:
     """Start one request and find the router that serves it (from the routers' live ids)."""
     http, client, grpc_client = clients
     first: asyncio.Future = asyncio.get_running_loop().create_future()
-    coro = {"http": lambda: _http_stream(client, first), "grpc": lambda: _grpc_stream(grpc_client, first),
+    coro = {"http": lambda: _stream(client, first), "grpc": lambda: _stream(grpc_client, first),
             "unary": lambda: _unary(http)}[kind]()
     flight = Flight(kind, asyncio.create_task(coro))
     rid = await asyncio.wait_for(first, 30) if kind != "unary" else ""
