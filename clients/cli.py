@@ -40,6 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int)
     gen.add_argument("--seed", type=int)
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     gen.add_argument("--router", help="decision function for this request")
     gen.add_argument("--threshold", help="backoff threshold(s), comma-separated")
     gen.add_argument("--target-backoff", type=float, help="target backoff rate")
@@ -61,7 +62,8 @@ def _client(args):
 def _params(args) -> GenerateParams:
     thresholds = [float(t) for t in args.threshold.split(",")] if args.threshold else None
     return merge_params(None, dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                   top_k=args.top_k, seed=args.seed, stop=args.stop, router=args.router,
+                                   top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
+                                   router=args.router,
                                    backoff_threshold=thresholds, target_backoff=args.target_backoff))
 
 

@@ -216,7 +216,7 @@ def test_bad_http_input_is_a_4xx_with_an_openai_error_body(served, body, path, s
 
 
 def test_unknown_openai_fields_are_ignored_and_streams_refuse_like_unary(served):
-    ok = _post(served, {"prompt": W, "max_tokens": 2, "user": "u1", "logit_bias": {"3": 1}, "echo": False})
+    ok = _post(served, {"prompt": W, "max_tokens": 2, "ignore_eos": True, "user": "u1", "logit_bias": {"3": 1}, "echo": False})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
     stream = _post(served, {"prompt": W, "max_tokens": 10**9, "stream": True})
     assert "limits.max_tokens" in _openai_error(stream)["message"]
@@ -330,14 +330,14 @@ def test_openai_package_gets_authentication_error_and_works_with_the_key(served)
     with pytest.raises(openai.AuthenticationError):
         wrong.completions.create(model="backoff", prompt=W, max_tokens=2)
     right = openai.OpenAI(base_url=f"{served.url}/v1", api_key=KEY, max_retries=0)
-    done = right.completions.create(model="backoff", prompt=W, max_tokens=2, temperature=0)
+    done = right.completions.create(model="backoff", prompt=W, max_tokens=2, extra_body={"ignore_eos": True})
     assert done.usage.completion_tokens == 2
     with pytest.raises(openai.BadRequestError):
         right.completions.create(model="backoff", prompt=W, max_tokens=10**6)
 
 
 def test_grpc_needs_an_api_key_except_for_health(served):
-    request = pb.GenerateRequest(prompt=W, max_tokens=2)
+    request = pb.GenerateRequest(prompt=W, max_tokens=2, ignore_eos=True)
     with grpc.insecure_channel(served.grpc_target) as channel:
         stub = pb_grpc.BackoffStub(channel)
         for meta in ((), _grpc_meta("wrong"), (("authorization", KEY),)):
@@ -356,19 +356,19 @@ def test_clients_send_the_key_from_the_argument_or_the_environment(served, monke
     with BackoffHTTPClient(served.url) as http, BackoffGrpcClient(served.grpc_target) as rpc:
         for client in (http, rpc):
             with pytest.raises(AuthenticationError):
-                client.complete(W, max_tokens=2)
+                client.complete(W, max_tokens=2, ignore_eos=True)
     with BackoffHTTPClient(served.url, api_key=KEY) as http, BackoffGrpcClient(served.grpc_target, api_key=KEY) as rpc:
-        assert http.complete(W, max_tokens=2).usage.completion_tokens == 2
-        assert rpc.complete(W, max_tokens=2).usage.completion_tokens == 2
+        assert http.complete(W, max_tokens=2, ignore_eos=True).usage.completion_tokens == 2
+        assert rpc.complete(W, max_tokens=2, ignore_eos=True).usage.completion_tokens == 2
         assert http.models() == rpc.models() == ["backoff"]
         for client in (http, rpc):  # a refused request is the same exception on both transports
             with pytest.raises(BadRequestError):
                 client.complete(W, max_tokens=10**6)
     monkeypatch.setenv("BACKOFF_API_KEY", ENV_KEY)
     with BackoffHTTPClient(served.url) as http, BackoffGrpcClient(served.grpc_target) as rpc:
-        assert http.complete(W, max_tokens=2).usage.completion_tokens == 2
-        assert rpc.complete(W, max_tokens=2).usage.completion_tokens == 2
-    assert cli.main(["--url", served.url, "generate", W, "--max-tokens", "2", "--json"]) == 0
+        assert http.complete(W, max_tokens=2, ignore_eos=True).usage.completion_tokens == 2
+        assert rpc.complete(W, max_tokens=2, ignore_eos=True).usage.completion_tokens == 2
+    assert cli.main(["--url", served.url, "generate", W, "--max-tokens", "2", "--ignore-eos", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["usage"]["completion_tokens"] == 2
     monkeypatch.delenv("BACKOFF_API_KEY")
     assert cli.main(["--grpc", served.grpc_target, "--api-key", KEY, "models"]) == 0
@@ -394,7 +394,7 @@ def test_concurrent_requests_per_client_are_capped(served):
         error = _openai_error(third)
         assert error["type"] == "rate_limit_error" and "per ingress replica" in error["message"]
         with BackoffHTTPClient(served.url, api_key=KEY) as client, pytest.raises(RateLimitError) as limited:
-            client.complete(W, max_tokens=2)
+            client.complete(W, max_tokens=2, ignore_eos=True)
         assert limited.value.retry_after_s == LIMITS["retry_after_s"]
         with grpc.insecure_channel(served.grpc_target) as channel:  # the same client over gRPC
             with pytest.raises(grpc.RpcError) as err:
