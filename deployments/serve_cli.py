@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import socket
 import tempfile
 import time
@@ -22,6 +23,18 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent / "serve_config.yaml"
 # object store, which saves ~3 ms per catch-up on a CPU box. cluster.yaml sets the same.
 RAY_SYSTEM_CONFIG = {"max_direct_call_object_size": 4 * 1024 * 1024}
 
+# Serve's controller gives a new proxy 5 s to report ready, then kills it, and `serve run`
+# fails with the proxy's ActorDiedError: a loaded 2-core machine can take longer than that
+# to import a proxy. A local Ray started here passes its environment to those processes.
+LOCAL_SERVE_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60"}
+
+
+def local_serve_env() -> None:
+    """Put LOCAL_SERVE_ENV into this process's environment (values already set win): call it
+    before a local Ray starts."""
+    for key, value in LOCAL_SERVE_ENV.items():
+        os.environ.setdefault(key, value)
+
 
 def start_ray(address: str | None = None, **kwargs) -> None:
     """Join the cluster at `address`, or start a local Ray tuned for catch-up replies."""
@@ -32,6 +45,7 @@ def start_ray(address: str | None = None, **kwargs) -> None:
     if address:
         ray.init(address=address, **kwargs)
     else:
+        local_serve_env()
         ray.init(address="local", _system_config=RAY_SYSTEM_CONFIG, **kwargs)
 
 
@@ -97,6 +111,7 @@ def run_config(config: dict, blocking: bool = True) -> None:
     else one `serve run` starts)."""
     from ray.serve.scripts import cli  # Ray only when something is deployed
 
+    local_serve_env()  # used if `serve run` starts a local Ray
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="backoff-serve-", delete=False) as f:
         yaml.safe_dump(config, f, sort_keys=False)
     argv = ["run", f.name] + ([] if blocking else ["--non-blocking"])

@@ -3,7 +3,8 @@
 Always a NEW local instance (`address="local"`: never a cluster named by $RAY_ADDRESS or a
 stale /tmp/ray/ray_current_cluster), and a failed start is retried after a pause: on a
 busy 2-core CI machine the processes of the previous module's instance may still be
-exiting. Every failed attempt is reported, so a real fault is not hidden.
+exiting. Every failed attempt is reported, so a real fault is not hidden. The instance gets
+serve_cli's local environment (a patient proxy ready check) as `backoff serve` does.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ ATTEMPTS = 3
 def start_local_ray(**kwargs) -> None:
     import ray
 
+    from deployments.serve_cli import local_serve_env
+
+    local_serve_env()
     if ray.is_initialized():
         ray.shutdown()
     errors = []
