@@ -342,7 +342,7 @@ def test_killed_router_fails_its_requests_clearly_and_frees_their_sessions(serve
             async def all_hold_sessions() -> bool:  # every request's M_L session exists
                 return sum(len(i.sessions) for i in (await _large_infos()).values()) == len(flights)
 
-            await _poll(all_hold_sessions, 20, "M_L sessions of the requests")
+            await _poll(all_hold_sessions, 60, "M_L sessions of the requests")
             assert all(not f.task.done() for f in flights), "a request ended before the kill"
             os.kill((await _router_infos())[victim].pid, signal.SIGKILL)
             killed = time.monotonic()
@@ -382,7 +382,7 @@ def test_killed_router_fails_its_requests_clearly_and_frees_their_sessions(serve
                 assert [d.token_id for d in out if d.finish_reason is None] == reference
                 assert out[-1].finish_reason == "length"
     serve_cli.wait_until_running(APP)
-    asyncio.run(_poll(_all_freed, 30, "sessions after the kill"))
+    asyncio.run(_poll(_all_freed, 60, "sessions after the kill"))
 
 
 # -- 4. a slow M_L: degrade (or fail), then recover, all by live config ---------------------------
@@ -426,4 +426,4 @@ def test_slow_large_model_degrades_fails_and_recovers_live(served):
         again = client.complete(prompt, max_tokens=12, temperature=0, ignore_eos=True, router="always-large")
     assert not again.usage.degraded and again.usage.large_tokens == 12 and again.token_ids == healthy.token_ids
     # the calls that timed out landed late, after their close: tombstones, no session left
-    asyncio.run(_poll(_all_freed, 30, "sessions after the slow period"))
+    asyncio.run(_poll(_all_freed, 60, "sessions after the slow period"))
