@@ -240,3 +240,15 @@ def test_bad_params_are_refused_before_sending_and_the_cli_reports_them(capsys):
     assert main(["--url", "http://127.0.0.1:9", "generate", "x", "--top-p", "5"]) == 2
     assert "top_p" in capsys.readouterr().err
     assert main(["--url", "http://127.0.0.1:9", "generate", "x"]) == 1  # nobody there
+
+
+def test_cli_flags_become_the_request_params():
+    from clients.cli import _params, _parser
+
+    args = _parser().parse_args(["generate", "x", "--max-tokens", "7", "--temperature", "0", "--top-k", "5",
+                                 "--seed", "3", "--stop", "a", "--stop", "b", "--ignore-eos", "--router", "entropy",
+                                 "--threshold", "1.5,4", "--target-backoff", "0.8"])
+    assert _params(args) == GenerateParams(max_tokens=7, temperature=0.0, top_k=5, seed=3, stop=["a", "b"],
+                                           ignore_eos=True, router="entropy", backoff_threshold=[1.5, 4.0],
+                                           target_backoff=0.8)
+    assert _params(_parser().parse_args(["generate", "x"])) == GenerateParams()
