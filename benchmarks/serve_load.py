@@ -222,12 +222,20 @@ def print_table(rows: list[RunStats]) -> None:
               f"{r.sessions_per_forward:8.2f} {r.backoff_rate:7.2f}")
 
 
-def summary(rows: list[RunStats]) -> dict:
+def summary(rows: list[RunStats], runs: dict[tuple[str, int], list[RunStats]] | None = None) -> dict:
+    """Ratios of the median rows; with `runs` (every repetition, in order) also the served /
+    in-process ratio of each repetition at the fewest streams -- the two ran back to back,
+    so a drift in the machine's load cancels out -- as median, min and max."""
     by = {(r.mode, r.streams): r for r in rows}
     lo, hi = min(r.streams for r in rows), max(r.streams for r in rows)
     out = {}
     if ("served-batched", lo) in by and ("in-process", lo) in by:
         out["single_stream_vs_in_process"] = by["served-batched", lo].tokens_per_s / by["in-process", lo].tokens_per_s
+        if runs:
+            paired = sorted(s.tokens_per_s / i.tokens_per_s
+                            for s, i in zip(runs["served-batched", lo], runs["in-process", lo]))
+            out["single_stream_vs_in_process_paired"] = {
+                "median": statistics.median(paired), "min": paired[0], "max": paired[-1], "repeats": len(paired)}
     if ("served-unbatched", hi) in by and ("served-batched", hi) in by:
         out["unbatched_over_batched_forwards"] = by["served-unbatched", hi].large_forwards / max(
             1, by["served-batched", hi].large_forwards)
@@ -315,7 +323,7 @@ def main() -> None:
 
     print_table(rows)
     result = {"args": vars(args), "models": [small or "default-small", large or "default-large"],
-              "rows": [asdict(r) for r in rows], "summary": summary(rows)}
+              "rows": [asdict(r) for r in rows], "summary": summary(rows, runs)}
     print("\n" + json.dumps(result["summary"], indent=2))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
