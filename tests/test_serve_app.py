@@ -155,6 +155,15 @@ def test_http_unary_and_stream(served, local):
     assert (unary.token_ids, unary.sources) == (list(ref.token_ids), list(ref.sources))
 
 
+def test_a_local_ray_gives_serve_a_patient_proxy_ready_check(served):
+    """Serve's processes (workers of the local Ray) see serve_cli.LOCAL_SERVE_ENV."""
+    @ray.remote(num_cpus=0)
+    def environment(keys):
+        return {k: os.environ.get(k) for k in keys}
+
+    assert ray.get(environment.remote(list(serve_cli.LOCAL_SERVE_ENV)), timeout=60) == serve_cli.LOCAL_SERVE_ENV
+
+
 def test_served_output_equals_in_process(served, local):
     cases = [  # (prompt, fields, reference kwargs)
         ([5, 9, 13, 2], dict(temperature=0.9, seed=7), dict(temperature=0.9, seed=7)),
