@@ -334,7 +334,7 @@ class Ingress:
         if isinstance(first, Rejected):
             raise ClientError(first.message)
         if isinstance(first, Failed):
-            raise _failure(first)
+            raise failure(first)
         assert isinstance(first, Admitted), first
         return holding(stream, release)
 

@@ -1,6 +1,7 @@
-"""Faults in the Ray-free parts of deployments/: session leases and tombstones in the
-catch-up batcher, and a slow large model behind RemoteLarge (the fake transport of
-test_serve_units). Tiny models, no Ray."""
+"""Faults in the parts of deployments/ that run without a Ray cluster: session leases and
+tombstones in the catch-up batcher, a slow large model behind RemoteLarge (the fake
+transport of test_serve_units), and the Ingress's answer to a request the step loop failed
+(its class called directly, with a fake router handle). Tiny models."""
 
 from __future__ import annotations
 
@@ -13,7 +14,13 @@ from test_serve_units import FakeEndpoint, LoopThread, remote_engine
 
 from backoff_core.backends import LargeUnavailable
 from backoff_core.runner import ModelRunner
+from clients.types import GenerateParams
+from deployments.access import Edge
 from deployments.batcher import CatchUpBatcher, CatchUpCall
+from deployments.config import AppArgs
+from deployments.engine_loop import Failed
+from deployments.ingress import Ingress
+from deployments.streams import ServerFailure
 
 
 @pytest.fixture(scope="module")
@@ -98,3 +105,36 @@ def test_no_replica_to_create_a_session_on_is_unavailable(pair, tokenizer, loop_
     with pytest.raises(LargeUnavailable):
         remote.open("s")
         remote.extend([("s", [3, 4])])
+
+
+class _BareIngress(Ingress.func_or_class):
+    """The class Serve wraps, built without its Ray parts (no ASGI app to shut down)."""
+
+    def __del__(self) -> None:
+        pass
+
+
+class _FirstItemRouter:
+    """A SmallRouter handle whose stream yields one item: what the step loop answered."""
+
+    def __init__(self, first) -> None:
+        self.first, self.generate = first, self
+
+    def remote(self, request, tokens):
+        async def items():
+            yield self.first
+
+        return items()
+
+
+@pytest.mark.parametrize("first, status, code", [(Failed("RuntimeError: no tokenizer"), 500, None),
+                                                 (Failed("M_L is down", unavailable=True), 503, "large_unavailable")])
+def test_a_request_the_step_loop_fails_at_admission_is_a_server_failure(first, status, code):
+    ingress = object.__new__(_BareIngress)
+    ingress.args = AppArgs()
+    ingress.edge = Edge.from_config(ingress.args.access, ingress.args.limits)
+    ingress.router = _FirstItemRouter(first)
+    with pytest.raises(ServerFailure) as err:
+        asyncio.run(ingress._open("cmpl-1", GenerateParams(max_tokens=2), "peer:test", tokens=True, prompt="hi"))
+    assert (err.value.status, err.value.code, err.value.message) == (status, code, first.message)
+    assert not ingress.edge.slots.open  # the client's slot is given back
