@@ -2,8 +2,8 @@
 
 The step loop calls `extend` with the pending ids of many requests; this proxy sends ONE
 call per session carrying all of its pending ids (a chunk), all calls of a step at once,
-(a reply carries the logits after the last id only, unless the engine asks for every row),
-tagged with the step so the replica's batcher can merge them into one forward. Sessions
+tagged with the step so the replica's batcher can merge them into one forward; a reply
+carries the logits after the last id only, unless the engine asks for every row. Sessions
 are keyed `<request id>#<epoch>`: a re-prefill opens a new epoch, so a replica that still
 holds an old copy can never be extended by mistake. `open` and `crop` cost no round trip:
 the next call says how many positions it expects (`past`) and the replica creates or
