@@ -18,7 +18,7 @@ import torch
 
 from .backends import Backend, LargeUnavailable, SessionLost
 from .runner import Extension, SessionError
-from .sampling import distribution, kl_divergence, residual, sample, uniform
+from .sampling import Stream, distribution, kl_divergence, residual, sample, uniform
 from .state import Live
 from .types import CatchUp, Verification
 
@@ -115,21 +115,21 @@ class CatchUpper:
                 if replacement is not None:
                     return self._roll_back(level, r, j, p_level, replacement)
         r.last_logits[level] = preds[-1]
-        return Outcome(level, preds[-1], sample(distribution(preds[-1], params), r.generator), 0)
+        return Outcome(level, preds[-1], sample(distribution(preds[-1], params), r.seed, len(r.tokens)), 0)
 
     def _check(self, r: Live, j: int, p_level: torch.Tensor, p_source: torch.Tensor) -> int | None:
         """None to accept the token at position j, else the token that replaces it."""
         routing, params = r.request.routing, r.request.sampling
         if routing.verification == Verification.KL:
             if float(kl_divergence(p_level, p_source)) > routing.tolerance:
-                return sample(distribution(p_level, params), r.generator)
+                return sample(distribution(p_level, params), r.seed, j, Stream.REPLACE)
             return None
         # exact rejection sampling: accept x with probability min(1, q(x) / p(x))
         q, p = distribution(p_level, params), distribution(p_source, params)
         x = r.tokens[j]
-        if uniform(r.generator) * float(p[x]) < float(q[x]):
+        if uniform(r.seed, j, Stream.ACCEPT) * float(p[x]) < float(q[x]):
             return None
-        return sample(residual(q, p), r.generator)
+        return sample(residual(q, p), r.seed, j, Stream.REPLACE)
 
     def _roll_back(self, level: int, r: Live, j: int, p_level: torch.Tensor, token: int) -> Outcome:
         dropped = r.truncate(j)

@@ -1,54 +1,132 @@
 """Turning logits into the distribution a token is drawn from, and drawing it.
 
-Every model's logits go through the same `distribution()` so that the small and large
+Every model's logits go through the same `distributions()` so that the small and large
 distributions compared by a decision function or a verification are the ones tokens are
 actually sampled from. Greedy decoding is a one-hot distribution on the argmax, which makes
 exact rejection sampling reduce to "accept iff the large model's argmax agrees".
+
+Randomness is counter-based, on the logits' own device: the noise of a draw is a hash of
+(request seed, position, stream), so a request gives the same tokens batched or alone, on
+any device, with no generator state to carry and no host round trip per request (the
+gpt-fast / vLLM recipe: argmax(p / E) with E ~ Exp(1) draws from p). Streams keep the draws
+of one position independent: the token itself, the router's coin, the rejection test and
+the replacement after a rejection.
 """
 
 from __future__ import annotations
+
+import enum
+import secrets
+from collections.abc import Sequence
 
 import torch
 
 from .types import SamplingParams
 
+_MASK32 = 0xFFFFFFFF
+
+
+class Stream(enum.IntEnum):
+    """Independent random streams at one position."""
+
+    TOKEN = 0  # the token drawn from the chosen level's distribution
+    ROUTER = 1  # the random router's coin
+    ACCEPT = 2  # exact rejection sampling's accept test
+    REPLACE = 3  # the token that replaces a rejected one
+
 
 def distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """logits: [..., V] -> probabilities [..., V] after temperature, top-k and top-p."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    return distributions(flat, [params] * flat.shape[0]).reshape(logits.shape)
+
+
+def distributions(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """logits: [B, V], one SamplingParams per row -> probabilities [B, V] (float32).
+
+    Every row is a proper distribution whatever finite parameters it has: a temperature
+    under the floor is greedy, top-p always keeps the most likely token, and a row whose
+    logits are not finite falls back to its argmax over the finite ones.
+    """
     logits = logits.float()
-    if params.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = logits / params.temperature
-    if params.top_k and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
-        # keep the smallest prefix whose mass reaches top_p (the top token always stays)
-        drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        probs = probs.masked_fill(drop, 0.0)
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
+    b, v = logits.shape
+    dev = logits.device
+    greedy = torch.tensor([p.greedy for p in params], device=dev)  # [B]
+    temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=dev)  # [B]
+    top_k = torch.tensor([p.top_k if 0 < p.top_k < v else v for p in params], device=dev)  # [B]
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64, device=dev)  # [B]
+    logits = torch.nan_to_num(logits, nan=float("-inf"))
+    scaled = logits / temperature[:, None]
+    if bool((top_k < v).any()) or bool((top_p < 1.0).any()):
+        scaled = _truncate(scaled, top_k, top_p)
+    probs = torch.softmax(scaled, dim=-1)
+    one_hot = torch.nn.functional.one_hot(logits.argmax(-1), v).float()
+    bad = ~torch.isfinite(probs).all(-1)  # e.g. every logit -inf
+    return torch.where((greedy | bad)[:, None], one_hot, probs)
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator) -> int:
-    """probs: [V] -> one token id. The generator lives on the CPU so seeds agree across devices."""
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator).item())
+def _truncate(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask (-inf) what top-k and top-p drop; scaled: [B, V] sorted once for both."""
+    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)  # [B, V]
+    rank = torch.arange(scaled.shape[-1], device=scaled.device)[None]  # [1, V]
+    drop_sorted = rank >= top_k[:, None]
+    probs = torch.softmax(sorted_logits.masked_fill(drop_sorted, float("-inf")), dim=-1).double()
+    # top-p: keep the smallest prefix whose mass reaches top_p; the top token always stays
+    drop_sorted |= (probs.cumsum(-1) - probs) >= top_p[:, None]
+    drop_sorted[:, 0] = False
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return scaled.masked_fill(drop, float("-inf"))
 
 
-def uniform(generator: torch.Generator) -> float:
-    return float(torch.rand((), generator=generator).item())
+# -- counter-based randomness --------------------------------------------------------------
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (lowbias32) on int64 tensors holding values in [0, 2^32).
+    Products wrap in int64; masking keeps their low 32 bits, which is all the hash uses."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
 
 
-def make_generator(seed: int | None) -> torch.Generator:
-    gen = torch.Generator(device="cpu")
-    if seed is None:
-        gen.seed()
-    else:
-        gen.manual_seed(seed)
-    return gen
+def _keys(seeds: Sequence[int], positions: Sequence[int], stream: Stream, device) -> torch.Tensor:
+    """One 32-bit key per row from (seed, position, stream): [B] int64."""
+    lo = torch.tensor([s & _MASK32 for s in seeds], dtype=torch.int64, device=device)
+    hi = torch.tensor([(s >> 32) & _MASK32 for s in seeds], dtype=torch.int64, device=device)
+    pos = torch.tensor([p & _MASK32 for p in positions], dtype=torch.int64, device=device)
+    key = _mix(lo ^ _mix(hi ^ _mix(pos ^ _mix(torch.full_like(pos, int(stream) + 0x9E3779B9)))))
+    return key
+
+
+def uniforms(seeds: Sequence[int], positions: Sequence[int], stream: Stream, width: int = 1,
+             device: torch.device | str = "cpu") -> torch.Tensor:
+    """U(0, 1) noise [B, width] (float32, never 0 or 1), a pure function of its arguments."""
+    keys = _keys(seeds, positions, stream, device)  # [B]
+    index = torch.arange(width, dtype=torch.int64, device=device)[None]  # [1, W]
+    bits = _mix(keys[:, None] ^ _mix(index * 0x9E3779B1 & _MASK32))  # [B, W]
+    return ((bits >> 8).float() + 0.5) / float(1 << 24)
+
+
+def sample_rows(probs: torch.Tensor, seeds: Sequence[int], positions: Sequence[int],
+                stream: Stream = Stream.TOKEN) -> torch.Tensor:
+    """probs: [B, V] -> token ids [B] (on probs' device), row i drawn with the noise of
+    (seeds[i], positions[i], stream): argmax(p / E), E ~ Exp(1), is a draw from p."""
+    noise = -torch.log(uniforms(seeds, positions, stream, probs.shape[-1], probs.device))  # [B, V] Exp(1)
+    return (probs / noise).argmax(-1)
+
+
+def sample(probs: torch.Tensor, seed: int, position: int, stream: Stream = Stream.TOKEN) -> int:
+    """probs: [V] -> one token id (one host sync)."""
+    return int(sample_rows(probs[None], [seed], [position], stream)[0])
+
+
+def uniform(seed: int, position: int, stream: Stream) -> float:
+    return float(uniforms([seed], [position], stream)[0, 0])
+
+
+def request_seed(seed: int | None) -> int:
+    """The seed a request's draws use: its own, or a fresh random one."""
+    return secrets.randbits(63) if seed is None else int(seed)
 
 
 def kl_divergence(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:

@@ -19,8 +19,8 @@ class Live:
     request: GenerationRequest
     sid: str
     router: DecisionFunction
-    thresholds: torch.Tensor  # [N-1] ascending
-    generator: torch.Generator
+    thresholds: torch.Tensor  # [N-1] float64, ascending, finite (float32 would overflow a huge one)
+    seed: int  # the request's draws are a pure function of (seed, position): sampling.py
     num_levels: int
     controller: RateController | None = None
     tokens: list[int] = field(default_factory=list)  # prompt + committed
@@ -44,11 +44,13 @@ class Live:
     text: str = ""  # text streamed so far (stable prefix)
     cut_at: int | None = None  # stop string: text length to keep
     degraded: str = ""  # why the larger models were given up ("": they were not); M_S only since
-    failure: str = ""  # the error that ends the request (on_large_failure = "fail")
+    # the error that ends this request alone (finish() raises it): LargeUnavailable with
+    # on_large_failure = "fail", or whatever handling this one request raised (isolation.py)
+    failure: Exception | None = None
 
     @property
     def done(self) -> bool:
-        return self.finished is not None or bool(self.failure)
+        return self.finished is not None or self.failure is not None
 
     @property
     def prompt_len(self) -> int:

@@ -20,6 +20,11 @@ class Verification(str, enum.Enum):
     EXACT = "exact"  # rejection sampling (lossless, as in speculative decoding)
 
 
+# A temperature below this samples greedily: logits / T would overflow float32 long before T
+# reaches 0, and at 1e-4 any logit gap over ~0.01 already gives the argmax all the mass.
+TEMPERATURE_FLOOR = 1e-4
+
+
 class FinishReason(str, enum.Enum):
     LENGTH = "length"
     STOP = "stop"  # EOS or a stop string
@@ -27,7 +32,7 @@ class FinishReason(str, enum.Enum):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How a token is drawn from a distribution. temperature == 0 means greedy."""
+    """How a token is drawn from a distribution. temperature == 0 (or under TEMPERATURE_FLOOR) means greedy."""
 
     max_tokens: int = 64
     temperature: float = 0.0
@@ -51,7 +56,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < TEMPERATURE_FLOOR
 
 
 @dataclass(frozen=True)

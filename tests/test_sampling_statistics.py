@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from backoff_core.sampling import distribution, make_generator, sample
+from backoff_core.sampling import Stream, distribution, distributions, sample, sample_rows, uniforms
 from backoff_core.types import SamplingParams, Verification
 from helpers import engine_for, request
 
@@ -51,12 +51,80 @@ def test_temperature_sharpens_and_flattens():
     assert hot[2] > 0.1 > cold[2]
 
 
-def test_sample_frequencies_match_probabilities():
+@pytest.mark.parametrize("vary", ["position", "seed"])
+def test_sample_frequencies_match_probabilities(vary):
     probs = torch.tensor([0.4, 0.3, 0.2, 0.1])
-    gen = make_generator(0)
-    counts = torch.bincount(torch.tensor([sample(probs, gen) for _ in range(4000)]), minlength=4).float()
+    n = 4000
+    seeds = [7] * n if vary == "position" else list(range(n))
+    positions = list(range(n)) if vary == "position" else [5] * n
+    counts = torch.bincount(sample_rows(probs.expand(n, 4), seeds, positions), minlength=4).float()
     stat, df = chi_square(counts, probs)
     assert stat < chi_square_critical(df)
+
+
+def test_a_skewed_wide_distribution_is_drawn_faithfully():
+    """49152 tokens (the default pair's vocabulary), mass spread as a power law."""
+    probs = 1.0 / torch.arange(1, 49153, dtype=torch.float32) ** 1.2
+    probs /= probs.sum()
+    n = 3000
+    tokens = sample_rows(probs.expand(n, -1), list(range(n)), [0] * n)
+    counts = torch.bincount(tokens, minlength=probs.shape[0]).float()
+    stat, df = chi_square(counts, probs)
+    assert stat < chi_square_critical(df)
+
+
+def test_uniforms_are_uniform_and_streams_independent():
+    n = 20000
+    u = uniforms([3] * n, list(range(n)), Stream.ROUTER)[:, 0]
+    assert 0 < float(u.min()) and float(u.max()) < 1
+    counts = torch.histc(u, bins=20, min=0, max=1)
+    stat, df = chi_square(counts, torch.full((20,), 1 / 20))
+    assert stat < chi_square_critical(df)
+    other = uniforms([3] * n, list(range(n)), Stream.ACCEPT)[:, 0]
+    corr = torch.corrcoef(torch.stack([u, other]))[0, 1]
+    assert abs(float(corr)) < 4 / math.sqrt(n)
+    # neighbouring seeds and positions are not correlated either
+    shifted = uniforms([4] * n, list(range(n)), Stream.ROUTER)[:, 0]
+    assert abs(float(torch.corrcoef(torch.stack([u, shifted]))[0, 1])) < 4 / math.sqrt(n)
+    assert abs(float(torch.corrcoef(torch.stack([u[1:], u[:-1]]))[0, 1])) < 4 / math.sqrt(n)
+
+
+def test_draws_are_a_pure_function_of_seed_position_and_stream():
+    probs = torch.softmax(torch.randn(6, 100), -1)
+    seeds, positions = [1, 2, 3, -5, 2**62, -(2**63)], [0, 9, 9, 4, 100000, 3]
+    batched = sample_rows(probs, seeds, positions)
+    alone = [sample(probs[i], seeds[i], positions[i]) for i in range(6)]
+    assert batched.tolist() == alone
+    again = sample_rows(probs.flip(0), seeds[::-1], positions[::-1]).flip(0)
+    assert again.tolist() == alone
+    assert sample_rows(probs, seeds, positions, Stream.REPLACE).tolist() != alone
+
+
+def test_extreme_finite_parameters_give_proper_distributions():
+    """Finite values at their extremes never give inf/NaN: a tiny temperature is greedy,
+    a tiny top_p keeps the top token, a huge temperature is (nearly) uniform."""
+    logits = torch.tensor([[3.0, 1.0, 2.0, -1.0]] * 4)
+    params = [SamplingParams(temperature=1e-40), SamplingParams(temperature=1.0, top_p=1e-300),
+              SamplingParams(temperature=1e30), SamplingParams(temperature=5e-5, top_k=1)]
+    p = distributions(logits, params)
+    assert torch.isfinite(p).all()
+    torch.testing.assert_close(p.sum(-1), torch.ones(4))
+    assert p[0].tolist() == [1.0, 0.0, 0.0, 0.0] and p[1].tolist() == [1.0, 0.0, 0.0, 0.0]
+    torch.testing.assert_close(p[2], torch.full((4,), 0.25))
+    assert p[3].tolist() == [1.0, 0.0, 0.0, 0.0]
+    assert SamplingParams(temperature=1e-40).greedy and not SamplingParams(temperature=1e-3).greedy
+    # logits that are not finite: the row falls back to its finite argmax
+    bad = distributions(torch.tensor([[float("nan"), 1.0, float("inf"), 0.0]]), [SamplingParams(temperature=1.0)])
+    assert torch.isfinite(bad).all() and float(bad.sum()) == 1.0
+
+
+def test_batched_rows_follow_their_own_parameters():
+    logits = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]] * 3))
+    params = [SamplingParams(temperature=1.0, top_k=2), SamplingParams(temperature=1.0, top_p=0.8),
+              SamplingParams(temperature=0.5)]
+    p = distributions(logits, params)
+    for i in range(3):
+        torch.testing.assert_close(p[i], distribution(logits[i], params[i]))
 
 
 @pytest.mark.parametrize("rate", [0.3, 0.7, 0.9])
