@@ -25,7 +25,7 @@ from .catchup import CatchUpper, Outcome
 from .control import RateController, rate_prior
 from .routers import DecisionFunction, StepContext, build_router
 from .runner import ModelRunner
-from .sampling import distribution, make_generator, sample, uniform
+from .sampling import Stream, distribution, request_seed, sample, uniforms
 from .state import Detokenizer, Live
 from .types import FinishReason, GenerationRequest, GenerationResult, TokenEvent, Verification
 
@@ -110,7 +110,7 @@ class BackoffEngine:
         live = Live(
             request=request, sid=rid, router=router,
             thresholds=torch.tensor(thresholds, dtype=torch.float32),
-            generator=make_generator(request.sampling.seed), num_levels=self.num_levels,
+            seed=request_seed(request.sampling.seed), num_levels=self.num_levels,
             controller=controller, tokens=list(request.prompt_ids), fed=[0] * self.num_levels,
         )
         start = time.perf_counter()
@@ -212,7 +212,7 @@ class BackoffEngine:
                 continue
             if outcome is None:  # stays small
                 logits = small[r.sid][0]
-                token = sample(distribution(logits, r.request.sampling), r.generator)
+                token = sample(distribution(logits, r.request.sampling), r.seed, len(r.tokens))
                 retracted, source = 0, 0
             else:
                 logits, token, retracted, source = outcome.logits, outcome.token, outcome.rolled_back, outcome.level
@@ -262,7 +262,7 @@ class BackoffEngine:
             hidden=torch.stack([small[r.sid][1] for r in group]) if router.hidden_layer is not None else None,
             large_logits=large_logits,
             drafts=torch.tensor([r.drafts() for r in group]),
-            uniforms=torch.tensor([uniform(r.generator) for r in group]),
+            uniforms=uniforms([r.seed for r in group], [len(r.tokens) for r in group], Stream.ROUTER)[:, 0],
         )
         s = router.scores(ctx)  # [B]
         thresholds = torch.stack([r.thresholds for r in group])  # [B, N-1]
