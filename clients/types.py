@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import from_validation
 
@@ -36,6 +36,51 @@ Unicode = Annotated[str, Field(strict=True), AfterValidator(_unicode)]
 Text = Annotated[Unicode, Field(min_length=1)]
 TokenIds = Annotated[list[Annotated[int, Field(strict=True, ge=0)]], Field(min_length=1)]
 
+# Numeric ranges are decided here, at the edge, so that every accepted value is computed
+# finitely inside (logits are float32: 1/T, or a threshold of 1e308, would overflow there).
+TEMPERATURE_MAX = 2.0  # OpenAI's range: [0, 2]
+THRESHOLD_MAX = 1e38  # |threshold| stays finite in float32 (its max is ~3.4e38)
+UINT32_MAX = 2**32 - 1  # top_k: the gRPC field's range (any k >= the vocabulary keeps every token)
+
+
+def _threshold(value: float) -> float:
+    if abs(value) > THRESHOLD_MAX:
+        raise ValueError(f"a threshold must lie in [-1e38, 1e38] (finite in float32), got {value:g}")
+    return value
+
+
+Threshold = Annotated[Float, AfterValidator(_threshold)]
+
+
+class _NullIsDefault(BaseModel):
+    """OpenAI reads an explicit null in an optional field as "use the default": so do we
+    (a required field's null stays an error)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data):
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items() if v is not None or (k in fields and fields[k].is_required())}
+
+
+def _text_parts(parts: list) -> str:
+    """OpenAI's content parts [{"type": "text", "text": ...}, ...] -> their texts joined in
+    order; any other part type (image_url, input_audio, file, ...) is refused by name."""
+    texts = []
+    for i, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            if isinstance(kind, str):
+                raise ValueError(f"content part {i} has type {kind!r}: only 'text' parts are supported")
+            raise ValueError(f"content part {i} must be an object with \"type\": \"text\"")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise ValueError(f"content part {i} (type 'text') needs a string 'text'")
+        texts.append(text)
+    return "".join(texts)
+
 # ----------------------------------------------------------------------------------------
 # transport-neutral
 # ----------------------------------------------------------------------------------------
@@ -43,25 +88,32 @@ TokenIds = Annotated[list[Annotated[int, Field(strict=True, ge=0)]], Field(min_l
 
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant"] = Field(description="who speaks")
-    content: Unicode = Field(description="the message text (may be empty)")
+    content: Unicode = Field(description="the message text (may be empty), or OpenAI's list of content parts: "
+                                         "text parts are joined in order, other part types are refused")
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _join_parts(cls, v):
+        return _text_parts(v) if isinstance(v, list) else v
 
 
-class GenerateParams(BaseModel):
-    """What one request may set; None leaves the server's default (or live config)."""
+class GenerateParams(_NullIsDefault):
+    """What one request may set; None (or a JSON null) leaves the server's default (or live config)."""
 
     model_config = ConfigDict(extra="forbid")
 
     max_tokens: Int | None = Field(None, ge=1, description="tokens to generate at most")
-    temperature: Float | None = Field(None, ge=0.0, description="0 = greedy")
+    temperature: Float | None = Field(None, ge=0.0, le=TEMPERATURE_MAX, description="0 = greedy; [0, 2] as in OpenAI")
     top_p: Float | None = Field(None, gt=0.0, le=1.0, description="nucleus sampling mass")
-    top_k: Int | None = Field(None, ge=0, description="keep the k most likely tokens (0 = off)")
+    top_k: Int | None = Field(None, ge=0, le=UINT32_MAX, description="keep the k most likely tokens (0 = off)")
     seed: Int | None = Field(None, ge=-(2**63), lt=2**63, description="seed of this request's sampler "
                                                                       "(reproducible output; an int64)")
     stop: list[Text] | None = Field(None, description="stop strings (the text is cut before them)")
     ignore_eos: Bool = Field(False, description="keep generating past the end-of-sequence token")
     router: Text | None = Field(None, description="decision function (router) for this request")
-    backoff_threshold: Float | Annotated[list[Float], Field(min_length=1)] | None = Field(
-        None, description="threshold on the router's score (one per boundary between models, ascending)")
+    backoff_threshold: Threshold | Annotated[list[Threshold], Field(min_length=1)] | None = Field(
+        None, description="threshold on the router's score (one per boundary between models, ascending; "
+                          "|threshold| <= 1e38)")
     target_backoff: Float | None = Field(
         None, ge=0.0, le=1.0, description="ask for a backoff rate; a controller moves the threshold")
 
@@ -129,7 +181,7 @@ class Delta(BaseModel):
 # ----------------------------------------------------------------------------------------
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(_NullIsDefault):
     include_usage: Bool = Field(False, description="send usage in a final chunk")
 
 

@@ -12,6 +12,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
+from clients.types import Threshold
+
 
 class _Config(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -47,8 +49,9 @@ class RoutingConfig(_Config):
     """The live knob (SmallRouter user_config). A request's own fields override it."""
 
     router: str = Field("entropy", description="decision function used when a request names none")
-    threshold: list[float] | None = Field(
-        None, description="thresholds, one per boundary between models, ascending; none = the router's default")
+    threshold: list[Threshold] | None = Field(
+        None, description="thresholds, one per boundary between models, ascending, each in [-1e38, 1e38] "
+                          "(the same range as a request's backoff_threshold); none = the router's default")
     target_backoff: float | None = Field(
         None, ge=0.0, le=1.0, description="ask for this backoff rate instead of a fixed threshold")
     rate: float | None = Field(None, ge=0.0, le=1.0, description="backoff rate of the random router")

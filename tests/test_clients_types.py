@@ -15,14 +15,17 @@ import httpx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
 from clients import backoff_pb2 as pb
 from clients import backoff_pb2_grpc as pb_grpc
-from clients.errors import BadRequestError, NotFoundError, ServerError, TransportError, from_grpc, from_http
+from clients.errors import (
+    BadRequestError, NotFoundError, ServerError, TransportError, describe_validation, from_grpc, from_http,
+)
 from clients.grpc_client import AsyncBackoffGrpcClient, BackoffGrpcClient
 from clients.http_client import AsyncBackoffHTTPClient, BackoffHTTPClient
 from clients.proto import delta_from_pb, params_from_pb, prompt_from_pb, request_to_pb
-from clients.types import ChatMessage, CompletionRequest, GenerateParams, Usage, merge_params
+from clients.types import ChatCompletionRequest, ChatMessage, CompletionRequest, GenerateParams, Usage, merge_params
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,10 +49,10 @@ def test_clients_import_neither_ray_nor_torch():
 @settings(max_examples=40, deadline=None)
 @given(
     max_tokens=st.none() | st.integers(1, 4096),
-    temperature=st.none() | st.floats(0, 5),
+    temperature=st.none() | st.floats(0, 2),
     top_p=st.none() | st.floats(0.01, 1.0),
-    seed=st.none() | st.integers(-2**40, 2**40),
-    thresholds=st.none() | st.lists(st.floats(-10, 10), min_size=1, max_size=3),
+    seed=st.none() | st.integers(-2**63, 2**63 - 1),
+    thresholds=st.none() | st.lists(st.floats(-1e38, 1e38), min_size=1, max_size=3),
     router=st.none() | st.sampled_from(["entropy", "max-prob", "random"]),
     target=st.none() | st.floats(0, 1),
 )
@@ -81,6 +84,61 @@ def test_openai_request_validation():
             CompletionRequest(prompt="x", **bad)
     merged = merge_params(GenerateParams(max_tokens=5, seed=1), {"seed": 2})
     assert (merged.max_tokens, merged.seed) == (5, 2)
+
+
+def _param(body: dict) -> str:
+    with pytest.raises(ValidationError) as err:
+        CompletionRequest.model_validate_json(json.dumps(body))
+    return describe_validation(err.value.errors())[0]
+
+
+@pytest.mark.parametrize("field, bad, good", [
+    ("temperature", [-1e-300, 2.0000001, 1e308, "1", True], [0, -0.0, 5e-324, 2]),
+    ("top_p", [0, -0.0, 1.0000001, 1e308], [5e-324, 1]),
+    ("top_k", [-1, 2**32, 2**70, 1.0, True], [0, 2**32 - 1]),
+    ("max_tokens", [0, -5, 1.5, "3", False], [1, 2**70]),  # the configured cap refuses 2**70 in the Ingress
+    ("seed", [2**63, -(2**63) - 1, 1.0], [2**63 - 1, -(2**63)]),
+    ("backoff_threshold", [1.0000001e38, -1e39, 1e308, [0.5, 1e300], [], "high"], [1e38, -1e38, -0.0, [0.1, 0.2]]),
+    ("target_backoff", [-1e-9, 1.0000001, 1e308], [0, 1, -0.0]),
+    ("n", [2, 0, 1.0, True], [1]),
+    ("presence_penalty", [0.5, -2, 1e308], [0, -0.0]),
+    ("frequency_penalty", [0.5, -2], [0]),
+])
+def test_every_numeric_field_has_a_range_and_refusals_name_it(field, bad, good):
+    for value in bad:
+        assert _param({"prompt": "x", field: value}).split(".")[0] == field, value
+    for value in good:
+        CompletionRequest.model_validate_json(json.dumps({"prompt": "x", field: value}))
+
+
+def test_an_explicit_null_is_the_default():
+    optional = ["max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "router",
+                "backoff_threshold", "target_backoff", "model", "stream", "stream_options", "n", "presence_penalty",
+                "frequency_penalty", "user"]
+    body = CompletionRequest.model_validate_json(json.dumps({"prompt": "x", **dict.fromkeys(optional)}))
+    assert body == CompletionRequest(prompt="x")
+    chat = ChatCompletionRequest.model_validate_json(json.dumps(
+        {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": None,
+         "stream_options": {"include_usage": None}}))
+    assert chat.max_completion_tokens is None and chat.stream_options.include_usage is False
+    assert _param({"prompt": None}) == "prompt"  # a required field's null stays an error
+    assert GenerateParams(ignore_eos=None, temperature=None) == GenerateParams()
+
+
+def test_content_parts_are_joined_and_other_part_types_are_named():
+    def chat(content):
+        return ChatCompletionRequest.model_validate_json(json.dumps({"messages": [{"role": "user", "content": content}]}))
+
+    parts = [{"type": "text", "text": "Why is "}, {"type": "text", "text": "the sky blue?", "cache_control": {}}]
+    assert chat(parts).messages[0].content == "Why is the sky blue?"
+    assert chat([]).messages[0].content == ""
+    for content, says in (([{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}}],
+                           "'image_url'"), ([{"type": "input_audio"}], "'input_audio'"), ([{"text": "a"}], "type"),
+                          (["a"], "type"), ([{"type": "text", "text": 5}], "string"), ([{"type": "text"}], "string")):
+        with pytest.raises(ValidationError) as err:
+            chat(content)
+        param, message = describe_validation(err.value.errors())
+        assert param == "messages.0.content" and says in message, message
 
 
 def test_http_errors_map_by_status():
