@@ -8,7 +8,7 @@ import statistics
 import sys
 import time
 
-from .types import GenerationRequest, GenerationResult, RoutingParams, SamplingParams, Verification
+from .types import GenerationRequest, GenerationResult, KVSpec, RoutingParams, SamplingParams, Verification
 
 # ANSI colours per source level: smallest plain green, largest bold red, middle yellow
 _COLOURS = {0: "\033[32m", 1: "\033[33m"}
@@ -26,6 +26,11 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device-map", default=None, help="accelerate device map (e.g. auto)")
     g.add_argument("--cpu-kernels", default="mkldnn", choices=["mkldnn", "default"],
                    help="linear layers on CPU float32: oneDNN (faster for every catch-up length) or torch's default")
+    g.add_argument("--kv-budget", type=int, default=None,
+                   help="static KV storage: positions per model (slots of --max-len); with cuda, CUDA graphs "
+                        "for steps and short catch-ups, captured at load. Default: per-session caches")
+    g.add_argument("--max-len", type=int, default=2048, help="static KV: positions per slot (prompt + output)")
+    g.add_argument("--no-cuda-graphs", action="store_true", help="static KV without CUDA graphs (eager)")
 
 
 def _routing_args(p: argparse.ArgumentParser) -> None:
@@ -148,7 +153,8 @@ def _generate(args) -> int:
     from .prompts import encode_prompt
 
     chain = load_chain(args.small, args.large, args.medium, LoadSpec(args.device, args.dtype, args.device_map, args.cpu_kernels))
-    engine = BackoffEngine.from_chain(chain, classifier_path=args.classifier)
+    kv = KVSpec(args.kv_budget, args.max_len, not args.no_cuda_graphs) if args.kv_budget else None
+    engine = BackoffEngine.from_chain(chain, kv=kv, classifier_path=args.classifier)
     request = request_from_args(args, encode_prompt(chain.tokenizer, args.prompt, args.chat))
     result = engine.generate(request)
     if args.json:

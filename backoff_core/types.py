@@ -105,6 +105,27 @@ class RoutingParams:
 
 
 @dataclass(frozen=True)
+class KVSpec:
+    """Static KV storage for each model (static_runner.py): `budget_tokens` positions per
+    model, cut into slots of `max_len` positions; a session owns one slot while it lives.
+    cuda_graphs: replay captured CUDA graphs for one-token steps and short catch-ups (GPU)."""
+
+    budget_tokens: int
+    max_len: int = 2048
+    cuda_graphs: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_len < 2:
+            raise ValueError(f"the KV slot length (max_len) must be >= 2, got {self.max_len}")
+        if self.budget_tokens < self.max_len:
+            raise ValueError(f"a KV budget of {self.budget_tokens} tokens holds no slot of {self.max_len} positions")
+
+    @property
+    def slots(self) -> int:
+        return self.budget_tokens // self.max_len
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     prompt_ids: tuple[int, ...]
     sampling: SamplingParams = field(default_factory=SamplingParams)

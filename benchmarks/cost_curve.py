@@ -3,6 +3,8 @@ assisted generation, all in one run (DESIGN.md §3).
 
     python benchmarks/cost_curve.py                 # the embedded default pair
     python benchmarks/cost_curve.py --small DIR --large DIR --device cuda
+    python benchmarks/cost_curve.py --small models/small --large models/large --device cuda \
+        --dtype bfloat16 --kv-budget 65536 --max-len 1024 --tag h100   # -> results/gpu/cost_curve-h100.*
 
 Prints a table and saves benchmarks/results/cost_curve[-TAG].{json,png}. Every figure is a
 median over repeats; c_S, c_r and P_L(k) are measured in the same run as the throughput, and
@@ -26,8 +28,8 @@ from backoff_core.loading import LoadSpec, load_chain
 from backoff_core.prompts import encode_prompt
 from backoff_core.router_head import HeadMeta, RouterHead
 from backoff_core.routers import Classifier, StepContext, build_router
-from backoff_core.runner import ModelRunner, timed
-from backoff_core.types import GenerationRequest, RoutingParams, SamplingParams, Verification
+from backoff_core.runner import timed
+from backoff_core.types import GenerationRequest, KVSpec, RoutingParams, SamplingParams, Verification
 
 PROMPTS = [
     "Write a short paragraph about the history of the Python programming language.",
@@ -36,9 +38,10 @@ PROMPTS = [
 RATES = (0.0, 0.5, 0.8, 0.9, 0.95, 1.0)
 
 
-def measure_primitives(chain, prompt_ids, repeats, max_k=20):
-    """c_S (one M_S token), P_L(k) (M_L over k new tokens), on a cache holding the prompt."""
-    small, large = ModelRunner(chain.models[0], "small"), ModelRunner(chain.models[-1], "large")
+def measure_primitives(engine, prompt_ids, repeats, max_k=20):
+    """c_S (one M_S token), P_L(k) (M_L over k new tokens), on a cache holding the prompt,
+    through the engine's own runners (static KV + CUDA graphs where it has them)."""
+    small, large = engine.models[0], engine.models[-1]
 
     def step_cost(runner, k):
         # one session holding the prompt; each probe extends by k tokens and crops back
@@ -71,6 +74,25 @@ def measure_router_costs(chain, repeats=200):
     return out
 
 
+def bandwidth_floors(chain) -> dict:
+    """Bytes of each model's weights over the device's measured copy bandwidth (GPU only):
+    the time no decode step can beat, since every step reads every weight once."""
+    buf = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")  # 1 GiB
+    out = torch.empty_like(buf)
+    out.copy_(buf)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(10):
+        _, seconds = timed(out.copy_, buf)
+        times.append(seconds)
+    bandwidth = 2 * buf.numel() / statistics.median(times)  # bytes read + written per second
+    del buf, out
+    sizes = {name: sum(p.numel() * p.element_size() for p in m.parameters())
+             for name, m in (("M_S", chain.models[0]), ("M_L", chain.models[-1]))}
+    return {"bandwidth_bytes_per_s": bandwidth, "weights_bytes": sizes,
+            "floor_s": {name: size / bandwidth for name, size in sizes.items()}}
+
+
 def run_engine(engine, prompt_ids, max_tokens, routing, repeats):
     per_token, results = [], []
     for i in range(repeats):
@@ -82,13 +104,16 @@ def run_engine(engine, prompt_ids, max_tokens, routing, repeats):
     return statistics.median(per_token), results
 
 
-def run_hf(model, prompt_ids, max_tokens, repeats, assistant=None):
+def run_hf(model, prompt_ids, max_tokens, repeats, assistant=None, static=False):
+    """static: HF's static cache, which its generate compiles (torch.compile) on a GPU."""
     ids = torch.tensor([prompt_ids], device=model.device)
     times = []
     for _ in range(repeats):
         kwargs = dict(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
         if assistant is not None:
             kwargs["assistant_model"] = assistant
+        if static:
+            kwargs["cache_implementation"] = "static"
         (out, seconds) = timed(model.generate, ids, **kwargs)
         times.append(seconds / (out.shape[1] - ids.shape[1]))
     return statistics.median(times)
@@ -104,13 +129,20 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--draft-tokens", type=int, default=4)
+    ap.add_argument("--kv-budget", type=int, default=None, help="static KV storage of this many tokens per model")
+    ap.add_argument("--max-len", type=int, default=1024, help="positions per static KV slot")
+    ap.add_argument("--no-cuda-graphs", action="store_true")
     ap.add_argument("--tag", default="")
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default=None, help="default: benchmarks/results (benchmarks/results/gpu on cuda)")
     args = ap.parse_args()
     transformers.logging.set_verbosity_error()
 
     chain = load_chain(args.small, args.large, (), LoadSpec(args.device, args.dtype, cpu_kernels=args.cpu_kernels))
-    engine = BackoffEngine.from_chain(chain)
+    kv = KVSpec(args.kv_budget, args.max_len, not args.no_cuda_graphs) if args.kv_budget else None
+    start = time.perf_counter()
+    engine = BackoffEngine.from_chain(chain, kv=kv)
+    load_s = time.perf_counter() - start
+    gpu = args.device.startswith("cuda")
     prompt_ids = encode_prompt(chain.tokenizer, PROMPTS[0], chat=bool(chain.tokenizer.chat_template))
     n, reps = args.max_tokens, args.repeats
 
@@ -118,7 +150,7 @@ def main() -> None:
     for router in ("always-large", "always-small"):
         run_engine(engine, prompt_ids, 4, RoutingParams(router=router), 1)
     run_hf(chain.models[-1], prompt_ids, 4, 1, chain.models[0])
-    c_s, p_l = measure_primitives(chain, prompt_ids, max(5, reps))
+    c_s, p_l = measure_primitives(engine, prompt_ids, max(5, reps))
     c_r = measure_router_costs(chain)
     rows = {}
     configs = [(f"random b={b}", RoutingParams(router="random", rate=b)) for b in RATES]
@@ -136,12 +168,16 @@ def main() -> None:
             if routing.router == "draft":
                 spec_results += results
         rows[name] = statistics.median(per_prompt)
-    for name, assistant in tqdm([("HF generate M_L", None), ("HF assisted (M_S drafts)", chain.models[0])],
-                                desc="HF baselines"):
-        rows[name] = statistics.median(
-            run_hf(chain.models[-1], encode_prompt(chain.tokenizer, t, chat=bool(chain.tokenizer.chat_template)),
-                   n, reps, assistant) for t in PROMPTS)
+    baselines = [("HF generate M_L", None, False), ("HF assisted (M_S drafts)", chain.models[0], False)]
+    if gpu:  # compiling on a CPU takes longer than the whole benchmark
+        baselines.append(("HF generate M_L (static cache + compile)", None, True))
+    for name, assistant, static in tqdm(baselines, desc="HF baselines"):
+        ids = [encode_prompt(chain.tokenizer, t, chat=bool(chain.tokenizer.chat_template)) for t in PROMPTS]
+        if static:  # the first call per shape compiles (a minute or more): not timed
+            run_hf(chain.models[-1], ids[0], n, 1, static=True)
+        rows[name] = statistics.median(run_hf(chain.models[-1], i, n, reps, assistant, static) for i in ids)
 
+    floors = bandwidth_floors(chain) if gpu else None
     proposed = sum(r.sources.count(0) + r.rollbacks for r in spec_results)
     acceptance = sum(r.sources.count(0) for r in spec_results) / max(1, proposed)
     ideal = {}
@@ -150,16 +186,22 @@ def main() -> None:
         k = min(max(p_l), round(k_bar)) if k_bar else None
         ideal[b] = c_s + c_r["random"] + ((1 - b) * p_l[k] if k else 0.0)
     report = {
-        "device": args.device, "max_tokens": n, "repeats": reps,
+        "device": args.device, "gpu": torch.cuda.get_device_name() if gpu else None, "dtype": args.dtype,
+        "max_tokens": n, "repeats": reps, "engine_load_s": load_s,
+        "kv": None if kv is None else {"budget_tokens": kv.budget_tokens, "max_len": kv.max_len,
+                                       "cuda_graphs": kv.cuda_graphs},
         "c_S_s": c_s, "c_r_s": c_r, "P_L_s": p_l, "cost_ratio_P_L1_over_c_S": p_l[1] / c_s,
         "per_token_s": rows,
         "ideal_per_token_s": {f"random b={b}": v for b, v in ideal.items()},
         "measured_over_ideal_throughput": {f"random b={b}": ideal[b] / rows[f"random b={b}"] for b in RATES},
         "speculative_acceptance_rate": acceptance,
+        "bandwidth": floors,
+        "M_L_alone_over_floor": rows["M_L alone (always-large)"] / floors["floor_s"]["M_L"] if floors else None,
+        "c_S_over_floor": c_s / floors["floor_s"]["M_S"] if floors else None,
         "router_overhead_vs_c_S": {k: v / c_s for k, v in c_r.items()},
     }
     _print(report)
-    out = Path(args.out)
+    out = Path(args.out or ("benchmarks/results/gpu" if gpu else "benchmarks/results"))
     out.mkdir(parents=True, exist_ok=True)
     stem = "cost_curve" + (f"-{args.tag}" if args.tag else "")
     (out / f"{stem}.json").write_text(json.dumps(report, indent=2))
@@ -179,6 +221,11 @@ def _print(r) -> None:
         extra = f"{ideal * 1e3:9.2f} {r['measured_over_ideal_throughput'][name]:10.2f}" if ideal else ""
         print(f"{name:34s} {sec * 1e3:9.2f} {1 / sec:7.1f} {base / sec:6.2f}x {extra}")
     print(f"\nour speculative mode: acceptance rate {r['speculative_acceptance_rate']:.2f}")
+    if r["bandwidth"]:
+        f = r["bandwidth"]
+        print(f"bandwidth {f['bandwidth_bytes_per_s'] / 1e12:.2f} TB/s; floors: M_S {f['floor_s']['M_S'] * 1e3:.3f} ms, "
+              f"M_L {f['floor_s']['M_L'] * 1e3:.2f} ms; M_L alone / floor {r['M_L_alone_over_floor']:.2f}, "
+              f"c_S / floor {r['c_S_over_floor']:.1f}")
 
 
 def _plot(r, path: Path) -> None:
