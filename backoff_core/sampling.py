@@ -7,8 +7,8 @@ exact rejection sampling reduce to "accept iff the large model's argmax agrees".
 
 Randomness is counter-based, on the logits' own device: the noise of a draw is a hash of
 (request seed, position, stream), so a request gives the same tokens batched or alone, on
-any device, with no generator state to carry and no host round trip per request (the
-gpt-fast / vLLM recipe: argmax(p / E) with E ~ Exp(1) draws from p). Streams keep the draws
+any device, with no generator state to carry and no host round trip per request: a row's
+CDF is inverted at its hashed uniform, all rows in one op. Streams keep the draws
 of one position independent: the token itself, the router's coin, the rejection test and
 the replacement after a rejection.
 """
@@ -109,10 +109,14 @@ def uniforms(seeds: Sequence[int], positions: Sequence[int], stream: Stream, wid
 
 def sample_rows(probs: torch.Tensor, seeds: Sequence[int], positions: Sequence[int],
                 stream: Stream = Stream.TOKEN) -> torch.Tensor:
-    """probs: [B, V] -> token ids [B] (on probs' device), row i drawn with the noise of
-    (seeds[i], positions[i], stream): argmax(p / E), E ~ Exp(1), is a draw from p."""
-    noise = -torch.log(uniforms(seeds, positions, stream, probs.shape[-1], probs.device))  # [B, V] Exp(1)
-    return (probs / noise).argmax(-1)
+    """probs: [B, V] -> token ids [B] (on probs' device), row i drawn by inverting its CDF
+    at the uniform of (seeds[i], positions[i], stream): one hash per row, one cumsum."""
+    u = uniforms(seeds, positions, stream, 2, probs.device).double()  # [B, 2]: 48 bits of resolution
+    u = (u[:, 0] + (u[:, 1] - 0.5 / (1 << 24)) / (1 << 24))[:, None]  # [B, 1] in (0, 1)
+    cdf = probs.double().cumsum(-1)  # [B, V]
+    # the first token whose CDF reaches u·total: a zero-probability token never does first
+    token = torch.searchsorted(cdf, u * cdf[:, -1:], right=False)[:, 0]
+    return token.clamp_max(probs.shape[-1] - 1)
 
 
 def sample(probs: torch.Tensor, seed: int, position: int, stream: Stream = Stream.TOKEN) -> int:
