@@ -39,7 +39,8 @@ class RouterMetrics:
         self.latency = metrics.Histogram("backoff_request_latency_s", "Admission to last token.", _SECONDS)
         self.first_token = metrics.Histogram("backoff_time_to_first_token_s", "Admission to first token.", _SECONDS)
         self.threshold = metrics.Gauge(
-            "backoff_threshold", "Threshold in the live config (per boundary between models).", ("boundary",))
+            "backoff_threshold", "Threshold in the live config, or its router's default when it sets none "
+                                 "(per boundary between models); published from the start.", ("boundary",))
         self.sessions_lost = metrics.Counter("backoff_sessions_lost", "Remote sessions lost and re-prefilled.")
         self.degraded = metrics.Counter(
             "backoff_requests_degraded", "Finished requests that went on with the small model alone after a "

@@ -10,6 +10,7 @@ import argparse
 import copy
 import os
 import socket
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -36,8 +37,9 @@ def local_serve_env() -> None:
         os.environ.setdefault(key, value)
 
 
-def start_ray(address: str | None = None, **kwargs) -> None:
-    """Join the cluster at `address`, or start a local Ray tuned for catch-up replies."""
+def start_ray(address: str | None = None, metrics_port: int | None = None, **kwargs) -> None:
+    """Join the cluster at `address`, or start a local Ray tuned for catch-up replies (its
+    Prometheus metrics on `metrics_port`, else a free port) and say how to reach it."""
     import ray
 
     if ray.is_initialized():
@@ -46,7 +48,23 @@ def start_ray(address: str | None = None, **kwargs) -> None:
         ray.init(address=address, **kwargs)
     else:
         local_serve_env()
+        if metrics_port is not None:
+            kwargs["_metrics_export_port"] = metrics_port
         ray.init(address="local", _system_config=RAY_SYSTEM_CONFIG, **kwargs)
+        print(local_ray_hints(), file=sys.stderr)
+
+
+def local_ray_hints() -> str:
+    """Where this process's local Ray exports metrics, and what Ray's own CLI needs to reach it."""
+    import ray
+
+    port = next(n["MetricsExportPort"] for n in ray.nodes() if n["Alive"])
+    lines = [f"backoff serve: Prometheus metrics of this Ray at http://127.0.0.1:{port}/metrics"]
+    # a local ray.init() turns Ray's token auth on (in this process's environment only): Ray's
+    # CLI in another shell sends the token (~/.ray/auth_token) only when told the mode
+    if os.environ.get("RAY_AUTH_MODE") == "token":
+        lines.append("backoff serve: for `serve status` / `serve deploy` in another shell: export RAY_AUTH_MODE=token")
+    return "\n".join(lines)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -64,6 +82,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--http-port", type=int, help="HTTP port (default 8000)")
     p.add_argument("--grpc-port", type=int, help="gRPC port (default 9000)")
     p.add_argument("--address", help="Ray cluster to deploy to (default: start a local one)")
+    p.add_argument("--metrics-port", type=int, help="Prometheus port of the local Ray (default: a free one, printed)")
     p.add_argument("--print-config", action="store_true", help="print the resulting config and exit")
     p.add_argument("--non-blocking", action="store_true", help="return once the config is submitted")
     return p
@@ -163,6 +182,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(yaml.safe_dump(config, sort_keys=False), end="")
         return 0
-    start_ray(args.address)
+    start_ray(args.address, args.metrics_port)
     run_config(config, blocking=not args.non_blocking)
     return 0

@@ -30,6 +30,7 @@ from ray.serve.handle import DeploymentHandle
 
 from backoff_core.engine import BackoffEngine
 from backoff_core.prompts import encode_chat, encode_prompt
+from backoff_core.routers import build_router
 from backoff_core.runner import ModelRunner
 from backoff_core.types import GenerationRequest, GenerationResult, TokenEvent
 
@@ -93,6 +94,7 @@ class SmallRouter:
         self.args = AppArgs.model_validate(args)
         side = load_small_side(self.args.models, self.args.torch_threads)
         self.tokenizer = side.tokenizer
+        self.hidden_size = side.hidden_size
         n = self.args.models.num_levels
         names = level_names(n)
         vocab = int(side.model.get_output_embeddings().weight.shape[0])
@@ -118,7 +120,19 @@ class SmallRouter:
         self.loop.policy = policy  # one reference store: the engine thread sees old or new, never half
         for remote in self.remotes:
             remote.timeout_s = policy.large_timeout_s
-        self.metrics.thresholds(policy.threshold)
+        self.metrics.thresholds(self._config_thresholds(policy))
+
+    def _config_thresholds(self, policy: RoutingConfig) -> list[float]:
+        """The config's thresholds, else its router's defaults: what requests that set none
+        start from, published from the start (a config that names none still has them)."""
+        if policy.threshold is not None:
+            return list(policy.threshold)
+        try:
+            router = build_router(policy.router, rate=policy.rate, classifier_path=self.args.models.classifier,
+                                  hidden_size=self.hidden_size)
+        except (ValueError, OSError):  # an unknown router: every request says so
+            return []
+        return list(router.default_thresholds(self.args.models.num_levels))
 
     async def generate(self, request: ServeRequest, tokens: bool = True) -> AsyncIterator[StreamItem]:
         """Admitted, then the committed tokens (TokenEvents, several at once as a tuple when

@@ -26,7 +26,7 @@ def start_local_ray(**kwargs) -> None:
     errors = []
     for attempt in range(1, ATTEMPTS + 1):
         try:
-            ray.init(address="local", include_dashboard=False, log_to_driver=False, **kwargs)
+            ray.init(address="local", **{"include_dashboard": False, "log_to_driver": False, **kwargs})
             return
         except Exception as exc:  # noqa: BLE001 - reported below and on the last attempt
             errors.append(f"attempt {attempt}: {type(exc).__name__}: {exc}")

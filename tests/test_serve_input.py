@@ -13,11 +13,15 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import subprocess
 import sys
 import time
+import uuid
 from collections import Counter
 from contextlib import ExitStack
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import httpx
@@ -40,6 +44,7 @@ from deployments import serve_cli  # noqa: E402
 sys.path.insert(0, os.path.dirname(__file__))
 from tiny import tiny_model, tiny_tokenizer  # noqa: E402
 from ray_local import start_local_ray  # noqa: E402
+from request_strategies import expected_refusal, grpc_requests, http_bodies  # noqa: E402
 
 pytestmark = pytest.mark.slow
 KEY = "test-key-a"  # in the config's access.api_keys
@@ -56,6 +61,9 @@ CLIENT_CODES = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.Statu
 class Served:
     url: str
     grpc_target: str
+    config_path: Path
+    dashboard: str  # Ray's dashboard: what `serve status` / `serve deploy --address` talk to
+    hints: str  # what `backoff serve` prints about this Ray (metrics URL, auth for Ray's CLI)
 
 
 @pytest.fixture(scope="module")
@@ -74,14 +82,19 @@ def served(tmp_path_factory):
     args["default_max_tokens"] = 8
     args["access"].update(api_keys=[KEY], api_keys_env=KEY_ENV_VAR)
     args["limits"].update(LIMITS)
+    # no threshold in the config: the router's default, which the threshold gauge shows from the start
+    {d["name"]: d for d in config["applications"][0]["deployments"]}["SmallRouter"]["user_config"]["threshold"] = None
     path = root / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     os.environ[KEY_ENV_VAR] = f" {ENV_KEY} ,"  # the Ray workers started below inherit it
-    start_local_ray(num_cpus=2, _system_config=serve_cli.RAY_SYSTEM_CONFIG)
+    dashboard_port = serve_cli.free_port()
+    start_local_ray(num_cpus=2, include_dashboard=True, dashboard_port=dashboard_port,
+                    _system_config=serve_cli.RAY_SYSTEM_CONFIG)
     try:
         assert serve_cli.main(["--config", str(path), "--non-blocking"]) == 0
         serve_cli.wait_until_running("backoff")
-        yield Served(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}")
+        yield Served(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", path,
+                     f"http://127.0.0.1:{dashboard_port}", serve_cli.local_ray_hints())
     finally:
         os.environ.pop(KEY_ENV_VAR, None)
         serve.shutdown()
@@ -542,3 +555,151 @@ def test_fuzz_hundreds_of_bad_requests_never_fail_the_service(served):
     assert _infos() == before  # no replica restarted
     ok = _post(served, {"prompt": W, "max_tokens": 4})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+
+
+# -- properties: any body the schema accepts is served JSON-safe, any other is a 400 naming its field ---------
+
+def _strict_json(text: str):
+    """JSON as a strict parser reads it: NaN / Infinity (which Python writes) are not JSON."""
+    def refuse(name):
+        raise ValueError(f"not JSON: {name}")
+    return json.loads(text, parse_constant=refuse)
+
+
+def _relaxed(n: int) -> settings:
+    return settings(max_examples=n, deadline=None, database=None, derandomize=True, print_blob=True,
+                    suppress_health_check=list(HealthCheck))
+
+
+def test_property_http_bodies_are_served_json_safe_or_refused_naming_the_field(served):
+    with httpx.Client(base_url=served.url, timeout=60, headers=_auth()) as http:
+        @_relaxed(90)
+        @given(http_bodies())
+        def check(case):
+            path, body = case
+            refused = expected_refusal(path, body, LIMITS["max_tokens"])
+            response = http.post(path, content=json.dumps(body).encode(), headers={"content-type": "application/json"})
+            assert response.status_code < 500, (response.status_code, response.text)
+            if refused is not None:
+                error = _openai_error(response)
+                assert response.status_code == 400 and (error["param"] or "") == refused, (refused, error)
+                return
+            assert response.status_code == 200, (response.status_code, response.text, body)
+            if response.headers["content-type"].startswith("text/event-stream"):
+                events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+                assert events[-1] == "[DONE]", response.text
+                chunks = [_strict_json(e) for e in events[:-1]]
+                assert chunks and not any("error" in c for c in chunks), response.text
+                assert chunks[-1]["usage"]["completion_tokens"] >= 1
+            else:
+                reply = _strict_json(response.text)
+                choice = reply["choices"][0]
+                assert isinstance(choice["text"] if "text" in choice else choice["message"]["content"], str)
+                assert reply["usage"]["completion_tokens"] >= 1
+                assert all(math.isfinite(t) for t in choice["backoff"]["thresholds"])
+
+        check()
+
+
+def test_property_grpc_requests_are_ok_or_invalid_argument(served):
+    with grpc.insecure_channel(served.grpc_target) as channel:
+        stub = pb_grpc.BackoffStub(channel)
+
+        @_relaxed(60)
+        @given(grpc_requests(), st.booleans())
+        def check(request, stream):
+            try:
+                if stream:
+                    chunks = list(stub.GenerateStream(request, metadata=_grpc_meta(), timeout=60))
+                    assert chunks[-1].finish_reason and chunks[-1].usage.completion_tokens >= 1
+                else:
+                    reply = stub.Generate(request, metadata=_grpc_meta(), timeout=60)
+                    assert reply.usage.completion_tokens >= 1 and all(math.isfinite(t) for t in reply.thresholds)
+                served_ok = True
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT, (exc.code(), exc.details(), request)
+                served_ok = False
+            in_range = ((not request.HasField("temperature") or 0 <= request.temperature <= 2)
+                        and (not request.HasField("top_p") or 0 < request.top_p <= 1)
+                        and (not request.HasField("target_backoff") or 0 <= request.target_backoff <= 1)
+                        and all(abs(t) <= 1e38 for t in request.backoff_threshold)
+                        and 1 <= request.max_tokens <= LIMITS["max_tokens"])
+            assert served_ok == in_range, (request, served_ok)
+
+        check()
+
+
+# -- logs: a refused gRPC stream is one WARNING line, no traceback -----------------------------------
+
+def test_a_refused_grpc_stream_logs_one_warning_line(served):
+    logs = Path(ray._private.worker.global_worker.node.get_logs_dir_path())  # this session's (no public API)
+
+    def sizes() -> dict[Path, int]:
+        return {p: p.stat().st_size for p in logs.rglob("*.log") if p.is_file()}
+
+    before = sizes()
+    marker = f"refused-{uuid.uuid4().hex[:12]}"
+    for request, code in ((pb.GenerateRequest(prompt=W, model=marker), grpc.StatusCode.NOT_FOUND),
+                          (pb.GenerateRequest(prompt=W, router=marker), grpc.StatusCode.INVALID_ARGUMENT)):
+        assert _raw_grpc(served, "GenerateStream", request.SerializeToString(), stream=True)[0] == code
+
+    def new_text() -> dict[Path, str]:
+        out = {}
+        for path in sizes():
+            with open(path, "rb") as f:
+                f.seek(before.get(path, 0))
+                out[path] = f.read().decode("utf-8", "replace")
+        return out
+
+    deadline = time.monotonic() + 30
+    while sum(t.count(marker) for t in new_text().values()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    time.sleep(1.0)  # a second record (the replica's) would come within this
+    text = new_text()
+    lines = [line for t in text.values() for line in t.splitlines() if marker in line]
+    assert len(lines) == 2 and all(line.startswith("WARNING") for line in lines), lines  # one per request
+    assert not any("Traceback" in t for t in text.values()), {str(p): t[-2000:] for p, t in text.items() if "Traceback" in t}
+
+
+# -- Ray's own CLI: `serve status` and `serve deploy` (a live threshold change), the threshold gauge -----
+
+def _gauge(metrics_url: str) -> dict[str, float]:
+    """ray_backoff_threshold of the `backoff` app: boundary -> value."""
+    found = {}
+    for line in httpx.get(metrics_url, timeout=10).text.splitlines():
+        if line.startswith("ray_backoff_threshold{") and 'application="backoff"' in line:
+            labels, value = line.rsplit(" ", 1)
+            found[re.search(r'boundary="(\d+)"', labels).group(1)] = float(value)
+    return found
+
+
+def _eventually(predicate, what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.5)
+
+
+def test_serve_cli_status_and_deploy_change_the_live_threshold(served, tmp_path):
+    metrics_url = re.search(r"http://\S+/metrics", served.hints).group(0)
+    # published from the start: the config names no threshold, so the entropy router's default
+    _eventually(lambda: _gauge(metrics_url) == {"0": 2.0}, f"no threshold gauge at start: {_gauge(metrics_url)}")
+    # Ray's CLI in a fresh shell, given exactly what `backoff serve` says to export
+    env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
+    env.update(re.findall(r"export (\w+)=(\S+)", served.hints))
+    cli_ = str(Path(sys.executable).with_name("serve"))
+    edited = yaml.safe_load(served.config_path.read_text())
+    {d["name"]: d for d in edited["applications"][0]["deployments"]}["SmallRouter"]["user_config"]["threshold"] = [0.25]
+    path = tmp_path / "edited.yaml"
+    path.write_text(yaml.safe_dump(edited))
+    deploy = subprocess.run([cli_, "deploy", str(path), "--address", served.dashboard], env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert deploy.returncode == 0, deploy.stderr[-2000:]
+    status = subprocess.run([cli_, "status", "--address", served.dashboard], env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert status.returncode == 0 and "backoff" in status.stdout, status.stderr[-2000:]
+    _eventually(lambda: serve.get_deployment_handle("SmallRouter", "backoff").info.remote().result(
+        timeout_s=30).policy.threshold == [0.25], "the deploy did not reach the SmallRouter")
+    reply = _post(served, {"prompt": W, "max_tokens": 2})
+    assert reply.status_code == 200 and reply.json()["choices"][0]["backoff"]["thresholds"] == [0.25], reply.text
+    _eventually(lambda: _gauge(metrics_url) == {"0": 0.25}, f"the gauge did not follow: {_gauge(metrics_url)}")
