@@ -17,6 +17,7 @@ from typing import Sequence
 import torch
 
 from .backends import Backend, LargeUnavailable, SessionLost
+from .isolation import fail, reopen
 from .runner import Extension, SessionError
 from .sampling import Stream, distribution, kl_divergence, residual, sample, uniform
 from .state import Live
@@ -51,18 +52,43 @@ class CatchUpper:
                     self._give_up(level, r, str(exc))
             group = [r for r in group if r.sid in exc.extensions]
             exts = [exc.extensions[r.sid] for r in group]
+        except Exception as exc:  # noqa: BLE001 - not an unavailable model: find whose catch-up it was
+            replies = self._one_by_one(level, group, exc)
+            group = [r for r in group if r.sid in replies]
+            exts = [replies[r.sid] for r in group]
         seconds = time.perf_counter() - start
         before = [r.fed[level] for r in group]  # after _extend: a re-prefill starts at 0
         outcomes = {}
         for r, b, ext in zip(group, before, exts):
             length = len(r.tokens) - b
             r.fed[level] = len(r.tokens)
-            outcome = self._verify_and_sample(level, r, b, ext)
+            try:
+                outcome = self._verify_and_sample(level, r, b, ext)
+            except Exception as exc:  # noqa: BLE001 - its sampling or verification: this request alone
+                fail(r, exc, self.models)
+                continue
             r.catch_ups.append(
                 CatchUp(level, length, seconds, outcome.rolled_back, len(group), max(0, r.prompt_len - b))
             )
             outcomes[r.sid] = outcome
         return outcomes
+
+    def _one_by_one(self, level: int, group: list[Live], exc: Exception) -> dict[str, Extension]:
+        """After a shared catch-up raised: each request alone, from a fresh session (the
+        failed call may have half-written caches), so only the culprit fails."""
+        if len(group) == 1:
+            fail(group[0], exc, self.models)
+            return {}
+        replies = {}
+        for r in group:
+            try:
+                reopen(self.models[level], level, r)
+                replies[r.sid] = self._extend(level, [r])[0]
+            except LargeUnavailable as unavailable:
+                self._give_up(level, r, str(unavailable))
+            except Exception as err:  # noqa: BLE001 - the culprit
+                fail(r, err, self.models)
+        return replies
 
     def _extend(self, level: int, group: list[Live]) -> list[Extension]:
         model = self.models[level]
@@ -88,7 +114,7 @@ class CatchUpper:
         """The request goes on with M_S alone (or fails): no larger model is called again."""
         r.degraded = reason or f"{self.models[level].name} unavailable"
         if r.request.routing.on_large_failure == "fail":
-            r.failure = r.degraded
+            r.failure = LargeUnavailable(r.degraded)
         for m in sorted(r.opened - {0}):
             try:
                 self.models[m].close(r.sid)  # fire and forget for a remote model

@@ -25,9 +25,14 @@ threshold is steered during generation instead:
 from __future__ import annotations
 
 import math
+import sys
 from collections import deque
 
 import torch
+
+# the thresholds of "every step large" / "every step small": finite, so they stay finite in
+# float64 and in JSON (±inf broke responses), and every finite score lies between them
+LOWEST, HIGHEST = -sys.float_info.max, sys.float_info.max
 
 
 class RateController:
@@ -45,7 +50,7 @@ class RateController:
         self.steps = 0
         self.small_steps = 0
         if target in (0.0, 1.0) or self._prior is not None:
-            self.threshold = self._quantile(target)  # ±inf at the extremes
+            self.threshold = self._quantile(target)  # LOWEST / HIGHEST at the extremes
         else:
             self.threshold = initial
 
@@ -75,10 +80,10 @@ class RateController:
 
     def _quantile(self, q: float) -> float:
         """T with a share q of the pooled (request + prior) scores below it."""
-        if q <= 0.0:
-            return -math.inf  # every step large
+        if not q > 0.0:  # NaN too: a guard, never a NaN threshold
+            return LOWEST  # every step large
         if q >= 1.0:
-            return math.inf  # every step small
+            return HIGHEST  # every step small
         own = torch.tensor(list(self._scores), dtype=torch.float64)
         values, weights = own, torch.ones_like(own)
         if self._prior is not None:
@@ -88,8 +93,9 @@ class RateController:
         values, cum = values[order], weights[order].cumsum(0) / weights.sum()
         k = int(torch.searchsorted(cum, torch.tensor(q, dtype=torch.float64)))  # first with cum >= q
         if k >= len(values) - 1:
-            return float(values[-1]) + 1e-6 * max(1.0, abs(float(values[-1])))
-        return float((values[k] + values[k + 1]) / 2)
+            top = float(values[-1])
+            return min(HIGHEST, top + 1e-6 * max(1.0, abs(top)))
+        return float(values[k] / 2 + values[k + 1] / 2)  # halves first: no overflow near the float limit
 
 
 def rate_prior(router) -> torch.Tensor | None:

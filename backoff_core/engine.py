@@ -14,15 +14,17 @@ is routed nowhere but M_S, and a step whose catch-up failed takes M_S's token in
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Iterator, Sequence
 
 import torch
 
-from .backends import Backend, LargeUnavailable
+from .backends import Backend
 from .catchup import CatchUpper, Outcome
-from .control import RateController, rate_prior
+from .control import HIGHEST, LOWEST, RateController, rate_prior
+from .isolation import batched, each, reopen
 from .routers import DecisionFunction, StepContext, build_router
 from .runner import ModelRunner
 from .sampling import Stream, distribution, request_seed, sample, uniforms
@@ -99,6 +101,7 @@ class BackoffEngine:
         if any(not low <= t <= high for t in thresholds):
             raise ValueError(f"thresholds of the {router.name} router must be in [{low}, {high}], "
                              f"got {list(thresholds)}")
+        thresholds = tuple(min(HIGHEST, max(LOWEST, float(t))) for t in thresholds)  # finite, in float64 too
         controller = None
         if routing.target_backoff is not None:
             if self.num_levels != 2:
@@ -109,7 +112,7 @@ class BackoffEngine:
             thresholds = (controller.threshold,)
         live = Live(
             request=request, sid=rid, router=router,
-            thresholds=torch.tensor(thresholds, dtype=torch.float32),
+            thresholds=torch.tensor(thresholds, dtype=torch.float64),
             seed=request_seed(request.sampling.seed), num_levels=self.num_levels,
             controller=controller, tokens=list(request.prompt_ids), fed=[0] * self.num_levels,
         )
@@ -175,58 +178,62 @@ class BackoffEngine:
         live = [r for r in self._live.values() if not r.done]
         if not live:
             return {}
-        # 1. levels decided without M_S (a degraded request has M_S only)
-        drafts = torch.tensor([r.drafts() for r in live])
-        forced = [
-            r.router.levels_before_small_step(drafts[i : i + 1], r.thresholds[None], self.num_levels)
-            for i, r in enumerate(live)
-        ]
-        forced = [int(f[0]) if f is not None else -1 for f in forced]
-        # a request about to finish with unverified drafts: the largest model checks them
-        forced = [self.num_levels - 1 if r.finish_after_verify else f for r, f in zip(live, forced)]
-        forced = [-1 if r.degraded else f for r, f in zip(live, forced)]
-        stepping = [r for r, f in zip(live, forced) if f < 0]
+        # 1. levels decided without M_S (a degraded request has M_S only). From here on, an
+        # exception while handling one request ends that request alone (isolation.py).
+        forced = each(live, self.models, self._forced_level)
+        live = [r for r in live if r.sid in forced]
+        stepping = [r for r in live if forced[r.sid] < 0]
         # 2. M_S, batched
         small = self._small_step(stepping)
         # 3+4. decide (oracles catch the largest model up first)
-        levels: dict[str, int] = {r.sid: f for r, f in zip(live, forced) if f >= 0}
+        levels: dict[str, int] = {sid: f for sid, f in forced.items() if f >= 0}
         outcomes: dict[str, Outcome] = {}
         scores: dict[str, float] = {}
-        for router, group in _by_router([r for r in stepping if not r.degraded]).items():
+        for router, group in _by_router([r for r in stepping if not r.degraded and r.sid in small]).items():
             self._decide(router, group, small, levels, outcomes, scores)
         # 5. catch-ups, one batched forward per level
         for level in range(1, self.num_levels):
-            group = [r for r in live if levels.get(r.sid) == level and r.sid not in outcomes and not r.degraded]
+            group = [r for r in live if levels.get(r.sid) == level and r.sid not in outcomes and not r.degraded
+                     and r.failure is None]
             outcomes.update(self.catch_up.run(level, group))
         # a catch-up failed (degraded): M_S's token instead, for those that skipped M_S
-        small.update(self._small_step([r for r in live if r.degraded and not r.failure and r.sid not in small
+        small.update(self._small_step([r for r in live if r.degraded and r.failure is None and r.sid not in small
                                        and not r.finish_after_verify]))
         # 6. commit
-        events = {}
-        for r in live:
-            outcome = outcomes.get(r.sid)
-            if r.failure:
-                continue  # ends with its error (finish raises it)
-            if outcome is None and r.finish_after_verify:  # the verification failed: the drafts stand
-                r.finished = r.finish_after_verify
-                continue
-            if outcome is None:  # stays small
-                logits = small[r.sid][0]
-                token = sample(distribution(logits, r.request.sampling), r.seed, len(r.tokens))
-                retracted, source = 0, 0
-            else:
-                logits, token, retracted, source = outcome.logits, outcome.token, outcome.rolled_back, outcome.level
-            if r.controller is not None and r.sid in scores:
-                r.thresholds[0] = r.controller.update(scores[r.sid], source == 0)
-            if outcome is not None and source == self.num_levels - 1:
-                _schedule_drafts(r, rejected=retracted > 0)
-            if r.finish_after_verify and not retracted:
-                r.finished = r.finish_after_verify  # all drafts held: the extra token is not wanted
-                continue
-            r.finish_after_verify = None
-            r.cut_at = None
-            events[r.sid] = self._commit(r, token, source, logits, small.get(r.sid), retracted)
-        return events
+        settled = each([r for r in live if r.failure is None], self.models,
+                       lambda r: self._settle(r, outcomes.get(r.sid), small, scores))
+        return {sid: event for sid, event in settled.items() if event is not None}
+
+    def _forced_level(self, r: Live) -> int:
+        """The level of r's step if it is known before M_S runs, else -1."""
+        if r.degraded:
+            return -1
+        if r.finish_after_verify:  # about to finish with unverified drafts: the largest model checks them
+            return self.num_levels - 1
+        f = r.router.levels_before_small_step(torch.tensor([r.drafts()]), r.thresholds[None], self.num_levels)
+        return int(f[0]) if f is not None else -1
+
+    def _settle(self, r: Live, outcome: Outcome | None, small: dict, scores: dict) -> TokenEvent | None:
+        """Commit r's token of this step (None: nothing to stream)."""
+        if outcome is None and r.finish_after_verify:  # the verification failed: the drafts stand
+            r.finished = r.finish_after_verify
+            return None
+        if outcome is None:  # stays small
+            logits = small[r.sid][0]
+            token = sample(distribution(logits, r.request.sampling), r.seed, len(r.tokens))
+            retracted, source = 0, 0
+        else:
+            logits, token, retracted, source = outcome.logits, outcome.token, outcome.rolled_back, outcome.level
+        if r.controller is not None and r.sid in scores:
+            r.thresholds[0] = r.controller.update(scores[r.sid], source == 0)
+        if outcome is not None and source == self.num_levels - 1:
+            _schedule_drafts(r, rejected=retracted > 0)
+        if r.finish_after_verify and not retracted:
+            r.finished = r.finish_after_verify  # all drafts held: the extra token is not wanted
+            return None
+        r.finish_after_verify = None
+        r.cut_at = None
+        return self._commit(r, token, source, logits, small.get(r.sid), retracted)
 
     def _small_step(self, group: list[Live]) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
         """-> sid: (logits [V], hidden [d] or None). Different routers may want different layers."""
@@ -237,11 +244,20 @@ class BackoffEngine:
         if len(layers) > 1:
             raise ValueError("one step cannot serve classifier heads over different layers")
         layer = next(iter(layers), None)
+        model = self.models[0]
+
+        def alone(r: Live):  # after a failed batch: a fresh session, re-prefilled
+            return model.extend([(r.sid, reopen(model, 0, r))], hidden_layer=layer, last_only=True)[0]
+
         start = time.perf_counter()
-        out = self.models[0].extend([(r.sid, r.tokens[r.fed[0] :]) for r in group], hidden_layer=layer, last_only=True)
+        out = batched(group, self.models, lambda g: model.extend([(r.sid, r.tokens[r.fed[0]:]) for r in g],
+                                                                   hidden_layer=layer, last_only=True), alone)
         seconds = time.perf_counter() - start
         result = {}
-        for r, ext in zip(group, out):
+        for r in group:
+            if r.sid not in out:
+                continue  # failed: ends alone
+            ext = out[r.sid]
             r.fed[0] = len(r.tokens)
             r.small_times.append(seconds)
             result[r.sid] = (ext.logits[-1], ext.hidden[-1] if ext.hidden is not None else None)
@@ -264,7 +280,14 @@ class BackoffEngine:
             drafts=torch.tensor([r.drafts() for r in group]),
             uniforms=uniforms([r.seed for r in group], [len(r.tokens) for r in group], Stream.ROUTER)[:, 0],
         )
-        s = router.scores(ctx)  # [B]
+        # one call for the group; if it raises, one per request finds whose row it was
+        index = {r.sid: i for i, r in enumerate(group)}
+        rows = batched(group, self.models, lambda g: list(router.scores(ctx)),
+                       lambda r: router.scores(_row(ctx, index[r.sid]))[0])
+        group = [r for r in group if r.sid in rows]
+        if not group:
+            return
+        s = torch.stack([torch.as_tensor(rows[r.sid]) for r in group]).double()  # [B]
         thresholds = torch.stack([r.thresholds for r in group])  # [B, N-1]
         chosen = (s[:, None] >= thresholds).sum(-1)
         seconds = time.perf_counter() - start
@@ -314,11 +337,12 @@ class BackoffEngine:
 
     def finish(self, rid: str) -> GenerationResult:
         """The result of a finished (or cancelled mid-way) request; frees its sessions.
-        Raises LargeUnavailable for a request that failed (on_large_failure = "fail")."""
+        Raises the error that ended a failed request: LargeUnavailable (on_large_failure =
+        "fail") or what handling this one request raised (isolation.py)."""
         live = self._live.pop(rid)
         self._close_sessions(live)
-        if live.failure:
-            raise LargeUnavailable(live.failure)
+        if live.failure is not None:
+            raise live.failure
         return live.result(self.detok.full_text(live))
 
     # -- conveniences ---------------------------------------------------------------------
@@ -348,8 +372,8 @@ class BackoffEngine:
                 event = self.step().get(rid)
                 if event is not None:
                     yield event
-            if self._live[rid].failure:
-                self.finish(rid)  # raises LargeUnavailable
+            if self._live[rid].failure is not None:
+                self.finish(rid)  # raises its error
         finally:
             self.cancel(rid)
 
@@ -359,6 +383,12 @@ def _schedule_drafts(r: Live, rejected: bool) -> None:
     routing = r.request.routing
     if routing.router == "draft" and routing.draft_schedule == "heuristic":
         r.thresholds = (r.thresholds - 1 if rejected else r.thresholds + 2).clamp(1, 64)
+
+
+def _row(ctx: StepContext, i: int) -> StepContext:
+    """Row i of a step's context, as a batch of one."""
+    return StepContext(**{f.name: None if (v := getattr(ctx, f.name)) is None else v[i : i + 1]
+                          for f in dataclasses.fields(ctx)})
 
 
 def _by_router(group: list[Live]) -> dict[DecisionFunction, list[Live]]:

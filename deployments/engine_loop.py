@@ -5,6 +5,8 @@ batched forwards, so one thread loops `step()` while there is work:
   1. drain commands (admit / cancel), reading the live policy ONCE for the whole step
   2. step every live request (M_S batched; catch-ups batched per level)
   3. hand each request's TokenEvent to its stream; finished requests get their result
+A failure while handling one request ends that request alone (backoff_core/isolation.py:
+`finish` raises its error, which becomes its Failed); the other requests go on.
 Each stream is an asyncio.Queue fed with `call_soon_threadsafe`: items are Admitted,
 TokenEvent ..., GenerationResult, or Rejected / Failed instead.
 """
@@ -157,8 +159,8 @@ class EngineLoop(Generic[Policy]):
         start = time.perf_counter()
         try:
             events = self.engine.step()  # 2.
-        except Exception as exc:  # noqa: BLE001 - fail the requests of this step, keep serving
-            log.exception("step failed")
+        except Exception as exc:  # noqa: BLE001 - no one request to blame (a bug in the step itself):
+            log.exception("step failed")  # fail the step's requests, keep serving
             for rid in list(self._sinks):
                 self._fail(rid, f"{type(exc).__name__}: {exc}")
             return
@@ -168,19 +170,29 @@ class EngineLoop(Generic[Policy]):
             if sink is not None and sink.tokens:
                 sink.put(event)
         for rid in self.engine.finished_ids():
-            sink = self._sinks.pop(rid, None)
-            try:
-                result = self.engine.finish(rid)
-            except LargeUnavailable as exc:  # on_large_failure = "fail"
-                if sink is not None:
-                    sink.put(Failed(str(exc), unavailable=True))
-                continue
-            if sink is not None:
-                sink.put(result)
-            if self.on_finish is not None:
-                self.on_finish(result)
+            self._finish(rid)
         self.last_step_s = time.perf_counter() - start
         self.busy_s += self.last_step_s
+
+    def _finish(self, rid: str) -> None:
+        """Hand a finished request its result, or the error that ended it alone."""
+        sink = self._sinks.pop(rid, None)
+        try:
+            result = self.engine.finish(rid)
+        except LargeUnavailable as exc:  # on_large_failure = "fail"
+            item = Failed(str(exc), unavailable=True)
+        except Exception as exc:  # noqa: BLE001 - this request's own failure; the others go on
+            log.warning("request %s failed: %s: %s", rid, type(exc).__name__, exc, exc_info=exc)
+            item = Failed(f"{type(exc).__name__}: {exc}")
+        else:
+            item = result
+            if self.on_finish is not None:
+                try:
+                    self.on_finish(result)
+                except Exception:  # noqa: BLE001 - metrics must not cost the request its answer
+                    log.exception("on_finish failed")
+        if sink is not None:
+            sink.put(item)
 
     def _fail(self, rid: str, message: str) -> None:
         sink = self._sinks.pop(rid, None)

@@ -18,6 +18,7 @@ UNAVAILABLE; other failures are 500 / INTERNAL. The client may retry either.
 
 import asyncio
 import json
+import logging
 import os
 import time
 import uuid
@@ -52,6 +53,7 @@ from .requests import serve_request
 from .streams import Overload, ServerFailure, collect, failure, guarded, holding
 
 app = FastAPI(title="Backoff Serve", description="Backoff decoding: a small and a large LM, one live threshold.")
+log = logging.getLogger(__name__)
 
 
 def _replica_edge() -> Edge:
@@ -61,6 +63,37 @@ def _replica_edge() -> Edge:
 
 
 app.add_middleware(EdgeGate, edge=_replica_edge)
+
+
+class InternalErrors:
+    """An exception no handler took becomes a 500 with the OpenAI error body, never
+    Starlette's plain-text `Internal Server Error` (outermost of our middlewares; a
+    response already started cannot be changed, and an SSE stream reports in-band)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def watch(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        except Exception as exc:  # noqa: BLE001 - answered in the OpenAI shape
+            log.exception("unhandled error in %s", scope.get("path"))
+            if started:
+                raise
+            await _error_response(500, f"internal error: {type(exc).__name__}: {exc}", "server_error",
+                                  code="internal_error")(scope, receive, send)
+
+
+app.add_middleware(InternalErrors)
 
 # HTTP status of a client error -> its gRPC status (anything else 4xx: INVALID_ARGUMENT)
 GRPC_CODES = {401: grpc.StatusCode.UNAUTHENTICATED, 404: grpc.StatusCode.NOT_FOUND,
@@ -122,7 +155,7 @@ async def _server_failure(request: Request, exc: ServerFailure) -> JSONResponse:
 
 
 def _sse(body: dict) -> str:
-    return f"data: {json.dumps(body)}\n\n"
+    return f"data: {json.dumps(body, allow_nan=False)}\n\n"  # bodies are json_safe: a leak is an error
 
 
 def _events(item) -> tuple[TokenEvent, ...]:
@@ -145,7 +178,8 @@ def _set_status(context: RayServegRPCContext, exc: Exception) -> None:
         context.set_details(exc.message)
     else:
         context.set_code(grpc.StatusCode.INTERNAL)
-        context.set_details(str(exc))
+        internal = not isinstance(exc, ServerFailure)  # a bug: say what was raised
+        context.set_details(f"internal error: {type(exc).__name__}: {exc}" if internal else str(exc))
 
 
 def _first_error(exc: Exception) -> str:
@@ -229,6 +263,10 @@ class Ingress:
                     raise failure(item)
         except ServerFailure as exc:  # after admission (the 200 is out): report in-band, as OpenAI does
             yield _sse(error_body(exc.message, "server_error", code=exc.code))
+        except Exception as exc:  # noqa: BLE001 - a bug here still ends the stream in the OpenAI shape
+            log.exception("SSE stream failed")
+            yield _sse(error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error",
+                                  code="internal_error"))
         finally:
             await stream.aclose()  # closed early (a disconnect while a chunk was sent): cancels the router's request
         yield "data: [DONE]\n\n"
@@ -240,7 +278,9 @@ class Ingress:
         try:
             stream = await self._open_pb(rid, request, grpc_context, tokens=False)
             return pb_response(rid, await collect(stream))
-        except (ClientError, ServerFailure) as exc:
+        except Exception as exc:  # noqa: BLE001 - client errors, failures, and a bug as INTERNAL with a message
+            if not isinstance(exc, (ClientError, ServerFailure)):
+                log.exception("Generate failed")
             _set_status(grpc_context, exc)
             return pb.GenerateResponse()
 
@@ -249,7 +289,7 @@ class Ingress:
         rid = f"cmpl-{uuid.uuid4().hex}"
         try:
             stream = await self._open_pb(rid, request, grpc_context)
-        except (ClientError, ServerFailure) as exc:
+        except Exception as exc:  # noqa: BLE001 - as in Generate
             _set_status(grpc_context, exc)
             raise  # nothing was streamed: Serve sends the status set above only with an exception
         try:
@@ -261,7 +301,9 @@ class Ingress:
                     yield pb_final_chunk(rid, item)
                 elif isinstance(item, (Rejected, Failed)):
                     raise failure(item)
-        except ServerFailure as exc:
+        except Exception as exc:  # noqa: BLE001 - a ServerFailure, or a bug: INTERNAL with a message
+            if not isinstance(exc, ServerFailure):
+                log.exception("GenerateStream failed")
             _set_status(grpc_context, exc)
             raise
         finally:
