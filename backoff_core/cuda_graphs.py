@@ -59,7 +59,8 @@ class CudaGraphs:
         dtype = kv.keys[0].dtype
         self.logits = torch.zeros(n * self.vocab, dtype=dtype, device=dev)
         self.hidden = torch.zeros(n * self.width, dtype=dtype, device=dev)
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = None  # one memory pool shared by every graph (created at the first capture)
+        self._side = None  # the side stream of the warm-up runs
         self._graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
 
     def __contains__(self, key: GraphKey) -> bool:
@@ -99,26 +100,31 @@ class CudaGraphs:
         """Capture every key not yet captured (largest first); returns the seconds taken."""
         todo = sorted({k for k in keys if k not in self._graphs and self.fits(k)}, key=lambda k: -k.size)
         start = time.perf_counter()
-        scratch = self.forward.kv.scratch
         for key in tqdm(todo, desc=f"{self.forward.kv.name}: capturing CUDA graphs", disable=not progress):
             # harmless inputs: every token at the scratch column; dense rows are their slots
-            self.positions.fill_(scratch)
+            self.positions.fill_(self.forward.kv.scratch)
             if key.dense:
                 self.slots.copy_(torch.arange(self.max_rows, device=self.slots.device))
             else:
                 self.slots.zero_()
             self.last_col.zero_()
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up outside the graph: lazy inits, kernel choice
-                self._body(key)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                self._body(key)
-            self._graphs[key] = graph
-        torch.cuda.synchronize()
+            self._graphs[key] = self._record(key)
+        if self.ids.is_cuda:
+            torch.cuda.synchronize()
         return time.perf_counter() - start
+
+    def _record(self, key: GraphKey) -> torch.cuda.CUDAGraph:
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+            self._side = torch.cuda.Stream()
+        self._side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._side):  # warm-up outside the graph: lazy inits, kernel choice
+            self._body(key)
+        torch.cuda.current_stream().wait_stream(self._side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            self._body(key)
+        return graph
 
     def replay(self, key: GraphKey, ids, positions, slots, last_col) -> tuple[torch.Tensor, torch.Tensor | None]:
         """ids, positions: [rows, k] and slots, last_col: [rows] (host or device tensors).

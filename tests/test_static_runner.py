@@ -4,11 +4,14 @@ transformers generation."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from transformers import (GemmaConfig, GemmaForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
                           MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
+from backoff_core.cuda_graphs import CudaGraphs
 from backoff_core.engine import BackoffEngine
 from backoff_core.runner import ModelRunner
 from backoff_core.static_runner import KVCapacityError, StaticRunner
@@ -250,3 +253,38 @@ def test_engine_speculative_greedy_is_large_alone(pair, tokenizer, draft_tokens)
     assert [g.token_ids for g in got] == [hf_greedy(pair[1], p, 20) for p in PROMPTS]
     assert [g.token_ids for g in got] == [e.token_ids for e in engine_for(pair, tokenizer).generate_many(reqs)]
     assert sum(g.rollbacks for g in got) > 0  # crops happened
+
+
+# -- the graph bookkeeping, replayed eagerly on the CPU -----------------------------------------
+class EagerGraphs(CudaGraphs):
+    """CudaGraphs whose 'graph' re-runs the captured body on the static buffers: the
+    buckets, static inputs and output copies of the real thing, without a GPU."""
+
+    def _record(self, key):
+        self._body(key)  # the warm-up run, as on the GPU
+        return SimpleNamespace(replay=lambda: self._body(key))
+
+
+def test_graph_replay_bookkeeping_equals_model_runner(model):
+    sids = [f"s{i}" for i in range(6)]
+    ref, run = both(model, sids, slots=6, max_len=128)
+    assert_same(ref, run, [("s0", [1, 2, 3]), ("s4", [4, 5])])  # live sessions before the capture
+    run.graphs = EagerGraphs(run._forward, max_rows=4, max_k=16)
+    graphs, _ = run.warmup(hidden_layers=(None, 1), progress=False)
+    # dense rows 1, 2, 4 and gather rows 1, 2, 4 (max_rows 4); k 1 once, k 2..16 twice; L 64, 128; 2 layers
+    assert graphs == 6 * (1 + 4 * 2) * 2 * 2
+    assert_same(ref, run, [("s0", [7]), ("s4", [8])])  # the capture wrote scratch columns only
+    eager = run.eager_passes
+    steps = [
+        ([("s0", [9])], {}),  # dense 1 row
+        ([("s4", [1, 2, 3])], dict(last_only=True)),  # gather 1 row, k bucket 4
+        ([("s0", [3]), ("s1", [4, 5]), ("s2", [6] * 7)], dict(hidden_layer=1)),  # dense 4 rows, k 8
+        ([("s5", [2] * 9), ("s2", [3])], dict(last_only=True, hidden_layer=1)),  # gather 2 rows, k 16
+        ([("s1", [1] * 40)], {}),  # k = 40 > 16: eager
+        ([(sid, [4]) for sid in sids], {}),  # 6 rows > max_rows: eager
+        ([("s0", [5] * 60)], dict(last_only=True)),  # L 128, eager (k 60)
+        ([("s0", [6]), ("s3", [7])], dict(hidden_layer=1)),  # gather 2 rows at L 128
+    ]
+    for items, kwargs in steps:
+        assert_same(ref, run, items, **kwargs)
+    assert run.eager_passes - eager == 3
