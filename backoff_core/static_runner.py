@@ -90,8 +90,8 @@ class StaticRunner:
         self._forward = StaticForward(model, self.kv)
         self.length_buckets = powers_of_two(min(MIN_LENGTH_BUCKET, max_len), max_len)
         use_graphs = cuda_graphs and self.device.type == "cuda"
-        self.graphs = CudaGraphs(self._forward, graph_max_rows, K_BUCKETS[-1]) if use_graphs else None
-        self.graph_max_rows = graph_max_rows
+        self.graph_max_rows = min(graph_max_rows, next_power_of_two(self.kv.slots))  # more rows never occur
+        self.graphs = CudaGraphs(self._forward, self.graph_max_rows, K_BUCKETS[-1]) if use_graphs else None
         self._sessions: dict[str, _Session] = {}
         self._lock = threading.RLock()
 
