@@ -61,6 +61,10 @@ class RoutingConfig(_Config):
     on_large_failure: Literal["degrade", "fail"] = Field(
         "degrade", description="after such a failure: degrade = the request goes on with M_S alone and its "
                                "usage says degraded; fail = it ends with an error (HTTP 503 / gRPC UNAVAILABLE)")
+    inject_fault_seed: int | None = Field(
+        None, description="chaos / testing knob: a request with this seed fails inside the step loop (its M_S "
+                          "forwards raise from its third step on), beside the requests it shares steps with "
+                          "(deployments/chaos.py); none in production")
 
 
 class CatchUpConfig(_Config):

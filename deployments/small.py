@@ -35,6 +35,7 @@ from backoff_core.runner import ModelRunner
 from backoff_core.types import GenerationRequest, GenerationResult, TokenEvent
 
 from .admission import AdmissionGate, Overloaded
+from .chaos import FaultInjector
 from .batcher import CatchUpCall
 from .config import AppArgs, RoutingConfig, handle_options
 from .engine_loop import Admitted, EngineLoop, Failed, Rejected
@@ -104,7 +105,8 @@ class SmallRouter:
         self._renewals: asyncio.Task | None = None
         if len(self.remotes) != n - 1:
             raise ValueError(f"a chain of {n} models needs {n - 1} larger deployments, got {len(self.remotes)}")
-        engine = BackoffEngine([ModelRunner(side.model, "small"), *self.remotes], side.tokenizer,
+        self.faults = FaultInjector(ModelRunner(side.model, "small"))  # inject_fault_seed
+        engine = BackoffEngine([self.faults, *self.remotes], side.tokenizer,
                                classifier_path=self.args.models.classifier, hidden_size=side.hidden_size,
                                context_window=side.context_window)
         self.metrics = RouterMetrics(n)
@@ -213,6 +215,8 @@ class SmallRouter:
         limit = self.args.limits.max_prompt_tokens
         if limit is not None and len(ids) > limit:
             raise ValueError(f"the prompt is {len(ids)} tokens; the limit is {limit} (limits.max_prompt_tokens)")
+        if policy.inject_fault_seed is not None and request.sampling.seed == policy.inject_fault_seed:
+            self.faults.doom(request.request_id)
         return generation_request(request, ids, policy)
 
     def _finished(self, result: GenerationResult) -> None:

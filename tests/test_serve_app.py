@@ -29,7 +29,7 @@ from backoff_core.engine import BackoffEngine  # noqa: E402
 from backoff_core.loading import LoadSpec, load_model  # noqa: E402
 from backoff_core.runner import ModelRunner  # noqa: E402
 from backoff_core.types import GenerationRequest, RoutingParams, SamplingParams  # noqa: E402
-from clients import BadRequestError, NotFoundError  # noqa: E402
+from clients import BadRequestError, NotFoundError, ServerError  # noqa: E402
 from clients import backoff_pb2 as pb  # noqa: E402
 from clients import backoff_pb2_grpc as pb_grpc  # noqa: E402
 from clients.grpc_client import AsyncBackoffGrpcClient, BackoffGrpcClient  # noqa: E402
@@ -338,6 +338,76 @@ def test_a_chain_of_three_serves_through_one_more_deployment(served):
 
 
 # -- live config and failure (these change the app: they run last) --------------------------
+
+def _router_config(served: Served, **changes) -> None:
+    """`backoff serve` of the config with these SmallRouter user_config changes (live)."""
+    edited = json.loads(json.dumps(served.config))
+    {d["name"]: d for d in edited["applications"][0]["deployments"]}["SmallRouter"]["user_config"].update(changes)
+    path = served.config_path.with_name("router.yaml")
+    path.write_text(yaml.safe_dump(edited))
+    assert serve_cli.main(["--config", str(path), "--non-blocking"]) == 0
+    deadline = time.monotonic() + 60
+    while not _router_info().policy.model_dump().items() >= changes.items():
+        assert time.monotonic() < deadline, "reconfigure did not arrive"
+        time.sleep(0.2)
+    serve_cli.wait_until_running("backoff")
+
+
+def test_a_request_failing_in_the_step_loop_ends_alone_beside_live_streams(served, local):
+    """Requests with the chaos seed (routing.inject_fault_seed) fail inside the step loop --
+    their M_S forward, batched with two live streams (HTTP and gRPC), raises after writing
+    every cache -- over HTTP unary (500 + OpenAI body), SSE (in-band error, [DONE]) and gRPC
+    (INTERNAL). The streams carry on: all their tokens, the in-process ones, a normal finish."""
+    bad_seed, n, prompts = 4242, 200, ([3, 4, 5, 6], [7, 8, 9])
+    _router_config(served, inject_fault_seed=bad_seed)
+
+    async def main():
+        async with AsyncBackoffHTTPClient(served.url) as http, httpx.AsyncClient(base_url=served.url, timeout=60) as \
+                raw, AsyncBackoffGrpcClient(served.grpc_target, application="backoff") as rpc:
+            started = [asyncio.Event(), asyncio.Event()]
+
+            async def live(client, prompt, first):
+                deltas = []
+                async for d in client.stream(prompt, max_tokens=n, temperature=0, ignore_eos=True):
+                    deltas.append(d)
+                    first.set()
+                return deltas
+
+            streams = [asyncio.create_task(live(c, p, e)) for c, p, e in zip((http, rpc), prompts, started)]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+            bad = {"prompt": [5, 6, 7], "max_tokens": 40, "temperature": 0, "ignore_eos": True, "seed": bad_seed}
+
+            async def grpc_stream():
+                try:
+                    return [d async for d in rpc.stream(**bad)]
+                except ServerError as exc:
+                    return exc
+
+            failed = await asyncio.gather(raw.post("/v1/completions", json=bad),
+                                          raw.post("/v1/completions", json={**bad, "stream": True}), grpc_stream())
+            alive = [not t.done() for t in streams]  # the failures happened beside them
+            return await asyncio.gather(*streams), failed, alive
+
+    try:
+        outs, (unary, sse, grpc_failure), alive = asyncio.run(main())
+    finally:
+        _router_config(served, inject_fault_seed=None)
+    says = "InjectedFault: injected fault"
+    assert unary.status_code == 500 and unary.headers["content-type"] == "application/json", unary.text
+    assert says in unary.json()["error"]["message"] and unary.json()["error"]["type"] == "server_error"
+    events = [line[len("data: "):] for line in sse.text.splitlines() if line.startswith("data: ")]
+    assert sse.status_code == 200 and events[-1] == "[DONE]" and says in json.loads(events[-2])["error"]["message"]
+    assert isinstance(grpc_failure, ServerError) and grpc_failure.status == "INTERNAL" and says in grpc_failure.message
+    assert alive == [True, True]
+    for prompt, deltas in zip(prompts, outs):
+        ref = _reference(local, prompt, n)
+        assert [d.token_id for d in deltas if d.token_id is not None] == list(ref.token_ids)
+        assert [d.source for d in deltas if d.token_id is not None] == list(ref.sources)
+        assert deltas[-1].finish_reason == "length"
+    deadline = time.monotonic() + 30  # every session freed: the failed ones' too
+    while _router_info().live or any(i.sessions for i in _large_infos().values()):
+        assert time.monotonic() < deadline, "sessions left behind"
+        time.sleep(0.2)
 
 def _backoff_rate(url: str, n: int = 6) -> float:
     with BackoffHTTPClient(url) as client:

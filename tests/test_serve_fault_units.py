@@ -1,25 +1,32 @@
 """Faults in the parts of deployments/ that run without a Ray cluster: session leases and
 tombstones in the catch-up batcher, a slow large model behind RemoteLarge (the fake
 transport of test_serve_units), and the Ingress's answer to a request the step loop failed
-(its class called directly, with a fake router handle). Tiny models."""
+(its class called directly, with a fake router handle), unexpected errors in the OpenAI
+shape (HTTP) or INTERNAL (gRPC), and the chaos knob that fails a request in the step loop.
+Tiny models."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 
+import grpc
+import httpx
 import pytest
+from fastapi import FastAPI
 from helpers import engine_for, request
 from test_serve_units import FakeEndpoint, LoopThread, remote_engine
 
 from backoff_core.backends import LargeUnavailable
 from backoff_core.runner import ModelRunner
+from clients import backoff_pb2 as pb
 from clients.types import GenerateParams
 from deployments.access import Edge
 from deployments.batcher import CatchUpBatcher, CatchUpCall
+from deployments.chaos import FaultInjector, InjectedFault
 from deployments.config import AppArgs
 from deployments.engine_loop import Failed
-from deployments.ingress import Ingress
+from deployments.ingress import Ingress, InternalErrors
 from deployments.streams import ServerFailure
 
 
@@ -138,3 +145,71 @@ def test_a_request_the_step_loop_fails_at_admission_is_a_server_failure(first, s
         asyncio.run(ingress._open("cmpl-1", GenerateParams(max_tokens=2), "peer:test", tokens=True, prompt="hi"))
     assert (err.value.status, err.value.code, err.value.message) == (status, code, first.message)
     assert not ingress.edge.slots.open  # the client's slot is given back
+
+
+# -- unexpected errors: the OpenAI body / INTERNAL with a message, never plain text -------------
+
+def test_an_unhandled_http_error_is_a_500_with_the_openai_body():
+    app = FastAPI()
+
+    @app.get("/boom")
+    async def boom():
+        raise RuntimeError("nobody handled this")
+
+    @app.get("/inf")
+    async def inf():
+        return {"threshold": float("inf")}  # Starlette refuses to encode it
+
+    app.add_middleware(InternalErrors)
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            return await client.get("/boom"), await client.get("/inf")
+
+    for response, says in zip(asyncio.run(main()), ("RuntimeError: nobody handled this", "ValueError")):
+        assert response.status_code == 500 and response.headers["content-type"] == "application/json"
+        error = response.json()["error"]
+        assert says in error["message"] and error["type"] == "server_error" and error["code"] == "internal_error"
+
+
+class _Context:
+    def __init__(self) -> None:
+        self.code = self.details = None
+
+    def set_code(self, code) -> None:
+        self.code = code
+
+    def set_details(self, details) -> None:
+        self.details = details
+
+
+def test_an_unexpected_grpc_error_is_internal_with_a_message():
+    ingress = object.__new__(_BareIngress)
+
+    async def broken(*args, **kwargs):
+        raise KeyError("a bug")
+
+    ingress._open_pb = broken
+    context = _Context()
+    assert asyncio.run(ingress.Generate(pb.GenerateRequest(prompt="hi"), context)) == pb.GenerateResponse()
+    assert context.code == grpc.StatusCode.INTERNAL and context.details == "internal error: KeyError: 'a bug'"
+
+    async def stream():
+        return [c async for c in ingress.GenerateStream(pb.GenerateRequest(prompt="hi"), context)]
+
+    context = _Context()
+    with pytest.raises(KeyError):
+        asyncio.run(stream())
+    assert context.code == grpc.StatusCode.INTERNAL and "KeyError" in context.details
+
+
+def test_the_chaos_knob_fails_forwards_that_carry_a_doomed_request(pair):
+    faults = FaultInjector(ModelRunner(pair[0], "small"), after=1)
+    for sid in ("ok", "doomed"):
+        faults.open(sid)
+    faults.doom("doomed")
+    faults.extend([("ok", [3]), ("doomed", [4])])  # its first forward passes
+    with pytest.raises(InjectedFault):
+        faults.extend([("ok", [5]), ("doomed", [6])])
+    assert faults.inner.length("ok") == 2  # the forward ran first: its caches were written
+    assert len(faults.extend([("ok", [7])])[0].logits) == 1 and faults.session_ids() == ["ok", "doomed"]
