@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 from collections.abc import Iterator, Sequence
 
@@ -27,9 +28,12 @@ from .control import HIGHEST, LOWEST, RateController, rate_prior
 from .isolation import batched, each, reopen
 from .routers import DecisionFunction, StepContext, build_router
 from .runner import ModelRunner
-from .sampling import Stream, distribution, request_seed, sample, uniforms
+from .sampling import Stream, distributions, request_seed, sample_rows, uniforms
 from .state import Detokenizer, Live
-from .types import FinishReason, GenerationRequest, GenerationResult, TokenEvent, Verification
+from .types import FinishReason, GenerationRequest, GenerationResult, KVSpec, TokenEvent, Verification
+
+
+log = logging.getLogger(__name__)
 
 
 class BackoffEngine:
@@ -51,7 +55,9 @@ class BackoffEngine:
         self.tokenizer = tokenizer
         self.classifier_path = classifier_path
         self.hidden_size = hidden_size
-        self.context_window = context_window
+        # a static KV slot holds max_positions: no longer request is admitted
+        slots = [m.max_positions for m in models if getattr(m, "max_positions", None)]
+        self.context_window = min([w for w in (context_window, *slots) if w], default=None)
         self.collect_kl = collect_kl
         self.eos_ids = _eos_ids(tokenizer)
         self.detok = Detokenizer(tokenizer)
@@ -61,16 +67,18 @@ class BackoffEngine:
         self._ids = itertools.count()
 
     @classmethod
-    def from_chain(cls, chain, **kwargs) -> "BackoffEngine":
-        """An in-process engine over a loaded Chain (backoff_core.loading)."""
+    def from_chain(cls, chain, kv: KVSpec | None = None, **kwargs) -> "BackoffEngine":
+        """An in-process engine over a loaded Chain (backoff_core.loading). kv: static KV
+        storage (and CUDA graphs on a GPU) for every model; None keeps per-session caches."""
         names = ["small", *[f"medium{i}" for i in range(1, len(chain.models) - 1)], "large"]
-        runners = [ModelRunner(m, n) for m, n in zip(chain.models, names)]
         kwargs.setdefault("context_window", chain.context_window)
         kwargs.setdefault("hidden_size", chain.models[0].config.hidden_size)
         if kwargs.get("classifier_path") is None:  # the default pair ships a trained router head
             from .router_train import default_head_dir
 
             kwargs["classifier_path"] = default_head_dir(chain)
+        runners = [make_runner(chain.models[0], names[0], kv, small=True, classifier_path=kwargs["classifier_path"])]
+        runners += [make_runner(m, n, kv) for m, n in zip(chain.models[1:], names[1:])]
         return cls(runners, chain.tokenizer, **kwargs)
 
     @property
@@ -199,10 +207,24 @@ class BackoffEngine:
         # a catch-up failed (degraded): M_S's token instead, for those that skipped M_S
         small.update(self._small_step([r for r in live if r.degraded and r.failure is None and r.sid not in small
                                        and not r.finish_after_verify]))
-        # 6. commit
+        # 6. commit (the tokens of the steps that stay small are drawn together: one sync)
+        drawn = self._draw([r for r in live if r.failure is None and r.sid in small and r.sid not in outcomes
+                            and not r.finish_after_verify], small)
         settled = each([r for r in live if r.failure is None], self.models,
-                       lambda r: self._settle(r, outcomes.get(r.sid), small, scores))
+                       lambda r: self._settle(r, outcomes.get(r.sid), small, drawn.get(r.sid), scores))
         return {sid: event for sid, event in settled.items() if event is not None}
+
+    def _draw(self, group: list[Live], small: dict) -> dict[str, int]:
+        """sid -> the token each request draws from its M_S logits: one batched draw on
+        the logits' device and one host copy for the whole group."""
+        if not group:
+            return {}
+
+        def together(g: Sequence[Live]) -> list[int]:
+            probs = distributions(torch.stack([small[r.sid][0] for r in g]), [r.request.sampling for r in g])
+            return sample_rows(probs, [r.seed for r in g], [len(r.tokens) for r in g]).tolist()
+
+        return batched(group, self.models, together, lambda r: together([r])[0])
 
     def _forced_level(self, r: Live) -> int:
         """The level of r's step if it is known before M_S runs, else -1."""
@@ -213,15 +235,17 @@ class BackoffEngine:
         f = r.router.levels_before_small_step(torch.tensor([r.drafts()]), r.thresholds[None], self.num_levels)
         return int(f[0]) if f is not None else -1
 
-    def _settle(self, r: Live, outcome: Outcome | None, small: dict, scores: dict) -> TokenEvent | None:
-        """Commit r's token of this step (None: nothing to stream)."""
+    def _settle(self, r: Live, outcome: Outcome | None, small: dict, drawn: int | None,
+                scores: dict) -> TokenEvent | None:
+        """Commit r's token of this step (None: nothing to stream). drawn: its token, if it
+        stays small."""
         if outcome is None and r.finish_after_verify:  # the verification failed: the drafts stand
             r.finished = r.finish_after_verify
             return None
         if outcome is None:  # stays small
-            logits = small[r.sid][0]
-            token = sample(distribution(logits, r.request.sampling), r.seed, len(r.tokens))
-            retracted, source = 0, 0
+            if drawn is None:  # its draw failed: it ended alone (isolation.py)
+                return None
+            logits, token, retracted, source = small[r.sid][0], drawn, 0, 0
         else:
             logits, token, retracted, source = outcome.logits, outcome.token, outcome.rolled_back, outcome.level
         if r.controller is not None and r.sid in scores:
@@ -376,6 +400,33 @@ class BackoffEngine:
                 self.finish(rid)  # raises its error
         finally:
             self.cancel(rid)
+
+
+def make_runner(model, name: str, kv: KVSpec | None, small: bool = False, classifier_path=None) -> Backend:
+    """A ModelRunner, or with `kv` a StaticRunner (static KV slots, CUDA graphs captured
+    now, with a progress line) where the architecture allows; other models fall back to
+    per-session caches, with a warning. small: M_S extends one token a step (graphs for
+    k = 1, last row only, and the hidden layer a classifier head reads)."""
+    if kv is None:
+        return ModelRunner(model, name)
+    from .static_forward import check_supported
+    from .static_runner import StaticRunner
+
+    try:
+        check_supported(model, kv.max_len)
+    except ValueError as exc:
+        log.warning("%s: no static KV storage (%s); per-session caches instead", name, exc)
+        return ModelRunner(model, name)
+    runner = StaticRunner(model, name, kv_budget_tokens=kv.budget_tokens, max_len=kv.max_len,
+                          cuda_graphs=kv.cuda_graphs)
+    if small:
+        from .router_head import RouterHead
+
+        layers = (None,) if classifier_path is None else (None, RouterHead.load(classifier_path).layer)
+        runner.warmup(hidden_layers=layers, last_only=(True,), ks=(1,))
+    else:
+        runner.warmup()
+    return runner
 
 
 def _schedule_drafts(r: Live, rejected: bool) -> None:

@@ -95,6 +95,11 @@ class StaticRunner:
         self._sessions: dict[str, _Session] = {}
         self._lock = threading.RLock()
 
+    @property
+    def max_positions(self) -> int:
+        """Positions one session can hold (the engine refuses longer requests up front)."""
+        return self.kv.max_len - 1
+
     # -- sessions -------------------------------------------------------------------------
     def open(self, session_id: str) -> None:
         with self._lock:
@@ -138,17 +143,18 @@ class StaticRunner:
             raise SessionError(f"{self.name}: no session {session_id!r}") from None
 
     # -- warm-up --------------------------------------------------------------------------
-    def warmup(self, hidden_layers=(None,), last_only=(True, False), progress: bool = True) -> tuple[int, float]:
+    def warmup(self, hidden_layers=(None,), last_only=(True, False), ks: tuple[int, ...] = K_BUCKETS,
+               progress: bool = True) -> tuple[int, float]:
         """Capture the CUDA graphs of every bucket (rows x k x L x dense/gather x the given
         last_only and hidden_layer variants) now, at load; returns (graphs, seconds). A no-op
-        without graphs (CPU)."""
+        without graphs (CPU). M_S only ever extends by one token per step: ks=(1,)."""
         if self.graphs is None:
             return 0, 0.0
         layers = [self._layer(n) for n in hidden_layers]
         keys = [
             GraphKey(dense, rows, k, length, lo or k == 1, layer)
             for dense, rows in self._row_buckets()
-            for k in K_BUCKETS for length in self.length_buckets for lo in last_only for layer in layers
+            for k in ks for length in self.length_buckets for lo in last_only for layer in layers
         ]
         with self._lock:
             seconds = self.graphs.capture(keys, progress)

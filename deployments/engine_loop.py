@@ -23,6 +23,7 @@ from typing import Callable, Generic, TypeVar
 
 from backoff_core.backends import LargeUnavailable
 from backoff_core.engine import BackoffEngine
+from backoff_core.static_kv import KVCapacityError
 from backoff_core.types import GenerationRequest, GenerationResult
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ class Failed:
 
     message: str
     unavailable: bool = False  # a part of the chain is down or too slow: retrying later may work
+    code: str = "large_unavailable"  # with unavailable: what is missing (kv_capacity: no free KV slot)
 
 
 class _Sink:
@@ -143,6 +145,10 @@ class EngineLoop(Generic[Policy]):
             rid = self.engine.submit(generation)
         except ValueError as exc:
             sink.put(Rejected(str(exc)))
+            return
+        except KVCapacityError as exc:  # every KV slot is taken: retry once a request ends
+            log.warning("request refused: %s", exc)
+            sink.put(Failed(str(exc), unavailable=True, code="kv_capacity"))
             return
         except Exception as exc:  # noqa: BLE001 - reported to the caller, the loop goes on
             log.exception("admission failed")

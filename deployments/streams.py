@@ -30,7 +30,7 @@ ROUTER_LOST = (RayActorError, ActorUnavailableError, ReplicaUnavailableError)
 
 def failure(item: Rejected | Failed) -> ServerFailure:
     if isinstance(item, Failed) and item.unavailable:
-        return ServerFailure(item.message, 503, "large_unavailable")
+        return ServerFailure(item.message, 503, item.code)
     return ServerFailure(item.message)
 
 

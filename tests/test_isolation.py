@@ -113,22 +113,25 @@ def test_a_failed_catch_up_ends_only_its_request(pair, tokenizer, router):
     _no_sessions(engine)
 
 
-@pytest.mark.parametrize("module, router", [(backoff_core.engine, "always-small"),
-                                            (backoff_core.catchup, "always-large")])
-def test_a_sampling_error_ends_only_its_request(pair, tokenizer, monkeypatch, module, router):
+@pytest.mark.parametrize("module, name, router", [(backoff_core.engine, "distributions", "always-small"),
+                                                  (backoff_core.catchup, "distribution", "always-large")])
+def test_a_sampling_error_ends_only_its_request(pair, tokenizer, monkeypatch, module, name, router):
+    """The engine draws the tokens of all small steps in one batched call (one params per
+    row); a catch-up draws its level's token per request."""
     reqs = _requests(router)
     culprit = reqs[CULPRIT]
     reqs[CULPRIT] = dataclasses.replace(culprit, sampling=dataclasses.replace(culprit.sampling, seed=BAD_SEED))
-    real, calls = module.distribution, []
+    real, calls = getattr(module, name), []
 
     def distribution(logits, params):
-        if params.seed == BAD_SEED:
+        rows = params if isinstance(params, list) else [params]
+        if any(p.seed == BAD_SEED for p in rows):
             calls.append(1)
             if len(calls) > 3:
                 raise Injected("injected: probabilities out of range")
         return real(logits, params)
 
-    monkeypatch.setattr(module, "distribution", distribution)
+    monkeypatch.setattr(module, name, distribution)
     engine = engine_for(pair, tokenizer)
     out = _run(engine, reqs)
     monkeypatch.undo()
