@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import signal
 import sys
@@ -335,6 +336,26 @@ def test_a_chain_of_three_serves_through_one_more_deployment(served):
             assert out.usage.large_tokens == ref.sources.count(2)
     medium_info = serve.get_deployment_handle("MediumModel1", "chain").info.remote().result(timeout_s=30)
     assert medium_info.name == "medium1" and medium_info.forward_passes > 0
+
+
+@pytest.mark.parametrize("target, max_tokens", [(0.0, 8), (1.0, 8), (0.01, 2), (0.99, 2)])
+def test_target_backoff_at_the_extremes_answers_finite_json(served, target, max_tokens):
+    """The rate controller's "every step large / small" threshold was ±inf: a plain-text 500
+    after the whole generation. Now a finite threshold, in JSON and in protobuf."""
+    body = {"prompt": [3, 4, 5], "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "target_backoff": target}
+    response = httpx.post(f"{served.url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    thresholds = json.loads(response.text, parse_constant=lambda c: pytest.fail(f"{c} in JSON"))[
+        "choices"][0]["backoff"]["thresholds"]
+    assert len(thresholds) == 1 and math.isfinite(thresholds[0])
+    if target in (0.0, 1.0):
+        assert response.json()["usage"]["small_tokens"] == (max_tokens if target else 0)
+    with grpc.insecure_channel(served.grpc_target) as channel:
+        fields = {k: v for k, v in body.items() if k != "prompt"}
+        reply = pb_grpc.BackoffStub(channel).Generate(pb.GenerateRequest(prompt_ids=body["prompt"], **fields),
+                                                      metadata=APP, timeout=60)
+    assert len(reply.thresholds) == 1 and math.isfinite(reply.thresholds[0])
 
 
 # -- live config and failure (these change the app: they run last) --------------------------
