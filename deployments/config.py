@@ -12,6 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
+from backoff_core.types import KVSpec
 from clients.types import Threshold
 
 
@@ -31,6 +32,18 @@ class ModelsConfig(_Config):
         "mkldnn", description="linear layers of float32 models on CPU: oneDNN (faster) or torch's default")
     classifier: str | None = Field(None, description="router head directory for the classifier router")
     served_name: str = Field("backoff", description="model name that GET /v1/models reports")
+    kv_budget_tokens: int | None = Field(
+        None, ge=2, description="static KV storage per model replica, in positions (slots of kv_max_len); with "
+                                "a GPU, CUDA graphs too (captured at start-up). None: per-session caches")
+    kv_max_len: int = Field(2048, ge=2, description="static KV: positions per slot (prompt + output of one request)")
+    cuda_graphs: bool = Field(True, description="static KV on a GPU: replay captured CUDA graphs for steps and "
+                                                "short catch-ups")
+
+    @property
+    def kv(self) -> KVSpec | None:
+        if self.kv_budget_tokens is None:
+            return None
+        return KVSpec(self.kv_budget_tokens, self.kv_max_len, self.cuda_graphs)
 
     @model_validator(mode="after")
     def _both_or_neither(self) -> "ModelsConfig":
@@ -38,6 +51,9 @@ class ModelsConfig(_Config):
             raise ValueError("name both small and large, or neither (the embedded default pair)")
         if self.medium and self.small is None:
             raise ValueError("a chain with medium models needs small and large named too")
+        if self.kv_budget_tokens is not None and self.kv_budget_tokens < self.kv_max_len:
+            raise ValueError(f"kv_budget_tokens ({self.kv_budget_tokens}) holds no slot of kv_max_len "
+                             f"({self.kv_max_len}) positions")
         return self
 
     @property

@@ -27,7 +27,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from backoff_core.kernels import trim_heap
-from backoff_core.runner import ModelRunner
+from backoff_core.engine import make_runner
 
 from .batcher import CatchUpBatcher, CatchUpCall, CatchUpReply, ForwardRecord
 from .config import CatchUpConfig, ModelsConfig
@@ -71,7 +71,7 @@ class LargeModel:
     def __init__(self, models: dict, level: int, torch_threads: int | None = None) -> None:
         cfg = ModelsConfig.model_validate(models)
         self.name = level_names(cfg.num_levels)[level]
-        self.runner = ModelRunner(load_level(cfg, level, torch_threads), self.name)
+        self.runner = make_runner(load_level(cfg, level, torch_threads), self.name, cfg.kv)
         self.metrics = LargeMetrics(self.name)
         self.config = CatchUpConfig()
         self.batcher = CatchUpBatcher(self.runner, on_forward=self._forwarded)

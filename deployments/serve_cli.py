@@ -74,6 +74,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--large", help="M_L: local dir, cached HF id or .gguf")
     p.add_argument("--medium", action="append", default=None, help="intermediate model(s), smallest first")
     p.add_argument("--device", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--dtype", help="float32, bfloat16 or float16")
+    p.add_argument("--kv-budget", type=int, dest="kv_budget_tokens",
+                   help="static KV storage per model replica, in positions (CUDA graphs on a GPU)")
+    p.add_argument("--kv-max-len", type=int, help="static KV: positions per slot (default 2048)")
     p.add_argument("--router", help="decision function (live config)")
     p.add_argument("--threshold", help="threshold(s), comma-separated, ascending (live config)")
     p.add_argument("--target-backoff", type=float, help="target backoff rate (live config)")
@@ -102,7 +106,7 @@ def apply_overrides(config: dict, args: argparse.Namespace) -> dict:
     config = copy.deepcopy(config)
     app = config["applications"][0]
     models = app.setdefault("args", {}).setdefault("models", {})
-    for key in ("small", "large", "medium", "device"):
+    for key in ("small", "large", "medium", "device", "dtype", "kv_budget_tokens", "kv_max_len"):
         value = getattr(args, key)
         if value is not None:
             models[key] = value

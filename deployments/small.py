@@ -1,10 +1,11 @@
 """SmallRouter deployment: M_S + decision function + the step loop of every request.
 
-Holds M_S as a local ModelRunner and a BackoffEngine whose larger levels are RemoteLarge
-proxies to LargeModel deployments. One thread runs the engine (EngineLoop), so the M_S
-steps of concurrent requests are batched; `generate` streams one request's items once the
-AdmissionGate lets it in (a full replica refuses it at once: Overloaded). The
-routing config (router, threshold, target backoff rate) is this deployment's user_config:
+Holds M_S as a local runner (a ModelRunner, or a StaticRunner given a KV budget) and a
+BackoffEngine whose larger levels are RemoteLarge proxies to LargeModel deployments. One
+thread runs the engine (EngineLoop), so the M_S steps of concurrent requests are batched;
+`generate` streams one request's items once the AdmissionGate lets it in (a full replica
+refuses it at once: Overloaded). The routing config (router, threshold, target backoff
+rate) is this deployment's user_config:
 `reconfigure()` swaps it and the engine thread reads it once per step.
 
 Faults: a catch-up without a reply within `large_timeout_s` degrades its request to M_S
@@ -28,10 +29,9 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle
 
-from backoff_core.engine import BackoffEngine
+from backoff_core.engine import BackoffEngine, make_runner
 from backoff_core.prompts import encode_chat, encode_prompt
 from backoff_core.routers import build_router
-from backoff_core.runner import ModelRunner
 from backoff_core.types import GenerationRequest, GenerationResult, TokenEvent
 
 from .admission import AdmissionGate, Overloaded
@@ -105,7 +105,9 @@ class SmallRouter:
         self._renewals: asyncio.Task | None = None
         if len(self.remotes) != n - 1:
             raise ValueError(f"a chain of {n} models needs {n - 1} larger deployments, got {len(self.remotes)}")
-        self.faults = FaultInjector(ModelRunner(side.model, "small"))  # inject_fault_seed
+        small = make_runner(side.model, "small", self.args.models.kv, small=True,
+                            classifier_path=self.args.models.classifier)
+        self.faults = FaultInjector(small)  # inject_fault_seed
         engine = BackoffEngine([self.faults, *self.remotes], side.tokenizer,
                                classifier_path=self.args.models.classifier, hidden_size=side.hidden_size,
                                context_window=side.context_window)

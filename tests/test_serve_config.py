@@ -58,6 +58,18 @@ def test_cli_overrides_land_in_args_and_user_config():
         "threshold"] == [1.5, 2.5]
 
 
+def test_static_kv_settings_reach_the_models_config():
+    base = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    args = _parser().parse_args(["--device", "cuda", "--dtype", "bfloat16", "--kv-budget", "65536",
+                                 "--kv-max-len", "1024"])
+    models = ModelsConfig.model_validate(apply_overrides(base, args)["applications"][0]["args"]["models"])
+    assert models.kv.budget_tokens == 65536 and models.kv.max_len == 1024 and models.kv.slots == 64
+    assert models.kv.cuda_graphs and models.dtype == "bfloat16"
+    assert ModelsConfig().kv is None  # the default: per-session caches
+    with pytest.raises(ValidationError, match="holds no slot"):
+        ModelsConfig(kv_budget_tokens=1000, kv_max_len=1024)
+
+
 def test_models_config_refuses_half_a_pair():
     with pytest.raises(ValidationError):
         ModelsConfig(small="a")
