@@ -29,6 +29,7 @@ from .isolation import batched, each, reopen
 from .routers import DecisionFunction, StepContext, build_router
 from .runner import ModelRunner
 from .sampling import Stream, distributions, request_seed, sample_rows, uniforms
+from .logprobs import TokenTexts, token_logprobs
 from .state import Detokenizer, Live
 from .types import FinishReason, GenerationRequest, GenerationResult, KVSpec, TokenEvent, Verification
 
@@ -61,6 +62,7 @@ class BackoffEngine:
         self.collect_kl = collect_kl
         self.eos_ids = _eos_ids(tokenizer)
         self.detok = Detokenizer(tokenizer)
+        self.token_texts = TokenTexts(tokenizer)
         self.catch_up = CatchUpper(self.models, collect_kl)
         self._live: dict[str, Live] = {}
         self._routers: dict[tuple, DecisionFunction] = {}
@@ -338,7 +340,15 @@ class BackoffEngine:
         if r.first_token_s is None:
             r.first_token_s = time.perf_counter() - r.started
         self._check_stop(r, token)
-        return self.detok.event(r, source, retracted)
+        event = self.detok.event(r, source, retracted)
+        if r.request.sampling.logprobs is None:
+            return event
+        # under the source level's raw distribution: `logits` are the ones the token was drawn
+        # from (logprobs.py); a rollback's truncate() already dropped the retracted entries
+        entry = token_logprobs(logits, token, r.request.sampling.logprobs, self.token_texts,
+                               text_offset=len(r.text) - len(event.text))
+        r.logprobs.append(entry)
+        return dataclasses.replace(event, logprobs=entry)
 
     def _check_stop(self, r: Live, token: int) -> None:
         params = r.request.sampling

@@ -11,7 +11,7 @@ import torch
 
 from .control import RateController
 from .routers import DecisionFunction
-from .types import CatchUp, FinishReason, GenerationRequest, GenerationResult, Timings, TokenEvent
+from .types import CatchUp, FinishReason, GenerationRequest, GenerationResult, Timings, TokenEvent, TokenLogprobs
 
 
 @dataclass
@@ -25,6 +25,7 @@ class Live:
     controller: RateController | None = None
     tokens: list[int] = field(default_factory=list)  # prompt + committed
     sources: list[int] = field(default_factory=list)  # one per generated token
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per generated token, if asked
     fed: list[int] = field(default_factory=list)  # per level: positions in its cache
     opened: set[int] = field(default_factory=set)  # levels holding a session for this request
     # logits [V] that predicted position j, of the model level that last ran there
@@ -70,6 +71,7 @@ class Live:
         dropped = len(self.tokens) - position
         del self.tokens[position:]
         del self.sources[position - self.prompt_len :]
+        del self.logprobs[position - self.prompt_len :]
         for table in (self.source_logits, self.small_logits):
             for j in [j for j in table if j >= position]:
                 del table[j]
@@ -105,6 +107,7 @@ class Live:
             final_thresholds=tuple(float(t) for t in self.thresholds),
             degraded=bool(self.degraded),
             degraded_reason=self.degraded,
+            logprobs=tuple(self.logprobs) if self.request.sampling.logprobs is not None else None,
         )
 
 

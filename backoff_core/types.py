@@ -20,6 +20,9 @@ class Verification(str, enum.Enum):
     EXACT = "exact"  # rejection sampling (lossless, as in speculative decoding)
 
 
+# Most alternatives a request may ask for per token (OpenAI's top_logprobs: 0..20)
+MAX_TOP_LOGPROBS = 20
+
 # A temperature below this samples greedily: logits / T would overflow float32 long before T
 # reaches 0, and at 1e-4 any logit gap over ~0.01 already gives the argmax all the mass.
 TEMPERATURE_FLOOR = 1e-4
@@ -41,6 +44,9 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # log-probabilities of each committed token under its source model's raw distribution
+    # (logprobs.py), with this many top alternatives (0..MAX_TOP_LOGPROBS); None: none (free)
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -53,6 +59,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs (top alternatives) must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:
@@ -138,10 +146,31 @@ class GenerationRequest:
 
 
 @dataclass(frozen=True)
+class Logprob:
+    """A token and its log-probability under the raw next-token distribution (log_softmax
+    of the logits at temperature 1) of the model that produced the step's token."""
+
+    token_id: int
+    token: str  # the token alone as text; bytes that are no whole UTF-8 character as \xNN escapes
+    token_bytes: bytes  # its exact bytes
+    logprob: float  # finite: -inf (underflow, a masked logit) is logprobs.LOGPROB_FLOOR
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One committed token's log-probability and the top alternatives of the same (source
+    model's) distribution, most likely first; the source itself is the token's `source`."""
+
+    chosen: Logprob
+    top: tuple[Logprob, ...]  # SamplingParams.logprobs of them
+    text_offset: int  # where the token's text starts in the generated text (characters)
+
+
+@dataclass(frozen=True)
 class TokenEvent:
     """One committed token, as a stream yields it. A rollback retracts tokens: `retracted`
-    is how many previously streamed tokens (and `retracted_text` of text) this event removes
-    before adding its own token."""
+    is how many previously streamed tokens (and `retracted_text` of text, and their
+    logprobs) this event removes before adding its own token."""
 
     token_id: int
     source: int
@@ -149,6 +178,7 @@ class TokenEvent:
     index: int  # position in the generated sequence
     retracted: int = 0
     retracted_text: str = ""
+    logprobs: TokenLogprobs | None = None  # when the request asks (SamplingParams.logprobs)
 
 
 @dataclass(frozen=True)
@@ -191,6 +221,8 @@ class GenerationResult:
     # a larger model failed to answer: every token from then on is the small model's
     degraded: bool = False
     degraded_reason: str = ""
+    # per generated token (aligned with token_ids and sources) when the request asks, else None
+    logprobs: tuple[TokenLogprobs, ...] | None = None
 
     @property
     def backoff_rate(self) -> float:
