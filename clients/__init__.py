@@ -10,10 +10,11 @@ from .errors import (
     TransportError,
 )
 from .retry import Retry
+from .logprobs import TokenLogprob, TopLogprob
 from .types import ChatMessage, Delta, GenerateParams, Generation, Usage
 
 __all__ = [
     "AuthenticationError", "BackoffError", "BadRequestError", "NotFoundError", "OverloadedError", "RateLimitError",
     "ServerError", "TransportError", "Retry",
-    "ChatMessage", "Delta", "GenerateParams", "Generation", "Usage",
+    "ChatMessage", "Delta", "GenerateParams", "Generation", "Usage", "TokenLogprob", "TopLogprob",
 ]

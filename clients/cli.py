@@ -14,6 +14,7 @@ import json
 import sys
 
 from .errors import BackoffError, TransportError
+from .logprobs import TokenLogprob
 from .types import ChatMessage, GenerateParams, Usage, merge_params
 
 _SMALL, _LARGER, _RESET = "\033[32m", "\033[1;31m", "\033[0m"
@@ -44,6 +45,8 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--router", help="decision function for this request")
     gen.add_argument("--threshold", help="backoff threshold(s), comma-separated")
     gen.add_argument("--target-backoff", type=float, help="target backoff rate")
+    gen.add_argument("--logprobs", type=int, metavar="N",
+                     help="print each token's log-probability under its source model, with N alternatives (0..20)")
     sub.add_parser("models", help="list the served model names")
     sub.add_parser("health", help="exit 0 when the server answers")
     return p
@@ -63,7 +66,7 @@ def _params(args) -> GenerateParams:
     thresholds = [float(t) for t in args.threshold.split(",")] if args.threshold else None
     return merge_params(None, dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                    top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
-                                   router=args.router,
+                                   router=args.router, logprobs=args.logprobs,
                                    backoff_threshold=thresholds, target_backoff=args.target_backoff))
 
 
@@ -78,17 +81,30 @@ def _summary(usage: Usage) -> str:
             f" · large {usage.large_tokens} · large calls {usage.large_calls}]")
 
 
+def _print_logprobs(entries: list[TokenLogprob], sources: list[int]) -> None:
+    """One line per token on stderr: source, log-probability, token, then the alternatives."""
+    for i, (e, source) in enumerate(zip(entries, sources)):
+        top = ", ".join(f"{t.token!r} {t.logprob:.3f}" for t in e.top_logprobs)
+        print(f"{i:>4} {'small' if source == 0 else f'level {source}':>7} {e.logprob:9.4f} {e.token!r}"
+              + (f"  [{top}]" if top else ""), file=sys.stderr)
+
+
 def _generate(client, args) -> None:
     params = _params(args)
     messages = [ChatMessage(role="user", content=args.prompt)]
     if args.stream:
         stream = client.stream_chat(messages, params) if args.chat else client.stream(args.prompt, params)
-        usage = None
+        usage, entries, sources = None, [], []
         for delta in stream:
             if delta.usage is not None:
                 usage = delta.usage
+            if delta.logprobs is not None:  # a rollback retracts the entries of the tokens it drops
+                del entries[len(entries) - delta.retracted:], sources[len(sources) - delta.retracted:]
+                entries.append(delta.logprobs)
+                sources.append(delta.source)
             print(_colour(delta.text, delta.source, args.no_color), end="", flush=True)
         print()
+        _print_logprobs(entries, sources)
         if usage is not None:
             print(_summary(usage), file=sys.stderr)
         return
@@ -97,6 +113,7 @@ def _generate(client, args) -> None:
         print(json.dumps(result.model_dump()))
         return
     print(result.text)
+    _print_logprobs(result.logprobs or [], result.sources)
     print(_summary(result.usage), file=sys.stderr)
 
 

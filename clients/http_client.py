@@ -28,6 +28,8 @@ Messages = Sequence[ChatMessage | dict]
 
 def _body(params: GenerateParams, model: str | None, stream: bool, **content) -> dict:
     body = params.model_dump(exclude_none=True, exclude_defaults=True)
+    if "messages" in content and "logprobs" in body:  # OpenAI chat spells the count as a pair
+        body.update(logprobs=True, top_logprobs=body.pop("logprobs"))
     body.update(content)
     if model:
         body["model"] = model
@@ -84,16 +86,17 @@ class BackoffHTTPClient:
         self._http.close()
 
     def complete(self, prompt: str | list[int], params: GenerateParams | None = None, **fields) -> Generation:
-        body = _body(merge_params(params, fields), self.model, False, prompt=prompt)
-        return generation_from_body(self._post("/v1/completions", body))
+        params = merge_params(params, fields)
+        body = _body(params, self.model, False, prompt=prompt)
+        return generation_from_body(self._post("/v1/completions", body), params.logprobs)
 
     def chat(self, messages: Messages, params: GenerateParams | None = None, **fields) -> Generation:
         body = _body(merge_params(params, fields), self.model, False, messages=_messages(messages))
         return generation_from_body(self._post("/v1/chat/completions", body))
 
     def stream(self, prompt: str | list[int], params: GenerateParams | None = None, **fields) -> Iterator[Delta]:
-        body = _body(merge_params(params, fields), self.model, True, prompt=prompt)
-        return self._stream("/v1/completions", body)
+        params = merge_params(params, fields)
+        return self._stream("/v1/completions", _body(params, self.model, True, prompt=prompt), params.logprobs)
 
     def stream_chat(self, messages: Messages, params: GenerateParams | None = None, **fields) -> Iterator[Delta]:
         body = _body(merge_params(params, fields), self.model, True, messages=_messages(messages))
@@ -116,13 +119,13 @@ class BackoffHTTPClient:
     def _post(self, path: str, body: dict) -> dict:
         return self._send(self._http.build_request("POST", path, json=body, headers=self._headers)).json()
 
-    def _stream(self, path: str, body: dict) -> Iterator[Delta]:
+    def _stream(self, path: str, body: dict, top_n: int | None = None) -> Iterator[Delta]:
         response = self._send(self._http.build_request("POST", path, json=body, headers=self._headers), stream=True)
         try:
             for line in response.iter_lines():
                 data = _sse_data(line)
                 if data is not None:
-                    yield delta_from_chunk(data)
+                    yield delta_from_chunk(data, top_n)
         except httpx.TransportError as e:
             raise from_transport(e) from e
         finally:
@@ -170,16 +173,17 @@ class AsyncBackoffHTTPClient:
         await self._http.aclose()
 
     async def complete(self, prompt: str | list[int], params: GenerateParams | None = None, **fields) -> Generation:
-        body = _body(merge_params(params, fields), self.model, False, prompt=prompt)
-        return generation_from_body(await self._post("/v1/completions", body))
+        params = merge_params(params, fields)
+        body = _body(params, self.model, False, prompt=prompt)
+        return generation_from_body(await self._post("/v1/completions", body), params.logprobs)
 
     async def chat(self, messages: Messages, params: GenerateParams | None = None, **fields) -> Generation:
         body = _body(merge_params(params, fields), self.model, False, messages=_messages(messages))
         return generation_from_body(await self._post("/v1/chat/completions", body))
 
     def stream(self, prompt: str | list[int], params: GenerateParams | None = None, **fields) -> AsyncIterator[Delta]:
-        body = _body(merge_params(params, fields), self.model, True, prompt=prompt)
-        return self._stream("/v1/completions", body)
+        params = merge_params(params, fields)
+        return self._stream("/v1/completions", _body(params, self.model, True, prompt=prompt), params.logprobs)
 
     def stream_chat(self, messages: Messages, params: GenerateParams | None = None, **fields) -> AsyncIterator[Delta]:
         body = _body(merge_params(params, fields), self.model, True, messages=_messages(messages))
@@ -201,13 +205,13 @@ class AsyncBackoffHTTPClient:
     async def _post(self, path: str, body: dict) -> dict:
         return (await self._send(self._http.build_request("POST", path, json=body, headers=self._headers))).json()
 
-    async def _stream(self, path: str, body: dict) -> AsyncIterator[Delta]:
+    async def _stream(self, path: str, body: dict, top_n: int | None = None) -> AsyncIterator[Delta]:
         response = await self._send(self._http.build_request("POST", path, json=body, headers=self._headers), stream=True)
         try:
             async for line in response.aiter_lines():
                 data = _sse_data(line)
                 if data is not None:
-                    yield delta_from_chunk(data)
+                    yield delta_from_chunk(data, top_n)
         except httpx.TransportError as e:
             raise from_transport(e) from e
         finally:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from . import backoff_pb2 as pb
+from .logprobs import TokenLogprob, TopLogprob
 from .types import ChatMessage, Delta, GenerateParams, Generation, Usage
 
-_OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "seed", "router", "target_backoff")
+_OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "seed", "router", "target_backoff", "logprobs")
 
 
 def request_to_pb(params: GenerateParams, *, prompt: str | list[int] | None = None,
@@ -54,13 +55,23 @@ def usage_from_pb(msg: pb.Usage) -> Usage:
                  degraded_reason=msg.degraded_reason)
 
 
+def logprob_from_pb(msg: pb.TokenLogprobs) -> TokenLogprob:
+    def one(t: pb.Logprob) -> dict:
+        return dict(token=t.token, logprob=t.logprob, bytes=list(t.token_bytes), token_id=t.token_id)
+
+    return TokenLogprob(**one(msg.chosen), top_logprobs=[TopLogprob(**one(t)) for t in msg.top])
+
+
 def generation_from_pb(msg: pb.GenerateResponse) -> Generation:
+    # a request generates at least one token: no entries means none were asked for
     return Generation(id=msg.id, text=msg.text, finish_reason=msg.finish_reason,
-                      usage=usage_from_pb(msg.usage), token_ids=list(msg.token_ids), sources=list(msg.sources))
+                      usage=usage_from_pb(msg.usage), token_ids=list(msg.token_ids), sources=list(msg.sources),
+                      logprobs=[logprob_from_pb(e) for e in msg.logprobs] or None)
 
 
 def delta_from_pb(msg: pb.GenerateChunk) -> Delta:
     if msg.finish_reason:  # the last chunk: no token, the request's summary
         return Delta(id=msg.id, finish_reason=msg.finish_reason, usage=usage_from_pb(msg.usage))
     return Delta(id=msg.id, text=msg.text, token_id=msg.token_id, source=msg.source, index=msg.index,
-                 retracted=msg.retracted, retracted_text=msg.retracted_text)
+                 retracted=msg.retracted, retracted_text=msg.retracted_text,
+                 logprobs=logprob_from_pb(msg.logprobs) if msg.HasField("logprobs") else None)

@@ -12,9 +12,12 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator,
+)
 
 from .errors import from_validation
+from .logprobs import MAX_TOP_LOGPROBS, ChatLogprobs, CompletionLogprobs, TokenLogprob, from_choice
 
 
 def _unicode(text: str) -> str:
@@ -116,6 +119,10 @@ class GenerateParams(_NullIsDefault):
                           "|threshold| <= 1e38)")
     target_backoff: Float | None = Field(
         None, ge=0.0, le=1.0, description="ask for a backoff rate; a controller moves the threshold")
+    logprobs: Int | None = Field(
+        None, ge=0, le=MAX_TOP_LOGPROBS,
+        description="report each token's log-probability under its source model's raw distribution (log_softmax "
+                    "at temperature 1) with this many top alternatives (0..20); None: no log-probabilities")
 
     def thresholds(self) -> list[float] | None:
         t = self.backoff_threshold
@@ -160,6 +167,8 @@ class Generation(BaseModel):
     usage: Usage = Field(description="token counts, by source")
     token_ids: list[int] = Field(default_factory=list, description="generated token ids")
     sources: list[int] = Field(default_factory=list, description="per generated token: 0 = small ... large")
+    logprobs: list[TokenLogprob] | None = Field(None, description="per generated token, when asked (params.logprobs): "
+                                                                  "under the model in `sources`")
 
 
 class Delta(BaseModel):
@@ -174,6 +183,8 @@ class Delta(BaseModel):
     retracted_text: str = Field("", description="text those tokens had added")
     finish_reason: str | None = Field(None, description="set on the last delta")
     usage: Usage | None = Field(None, description="set on the last delta")
+    logprobs: TokenLogprob | None = Field(None, description="this token's, when asked (params.logprobs); "
+                                                            "`retracted` drops those of the retracted tokens too")
 
 
 # ----------------------------------------------------------------------------------------
@@ -216,6 +227,10 @@ class _OpenAIRequest(GenerateParams):
     def _stop_list(cls, v):
         return [v] if isinstance(v, str) else v
 
+    def generate_params(self) -> GenerateParams:
+        """The transport-neutral knobs of this body (completions: `logprobs` is already a count)."""
+        return GenerateParams(**self.model_dump(include=set(GenerateParams.model_fields)))
+
 
 class CompletionRequest(_OpenAIRequest):
     prompt: Text | TokenIds = Field(description="prompt text, or its token ids")
@@ -224,6 +239,22 @@ class CompletionRequest(_OpenAIRequest):
 class ChatCompletionRequest(_OpenAIRequest):
     messages: list[ChatMessage] = Field(min_length=1, description="the conversation so far")
     max_completion_tokens: Int | None = Field(None, ge=1, description="newer name of max_tokens")
+    # OpenAI's chat pair; GenerateParams.logprobs (a count) is their meaning for every transport
+    logprobs: Bool | None = Field(None, description="return each generated token's log-probability")
+    top_logprobs: Int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="alternatives per token (0..20); "
+                                                                                  "needs logprobs: true")
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return v
+
+    def generate_params(self) -> GenerateParams:
+        fields = self.model_dump(include=set(GenerateParams.model_fields))
+        fields["logprobs"] = (self.top_logprobs or 0) if self.logprobs else None
+        return GenerateParams(**fields)
 
 
 class BackoffTrace(BaseModel):
@@ -238,7 +269,7 @@ class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = Field(None, description="when asked; sources in `backoff.sources`")
     backoff: BackoffTrace | None = Field(None, description="per-token sources (extension)")
 
 
@@ -251,7 +282,7 @@ class ChatChoice(BaseModel):
     index: int = 0
     message: ChatMessageOut
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = Field(None, description="when asked; sources in `backoff.sources`")
     backoff: BackoffTrace | None = None
 
 
@@ -287,7 +318,7 @@ class CompletionChunkChoice(BaseModel):
     index: int = 0
     text: str = ""
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = Field(None, description="this chunk's token's; source in `backoff`")
     backoff: TokenTrace | None = None
 
 
@@ -300,7 +331,7 @@ class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = Field(None, description="this chunk's token's; source in `backoff`")
     backoff: TokenTrace | None = None
 
 
@@ -350,7 +381,8 @@ class ErrorBody(BaseModel):
 # ----------------------------------------------------------------------------------------
 
 
-def generation_from_body(body: dict) -> Generation:
+def generation_from_body(body: dict, top_n: int | None = None) -> Generation:
+    """top_n: the logprobs count asked for (completions list the sampled token after the top-n)."""
     choice = body["choices"][0]
     text = choice["text"] if "text" in choice else choice["message"]["content"]
     trace = choice.get("backoff") or {}
@@ -358,10 +390,11 @@ def generation_from_body(body: dict) -> Generation:
         id=body["id"], text=text, finish_reason=choice.get("finish_reason") or "",
         usage=Usage(**body.get("usage") or {}),
         token_ids=trace.get("token_ids", []), sources=trace.get("sources", []),
+        logprobs=from_choice(choice, trace.get("token_ids", []), top_n),
     )
 
 
-def delta_from_chunk(body: dict) -> Delta:
+def delta_from_chunk(body: dict, top_n: int | None = None) -> Delta:
     usage = Usage(**body["usage"]) if body.get("usage") else None
     if not body.get("choices"):
         return Delta(id=body["id"], usage=usage)
@@ -374,5 +407,5 @@ def delta_from_chunk(body: dict) -> Delta:
         id=body["id"], text=text, token_id=trace.get("token_id"), source=trace.get("source"),
         index=trace.get("index"), retracted=trace.get("retracted", 0),
         retracted_text=trace.get("retracted_text", ""), finish_reason=choice.get("finish_reason"),
-        usage=usage,
+        usage=usage, logprobs=next(iter(from_choice(choice, [trace["token_id"]] if trace else [], top_n) or []), None),
     )

@@ -5,8 +5,9 @@ from __future__ import annotations
 import math
 import sys
 
-from backoff_core.types import GenerationResult, TokenEvent
+from backoff_core.types import GenerationResult, Logprob, TokenEvent, TokenLogprobs
 from clients import backoff_pb2 as pb
+from clients.logprobs import ChatLogprobs, ChatTokenLogprob, ChatTopLogprob, CompletionLogprobs
 from clients.proto import usage_to_pb
 from clients.types import (
     BackoffTrace, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse, ChatDelta,
@@ -45,13 +46,47 @@ def _trace(result: GenerationResult) -> BackoffTrace:
                         thresholds=list(result.final_thresholds))
 
 
+def _chat_top(t: Logprob) -> ChatTopLogprob:
+    return ChatTopLogprob(token=t.token, logprob=t.logprob, bytes=list(t.token_bytes))
+
+
+def chat_logprobs(entries: tuple[TokenLogprobs, ...] | None) -> ChatLogprobs | None:
+    """OpenAI chat's choice.logprobs; entry i's source is backoff.sources[i] (or the chunk's backoff.source)."""
+    if entries is None:
+        return None
+    return ChatLogprobs(content=[ChatTokenLogprob(**_chat_top(e.chosen).model_dump(),
+                                                  top_logprobs=[_chat_top(t) for t in e.top]) for e in entries])
+
+
+def completion_logprobs(entries: tuple[TokenLogprobs, ...] | None) -> CompletionLogprobs | None:
+    """OpenAI completions' choice.logprobs: per token the top-n, then the sampled token where
+    it is not among them (up to n + 1, as OpenAI says); offsets into the generated text."""
+    if entries is None:
+        return None
+    tops = []
+    for e in entries:
+        top: dict[str, float] = {}
+        for t in (*e.top, e.chosen):  # a text shared by two ids keeps the likelier one
+            top.setdefault(t.token, t.logprob)
+        tops.append(top)
+    return CompletionLogprobs(tokens=[e.chosen.token for e in entries],
+                              token_logprobs=[e.chosen.logprob for e in entries],
+                              top_logprobs=tops, text_offset=[e.text_offset for e in entries])
+
+
+def _event_logprobs(event: TokenEvent) -> tuple[TokenLogprobs, ...] | None:
+    return None if event.logprobs is None else (event.logprobs,)
+
+
 def response_body(rid: str, model: str, created: int, result: GenerationResult, chat: bool) -> dict:
     reason = result.finish_reason.value
     if chat:
-        choice = ChatChoice(message=ChatMessageOut(content=result.text), finish_reason=reason, backoff=_trace(result))
+        choice = ChatChoice(message=ChatMessageOut(content=result.text), finish_reason=reason, backoff=_trace(result),
+                            logprobs=chat_logprobs(result.logprobs))
         body = ChatCompletionResponse(id=rid, created=created, model=model, choices=[choice], usage=usage_of(result))
     else:
-        choice = CompletionChoice(text=result.text, finish_reason=reason, backoff=_trace(result))
+        choice = CompletionChoice(text=result.text, finish_reason=reason, backoff=_trace(result),
+                                  logprobs=completion_logprobs(result.logprobs))
         body = CompletionResponse(id=rid, created=created, model=model, choices=[choice], usage=usage_of(result))
     return json_safe(body.model_dump())
 
@@ -61,10 +96,10 @@ def chunk_body(rid: str, model: str, created: int, event: TokenEvent, chat: bool
                        retracted=event.retracted, retracted_text=event.retracted_text)
     if chat:
         delta = ChatDelta(role="assistant" if event.index == 0 else None, content=event.text)
-        return json_safe(ChatCompletionChunk(id=rid, created=created, model=model,
-                                             choices=[ChatChunkChoice(delta=delta, backoff=trace)]).model_dump())
-    return json_safe(CompletionChunk(id=rid, created=created, model=model,
-                                     choices=[CompletionChunkChoice(text=event.text, backoff=trace)]).model_dump())
+        choice = ChatChunkChoice(delta=delta, backoff=trace, logprobs=chat_logprobs(_event_logprobs(event)))
+        return json_safe(ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice]).model_dump())
+    choice = CompletionChunkChoice(text=event.text, backoff=trace, logprobs=completion_logprobs(_event_logprobs(event)))
+    return json_safe(CompletionChunk(id=rid, created=created, model=model, choices=[choice]).model_dump())
 
 
 def final_chunk_body(rid: str, model: str, created: int, result: GenerationResult, chat: bool) -> dict:
@@ -88,12 +123,21 @@ def pb_response(rid: str, result: GenerationResult) -> pb.GenerateResponse:
         id=rid, text=result.text, finish_reason=result.finish_reason.value, usage=usage_to_pb(usage_of(result)),
         token_ids=list(result.token_ids), sources=list(result.sources), num_levels=result.num_levels,
         thresholds=[_finite(t) for t in result.final_thresholds],  # JSON mappings of the reply stay finite
+        logprobs=[pb_logprobs(e) for e in result.logprobs or ()],
     )
+
+
+def pb_logprobs(entry: TokenLogprobs) -> pb.TokenLogprobs:
+    def one(t: Logprob) -> pb.Logprob:
+        return pb.Logprob(token_id=t.token_id, token=t.token, token_bytes=t.token_bytes, logprob=t.logprob)
+
+    return pb.TokenLogprobs(chosen=one(entry.chosen), top=[one(t) for t in entry.top], text_offset=entry.text_offset)
 
 
 def pb_chunk(rid: str, event: TokenEvent) -> pb.GenerateChunk:
     return pb.GenerateChunk(id=rid, text=event.text, token_id=event.token_id, source=event.source,
-                            index=event.index, retracted=event.retracted, retracted_text=event.retracted_text)
+                            index=event.index, retracted=event.retracted, retracted_text=event.retracted_text,
+                            logprobs=None if event.logprobs is None else pb_logprobs(event.logprobs))
 
 
 def pb_final_chunk(rid: str, result: GenerationResult) -> pb.GenerateChunk:

@@ -242,7 +242,7 @@ class Ingress:
         if body.model and body.model != self.model_name:
             raise ClientError(f"model {body.model!r} is not served here; GET /v1/models lists "
                               f"{self.model_name!r}", "model", 404, "model_not_found")
-        params = GenerateParams(**body.model_dump(include=set(GenerateParams.model_fields)))
+        params = body.generate_params()  # chat's (logprobs, top_logprobs) become one count
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         client = getattr(request.state, "client", None) or f"peer:{peer_host(request.client)}"  # set by EdgeGate
         stream = await self._open(rid, params, client, tokens=body.stream, **content)

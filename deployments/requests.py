@@ -57,6 +57,7 @@ def serve_request(
         seed=params.seed,
         stop=tuple(params.stop or ()),
         ignore_eos=params.ignore_eos,
+        logprobs=params.logprobs,
     )
     thresholds = params.thresholds()
     overrides = RoutingOverrides(
