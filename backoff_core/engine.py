@@ -234,6 +234,8 @@ class BackoffEngine:
             return -1
         if r.finish_after_verify:  # about to finish with unverified drafts: the largest model checks them
             return self.num_levels - 1
+        if not r.router.forces_levels:
+            return -1
         f = r.router.levels_before_small_step(torch.tensor([r.drafts()]), r.thresholds[None], self.num_levels)
         return int(f[0]) if f is not None else -1
 
@@ -303,28 +305,29 @@ class BackoffEngine:
             small_logits=torch.stack([small[r.sid][0] for r in group]),
             hidden=torch.stack([small[r.sid][1] for r in group]) if router.hidden_layer is not None else None,
             large_logits=large_logits,
-            drafts=torch.tensor([r.drafts() for r in group]),
+            drafts=torch.tensor([r.drafts() for r in group] if router.reads_drafts else [0] * len(group)),
             uniforms=uniforms([r.seed for r in group], [len(r.tokens) for r in group], Stream.ROUTER)[:, 0],
         )
-        # one call for the group; if it raises, one per request finds whose row it was
+        # one call for the group (one host copy of its scores); if it raises, one per
+        # request finds whose row it was
         index = {r.sid: i for i, r in enumerate(group)}
-        rows = batched(group, self.models, lambda g: list(router.scores(ctx)),
-                       lambda r: router.scores(_row(ctx, index[r.sid]))[0])
+        rows = batched(group, self.models, lambda g: router.scores(ctx).double().tolist(),
+                       lambda r: float(router.scores(_row(ctx, index[r.sid]))[0]))
         group = [r for r in group if r.sid in rows]
         if not group:
             return
-        s = torch.stack([torch.as_tensor(rows[r.sid]) for r in group]).double()  # [B]
-        thresholds = torch.stack([r.thresholds for r in group])  # [B, N-1]
-        chosen = (s[:, None] >= thresholds).sum(-1)
+        s = torch.tensor([rows[r.sid] for r in group], dtype=torch.float64)  # [B]
+        thresholds = torch.stack([r.thresholds for r in group])  # [B, N-1] float64, host
+        chosen = (s[:, None] >= thresholds).sum(-1).tolist()
         seconds = time.perf_counter() - start
         for i, r in enumerate(group):
             r.router_times.append(seconds)
-            scores[r.sid] = float(s[i])
+            scores[r.sid] = rows[r.sid]
             outcome = outcomes.get(r.sid)
             if outcome is not None and outcome.rolled_back:
                 levels[r.sid] = top  # verification already replaced the step's token
             else:
-                levels[r.sid] = int(chosen[i])
+                levels[r.sid] = chosen[i]
                 if outcome is not None and levels[r.sid] != top:
                     del outcomes[r.sid]  # the oracle looked, but the step is not the large model's
 
@@ -356,7 +359,7 @@ class BackoffEngine:
         if token in self.eos_ids and not params.ignore_eos:
             reason = FinishReason.STOP
         elif params.stop:
-            text = self.tokenizer.decode(r.generated, skip_special_tokens=True)
+            text = self.detok.decode(r.generated)
             hits = [text.find(s) for s in params.stop if s in text]
             if hits:
                 r.cut_at = min(hits)

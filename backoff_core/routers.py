@@ -36,6 +36,9 @@ class DecisionFunction:
     # thresholds that mean something for this score (outside it every step goes one way)
     threshold_range: ClassVar[tuple[float, float]] = (-math.inf, math.inf)
     hidden_layer: int | None = None  # which M_S hidden state to hand over, if any
+    # what the step loop must compute for this router (each costs host work per request):
+    reads_drafts: ClassVar[bool] = False  # StepContext.drafts
+    forces_levels: ClassVar[bool] = False  # levels_before_small_step is overridden
 
     def default_thresholds(self, num_levels: int) -> tuple[float, ...]:
         return tuple(0.0 for _ in range(num_levels - 1))
@@ -60,6 +63,7 @@ class AlwaysSmall(DecisionFunction):
 
 class AlwaysLarge(DecisionFunction):
     name = "always-large"
+    forces_levels = True
 
     def scores(self, ctx):
         return torch.full((ctx.small_logits.shape[0],), math.inf)
@@ -141,6 +145,7 @@ class Draft(DecisionFunction):
 
     name = "draft"
     threshold_range = (1.0, math.inf)  # drafts before a verification
+    reads_drafts = forces_levels = True
 
     def __init__(self, draft_tokens: int) -> None:
         self.draft_tokens = draft_tokens

@@ -116,9 +116,17 @@ class Detokenizer:
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
+        # A fast tokenizer's decode is its Rust backend's plus an optional clean-up; calling
+        # the backend directly skips transformers' per-id Python checks (most of the cost of
+        # decoding the whole text at every step).
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+            self.decode = lambda ids: backend.decode(ids, skip_special_tokens=True)
+        else:
+            self.decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
 
     def full_text(self, live: Live) -> str:
-        text = self.tokenizer.decode(live.generated, skip_special_tokens=True)
+        text = self.decode(live.generated)
         return text if live.cut_at is None else text[: live.cut_at]
 
     def event(self, live: Live, source: int, retracted: int) -> TokenEvent:

@@ -218,19 +218,22 @@ class StaticRunner:
         dense = top <= self.kv.slots and 2 * n >= top
         rows = top if dense else next_power_of_two(n)
         batch_rows = [s.slot for s in sessions] if dense else list(range(n))
-        input_ids = torch.zeros(rows, k, dtype=torch.long)
-        positions = torch.full((rows, k), self.kv.scratch, dtype=torch.long)
+        # built as Python lists and turned into tensors once: per-row tensor ops would cost
+        # ~10 us each, which at 64 rows is more than a captured step on a GPU
+        input_ids = [[0] * k for _ in range(rows)]
+        positions = [[self.kv.scratch] * k for _ in range(rows)]
         # gather: padding rows read slot 0 and write only its scratch column
-        slots = torch.arange(rows) if dense else torch.zeros(rows, dtype=torch.long)
-        last_col = torch.zeros(rows, dtype=torch.long)
+        slots = list(range(rows)) if dense else [0] * rows
+        last_col = [0] * rows
         for s, ids, r in zip(sessions, new_ids, batch_rows):
-            input_ids[r, : len(ids)] = torch.tensor(ids)
-            positions[r, : len(ids)] = torch.arange(s.length, s.length + len(ids))
+            input_ids[r][: len(ids)] = ids
+            positions[r][: len(ids)] = range(s.length, s.length + len(ids))
             slots[r] = s.slot
             last_col[r] = len(ids) - 1
         # one new token: its logits are the last ones either way
         key = GraphKey(dense, rows, k, length, last_only or k == 1, layer)
-        return _Plan(key, batch_rows, input_ids, positions, slots, last_col)
+        return _Plan(key, batch_rows, torch.tensor(input_ids), torch.tensor(positions), torch.tensor(slots),
+                     torch.tensor(last_col))
 
     def _run(self, plan: _Plan) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.graphs is not None and plan.key in self.graphs:

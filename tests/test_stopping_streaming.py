@@ -88,3 +88,27 @@ def test_engine_refuses_bad_requests(pair, tokenizer):
     with pytest.raises(ValueError, match="thresholds"):
         engine.submit(request(PROMPT, 4, "entropy", thresholds=(1.0, 2.0)))
     assert engine.models[0].session_ids() == []
+
+
+def test_the_detokenizer_decodes_exactly_as_the_tokenizer(tokenizer):
+    """The step loop decodes through the fast tokenizer's backend (no per-id Python checks):
+    the text must be the tokenizer's own, special tokens skipped, on byte-level BPE too."""
+    import random
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from backoff_core.state import Detokenizer
+
+    tokenizers = [tokenizer]
+    bpe = Path(__file__).resolve().parents[2] / "shared" / "gpu" / "tok"  # SmolLM2's, beside the repo
+    if bpe.exists():
+        tokenizers.append(AutoTokenizer.from_pretrained(str(bpe)))
+    rng = random.Random(0)
+    for tok in tokenizers:
+        detok = Detokenizer(tok)
+        assert detok.decode is not None
+        for n in (1, 3, 40, 300):
+            for _ in range(20):
+                ids = [rng.randrange(len(tok)) for _ in range(n)] + [tok.eos_token_id]
+                assert detok.decode(ids) == tok.decode(ids, skip_special_tokens=True)
