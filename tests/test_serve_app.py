@@ -280,6 +280,66 @@ def test_openai_package_works_unchanged(served):
         client.completions.create(model="backoff", prompt="w3", max_tokens=4, extra_body={"router": "nope"})
 
 
+def test_logprobs_over_the_openai_package_our_clients_and_grpc(served, local):
+    """Each token's log-probability under its source model, equal to the in-process engine's,
+    in OpenAI's shapes (unary and streamed), with the sources beside them in `backoff`."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0)
+    prompt, n = [3, 4, 5, 6], 20
+    ref = _reference(local, prompt, n, logprobs=3)
+    assert set(ref.sources) == {0, 1}  # both models' distributions are reported
+    want = [e.chosen.logprob for e in ref.logprobs]
+    extra = {"ignore_eos": True, "backoff_threshold": THRESHOLD}
+    args = dict(model="backoff", prompt=prompt, max_tokens=n, temperature=0, logprobs=2, extra_body=extra)
+    done = client.completions.create(**args)
+    lp = done.choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx(want, abs=1e-4)
+    assert [list(top)[:2] for top in lp.top_logprobs] == [[t.token for t in e.top[:2]] for e in ref.logprobs]
+    assert done.choices[0].model_extra["backoff"]["sources"] == list(ref.sources)
+    chunks = [c.choices[0].logprobs for c in client.completions.create(**args, stream=True)
+              if c.choices and c.choices[0].logprobs]
+    assert [c.token_logprobs[0] for c in chunks] == lp.token_logprobs and [c.tokens[0] for c in chunks] == lp.tokens
+
+    chat_args = dict(model="backoff", messages=[{"role": "user", "content": "w3 w4"}], max_tokens=6, temperature=0,
+                     logprobs=True, top_logprobs=3, extra_body=extra)
+    content = client.chat.completions.create(**chat_args).choices[0].logprobs.content
+    assert len(content) == 6 and all(len(e.top_logprobs) == 3 and bytes(e.bytes) == e.token.encode() for e in content)
+    assert all([t.logprob for t in e.top_logprobs] == sorted((t.logprob for t in e.top_logprobs), reverse=True)
+               and e.logprob <= e.top_logprobs[0].logprob for e in content)
+    streamed = [e for part in client.chat.completions.create(**chat_args, stream=True)
+                if part.choices and part.choices[0].logprobs for e in part.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(**{**chat_args, "logprobs": False})  # top_logprobs needs logprobs
+
+    fields = dict(max_tokens=n, temperature=0, ignore_eos=True, logprobs=3, backoff_threshold=THRESHOLD)
+    with BackoffHTTPClient(served.url) as http, BackoffGrpcClient(served.grpc_target, application="backoff") as rpc:
+        for c in (http, rpc):
+            unary = c.complete(prompt, **fields)
+            assert [e.logprob for e in unary.logprobs] == pytest.approx(want, abs=1e-4)
+            assert [[t.token for t in e.top_logprobs] for e in unary.logprobs] == \
+                [[t.token for t in e.top] for e in ref.logprobs]
+            deltas = [d for d in c.stream(prompt, **fields) if d.logprobs is not None]
+            assert [d.logprobs.token_id for d in deltas] == list(ref.token_ids)
+            assert [d.source for d in deltas] == list(ref.sources)
+            assert [len(e.top_logprobs) for e in c.chat([{"role": "user", "content": "w3"}], max_tokens=4, ignore_eos=True,
+                                                         logprobs=1).logprobs] == [1] * 4
+            assert c.complete(prompt, max_tokens=2).logprobs is None
+        assert [t.token_id for t in rpc.complete(prompt, **fields).logprobs[0].top_logprobs] == \
+            [t.token_id for t in ref.logprobs[0].top]
+
+    async def run_async():
+        async with AsyncBackoffHTTPClient(served.url) as http, \
+                AsyncBackoffGrpcClient(served.grpc_target, application="backoff") as rpc:
+            return (await http.complete(prompt, **fields), [d async for d in http.stream(prompt, **fields)],
+                    await rpc.complete(prompt, **fields), [d async for d in rpc.stream(prompt, **fields)])
+
+    http_unary, http_deltas, rpc_unary, rpc_deltas = asyncio.run(run_async())
+    for unary, deltas in ((http_unary, http_deltas), (rpc_unary, rpc_deltas)):
+        assert [e.logprob for e in unary.logprobs] == pytest.approx(want, abs=1e-4)
+        assert [d.logprobs.logprob for d in deltas if d.logprobs] == pytest.approx(want, abs=1e-4)
+
+
 def test_disconnect_frees_the_sessions(served):
     with httpx.stream("POST", f"{served.url}/v1/completions", timeout=60, json={
             "prompt": [3, 4, 5], "max_tokens": 400, "temperature": 0, "ignore_eos": True, "router": "always-large",
