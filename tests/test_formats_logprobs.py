@@ -132,3 +132,27 @@ def test_the_edge_maps_both_openai_spellings_to_one_count():
     assert _body(GenerateParams(logprobs=2), None, False, messages=msgs)["top_logprobs"] == 2
     assert _body(GenerateParams(logprobs=0), None, False, messages=msgs)["logprobs"] is True
     assert _body(GenerateParams(logprobs=2), None, False, prompt="x")["logprobs"] == 2
+
+
+def test_cli_asks_for_logprobs_and_prints_what_a_rollback_leaves(capsys):
+    from clients.cli import _generate, _params, _parser
+    from clients.logprobs import TokenLogprob
+    from clients.types import Delta
+
+    args = _parser().parse_args(["generate", "x", "--stream", "--no-color", "--logprobs", "2"])
+    assert _params(args) == GenerateParams(logprobs=2)
+
+    def entry(token: str) -> TokenLogprob:
+        return TokenLogprob(token=token, logprob=-0.5, top_logprobs=[{"token": token, "logprob": -0.5}])
+
+    class Client:  # a stream whose third token retracts the second (a verification rollback)
+        def stream(self, prompt, params):
+            return iter([Delta(id="i", text="a", source=0, logprobs=entry("a")),
+                         Delta(id="i", text="b", source=0, logprobs=entry("b")),
+                         Delta(id="i", text="c", source=1, retracted=1, retracted_text="b", logprobs=entry("c")),
+                         Delta(id="i", finish_reason="length")])
+
+    _generate(Client(), args)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2 and "'a'" in lines[0] and "small" in lines[0]
+    assert "'c'" in lines[1] and "level 1" in lines[1] and "'b'" not in lines[1]
