@@ -19,6 +19,7 @@ import torch
 from .backends import Backend, LargeUnavailable, SessionLost
 from .isolation import fail, reopen
 from .runner import Extension, SessionError
+from .static_kv import KVCapacityError
 from .sampling import Stream, distribution, kl_divergence, residual, sample, uniform
 from .state import Live
 from .types import CatchUp, Verification
@@ -52,6 +53,16 @@ class CatchUpper:
                     self._give_up(level, r, str(exc))
             group = [r for r in group if r.sid in exc.extensions]
             exts = [exc.extensions[r.sid] for r in group]
+        except KVCapacityError as exc:
+            if exc.extensions is None:  # the whole call was refused: find which sessions fit alone
+                replies = self._one_by_one(level, group, exc)
+            else:  # a remote model refused the new sessions it had no KV room for: those requests end
+                replies = exc.extensions  # with a retriable error, the others carry on
+                for r in group:
+                    if r.sid not in replies:
+                        fail(r, exc, self.models)
+            group = [r for r in group if r.sid in replies]
+            exts = [replies[r.sid] for r in group]
         except Exception as exc:  # noqa: BLE001 - not an unavailable model: find whose catch-up it was
             replies = self._one_by_one(level, group, exc)
             group = [r for r in group if r.sid in replies]

@@ -11,10 +11,20 @@ same result as running each session alone.
 `last_only=True` asks for the logits after the LAST new token only (all the step loop
 needs unless it verifies or measures every position): the LM head then runs on one row
 per session instead of k, through the model's own `logits_to_keep` where it has one.
+
+KV budget (`kv_budget_tokens`, kv_budget.py): the runner counts the positions its sessions
+hold. An extend that would pass the budget first evicts idle sessions (those not in the
+extend), least recently used first; their owners find them gone (SessionError /
+`lost`) and re-prefill them from the token ids they keep. When the extend's own sessions
+alone pass the budget, a NEW session among them (nothing cached yet: a request's first
+prefill) is refused with KVCapacityError before anything changes; sessions already held,
+and re-prefills of evicted ones, are never refused (a live request grows past the budget
+rather than fail), so the budget bounds what new requests may take, not a live one.
 """
 
 from __future__ import annotations
 
+import collections
 import inspect
 import threading
 import time
@@ -22,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
+
+from .static_kv import KVCapacityError
 
 # [1, heads, length, head_dim] keys and values, one pair per layer
 KV = list[tuple[torch.Tensor, torch.Tensor]]
@@ -44,6 +56,7 @@ class _Session:
     cache: DynamicCache | None = None  # None: nothing cached yet
     length: int = 0  # positions held in the cache
     last_used: float = 0.0
+    refill: bool = False  # a re-prefill of an evicted or lost session: never refused for the budget
 
     @property
     def kv(self) -> KV:
@@ -53,7 +66,7 @@ class _Session:
 class ModelRunner:
     """Holds one model and its sessions. Thread-safe: one forward at a time."""
 
-    def __init__(self, model: PreTrainedModel, name: str = "model") -> None:
+    def __init__(self, model: PreTrainedModel, name: str = "model", kv_budget_tokens: int | None = None) -> None:
         self.model = model.eval()
         self.name = name
         self.device = next(model.parameters()).device
@@ -63,13 +76,18 @@ class ModelRunner:
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._sessions: dict[str, _Session] = {}
         self._lock = threading.RLock()
+        self.kv_budget_tokens = kv_budget_tokens  # None: unbounded
+        self.evictions = 0  # idle sessions freed to make room
+        self._evicted: collections.OrderedDict[str, None] = collections.OrderedDict()  # recent (bounded)
 
     # -- sessions -------------------------------------------------------------------------
-    def open(self, session_id: str) -> None:
+    def open(self, session_id: str, refill: bool = False) -> None:
+        """refill: the session rebuilds one this or another runner lost (its request is live)."""
         with self._lock:
             if session_id in self._sessions:
                 raise ValueError(f"{self.name}: session {session_id!r} is already open")
-            self._sessions[session_id] = _Session(last_used=time.monotonic())
+            refill = refill or self._evicted.pop(session_id, 0) is None
+            self._sessions[session_id] = _Session(last_used=time.monotonic(), refill=refill)
 
     def close(self, session_id: str) -> None:
         with self._lock:
@@ -89,6 +107,48 @@ class ModelRunner:
         cutoff = time.monotonic() - older_than_s
         with self._lock:
             return [sid for sid, s in self._sessions.items() if s.last_used < cutoff]
+
+    # -- KV budget ------------------------------------------------------------------------
+    @property
+    def kv_tokens(self) -> int:
+        """Positions held by all sessions."""
+        with self._lock:
+            return sum(s.length for s in self._sessions.values())
+
+    def kv_fits(self, items: list[tuple[str, int]]) -> bool:
+        """Whether these sessions, each grown by its count of new positions, fit the budget
+        together (every other session evicted if need be)."""
+        if self.kv_budget_tokens is None:
+            return True
+        with self._lock:
+            return sum(self._get(sid).length + n for sid, n in items) <= self.kv_budget_tokens
+
+    def _reserve(self, items: list[tuple[str, list[int]]]) -> list[str]:
+        """Room in the budget for this extend (under the lock): refuse a new session that
+        does not fit beside the extend's others, else evict idle sessions LRU; their ids."""
+        budget = self.kv_budget_tokens
+        need = sum(len(ids) for _, ids in items)
+        used = sum(s.length for s in self._sessions.values())
+        if budget is None or used + need <= budget:
+            return []
+        fresh = [sid for sid, _ in items if self._sessions[sid].length == 0 and not self._sessions[sid].refill]
+        if fresh and not self.kv_fits([(sid, len(ids)) for sid, ids in items]):
+            raise KVCapacityError(
+                f"{self.name}: no KV room for a new session: the live sessions alone would hold more than "
+                f"kv_budget_tokens={budget} positions; retry when a request ends")
+        extending = {sid for sid, _ in items}
+        idle = sorted((s.last_used, sid) for sid, s in self._sessions.items() if sid not in extending and s.length)
+        evicted = []
+        for _, sid in idle:
+            if used + need <= budget:
+                break
+            used -= self._sessions.pop(sid).length
+            evicted.append(sid)
+            self._evicted[sid] = None
+        while len(self._evicted) > 65536:
+            self._evicted.popitem(last=False)
+        self.evictions += len(evicted)
+        return evicted
 
     def crop(self, session_id: str, length: int) -> None:
         """Forget every position from `length` on (rollback)."""
@@ -121,6 +181,7 @@ class ModelRunner:
             sessions = [self._get(sid) for sid, _ in items]
             if len({sid for sid, _ in items}) != len(items):
                 raise ValueError(f"{self.name}: a session appears twice in one extend")
+            self._reserve(items)
             if len(items) == 1:
                 out = self._extend_one(sessions[0], items[0][1], hidden_layer, last_only)
             else:

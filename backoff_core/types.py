@@ -114,18 +114,23 @@ class RoutingParams:
 
 @dataclass(frozen=True)
 class KVSpec:
-    """Static KV storage for each model (static_runner.py): `budget_tokens` positions per
-    model, cut into slots of `max_len` positions; a session owns one slot while it lives.
-    cuda_graphs: replay captured CUDA graphs for one-token steps and short catch-ups (GPU)."""
+    """The KV budget of one model: `budget_tokens` positions it may hold across sessions.
+    static: preallocated storage (static_runner.py) cut into slots of `max_len` positions,
+    a session owning one slot while it lives; cuda_graphs: replay captured CUDA graphs for
+    one-token steps and short catch-ups (GPU). Not static: per-session caches (runner.py)
+    that count the positions they hold and evict idle sessions to stay within the budget."""
 
     budget_tokens: int
     max_len: int = 2048
     cuda_graphs: bool = True
+    static: bool = True
 
     def __post_init__(self) -> None:
         if self.max_len < 2:
             raise ValueError(f"the KV slot length (max_len) must be >= 2, got {self.max_len}")
-        if self.budget_tokens < self.max_len:
+        if self.budget_tokens < 1:
+            raise ValueError(f"a KV budget must be >= 1 token, got {self.budget_tokens}")
+        if self.static and self.budget_tokens < self.max_len:
             raise ValueError(f"a KV budget of {self.budget_tokens} tokens holds no slot of {self.max_len} positions")
 
     @property

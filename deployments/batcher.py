@@ -11,6 +11,12 @@ the event loop keeps accepting calls while a forward runs (continuous batching).
 A call whose session is missing or shorter than `past` is answered `lost` (the caller
 re-prefills elsewhere); a longer one is cropped to `past` (a rollback).
 
+KV budget (runner.py, static_kv.py): a forward that would pass the budget evicts idle
+sessions, least recently used first (their next call is answered `lost`: the caller
+re-prefills). A NEW session (past 0, not a `refill` of a lost one) that does not fit
+beside the forward's other sessions -- or finds no free static slot -- is answered
+`refused` (the caller's request ends with a retriable 503); the forward's others go on.
+
 Sessions are freed by their caller's close, by TTL, and by lease: a call names its
 `owner` (a SmallRouter replica), every call and every `renew(owner)` renews that owner's
 lease, and `expire_leases` frees the sessions of owners silent for longer than the lease
@@ -31,6 +37,7 @@ from typing import Callable
 import numpy as np
 
 from backoff_core.runner import ModelRunner
+from backoff_core.static_kv import KVCapacityError
 
 
 @dataclass(frozen=True)
@@ -42,6 +49,7 @@ class CatchUpCall:
     group_size: int = 1  # calls the caller issued in that step
     owner: str = ""  # the caller (a SmallRouter replica) whose lease keeps the session; "": TTL only
     last_only: bool = False  # reply with the logits after the last id only ([1, V]: 1/k of the bytes)
+    refill: bool = False  # past 0 rebuilding a lost session of a live request: never refused for KV room
 
 
 @dataclass(frozen=True)
@@ -50,6 +58,7 @@ class CatchUpReply:
     # to ship); None: lost
     logits: np.ndarray | None
     lost: str = ""  # why the session is not usable here
+    refused: str = ""  # a new session with no KV room here: why (the request may retry later)
 
 
 @dataclass(frozen=True)
@@ -69,6 +78,7 @@ class BatcherStats:
     waited_s: float = 0.0  # total time forwards waited for the rest of a step's calls
     forward_s: float = 0.0  # total time in forwards
     orphans_freed: int = 0  # sessions freed because their owner's lease expired
+    refused: int = 0  # new sessions refused for want of KV room
     batch_sizes: collections.Counter = field(default_factory=collections.Counter)
 
 
@@ -243,16 +253,24 @@ class CatchUpBatcher:
         ready = []
         for i, call in enumerate(calls):
             problem = self._prepare(call)
-            if problem:
-                replies[i] = CatchUpReply(None, problem)
-                self.stats.lost += 1
-            else:
+            if problem is None:
                 ready.append(i)
+                continue
+            replies[i] = problem
+            if problem.refused:
+                self.stats.refused += 1
+            else:
+                self.stats.lost += 1
+        ready = self._fit(calls, ready, replies)
         self.stats.calls += len(calls)
         if ready:
             start = time.perf_counter()
             last_only = all(calls[i].last_only for i in ready)  # one forward: every row if any call wants them
+            evictions = getattr(self.runner, "evictions", 0)
             exts = self.runner.extend([(calls[i].key, list(calls[i].ids)) for i in ready], last_only=last_only)
+            if getattr(self.runner, "evictions", 0) != evictions:  # idle sessions made room: forget their owners
+                for key in [k for k in self._owners if not self.runner.has(k)]:
+                    del self._owners[key]
             seconds = time.perf_counter() - start
             self.stats.forward_s += seconds
             for i, ext in zip(ready, exts):
@@ -264,23 +282,50 @@ class CatchUpBatcher:
                 self.on_forward(ForwardRecord(len(ready), tuple(len(calls[i].ids) for i in ready), seconds))
         return replies
 
-    def _prepare(self, call: CatchUpCall) -> str:
-        """Bring the session to `past` positions; '' when ready, else why it is lost."""
+    def _prepare(self, call: CatchUpCall) -> CatchUpReply | None:
+        """Bring the session to `past` positions; None when ready, else the reply (lost or refused)."""
         runner, key = self.runner, call.key
         if call.past == 0:
             if key in self._closed:
-                return f"session {key!r} was closed (a late call)"
+                return CatchUpReply(None, f"session {key!r} was closed (a late call)")
             runner.close(key)  # a fresh epoch starts from nothing
-            runner.open(key)
+            try:
+                if isinstance(runner, ModelRunner):
+                    runner.open(key, refill=call.refill)
+                else:
+                    runner.open(key)
+            except KVCapacityError as exc:  # static storage: no free slot
+                return CatchUpReply(None, refused=str(exc))
             if call.owner:
                 self._owners[key] = call.owner
-            return ""
+            return None
         if not runner.has(key):
-            return f"{runner.name} holds no session {key!r}"
+            return CatchUpReply(None, f"{runner.name} holds no session {key!r}")
         held = runner.length(key)
         if held < call.past:
-            return f"{runner.name} holds {held} positions of {key!r}, the caller expects {call.past}"
+            return CatchUpReply(None, f"{runner.name} holds {held} positions of {key!r}, the caller expects {call.past}")
         if held > call.past:
             runner.crop(key, call.past)  # the caller rolled back
-        return ""
+        return None
+
+    def _fit(self, calls: list[CatchUpCall], ready: list[int], replies: list) -> list[int]:
+        """The ready calls that fit the KV budget: held sessions and refills always; a new
+        session only while it fits beside them and the new ones taken before it (in order)."""
+        runner = self.runner
+        if not isinstance(runner, ModelRunner) or runner.kv_budget_tokens is None:
+            return ready
+        taken = [i for i in ready if calls[i].past > 0 or calls[i].refill]
+        for i in ready:
+            if calls[i].past > 0 or calls[i].refill:
+                continue
+            if runner.kv_fits([(calls[j].key, len(calls[j].ids)) for j in (*taken, i)]):
+                taken.append(i)
+                continue
+            runner.close(calls[i].key)
+            self._owners.pop(calls[i].key, None)
+            self.stats.refused += 1
+            replies[i] = CatchUpReply(None, refused=(
+                f"{runner.name}: no KV room for a new session ({len(calls[i].ids)} positions): the live sessions "
+                f"alone fill kv_budget_tokens={runner.kv_budget_tokens}; retry when a request ends"))
+        return sorted(taken)
 

@@ -32,18 +32,25 @@ class ModelsConfig(_Config):
         "mkldnn", description="linear layers of float32 models on CPU: oneDNN (faster) or torch's default")
     classifier: str | None = Field(None, description="router head directory for the classifier router")
     served_name: str = Field("backoff", description="model name that GET /v1/models reports")
-    kv_budget_tokens: int | None = Field(
-        None, ge=2, description="static KV storage per model replica, in positions (slots of kv_max_len); with "
-                                "a GPU, CUDA graphs too (captured at start-up). None: per-session caches")
+    kv_budget_tokens: int | Literal["auto"] = Field(
+        "auto", description="KV positions each model replica may hold across its sessions (backoff_core/kv_budget.py). "
+                            "auto: resolved at replica start, 80% of the GPU memory free after the weights (times "
+                            "the replica's GPU share), or 20% of the RAM available on a CPU; the replica logs it and "
+                            "info() / the kv metrics report it. Full: idle sessions are evicted LRU (re-prefilled "
+                            "at their next catch-up); new requests get 503 + Retry-After while live ones fill it")
+    static_kv: Literal["auto"] | bool = Field(
+        "auto", description="how the budget is stored: true = preallocated slots of kv_max_len (CUDA graphs on a "
+                            "GPU), false = per-session caches that count what they hold, auto = slots on CUDA, "
+                            "per-session caches on the CPU")
     kv_max_len: int = Field(2048, ge=2, description="static KV: positions per slot (prompt + output of one request)")
     cuda_graphs: bool = Field(True, description="static KV on a GPU: replay captured CUDA graphs for steps and "
                                                 "short catch-ups")
 
-    @property
-    def kv(self) -> KVSpec | None:
-        if self.kv_budget_tokens is None:
-            return None
-        return KVSpec(self.kv_budget_tokens, self.kv_max_len, self.cuda_graphs)
+    def kv_spec(self, model, gpu_share: float = 1.0) -> KVSpec:
+        """The budget and storage a replica of `model` runs with (`auto` resolved on its device)."""
+        from backoff_core.kv_budget import resolve_kv  # torch: only where a model is loaded
+
+        return resolve_kv(model, self.kv_budget_tokens, self.kv_max_len, self.static_kv, self.cuda_graphs, gpu_share)
 
     @model_validator(mode="after")
     def _both_or_neither(self) -> "ModelsConfig":
@@ -51,7 +58,10 @@ class ModelsConfig(_Config):
             raise ValueError("name both small and large, or neither (the embedded default pair)")
         if self.medium and self.small is None:
             raise ValueError("a chain with medium models needs small and large named too")
-        if self.kv_budget_tokens is not None and self.kv_budget_tokens < self.kv_max_len:
+        budget = self.kv_budget_tokens
+        if budget != "auto" and budget < 1:
+            raise ValueError(f"kv_budget_tokens must be >= 1 or 'auto', got {budget}")
+        if self.static_kv is True and budget != "auto" and budget < self.kv_max_len:
             raise ValueError(f"kv_budget_tokens ({self.kv_budget_tokens}) holds no slot of kv_max_len "
                              f"({self.kv_max_len}) positions")
         return self

@@ -187,6 +187,8 @@ class EngineLoop(Generic[Policy]):
             result = self.engine.finish(rid)
         except LargeUnavailable as exc:  # on_large_failure = "fail"
             item = Failed(str(exc), unavailable=True)
+        except KVCapacityError as exc:  # a larger model had no KV room for its new session: retriable
+            item = Failed(str(exc), unavailable=True, code="kv_capacity")
         except Exception as exc:  # noqa: BLE001 - this request's own failure; the others go on
             log.warning("request %s failed: %s: %s", rid, type(exc).__name__, exc, exc_info=exc)
             item = Failed(f"{type(exc).__name__}: {exc}")

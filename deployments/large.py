@@ -23,11 +23,14 @@ import logging
 import os
 from dataclasses import dataclass
 
+import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from backoff_core.kernels import trim_heap
 from backoff_core.engine import make_runner
+from backoff_core.kv_budget import describe, kv_evictions, kv_tokens
+from backoff_core.types import KVSpec
 
 from .batcher import CatchUpBatcher, CatchUpCall, CatchUpReply, ForwardRecord
 from .config import CatchUpConfig, ModelsConfig
@@ -36,7 +39,15 @@ from .models import load_level
 
 log = logging.getLogger(__name__)
 AFFINITY = RequestRouterConfig(request_router_class="deployments.affinity:SessionAffinityRouter")
-MAX_SESSIONS = 4096  # LRU bound of registered sessions per replica
+MAX_SESSIONS = 4096  # LRU bound of registered sessions per replica (memory is bounded by the KV budget)
+
+
+def replica_kv(cfg: ModelsConfig, model, name: str) -> KVSpec:
+    """This replica's KV budget (`auto` resolved on its device and its share of the GPU), logged."""
+    share = ray.get_runtime_context().get_assigned_resources().get("GPU", 1.0) if ray.is_initialized() else 1.0
+    kv = cfg.kv_spec(model, gpu_share=share)
+    print(f"{name}: {describe(kv, model)}", flush=True)  # the replica's log: what `auto` became
+    return kv
 
 
 @dataclass(frozen=True)
@@ -54,6 +65,11 @@ class LargeInfo:
     forward_s: float
     batch_sizes: tuple[tuple[int, int], ...]  # (sessions in a forward, how many forwards)
     config: CatchUpConfig
+    kv_budget_tokens: int = 0  # the resolved budget
+    kv_tokens: int = 0  # positions held now (per-session caches; static: slots taken x max_len)
+    kv_evictions: int = 0  # idle sessions evicted to make room
+    kv_refused: int = 0  # new sessions refused for want of room
+    node: str = ""  # the Ray node the replica runs on
 
 
 class _Registration:
@@ -71,7 +87,9 @@ class LargeModel:
     def __init__(self, models: dict, level: int, torch_threads: int | None = None) -> None:
         cfg = ModelsConfig.model_validate(models)
         self.name = level_names(cfg.num_levels)[level]
-        self.runner = make_runner(load_level(cfg, level, torch_threads), self.name, cfg.kv)
+        model = load_level(cfg, level, torch_threads)
+        self.kv = replica_kv(cfg, model, self.name)
+        self.runner = make_runner(model, self.name, self.kv)
         self.metrics = LargeMetrics(self.name)
         self.config = CatchUpConfig()
         self.batcher = CatchUpBatcher(self.runner, on_forward=self._forwarded)
@@ -108,11 +126,15 @@ class LargeModel:
 
     async def close(self, key: str) -> None:
         await self.batcher.close(key)
-        self.metrics.held(len(self.runner.session_ids()))
+        self._held()
 
     def _forwarded(self, record: ForwardRecord) -> None:  # on the forward thread
         self.metrics.forward(record)
+        self._held()
+
+    def _held(self) -> None:
         self.metrics.held(len(self.runner.session_ids()))
+        self.metrics.kv(kv_tokens(self.runner), self.kv.budget_tokens, kv_evictions(self.runner))
 
     def info(self) -> LargeInfo:
         s = self.batcher.stats
@@ -121,6 +143,8 @@ class LargeModel:
             sessions=tuple(self.runner.session_ids()), forward_passes=s.forward_passes, calls=s.calls,
             lost=s.lost, owners=tuple(sorted(self.batcher.owners().items())), orphans_freed=s.orphans_freed,
             waited_s=s.waited_s, forward_s=s.forward_s, batch_sizes=tuple(sorted(s.batch_sizes.items())), config=self.config,
+            kv_budget_tokens=self.kv.budget_tokens, kv_tokens=kv_tokens(self.runner), kv_evictions=kv_evictions(self.runner),
+            kv_refused=s.refused, node=ray.get_runtime_context().get_node_id(),
         )
 
     def _start_sweeper(self) -> None:
@@ -135,7 +159,7 @@ class LargeModel:
             orphans = await self.batcher.expire_leases(cfg.lease_s)
             if orphans:
                 log.warning("%s: freed %d sessions whose router stopped renewing its lease", self.name, len(orphans))
-            self.metrics.held(len(self.runner.session_ids()))
+            self._held()
             await asyncio.get_running_loop().run_in_executor(None, trim_heap)  # RSS follows what is held
 
     def __del__(self) -> None:

@@ -82,6 +82,7 @@ class LargeMetrics:
             "backoff_large_catch_up_length", "New tokens per session in a forward.", _LENGTHS, ("model",))
         self.seconds = metrics.Histogram("backoff_large_forward_s", "Seconds per forward.", _SECONDS, ("model",))
         self.sessions = metrics.Gauge("backoff_large_sessions", "Sessions held by this replica.", ("model",))
+        self.kv_metrics = KVMetrics()
 
     def forward(self, record: ForwardRecord) -> None:
         self.forwards.inc(1, tags=self.tags)
@@ -92,3 +93,27 @@ class LargeMetrics:
 
     def held(self, n: int) -> None:
         self.sessions.set(n, tags=self.tags)
+
+    def kv(self, used: int, budget: int, evictions: int) -> None:
+        self.kv_metrics.publish(self.tags["model"], used, budget, evictions)
+
+
+class KVMetrics:
+    """A model replica's KV budget: positions used and free, idle sessions evicted."""
+
+    def __init__(self) -> None:
+        self.used = metrics.Gauge("backoff_kv_tokens_used", "KV positions held by the replica's sessions.", ("model",))
+        self.free = metrics.Gauge("backoff_kv_tokens_free", "KV positions left in the replica's budget "
+                                                            "(negative: live sessions grew past it).", ("model",))
+        self.evictions = metrics.Counter("backoff_kv_evictions", "Idle sessions evicted to make KV room (their "
+                                                                 "requests re-prefill).", ("model",))
+        self._evictions_seen: dict[str, int] = {}
+
+    def publish(self, model: str, used: int, budget: int, evictions: int) -> None:
+        tags = {"model": model}
+        self.used.set(used, tags=tags)
+        self.free.set(budget - used, tags=tags)
+        new = evictions - self._evictions_seen.get(model, 0)
+        if new > 0:
+            self.evictions.inc(new, tags=tags)
+        self._evictions_seen[model] = evictions

@@ -15,10 +15,16 @@ without a reply by then -- M_L too slow, or no replica to create a session on --
 LargeUnavailable with the replies that did come, and the engine degrades (or fails) just
 those requests. Their sessions are closed like any other (a late call meets a tombstone).
 Every call names `owner`, the SmallRouter replica whose lease keeps its sessions alive.
+
+KV budget: a replica with no KV room for a NEW session answers `refused` (its others go
+on); this proxy raises KVCapacityError carrying the replies that came, and that request
+ends with a retriable 503. The re-prefill of a session that was lost (evicted to make
+room, or its replica died) is flagged `refill`: its request is live, so it is never refused.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import time
@@ -31,6 +37,7 @@ import torch
 
 from backoff_core.backends import LargeUnavailable, SessionLost
 from backoff_core.runner import Extension, SessionError
+from backoff_core.static_kv import KVCapacityError
 
 from .batcher import CatchUpCall, CatchUpReply
 
@@ -56,6 +63,7 @@ class _Session:
     key: str
     length: int = 0  # positions the replica holds, as far as this proxy knows
     sent: bool = False  # a call went out: a replica may hold it (even one that got no reply)
+    refill: bool = False  # it rebuilds a lost session of a live request
 
 
 _epochs = itertools.count()
@@ -76,11 +84,13 @@ class RemoteLarge:
         self._sessions: dict[str, _Session] = {}
         self._uid = uuid.uuid4().hex[:8]
         self._steps = itertools.count()
+        self._lost: collections.OrderedDict[str, None] = collections.OrderedDict()  # recently lost (bounded)
 
     def open(self, session_id: str) -> None:
         if session_id in self._sessions:
             raise ValueError(f"{self.name}: session {session_id!r} is already open")
-        self._sessions[session_id] = _Session(f"{session_id}#{next(_epochs)}")
+        refill = self._lost.pop(session_id, 0) is None
+        self._sessions[session_id] = _Session(f"{session_id}#{next(_epochs)}", refill=refill)
 
     def close(self, session_id: str) -> None:
         session = self._sessions.pop(session_id, None)
@@ -102,17 +112,22 @@ class RemoteLarge:
             raise ValueError(f"{self.name}: a remote model returns no hidden states")
         group = f"{self._uid}-{next(self._steps)}"
         calls = [CatchUpCall(self._get(sid).key, self._get(sid).length, tuple(ids), group, len(items), self.owner,
-                             last_only) for sid, ids in items]
+                             last_only, refill=self._get(sid).refill) for sid, ids in items]
         start, deadline = time.perf_counter(), time.monotonic() + self.timeout_s
         for sid, _ in items:
             self._sessions[sid].sent = True
         pending = [self.endpoint.extend(call) for call in calls]  # all in flight together
-        out, lost, failed = {}, [], []
+        out, lost, failed, refused = {}, [], [], []
+        # the engine re-prefills the whole group after a loss: these are live, never refused then
+        live = [sid for sid, _ in items if self._sessions[sid].length or self._sessions[sid].refill]
         for (sid, ids), call, p in zip(items, calls, pending):
             try:
                 reply = self._receive(call, p, deadline)
             except LargeUnavailable as exc:
                 failed.append(str(exc))
+                continue
+            if reply.refused:
+                refused.append(reply.refused)
                 continue
             if reply.logits is None:
                 lost.append(sid)
@@ -126,7 +141,13 @@ class RemoteLarge:
             raise LargeUnavailable(failed[0], out)
         if lost:
             self.lost_sessions += len(lost)
+            for sid in (*lost, *live):
+                self._lost[sid] = None
+            while len(self._lost) > 4096:
+                self._lost.popitem(last=False)
             raise SessionLost(f"{self.name}: the replicas lost sessions {lost}; re-prefill them")
+        if refused:
+            raise KVCapacityError(refused[0], out)
         return list(out.values())
 
     def _receive(self, call: CatchUpCall, pending: Pending, deadline: float) -> CatchUpReply:

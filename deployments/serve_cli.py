@@ -67,6 +67,10 @@ def local_ray_hints() -> str:
     return "\n".join(lines)
 
 
+def _budget(text: str) -> int | str:
+    return "auto" if text == "auto" else int(text)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="backoff serve", description="Run backoff decoding on Ray Serve locally.")
     p.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help="Serve config YAML (default: the packaged one)")
@@ -75,8 +79,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--medium", action="append", default=None, help="intermediate model(s), smallest first")
     p.add_argument("--device", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--dtype", help="float32, bfloat16 or float16")
-    p.add_argument("--kv-budget", type=int, dest="kv_budget_tokens",
-                   help="static KV storage per model replica, in positions (CUDA graphs on a GPU)")
+    p.add_argument("--kv-budget", type=_budget, dest="kv_budget_tokens",
+                   help="KV positions per model replica, or auto (default: from free GPU memory, or a fraction "
+                        "of RAM on CPU, resolved at replica start)")
+    p.add_argument("--static-kv", choices=["auto", "true", "false"],
+                   help="KV storage: preallocated slots (+ CUDA graphs on a GPU), per-session caches, or auto "
+                        "(slots on CUDA, per-session caches on CPU)")
     p.add_argument("--kv-max-len", type=int, help="static KV: positions per slot (default 2048)")
     p.add_argument("--router", help="decision function (live config)")
     p.add_argument("--threshold", help="threshold(s), comma-separated, ascending (live config)")
@@ -110,6 +118,8 @@ def apply_overrides(config: dict, args: argparse.Namespace) -> dict:
         value = getattr(args, key)
         if value is not None:
             models[key] = value
+    if args.static_kv is not None:
+        models["static_kv"] = {"true": True, "false": False}.get(args.static_kv, "auto")
     routing = _deployment(app, "SmallRouter").setdefault("user_config", {})
     if args.router is not None:
         routing["router"] = args.router

@@ -24,12 +24,14 @@ import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import ray
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle
 
 from backoff_core.engine import BackoffEngine, make_runner
+from backoff_core.kv_budget import kv_evictions, kv_tokens
 from backoff_core.prompts import encode_chat, encode_prompt
 from backoff_core.routers import build_router
 from backoff_core.types import GenerationRequest, GenerationResult, TokenEvent
@@ -39,7 +41,8 @@ from .chaos import FaultInjector
 from .batcher import CatchUpCall
 from .config import AppArgs, RoutingConfig, handle_options
 from .engine_loop import Admitted, EngineLoop, Failed, Rejected
-from .metrics import RouterMetrics, level_names
+from .large import replica_kv
+from .metrics import KVMetrics, RouterMetrics, level_names
 from .models import load_small_side
 from .remote import RemoteLarge
 from .requests import ServeRequest, generation_request
@@ -87,6 +90,7 @@ class RouterInfo:
     catch_up_calls: int
     catch_up_wait_s: float  # step-loop time spent waiting for catch-up replies
     busy_s: float = 0.0  # step-loop time spent in steps
+    node: str = ""  # the Ray node the replica runs on
 
 
 @serve.deployment(max_ongoing_requests=64)
@@ -105,9 +109,12 @@ class SmallRouter:
         self._renewals: asyncio.Task | None = None
         if len(self.remotes) != n - 1:
             raise ValueError(f"a chain of {n} models needs {n - 1} larger deployments, got {len(self.remotes)}")
-        small = make_runner(side.model, "small", self.args.models.kv, small=True,
+        self.kv = replica_kv(self.args.models, side.model, "small")
+        small = make_runner(side.model, "small", self.kv, small=True,
                             classifier_path=self.args.models.classifier)
         self.faults = FaultInjector(small)  # inject_fault_seed
+        self.small_runner = small
+        self.kv_metrics = KVMetrics()
         engine = BackoffEngine([self.faults, *self.remotes], side.tokenizer,
                                classifier_path=self.args.models.classifier, hidden_size=side.hidden_size,
                                context_window=side.context_window)
@@ -189,7 +196,8 @@ class SmallRouter:
                           cancelled=self._cancelled,
                           sessions_lost=sum(r.lost_sessions for r in self.remotes),
                           catch_up_calls=sum(r.calls for r in self.remotes),
-                          catch_up_wait_s=sum(r.wait_s for r in self.remotes), busy_s=self.loop.busy_s)
+                          catch_up_wait_s=sum(r.wait_s for r in self.remotes), busy_s=self.loop.busy_s,
+                          node=ray.get_runtime_context().get_node_id())
 
     def _start_renewals(self) -> None:
         if self._renewals is None or self._renewals.done():
@@ -227,6 +235,8 @@ class SmallRouter:
         if lost > self._lost_reported:
             self.metrics.sessions_lost.inc(lost - self._lost_reported)
             self._lost_reported = lost
+        self.kv_metrics.publish("small", kv_tokens(self.small_runner), self.kv.budget_tokens,
+                                kv_evictions(self.small_runner))
 
     def __del__(self) -> None:
         loop = getattr(self, "loop", None)

@@ -28,7 +28,12 @@ class ServerFailure(RuntimeError):
 ROUTER_LOST = (RayActorError, ActorUnavailableError, ReplicaUnavailableError)
 
 
+KV_RETRY_AFTER_S = 1.0  # a KV refusal: room frees as soon as a request ends
+
+
 def failure(item: Rejected | Failed) -> ServerFailure:
+    if isinstance(item, Failed) and item.code == "kv_capacity":  # at capacity: 503 + Retry-After
+        return Overload(item.message, KV_RETRY_AFTER_S, item.code)
     if isinstance(item, Failed) and item.unavailable:
         return ServerFailure(item.message, 503, item.code)
     return ServerFailure(item.message)
@@ -61,8 +66,8 @@ async def guarded(stream: DeploymentResponseGenerator) -> AsyncIterator:
 class Overload(ServerFailure):
     """The chain is at capacity: refused before admission, the client may retry."""
 
-    def __init__(self, message: str, retry_after_s: float) -> None:
-        super().__init__(message, 503, "overloaded")
+    def __init__(self, message: str, retry_after_s: float, code: str = "overloaded") -> None:
+        super().__init__(message, 503, code)
         self.retry_after_s = retry_after_s
 
     @property
@@ -70,7 +75,7 @@ class Overload(ServerFailure):
         return str(max(0, math.ceil(self.retry_after_s)))
 
     def __reduce__(self):  # the gRPC path pickles it to the proxy: keep both arguments
-        return type(self), (str(self), self.retry_after_s)
+        return type(self), (str(self), self.retry_after_s, self.code)
 
 
 async def collect(stream: AsyncIterator) -> GenerationResult:

@@ -63,11 +63,11 @@ def test_static_kv_settings_reach_the_models_config():
     args = _parser().parse_args(["--device", "cuda", "--dtype", "bfloat16", "--kv-budget", "65536",
                                  "--kv-max-len", "1024"])
     models = ModelsConfig.model_validate(apply_overrides(base, args)["applications"][0]["args"]["models"])
-    assert models.kv.budget_tokens == 65536 and models.kv.max_len == 1024 and models.kv.slots == 64
-    assert models.kv.cuda_graphs and models.dtype == "bfloat16"
-    assert ModelsConfig().kv is None  # the default: per-session caches
+    assert models.kv_budget_tokens == 65536 and models.kv_max_len == 1024
+    assert models.cuda_graphs and models.dtype == "bfloat16"
+    assert ModelsConfig().kv_budget_tokens == "auto" and ModelsConfig().static_kv == "auto"  # resolved per replica
     with pytest.raises(ValidationError, match="holds no slot"):
-        ModelsConfig(kv_budget_tokens=1000, kv_max_len=1024)
+        ModelsConfig(kv_budget_tokens=1000, kv_max_len=1024, static_kv=True)
 
 
 def test_models_config_refuses_half_a_pair():
