@@ -34,6 +34,7 @@ def _int_field():
     return st.none() | HUGE_INTS | st.integers(-3, 5) | st.floats(-2, 2) | WRONG_TYPES
 
 
+ROUTERS = ["entropy", "always-large", "always-small"]
 # every optional field with its own values; the generation stays short (max_tokens <= 3, or refused)
 FIELDS = {
     "temperature": _float_field(), "top_p": _float_field(), "target_backoff": _float_field(),
@@ -42,10 +43,13 @@ FIELDS = {
     "top_k": _int_field(), "seed": _int_field(), "n": _int_field(),
     "max_tokens": st.none() | st.sampled_from([1, 2, 3, 0, -1, 481, 2**32, 2**70, 2.0, "2", True]),
     "stream": st.none() | st.booleans() | WRONG_TYPES, "ignore_eos": st.none() | st.booleans() | WRONG_TYPES,
-    "router": st.none() | st.sampled_from(["entropy", "always-large", "always-small"]) | WRONG_TYPES,
+    "router": st.none() | st.sampled_from(ROUTERS) | WRONG_TYPES,
     "stop": st.none() | st.lists(UNICODE.filter(lambda s: 0 < len(s) <= 16), max_size=2) | WRONG_TYPES,
     "stream_options": st.none() | st.fixed_dictionaries({"include_usage": st.none() | st.booleans()}),
     "model": st.none() | st.just("backoff"), "user": st.none() | UNICODE | WRONG_TYPES,
+    # chat: a boolean (+ top_logprobs, which needs it true); completions: a count
+    "logprobs": st.sampled_from([True, 0, 2, 20]) | st.booleans() | _int_field() | st.just(21),
+    "top_logprobs": st.none() | st.integers(0, 20) | _int_field(),
 }
 # text parts are never blank: the tiny tokenizer makes no token of whitespace (a 400 of its own)
 _PART = st.fixed_dictionaries({"type": st.just("text"), "text": st.sampled_from(["w3 ", "w4", "\u00e9 \U0001f600"])}) | st.sampled_from(
@@ -76,6 +80,8 @@ def expected_refusal(path: str, body: dict, max_tokens_cap: int) -> str | None:
         return describe_validation(exc.errors())[0] or ""
     if request.max_tokens is not None and request.max_tokens > max_tokens_cap:
         return "max_tokens"
+    if request.router not in (None, *ROUTERS):  # e.g. "1": judged by the SmallRouter, a 400 naming no param
+        return ""
     return None
 
 
@@ -99,5 +105,7 @@ def grpc_requests(draw) -> pb.GenerateRequest:
     msg.backoff_threshold.extend(draw(st.lists(EXTREME_FLOATS, max_size=1)))
     if draw(st.booleans()):
         msg.router = draw(st.sampled_from(["entropy", "always-large"]))
+    if draw(st.booleans()):
+        msg.logprobs = draw(st.sampled_from([0, 3, 20, 21, 2**32 - 1]))
     msg.ignore_eos = draw(st.booleans())
     return msg

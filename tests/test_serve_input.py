@@ -597,6 +597,8 @@ def test_property_http_bodies_are_served_json_safe_or_refused_naming_the_field(s
                 assert isinstance(choice["text"] if "text" in choice else choice["message"]["content"], str)
                 assert reply["usage"]["completion_tokens"] >= 1
                 assert all(math.isfinite(t) for t in choice["backoff"]["thresholds"])
+                asked = body.get("logprobs") is True if "message" in choice else body.get("logprobs") is not None
+                assert (choice["logprobs"] is not None) == asked, (body, choice["logprobs"])
 
         check()
 
@@ -615,6 +617,7 @@ def test_property_grpc_requests_are_ok_or_invalid_argument(served):
                 else:
                     reply = stub.Generate(request, metadata=_grpc_meta(), timeout=60)
                     assert reply.usage.completion_tokens >= 1 and all(math.isfinite(t) for t in reply.thresholds)
+                    assert len(reply.logprobs) == (reply.usage.completion_tokens if request.HasField("logprobs") else 0)
                 served_ok = True
             except grpc.RpcError as exc:
                 assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT, (exc.code(), exc.details(), request)
@@ -623,6 +626,7 @@ def test_property_grpc_requests_are_ok_or_invalid_argument(served):
                         and (not request.HasField("top_p") or 0 < request.top_p <= 1)
                         and (not request.HasField("target_backoff") or 0 <= request.target_backoff <= 1)
                         and all(abs(t) <= 1e38 for t in request.backoff_threshold)
+                        and (not request.HasField("logprobs") or request.logprobs <= 20)
                         and 1 <= request.max_tokens <= LIMITS["max_tokens"])
             assert served_ok == in_range, (request, served_ok)
 
