@@ -17,10 +17,10 @@ from typing import Sequence
 import torch
 
 from .backends import Backend, LargeUnavailable, SessionLost
-from .isolation import fail, reopen
+from .isolation import batched, fail, reopen
 from .runner import Extension, SessionError
 from .static_kv import KVCapacityError
-from .sampling import Stream, distribution, kl_divergence, residual, sample, uniform
+from .sampling import Stream, distribution, draw, kl_divergence, residual, sample, uniform
 from .state import Live
 from .types import CatchUp, Verification
 
@@ -69,20 +69,35 @@ class CatchUpper:
             exts = [replies[r.sid] for r in group]
         seconds = time.perf_counter() - start
         before = [r.fed[level] for r in group]  # after _extend: a re-prefill starts at 0
-        outcomes = {}
+        outcomes, kept = {}, {}  # kept: sid -> logits [V] of the requests whose drafts all stand
+        lengths = {}  # sid -> (pending positions this forward read, positions fed before it)
         for r, b, ext in zip(group, before, exts):
-            length = len(r.tokens) - b
+            lengths[r.sid] = (len(r.tokens) - b, b)
             r.fed[level] = len(r.tokens)
             try:
-                outcome = self._verify_and_sample(level, r, b, ext)
-            except Exception as exc:  # noqa: BLE001 - its sampling or verification: this request alone
+                outcome = self._verify(level, r, b, ext)
+            except Exception as exc:  # noqa: BLE001 - its verification: this request alone
                 fail(r, exc, self.models)
                 continue
-            r.catch_ups.append(
-                CatchUp(level, length, seconds, outcome.rolled_back, len(group), max(0, r.prompt_len - b))
-            )
-            outcomes[r.sid] = outcome
+            if outcome is None:
+                kept[r.sid] = ext.logits[-1]
+            else:
+                outcomes[r.sid] = outcome
+        # the step's token of every request that kept its drafts: one batched draw, one host copy
+        waiting = [r for r in group if r.sid in kept]
+        tokens = batched(waiting, self.models, lambda g: self._draw(g, kept), lambda r: self._draw([r], kept)[0])
+        outcomes.update((sid, Outcome(level, kept[sid], token, 0)) for sid, token in tokens.items())
+        for r in group:
+            if r.sid in outcomes:
+                length, b = lengths[r.sid]
+                r.catch_ups.append(CatchUp(level, length, seconds, outcomes[r.sid].rolled_back, len(group),
+                                           max(0, r.prompt_len - b)))
         return outcomes
+
+    @staticmethod
+    def _draw(group: Sequence[Live], logits: dict[str, torch.Tensor]) -> list[int]:
+        return draw(torch.stack([logits[r.sid] for r in group]), [r.request.sampling for r in group],
+                    [r.seed for r in group], [len(r.tokens) for r in group])
 
     def _one_by_one(self, level: int, group: list[Live], exc: Exception) -> dict[str, Extension]:
         """After a shared catch-up raised: each request alone, from a fresh session (the
@@ -133,9 +148,11 @@ class CatchUpper:
                 pass
         r.opened &= {0}
 
-    def _verify_and_sample(self, level: int, r: Live, before: int, ext: Extension) -> Outcome:
+    def _verify(self, level: int, r: Live, before: int, ext: Extension) -> Outcome | None:
+        """The outcome of a verification that rolled back; None when every pending token
+        stands (the step's token is then drawn from preds[-1], batched, by run())."""
         preds = ext.logits  # [k, V]; preds[i] predicts position before + i + 1
-        routing, params = r.request.routing, r.request.sampling
+        routing = r.request.routing
         first = max(before, r.prompt_len)
         if self.collect_kl and level == r.num_levels - 1:
             for j in range(max(first, before + 1), len(r.tokens)):
@@ -152,7 +169,7 @@ class CatchUpper:
                 if replacement is not None:
                     return self._roll_back(level, r, j, p_level, replacement)
         r.last_logits[level] = preds[-1]
-        return Outcome(level, preds[-1], sample(distribution(preds[-1], params), r.seed, len(r.tokens)), 0)
+        return None
 
     def _check(self, r: Live, j: int, p_level: torch.Tensor, p_source: torch.Tensor) -> int | None:
         """None to accept the token at position j, else the token that replaces it."""

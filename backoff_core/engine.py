@@ -28,7 +28,7 @@ from .control import HIGHEST, LOWEST, RateController, rate_prior
 from .isolation import batched, each, reopen
 from .routers import DecisionFunction, StepContext, build_router
 from .runner import ModelRunner
-from .sampling import Stream, distributions, request_seed, sample_rows, uniforms
+from .sampling import Stream, draw, request_seed, uniforms
 from .logprobs import TokenTexts, token_logprobs
 from .state import Detokenizer, Live
 from .types import FinishReason, GenerationRequest, GenerationResult, KVSpec, TokenEvent, Verification
@@ -223,8 +223,8 @@ class BackoffEngine:
             return {}
 
         def together(g: Sequence[Live]) -> list[int]:
-            probs = distributions(torch.stack([small[r.sid][0] for r in g]), [r.request.sampling for r in g])
-            return sample_rows(probs, [r.seed for r in g], [len(r.tokens) for r in g]).tolist()
+            return draw(torch.stack([small[r.sid][0] for r in g]), [r.request.sampling for r in g],
+                        [r.seed for r in g], [len(r.tokens) for r in g])
 
         return batched(group, self.models, together, lambda r: together([r])[0])
 

@@ -119,6 +119,13 @@ def sample_rows(probs: torch.Tensor, seeds: Sequence[int], positions: Sequence[i
     return token.clamp_max(probs.shape[-1] - 1)
 
 
+def draw(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int],
+         positions: Sequence[int]) -> list[int]:
+    """logits: [B, V] -> the token of each row, drawn from its own distribution at its own
+    (seed, position): the whole batch in one pass and one host copy."""
+    return sample_rows(distributions(logits, params), seeds, positions).tolist()
+
+
 def sample(probs: torch.Tensor, seed: int, position: int, stream: Stream = Stream.TOKEN) -> int:
     """probs: [V] -> one token id (one host sync)."""
     return int(sample_rows(probs[None], [seed], [position], stream)[0])

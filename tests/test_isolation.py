@@ -15,8 +15,7 @@ import pytest
 import torch
 from helpers import engine_for, request
 
-import backoff_core.catchup
-import backoff_core.engine
+import backoff_core.sampling
 from backoff_core.control import HIGHEST, LOWEST, RateController
 from backoff_core.engine import BackoffEngine
 from backoff_core.routers import Entropy
@@ -113,25 +112,23 @@ def test_a_failed_catch_up_ends_only_its_request(pair, tokenizer, router):
     _no_sessions(engine)
 
 
-@pytest.mark.parametrize("module, name, router", [(backoff_core.engine, "distributions", "always-small"),
-                                                  (backoff_core.catchup, "distribution", "always-large")])
-def test_a_sampling_error_ends_only_its_request(pair, tokenizer, monkeypatch, module, name, router):
-    """The engine draws the tokens of all small steps in one batched call (one params per
-    row); a catch-up draws its level's token per request."""
+@pytest.mark.parametrize("router", ["always-small", "always-large"])
+def test_a_sampling_error_ends_only_its_request(pair, tokenizer, monkeypatch, router):
+    """The engine draws the tokens of all small steps in one batched call, a catch-up those
+    of its level (one params per row): the culprit's row makes the batch raise."""
     reqs = _requests(router)
     culprit = reqs[CULPRIT]
     reqs[CULPRIT] = dataclasses.replace(culprit, sampling=dataclasses.replace(culprit.sampling, seed=BAD_SEED))
-    real, calls = getattr(module, name), []
+    real, calls = backoff_core.sampling.distributions, []
 
     def distribution(logits, params):
-        rows = params if isinstance(params, list) else [params]
-        if any(p.seed == BAD_SEED for p in rows):
+        if any(p.seed == BAD_SEED for p in params):
             calls.append(1)
             if len(calls) > 3:
                 raise Injected("injected: probabilities out of range")
         return real(logits, params)
 
-    monkeypatch.setattr(module, name, distribution)
+    monkeypatch.setattr(backoff_core.sampling, "distributions", distribution)
     engine = engine_for(pair, tokenizer)
     out = _run(engine, reqs)
     monkeypatch.undo()
