@@ -14,6 +14,10 @@ The sweeper frees the sessions of owners silent for lease_s. A live router whose
 stall for that long (an overloaded event loop) loses its sessions too; its next catch-up
 is answered `lost` and re-prefilled (latency, not the request). A hung router that still
 renews keeps them, until TTL.
+
+Memory is bounded by the replica's KV budget (`models.kv_budget_tokens`, resolved here when
+`auto`): the batcher evicts idle sessions LRU and refuses new ones the live sessions leave
+no room for (batcher.py); `info()` and the kv metrics report what is used.
 """
 
 from __future__ import annotations

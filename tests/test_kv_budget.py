@@ -157,3 +157,18 @@ def test_batcher_refuses_a_new_session_when_static_storage_has_no_free_slot(pair
     reply = loop_thread.run(batcher.extend(CatchUpCall("c", 0, (3, 4))))
     assert reply.logits is None and "no free KV slot" in reply.refused and batcher.stats.refused == 1
     assert kv_tokens(runner) == 64
+
+
+def test_backoff_serve_prints_auto_and_takes_a_budget_and_storage():
+    import yaml
+
+    from deployments.config import ModelsConfig
+    from deployments.serve_cli import DEFAULT_CONFIG, _parser, apply_overrides
+
+    base = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    models = ModelsConfig.model_validate(base["applications"][0]["args"]["models"])
+    assert models.kv_budget_tokens == "auto" and models.static_kv == "auto"  # what --print-config shows
+    args = _parser().parse_args(["--kv-budget", "4096", "--static-kv", "false"])
+    models = ModelsConfig.model_validate(apply_overrides(base, args)["applications"][0]["args"]["models"])
+    assert models.kv_budget_tokens == 4096 and models.static_kv is False
+    assert _parser().parse_args(["--kv-budget", "auto"]).kv_budget_tokens == "auto"
