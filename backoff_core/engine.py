@@ -418,10 +418,11 @@ class BackoffEngine:
 def make_runner(model, name: str, kv: KVSpec | None, small: bool = False, classifier_path=None) -> Backend:
     """A ModelRunner, or with `kv` a StaticRunner (static KV slots, CUDA graphs captured
     now, with a progress line) where the architecture allows; other models fall back to
-    per-session caches, with a warning. small: M_S extends one token a step (graphs for
+    per-session caches, with a warning. small: M_S extends one token a step (its per-session
+    caches never evict: the step loop cannot rebuild an M_S session; static: graphs for
     k = 1, last row only, and the hidden layer a classifier head reads)."""
     if kv is None or not kv.static:  # per-session caches, within the budget where one is given
-        return ModelRunner(model, name, None if kv is None else kv.budget_tokens)
+        return ModelRunner(model, name, None if kv is None else kv.budget_tokens, evict_idle=not small)
     from .static_forward import check_supported
     from .static_runner import StaticRunner
 
@@ -429,7 +430,7 @@ def make_runner(model, name: str, kv: KVSpec | None, small: bool = False, classi
         check_supported(model, kv.max_len)
     except ValueError as exc:
         log.warning("%s: no static KV storage (%s); per-session caches instead", name, exc)
-        return ModelRunner(model, name, kv.budget_tokens)
+        return ModelRunner(model, name, kv.budget_tokens, evict_idle=not small)
     runner = StaticRunner(model, name, kv_budget_tokens=kv.budget_tokens, max_len=kv.max_len,
                           cuda_graphs=kv.cuda_graphs)
     if small:

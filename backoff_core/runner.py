@@ -20,6 +20,8 @@ alone pass the budget, a NEW session among them (nothing cached yet: a request's
 prefill) is refused with KVCapacityError before anything changes; sessions already held,
 and re-prefills of evicted ones, are never refused (a live request grows past the budget
 rather than fail), so the budget bounds what new requests may take, not a live one.
+`evict_idle=False` (M_S: every live request extends it every step, and the step loop has no
+way to rebuild an M_S session) never evicts: a new session is refused once the budget is full.
 """
 
 from __future__ import annotations
@@ -66,7 +68,8 @@ class _Session:
 class ModelRunner:
     """Holds one model and its sessions. Thread-safe: one forward at a time."""
 
-    def __init__(self, model: PreTrainedModel, name: str = "model", kv_budget_tokens: int | None = None) -> None:
+    def __init__(self, model: PreTrainedModel, name: str = "model", kv_budget_tokens: int | None = None,
+                 evict_idle: bool = True) -> None:
         self.model = model.eval()
         self.name = name
         self.device = next(model.parameters()).device
@@ -77,6 +80,7 @@ class ModelRunner:
         self._sessions: dict[str, _Session] = {}
         self._lock = threading.RLock()
         self.kv_budget_tokens = kv_budget_tokens  # None: unbounded
+        self.evict_idle = evict_idle
         self.evictions = 0  # idle sessions freed to make room
         self._evicted: collections.OrderedDict[str, None] = collections.OrderedDict()  # recent (bounded)
 
@@ -132,10 +136,12 @@ class ModelRunner:
         if budget is None or used + need <= budget:
             return []
         fresh = [sid for sid, _ in items if self._sessions[sid].length == 0 and not self._sessions[sid].refill]
-        if fresh and not self.kv_fits([(sid, len(ids)) for sid, ids in items]):
+        if fresh and (not self.evict_idle or not self.kv_fits([(sid, len(ids)) for sid, ids in items])):
             raise KVCapacityError(
                 f"{self.name}: no KV room for a new session: the live sessions alone would hold more than "
                 f"kv_budget_tokens={budget} positions; retry when a request ends")
+        if not self.evict_idle:
+            return []
         extending = {sid for sid, _ in items}
         idle = sorted((s.last_used, sid) for sid, s in self._sessions.items() if sid not in extending and s.length)
         evicted = []

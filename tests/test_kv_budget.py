@@ -172,3 +172,25 @@ def test_backoff_serve_prints_auto_and_takes_a_budget_and_storage():
     models = ModelsConfig.model_validate(apply_overrides(base, args)["applications"][0]["args"]["models"])
     assert models.kv_budget_tokens == 4096 and models.static_kv is False
     assert _parser().parse_args(["--kv-budget", "auto"]).kv_budget_tokens == "auto"
+
+
+def test_the_small_models_budget_refuses_new_requests_and_never_evicts_a_live_one(pair, tokenizer):
+    """M_S extends every live request every step and the step loop cannot rebuild its session,
+    so its per-session caches never evict: once the live requests fill its budget a new
+    request is refused at admission (KVCapacityError: the 503 kv_capacity of engine_loop)."""
+    from backoff_core.engine import BackoffEngine
+
+    small = make_runner(pair[0], "small", KVSpec(40, 64, static=False), small=True)
+    engine = BackoffEngine([small, ModelRunner(pair[1], "large")], tokenizer)
+    reqs = [request([3 + i, 4, 5], max_tokens=16, router="always-small") for i in range(3)]
+    rids = [engine.submit(r) for r in reqs]
+    for _ in range(12):  # 3 x (3 + 12) = 45 positions: past the budget, no eviction
+        engine.step()
+    assert small.kv_tokens > 40 and small.evictions == 0
+    with pytest.raises(KVCapacityError, match="kv_budget_tokens=40"):
+        engine.submit(request([9, 9], max_tokens=4))
+    while engine.has_work():
+        engine.step()
+    alone = engine_for(pair, tokenizer)
+    assert [engine.finish(rid).token_ids for rid in rids] == [alone.generate(r).token_ids for r in reqs]
+    engine.generate(request([9, 9], max_tokens=4))  # room again once they ended
