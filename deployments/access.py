@@ -171,6 +171,7 @@ class EdgeGate:
     the replica's Edge (the FastAPI app is built before any replica is)."""
 
     OPEN_PATHS = ("/health",)
+    PAGE_PATH = "/playground"  # the playground's static files: code, no data (the page asks for the key)
 
     def __init__(self, app: ASGIApp, edge: Callable[[], Edge]) -> None:
         self.app, self.edge = app, edge
@@ -183,7 +184,8 @@ class EdgeGate:
             scope.get("root_path", "")) else scope["path"]
         headers = Headers(scope=scope)
         try:
-            if edge.access.health_open and path in self.OPEN_PATHS:
+            if (edge.access.health_open and path in self.OPEN_PATHS) or path == self.PAGE_PATH or \
+                    path.startswith(self.PAGE_PATH + "/"):
                 client = f"peer:{peer_host(scope.get('client'))}"
             else:
                 client = edge.access.client(headers.get("authorization"), scope.get("client"))

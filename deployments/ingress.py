@@ -49,6 +49,7 @@ from .config import AppArgs, handle_options
 from .engine_loop import Admitted, Failed, Rejected
 from .formats import chunk_body, error_body, final_chunk_body, pb_chunk, pb_final_chunk, pb_response, response_body
 from .grpc_service import Undecodable
+from .playground import mount_playground, routing_info
 from .requests import serve_request
 from .streams import Overload, ServerFailure, collect, failure, guarded, holding
 
@@ -94,6 +95,7 @@ class InternalErrors:
 
 
 app.add_middleware(InternalErrors)
+mount_playground(app)  # GET /playground: the page (static files, no key needed to load it)
 
 # HTTP status of a client error -> its gRPC status (anything else 4xx: INVALID_ARGUMENT)
 GRPC_CODES = {401: grpc.StatusCode.UNAUTHENTICATED, 404: grpc.StatusCode.NOT_FOUND,
@@ -227,6 +229,13 @@ class Ingress:
     @app.get("/v1/models")
     async def models(self) -> dict:
         return ModelList(data=[ModelCard(id=self.model_name)]).model_dump()
+
+    @app.get("/v1/routing")
+    async def routing(self) -> dict:
+        """The chain's levels, the routers a request may name and the live routing config
+        (what the playground's controls offer; an extension, not OpenAI's)."""
+        policy = (await self.router_unary.info.remote()).policy
+        return routing_info(self.args, self.model_name, policy).model_dump()
 
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request):
