@@ -67,7 +67,8 @@ class BackoffServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GenerateStream(self, request, context):
-        """One chunk per committed token; the last chunk carries finish_reason and usage.
+        """The committed tokens in order: a chunk of one token, or of several in `tokens` when the
+        stream ran ahead of its reader; the last chunk carries finish_reason and usage.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

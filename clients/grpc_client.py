@@ -20,7 +20,7 @@ from . import backoff_pb2 as pb
 from . import backoff_pb2_grpc as pb_grpc
 from .errors import from_grpc
 from .retry import NO_RETRY, Retry
-from .proto import delta_from_pb, generation_from_pb, request_to_pb
+from .proto import deltas_from_pb, generation_from_pb, request_to_pb
 from .types import ChatMessage, Delta, GenerateParams, Generation, merge_params
 
 Messages = Sequence[ChatMessage | dict]
@@ -113,7 +113,8 @@ class BackoffGrpcClient(_Base):
             try:
                 for chunk in call:
                     started = True
-                    yield delta_from_pb(chunk)
+                    for delta in deltas_from_pb(chunk):  # one token, or several in one message
+                        yield delta
                 return
             except grpc.RpcError as e:
                 error = from_grpc(e)
@@ -190,7 +191,8 @@ class AsyncBackoffGrpcClient(_Base):
             try:
                 async for chunk in call:
                     started = True
-                    yield delta_from_pb(chunk)
+                    for delta in deltas_from_pb(chunk):  # one token, or several in one message
+                        yield delta
                 return
             except grpc.RpcError as e:
                 error = from_grpc(e)

@@ -69,9 +69,15 @@ def generation_from_pb(msg: pb.GenerateResponse) -> Generation:
                       logprobs=[logprob_from_pb(e) for e in msg.logprobs] or None)
 
 
-def delta_from_pb(msg: pb.GenerateChunk) -> Delta:
+def deltas_from_pb(msg: pb.GenerateChunk) -> list[Delta]:
+    """A stream message's deltas: its one token (or the last chunk), or the several in `tokens`
+    (which travel without the id)."""
+    return [delta_from_pb(t, msg.id) for t in msg.tokens] if msg.tokens else [delta_from_pb(msg)]
+
+
+def delta_from_pb(msg: pb.GenerateChunk, rid: str | None = None) -> Delta:
     if msg.finish_reason:  # the last chunk: no token, the request's summary
         return Delta(id=msg.id, finish_reason=msg.finish_reason, usage=usage_from_pb(msg.usage))
-    return Delta(id=msg.id, text=msg.text, token_id=msg.token_id, source=msg.source, index=msg.index,
+    return Delta(id=msg.id if rid is None else rid, text=msg.text, token_id=msg.token_id, source=msg.source, index=msg.index,
                  retracted=msg.retracted, retracted_text=msg.retracted_text,
                  logprobs=logprob_from_pb(msg.logprobs) if msg.HasField("logprobs") else None)

@@ -145,6 +145,21 @@ class AdmissionConfig(_Config):
     retry_after_s: float = Field(1.0, ge=0.0, description="Retry-After of a refused request (seconds, rounded up)")
 
 
+class StreamConfig(_Config):
+    """How a SmallRouter replica sends its streams' tokens to the Ingress. Each message costs
+    the path (Ray's stream, the Ingress, the proxy) about as much whatever it carries, so a
+    replica spends a budget of messages: a stream's next message waits until live streams /
+    max_messages_per_s has passed since its last one, and the tokens committed meanwhile ride
+    together. A stream's first token goes at once (and one stream alone may send every 2 ms)."""
+
+    # a message cost ~0.7 ms of CPU across Ray, the Ingress and the proxy on a 2-core box
+    # (benchmarks/serve_overhead.py): 500 a second is a third of its cores
+    max_messages_per_s: float = Field(500.0, gt=0.0, description="token messages per second one replica sends "
+                                                                 "across all its streams (more: less latency, "
+                                                                 "more CPU per token)")
+    max_delay_ms: float = Field(50.0, ge=0.0, description="the longest a committed token waits to be sent")
+
+
 class AccessConfig(_Config):
     """Who may call. Without keys the service is open to whoever reaches its ports."""
 
@@ -201,12 +216,18 @@ class AppArgs(_Config):
         description="Ingress replicas (HTTP + gRPC, no GPU)")
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig,
                                        description="per SmallRouter replica: live and waiting requests at most")
+    stream: StreamConfig = Field(default_factory=StreamConfig,
+                                 description="per SmallRouter replica: how tokens are coalesced into messages")
     default_max_tokens: int = Field(64, ge=1, description="max_tokens of a request that sets none")
     torch_threads: int | None = Field(None, ge=1, description="torch threads per model replica (none: Ray's default)")
     handle_transport: Literal["grpc", "actor"] = Field(
         "grpc", description="how the per-step calls between deployments travel (catch-ups to LargeModel, token "
                             "streams from SmallRouter): 'grpc', Serve's direct replica-to-replica gRPC "
                             "(`_by_reference=False`, pickled; about 1 ms less per call), or 'actor', Ray actor calls")
+    engine_factory: str | None = Field(
+        None, description="'module:callable' that builds the SmallRouter's engine instead of BackoffEngine (same "
+                          "arguments); benchmarks of the serving path alone inject a stand-in through it "
+                          "(benchmarks/standin.py). None: the BackoffEngine")
     access: AccessConfig = Field(default_factory=AccessConfig, description="API keys (none: open)")
     limits: LimitsConfig = Field(default_factory=LimitsConfig, description="request size and per-client limits")
 

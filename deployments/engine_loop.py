@@ -66,6 +66,25 @@ class _Sink:
             pass
 
 
+def _deliver(items: list[tuple[_Sink, object]]) -> None:
+    """Put a step's items into their streams' queues with ONE wake-up per event loop (not one
+    per stream: a step of 64 streams would wake it 64 times, each a callback and a lock).
+    FIFO with every other call_soon_threadsafe, so a stream's order is kept."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Sink, object]]] = {}
+    for sink, item in items:
+        by_loop.setdefault(sink.loop, []).append((sink, item))
+    for loop, batch in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, batch)
+        except RuntimeError:  # the event loop is gone (shutdown)
+            pass
+
+
+def _put_all(batch: list[tuple[_Sink, object]]) -> None:
+    for sink, item in batch:
+        sink.queue.put_nowait(item)
+
+
 class EngineLoop(Generic[Policy]):
     """admit(request, policy) -> GenerationRequest runs on the engine thread (it tokenizes)."""
 
@@ -171,10 +190,8 @@ class EngineLoop(Generic[Policy]):
                 self._fail(rid, f"{type(exc).__name__}: {exc}")
             return
         self.steps += 1
-        for rid, event in events.items():  # 3.
-            sink = self._sinks.get(rid)
-            if sink is not None and sink.tokens:
-                sink.put(event)
+        _deliver([(sink, event) for rid, event in events.items()  # 3.
+                  if (sink := self._sinks.get(rid)) is not None and sink.tokens])
         for rid in self.engine.finished_ids():
             self._finish(rid)
         self.last_step_s = time.perf_counter() - start

@@ -47,7 +47,9 @@ from .access import ClientError, Edge, EdgeGate, body_too_large, check_limits, p
 from .admission import Overloaded
 from .config import AppArgs, handle_options
 from .engine_loop import Admitted, Failed, Rejected
-from .formats import chunk_body, error_body, final_chunk_body, pb_chunk, pb_final_chunk, pb_response, response_body
+from .formats import (
+    TokenChunks, error_body, final_chunk_body, pb_chunks, pb_final_chunk, pb_response, response_body,
+)
 from .grpc_service import Undecodable
 from .playground import mount_playground, routing_info
 from .requests import serve_request
@@ -262,10 +264,11 @@ class Ingress:
         return StreamingResponse(self._sse(rid, created, stream, chat), media_type="text/event-stream")
 
     async def _sse(self, rid: str, created: int, stream: AsyncIterator, chat: bool) -> AsyncIterator[str]:
+        chunks = TokenChunks(rid, self.model_name, created, chat)
         try:
             async for item in stream:
                 if isinstance(item, (TokenEvent, tuple)):
-                    yield "".join(_sse(chunk_body(rid, self.model_name, created, e, chat)) for e in _events(item))
+                    yield chunks.sse(_events(item))  # one write for the tokens of one router message
                 elif isinstance(item, GenerationResult):
                     yield _sse(final_chunk_body(rid, self.model_name, created, item, chat))
                 elif isinstance(item, (Rejected, Failed)):
@@ -304,8 +307,7 @@ class Ingress:
         try:
             async for item in stream:
                 if isinstance(item, (TokenEvent, tuple)):
-                    for event in _events(item):
-                        yield pb_chunk(rid, event)
+                    yield pb_chunks(rid, _events(item))  # one message, as it came from the router
                 elif isinstance(item, GenerationResult):
                     yield pb_final_chunk(rid, item)
                 elif isinstance(item, (Rejected, Failed)):

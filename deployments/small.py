@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import logging
 import os
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -52,6 +54,15 @@ log = logging.getLogger(__name__)
 # one request's stream: Admitted, tokens (one, or several that queued up), the result;
 # or Rejected / Failed / Overloaded instead
 StreamItem = Admitted | TokenEvent | tuple[TokenEvent, ...] | GenerationResult | Rejected | Failed | Overloaded
+
+
+STEP_THREAD_SWITCH_S = 0.0005  # sys.setswitchinterval in a SmallRouter replica
+
+
+def _import(path: str):
+    """'module:attribute' -> the attribute (AppArgs.engine_factory)."""
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 class ServeEndpoint:
@@ -97,6 +108,9 @@ class RouterInfo:
 class SmallRouter:
     def __init__(self, args: dict, *levels: DeploymentHandle) -> None:
         self.args = AppArgs.model_validate(args)
+        # the step thread wakes from the device (or a sleep) needing the GIL while Serve's event
+        # loops hold it: at the default 5 ms switch interval a 2 ms step waited up to 5 ms more
+        sys.setswitchinterval(STEP_THREAD_SWITCH_S)
         side = load_small_side(self.args.models, self.args.torch_threads)
         self.tokenizer = side.tokenizer
         self.hidden_size = side.hidden_size
@@ -115,9 +129,10 @@ class SmallRouter:
         self.faults = FaultInjector(small)  # inject_fault_seed
         self.small_runner = small
         self.kv_metrics = KVMetrics()
-        engine = BackoffEngine([self.faults, *self.remotes], side.tokenizer,
-                               classifier_path=self.args.models.classifier, hidden_size=side.hidden_size,
-                               context_window=side.context_window)
+        make_engine = _import(self.args.engine_factory) if self.args.engine_factory else BackoffEngine
+        engine = make_engine([self.faults, *self.remotes], side.tokenizer,
+                             classifier_path=self.args.models.classifier, hidden_size=side.hidden_size,
+                             context_window=side.context_window)
         self.metrics = RouterMetrics(n)
         self.gate = AdmissionGate(self.args.admission.max_live_requests, self.args.admission.max_waiting_requests)
         self._lost_reported = 0
@@ -146,8 +161,9 @@ class SmallRouter:
         return list(router.default_thresholds(self.args.models.num_levels))
 
     async def generate(self, request: ServeRequest, tokens: bool = True) -> AsyncIterator[StreamItem]:
-        """Admitted, then the committed tokens (TokenEvents, several at once as a tuple when
-        they queued up meanwhile; none unless `tokens`), then the GenerationResult.
+        """Admitted, then the committed tokens (TokenEvents; several at once as a tuple when
+        they queued up meanwhile or waited for the message budget, StreamConfig; none unless
+        `tokens`), then the GenerationResult.
         Overloaded alone when the replica is full."""
         self._start_renewals()
         if not await self.gate.enter():
@@ -168,15 +184,19 @@ class SmallRouter:
         items = self.loop.submit(request, tokens)
         held: list = []  # an item read while gathering tokens, for the next round
         ended = False
+        clock, sent = asyncio.get_running_loop().time, None  # when the last token message went
         try:
             while True:
                 item = held.pop() if held else await items.get()
                 if isinstance(item, TokenEvent):
+                    if sent is not None and (wait := self._token_gap() - (clock() - sent)) > 0:
+                        await asyncio.sleep(wait)  # the message budget (StreamConfig); cancellable
                     batch = [item]
                     while not items.empty() and not held:
                         nxt = items.get_nowait()
                         (batch if isinstance(nxt, TokenEvent) else held).append(nxt)
                     item = batch[0] if len(batch) == 1 else tuple(batch)
+                    sent = clock()
                 ended = isinstance(item, (GenerationResult, Rejected, Failed))
                 if isinstance(item, (Rejected, Failed)):
                     self.metrics.request("rejected" if isinstance(item, Rejected) else "failed")
@@ -188,6 +208,12 @@ class SmallRouter:
                 self.loop.cancel(request.request_id)
                 self.metrics.request("cancelled")
                 self._cancelled += 1
+
+    def _token_gap(self) -> float:
+        """Seconds a stream's token message waits after its previous one: this replica's
+        message budget shared by its live streams, capped at max_delay_ms."""
+        budget = self.args.stream
+        return min(self.loop.live() / budget.max_messages_per_s, budget.max_delay_ms / 1e3)
 
     def info(self) -> RouterInfo:
         return RouterInfo(pid=os.getpid(), replica=serve.get_replica_context().replica_id.unique_id,
