@@ -8,7 +8,8 @@ each model replica gets a node (a GPU) of its own. In order: placement; a genera
 catch-ups cross nodes; the LargeModel's node killed under a stream (re-prefill on the other
 replica, a new replica on a replacement node); a SmallRouter's node killed (its requests
 fail with a retriable 503, new ones succeed); autoscaling of Ingress and SmallRouter under
-a burst, recorded (JSON + PNG; BACKOFF_RESULTS=DIR saves them there, e.g. benchmarks/results).
+a burst, recorded (JSON + PNG; BACKOFF_RESULTS=DIR saves them there, e.g. benchmarks/results);
+last, a tiny KV budget (a redeploy): 503 + Retry-After, and every request completes.
 """
 
 from __future__ import annotations
