@@ -150,14 +150,14 @@ class StreamConfig(_Config):
     the path (Ray's stream, the Ingress, the proxy) about as much whatever it carries, so a
     replica spends a budget of messages: a stream's next message waits until live streams /
     max_messages_per_s has passed since its last one, and the tokens committed meanwhile ride
-    together. A stream's first token goes at once (and one stream alone may send every 2 ms)."""
+    together. A stream's first token goes at once (and one stream alone may send every 4 ms)."""
 
-    # a message cost ~0.7 ms of CPU across Ray, the Ingress and the proxy on a 2-core box
-    # (benchmarks/serve_overhead.py): 500 a second is a third of its cores
-    max_messages_per_s: float = Field(500.0, gt=0.0, description="token messages per second one replica sends "
+    # a message costs ~3 ms of CPU across Ray, the Ingress, the proxy and the client on a loaded
+    # 2-core box (benchmarks/serve_overhead.py): 250 a second are most of a core
+    max_messages_per_s: float = Field(250.0, gt=0.0, description="token messages per second one replica sends "
                                                                  "across all its streams (more: less latency, "
                                                                  "more CPU per token)")
-    max_delay_ms: float = Field(50.0, ge=0.0, description="the longest a committed token waits to be sent")
+    max_delay_ms: float = Field(100.0, ge=0.0, description="the longest a committed token waits to be sent")
 
 
 class AccessConfig(_Config):
