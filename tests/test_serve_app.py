@@ -40,6 +40,7 @@ from deployments import serve_cli  # noqa: E402
 sys.path.insert(0, os.path.dirname(__file__))
 from tiny import tiny_model, tiny_tokenizer  # noqa: E402
 from ray_local import start_local_ray  # noqa: E402
+from playground_page import PlaygroundPage, browser_missing  # noqa: E402
 
 pytestmark = pytest.mark.slow
 THRESHOLD = 0.4  # entropy threshold of the deployed config: both sources occur
@@ -396,6 +397,36 @@ def test_a_chain_of_three_serves_through_one_more_deployment(served):
             assert out.usage.large_tokens == ref.sources.count(2)
     medium_info = serve.get_deployment_handle("MediumModel1", "chain").info.remote().result(timeout_s=30)
     assert medium_info.name == "medium1" and medium_info.forward_passes > 0
+
+
+def test_the_playground_of_a_chain_colours_three_sources_under_its_route_prefix(served):
+    """/chain/playground reads /chain/v1/routing (three levels, the live random router and its
+    two thresholds) and, in headless Chromium, colours small, medium and large tokens."""
+    info = httpx.get(f"{served.url}/chain/v1/routing", timeout=30).json()
+    assert info["levels"] == ["small", "medium1", "large"] and info["router"] == "random"
+    assert info["thresholds"] == list(CHAIN_THRESHOLDS)
+    missing = browser_missing()
+    if missing:
+        pytest.skip(missing)
+    prompt, fields = "w6 w5 w4 w3", dict(max_tokens=24, temperature=0, seed=5, ignore_eos=True)
+    with BackoffHTTPClient(f"{served.url}/chain") as http:
+        reference = http.complete(prompt, **fields)
+    assert set(reference.sources) == {0, 1, 2}
+    with PlaygroundPage(f"{served.url}/chain") as page:
+        page.ready()
+        legend = page.js("return [...document.querySelectorAll('#legend .swatch')]"
+                         ".map(s => s.className + ' ' + s.textContent)")
+        assert legend == ["swatch s-small small", "swatch s-medium medium1", "swatch s-large large"]
+        assert page.js("return [...document.querySelectorAll('#panel-a input.threshold')].map(i => +i.value)") == \
+            list(CHAIN_THRESHOLDS)  # panel a starts from the live config
+        page.set(mode="plain", prompt=prompt, **fields)
+        page.run()
+        a = page.panel("a")
+        medium_spans = page.js("return document.querySelectorAll('#panel-a .tok.s-medium').length")
+    assert a.status == "done (length)" and (a.text, a.sources) == (reference.text, reference.sources), a
+    assert medium_spans == reference.sources.count(1) and a.counters["tokens"] == (
+        f"24 ({reference.sources.count(0)} small / {reference.sources.count(1)} medium / "
+        f"{reference.sources.count(2)} large)")
 
 
 @pytest.mark.parametrize("target, max_tokens", [(0.0, 8), (1.0, 8), (0.01, 2), (0.99, 2)])
