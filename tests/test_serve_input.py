@@ -392,91 +392,6 @@ def test_clients_send_the_key_from_the_argument_or_the_environment(served, monke
     assert "AuthenticationError" in capsys.readouterr().err
 
 
-# -- the playground page in a real browser --------------------------------------------------------
-
-def test_playground_asks_for_the_key_and_colours_each_token_by_its_source(served, tmp_path):
-    """Headless Chromium on /playground: the page loads without a key, shows the server's 401
-    message, takes the key; a prompt at a threshold that mixes sources streams into
-    spans of both sources, equal to the same request made by our client, and the counters
-    show the final chunk's usage; compare mode runs always-large beside it; a refused
-    request shows the server's message."""
-    missing = browser_missing()
-    if missing:
-        pytest.skip(missing)
-    page_html = httpx.get(f"{served.url}/playground", timeout=30)  # no key: the page itself is open
-    assert page_html.status_code == 200 and "playground/playground.js" in page_html.text
-    assert httpx.get(f"{served.url}/playground/playground.js", timeout=30).status_code == 200
-    assert httpx.get(f"{served.url}/v1/routing", timeout=30).status_code == 401  # the data is not
-    prompt, fields = "w3 w5 w7 w11", dict(max_tokens=24, temperature=0, seed=5, ignore_eos=True)
-    router, threshold = PLAYGROUND_ROUTER
-    with BackoffHTTPClient(served.url, api_key=KEY) as client:
-        reference = client.chat([{"role": "user", "content": prompt}], router=router, backoff_threshold=threshold,
-                                **fields)
-    assert {0, 1} <= set(reference.sources)  # the threshold mixes sources
-    with PlaygroundPage(served.url) as page:
-        page.wait("return !document.getElementById('key-dialog').hidden")
-        assert "no API key" in page.key_dialog()[1]
-        page.enter_key("wrong")
-        page.wait("return document.getElementById('key-error').textContent.includes('not valid')")
-        page.enter_key(KEY)
-        page.ready()
-        assert page.key_dialog()[0] is False
-        page.set(prompt=prompt, mode="chat", temperature=0, max_tokens=24, seed=5, ignore_eos=True)
-        page.set_panel("a", router, [threshold])
-        page.run()
-        a = page.panel("a")
-        assert a.status == "done (length)" and not a.error, a
-        assert a.text == reference.text and a.sources == reference.sources, (a, reference)
-        usage = Usage(**a.usage)
-        assert usage == reference.usage and len(a.sources) == usage.completion_tokens
-        assert (a.sources.count(0), a.sources.count(1)) == (usage.small_tokens, usage.large_tokens)
-        assert a.counters["rate"] == f"{100 * usage.backoff_rate:.1f} %"
-        assert a.counters["large-calls"] == str(usage.large_calls) and usage.large_calls > 0
-        assert a.counters["tokens"].startswith(f"{usage.completion_tokens} (")
-        assert a.counters["ttft"].endswith(" ms") and float(a.counters["tps"]) > 0
-
-        page.set(compare=True)  # panel b: always-large beside panel a's threshold
-        page.run()
-        a2, b = page.panel("a"), page.panel("b")
-        assert a2.sources == a.sources and a2.text == a.text
-        assert b.status == "done (length)" and set(b.sources) == {1} and len(b.sources) == 24, b
-        assert b.counters["rate"] == "0.0 %" and b.counters["large-calls"] == str(b.usage["large_calls"])
-        page.screenshot(Path(os.environ.get("BACKOFF_RESULTS", tmp_path)) / "playground.png")
-
-        page.set(compare=False, max_tokens=LIMITS["max_tokens"] + 1)  # over limits.max_tokens: a 400
-        page.run()
-        refused = page.panel("a")
-        assert refused.status == "error" and "limits.max_tokens" in refused.error, refused
-
-        # a verification rollback (not reachable from a request's fields): the page's own fetch
-        # answers with chunks in the server's shape; `retracted` drops the last spans
-        page.js("""const chunks = arguments[0].map(c => 'data: ' + JSON.stringify(c) + '\\n\\n').join('')
-                       + 'data: [DONE]\\n\\n';
-                   window.fetch = async () => new Response(chunks, {status: 200,
-                                                                    headers: {'content-type': 'text/event-stream'}});""",
-                _rollback_chunks())
-        page.set(max_tokens=3)
-        page.run()
-        rolled = page.panel("a")
-        assert (rolled.text, rolled.sources, rolled.status) == ("aBd", [0, 1, 0], "done (length)"), rolled
-        assert rolled.counters["rate"] == "66.7 %" and rolled.counters["large-calls"] == "1"
-
-
-def _rollback_chunks() -> list[dict]:
-    """a b c from small; the large model's B retracts b and c; d from small."""
-    def token(index, source, text, retracted=0):
-        return {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "backoff",
-                "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None,
-                             "backoff": {"token_id": index, "source": source, "index": index, "retracted": retracted,
-                                         "retracted_text": ""}}]}
-
-    usage = Usage(prompt_tokens=1, completion_tokens=3, total_tokens=4, small_tokens=2, large_tokens=1, large_calls=1)
-    final = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "backoff",
-             "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}], "usage": usage.model_dump()}
-    return [token(0, 0, "a"), token(1, 0, "b"), token(2, 0, "c"), token(1, 1, "B", retracted=2), token(2, 0, "d"),
-            final]
-
-
 # -- access: concurrent requests per client -------------------------------------------------------
 
 def test_concurrent_requests_per_client_are_capped(served):
@@ -795,3 +710,88 @@ def test_serve_cli_status_and_deploy_change_the_live_threshold(served, tmp_path)
     reply = _post(served, {"prompt": W, "max_tokens": 2})
     assert reply.status_code == 200 and reply.json()["choices"][0]["backoff"]["thresholds"] == [0.25], reply.text
     _eventually(lambda: _gauge(metrics_url) == {"0": 0.25}, f"the gauge did not follow: {_gauge(metrics_url)}")
+
+
+# -- the playground page in a real browser (it sets its router and threshold: the live change above is no matter)
+
+def test_playground_asks_for_the_key_and_colours_each_token_by_its_source(served, tmp_path):
+    """Headless Chromium on /playground: the page loads without a key, shows the server's 401
+    message, takes the key; a prompt at a threshold that mixes sources streams into
+    spans of both sources, equal to the same request made by our client, and the counters
+    show the final chunk's usage; compare mode runs always-large beside it; a refused
+    request shows the server's message."""
+    missing = browser_missing()
+    if missing:
+        pytest.skip(missing)
+    page_html = httpx.get(f"{served.url}/playground", timeout=30)  # no key: the page itself is open
+    assert page_html.status_code == 200 and "playground/playground.js" in page_html.text
+    assert httpx.get(f"{served.url}/playground/playground.js", timeout=30).status_code == 200
+    assert httpx.get(f"{served.url}/v1/routing", timeout=30).status_code == 401  # the data is not
+    prompt, fields = "w3 w5 w7 w11", dict(max_tokens=24, temperature=0, seed=5, ignore_eos=True)
+    router, threshold = PLAYGROUND_ROUTER
+    with BackoffHTTPClient(served.url, api_key=KEY) as client:
+        reference = client.chat([{"role": "user", "content": prompt}], router=router, backoff_threshold=threshold,
+                                **fields)
+    assert {0, 1} <= set(reference.sources)  # the threshold mixes sources
+    with PlaygroundPage(served.url) as page:
+        page.wait("return !document.getElementById('key-dialog').hidden")
+        assert "no API key" in page.key_dialog()[1]
+        page.enter_key("wrong")
+        page.wait("return document.getElementById('key-error').textContent.includes('not valid')")
+        page.enter_key(KEY)
+        page.ready()
+        assert page.key_dialog()[0] is False
+        page.set(prompt=prompt, mode="chat", temperature=0, max_tokens=24, seed=5, ignore_eos=True)
+        page.set_panel("a", router, [threshold])
+        page.run()
+        a = page.panel("a")
+        assert a.status == "done (length)" and not a.error, a
+        assert a.text == reference.text and a.sources == reference.sources, (a, reference)
+        usage = Usage(**a.usage)
+        assert usage == reference.usage and len(a.sources) == usage.completion_tokens
+        assert (a.sources.count(0), a.sources.count(1)) == (usage.small_tokens, usage.large_tokens)
+        assert a.counters["rate"] == f"{100 * usage.backoff_rate:.1f} %"
+        assert a.counters["large-calls"] == str(usage.large_calls) and usage.large_calls > 0
+        assert a.counters["tokens"].startswith(f"{usage.completion_tokens} (")
+        assert a.counters["ttft"].endswith(" ms") and float(a.counters["tps"]) > 0
+
+        page.set(compare=True)  # panel b: always-large beside panel a's threshold
+        page.run()
+        a2, b = page.panel("a"), page.panel("b")
+        assert a2.sources == a.sources and a2.text == a.text
+        assert b.status == "done (length)" and set(b.sources) == {1} and len(b.sources) == 24, b
+        assert b.counters["rate"] == "0.0 %" and b.counters["large-calls"] == str(b.usage["large_calls"])
+        page.screenshot(Path(os.environ.get("BACKOFF_RESULTS", tmp_path)) / "playground.png")
+
+        page.set(compare=False, max_tokens=LIMITS["max_tokens"] + 1)  # over limits.max_tokens: a 400
+        page.run()
+        refused = page.panel("a")
+        assert refused.status == "error" and "limits.max_tokens" in refused.error, refused
+
+        # a verification rollback (not reachable from a request's fields): the page's own fetch
+        # answers with chunks in the server's shape; `retracted` drops the last spans
+        page.js("""const chunks = arguments[0].map(c => 'data: ' + JSON.stringify(c) + '\\n\\n').join('')
+                       + 'data: [DONE]\\n\\n';
+                   window.fetch = async () => new Response(chunks, {status: 200,
+                                                                    headers: {'content-type': 'text/event-stream'}});""",
+                _rollback_chunks())
+        page.set(max_tokens=3)
+        page.run()
+        rolled = page.panel("a")
+        assert (rolled.text, rolled.sources, rolled.status) == ("aBd", [0, 1, 0], "done (length)"), rolled
+        assert rolled.counters["rate"] == "66.7 %" and rolled.counters["large-calls"] == "1"
+
+
+def _rollback_chunks() -> list[dict]:
+    """a b c from small; the large model's B retracts b and c; d from small."""
+    def token(index, source, text, retracted=0):
+        return {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "backoff",
+                "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None,
+                             "backoff": {"token_id": index, "source": source, "index": index, "retracted": retracted,
+                                         "retracted_text": ""}}]}
+
+    usage = Usage(prompt_tokens=1, completion_tokens=3, total_tokens=4, small_tokens=2, large_tokens=1, large_calls=1)
+    final = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "backoff",
+             "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}], "usage": usage.model_dump()}
+    return [token(0, 0, "a"), token(1, 0, "b"), token(2, 0, "c"), token(1, 1, "B", retracted=2), token(2, 0, "d"),
+            final]
