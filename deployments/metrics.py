@@ -6,6 +6,8 @@ Names use the glossary: small / large, source, backoff rate, catch-up, threshold
 
 from __future__ import annotations
 
+import threading
+
 from ray.serve import metrics
 
 from backoff_core.types import GenerationResult
@@ -16,6 +18,40 @@ _LENGTHS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024]
 _SIZES = [1, 2, 4, 8, 16, 32, 64, 128]
 _SECONDS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60]
 _RATES = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
+REFRESH_S = 5.0  # Ray 2.60's exporter drops a gauge value not set again within ~20 s
+
+
+class Gauge:
+    """A ray.serve gauge whose last value per tag set is set again every REFRESH_S seconds
+    (a daemon thread shared by all of them), so a value set once (the threshold at start,
+    an idle replica's KV use) stays exported instead of vanishing from /metrics."""
+
+    _all: list["Gauge"] = []
+    _lock = threading.Lock()
+    _thread: threading.Thread | None = None
+
+    def __init__(self, name: str, description: str, tag_keys: tuple[str, ...] = ()) -> None:
+        self._gauge = metrics.Gauge(name, description, tag_keys)
+        self._last: dict[tuple, float] = {}
+        with Gauge._lock:
+            Gauge._all.append(self)
+            if Gauge._thread is None:
+                Gauge._thread = threading.Thread(target=Gauge._refresh, name="gauge-refresh", daemon=True)
+                Gauge._thread.start()
+
+    def set(self, value: float, tags: dict[str, str]) -> None:
+        self._last[tuple(sorted(tags.items()))] = value
+        self._gauge.set(value, tags=tags)
+
+    @staticmethod
+    def _refresh() -> None:
+        while True:
+            threading.Event().wait(REFRESH_S)
+            with Gauge._lock:
+                gauges = list(Gauge._all)
+            for g in gauges:
+                for key, value in list(g._last.items()):
+                    g._gauge.set(value, tags=dict(key))
 
 
 def level_names(num_levels: int) -> list[str]:
@@ -38,7 +74,7 @@ class RouterMetrics:
             "backoff_catch_up_batch_size", "Requests whose catch-ups one step sent together.", _SIZES, ("level",))
         self.latency = metrics.Histogram("backoff_request_latency_s", "Admission to last token.", _SECONDS)
         self.first_token = metrics.Histogram("backoff_time_to_first_token_s", "Admission to first token.", _SECONDS)
-        self.threshold = metrics.Gauge(
+        self.threshold = Gauge(
             "backoff_threshold", "Threshold in the live config, or its router's default when it sets none "
                                  "(per boundary between models); published from the start.", ("boundary",))
         self.sessions_lost = metrics.Counter("backoff_sessions_lost", "Remote sessions lost and re-prefilled.")
@@ -81,7 +117,7 @@ class LargeMetrics:
         self.length = metrics.Histogram(
             "backoff_large_catch_up_length", "New tokens per session in a forward.", _LENGTHS, ("model",))
         self.seconds = metrics.Histogram("backoff_large_forward_s", "Seconds per forward.", _SECONDS, ("model",))
-        self.sessions = metrics.Gauge("backoff_large_sessions", "Sessions held by this replica.", ("model",))
+        self.sessions = Gauge("backoff_large_sessions", "Sessions held by this replica.", ("model",))
         self.kv_metrics = KVMetrics()
 
     def forward(self, record: ForwardRecord) -> None:
@@ -102,8 +138,8 @@ class KVMetrics:
     """A model replica's KV budget: positions used and free, idle sessions evicted."""
 
     def __init__(self) -> None:
-        self.used = metrics.Gauge("backoff_kv_tokens_used", "KV positions held by the replica's sessions.", ("model",))
-        self.free = metrics.Gauge("backoff_kv_tokens_free", "KV positions left in the replica's budget "
+        self.used = Gauge("backoff_kv_tokens_used", "KV positions held by the replica's sessions.", ("model",))
+        self.free = Gauge("backoff_kv_tokens_free", "KV positions left in the replica's budget "
                                                             "(negative: live sessions grew past it).", ("model",))
         self.evictions = metrics.Counter("backoff_kv_evictions", "Idle sessions evicted to make KV room (their "
                                                                  "requests re-prefill).", ("model",))
