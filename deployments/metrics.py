@@ -6,6 +6,7 @@ Names use the glossary: small / large, source, backoff rate, catch-up, threshold
 
 from __future__ import annotations
 
+import atexit
 import threading
 
 from ray.serve import metrics
@@ -29,6 +30,7 @@ class Gauge:
     _all: list["Gauge"] = []
     _lock = threading.Lock()
     _thread: threading.Thread | None = None
+    _stop = threading.Event()
 
     def __init__(self, name: str, description: str, tag_keys: tuple[str, ...] = ()) -> None:
         self._gauge = metrics.Gauge(name, description, tag_keys)
@@ -38,6 +40,7 @@ class Gauge:
             if Gauge._thread is None:
                 Gauge._thread = threading.Thread(target=Gauge._refresh, name="gauge-refresh", daemon=True)
                 Gauge._thread.start()
+                atexit.register(Gauge._stop.set)  # no metrics calls while the interpreter winds down
 
     def set(self, value: float, tags: dict[str, str]) -> None:
         self._last[tuple(sorted(tags.items()))] = value
@@ -45,8 +48,7 @@ class Gauge:
 
     @staticmethod
     def _refresh() -> None:
-        while True:
-            threading.Event().wait(REFRESH_S)
+        while not Gauge._stop.wait(REFRESH_S):
             with Gauge._lock:
                 gauges = list(Gauge._all)
             for g in gauges:
