@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .types import SamplingParams
+from backoff_core.types import SamplingParams
 
 _MASK32 = 0xFFFFFFFF
 

@@ -21,6 +21,12 @@ class Verification(str, enum.Enum):
 
 
 # Most alternatives a request may ask for per token (OpenAI's top_logprobs: 0..20)
+def level_names(num_levels: int) -> list[str]:
+    """The models of a chain by level, as code, metrics and the wire name them: M_S is
+    "small", M_L "large", any model between them "medium1", "medium2", ..."""
+    return ["small", *[f"medium{i}" for i in range(1, num_levels - 1)], "large"]
+
+
 MAX_TOP_LOGPROBS = 20
 
 # A temperature below this samples greedily: logits / T would overflow float32 long before T

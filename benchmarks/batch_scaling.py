@@ -23,9 +23,9 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from backoff_core.engine import BackoffEngine
-from backoff_core.loading import LoadSpec, load_chain
-from backoff_core.prompts import encode_prompt
+from backoff_core.engine.engine import BackoffEngine
+from backoff_core.models.loading import LoadSpec, load_chain
+from backoff_core.models.prompts import encode_prompt
 from backoff_core.types import GenerationRequest, KVSpec, RoutingParams, SamplingParams
 
 PROMPT = "Write a short paragraph about the history of the Python programming language."

@@ -23,12 +23,12 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from backoff_core.engine import BackoffEngine
-from backoff_core.loading import LoadSpec, load_chain
-from backoff_core.prompts import encode_prompt
-from backoff_core.router_head import HeadMeta, RouterHead
-from backoff_core.routers import Classifier, StepContext, build_router
-from backoff_core.runner import timed
+from backoff_core.engine.engine import BackoffEngine
+from backoff_core.models.loading import LoadSpec, load_chain
+from backoff_core.models.prompts import encode_prompt
+from backoff_core.routing.head import HeadMeta, RouterHead
+from backoff_core.routing.routers import Classifier, StepContext, build_router
+from backoff_core.runners.dynamic import timed
 from backoff_core.types import GenerationRequest, KVSpec, RoutingParams, SamplingParams, Verification
 
 PROMPTS = [

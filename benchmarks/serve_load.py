@@ -28,9 +28,9 @@ import torch
 import yaml
 from tqdm import tqdm
 
-from backoff_core.engine import BackoffEngine
-from backoff_core.loading import LoadSpec, load_chain
-from backoff_core.runner import ModelRunner
+from backoff_core.engine.engine import BackoffEngine
+from backoff_core.models.loading import LoadSpec, load_chain
+from backoff_core.runners.dynamic import ModelRunner
 from backoff_core.types import GenerationRequest, RoutingParams, SamplingParams
 
 PROMPTS = [
@@ -91,7 +91,7 @@ def prepare_pair(kind: str, root: Path) -> tuple[str | None, str | None]:
 
             from transformers import LlamaForCausalLM
 
-            from backoff_core.default_pair import build_small, large_layer_state, load_default_large
+            from backoff_core.models.default_pair import build_small, large_layer_state, load_default_large
 
             big, tok = load_default_large()
             n = big.config.num_hidden_layers

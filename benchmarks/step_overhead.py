@@ -20,7 +20,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from backoff_core.engine import BackoffEngine, make_runner
+from backoff_core.engine.engine import BackoffEngine, make_runner
 from backoff_core.types import GenerationRequest, KVSpec, RoutingParams, SamplingParams
 
 VOCAB = 512

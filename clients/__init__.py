@@ -1,17 +1,17 @@
 """Python clients of Backoff Serve: HTTP (OpenAI-compatible) and gRPC, sync and async.
 
-Imports neither Ray nor torch. The request/response types live in `clients.types` and are
+Imports neither Ray nor torch. The request/response types live in `clients.wire.types` and are
 shared by every transport (and by the server's edge); errors map to the exceptions of
-`clients.errors` in one place.
+`clients.wire.errors` in one place.
 """
 
-from .errors import (
+from clients.wire.errors import (
     AuthenticationError, BackoffError, BadRequestError, NotFoundError, OverloadedError, RateLimitError, ServerError,
     TransportError,
 )
-from .retry import Retry
-from .logprobs import TokenLogprob, TopLogprob
-from .types import ChatMessage, Delta, GenerateParams, Generation, Usage
+from clients.retry import Retry
+from clients.wire.logprobs import TokenLogprob, TopLogprob
+from clients.wire.types import ChatMessage, Delta, GenerateParams, Generation, Usage
 
 __all__ = [
     "AuthenticationError", "BackoffError", "BadRequestError", "NotFoundError", "OverloadedError", "RateLimitError",

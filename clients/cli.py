@@ -13,9 +13,9 @@ import argparse
 import json
 import sys
 
-from .errors import BackoffError, TransportError
-from .logprobs import TokenLogprob
-from .types import ChatMessage, GenerateParams, Usage, merge_params
+from clients.wire.errors import BackoffError, TransportError
+from clients.wire.logprobs import TokenLogprob
+from clients.wire.types import ChatMessage, GenerateParams, Usage, merge_params
 
 _SMALL, _LARGER, _RESET = "\033[32m", "\033[1;31m", "\033[0m"
 
@@ -54,10 +54,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def _client(args):
     if args.grpc:
-        from .grpc_client import BackoffGrpcClient
+        from clients.grpc_client import BackoffGrpcClient
 
         return BackoffGrpcClient(args.grpc, model=args.model, api_key=args.api_key, timeout=args.timeout)
-    from .http_client import BackoffHTTPClient
+    from clients.http_client import BackoffHTTPClient
 
     return BackoffHTTPClient(args.url, model=args.model, api_key=args.api_key, timeout=args.timeout)
 

@@ -16,12 +16,12 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 
 import grpc
 
-from . import backoff_pb2 as pb
-from . import backoff_pb2_grpc as pb_grpc
-from .errors import from_grpc
-from .retry import NO_RETRY, Retry
-from .proto import deltas_from_pb, generation_from_pb, request_to_pb
-from .types import ChatMessage, Delta, GenerateParams, Generation, merge_params
+from clients.wire import backoff_pb2 as pb
+from clients.wire import backoff_pb2_grpc as pb_grpc
+from clients.wire.errors import from_grpc
+from clients.retry import NO_RETRY, Retry
+from clients.wire.proto import deltas_from_pb, generation_from_pb, request_to_pb
+from clients.wire.types import ChatMessage, Delta, GenerateParams, Generation, merge_params
 
 Messages = Sequence[ChatMessage | dict]
 

@@ -17,9 +17,9 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 
 import httpx
 
-from .errors import BackoffError, from_event, from_http, from_transport
-from .retry import NO_RETRY, Retry
-from .types import (
+from clients.wire.errors import BackoffError, from_event, from_http, from_transport
+from clients.retry import NO_RETRY, Retry
+from clients.wire.types import (
     ChatMessage, Delta, GenerateParams, Generation, delta_from_chunk, generation_from_body, merge_params,
 )
 

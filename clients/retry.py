@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from .errors import BackoffError, OverloadedError
+from clients.wire.errors import BackoffError, OverloadedError
 
 
 @dataclass(frozen=True)

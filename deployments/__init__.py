@@ -2,5 +2,6 @@
 
 Ingress (HTTP + gRPC) -> SmallRouter (M_S + decision function + step loop)
 -> LargeModel (M_L; batched catch-up; one session per request; affinity by session).
-The Ray-free parts (engine_loop, batcher, remote, config) are importable without Ray.
+The Ray-free parts live in `deployments.serving` (config, edge, formats, step-loop driver,
+batcher, remote M_L endpoint) and are importable without Ray.
 """

@@ -12,10 +12,10 @@ import ray
 from ray.serve import Application
 from ray.serve.config import BackpressureConfig
 
-from .config import AppArgs, ReplicaConfig
-from .ingress import Ingress
-from .large import LargeModel
-from .small import SmallRouter
+from deployments.serving.config import AppArgs, ReplicaConfig
+from deployments.ingress import Ingress
+from deployments.large import LargeModel
+from deployments.small import SmallRouter
 
 
 def level_deployment_name(level: int, num_levels: int) -> str:

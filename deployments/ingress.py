@@ -38,22 +38,22 @@ from starlette.exceptions import HTTPException
 from starlette.middleware.body_limit import MAX_BODY_SIZE_SCOPE_KEY
 
 from backoff_core.types import GenerationResult, TokenEvent
-from clients import backoff_pb2 as pb
-from clients.errors import describe_validation
-from clients.proto import params_from_pb, prompt_from_pb
-from clients.types import ChatCompletionRequest, CompletionRequest, GenerateParams, ModelCard, ModelList
+from clients.wire import backoff_pb2 as pb
+from clients.wire.errors import describe_validation
+from clients.wire.proto import params_from_pb, prompt_from_pb
+from clients.wire.types import ChatCompletionRequest, CompletionRequest, GenerateParams, ModelCard, ModelList
 
-from .access import ClientError, Edge, EdgeGate, body_too_large, check_limits, peer_host
-from .admission import Overloaded
-from .config import AppArgs, handle_options
-from .engine_loop import Admitted, Failed, Rejected
-from .formats import (
+from deployments.serving.access import ClientError, Edge, EdgeGate, body_too_large, check_limits, peer_host
+from deployments.serving.admission import Overloaded
+from deployments.serving.config import AppArgs, handle_options
+from deployments.serving.engine_loop import Admitted, Failed, Rejected
+from deployments.serving.formats import (
     TokenChunks, error_body, final_chunk_body, pb_chunks, pb_final_chunk, pb_response, response_body,
 )
-from .grpc_service import Undecodable
-from .playground import mount_playground, routing_info
-from .requests import serve_request
-from .streams import Overload, ServerFailure, collect, failure, guarded, holding
+from deployments.serving.grpc_service import Undecodable
+from deployments.serving.playground import mount_playground, routing_info
+from deployments.serving.requests import serve_request
+from deployments.streams import Overload, ServerFailure, collect, failure, guarded, holding
 
 app = FastAPI(title="Backoff Serve", description="Backoff decoding: a small and a large LM, one live threshold.")
 log = logging.getLogger(__name__)

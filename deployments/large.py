@@ -31,15 +31,16 @@ import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from backoff_core.kernels import trim_heap
-from backoff_core.engine import make_runner
-from backoff_core.kv_budget import describe, kv_evictions, kv_tokens
+from backoff_core.types import level_names
+from backoff_core.models.kernels import trim_heap
+from backoff_core.engine.engine import make_runner
+from backoff_core.runners.kv_budget import describe, kv_evictions, kv_tokens
 from backoff_core.types import KVSpec
 
-from .batcher import CatchUpBatcher, CatchUpCall, CatchUpReply, ForwardRecord
-from .config import CatchUpConfig, ModelsConfig
-from .metrics import LargeMetrics, level_names
-from .models import load_level
+from deployments.serving.batcher import CatchUpBatcher, CatchUpCall, CatchUpReply, ForwardRecord
+from deployments.serving.config import CatchUpConfig, ModelsConfig
+from deployments.metrics import LargeMetrics
+from deployments.serving.models import load_level
 
 log = logging.getLogger(__name__)
 AFFINITY = RequestRouterConfig(request_router_class="deployments.affinity:SessionAffinityRouter")

@@ -11,9 +11,9 @@ import threading
 
 from ray.serve import metrics
 
-from backoff_core.types import GenerationResult
+from backoff_core.types import GenerationResult, level_names
 
-from .batcher import ForwardRecord
+from deployments.serving.batcher import ForwardRecord
 
 _LENGTHS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024]
 _SIZES = [1, 2, 4, 8, 16, 32, 64, 128]
@@ -54,10 +54,6 @@ class Gauge:
             for g in gauges:
                 for key, value in list(g._last.items()):
                     g._gauge.set(value, tags=dict(key))
-
-
-def level_names(num_levels: int) -> list[str]:
-    return ["small", *[f"medium{i}" for i in range(1, num_levels - 1)], "large"]
 
 
 class RouterMetrics:

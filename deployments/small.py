@@ -32,22 +32,23 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle
 
-from backoff_core.engine import BackoffEngine, make_runner
-from backoff_core.kv_budget import kv_evictions, kv_tokens
-from backoff_core.prompts import encode_chat, encode_prompt
-from backoff_core.routers import build_router
+from backoff_core.types import level_names
+from backoff_core.engine.engine import BackoffEngine, make_runner
+from backoff_core.runners.kv_budget import kv_evictions, kv_tokens
+from backoff_core.models.prompts import encode_chat, encode_prompt
+from backoff_core.routing.routers import build_router
 from backoff_core.types import GenerationRequest, GenerationResult, TokenEvent
 
-from .admission import AdmissionGate, Overloaded
-from .chaos import FaultInjector
-from .batcher import CatchUpCall
-from .config import AppArgs, RoutingConfig, handle_options
-from .engine_loop import Admitted, EngineLoop, Failed, Rejected
-from .large import replica_kv
-from .metrics import KVMetrics, RouterMetrics, level_names
-from .models import load_small_side
-from .remote import RemoteLarge
-from .requests import ServeRequest, generation_request
+from deployments.serving.admission import AdmissionGate, Overloaded
+from deployments.serving.chaos import FaultInjector
+from deployments.serving.batcher import CatchUpCall
+from deployments.serving.config import AppArgs, RoutingConfig, handle_options
+from deployments.serving.engine_loop import Admitted, EngineLoop, Failed, Rejected
+from deployments.large import replica_kv
+from deployments.metrics import KVMetrics, RouterMetrics
+from deployments.serving.models import load_small_side
+from deployments.serving.remote import RemoteLarge
+from deployments.serving.requests import ServeRequest, generation_request
 
 log = logging.getLogger(__name__)
 

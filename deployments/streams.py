@@ -15,7 +15,7 @@ from ray.serve.handle import DeploymentResponseGenerator
 
 from backoff_core.types import GenerationResult
 
-from .engine_loop import Failed, Rejected
+from deployments.serving.engine_loop import Failed, Rejected
 
 class ServerFailure(RuntimeError):
     """Serving failed; status 503 when a part of the chain is down or too slow."""

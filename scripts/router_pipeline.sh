@@ -16,7 +16,7 @@ cd "$(dirname "$0")/.."
 R=${R:-runs/router}
 T=${THREADS:-1}  # on a CPU shared with others, 1 thread beats 2 (OpenMP threads wait on each other)
 STEPS=${STEPS:-"data train calibrate evaluate"}
-backoff() { python -m backoff_core.cli "$@"; }
+backoff() { python -m backoff_core.cli.main "$@"; }
 
 if [[ $STEPS == *data* ]]; then
   backoff router-data --out $R/pretrain --corpus stdlib:train --max-positions 24576 --threads $T

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from backoff_core.engine import BackoffEngine
-from backoff_core.runner import ModelRunner
+from backoff_core.engine.engine import BackoffEngine
+from backoff_core.runners.dynamic import ModelRunner
 from backoff_core.types import GenerationRequest, RoutingParams, SamplingParams
 
 

@@ -2,7 +2,7 @@
 property tests of tests/test_serve_input.py: finite floats at the extremes of float32 and
 float64, -0.0, subnormals, JSON nulls, wrong types, huge integers, content parts, unicode.
 
-`expected_refusal` says, from the schema alone (clients/types.py, the client-side model the
+`expected_refusal` says, from the schema alone (clients/wire/types.py, the client-side model the
 server validates with, plus the module's limits), which field a body must be refused for;
 a body it accepts must be served (200), whatever its numbers.
 """
@@ -14,9 +14,9 @@ import json
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from clients import backoff_pb2 as pb
-from clients.errors import describe_validation
-from clients.types import ChatCompletionRequest, CompletionRequest
+from clients.wire import backoff_pb2 as pb
+from clients.wire.errors import describe_validation
+from clients.wire.types import ChatCompletionRequest, CompletionRequest
 
 # finite floats where float32 arithmetic breaks: subnormals, 1/T overflow, beyond float32's max
 EXTREME_FLOATS = st.sampled_from([0.0, -0.0, 5e-324, -5e-324, 1e-300, 1e-45, 1e-30, 1e-7, 0.5, 1.0, 2.0,

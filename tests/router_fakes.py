@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backoff_core.router_data import RouterData
+from backoff_core.learning.data import RouterData
 
 
 def synthetic(n: int = 4000, d: int = 16, seed: int = 0, signal: bool = True, layers=(0, 1)) -> RouterData:

@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 from pydantic import SecretStr, ValidationError
 
-from backoff_core.prompts import encode_chat
-from clients import backoff_pb2 as pb
-from clients.errors import describe_validation
-from clients.types import ChatCompletionRequest, ChatMessage, CompletionRequest, GenerateParams
-from deployments.access import Access, ClientError, ClientSlots, check_limits, peer_host
-from deployments.config import AccessConfig, AppArgs, LimitsConfig
-from deployments.grpc_service import Undecodable, _lenient
+from backoff_core.models.prompts import encode_chat
+from clients.wire import backoff_pb2 as pb
+from clients.wire.errors import describe_validation
+from clients.wire.types import ChatCompletionRequest, ChatMessage, CompletionRequest, GenerateParams
+from deployments.serving.access import Access, ClientError, ClientSlots, check_limits, peer_host
+from deployments.serving.config import AccessConfig, AppArgs, LimitsConfig
+from deployments.serving.grpc_service import Undecodable, _lenient
 from helpers import engine_for, request
 from tiny import tiny_tokenizer
 

@@ -14,13 +14,13 @@ import pytest
 from pydantic import ValidationError
 
 from clients import OverloadedError, Retry, TransportError
-from clients import backoff_pb2 as pb
-from clients import backoff_pb2_grpc as pb_grpc
-from clients.errors import from_grpc, from_http
+from clients.wire import backoff_pb2 as pb
+from clients.wire import backoff_pb2_grpc as pb_grpc
+from clients.wire.errors import from_grpc, from_http
 from clients.grpc_client import AsyncBackoffGrpcClient, BackoffGrpcClient
 from clients.http_client import AsyncBackoffHTTPClient, BackoffHTTPClient
-from deployments.admission import AdmissionGate
-from deployments.config import AdmissionConfig, AppArgs, ReplicaConfig
+from deployments.serving.admission import AdmissionGate
+from deployments.serving.config import AdmissionConfig, AppArgs, ReplicaConfig
 
 FAST = Retry(attempts=2, max_wait_s=0.01)  # retries honour Retry-After, capped here to keep tests fast
 

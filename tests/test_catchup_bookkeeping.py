@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backoff_core.engine import BackoffEngine
-from backoff_core.routers import Scripted
-from backoff_core.runner import ModelRunner
+from backoff_core.engine.engine import BackoffEngine
+from backoff_core.routing.routers import Scripted
+from backoff_core.runners.dynamic import ModelRunner
 from backoff_core.types import Verification
 from helpers import Recording, engine_for, hf_greedy, request
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from backoff_core.loading import LoadSpec, TokenizerMismatch, check_same_tokenizer, load_chain
+from backoff_core.models.loading import LoadSpec, TokenizerMismatch, check_same_tokenizer, load_chain
 from helpers import hf_greedy
 from tiny import tiny_model, tiny_tokenizer
 
@@ -34,7 +34,7 @@ def model_dirs(tmp_path_factory, pair, tokenizer):
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "backoff_core.cli", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "backoff_core.cli.main", *args], capture_output=True, text=True, timeout=300)
 
 
 def test_generate_json(model_dirs, pair):

@@ -17,27 +17,28 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from clients import backoff_pb2 as pb
-from clients import backoff_pb2_grpc as pb_grpc
-from clients.errors import (
+from clients.wire import backoff_pb2 as pb
+from clients.wire import backoff_pb2_grpc as pb_grpc
+from clients.wire.errors import (
     BadRequestError, NotFoundError, ServerError, TransportError, describe_validation, from_grpc, from_http,
 )
 from clients.grpc_client import AsyncBackoffGrpcClient, BackoffGrpcClient
 from clients.http_client import AsyncBackoffHTTPClient, BackoffHTTPClient
-from clients.proto import delta_from_pb, params_from_pb, prompt_from_pb, request_to_pb
-from clients.types import ChatCompletionRequest, ChatMessage, CompletionRequest, GenerateParams, Usage, merge_params
+from clients.wire.proto import delta_from_pb, params_from_pb, prompt_from_pb, request_to_pb
+from clients.wire.types import ChatCompletionRequest, ChatMessage, CompletionRequest, GenerateParams, Usage, merge_params
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_committed_stubs_match_the_proto(tmp_path):
-    (tmp_path / "clients").mkdir()
-    (tmp_path / "clients" / "backoff.proto").write_bytes((ROOT / "clients" / "backoff.proto").read_bytes())
+    wire = Path("clients") / "wire"
+    (tmp_path / wire).mkdir(parents=True)
+    (tmp_path / wire / "backoff.proto").write_bytes((ROOT / wire / "backoff.proto").read_bytes())
     subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-I.", "--python_out=.", "--grpc_python_out=.",
-                    "clients/backoff.proto"], cwd=tmp_path, check=True)
+                    str(wire / "backoff.proto")], cwd=tmp_path, check=True)
     for name in ("backoff_pb2.py", "backoff_pb2_grpc.py"):
-        assert (tmp_path / "clients" / name).read_text() == (ROOT / "clients" / name).read_text(), \
-            f"clients/{name} is stale: regenerate it (see clients/backoff.proto)"
+        assert (tmp_path / wire / name).read_text() == (ROOT / wire / name).read_text(), \
+            f"clients/wire/{name} is stale: regenerate it (see clients/wire/backoff.proto)"
 
 
 def test_clients_import_neither_ray_nor_torch():

@@ -1,6 +1,6 @@
 """cluster.yaml against Ray's own cluster-config schema (ray/autoscaler/ray-schema.json, the
 one `ray up` validates with), and against what the Serve app asks of it: the node types
-name the custom resources of the model deployments (deployments/config.py), one GPU each."""
+name the custom resources of the model deployments (deployments/serving/config.py), one GPU each."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import yaml
 
 ray_autoscaler = pytest.importorskip("ray.autoscaler")
 
-from deployments.config import AppArgs  # noqa: E402
+from deployments.serving.config import AppArgs  # noqa: E402
 
 CLUSTER_YAML = Path(__file__).resolve().parent.parent / "cluster.yaml"
 

@@ -13,11 +13,11 @@ import json
 import pytest
 
 from backoff_core.types import Logprob, TokenEvent, TokenLogprobs
-from clients import backoff_pb2 as pb
-from clients.proto import delta_from_pb, deltas_from_pb
-from clients.types import delta_from_chunk
-from deployments.engine_loop import _deliver, _Sink
-from deployments.formats import TokenChunks, chunk_body, pb_chunk, pb_chunks
+from clients.wire import backoff_pb2 as pb
+from clients.wire.proto import delta_from_pb, deltas_from_pb
+from clients.wire.types import delta_from_chunk
+from deployments.serving.engine_loop import _deliver, _Sink
+from deployments.serving.formats import TokenChunks, chunk_body, pb_chunk, pb_chunks
 
 RID, MODEL, CREATED = "cmpl-1", "backoff", 1700000000
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from backoff_core import corpus
+from backoff_core.learning import corpus
 
 
 def test_stdlib_split_is_disjoint_and_covers_every_file():

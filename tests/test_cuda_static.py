@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backoff_core.engine import BackoffEngine
-from backoff_core.static_runner import KVCapacityError, StaticRunner
+from backoff_core.engine.engine import BackoffEngine
+from backoff_core.runners.static import KVCapacityError, StaticRunner
 from backoff_core.types import Verification
 from helpers import request
 from tiny import tiny_model

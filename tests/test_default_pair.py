@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backoff_core import default_pair
-from backoff_core.default_pair import (
+from backoff_core.models import default_pair
+from backoff_core.models.default_pair import (
     SHARED_PREFIXES,
     STUDENT_DIR,
     find_large_gguf,

@@ -10,15 +10,15 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from backoff_core.logprobs import LOGPROB_FLOOR
+from backoff_core.engine.logprobs import LOGPROB_FLOOR
 from backoff_core.types import Logprob, TokenEvent, TokenLogprobs
 from clients.http_client import _body
-from clients.proto import delta_from_pb, generation_from_pb, params_from_pb, request_to_pb
-from clients.types import (
+from clients.wire.proto import delta_from_pb, generation_from_pb, params_from_pb, request_to_pb
+from clients.wire.types import (
     ChatCompletionRequest, CompletionRequest, GenerateParams, delta_from_chunk, generation_from_body,
 )
-from deployments.formats import chunk_body, pb_chunk, pb_response, response_body
-from deployments.requests import serve_request
+from deployments.serving.formats import chunk_body, pb_chunk, pb_response, response_body
+from deployments.serving.requests import serve_request
 from helpers import engine_for, request
 
 pytest.importorskip("openai")
@@ -136,8 +136,8 @@ def test_the_edge_maps_both_openai_spellings_to_one_count():
 
 def test_cli_asks_for_logprobs_and_prints_what_a_rollback_leaves(capsys):
     from clients.cli import _generate, _params, _parser
-    from clients.logprobs import TokenLogprob
-    from clients.types import Delta
+    from clients.wire.logprobs import TokenLogprob
+    from clients.wire.types import Delta
 
     args = _parser().parse_args(["generate", "x", "--stream", "--no-color", "--logprobs", "2"])
     assert _params(args) == GenerateParams(logprobs=2)

@@ -1,4 +1,4 @@
-"""One request's failure ends that request alone (backoff_core/isolation.py), and values
+"""One request's failure ends that request alone (backoff_core/engine/isolation.py), and values
 stay finite: a fault injected while handling one request -- its M_S forward, its catch-up,
 its sampling, its router score, its detokenising -- beside live requests that must come
 out exactly as they would alone, with every session freed. Tiny models, no Ray."""
@@ -16,16 +16,16 @@ import torch
 from helpers import engine_for, request
 
 import backoff_core.sampling
-from backoff_core.control import HIGHEST, LOWEST, RateController
-from backoff_core.engine import BackoffEngine
-from backoff_core.routers import Entropy
-from backoff_core.runner import ModelRunner
+from backoff_core.routing.control import HIGHEST, LOWEST, RateController
+from backoff_core.engine.engine import BackoffEngine
+from backoff_core.routing.routers import Entropy
+from backoff_core.runners.dynamic import ModelRunner
 from backoff_core.sampling import Stream, request_seed, uniform
-from backoff_core.state import Detokenizer
+from backoff_core.engine.state import Detokenizer
 from backoff_core.types import FinishReason, GenerationResult, TokenEvent
-from deployments.config import RoutingConfig
-from deployments.engine_loop import Admitted, EngineLoop, Failed
-from deployments.formats import chunk_body, final_chunk_body, json_safe, pb_response, response_body
+from deployments.serving.config import RoutingConfig
+from deployments.serving.engine_loop import Admitted, EngineLoop, Failed
+from deployments.serving.formats import chunk_body, final_chunk_body, json_safe, pb_response, response_body
 
 CULPRIT = "culprit"
 BAD_SEED = 666

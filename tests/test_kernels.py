@@ -1,4 +1,4 @@
-"""oneDNN linear layers (backoff_core.kernels): same outputs as torch's default kernels,
+"""oneDNN linear layers (backoff_core.models.kernels): same outputs as torch's default kernels,
 shared modules stay shared, and nothing changes where they do not apply."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import torch
 from torch import nn
 from torch.utils.mkldnn import MkldnnLinear
 
-from backoff_core.kernels import use_cpu_kernels
-from backoff_core.router_data import model_fingerprint
-from backoff_core.runner import ModelRunner
+from backoff_core.models.kernels import use_cpu_kernels
+from backoff_core.models.kernels import model_fingerprint
+from backoff_core.runners.dynamic import ModelRunner
 from helpers import engine_for, hf_greedy, request
 from tiny import tiny_model
 

@@ -8,13 +8,13 @@ import pytest
 from helpers import engine_for, request
 from test_serve_units import FakeEndpoint, LoopThread, remote_engine
 
-from backoff_core.engine import make_runner
-from backoff_core.kv_budget import bytes_per_token, kv_tokens, resolve_kv
-from backoff_core.runner import ModelRunner
-from backoff_core.static_kv import KVCapacityError
+from backoff_core.engine.engine import make_runner
+from backoff_core.runners.kv_budget import bytes_per_token, kv_tokens, resolve_kv
+from backoff_core.runners.dynamic import ModelRunner
+from backoff_core.runners.static_kv import KVCapacityError
 from backoff_core.types import KVSpec
-from deployments.batcher import CatchUpBatcher, CatchUpCall
-from deployments.engine_loop import Failed
+from deployments.serving.batcher import CatchUpBatcher, CatchUpCall
+from deployments.serving.engine_loop import Failed
 from deployments.streams import Overload, failure
 
 
@@ -148,7 +148,7 @@ def test_auto_budget_and_storage_resolve_on_the_models_device(pair):
 
 
 def test_batcher_refuses_a_new_session_when_static_storage_has_no_free_slot(pair, loop_thread):
-    from backoff_core.static_runner import StaticRunner
+    from backoff_core.runners.static import StaticRunner
 
     runner = StaticRunner(pair[1], "large", kv_budget_tokens=64, max_len=32, cuda_graphs=False)  # 2 slots
     batcher = CatchUpBatcher(runner)
@@ -162,7 +162,7 @@ def test_batcher_refuses_a_new_session_when_static_storage_has_no_free_slot(pair
 def test_backoff_serve_prints_auto_and_takes_a_budget_and_storage():
     import yaml
 
-    from deployments.config import ModelsConfig
+    from deployments.serving.config import ModelsConfig
     from deployments.serve_cli import DEFAULT_CONFIG, _parser, apply_overrides
 
     base = yaml.safe_load(DEFAULT_CONFIG.read_text())
@@ -178,7 +178,7 @@ def test_the_small_models_budget_refuses_new_requests_and_never_evicts_a_live_on
     """M_S extends every live request every step and the step loop cannot rebuild its session,
     so its per-session caches never evict: once the live requests fill its budget a new
     request is refused at admission (KVCapacityError: the 503 kv_capacity of engine_loop)."""
-    from backoff_core.engine import BackoffEngine
+    from backoff_core.engine.engine import BackoffEngine
 
     small = make_runner(pair[0], "small", KVSpec(40, 64, static=False), small=True)
     engine = BackoffEngine([small, ModelRunner(pair[1], "large")], tokenizer)

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 from helpers import hf_greedy, request
 
-from backoff_core.backends import LargeUnavailable
-from backoff_core.engine import BackoffEngine
-from backoff_core.runner import ModelRunner
+from backoff_core.engine.backends import LargeUnavailable
+from backoff_core.engine.engine import BackoffEngine
+from backoff_core.runners.dynamic import ModelRunner
 from backoff_core.types import GenerationRequest, RoutingParams, SamplingParams, Verification
 
 

@@ -1,4 +1,4 @@
-"""Log-probabilities of committed tokens (backoff_core/logprobs.py): each equals log_softmax of
+"""Log-probabilities of committed tokens (backoff_core/engine/logprobs.py): each equals log_softmax of
 its source model's logits recomputed with plain transformers over the whole sequence, the
 top alternatives come sorted from the same distribution, and a verification rollback
 retracts the entries of the tokens it drops."""
@@ -13,7 +13,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from backoff_core.logprobs import LOGPROB_FLOOR, TokenTexts, token_logprobs
+from backoff_core.engine.logprobs import LOGPROB_FLOOR, TokenTexts, token_logprobs
 from backoff_core.types import SamplingParams, Verification
 from helpers import engine_for, request
 

@@ -30,9 +30,9 @@ import yaml
 ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 
-from backoff_core.engine import BackoffEngine  # noqa: E402
-from backoff_core.loading import LoadSpec, load_model  # noqa: E402
-from backoff_core.runner import ModelRunner  # noqa: E402
+from backoff_core.engine.engine import BackoffEngine  # noqa: E402
+from backoff_core.models.loading import LoadSpec, load_model  # noqa: E402
+from backoff_core.runners.dynamic import ModelRunner  # noqa: E402
 from backoff_core.types import GenerationRequest, RoutingParams, SamplingParams  # noqa: E402
 from clients import TransportError  # noqa: E402
 from clients.http_client import AsyncBackoffHTTPClient, BackoffHTTPClient  # noqa: E402

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from backoff_core.cli import main
+from backoff_core.cli.main import main
 from router_fakes import one_thread  # noqa: F401 (autouse fixture)
 from test_router_data import write_corpus
 

@@ -8,11 +8,11 @@ import json
 import pytest
 import torch
 
-from backoff_core.calibrate import achieved_rates, calibrate, calibrate_dir, head_scores
-from backoff_core.control import RateController, rate_prior
-from backoff_core.router_head import RouterHead
-from backoff_core.router_train import TrainConfig, save, train
-from backoff_core.routers import Classifier
+from backoff_core.learning.calibrate import achieved_rates, calibrate, calibrate_dir, head_scores
+from backoff_core.routing.control import RateController, rate_prior
+from backoff_core.routing.head import RouterHead
+from backoff_core.learning.train import TrainConfig, save, train
+from backoff_core.routing.routers import Classifier
 from helpers import engine_for, request
 from router_fakes import one_thread, synthetic  # noqa: F401 (autouse fixture)
 
@@ -127,8 +127,8 @@ def test_controller_in_the_engine(pair, tokenizer):
 
 
 def test_the_default_pair_gets_the_committed_head(pair, tokenizer):
-    from backoff_core.loading import Chain
-    from backoff_core.router_train import DEFAULT_HEAD_DIR, default_head_dir
+    from backoff_core.models.loading import Chain
+    from backoff_core.models.default_pair import DEFAULT_HEAD_DIR, default_head_dir
 
     assert default_head_dir(Chain(tuple(pair), tokenizer, ("a", "b"))) is None
     if not (DEFAULT_HEAD_DIR / "head.json").exists():

@@ -9,10 +9,10 @@ import random
 import pytest
 import torch
 
-from backoff_core import router_data
-from backoff_core.loading import Chain
-from backoff_core.router_corpus import load_documents, parse_spec
-from backoff_core.router_data import DataConfig, build, load, make_windows
+from backoff_core.learning import data as router_data
+from backoff_core.models.loading import Chain
+from backoff_core.learning.sources import load_documents, parse_spec
+from backoff_core.learning.data import DataConfig, build, load, make_windows
 from backoff_core.sampling import entropy, kl_divergence
 from router_fakes import one_thread  # noqa: F401 (autouse fixture)
 
@@ -99,7 +99,7 @@ def test_bad_specs_are_user_errors(tmp_path):
 
 def test_a_head_scores_stored_positions_as_the_engine_does(built):
     """data_scores (training, calibration, evaluation) == RouterHead.score on live tensors."""
-    from backoff_core.router_train import TrainConfig, data_scores, train
+    from backoff_core.learning.train import TrainConfig, data_scores, train
 
     chain, cfg, out = built
     data = load(out)

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from backoff_core.router_head import HeadMeta, RouterHead
-from backoff_core.routers import NAMES, StepContext, build_router
+from backoff_core.routing.head import HeadMeta, RouterHead
+from backoff_core.routing.routers import NAMES, StepContext, build_router
 from helpers import engine_for, request
 
 PROMPT = (3, 4, 5, 6)

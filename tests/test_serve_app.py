@@ -26,13 +26,13 @@ import yaml
 ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 
-from backoff_core.engine import BackoffEngine  # noqa: E402
-from backoff_core.loading import LoadSpec, load_model  # noqa: E402
-from backoff_core.runner import ModelRunner  # noqa: E402
+from backoff_core.engine.engine import BackoffEngine  # noqa: E402
+from backoff_core.models.loading import LoadSpec, load_model  # noqa: E402
+from backoff_core.runners.dynamic import ModelRunner  # noqa: E402
 from backoff_core.types import GenerationRequest, RoutingParams, SamplingParams  # noqa: E402
 from clients import BadRequestError, NotFoundError, ServerError  # noqa: E402
-from clients import backoff_pb2 as pb  # noqa: E402
-from clients import backoff_pb2_grpc as pb_grpc  # noqa: E402
+from clients.wire import backoff_pb2 as pb  # noqa: E402
+from clients.wire import backoff_pb2_grpc as pb_grpc  # noqa: E402
 from clients.grpc_client import AsyncBackoffGrpcClient, BackoffGrpcClient  # noqa: E402
 from clients.http_client import AsyncBackoffHTTPClient, BackoffHTTPClient  # noqa: E402
 from deployments import serve_cli  # noqa: E402

@@ -25,11 +25,11 @@ import yaml
 ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 
-from clients import backoff_pb2 as pb  # noqa: E402
-from clients import backoff_pb2_grpc as pb_grpc  # noqa: E402
+from clients.wire import backoff_pb2 as pb  # noqa: E402
+from clients.wire import backoff_pb2_grpc as pb_grpc  # noqa: E402
 from clients.grpc_client import AsyncBackoffGrpcClient  # noqa: E402
 from clients.http_client import AsyncBackoffHTTPClient  # noqa: E402
-from clients.proto import deltas_from_pb  # noqa: E402
+from clients.wire.proto import deltas_from_pb  # noqa: E402
 from deployments import serve_cli  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

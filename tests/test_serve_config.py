@@ -14,11 +14,11 @@ from ray.serve.schema import ServeDeploySchema
 from backoff_core.types import CatchUp, FinishReason, GenerationResult, Timings
 from deployments.affinity import rendezvous
 from deployments.app import build_app, replica_options
-from deployments.config import AppArgs, ModelsConfig, ReplicaConfig, RoutingConfig
-from deployments.formats import response_body, usage_of
-from deployments.requests import RoutingOverrides, routing_params, serve_request
+from deployments.serving.config import AppArgs, ModelsConfig, ReplicaConfig, RoutingConfig
+from deployments.serving.formats import response_body, usage_of
+from deployments.serving.requests import RoutingOverrides, routing_params, serve_request
 from deployments.serve_cli import DEFAULT_CONFIG, _parser, apply_overrides
-from clients.types import ChatMessage, GenerateParams
+from clients.wire.types import ChatMessage, GenerateParams
 
 
 def test_packaged_config_is_a_valid_serve_config():
@@ -29,12 +29,12 @@ def test_packaged_config_is_a_valid_serve_config():
     AppArgs.model_validate(app.args)
     users = {d.name: d.user_config for d in app.deployments}
     RoutingConfig.model_validate(users["SmallRouter"])
-    assert "deployments.grpc_service.add_BackoffServicer_to_server" in schema.grpc_options.grpc_servicer_functions
+    assert "deployments.serving.grpc_service.add_BackoffServicer_to_server" in schema.grpc_options.grpc_servicer_functions
     assert schema.http_options.host == "127.0.0.1"  # loopback unless exposed on purpose
 
 
 def test_every_config_field_is_described():
-    from deployments import config
+    from deployments.serving import config
 
     for model in (config.ModelsConfig, config.RoutingConfig, config.CatchUpConfig, config.ReplicaConfig,
                   config.AccessConfig, config.LimitsConfig, config.AppArgs):

@@ -17,15 +17,15 @@ from fastapi import FastAPI
 from helpers import engine_for, request
 from test_serve_units import FakeEndpoint, LoopThread, remote_engine
 
-from backoff_core.backends import LargeUnavailable
-from backoff_core.runner import ModelRunner
-from clients import backoff_pb2 as pb
-from clients.types import GenerateParams
-from deployments.access import Edge
-from deployments.batcher import CatchUpBatcher, CatchUpCall
-from deployments.chaos import FaultInjector, InjectedFault
-from deployments.config import AppArgs
-from deployments.engine_loop import Failed
+from backoff_core.engine.backends import LargeUnavailable
+from backoff_core.runners.dynamic import ModelRunner
+from clients.wire import backoff_pb2 as pb
+from clients.wire.types import GenerateParams
+from deployments.serving.access import Edge
+from deployments.serving.batcher import CatchUpBatcher, CatchUpCall
+from deployments.serving.chaos import FaultInjector, InjectedFault
+from deployments.serving.config import AppArgs
+from deployments.serving.engine_loop import Failed
 from deployments.ingress import Ingress, InternalErrors
 from deployments.streams import ServerFailure
 

@@ -34,12 +34,12 @@ ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 
 from clients import AuthenticationError, BadRequestError, RateLimitError  # noqa: E402
-from clients import backoff_pb2 as pb  # noqa: E402
-from clients import backoff_pb2_grpc as pb_grpc  # noqa: E402
+from clients.wire import backoff_pb2 as pb  # noqa: E402
+from clients.wire import backoff_pb2_grpc as pb_grpc  # noqa: E402
 from clients import cli  # noqa: E402
 from clients.grpc_client import BackoffGrpcClient  # noqa: E402
 from clients.http_client import BackoffHTTPClient  # noqa: E402
-from clients.types import Usage  # noqa: E402
+from clients.wire.types import Usage  # noqa: E402
 from deployments import serve_cli  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))

@@ -27,8 +27,8 @@ ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 
 from clients import Retry  # noqa: E402
-from clients import backoff_pb2 as pb  # noqa: E402
-from clients import backoff_pb2_grpc as pb_grpc  # noqa: E402
+from clients.wire import backoff_pb2 as pb  # noqa: E402
+from clients.wire import backoff_pb2_grpc as pb_grpc  # noqa: E402
 from clients.grpc_client import AsyncBackoffGrpcClient, BackoffGrpcClient  # noqa: E402
 from clients.http_client import AsyncBackoffHTTPClient, BackoffHTTPClient  # noqa: E402
 from deployments import serve_cli  # noqa: E402

@@ -13,14 +13,14 @@ import pytest
 import torch
 from helpers import engine_for, request
 
-from backoff_core.engine import BackoffEngine
-from backoff_core.runner import ModelRunner
+from backoff_core.engine.engine import BackoffEngine
+from backoff_core.runners.dynamic import ModelRunner
 from backoff_core.types import GenerationResult, TokenEvent, Verification
-from deployments.batcher import CatchUpBatcher, CatchUpCall, CatchUpReply
-from deployments.config import RoutingConfig
-from deployments.engine_loop import Admitted, EngineLoop, Rejected
-from deployments.remote import RemoteLarge
-from deployments.requests import RoutingOverrides, ServeRequest, generation_request
+from deployments.serving.batcher import CatchUpBatcher, CatchUpCall, CatchUpReply
+from deployments.serving.config import RoutingConfig
+from deployments.serving.engine_loop import Admitted, EngineLoop, Rejected
+from deployments.serving.remote import RemoteLarge
+from deployments.serving.requests import RoutingOverrides, ServeRequest, generation_request
 
 
 class LoopThread:

@@ -15,10 +15,10 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from backoff_core.engine import BackoffEngine, make_runner
-from backoff_core.runner import ModelRunner
-from backoff_core.static_kv import KVCapacityError
-from backoff_core.static_runner import StaticRunner
+from backoff_core.engine.engine import BackoffEngine, make_runner
+from backoff_core.runners.dynamic import ModelRunner
+from backoff_core.runners.static_kv import KVCapacityError
+from backoff_core.runners.static import StaticRunner
 from backoff_core.types import GenerationRequest, KVSpec, RoutingParams, SamplingParams
 from tiny import VOCAB
 
@@ -80,7 +80,7 @@ def test_a_model_the_static_forward_cannot_run_keeps_per_session_caches(caplog):
     config = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128)
     model = Qwen3ForCausalLM(config).eval()
-    with caplog.at_level(logging.WARNING, logger="backoff_core.engine"):
+    with caplog.at_level(logging.WARNING, logger="backoff_core.engine.engine"):
         runner = make_runner(model, "large", KVSpec(budget_tokens=256, max_len=64))
     assert type(runner) is ModelRunner
     assert "no static KV storage" in caplog.text and "qwen3" in caplog.text
@@ -88,7 +88,7 @@ def test_a_model_the_static_forward_cannot_run_keeps_per_session_caches(caplog):
 
 def test_the_step_loop_refuses_a_request_without_a_slot_as_503_kv_capacity(pair, tokenizer):
     """Serving: the refusal is the request's alone, retriable (503), and names the budget."""
-    from deployments.engine_loop import Admitted, EngineLoop, Failed
+    from deployments.serving.engine_loop import Admitted, EngineLoop, Failed
     from deployments.streams import failure
 
     engine = _engine(pair, tokenizer, KVSpec(budget_tokens=64, max_len=64))  # one slot

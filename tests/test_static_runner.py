@@ -11,10 +11,10 @@ import torch
 from transformers import (GemmaConfig, GemmaForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
                           MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
-from backoff_core.cuda_graphs import CudaGraphs
-from backoff_core.engine import BackoffEngine
-from backoff_core.runner import ModelRunner
-from backoff_core.static_runner import KVCapacityError, StaticRunner
+from backoff_core.runners.cuda_graphs import CudaGraphs
+from backoff_core.engine.engine import BackoffEngine
+from backoff_core.runners.dynamic import ModelRunner
+from backoff_core.runners.static import KVCapacityError, StaticRunner
 from backoff_core.types import Verification
 from helpers import engine_for, hf_greedy, request
 from tiny import VOCAB, tiny_model

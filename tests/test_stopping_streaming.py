@@ -98,7 +98,7 @@ def test_the_detokenizer_decodes_exactly_as_the_tokenizer(tokenizer):
 
     from transformers import AutoTokenizer
 
-    from backoff_core.state import Detokenizer
+    from backoff_core.engine.state import Detokenizer
 
     tokenizers = [tokenizer]
     bpe = Path(__file__).resolve().parents[2] / "shared" / "gpu" / "tok"  # SmolLM2's, beside the repo

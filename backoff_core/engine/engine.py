@@ -1,0 +1,468 @@
+"""The backoff decoding step loop, for many requests at once.
+
+One `step()` advances every live request by one committed token (or one rollback):
+  1. levels known before M_S runs (speculative verify steps, always-large) skip M_S
+  2. M_S forward for the others, batched: next-token logits (+ hidden state for the router)
+  3. oracle routers: the largest model catches up first, to know KL(M_L||M_S)
+  4. decide: score -> level per request (thresholds read once per step)
+  5. catch-up per level, batched over requests: ONE forward over each request's pending
+     tokens; verification may roll back; the step's token comes from that level
+  6. commit: append, stream, stop
+A request whose larger model could not answer (catchup.py) is `degraded`: from then on it
+is routed nowhere but M_S, and a step whose catch-up failed takes M_S's token instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from backoff_core.engine.backends import Backend
+from backoff_core.engine.catchup import CatchUpper, Outcome
+from backoff_core.routing.control import HIGHEST, LOWEST, RateController, rate_prior
+from backoff_core.engine.isolation import batched, each, reopen
+from backoff_core.routing.routers import DecisionFunction, StepContext, build_router
+from backoff_core.runners.dynamic import ModelRunner
+from backoff_core.sampling import Stream, draw, request_seed, uniforms
+from backoff_core.engine.logprobs import TokenTexts, token_logprobs
+from backoff_core.engine.state import Detokenizer, Live
+from backoff_core.types import FinishReason, GenerationRequest, GenerationResult, KVSpec, TokenEvent, Verification, level_names
+
+
+log = logging.getLogger(__name__)
+
+
+class BackoffEngine:
+    """models: smallest first. Each is a ModelRunner or any Backend (e.g. a remote M_L)."""
+
+    def __init__(
+        self,
+        models: Sequence[Backend],
+        tokenizer,
+        *,
+        classifier_path: str | None = None,
+        hidden_size: int | None = None,
+        context_window: int | None = None,
+        collect_kl: bool = False,
+    ) -> None:
+        if len(models) < 2:
+            raise ValueError("backoff decoding needs at least two models (small and large)")
+        self.models = list(models)
+        self.tokenizer = tokenizer
+        self.classifier_path = classifier_path
+        self.hidden_size = hidden_size
+        # a static KV slot holds max_positions: no longer request is admitted
+        slots = [m.max_positions for m in models if getattr(m, "max_positions", None)]
+        self.context_window = min([w for w in (context_window, *slots) if w], default=None)
+        self.collect_kl = collect_kl
+        self.eos_ids = _eos_ids(tokenizer)
+        self.detok = Detokenizer(tokenizer)
+        self.token_texts = TokenTexts(tokenizer)
+        self.catch_up = CatchUpper(self.models, collect_kl)
+        self._live: dict[str, Live] = {}
+        self._routers: dict[tuple, DecisionFunction] = {}
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_chain(cls, chain, kv: KVSpec | None = None, **kwargs) -> "BackoffEngine":
+        """An in-process engine over a loaded Chain (backoff_core.models.loading). kv: static KV
+        storage (and CUDA graphs on a GPU) for every model; None keeps per-session caches."""
+        names = level_names(len(chain.models))
+        kwargs.setdefault("context_window", chain.context_window)
+        kwargs.setdefault("hidden_size", chain.models[0].config.hidden_size)
+        if kwargs.get("classifier_path") is None:  # the default pair ships a trained router head
+            from backoff_core.models.default_pair import default_head_dir
+
+            kwargs["classifier_path"] = default_head_dir(chain)
+        runners = [make_runner(chain.models[0], names[0], kv, small=True, classifier_path=kwargs["classifier_path"])]
+        runners += [make_runner(m, n, kv) for m, n in zip(chain.models[1:], names[1:])]
+        return cls(runners, chain.tokenizer, **kwargs)
+
+    @property
+    def num_levels(self) -> int:
+        return len(self.models)
+
+    # -- admission ------------------------------------------------------------------------
+    def submit(self, request: GenerationRequest, router: DecisionFunction | None = None) -> str:
+        """Admit a request (M_S prompt prefill now); returns its id. Raises ValueError on bad input."""
+        rid = request.request_id or f"req-{next(self._ids)}"
+        if rid in self._live:
+            raise ValueError(f"request id {rid!r} is already live")
+        total = len(request.prompt_ids) + request.sampling.max_tokens
+        if self.context_window and total > self.context_window:
+            raise ValueError(
+                f"prompt ({len(request.prompt_ids)} tokens) + max_tokens ({request.sampling.max_tokens}) "
+                f"exceeds the context window of {self.context_window} tokens"
+            )
+        vocab = self.models[0].vocab_size
+        if any(not 0 <= t < vocab for t in request.prompt_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        router = router or self._router(request)
+        routing = request.routing
+        thresholds = routing.thresholds or router.default_thresholds(self.num_levels)
+        if len(thresholds) != self.num_levels - 1:
+            raise ValueError(f"{self.num_levels} models need {self.num_levels - 1} thresholds, got {len(thresholds)}")
+        low, high = router.threshold_range
+        if any(not low <= t <= high for t in thresholds):
+            raise ValueError(f"thresholds of the {router.name} router must be in [{low}, {high}], "
+                             f"got {list(thresholds)}")
+        thresholds = tuple(min(HIGHEST, max(LOWEST, float(t))) for t in thresholds)  # finite, in float64 too
+        controller = None
+        if routing.target_backoff is not None:
+            if self.num_levels != 2:
+                raise ValueError("target_backoff needs exactly two models")
+            # a calibrated router starts from its calibration table, then the controller steers
+            controller = RateController(routing.target_backoff, thresholds[0], prior=rate_prior(router),
+                                        horizon=request.sampling.max_tokens)
+            thresholds = (controller.threshold,)
+        live = Live(
+            request=request, sid=rid, router=router,
+            thresholds=torch.tensor(thresholds, dtype=torch.float64),
+            seed=request_seed(request.sampling.seed), num_levels=self.num_levels,
+            controller=controller, tokens=list(request.prompt_ids), fed=[0] * self.num_levels,
+        )
+        start = time.perf_counter()
+        opened = []
+        try:
+            for level, model in enumerate(self.models):
+                if level == 0 or routing.eager_prefill or router.needs_large_logits:
+                    model.open(rid)
+                    opened.append(model)
+                    live.opened.add(level)
+            # prefill all but the last prompt token: every step then reads >= 1 pending token
+            head = list(request.prompt_ids[:-1])
+            if head:
+                for level, model in enumerate(self.models):
+                    if model in opened:
+                        model.extend([(rid, head)], last_only=True)
+                        live.fed[level] = len(head)
+        except Exception:
+            for model in opened:
+                model.close(rid)
+            raise
+        live.prefill_s = time.perf_counter() - start
+        self._live[rid] = live
+        return rid
+
+    def _router(self, request: GenerationRequest) -> DecisionFunction:
+        r = request.routing
+        if r.router == "scripted":
+            raise ValueError("the scripted router is passed as an object, not by name")
+        key = (r.router, r.rate, r.draft_tokens)
+        if key not in self._routers:
+            self._routers[key] = build_router(
+                r.router, rate=r.rate, draft_tokens=r.draft_tokens,
+                classifier_path=self.classifier_path, hidden_size=self.hidden_size,
+            )
+        return self._routers[key]
+
+    def cancel(self, rid: str) -> None:
+        live = self._live.pop(rid, None)
+        if live is not None:
+            self._close_sessions(live)
+
+    def _close_sessions(self, live: Live) -> None:
+        for model in self.models:
+            try:
+                model.close(live.sid)
+            except Exception:  # a lost remote session is already gone
+                pass
+
+    def has_work(self) -> bool:
+        return any(not r.done for r in self._live.values())
+
+    def live_ids(self) -> list[str]:
+        return list(self._live)
+
+    def finished_ids(self) -> list[str]:
+        """Requests whose last token is committed (or that failed); `finish(rid)` collects each."""
+        return [rid for rid, live in self._live.items() if live.done]
+
+    # -- the step -------------------------------------------------------------------------
+    def step(self) -> dict[str, TokenEvent]:
+        live = [r for r in self._live.values() if not r.done]
+        if not live:
+            return {}
+        # 1. levels decided without M_S (a degraded request has M_S only). From here on, an
+        # exception while handling one request ends that request alone (isolation.py).
+        forced = each(live, self.models, self._forced_level)
+        live = [r for r in live if r.sid in forced]
+        stepping = [r for r in live if forced[r.sid] < 0]
+        # 2. M_S, batched
+        small = self._small_step(stepping)
+        # 3+4. decide (oracles catch the largest model up first)
+        levels: dict[str, int] = {sid: f for sid, f in forced.items() if f >= 0}
+        outcomes: dict[str, Outcome] = {}
+        scores: dict[str, float] = {}
+        for router, group in _by_router([r for r in stepping if not r.degraded and r.sid in small]).items():
+            self._decide(router, group, small, levels, outcomes, scores)
+        # 5. catch-ups, one batched forward per level
+        for level in range(1, self.num_levels):
+            group = [r for r in live if levels.get(r.sid) == level and r.sid not in outcomes and not r.degraded
+                     and r.failure is None]
+            outcomes.update(self.catch_up.run(level, group))
+        # a catch-up failed (degraded): M_S's token instead, for those that skipped M_S
+        small.update(self._small_step([r for r in live if r.degraded and r.failure is None and r.sid not in small
+                                       and not r.finish_after_verify]))
+        # 6. commit (the tokens of the steps that stay small are drawn together: one sync)
+        drawn = self._draw([r for r in live if r.failure is None and r.sid in small and r.sid not in outcomes
+                            and not r.finish_after_verify], small)
+        settled = each([r for r in live if r.failure is None], self.models,
+                       lambda r: self._settle(r, outcomes.get(r.sid), small, drawn.get(r.sid), scores))
+        return {sid: event for sid, event in settled.items() if event is not None}
+
+    def _draw(self, group: list[Live], small: dict) -> dict[str, int]:
+        """sid -> the token each request draws from its M_S logits: one batched draw on
+        the logits' device and one host copy for the whole group."""
+        if not group:
+            return {}
+
+        def together(g: Sequence[Live]) -> list[int]:
+            return draw(torch.stack([small[r.sid][0] for r in g]), [r.request.sampling for r in g],
+                        [r.seed for r in g], [len(r.tokens) for r in g])
+
+        return batched(group, self.models, together, lambda r: together([r])[0])
+
+    def _forced_level(self, r: Live) -> int:
+        """The level of r's step if it is known before M_S runs, else -1."""
+        if r.degraded:
+            return -1
+        if r.finish_after_verify:  # about to finish with unverified drafts: the largest model checks them
+            return self.num_levels - 1
+        if not r.router.forces_levels:
+            return -1
+        f = r.router.levels_before_small_step(torch.tensor([r.drafts()]), r.thresholds[None], self.num_levels)
+        return int(f[0]) if f is not None else -1
+
+    def _settle(self, r: Live, outcome: Outcome | None, small: dict, drawn: int | None,
+                scores: dict) -> TokenEvent | None:
+        """Commit r's token of this step (None: nothing to stream). drawn: its token, if it
+        stays small."""
+        if outcome is None and r.finish_after_verify:  # the verification failed: the drafts stand
+            r.finished = r.finish_after_verify
+            return None
+        if outcome is None:  # stays small
+            if drawn is None:  # its draw failed: it ended alone (isolation.py)
+                return None
+            logits, token, retracted, source = small[r.sid][0], drawn, 0, 0
+        else:
+            logits, token, retracted, source = outcome.logits, outcome.token, outcome.rolled_back, outcome.level
+        if r.controller is not None and r.sid in scores:
+            r.thresholds[0] = r.controller.update(scores[r.sid], source == 0)
+        if outcome is not None and source == self.num_levels - 1:
+            _schedule_drafts(r, rejected=retracted > 0)
+        if r.finish_after_verify and not retracted:
+            r.finished = r.finish_after_verify  # all drafts held: the extra token is not wanted
+            return None
+        r.finish_after_verify = None
+        r.cut_at = None
+        return self._commit(r, token, source, logits, small.get(r.sid), retracted)
+
+    def _small_step(self, group: list[Live]) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+        """-> sid: (logits [V], hidden [d] or None). Different routers may want different layers."""
+        if not group:
+            return {}
+        # one engine loads one classifier head, so at most one layer is asked for
+        layers = {r.router.hidden_layer for r in group} - {None}
+        if len(layers) > 1:
+            raise ValueError("one step cannot serve classifier heads over different layers")
+        layer = next(iter(layers), None)
+        model = self.models[0]
+
+        def alone(r: Live):  # after a failed batch: a fresh session, re-prefilled
+            return model.extend([(r.sid, reopen(model, 0, r))], hidden_layer=layer, last_only=True)[0]
+
+        start = time.perf_counter()
+        out = batched(group, self.models, lambda g: model.extend([(r.sid, r.tokens[r.fed[0]:]) for r in g],
+                                                                   hidden_layer=layer, last_only=True), alone)
+        seconds = time.perf_counter() - start
+        result = {}
+        for r in group:
+            if r.sid not in out:
+                continue  # failed: ends alone
+            ext = out[r.sid]
+            r.fed[0] = len(r.tokens)
+            r.small_times.append(seconds)
+            result[r.sid] = (ext.logits[-1], ext.hidden[-1] if ext.hidden is not None else None)
+        return result
+
+    def _decide(self, router, group, small, levels, outcomes, scores) -> None:
+        top = self.num_levels - 1
+        large_logits = None
+        if router.needs_large_logits:
+            outcomes.update(self.catch_up.run(top, group))
+            group = [r for r in group if r.sid in outcomes]  # a degraded request stays small
+            if not group:
+                return
+            large_logits = torch.stack([outcomes[r.sid].logits for r in group])
+        start = time.perf_counter()
+        ctx = StepContext(
+            small_logits=torch.stack([small[r.sid][0] for r in group]),
+            hidden=torch.stack([small[r.sid][1] for r in group]) if router.hidden_layer is not None else None,
+            large_logits=large_logits,
+            drafts=torch.tensor([r.drafts() for r in group] if router.reads_drafts else [0] * len(group)),
+            uniforms=uniforms([r.seed for r in group], [len(r.tokens) for r in group], Stream.ROUTER)[:, 0],
+        )
+        # one call for the group (one host copy of its scores); if it raises, one per
+        # request finds whose row it was
+        index = {r.sid: i for i, r in enumerate(group)}
+        rows = batched(group, self.models, lambda g: router.scores(ctx).double().tolist(),
+                       lambda r: float(router.scores(_row(ctx, index[r.sid]))[0]))
+        group = [r for r in group if r.sid in rows]
+        if not group:
+            return
+        s = torch.tensor([rows[r.sid] for r in group], dtype=torch.float64)  # [B]
+        thresholds = torch.stack([r.thresholds for r in group])  # [B, N-1] float64, host
+        chosen = (s[:, None] >= thresholds).sum(-1).tolist()
+        seconds = time.perf_counter() - start
+        for i, r in enumerate(group):
+            r.router_times.append(seconds)
+            scores[r.sid] = rows[r.sid]
+            outcome = outcomes.get(r.sid)
+            if outcome is not None and outcome.rolled_back:
+                levels[r.sid] = top  # verification already replaced the step's token
+            else:
+                levels[r.sid] = chosen[i]
+                if outcome is not None and levels[r.sid] != top:
+                    del outcomes[r.sid]  # the oracle looked, but the step is not the large model's
+
+    def _commit(self, r: Live, token: int, source: int, logits, small, retracted: int) -> TokenEvent:
+        position = len(r.tokens)
+        r.tokens.append(token)
+        r.sources.append(source)
+        if r.num_levels > source + 1 and r.request.routing.verification != Verification.NONE and not r.degraded:
+            r.source_logits[position] = logits
+        if self.collect_kl and small is not None:
+            r.small_logits[position] = small[0]
+        r.prune()
+        if r.first_token_s is None:
+            r.first_token_s = time.perf_counter() - r.started
+        self._check_stop(r, token)
+        event = self.detok.event(r, source, retracted)
+        if r.request.sampling.logprobs is None:
+            return event
+        # under the source level's raw distribution: `logits` are the ones the token was drawn
+        # from (logprobs.py); a rollback's truncate() already dropped the retracted entries
+        entry = token_logprobs(logits, token, r.request.sampling.logprobs, self.token_texts,
+                               text_offset=len(r.text) - len(event.text))
+        r.logprobs.append(entry)
+        return dataclasses.replace(event, logprobs=entry)
+
+    def _check_stop(self, r: Live, token: int) -> None:
+        params = r.request.sampling
+        reason = None
+        if token in self.eos_ids and not params.ignore_eos:
+            reason = FinishReason.STOP
+        elif params.stop:
+            text = self.detok.decode(r.generated)
+            hits = [text.find(s) for s in params.stop if s in text]
+            if hits:
+                r.cut_at = min(hits)
+                reason = FinishReason.STOP
+        if reason is None and len(r.generated) >= params.max_tokens:
+            reason = FinishReason.LENGTH
+        verified = r.request.routing.verification != Verification.NONE and not r.degraded
+        if reason is not None and verified and r.drafts():
+            r.finish_after_verify = reason  # never hand out tokens verification would reject
+        else:
+            r.finished = reason
+
+    def finish(self, rid: str) -> GenerationResult:
+        """The result of a finished (or cancelled mid-way) request; frees its sessions.
+        Raises the error that ended a failed request: LargeUnavailable (on_large_failure =
+        "fail") or what handling this one request raised (isolation.py)."""
+        live = self._live.pop(rid)
+        self._close_sessions(live)
+        if live.failure is not None:
+            raise live.failure
+        return live.result(self.detok.full_text(live))
+
+    # -- conveniences ---------------------------------------------------------------------
+    def generate(self, request: GenerationRequest, router: DecisionFunction | None = None) -> GenerationResult:
+        return self.generate_many([request], routers=[router])[0]
+
+    def generate_many(
+        self, requests: Sequence[GenerationRequest], routers: Sequence[DecisionFunction | None] | None = None
+    ) -> list[GenerationResult]:
+        """Run requests together (batched steps); results in request order."""
+        routers = routers or [None] * len(requests)
+        rids = [self.submit(req, router) for req, router in zip(requests, routers)]
+        try:
+            while any(not self._live[rid].done for rid in rids):
+                self.step()
+            return [self.finish(rid) for rid in rids]
+        except BaseException:
+            for rid in rids:
+                self.cancel(rid)
+            raise
+
+    def stream(self, request: GenerationRequest, router: DecisionFunction | None = None) -> Iterator[TokenEvent]:
+        """Yields each committed token (with its source); the caller may stop early."""
+        rid = self.submit(request, router)
+        try:
+            while not self._live[rid].done:
+                event = self.step().get(rid)
+                if event is not None:
+                    yield event
+            if self._live[rid].failure is not None:
+                self.finish(rid)  # raises its error
+        finally:
+            self.cancel(rid)
+
+
+def make_runner(model, name: str, kv: KVSpec | None, small: bool = False, classifier_path=None) -> Backend:
+    """A ModelRunner, or with `kv` a StaticRunner (static KV slots, CUDA graphs captured
+    now, with a progress line) where the architecture allows; other models fall back to
+    per-session caches, with a warning. small: M_S extends one token a step (its per-session
+    caches never evict: the step loop cannot rebuild an M_S session; static: graphs for
+    k = 1, last row only, and the hidden layer a classifier head reads)."""
+    if kv is None or not kv.static:  # per-session caches, within the budget where one is given
+        return ModelRunner(model, name, None if kv is None else kv.budget_tokens, evict_idle=not small)
+    from backoff_core.runners.static_forward import check_supported
+    from backoff_core.runners.static import StaticRunner
+
+    try:
+        check_supported(model, kv.max_len)
+    except ValueError as exc:
+        log.warning("%s: no static KV storage (%s); per-session caches instead", name, exc)
+        return ModelRunner(model, name, kv.budget_tokens, evict_idle=not small)
+    runner = StaticRunner(model, name, kv_budget_tokens=kv.budget_tokens, max_len=kv.max_len,
+                          cuda_graphs=kv.cuda_graphs)
+    if small:
+        from backoff_core.routing.head import RouterHead
+
+        layers = (None,) if classifier_path is None else (None, RouterHead.load(classifier_path).layer)
+        runner.warmup(hidden_layers=layers, last_only=(True,), ks=(1,))
+    else:
+        runner.warmup()
+    return runner
+
+
+def _schedule_drafts(r: Live, rejected: bool) -> None:
+    """HF assisted generation's heuristic: more drafts while they hold, fewer once they fail."""
+    routing = r.request.routing
+    if routing.router == "draft" and routing.draft_schedule == "heuristic":
+        r.thresholds = (r.thresholds - 1 if rejected else r.thresholds + 2).clamp(1, 64)
+
+
+def _row(ctx: StepContext, i: int) -> StepContext:
+    """Row i of a step's context, as a batch of one."""
+    return StepContext(**{f.name: None if (v := getattr(ctx, f.name)) is None else v[i : i + 1]
+                          for f in dataclasses.fields(ctx)})
+
+
+def _by_router(group: list[Live]) -> dict[DecisionFunction, list[Live]]:
+    out: dict[DecisionFunction, list[Live]] = {}
+    for r in group:
+        out.setdefault(r.router, []).append(r)
+    return out
+
+
+def _eos_ids(tokenizer) -> frozenset[int]:
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    return frozenset(ids)

@@ -1,0 +1,156 @@
+"""Per-request bookkeeping of the step loop: committed tokens, sources, and how far each
+model's lagging cache has read (`fed`). Pending tokens of level l = tokens[fed[l]:].
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from backoff_core.routing.control import RateController
+from backoff_core.routing.routers import DecisionFunction
+from backoff_core.types import CatchUp, FinishReason, GenerationRequest, GenerationResult, Timings, TokenEvent, TokenLogprobs
+
+
+@dataclass
+class Live:
+    request: GenerationRequest
+    sid: str
+    router: DecisionFunction
+    thresholds: torch.Tensor  # [N-1] float64, ascending, finite (float32 would overflow a huge one)
+    seed: int  # the request's draws are a pure function of (seed, position): sampling.py
+    num_levels: int
+    controller: RateController | None = None
+    tokens: list[int] = field(default_factory=list)  # prompt + committed
+    sources: list[int] = field(default_factory=list)  # one per generated token
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per generated token, if asked
+    fed: list[int] = field(default_factory=list)  # per level: positions in its cache
+    opened: set[int] = field(default_factory=set)  # levels holding a session for this request
+    # logits [V] that predicted position j, of the model level that last ran there
+    last_logits: dict[int, torch.Tensor] = field(default_factory=dict)  # level -> [V]
+    source_logits: dict[int, torch.Tensor] = field(default_factory=dict)  # position -> [V]
+    small_logits: dict[int, torch.Tensor] = field(default_factory=dict)  # position -> [V]
+    catch_ups: list[CatchUp] = field(default_factory=list)
+    kl_at_catch_up: list[float] = field(default_factory=list)
+    rollbacks: int = 0
+    small_times: list[float] = field(default_factory=list)
+    router_times: list[float] = field(default_factory=list)
+    prefill_s: float = 0.0
+    started: float = field(default_factory=time.perf_counter)
+    first_token_s: float | None = None
+    finished: FinishReason | None = None
+    finish_after_verify: FinishReason | None = None  # unverified drafts to check first
+    text: str = ""  # text streamed so far (stable prefix)
+    cut_at: int | None = None  # stop string: text length to keep
+    degraded: str = ""  # why the larger models were given up ("": they were not); M_S only since
+    # the error that ends this request alone (finish() raises it): LargeUnavailable with
+    # on_large_failure = "fail", or whatever handling this one request raised (isolation.py)
+    failure: Exception | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finished is not None or self.failure is not None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.prompt_ids)
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+    def drafts(self) -> int:
+        """Tokens of smaller models committed since the largest model last read the sequence."""
+        start = max(self.fed[-1], self.prompt_len) - self.prompt_len
+        return sum(1 for s in self.sources[start:] if s < self.num_levels - 1)
+
+    def truncate(self, position: int) -> int:
+        """Drop committed tokens from `position` on; returns how many were dropped."""
+        dropped = len(self.tokens) - position
+        del self.tokens[position:]
+        del self.sources[position - self.prompt_len :]
+        del self.logprobs[position - self.prompt_len :]
+        for table in (self.source_logits, self.small_logits):
+            for j in [j for j in table if j >= position]:
+                del table[j]
+        return dropped
+
+    def prune(self) -> None:
+        """Forget logits no catch-up can still verify (positions every level has read)."""
+        horizon = min(self.fed[1:], default=len(self.tokens))
+        for table in (self.source_logits, self.small_logits):
+            for j in [j for j in table if j < horizon]:
+                del table[j]
+
+    def result(self, text: str) -> GenerationResult:
+        total = time.perf_counter() - self.started
+        return GenerationResult(
+            request_id=self.sid,
+            text=text,
+            token_ids=tuple(self.generated),
+            sources=tuple(self.sources),
+            num_levels=self.num_levels,
+            finish_reason=self.finished or FinishReason.LENGTH,
+            prompt_tokens=self.prompt_len,
+            catch_ups=tuple(self.catch_ups),
+            rollbacks=self.rollbacks,
+            timings=Timings(
+                prefill=self.prefill_s,
+                small_steps=tuple(self.small_times),
+                router_steps=tuple(self.router_times),
+                first_token=self.first_token_s if self.first_token_s is not None else total,
+                total=total,
+            ),
+            kl_at_catch_up=tuple(self.kl_at_catch_up),
+            final_thresholds=tuple(float(t) for t in self.thresholds),
+            degraded=bool(self.degraded),
+            degraded_reason=self.degraded,
+            logprobs=tuple(self.logprobs) if self.request.sampling.logprobs is not None else None,
+        )
+
+
+class Detokenizer:
+    """Incremental text: emits only text that later tokens cannot change (no half UTF-8)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        # A fast tokenizer's decode is its Rust backend's plus an optional clean-up; calling
+        # the backend directly skips transformers' per-id Python checks (most of the cost of
+        # decoding the whole text at every step).
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+            self.decode = lambda ids: backend.decode(ids, skip_special_tokens=True)
+        else:
+            self.decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+    def full_text(self, live: Live) -> str:
+        text = self.decode(live.generated)
+        return text if live.cut_at is None else text[: live.cut_at]
+
+    def event(self, live: Live, source: int, retracted: int) -> TokenEvent:
+        text = self.full_text(live)
+        if not live.finished:
+            text = text.rstrip("\ufffd")  # an incomplete multi-byte character: wait for more
+        common = _common_prefix(live.text, text)
+        event = TokenEvent(
+            token_id=live.tokens[-1],
+            source=source,
+            text=text[common:],
+            index=len(live.tokens) - live.prompt_len - 1,
+            retracted=retracted,
+            retracted_text=live.text[common:],
+        )
+        live.text = text
+        return event
+
+
+def _common_prefix(a: str, b: str) -> int:
+    if b.startswith(a):
+        return len(a)
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

@@ -1,0 +1,1 @@
+"""Router evaluation: teacher-forced curves, generation runs, the report and its plots."""

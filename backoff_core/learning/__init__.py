@@ -1,0 +1,1 @@
+"""Router training: corpora, per-position data from the pair, training and calibration of the head."""

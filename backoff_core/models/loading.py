@@ -1,0 +1,118 @@
+"""Loading a chain of causal LMs that share one tokenizer.
+
+A model is named by a local directory, a Hugging Face id already in the local cache (no
+hub is reachable here), or a `.gguf` file (loaded through transformers + gguf). No model
+named at all means the embedded default pair (backoff_core.models.default_pair).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from backoff_core.models.kernels import use_cpu_kernels
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+class TokenizerMismatch(ValueError):
+    """Two models of a chain do not share a tokenizer."""
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    device: str = "cpu"  # "cpu", "cuda", "cuda:1", or "auto" (cuda if present)
+    dtype: str = "float32"
+    device_map: str | None = None  # accelerate device map ("auto") for models bigger than a GPU
+    cpu_kernels: str = "mkldnn"  # "mkldnn": oneDNN linear layers on CPU float32 (kernels.py); "default"
+
+    def torch_dtype(self) -> torch.dtype:
+        try:
+            return DTYPES[self.dtype]
+        except KeyError:
+            raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPES)}") from None
+
+    def torch_device(self) -> str:
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r} asked for, but no CUDA device is available")
+        return self.device
+
+
+def _split_gguf(name: str) -> tuple[str, dict]:
+    path = Path(name)
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"no GGUF file at {path}")
+        return str(path.parent), {"gguf_file": path.name}
+    return name, {}
+
+
+def load_model(name: str, spec: LoadSpec = LoadSpec()) -> tuple[PreTrainedModel, object]:
+    """(model in eval mode, tokenizer) from a directory, a cached hub id or a .gguf file."""
+    where, extra = _split_gguf(name)
+    if not extra and not Path(where).exists():
+        extra["local_files_only"] = True  # a hub id: only from the local cache, never fetched
+    tokenizer = AutoTokenizer.from_pretrained(where, **extra)
+    kwargs = dict(extra, dtype=spec.torch_dtype())
+    if spec.device_map:
+        kwargs["device_map"] = spec.device_map
+    model = AutoModelForCausalLM.from_pretrained(where, **kwargs)
+    if not spec.device_map:
+        model = model.to(spec.torch_device())
+    return use_cpu_kernels(model.eval(), spec.cpu_kernels), tokenizer
+
+
+def check_same_tokenizer(names: list[str], tokenizers: list) -> None:
+    """Refuse a chain whose tokenizers differ, naming the first difference."""
+    ref_name, ref = names[0], tokenizers[0]
+    for name, tok in zip(names[1:], tokenizers[1:]):
+        if len(tok) != len(ref):
+            raise TokenizerMismatch(f"vocabulary sizes differ: {ref_name} has {len(ref)}, {name} has {len(tok)}")
+        for attr in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
+            a, b = getattr(ref, attr, None), getattr(tok, attr, None)
+            if a != b:
+                raise TokenizerMismatch(f"special token {attr} differs: {ref_name} has {a}, {name} has {b}")
+        va, vb = ref.get_vocab(), tok.get_vocab()
+        if va != vb:
+            diff = sorted(set(va.items()) ^ set(vb.items()))[:3]
+            raise TokenizerMismatch(f"vocabularies of {ref_name} and {name} differ, e.g. {diff}")
+
+
+@dataclass(frozen=True)
+class Chain:
+    models: tuple[PreTrainedModel, ...]  # smallest first
+    tokenizer: object
+    names: tuple[str, ...]
+
+    @property
+    def context_window(self) -> int | None:
+        sizes = [getattr(m.config, "max_position_embeddings", None) for m in self.models]
+        sizes = [s for s in sizes if s]
+        return min(sizes) if sizes else None
+
+
+def load_chain(small: str | None, large: str | None, medium: list[str] = (), spec: LoadSpec = LoadSpec()) -> Chain:
+    """The models smallest first. small and large both None: the embedded default pair."""
+    if small is None and large is None and not medium:
+        from backoff_core.models.default_pair import load_default_pair
+
+        s, l, tok = load_default_pair(device=spec.torch_device(), dtype=spec.torch_dtype())
+        s, l = use_cpu_kernels(s, spec.cpu_kernels), use_cpu_kernels(l, spec.cpu_kernels)  # M_S keeps sharing M_L's head
+        return Chain((s, l), tok, ("default-small", "default-large"))
+    if small is None or large is None:
+        raise ValueError("name both --small and --large, or neither (the embedded default pair)")
+    names = [small, *medium, large]
+    loaded = [load_model(n, spec) for n in names]
+    check_same_tokenizer(names, [t for _, t in loaded])
+    widths = [m.get_output_embeddings().weight.shape[0] for m, _ in loaded]
+    if len(set(widths)) > 1:
+        raise TokenizerMismatch(
+            "output vocabulary sizes differ: " + ", ".join(f"{n} has {w}" for n, w in zip(names, widths))
+        )
+    return Chain(tuple(m for m, _ in loaded), loaded[0][1], tuple(names))

@@ -1,0 +1,235 @@
+"""Decision functions: what decides which model's distribution each step samples from.
+
+A decision function gives every sequence of the batch a score; the step goes to
+level = number of thresholds the score reaches (thresholds ascend; one per boundary between
+models). Higher score = harder step = bigger model. The threshold is the live knob.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, ClassVar
+
+import torch
+
+from backoff_core.sampling import entropy, kl_divergence
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What is known at one step, for B sequences."""
+
+    small_logits: torch.Tensor  # [B, V] M_S's next-token logits
+    hidden: torch.Tensor | None  # [B, d] M_S hidden state at the router's layer
+    large_logits: torch.Tensor | None  # [B, V] largest model's logits (oracles only)
+    drafts: torch.Tensor  # [B] tokens committed since the largest model last ran
+    uniforms: torch.Tensor  # [B] one U(0,1) per sequence from its own seeded generator
+
+
+class DecisionFunction:
+    """Base class. Subclasses set `name` and implement `scores`."""
+
+    name: ClassVar[str]
+    needs_large_logits: ClassVar[bool] = False  # oracle: M_L must catch up every step
+    # thresholds that mean something for this score (outside it every step goes one way)
+    threshold_range: ClassVar[tuple[float, float]] = (-math.inf, math.inf)
+    hidden_layer: int | None = None  # which M_S hidden state to hand over, if any
+    # what the step loop must compute for this router (each costs host work per request):
+    reads_drafts: ClassVar[bool] = False  # StepContext.drafts
+    forces_levels: ClassVar[bool] = False  # levels_before_small_step is overridden
+
+    def default_thresholds(self, num_levels: int) -> tuple[float, ...]:
+        return tuple(0.0 for _ in range(num_levels - 1))
+
+    def scores(self, ctx: StepContext) -> torch.Tensor:  # -> [B]
+        raise NotImplementedError
+
+    def levels_before_small_step(
+        self, drafts: torch.Tensor, thresholds: torch.Tensor, num_levels: int
+    ) -> torch.Tensor | None:
+        """Levels known without M_S's output ([B], -1 = unknown), so M_S can skip the step.
+        drafts: [B]; thresholds: [B, N-1], each request's own."""
+        return None
+
+
+class AlwaysSmall(DecisionFunction):
+    name = "always-small"
+
+    def scores(self, ctx):
+        return torch.full((ctx.small_logits.shape[0],), -math.inf)
+
+
+class AlwaysLarge(DecisionFunction):
+    name = "always-large"
+    forces_levels = True
+
+    def scores(self, ctx):
+        return torch.full((ctx.small_logits.shape[0],), math.inf)
+
+    def levels_before_small_step(self, drafts, thresholds, num_levels):
+        return torch.full_like(drafts, num_levels - 1)
+
+
+class Oracle(DecisionFunction):
+    """KL(M_L || M_S) >= T -> large. Needs M_L every step: an upper bound, not a speedup."""
+
+    name = "oracle"
+    needs_large_logits = True
+
+    def default_thresholds(self, num_levels):
+        return tuple(0.5 * 2**i for i in range(num_levels - 1))
+
+    def scores(self, ctx):
+        return kl_divergence(ctx.large_logits, ctx.small_logits).cpu()
+
+
+class FlippedOracle(Oracle):
+    """The ablation: sends the LOWEST-KL steps to the large model (score = -KL)."""
+
+    name = "flipped-oracle"
+
+    def default_thresholds(self, num_levels):
+        return tuple(-x for x in reversed(super().default_thresholds(num_levels)))
+
+    def scores(self, ctx):
+        return -super().scores(ctx)
+
+
+class Entropy(DecisionFunction):
+    """Entropy of M_S's distribution (nats): uncertain steps go large."""
+
+    name = "entropy"
+
+    def default_thresholds(self, num_levels):
+        return tuple(2.0 * (i + 1) for i in range(num_levels - 1))
+
+    def scores(self, ctx):
+        return entropy(ctx.small_logits).cpu()
+
+
+class MaxProb(DecisionFunction):
+    """1 - max_v p_S(v): BiLD's fallback rule."""
+
+    name = "max-prob"
+    threshold_range = (0.0, 1.0)  # the score is a probability mass
+
+    def default_thresholds(self, num_levels):
+        return tuple(0.5 + 0.4 * i / max(1, num_levels - 1) for i in range(num_levels - 1))
+
+    def scores(self, ctx):
+        return (1.0 - torch.softmax(ctx.small_logits.float(), -1).max(-1).values).cpu()
+
+
+class Random(DecisionFunction):
+    """Score ~ U(0, 1), so threshold T keeps a share T of steps small: T IS the backoff rate."""
+
+    name = "random"
+    threshold_range = (0.0, 1.0)  # a backoff rate
+
+    def __init__(self, rate: float | None = None) -> None:
+        self.rate = rate
+
+    def default_thresholds(self, num_levels):
+        if self.rate is not None and num_levels == 2:
+            return (self.rate,)
+        return tuple((i + 1) / num_levels for i in range(num_levels - 1))
+
+    def scores(self, ctx):
+        return ctx.uniforms
+
+
+class Draft(DecisionFunction):
+    """Speculative decoding's schedule: K drafts from M_S, then the largest model verifies."""
+
+    name = "draft"
+    threshold_range = (1.0, math.inf)  # drafts before a verification
+    reads_drafts = forces_levels = True
+
+    def __init__(self, draft_tokens: int) -> None:
+        self.draft_tokens = draft_tokens
+
+    def default_thresholds(self, num_levels):
+        return tuple(float(self.draft_tokens) for _ in range(num_levels - 1))
+
+    def scores(self, ctx):
+        return ctx.drafts.float()
+
+    def levels_before_small_step(self, drafts, thresholds, num_levels):
+        # the largest model verifies K drafts (K = the request's threshold, which the
+        # draft schedule moves): M_S's step would be thrown away
+        return torch.where(drafts >= thresholds[:, -1], num_levels - 1, -1)
+
+
+class Scripted(DecisionFunction):
+    """Replays a fixed list of levels, one per step (tests and hand-written token scripts)."""
+
+    name = "scripted"
+
+    def __init__(self, levels: list[int]) -> None:
+        self.levels = list(levels)
+        self.step = 0
+
+    def default_thresholds(self, num_levels):
+        return tuple(i + 0.5 for i in range(num_levels - 1))
+
+    def scores(self, ctx):
+        b = ctx.small_logits.shape[0]
+        out = torch.tensor([float(self.levels[min(self.step, len(self.levels) - 1)])] * b)
+        self.step += 1
+        return out
+
+
+class Classifier(DecisionFunction):
+    """σ(MLP(hidden state of M_S at layer n)) (or the head's own score) >= T -> large."""
+
+    name = "classifier"
+
+    def __init__(self, head: "torch.nn.Module") -> None:
+        self.head = head.eval()
+        self.hidden_layer = int(head.layer)
+
+    def default_thresholds(self, num_levels):
+        return self.head.default_thresholds(num_levels)
+
+    @torch.inference_mode()
+    def scores(self, ctx):
+        if ctx.hidden is None:
+            raise ValueError("classifier router needs M_S hidden states")
+        return self.head.score(ctx.hidden, ctx.small_logits).float().cpu()
+
+
+BUILTIN: dict[str, Callable[..., DecisionFunction]] = {
+    cls.name: cls for cls in (AlwaysSmall, AlwaysLarge, Oracle, FlippedOracle, Entropy, MaxProb)
+}
+NAMES = tuple(sorted([*BUILTIN, "random", "draft", "classifier"]))
+
+
+def build_router(
+    name: str,
+    *,
+    rate: float | None = None,
+    draft_tokens: int = 4,
+    classifier_path: str | Path | None = None,
+    hidden_size: int | None = None,
+    script: list[int] | None = None,
+) -> DecisionFunction:
+    """A decision function by name (see NAMES). Raises ValueError naming the choices."""
+    if name in BUILTIN:
+        return BUILTIN[name]()
+    if name == "random":
+        return Random(rate)
+    if name == "draft":
+        return Draft(draft_tokens)
+    if name == "scripted":
+        return Scripted(script or [0])
+    if name == "classifier":
+        from backoff_core.routing.head import RouterHead
+
+        if classifier_path is not None:
+            return Classifier(RouterHead.load(classifier_path))
+        if hidden_size is None:
+            raise ValueError("classifier router needs a checkpoint path (or hidden_size for a random head)")
+        return Classifier(RouterHead.random(hidden_size))
+    raise ValueError(f"unknown router {name!r}; choose one of {', '.join(NAMES)}")

@@ -1,0 +1,1 @@
+"""Running one model over sessions: per-session caches (dynamic) or static KV slots with CUDA graphs."""

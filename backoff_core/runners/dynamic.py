@@ -1,0 +1,288 @@
+"""One causal LM and the KV caches ("sessions") of the requests it serves.
+
+The only operation is `extend`: append some new tokens to some sessions and return the
+model's logits at every new position. For M_S that is one token per step; for M_L it is a
+catch-up prefill over all pending tokens; for a new session it is the prompt prefill. Many
+sessions extend in ONE forward: their caches are left-padded to a common past length and
+their new tokens right-padded to a common count, with an attention mask that hides the
+padding and position ids that carry each row's own positions, so ragged lengths give the
+same result as running each session alone.
+
+`last_only=True` asks for the logits after the LAST new token only (all the step loop
+needs unless it verifies or measures every position): the LM head then runs on one row
+per session instead of k, through the model's own `logits_to_keep` where it has one.
+
+KV budget (`kv_budget_tokens`, kv_budget.py): the runner counts the positions its sessions
+hold. An extend that would pass the budget first evicts idle sessions (those not in the
+extend), least recently used first; their owners find them gone (SessionError /
+`lost`) and re-prefill them from the token ids they keep. When the extend's own sessions
+alone pass the budget, a NEW session among them (nothing cached yet: a request's first
+prefill) is refused with KVCapacityError before anything changes; sessions already held,
+and re-prefills of evicted ones, are never refused (a live request grows past the budget
+rather than fail), so the budget bounds what new requests may take, not a live one.
+`evict_idle=False` (M_S: every live request extends it every step, and the step loop has no
+way to rebuild an M_S session) never evicts: a new session is refused once the budget is full.
+"""
+
+from __future__ import annotations
+
+import collections
+import inspect
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from backoff_core.runners.static_kv import KVCapacityError
+
+# [1, heads, length, head_dim] keys and values, one pair per layer
+KV = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+class SessionError(KeyError):
+    """A session id this runner does not hold (never opened, closed or expired)."""
+
+
+@dataclass(frozen=True)
+class Extension:
+    """The result of extending one session by k tokens."""
+
+    logits: torch.Tensor  # [k, V] float32: the next-token logits after each new token ([1, V]: last_only)
+    hidden: torch.Tensor | None  # [k, d] hidden state at the requested layer, or None
+
+
+@dataclass
+class _Session:
+    cache: DynamicCache | None = None  # None: nothing cached yet
+    length: int = 0  # positions held in the cache
+    last_used: float = 0.0
+    refill: bool = False  # a re-prefill of an evicted or lost session: never refused for the budget
+
+    @property
+    def kv(self) -> KV:
+        return [(layer.keys, layer.values) for layer in self.cache.layers]
+
+
+class ModelRunner:
+    """Holds one model and its sessions. Thread-safe: one forward at a time."""
+
+    def __init__(self, model: PreTrainedModel, name: str = "model", kv_budget_tokens: int | None = None,
+                 evict_idle: bool = True) -> None:
+        self.model = model.eval()
+        self.name = name
+        self.device = next(model.parameters()).device
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.num_layers = int(model.config.num_hidden_layers)
+        self.forward_passes = 0
+        self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._sessions: dict[str, _Session] = {}
+        self._lock = threading.RLock()
+        self.kv_budget_tokens = kv_budget_tokens  # None: unbounded
+        self.evict_idle = evict_idle
+        self.evictions = 0  # idle sessions freed to make room
+        self._evicted: collections.OrderedDict[str, None] = collections.OrderedDict()  # recent (bounded)
+
+    # -- sessions -------------------------------------------------------------------------
+    def open(self, session_id: str, refill: bool = False) -> None:
+        """refill: the session rebuilds one this or another runner lost (its request is live)."""
+        with self._lock:
+            if session_id in self._sessions:
+                raise ValueError(f"{self.name}: session {session_id!r} is already open")
+            refill = refill or self._evicted.pop(session_id, 0) is None
+            self._sessions[session_id] = _Session(last_used=time.monotonic(), refill=refill)
+
+    def close(self, session_id: str) -> None:
+        with self._lock:
+            self._sessions.pop(session_id, None)
+
+    def has(self, session_id: str) -> bool:
+        return session_id in self._sessions
+
+    def length(self, session_id: str) -> int:
+        return self._get(session_id).length
+
+    def session_ids(self) -> list[str]:
+        with self._lock:
+            return list(self._sessions)
+
+    def idle_sessions(self, older_than_s: float) -> list[str]:
+        cutoff = time.monotonic() - older_than_s
+        with self._lock:
+            return [sid for sid, s in self._sessions.items() if s.last_used < cutoff]
+
+    # -- KV budget ------------------------------------------------------------------------
+    @property
+    def kv_tokens(self) -> int:
+        """Positions held by all sessions."""
+        with self._lock:
+            return sum(s.length for s in self._sessions.values())
+
+    def kv_fits(self, items: list[tuple[str, int]]) -> bool:
+        """Whether these sessions, each grown by its count of new positions, fit the budget
+        together (every other session evicted if need be)."""
+        if self.kv_budget_tokens is None:
+            return True
+        with self._lock:
+            return sum(self._get(sid).length + n for sid, n in items) <= self.kv_budget_tokens
+
+    def _reserve(self, items: list[tuple[str, list[int]]]) -> list[str]:
+        """Room in the budget for this extend (under the lock): refuse a new session that
+        does not fit beside the extend's others, else evict idle sessions LRU; their ids."""
+        budget = self.kv_budget_tokens
+        need = sum(len(ids) for _, ids in items)
+        used = sum(s.length for s in self._sessions.values())
+        if budget is None or used + need <= budget:
+            return []
+        fresh = [sid for sid, _ in items if self._sessions[sid].length == 0 and not self._sessions[sid].refill]
+        if fresh and (not self.evict_idle or not self.kv_fits([(sid, len(ids)) for sid, ids in items])):
+            raise KVCapacityError(
+                f"{self.name}: no KV room for a new session: the live sessions alone would hold more than "
+                f"kv_budget_tokens={budget} positions; retry when a request ends")
+        if not self.evict_idle:
+            return []
+        extending = {sid for sid, _ in items}
+        idle = sorted((s.last_used, sid) for sid, s in self._sessions.items() if sid not in extending and s.length)
+        evicted = []
+        for _, sid in idle:
+            if used + need <= budget:
+                break
+            used -= self._sessions.pop(sid).length
+            evicted.append(sid)
+            self._evicted[sid] = None
+        while len(self._evicted) > 65536:
+            self._evicted.popitem(last=False)
+        self.evictions += len(evicted)
+        return evicted
+
+    def crop(self, session_id: str, length: int) -> None:
+        """Forget every position from `length` on (rollback)."""
+        session = self._get(session_id)
+        if length > session.length or length < 0:
+            raise ValueError(f"{self.name}: cannot crop {session.length} positions to {length}")
+        if session.cache is not None and length < session.length:
+            for layer in session.cache.layers:  # views: no copy
+                layer.keys, layer.values = layer.keys[:, :, :length], layer.values[:, :, :length]
+        session.length = length
+
+    def _get(self, session_id: str) -> _Session:
+        try:
+            return self._sessions[session_id]
+        except KeyError:
+            raise SessionError(f"{self.name}: no session {session_id!r}") from None
+
+    # -- forward --------------------------------------------------------------------------
+    @torch.inference_mode()
+    def extend(
+        self, items: list[tuple[str, list[int]]], hidden_layer: int | None = None, last_only: bool = False
+    ) -> list[Extension]:
+        """Append tokens to sessions in one forward; returns one Extension per item (its
+        logits at every new position, or at the last one only)."""
+        if not items:
+            return []
+        if any(len(ids) == 0 for _, ids in items):
+            raise ValueError(f"{self.name}: extend needs at least one token per session")
+        with self._lock:
+            sessions = [self._get(sid) for sid, _ in items]
+            if len({sid for sid, _ in items}) != len(items):
+                raise ValueError(f"{self.name}: a session appears twice in one extend")
+            self._reserve(items)
+            if len(items) == 1:
+                out = self._extend_one(sessions[0], items[0][1], hidden_layer, last_only)
+            else:
+                out = self._extend_batch(sessions, [ids for _, ids in items], hidden_layer, last_only)
+            self.forward_passes += 1
+            now = time.monotonic()
+            for s in sessions:
+                s.last_used = now
+            return out
+
+    def _forward(self, input_ids, past: DynamicCache, hidden_layer, keep=None, **kwargs):
+        """keep: the positions (ints, or -1 for the last) whose logits are wanted; None: all."""
+        if keep is not None and self._keeps_logits:
+            kwargs["logits_to_keep"] = 1 if keep == -1 else torch.tensor(keep, device=self.device)
+        return self.model(
+            input_ids=input_ids,
+            past_key_values=past,
+            use_cache=True,
+            output_hidden_states=hidden_layer is not None,
+            **kwargs,
+        )
+
+    def _extend_one(self, s: _Session, ids: list[int], hidden_layer: int | None, last_only: bool) -> list[Extension]:
+        # Fast path: no padding, no mask, the session's own cache extended in place by HF.
+        if s.cache is None:
+            s.cache = DynamicCache()
+        input_ids = torch.tensor([ids], device=self.device)  # [1, k]
+        position_ids = torch.arange(s.length, s.length + len(ids), device=self.device)[None]
+        out = self._forward(input_ids, s.cache, hidden_layer, -1 if last_only else None, position_ids=position_ids)
+        s.length += len(ids)
+        hidden = out.hidden_states[hidden_layer][0] if hidden_layer is not None else None
+        logits = out.logits[0, -1:] if last_only else out.logits[0]
+        return [Extension(logits.float(), hidden)]
+
+    def _extend_batch(
+        self, sessions: list[_Session], new_ids: list[list[int]], hidden_layer: int | None, last_only: bool
+    ) -> list[Extension]:
+        past_lens = [s.length for s in sessions]
+        new_lens = [len(ids) for ids in new_ids]
+        b, p_max, k_max = len(sessions), max(past_lens), max(new_lens)
+        dev = self.device
+        # mask: [B, P + K]; row i sees its own past (right-aligned) and its k_i new tokens
+        mask = torch.zeros(b, p_max + k_max, dtype=torch.long, device=dev)
+        input_ids = torch.zeros(b, k_max, dtype=torch.long, device=dev)  # [B, K]
+        position_ids = torch.zeros(b, k_max, dtype=torch.long, device=dev)  # [B, K]
+        for i, (p, ids) in enumerate(zip(past_lens, new_ids)):
+            mask[i, p_max - p : p_max + len(ids)] = 1
+            input_ids[i, : len(ids)] = torch.tensor(ids, device=dev)
+            position_ids[i] = torch.arange(p, p + k_max, device=dev)
+        past = DynamicCache(ddp_cache_data=self._left_pad(sessions, p_max)) if p_max else DynamicCache()
+        # last_only: each row's last new token sits at column k_i - 1 (new tokens are right-padded)
+        keep = sorted({k - 1 for k in new_lens}) if last_only else None
+        out = self._forward(input_ids, past, hidden_layer, keep, attention_mask=mask, position_ids=position_ids)
+        kept = out.logits.shape[1] == len(keep) if keep is not None else False  # the model took logits_to_keep
+        layers = out.past_key_values.layers
+        results = []
+        for i, (s, p, k) in enumerate(zip(sessions, past_lens, new_lens)):
+            lo, hi = p_max - p, p_max + k
+            s.cache = DynamicCache(
+                ddp_cache_data=[(layer.keys[i : i + 1, :, lo:hi], layer.values[i : i + 1, :, lo:hi]) for layer in layers]
+            )
+            s.length = p + k
+            hidden = out.hidden_states[hidden_layer][i, :k] if hidden_layer is not None else None
+            if not last_only:
+                logits = out.logits[i, :k]
+            else:
+                column = keep.index(k - 1) if kept else k - 1
+                logits = out.logits[i, column : column + 1]
+            results.append(Extension(logits.float(), hidden))
+        return results
+
+    def _left_pad(self, sessions: list[_Session], p_max: int) -> KV:
+        """Stack the sessions' caches into [B, H, P, D] per layer, right-aligned."""
+        kvs = [s.kv if s.cache is not None and s.length else None for s in sessions]
+        template = next(kv for kv in kvs if kv is not None)
+        padded: KV = []
+        for layer, (k0, v0) in enumerate(template):
+            shape_k = (len(sessions), k0.shape[1], p_max, k0.shape[3])
+            shape_v = (len(sessions), v0.shape[1], p_max, v0.shape[3])
+            keys = k0.new_zeros(shape_k)
+            values = v0.new_zeros(shape_v)
+            for i, (s, kv) in enumerate(zip(sessions, kvs)):
+                if kv is not None:
+                    keys[i, :, p_max - s.length :] = kv[layer][0][0]
+                    values[i, :, p_max - s.length :] = kv[layer][1][0]
+            padded.append((keys, values))
+        return padded
+
+
+def timed(fn, *args, **kwargs):
+    """(result, seconds) of one call, synchronising CUDA so the time is the real one."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    result = fn(*args, **kwargs)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return result, time.perf_counter() - start

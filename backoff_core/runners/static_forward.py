@@ -1,0 +1,139 @@
+"""The forward pass over static KV storage (gpt-fast style), built from the HF model's OWN
+modules so the weights, norms, MLP and rotary embedding (rope scaling included) are
+exactly the model's: only the attention's cache handling is ours.
+
+Per layer: norm -> q/k/v projections -> HF's own `apply_rotary_pos_emb` with cos/sin from
+`model.model.rotary_emb` -> write the new k/v in place at [row's slot, row's positions]
+-> SDPA over the stored keys [0, L) with a boolean mask (key j visible to the query at
+position p iff j <= p) -> o_proj, residual, post-norm, MLP, residual. Then the final norm
+and the LM head (on every new position, or on each row's last one).
+
+GQA without copies: the G = heads / kv_heads query heads that share one kv head are folded
+into the query-length axis (q: [B, kv_heads, G*K, D]), so SDPA sees equal head counts and
+may use its fused masked kernels; no repeat_kv copy of the stored keys, and no
+`enable_gqa` (which falls back to the math kernel when a mask is given).
+
+Every shape and Python value here is fixed by the `Batch` key (rows, k, L, dense,
+last_only, hidden_layer), and nothing reads a device value back to the host, so a CUDA
+graph can capture it (cuda_graphs.py).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from backoff_core.runners.static_kv import StaticKV
+
+# Model types whose forward is LlamaModel's: embeddings unscaled, pre-norm blocks, one
+# rotary embedding, plain causal attention. Others with the same module names (Gemma
+# scales its embeddings, Qwen3 has q_norm/k_norm) compute something else.
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
+_LAYER_MODULES = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+_ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+_EXTRA_LAYER_NORMS = ("pre_feedforward_layernorm", "post_feedforward_layernorm", "q_norm", "k_norm")
+
+
+def check_supported(model, max_len: int) -> None:
+    """Raise ValueError (naming the architecture) unless the static forward computes
+    exactly what this model's own forward does; callers then fall back to ModelRunner."""
+    config = model.config
+    what = f"{type(model).__name__} (model_type={getattr(config, 'model_type', None)!r})"
+    if getattr(config, "model_type", None) not in SUPPORTED_TYPES:
+        raise ValueError(f"the static runner supports {SUPPORTED_TYPES}, not {what}")
+    base = getattr(model, "model", None)
+    if base is None or not all(hasattr(base, m) for m in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        raise ValueError(f"{what}: no model.embed_tokens/layers/norm/rotary_emb")
+    if not hasattr(model, "lm_head"):
+        raise ValueError(f"{what}: no lm_head")
+    for layer in base.layers:
+        attn = getattr(layer, "self_attn", None)
+        if not all(hasattr(layer, m) for m in _LAYER_MODULES) or not all(hasattr(attn, m) for m in _ATTN_MODULES):
+            raise ValueError(f"{what}: a decoder layer lacks the Llama modules {_LAYER_MODULES}")
+        if any(hasattr(layer, m) or hasattr(attn, m) for m in _EXTRA_LAYER_NORMS):
+            raise ValueError(f"{what}: extra norms in the decoder layer (q_norm/k_norm or sandwich norms)")
+    if any(t != "full_attention" for t in getattr(config, "layer_types", None) or ()):
+        raise ValueError(f"{what}: layers with sliding-window attention ({set(config.layer_types)})")
+    window = getattr(config, "sliding_window", None)
+    if window is not None and window < max_len:  # a window that never binds changes nothing
+        raise ValueError(f"{what}: sliding window {window} < max_len {max_len}")
+    rope_type = getattr(base.rotary_emb, "rope_type", "default")
+    if not isinstance(rope_type, str) or "dynamic" in rope_type or rope_type == "longrope":
+        # these recompute inv_freq from the batch's largest position: no fixed graph
+        raise ValueError(f"{what}: rope type {rope_type!r} changes with the sequence length")
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One forward's inputs, on the model's device. Row r of the batch is slot slots[r];
+    right-padded tokens (and idle rows) sit at position scratch."""
+
+    input_ids: torch.Tensor  # [B, K] long
+    positions: torch.Tensor  # [B, K] long: rope position and KV column of each new token
+    slots: torch.Tensor  # [B] long: the storage row of each batch row (dense: arange(B))
+    last_col: torch.Tensor  # [B] long: column of each row's last real token (last_only)
+    length: int  # L: keys [0, L) are read (a bucket >= every row's new length)
+    dense: bool  # read storage[:B] as a view (slots == arange(B)) instead of gathering rows
+    last_only: bool
+    hidden_layer: int | None  # in 0..num_layers (HF hidden_states index), or None
+
+
+class StaticForward:
+    """model + its StaticKV: `__call__(batch) -> (logits [B, K or 1, V], hidden [B, K, d] | None)`."""
+
+    def __init__(self, model, kv: StaticKV) -> None:
+        check_supported(model, kv.max_len)
+        self.model = model
+        self.kv = kv
+        self.num_layers = len(model.model.layers)
+        attn = model.model.layers[0].self_attn
+        self.heads = int(model.config.num_attention_heads)
+        self.groups = self.heads // kv.kv_heads  # G query heads per kv head
+        # HF's own rope function from the attention's module (each model file has its copy)
+        self.rope = inspect.getmodule(type(attn)).apply_rotary_pos_emb
+        self.key_index = torch.arange(kv.max_len, device=kv.keys[0].device)  # [M]
+
+    def __call__(self, b: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        base = self.model.model
+        rows, k = b.input_ids.shape
+        h = base.embed_tokens(b.input_ids)  # [B, K, d]
+        cos, sin = base.rotary_emb(h, b.positions)  # [B, K, D] each
+        # mask: [B, 1, G*K, L], query rows ordered (g, k) to match the folded q below
+        visible = self.key_index[None, None, : b.length] <= b.positions[:, :, None]  # [B, K, L]
+        mask = visible[:, None].expand(rows, self.groups, k, b.length).reshape(rows, 1, self.groups * k, b.length)
+        hidden = h if b.hidden_layer == 0 else None
+        for i, layer in enumerate(base.layers):
+            h = h + self._attention(i, layer.self_attn, layer.input_layernorm(h), cos, sin, mask, b)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            if b.hidden_layer == i + 1 and i + 1 < self.num_layers:
+                hidden = h
+        h = base.norm(h)
+        if b.hidden_layer == self.num_layers:  # HF ties hidden_states[-1] to the normed output
+            hidden = h
+        if b.last_only:
+            h = h[torch.arange(rows, device=h.device), b.last_col][:, None]  # [B, 1, d]
+        return self.model.lm_head(h), hidden
+
+    def _attention(self, i: int, attn, x: torch.Tensor, cos, sin, mask, b: Batch) -> torch.Tensor:
+        rows, k, _ = x.shape
+        kvh, g, d = self.kv.kv_heads, self.groups, self.kv.head_dim
+        q = attn.q_proj(x).view(rows, k, self.heads, d)
+        key = attn.k_proj(x).view(rows, k, kvh, d)
+        value = attn.v_proj(x).view(rows, k, kvh, d)
+        q, key = self.rope(q, key, cos, sin, unsqueeze_dim=2)  # [B, K, H, D] layout
+        keys, values = self.kv.keys[i], self.kv.values[i]  # [S, kvh, M, D]
+        # in place at [slot, :, position]: the indexed result is [B, K, kvh, D]
+        keys[b.slots[:, None], :, b.positions] = key
+        values[b.slots[:, None], :, b.positions] = value
+        if b.dense:
+            keys, values = keys[:rows, :, : b.length], values[:rows, :, : b.length]  # views
+        else:
+            keys, values = keys[b.slots, :, : b.length], values[b.slots, :, : b.length]  # [B, kvh, L, D] copies
+        # fold the G query heads of each kv head into the query axis: [B, kvh, G*K, D]
+        q = q.view(rows, k, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(rows, kvh, g * k, d)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling)
+        out = out.view(rows, kvh, g, k, d).permute(0, 3, 1, 2, 4).reshape(rows, k, self.heads * d)
+        return attn.o_proj(out)

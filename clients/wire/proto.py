@@ -1,0 +1,83 @@
+"""Shared types <-> protobuf messages, for the gRPC clients and the server's gRPC methods."""
+
+from __future__ import annotations
+
+from clients.wire import backoff_pb2 as pb
+from clients.wire.logprobs import TokenLogprob, TopLogprob
+from clients.wire.types import ChatMessage, Delta, GenerateParams, Generation, Usage
+
+_OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "seed", "router", "target_backoff", "logprobs")
+
+
+def request_to_pb(params: GenerateParams, *, prompt: str | list[int] | None = None,
+                  messages: list[ChatMessage] | None = None, model: str | None = None) -> pb.GenerateRequest:
+    msg = pb.GenerateRequest(model=model or "", ignore_eos=params.ignore_eos, stop=params.stop or [],
+                             backoff_threshold=params.thresholds() or [])
+    for name in _OPTIONAL:
+        value = getattr(params, name)
+        if value is not None:
+            setattr(msg, name, value)
+    if isinstance(prompt, str):
+        msg.prompt = prompt
+    elif prompt is not None:
+        msg.prompt_ids.extend(prompt)
+    for m in messages or []:
+        msg.messages.add(role=m.role, content=m.content)
+    return msg
+
+
+def params_from_pb(msg: pb.GenerateRequest) -> GenerateParams:
+    """Raises pydantic.ValidationError (a ValueError) on out-of-range values."""
+    fields = {name: getattr(msg, name) for name in _OPTIONAL if msg.HasField(name)}
+    thresholds = list(msg.backoff_threshold)
+    return GenerateParams(**fields, stop=list(msg.stop) or None, ignore_eos=msg.ignore_eos,
+                          backoff_threshold=thresholds or None)
+
+
+def prompt_from_pb(msg: pb.GenerateRequest) -> tuple[str | list[int] | None, list[ChatMessage] | None]:
+    """(prompt, messages); raises ValueError unless exactly one of the three forms is set."""
+    given = [bool(msg.prompt), bool(msg.prompt_ids), bool(msg.messages)]
+    if sum(given) != 1:
+        raise ValueError("set exactly one of prompt, prompt_ids and messages")
+    if msg.messages:
+        return None, [ChatMessage(role=m.role, content=m.content) for m in msg.messages]
+    return (msg.prompt or list(msg.prompt_ids)), None
+
+
+def usage_to_pb(usage: Usage) -> pb.Usage:
+    return pb.Usage(**usage.model_dump())
+
+
+def usage_from_pb(msg: pb.Usage) -> Usage:
+    return Usage(prompt_tokens=msg.prompt_tokens, completion_tokens=msg.completion_tokens,
+                 total_tokens=msg.total_tokens, small_tokens=msg.small_tokens,
+                 large_tokens=msg.large_tokens, large_calls=msg.large_calls, degraded=msg.degraded,
+                 degraded_reason=msg.degraded_reason)
+
+
+def logprob_from_pb(msg: pb.TokenLogprobs) -> TokenLogprob:
+    def one(t: pb.Logprob) -> dict:
+        return dict(token=t.token, logprob=t.logprob, bytes=list(t.token_bytes), token_id=t.token_id)
+
+    return TokenLogprob(**one(msg.chosen), top_logprobs=[TopLogprob(**one(t)) for t in msg.top])
+
+
+def generation_from_pb(msg: pb.GenerateResponse) -> Generation:
+    # a request generates at least one token: no entries means none were asked for
+    return Generation(id=msg.id, text=msg.text, finish_reason=msg.finish_reason,
+                      usage=usage_from_pb(msg.usage), token_ids=list(msg.token_ids), sources=list(msg.sources),
+                      logprobs=[logprob_from_pb(e) for e in msg.logprobs] or None)
+
+
+def deltas_from_pb(msg: pb.GenerateChunk) -> list[Delta]:
+    """A stream message's deltas: its one token (or the last chunk), or the several in `tokens`
+    (which travel without the id)."""
+    return [delta_from_pb(t, msg.id) for t in msg.tokens] if msg.tokens else [delta_from_pb(msg)]
+
+
+def delta_from_pb(msg: pb.GenerateChunk, rid: str | None = None) -> Delta:
+    if msg.finish_reason:  # the last chunk: no token, the request's summary
+        return Delta(id=msg.id, finish_reason=msg.finish_reason, usage=usage_from_pb(msg.usage))
+    return Delta(id=msg.id if rid is None else rid, text=msg.text, token_id=msg.token_id, source=msg.source, index=msg.index,
+                 retracted=msg.retracted, retracted_text=msg.retracted_text,
+                 logprobs=logprob_from_pb(msg.logprobs) if msg.HasField("logprobs") else None)

@@ -1,0 +1,411 @@
+"""Request and response types shared by every transport (HTTP, gRPC) and by the server.
+
+Two layers:
+- transport-neutral records a client returns: `Generation` (a finished completion) and
+  `Delta` (one streamed token), plus `GenerateParams` (the knobs a request may set);
+- the OpenAI-compatible JSON bodies of the HTTP ingress (`CompletionRequest`, ...),
+  which the server validates with and the HTTP client parses.
+Names follow DESIGN.md §6: small/large, source, threshold, backoff rate.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import (
+    AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator,
+)
+
+from clients.wire.errors import from_validation
+from clients.wire.logprobs import MAX_TOP_LOGPROBS, ChatLogprobs, CompletionLogprobs, TokenLogprob, from_choice
+
+
+def _unicode(text: str) -> str:
+    # JSON may spell a lone surrogate ("\ud800"); no tokenizer takes one, and UTF-8 has none
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("text must be valid Unicode (a lone surrogate such as \\ud800 is not)") from None
+    return text
+
+
+# Wire scalars are typed strictly: "5" is not a number, 1 is not a boolean, NaN and
+# infinities are not numbers (Python's JSON parser reads NaN / Infinity). A float field
+# still takes an int, as JSON does not tell 1 from 1.0.
+Int = Annotated[int, Field(strict=True)]
+Float = Annotated[float, Field(strict=True, allow_inf_nan=False)]
+Bool = Annotated[bool, Field(strict=True)]
+Unicode = Annotated[str, Field(strict=True), AfterValidator(_unicode)]
+Text = Annotated[Unicode, Field(min_length=1)]
+TokenIds = Annotated[list[Annotated[int, Field(strict=True, ge=0)]], Field(min_length=1)]
+
+# Numeric ranges are decided here, at the edge, so that every accepted value is computed
+# finitely inside (logits are float32: 1/T, or a threshold of 1e308, would overflow there).
+TEMPERATURE_MAX = 2.0  # OpenAI's range: [0, 2]
+THRESHOLD_MAX = 1e38  # |threshold| stays finite in float32 (its max is ~3.4e38)
+UINT32_MAX = 2**32 - 1  # top_k: the gRPC field's range (any k >= the vocabulary keeps every token)
+
+
+def _threshold(value: float) -> float:
+    if abs(value) > THRESHOLD_MAX:
+        raise ValueError(f"a threshold must lie in [-1e38, 1e38] (finite in float32), got {value:g}")
+    return value
+
+
+Threshold = Annotated[Float, AfterValidator(_threshold)]
+
+
+class _NullIsDefault(BaseModel):
+    """OpenAI reads an explicit null in an optional field as "use the default": so do we
+    (a required field's null stays an error)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data):
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items() if v is not None or (k in fields and fields[k].is_required())}
+
+
+def _text_parts(parts: list) -> str:
+    """OpenAI's content parts [{"type": "text", "text": ...}, ...] -> their texts joined in
+    order; any other part type (image_url, input_audio, file, ...) is refused by name."""
+    texts = []
+    for i, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            if isinstance(kind, str):
+                raise ValueError(f"content part {i} has type {kind!r}: only 'text' parts are supported")
+            raise ValueError(f"content part {i} must be an object with \"type\": \"text\"")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise ValueError(f"content part {i} (type 'text') needs a string 'text'")
+        texts.append(text)
+    return "".join(texts)
+
+# ----------------------------------------------------------------------------------------
+# transport-neutral
+# ----------------------------------------------------------------------------------------
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant"] = Field(description="who speaks")
+    content: Unicode = Field(description="the message text (may be empty), or OpenAI's list of content parts: "
+                                         "text parts are joined in order, other part types are refused")
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _join_parts(cls, v):
+        return _text_parts(v) if isinstance(v, list) else v
+
+
+class GenerateParams(_NullIsDefault):
+    """What one request may set; None (or a JSON null) leaves the server's default (or live config)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_tokens: Int | None = Field(None, ge=1, description="tokens to generate at most")
+    temperature: Float | None = Field(None, ge=0.0, le=TEMPERATURE_MAX, description="0 = greedy; [0, 2] as in OpenAI")
+    top_p: Float | None = Field(None, gt=0.0, le=1.0, description="nucleus sampling mass")
+    top_k: Int | None = Field(None, ge=0, le=UINT32_MAX, description="keep the k most likely tokens (0 = off)")
+    seed: Int | None = Field(None, ge=-(2**63), lt=2**63, description="seed of this request's sampler "
+                                                                      "(reproducible output; an int64)")
+    stop: list[Text] | None = Field(None, description="stop strings (the text is cut before them)")
+    ignore_eos: Bool = Field(False, description="keep generating past the end-of-sequence token")
+    router: Text | None = Field(None, description="decision function (router) for this request")
+    backoff_threshold: Threshold | Annotated[list[Threshold], Field(min_length=1)] | None = Field(
+        None, description="threshold on the router's score (one per boundary between models, ascending; "
+                          "|threshold| <= 1e38)")
+    target_backoff: Float | None = Field(
+        None, ge=0.0, le=1.0, description="ask for a backoff rate; a controller moves the threshold")
+    logprobs: Int | None = Field(
+        None, ge=0, le=MAX_TOP_LOGPROBS,
+        description="report each token's log-probability under its source model's raw distribution (log_softmax "
+                    "at temperature 1) with this many top alternatives (0..20); None: no log-probabilities")
+
+    def thresholds(self) -> list[float] | None:
+        t = self.backoff_threshold
+        return None if t is None else ([t] if isinstance(t, (int, float)) else list(t))
+
+
+def merge_params(params: GenerateParams | None, fields: dict) -> GenerateParams:
+    """A client method's `params` with its keyword `fields` on top (both validated);
+    raises BadRequestError before anything is sent."""
+    try:
+        extra = GenerateParams(**fields)
+    except ValidationError as exc:
+        raise from_validation(exc) from None
+    if params is None:
+        return extra
+    return params.model_copy(update=extra.model_dump(exclude_unset=True)) if fields else params
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = Field(0, description="tokens in the prompt")
+    completion_tokens: int = Field(0, description="tokens generated")
+    total_tokens: int = Field(0, description="prompt + completion")
+    small_tokens: int = Field(0, description="generated tokens whose source is the small model")
+    large_tokens: int = Field(0, description="generated tokens whose source is the large model")
+    large_calls: int = Field(0, description="catch-ups (forward passes) of the large model for this request")
+    degraded: bool = Field(False, description="a larger model failed (too slow or unavailable) during the request: "
+                                              "every token after that came from the small model alone")
+    degraded_reason: str = Field("", description="why it was degraded (empty when it was not)")
+
+    @property
+    def backoff_rate(self) -> float:
+        """Share of generated tokens the small model produced."""
+        return self.small_tokens / self.completion_tokens if self.completion_tokens else 0.0
+
+
+class Generation(BaseModel):
+    """A finished completion, whichever transport delivered it."""
+
+    id: str = Field(description="request id")
+    text: str = Field(description="generated text")
+    finish_reason: str = Field(description="stop or length")
+    usage: Usage = Field(description="token counts, by source")
+    token_ids: list[int] = Field(default_factory=list, description="generated token ids")
+    sources: list[int] = Field(default_factory=list, description="per generated token: 0 = small ... large")
+    logprobs: list[TokenLogprob] | None = Field(None, description="per generated token, when asked (params.logprobs): "
+                                                                  "under the model in `sources`")
+
+
+class Delta(BaseModel):
+    """One streamed token; the last delta of a stream carries finish_reason and usage."""
+
+    id: str = Field(description="request id")
+    text: str = Field("", description="text this token adds (may be empty mid UTF-8 sequence)")
+    token_id: int | None = Field(None, description="the committed token")
+    source: int | None = Field(None, description="level that produced it: 0 = small ... large")
+    index: int | None = Field(None, description="position in the generated sequence")
+    retracted: int = Field(0, description="earlier tokens a verification rollback removed")
+    retracted_text: str = Field("", description="text those tokens had added")
+    finish_reason: str | None = Field(None, description="set on the last delta")
+    usage: Usage | None = Field(None, description="set on the last delta")
+    logprobs: TokenLogprob | None = Field(None, description="this token's, when asked (params.logprobs); "
+                                                            "`retracted` drops those of the retracted tokens too")
+
+
+# ----------------------------------------------------------------------------------------
+# OpenAI-compatible HTTP bodies
+# ----------------------------------------------------------------------------------------
+
+
+class StreamOptions(_NullIsDefault):
+    include_usage: Bool = Field(False, description="send usage in a final chunk")
+
+
+class _OpenAIRequest(GenerateParams):
+    # unknown OpenAI fields (user, logit_bias, ...) are accepted and ignored; the ones that
+    # would change the output and are not supported are rejected below
+    model_config = ConfigDict(extra="ignore")
+
+    model: Unicode | None = Field(None, description="served model name (see GET /v1/models)")
+    stream: Bool = Field(False, description="stream tokens as server-sent events")
+    stream_options: StreamOptions | None = Field(None, description="streaming options")
+    n: Int = Field(1, description="completions per prompt (only 1 is supported)")
+    presence_penalty: Float = Field(0.0, description="not supported: must be 0")
+    frequency_penalty: Float = Field(0.0, description="not supported: must be 0")
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError("only n=1 is supported")
+        return v
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, v: float) -> float:
+        if v != 0.0:
+            raise ValueError("penalties are not supported")
+        return v
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_list(cls, v):
+        return [v] if isinstance(v, str) else v
+
+    def generate_params(self) -> GenerateParams:
+        """The transport-neutral knobs of this body (completions: `logprobs` is already a count)."""
+        return GenerateParams(**self.model_dump(include=set(GenerateParams.model_fields)))
+
+
+class CompletionRequest(_OpenAIRequest):
+    prompt: Text | TokenIds = Field(description="prompt text, or its token ids")
+
+
+class ChatCompletionRequest(_OpenAIRequest):
+    messages: list[ChatMessage] = Field(min_length=1, description="the conversation so far")
+    max_completion_tokens: Int | None = Field(None, ge=1, description="newer name of max_tokens")
+    # OpenAI's chat pair; GenerateParams.logprobs (a count) is their meaning for every transport
+    logprobs: Bool | None = Field(None, description="return each generated token's log-probability")
+    top_logprobs: Int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="alternatives per token (0..20); "
+                                                                                  "needs logprobs: true")
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return v
+
+    def generate_params(self) -> GenerateParams:
+        fields = self.model_dump(include=set(GenerateParams.model_fields))
+        fields["logprobs"] = (self.top_logprobs or 0) if self.logprobs else None
+        return GenerateParams(**fields)
+
+
+class BackoffTrace(BaseModel):
+    """Extension field of a choice: which model produced each token."""
+
+    token_ids: list[int] = Field(default_factory=list, description="generated token ids")
+    sources: list[int] = Field(default_factory=list, description="per token: 0 = small ... large")
+    thresholds: list[float] = Field(default_factory=list, description="thresholds in force at the end")
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: str | None = None
+    logprobs: CompletionLogprobs | None = Field(None, description="when asked; sources in `backoff.sources`")
+    backoff: BackoffTrace | None = Field(None, description="per-token sources (extension)")
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatMessageOut
+    finish_reason: str | None = None
+    logprobs: ChatLogprobs | None = Field(None, description="when asked; sources in `backoff.sources`")
+    backoff: BackoffTrace | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class TokenTrace(BaseModel):
+    """Extension field of a streamed choice: the token behind this chunk."""
+
+    token_id: int
+    source: int
+    index: int
+    retracted: int = 0
+    retracted_text: str = ""
+
+
+class CompletionChunkChoice(BaseModel):
+    index: int = 0
+    text: str = ""
+    finish_reason: str | None = None
+    logprobs: CompletionLogprobs | None = Field(None, description="this chunk's token's; source in `backoff`")
+    backoff: TokenTrace | None = None
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    finish_reason: str | None = None
+    logprobs: ChatLogprobs | None = Field(None, description="this chunk's token's; source in `backoff`")
+    backoff: TokenTrace | None = None
+
+
+class CompletionChunk(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChunkChoice]
+    usage: Usage | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = 0
+    owned_by: str = "backoff-serve"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+# ----------------------------------------------------------------------------------------
+# OpenAI bodies -> transport-neutral records (used by the HTTP client)
+# ----------------------------------------------------------------------------------------
+
+
+def generation_from_body(body: dict, top_n: int | None = None) -> Generation:
+    """top_n: the logprobs count asked for (completions list the sampled token after the top-n)."""
+    choice = body["choices"][0]
+    text = choice["text"] if "text" in choice else choice["message"]["content"]
+    trace = choice.get("backoff") or {}
+    return Generation(
+        id=body["id"], text=text, finish_reason=choice.get("finish_reason") or "",
+        usage=Usage(**body.get("usage") or {}),
+        token_ids=trace.get("token_ids", []), sources=trace.get("sources", []),
+        logprobs=from_choice(choice, trace.get("token_ids", []), top_n),
+    )
+
+
+def delta_from_chunk(body: dict, top_n: int | None = None) -> Delta:
+    usage = Usage(**body["usage"]) if body.get("usage") else None
+    if not body.get("choices"):
+        return Delta(id=body["id"], usage=usage)
+    choice = body["choices"][0]
+    text = choice.get("text")
+    if text is None:
+        text = (choice.get("delta") or {}).get("content") or ""
+    trace = choice.get("backoff") or {}
+    return Delta(
+        id=body["id"], text=text, token_id=trace.get("token_id"), source=trace.get("source"),
+        index=trace.get("index"), retracted=trace.get("retracted", 0),
+        retracted_text=trace.get("retracted_text", ""), finish_reason=choice.get("finish_reason"),
+        usage=usage, logprobs=next(iter(from_choice(choice, [trace["token_id"]] if trace else [], top_n) or []), None),
+    )

@@ -1,0 +1,331 @@
+"""Batched catch-up on the large model's side (no Ray): many sessions, one forward.
+
+Each catch-up call carries ALL pending ids of one session (a chunk) and the number of
+positions the caller believes the session holds (`past`). Calls wait in a queue; a loop
+takes every call that has arrived -- and, while they keep coming (no gap longer than
+`batch_gap_s`, at most `batch_wait_s`), the rest of the caller's step (`group`) -- and
+runs them as ONE `ModelRunner.extend` (ragged lengths are the
+runner's business). Forwards and every session change run on one thread, in order, so
+the event loop keeps accepting calls while a forward runs (continuous batching).
+
+A call whose session is missing or shorter than `past` is answered `lost` (the caller
+re-prefills elsewhere); a longer one is cropped to `past` (a rollback).
+
+KV budget (runner.py, static_kv.py): a forward that would pass the budget evicts idle
+sessions, least recently used first (their next call is answered `lost`: the caller
+re-prefills). A NEW session (past 0, not a `refill` of a lost one) that does not fit
+beside the forward's other sessions -- or finds no free static slot -- is answered
+`refused` (the caller's request ends with a retriable 503); the forward's others go on.
+
+Sessions are freed by their caller's close, by TTL, and by lease: a call names its
+`owner` (a SmallRouter replica), every call and every `renew(owner)` renews that owner's
+lease, and `expire_leases` frees the sessions of owners silent for longer than the lease
+(a router that died cannot close them). A closed key is remembered (a tombstone), so a
+late call that arrives after its close -- a call the caller gave up on -- cannot recreate
+the session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from backoff_core.runners.dynamic import ModelRunner
+from backoff_core.runners.static_kv import KVCapacityError
+
+
+@dataclass(frozen=True)
+class CatchUpCall:
+    key: str  # session key: request id + epoch (a re-prefill starts a new epoch)
+    past: int  # positions the caller believes the session holds
+    ids: tuple[int, ...]  # the pending ids, k >= 1
+    group: str = ""  # the caller's step: its calls are merged when they arrive together
+    group_size: int = 1  # calls the caller issued in that step
+    owner: str = ""  # the caller (a SmallRouter replica) whose lease keeps the session; "": TTL only
+    last_only: bool = False  # reply with the logits after the last id only ([1, V]: 1/k of the bytes)
+    refill: bool = False  # past 0 rebuilding a lost session of a live request: never refused for KV room
+
+
+@dataclass(frozen=True)
+class CatchUpReply:
+    # [k, V] float32 next-token logits after each new id ([1, V]: last_only; numpy: the cheapest
+    # to ship); None: lost
+    logits: np.ndarray | None
+    lost: str = ""  # why the session is not usable here
+    refused: str = ""  # a new session with no KV room here: why (the request may retry later)
+
+
+@dataclass(frozen=True)
+class ForwardRecord:
+    """One forward of the large model, for metrics."""
+
+    batch_size: int  # sessions in the forward
+    lengths: tuple[int, ...]  # new ids per session
+    seconds: float
+
+
+@dataclass
+class BatcherStats:
+    forward_passes: int = 0
+    calls: int = 0
+    lost: int = 0
+    waited_s: float = 0.0  # total time forwards waited for the rest of a step's calls
+    forward_s: float = 0.0  # total time in forwards
+    orphans_freed: int = 0  # sessions freed because their owner's lease expired
+    refused: int = 0  # new sessions refused for want of KV room
+    batch_sizes: collections.Counter = field(default_factory=collections.Counter)
+
+
+class CatchUpBatcher:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        *,
+        batching: bool = True,
+        max_batch_size: int = 64,
+        batch_wait_s: float = 0.02,
+        batch_gap_s: float = 0.005,
+        on_forward: Callable[[ForwardRecord], None] | None = None,
+    ) -> None:
+        self.runner = runner
+        self.batching = batching
+        self.max_batch_size = max_batch_size
+        self.batch_wait_s = batch_wait_s
+        self.batch_gap_s = batch_gap_s
+        self.on_forward = on_forward
+        self.stats = BatcherStats()
+        self._pending: collections.deque[tuple[CatchUpCall, asyncio.Future]] = collections.deque()
+        self._arrived: asyncio.Event | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._forward_thread = ThreadPoolExecutor(1, thread_name_prefix="catch-up")
+        # calls of each recent caller step already taken into a forward (bounded)
+        self._taken: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._leases: dict[str, float] = {}  # owner -> monotonic time of its last call or renewal
+        self._owners: dict[str, str] = {}  # session key -> owner (forward thread only)
+        self._closed: collections.OrderedDict[str, None] = collections.OrderedDict()  # tombstones (bounded)
+
+    # -- API (event loop) -------------------------------------------------------------------
+    async def extend(self, call: CatchUpCall) -> CatchUpReply:
+        if not call.ids:
+            raise ValueError("a catch-up needs at least one pending id")
+        self._start()
+        if call.owner:
+            self.renew(call.owner)
+        future = asyncio.get_running_loop().create_future()
+        self._pending.append((call, future))
+        self._arrived.set()
+        return await future
+
+    async def close(self, key: str) -> None:
+        await asyncio.get_running_loop().run_in_executor(self._forward_thread, self._close, key)
+
+    def close_soon(self, key: str) -> None:
+        """From any thread: free a session after the forwards already queued."""
+        try:
+            self._forward_thread.submit(self._close, key)
+        except RuntimeError:  # shut down: the sessions go with the replica
+            pass
+
+    def renew(self, owner: str) -> None:
+        """The owner is alive: its sessions stay for another lease."""
+        self._leases[owner] = time.monotonic()
+
+    async def expire_leases(self, lease_s: float) -> list[str]:
+        """Free the sessions of owners that neither called nor renewed for lease_s; their keys."""
+        cutoff = time.monotonic() - lease_s
+        for owner in [o for o, t in self._leases.items() if t < cutoff]:
+            del self._leases[owner]
+        return await asyncio.get_running_loop().run_in_executor(self._forward_thread, self._free_orphans)
+
+    def owners(self) -> dict[str, int]:
+        """owner -> sessions held for it."""
+        return dict(collections.Counter(self._owners.values()))
+
+    async def expire(self, ttl_s: float) -> list[str]:
+        """Free sessions idle for ttl_s; returns their keys."""
+        keys = self.runner.idle_sessions(ttl_s)
+        for key in keys:
+            await self.close(key)
+        return keys
+
+    def holds(self, key: str) -> bool:
+        return self.runner.has(key)
+
+    def shutdown(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+        self._forward_thread.shutdown(wait=False, cancel_futures=True)
+
+    # -- the loop ---------------------------------------------------------------------------
+    def _start(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._arrived = asyncio.Event()
+            self._loop_task = asyncio.get_running_loop().create_task(self._run_forever())
+
+    async def _run_forever(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = await self._next_batch()
+            try:
+                replies = await loop.run_in_executor(self._forward_thread, self._forward, [c for c, _ in batch])
+            except Exception as exc:  # a bad call fails its whole forward, never the loop
+                for _, future in batch:
+                    if not future.done():
+                        future.set_exception(exc)
+                continue
+            for (_, future), reply in zip(batch, replies):
+                if not future.done():  # the caller may have gone (cancelled)
+                    future.set_result(reply)
+
+    async def _next_batch(self) -> list[tuple[CatchUpCall, asyncio.Future]]:
+        while not self._pending:
+            self._arrived.clear()
+            await self._arrived.wait()
+        if not self.batching:
+            return [self._pending.popleft()]
+        batch: list[tuple[CatchUpCall, asyncio.Future]] = []
+        keys: set[str] = set()
+        opened = time.monotonic()
+        deadline = opened + self.batch_wait_s
+        while True:
+            self._take(batch, keys)
+            remaining = deadline - time.monotonic()
+            if len(batch) >= self.max_batch_size or remaining <= 0 or not self._incomplete(batch):
+                break
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), min(remaining, self.batch_gap_s))
+            except asyncio.TimeoutError:  # a gap: the step's other calls went to other replicas
+                break
+        self._count_taken(batch)
+        self.stats.waited_s += time.monotonic() - opened
+        return batch
+
+    def _take(self, batch: list, keys: set[str]) -> None:
+        """Move queued calls into the batch; a second call of one session waits for the next."""
+        later = []
+        while self._pending and len(batch) < self.max_batch_size:
+            call, future = self._pending.popleft()
+            if call.key in keys:
+                later.append((call, future))
+            else:
+                keys.add(call.key)
+                batch.append((call, future))
+        self._pending.extendleft(reversed(later))
+
+    def _incomplete(self, batch: list[tuple[CatchUpCall, asyncio.Future]]) -> bool:
+        """Whether some caller step in the batch still has calls on their way here."""
+        seen: collections.Counter = collections.Counter(c.group for c, _ in batch if c.group)
+        sizes = {c.group: c.group_size for c, _ in batch if c.group}
+        return any(seen[g] + self._taken.get(g, 0) < sizes[g] for g in seen)
+
+    def _count_taken(self, batch: list[tuple[CatchUpCall, asyncio.Future]]) -> None:
+        for call, _ in batch:
+            if call.group:
+                self._taken[call.group] = self._taken.get(call.group, 0) + 1
+                self._taken.move_to_end(call.group)
+        while len(self._taken) > 1024:
+            self._taken.popitem(last=False)
+
+    # -- the forward thread -----------------------------------------------------------------
+    def _close(self, key: str) -> None:
+        self.runner.close(key)
+        self._owners.pop(key, None)
+        self._closed[key] = None
+        while len(self._closed) > 65536:
+            self._closed.popitem(last=False)
+
+    def _free_orphans(self) -> list[str]:
+        keys = [key for key, owner in self._owners.items() if owner not in self._leases]
+        for key in keys:
+            self._close(key)
+        self.stats.orphans_freed += len(keys)
+        return keys
+
+    def _forward(self, calls: list[CatchUpCall]) -> list[CatchUpReply]:
+        replies: list[CatchUpReply | None] = [None] * len(calls)
+        ready = []
+        for i, call in enumerate(calls):
+            problem = self._prepare(call)
+            if problem is None:
+                ready.append(i)
+                continue
+            replies[i] = problem
+            if problem.refused:
+                self.stats.refused += 1
+            else:
+                self.stats.lost += 1
+        ready = self._fit(calls, ready, replies)
+        self.stats.calls += len(calls)
+        if ready:
+            start = time.perf_counter()
+            last_only = all(calls[i].last_only for i in ready)  # one forward: every row if any call wants them
+            evictions = getattr(self.runner, "evictions", 0)
+            exts = self.runner.extend([(calls[i].key, list(calls[i].ids)) for i in ready], last_only=last_only)
+            if getattr(self.runner, "evictions", 0) != evictions:  # idle sessions made room: forget their owners
+                for key in [k for k in self._owners if not self.runner.has(k)]:
+                    del self._owners[key]
+            seconds = time.perf_counter() - start
+            self.stats.forward_s += seconds
+            for i, ext in zip(ready, exts):
+                logits = ext.logits[-1:] if calls[i].last_only else ext.logits
+                replies[i] = CatchUpReply(logits.cpu().numpy())
+            self.stats.forward_passes += 1
+            self.stats.batch_sizes[len(ready)] += 1
+            if self.on_forward is not None:
+                self.on_forward(ForwardRecord(len(ready), tuple(len(calls[i].ids) for i in ready), seconds))
+        return replies
+
+    def _prepare(self, call: CatchUpCall) -> CatchUpReply | None:
+        """Bring the session to `past` positions; None when ready, else the reply (lost or refused)."""
+        runner, key = self.runner, call.key
+        if call.past == 0:
+            if key in self._closed:
+                return CatchUpReply(None, f"session {key!r} was closed (a late call)")
+            runner.close(key)  # a fresh epoch starts from nothing
+            try:
+                if isinstance(runner, ModelRunner):
+                    runner.open(key, refill=call.refill)
+                else:
+                    runner.open(key)
+            except KVCapacityError as exc:  # static storage: no free slot
+                return CatchUpReply(None, refused=str(exc))
+            if call.owner:
+                self._owners[key] = call.owner
+            return None
+        if not runner.has(key):
+            return CatchUpReply(None, f"{runner.name} holds no session {key!r}")
+        held = runner.length(key)
+        if held < call.past:
+            return CatchUpReply(None, f"{runner.name} holds {held} positions of {key!r}, the caller expects {call.past}")
+        if held > call.past:
+            runner.crop(key, call.past)  # the caller rolled back
+        return None
+
+    def _fit(self, calls: list[CatchUpCall], ready: list[int], replies: list) -> list[int]:
+        """The ready calls that fit the KV budget: held sessions and refills always; a new
+        session only while it fits beside them and the new ones taken before it (in order)."""
+        runner = self.runner
+        if not isinstance(runner, ModelRunner) or runner.kv_budget_tokens is None:
+            return ready
+        taken = [i for i in ready if calls[i].past > 0 or calls[i].refill]
+        for i in ready:
+            if calls[i].past > 0 or calls[i].refill:
+                continue
+            if runner.kv_fits([(calls[j].key, len(calls[j].ids)) for j in (*taken, i)]):
+                taken.append(i)
+                continue
+            runner.close(calls[i].key)
+            self._owners.pop(calls[i].key, None)
+            self.stats.refused += 1
+            replies[i] = CatchUpReply(None, refused=(
+                f"{runner.name}: no KV room for a new session ({len(calls[i].ids)} positions): the live sessions "
+                f"alone fill kv_budget_tokens={runner.kv_budget_tokens}; retry when a request ends"))
+        return sorted(taken)
+

@@ -1,0 +1,50 @@
+"""Chaos / testing knob of the SmallRouter: a request that fails inside the step loop.
+
+`RoutingConfig.inject_fault_seed` (live, like LargeModel's `inject_delay_ms`): a request
+with that seed makes the M_S forwards that carry its tokens raise, from its third step on,
+after the forward ran (every session of the batch has been written, as a fault late in a
+real forward would leave them). The step loop must end that request alone and carry the
+others on (backoff_core/engine/isolation.py). None in production. No Ray, no torch here.
+"""
+
+from __future__ import annotations
+
+from backoff_core.engine.backends import Backend
+
+
+class InjectedFault(RuntimeError):
+    """The fault `inject_fault_seed` plants."""
+
+
+class FaultInjector:
+    """The M_S backend, passed through; forwards that carry a doomed request fail."""
+
+    def __init__(self, inner: Backend, after: int = 3) -> None:
+        self.inner, self.after = inner, after
+        self.name, self.vocab_size = inner.name, inner.vocab_size
+        self._doomed: dict[str, int] = {}  # request id -> forwards that carried it (test requests only)
+
+    def doom(self, session_id: str) -> None:
+        self._doomed[session_id] = 0
+
+    def __getattr__(self, name: str):  # session_ids, forward_passes, ...: the inner runner's
+        return getattr(self.inner, name)
+
+    def open(self, session_id: str) -> None:
+        self.inner.open(session_id)
+
+    def close(self, session_id: str) -> None:
+        self.inner.close(session_id)
+
+    def crop(self, session_id: str, length: int) -> None:
+        self.inner.crop(session_id, length)
+
+    def extend(self, items, hidden_layer=None, last_only=False):
+        out = self.inner.extend(items, hidden_layer, last_only)
+        if self._doomed:
+            hit = [sid for sid, _ in items if sid in self._doomed]
+            for sid in hit:
+                self._doomed[sid] += 1
+            if any(self._doomed[sid] > self.after for sid in hit):  # its retry alone fails too
+                raise InjectedFault("injected fault (routing.inject_fault_seed)")
+        return out

@@ -1,0 +1,226 @@
+"""One thread owns the BackoffEngine; the event loop talks to it through queues (no Ray).
+
+The engine is not thread-safe, and its `step()` advances ALL live requests by one token in
+batched forwards, so one thread loops `step()` while there is work:
+  1. drain commands (admit / cancel), reading the live policy ONCE for the whole step
+  2. step every live request (M_S batched; catch-ups batched per level)
+  3. hand each request's TokenEvent to its stream; finished requests get their result
+A failure while handling one request ends that request alone (backoff_core/engine/isolation.py:
+`finish` raises its error, which becomes its Failed); the other requests go on.
+Each stream is an asyncio.Queue fed with `call_soon_threadsafe`: items are Admitted,
+TokenEvent ..., GenerationResult, or Rejected / Failed instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Generic, TypeVar
+
+from backoff_core.engine.backends import LargeUnavailable
+from backoff_core.engine.engine import BackoffEngine
+from backoff_core.runners.static_kv import KVCapacityError
+from backoff_core.types import GenerationRequest, GenerationResult
+
+log = logging.getLogger(__name__)
+Policy = TypeVar("Policy")
+
+
+@dataclass(frozen=True)
+class Admitted:
+    request_id: str
+    prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """The request's content was refused (ValueError): a client error."""
+
+    message: str
+
+
+@dataclass(frozen=True)
+class Failed:
+    """Serving failed (not the client's fault)."""
+
+    message: str
+    unavailable: bool = False  # a part of the chain is down or too slow: retrying later may work
+    code: str = "large_unavailable"  # with unavailable: what is missing (kv_capacity: no free KV slot)
+
+
+class _Sink:
+    """Thread-safe handle on one stream's asyncio.Queue."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, q: asyncio.Queue, tokens: bool) -> None:
+        self.loop, self.queue = loop, q
+        self.tokens = tokens  # False: only Admitted and the result (a unary request)
+
+    def put(self, item) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the event loop is gone (shutdown)
+            pass
+
+
+def _deliver(items: list[tuple[_Sink, object]]) -> None:
+    """Put a step's items into their streams' queues with ONE wake-up per event loop (not one
+    per stream: a step of 64 streams would wake it 64 times, each a callback and a lock).
+    FIFO with every other call_soon_threadsafe, so a stream's order is kept."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Sink, object]]] = {}
+    for sink, item in items:
+        by_loop.setdefault(sink.loop, []).append((sink, item))
+    for loop, batch in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, batch)
+        except RuntimeError:  # the event loop is gone (shutdown)
+            pass
+
+
+def _put_all(batch: list[tuple[_Sink, object]]) -> None:
+    for sink, item in batch:
+        sink.queue.put_nowait(item)
+
+
+class EngineLoop(Generic[Policy]):
+    """admit(request, policy) -> GenerationRequest runs on the engine thread (it tokenizes)."""
+
+    def __init__(
+        self,
+        engine: BackoffEngine,
+        admit: Callable[[object, Policy], GenerationRequest],
+        policy: Policy,
+        on_finish: Callable[[GenerationResult], None] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.admit = admit
+        self.policy = policy  # replaced whole (one reference store) by reconfigure
+        self.on_finish = on_finish
+        self.steps = 0
+        self.last_step_s = 0.0
+        self.busy_s = 0.0  # time spent in steps
+        self._commands: queue.Queue = queue.Queue()
+        self._sinks: dict[str, _Sink] = {}
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="backoff-engine", daemon=True)
+
+    # -- event-loop side --------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stopped.set()
+        self._commands.put(("wake", None, None))
+        self._thread.join(timeout_s)
+
+    def submit(self, request, tokens: bool = True) -> asyncio.Queue:
+        """Queue a request; returns the queue its stream items arrive on (TokenEvents only
+        if `tokens`: a unary request needs none, and each one costs the event loop)."""
+        q: asyncio.Queue = asyncio.Queue()
+        self._commands.put(("submit", request, _Sink(asyncio.get_running_loop(), q, tokens)))
+        return q
+
+    def cancel(self, request_id: str) -> None:
+        self._commands.put(("cancel", request_id, None))
+
+    def live(self) -> int:
+        return len(self._sinks)
+
+    def live_ids(self) -> tuple[str, ...]:
+        return tuple(self._sinks)
+
+    # -- engine thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            self._drain(block=not self.engine.has_work())
+            if self.engine.has_work():
+                self._step()
+        for rid in list(self._sinks):
+            self._fail(rid, "the server is shutting down")
+
+    def _drain(self, block: bool) -> None:
+        try:
+            command = self._commands.get(block=block, timeout=0.5)
+        except queue.Empty:
+            return
+        policy = self.policy  # 1. read once, after any wait: a reconfigure never tears a step
+        while True:
+            kind, arg, sink = command
+            if kind == "submit":
+                self._admit(arg, sink, policy)
+            elif kind == "cancel":
+                self._cancel(arg)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _admit(self, request, sink: _Sink, policy) -> None:
+        try:
+            generation = self.admit(request, policy)
+            rid = self.engine.submit(generation)
+        except ValueError as exc:
+            sink.put(Rejected(str(exc)))
+            return
+        except KVCapacityError as exc:  # every KV slot is taken: retry once a request ends
+            log.warning("request refused: %s", exc)
+            sink.put(Failed(str(exc), unavailable=True, code="kv_capacity"))
+            return
+        except Exception as exc:  # noqa: BLE001 - reported to the caller, the loop goes on
+            log.exception("admission failed")
+            sink.put(Failed(f"{type(exc).__name__}: {exc}"))
+            return
+        self._sinks[rid] = sink
+        sink.put(Admitted(rid, len(generation.prompt_ids)))
+
+    def _cancel(self, rid: str) -> None:
+        if self._sinks.pop(rid, None) is not None:
+            self.engine.cancel(rid)
+
+    def _step(self) -> None:
+        start = time.perf_counter()
+        try:
+            events = self.engine.step()  # 2.
+        except Exception as exc:  # noqa: BLE001 - no one request to blame (a bug in the step itself):
+            log.exception("step failed")  # fail the step's requests, keep serving
+            for rid in list(self._sinks):
+                self._fail(rid, f"{type(exc).__name__}: {exc}")
+            return
+        self.steps += 1
+        _deliver([(sink, event) for rid, event in events.items()  # 3.
+                  if (sink := self._sinks.get(rid)) is not None and sink.tokens])
+        for rid in self.engine.finished_ids():
+            self._finish(rid)
+        self.last_step_s = time.perf_counter() - start
+        self.busy_s += self.last_step_s
+
+    def _finish(self, rid: str) -> None:
+        """Hand a finished request its result, or the error that ended it alone."""
+        sink = self._sinks.pop(rid, None)
+        try:
+            result = self.engine.finish(rid)
+        except LargeUnavailable as exc:  # on_large_failure = "fail"
+            item = Failed(str(exc), unavailable=True)
+        except KVCapacityError as exc:  # a larger model had no KV room for its new session: retriable
+            item = Failed(str(exc), unavailable=True, code="kv_capacity")
+        except Exception as exc:  # noqa: BLE001 - this request's own failure; the others go on
+            log.warning("request %s failed: %s: %s", rid, type(exc).__name__, exc, exc_info=exc)
+            item = Failed(f"{type(exc).__name__}: {exc}")
+        else:
+            item = result
+            if self.on_finish is not None:
+                try:
+                    self.on_finish(result)
+                except Exception:  # noqa: BLE001 - metrics must not cost the request its answer
+                    log.exception("on_finish failed")
+        if sink is not None:
+            sink.put(item)
+
+    def _fail(self, rid: str, message: str) -> None:
+        sink = self._sinks.pop(rid, None)
+        if sink is not None:
+            sink.put(Failed(message))
+        self.engine.cancel(rid)

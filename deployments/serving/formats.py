@@ -1,0 +1,182 @@
+"""Core records -> wire bodies (OpenAI JSON and protobuf). No Ray, no torch."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+from backoff_core.types import GenerationResult, Logprob, TokenEvent, TokenLogprobs
+from clients.wire import backoff_pb2 as pb
+from clients.wire.logprobs import ChatLogprobs, ChatTokenLogprob, ChatTopLogprob, CompletionLogprobs
+from clients.wire.proto import usage_to_pb
+from clients.wire.types import (
+    BackoffTrace, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse, ChatDelta,
+    ChatMessageOut, CompletionChoice, CompletionChunk, CompletionChunkChoice, CompletionResponse, ErrorBody,
+    ErrorDetail, TokenTrace, Usage,
+)
+
+
+def json_safe(value):
+    """value with no float JSON cannot hold: ±inf -> ±the largest float, NaN -> null.
+    (json.dumps would write the invalid tokens Infinity / NaN, and Starlette refuses them:
+    a plain-text 500 after the whole generation ran.) Every body below goes through it."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None if math.isnan(value) else math.copysign(sys.float_info.max, value)
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def _finite(x: float) -> float:
+    return x if math.isnan(x) else max(-sys.float_info.max, min(sys.float_info.max, x))
+
+
+def usage_of(result: GenerationResult) -> Usage:
+    by_source = result.tokens_by_source()
+    n = len(result.token_ids)
+    return Usage(prompt_tokens=result.prompt_tokens, completion_tokens=n, total_tokens=result.prompt_tokens + n,
+                 small_tokens=by_source[0], large_tokens=by_source[-1], large_calls=result.large_calls,
+                 degraded=result.degraded, degraded_reason=result.degraded_reason)
+
+
+def _trace(result: GenerationResult) -> BackoffTrace:
+    return BackoffTrace(token_ids=list(result.token_ids), sources=list(result.sources),
+                        thresholds=list(result.final_thresholds))
+
+
+def _chat_top(t: Logprob) -> ChatTopLogprob:
+    return ChatTopLogprob(token=t.token, logprob=t.logprob, bytes=list(t.token_bytes))
+
+
+def chat_logprobs(entries: tuple[TokenLogprobs, ...] | None) -> ChatLogprobs | None:
+    """OpenAI chat's choice.logprobs; entry i's source is backoff.sources[i] (or the chunk's backoff.source)."""
+    if entries is None:
+        return None
+    return ChatLogprobs(content=[ChatTokenLogprob(**_chat_top(e.chosen).model_dump(),
+                                                  top_logprobs=[_chat_top(t) for t in e.top]) for e in entries])
+
+
+def completion_logprobs(entries: tuple[TokenLogprobs, ...] | None) -> CompletionLogprobs | None:
+    """OpenAI completions' choice.logprobs: per token the top-n, then the sampled token where
+    it is not among them (up to n + 1, as OpenAI says); offsets into the generated text."""
+    if entries is None:
+        return None
+    tops = []
+    for e in entries:
+        top: dict[str, float] = {}
+        for t in (*e.top, e.chosen):  # a text shared by two ids keeps the likelier one
+            top.setdefault(t.token, t.logprob)
+        tops.append(top)
+    return CompletionLogprobs(tokens=[e.chosen.token for e in entries],
+                              token_logprobs=[e.chosen.logprob for e in entries],
+                              top_logprobs=tops, text_offset=[e.text_offset for e in entries])
+
+
+def _event_logprobs(event: TokenEvent) -> tuple[TokenLogprobs, ...] | None:
+    return None if event.logprobs is None else (event.logprobs,)
+
+
+def response_body(rid: str, model: str, created: int, result: GenerationResult, chat: bool) -> dict:
+    reason = result.finish_reason.value
+    if chat:
+        choice = ChatChoice(message=ChatMessageOut(content=result.text), finish_reason=reason, backoff=_trace(result),
+                            logprobs=chat_logprobs(result.logprobs))
+        body = ChatCompletionResponse(id=rid, created=created, model=model, choices=[choice], usage=usage_of(result))
+    else:
+        choice = CompletionChoice(text=result.text, finish_reason=reason, backoff=_trace(result),
+                                  logprobs=completion_logprobs(result.logprobs))
+        body = CompletionResponse(id=rid, created=created, model=model, choices=[choice], usage=usage_of(result))
+    return json_safe(body.model_dump())
+
+
+def chunk_body(rid: str, model: str, created: int, event: TokenEvent, chat: bool) -> dict:
+    trace = TokenTrace(token_id=event.token_id, source=event.source, index=event.index,
+                       retracted=event.retracted, retracted_text=event.retracted_text)
+    if chat:
+        delta = ChatDelta(role="assistant" if event.index == 0 else None, content=event.text)
+        choice = ChatChunkChoice(delta=delta, backoff=trace, logprobs=chat_logprobs(_event_logprobs(event)))
+        return json_safe(ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice]).model_dump())
+    choice = CompletionChunkChoice(text=event.text, backoff=trace, logprobs=completion_logprobs(_event_logprobs(event)))
+    return json_safe(CompletionChunk(id=rid, created=created, model=model, choices=[choice]).model_dump())
+
+
+class TokenChunks:
+    """One stream's token chunks as SSE text, one `data:` event per token (OpenAI clients
+    count on that), the events of a batch in one string. The body is chunk_body's: the
+    envelope is built once per stream and each token fills only its own fields (pydantic and
+    json_safe per token cost ~45 µs, this ~8); a first token or one with logprobs goes
+    through chunk_body whole."""
+
+    def __init__(self, rid: str, model: str, created: int, chat: bool) -> None:
+        self.rid, self.model, self.created, self.chat = rid, model, created, chat
+        self.template = chunk_body(rid, model, created, TokenEvent(0, 0, "", 1), chat)
+
+    def body(self, event: TokenEvent) -> dict:
+        if event.index == 0 or event.logprobs is not None:
+            return chunk_body(self.rid, self.model, self.created, event, self.chat)
+        body, choice = dict(self.template), dict(self.template["choices"][0])
+        body["choices"] = [choice]
+        if self.chat:
+            choice["delta"] = {**choice["delta"], "content": event.text}
+        else:
+            choice["text"] = event.text
+        choice["backoff"] = {**choice["backoff"], "token_id": event.token_id, "source": event.source,
+                             "index": event.index, "retracted": event.retracted,
+                             "retracted_text": event.retracted_text}
+        return body
+
+    def sse(self, events: tuple[TokenEvent, ...]) -> str:
+        return "".join(f"data: {json.dumps(self.body(e), allow_nan=False)}\n\n" for e in events)
+
+
+def final_chunk_body(rid: str, model: str, created: int, result: GenerationResult, chat: bool) -> dict:
+    """The last chunk: no token, finish_reason and usage (whatever stream_options say)."""
+    reason, usage = result.finish_reason.value, usage_of(result)
+    if chat:
+        choice = ChatChunkChoice(delta=ChatDelta(), finish_reason=reason)
+        return json_safe(ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice],
+                                             usage=usage).model_dump())
+    choice = CompletionChunkChoice(finish_reason=reason)
+    return json_safe(CompletionChunk(id=rid, created=created, model=model, choices=[choice], usage=usage).model_dump())
+
+
+def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return ErrorBody(error=ErrorDetail(message=message, type=kind, param=param, code=code)).model_dump()
+
+
+def pb_response(rid: str, result: GenerationResult) -> pb.GenerateResponse:
+    return pb.GenerateResponse(
+        id=rid, text=result.text, finish_reason=result.finish_reason.value, usage=usage_to_pb(usage_of(result)),
+        token_ids=list(result.token_ids), sources=list(result.sources), num_levels=result.num_levels,
+        thresholds=[_finite(t) for t in result.final_thresholds],  # JSON mappings of the reply stay finite
+        logprobs=[pb_logprobs(e) for e in result.logprobs or ()],
+    )
+
+
+def pb_logprobs(entry: TokenLogprobs) -> pb.TokenLogprobs:
+    def one(t: Logprob) -> pb.Logprob:
+        return pb.Logprob(token_id=t.token_id, token=t.token, token_bytes=t.token_bytes, logprob=t.logprob)
+
+    return pb.TokenLogprobs(chosen=one(entry.chosen), top=[one(t) for t in entry.top], text_offset=entry.text_offset)
+
+
+def pb_chunk(rid: str, event: TokenEvent) -> pb.GenerateChunk:
+    return pb.GenerateChunk(id=rid, text=event.text, token_id=event.token_id, source=event.source,
+                            index=event.index, retracted=event.retracted, retracted_text=event.retracted_text,
+                            logprobs=None if event.logprobs is None else pb_logprobs(event.logprobs))
+
+
+def pb_chunks(rid: str, events: tuple[TokenEvent, ...]) -> pb.GenerateChunk:
+    """One message for the tokens of one stream message: a token alone is pb_chunk's; several
+    ride in `tokens`, in order (the inner chunks without the id)."""
+    if len(events) == 1:
+        return pb_chunk(rid, events[0])
+    return pb.GenerateChunk(id=rid, tokens=[pb_chunk("", e) for e in events])
+
+
+def pb_final_chunk(rid: str, result: GenerationResult) -> pb.GenerateChunk:
+    return pb.GenerateChunk(id=rid, finish_reason=result.finish_reason.value, usage=usage_to_pb(usage_of(result)))

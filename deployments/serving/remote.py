@@ -1,0 +1,175 @@
+"""A Backend (backoff_core.engine.backends) whose model lives in remote replicas (no Ray here).
+
+The step loop calls `extend` with the pending ids of many requests; this proxy sends ONE
+call per session carrying all of its pending ids (a chunk), all calls of a step at once,
+tagged with the step so the replica's batcher can merge them into one forward; a reply
+carries the logits after the last id only, unless the engine asks for every row. Sessions
+are keyed `<request id>#<epoch>`: a re-prefill opens a new epoch, so a replica that still
+holds an old copy can never be extended by mistake. `open` and `crop` cost no round trip:
+the next call says how many positions it expects (`past`) and the replica creates or
+crops. A session the replicas no longer hold (replica lost, TTL) raises SessionLost and
+the engine re-prefills it from the token ids it keeps.
+
+A step's calls share one deadline, `timeout_s` (the live `large_timeout_s`): sessions
+without a reply by then -- M_L too slow, or no replica to create a session on -- raise
+LargeUnavailable with the replies that did come, and the engine degrades (or fails) just
+those requests. Their sessions are closed like any other (a late call meets a tombstone).
+Every call names `owner`, the SmallRouter replica whose lease keeps its sessions alive.
+
+KV budget: a replica with no KV room for a NEW session answers `refused` (its others go
+on); this proxy raises KVCapacityError carrying the replies that came, and that request
+ends with a retriable 503. The re-prefill of a session that was lost (evicted to make
+room, or its replica died) is flagged `refill`: its request is live, so it is never refused.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from backoff_core.engine.backends import LargeUnavailable, SessionLost
+from backoff_core.runners.dynamic import Extension, SessionError
+from backoff_core.runners.static_kv import KVCapacityError
+
+from deployments.serving.batcher import CatchUpCall, CatchUpReply
+
+log = logging.getLogger(__name__)
+
+
+class Pending(Protocol):
+    def result(self, timeout_s: float | None = None) -> CatchUpReply: ...
+
+
+class LargeEndpoint(Protocol):
+    """How RemoteLarge reaches a large model's replicas (the Ray adapter is in small.py)."""
+
+    transport_errors: tuple[type[BaseException], ...]  # what a lost replica raises
+
+    def extend(self, call: CatchUpCall) -> Pending: ...
+
+    def close(self, key: str) -> None: ...
+
+
+@dataclass
+class _Session:
+    key: str
+    length: int = 0  # positions the replica holds, as far as this proxy knows
+    sent: bool = False  # a call went out: a replica may hold it (even one that got no reply)
+    refill: bool = False  # it rebuilds a lost session of a live request
+
+
+_epochs = itertools.count()
+
+
+class RemoteLarge:
+    def __init__(self, endpoint: LargeEndpoint, name: str, vocab_size: int, *,
+                 timeout_s: float = 30.0, create_retries: int = 5, owner: str = "") -> None:
+        self.endpoint = endpoint
+        self.name = name
+        self.vocab_size = vocab_size
+        self.timeout_s = timeout_s  # replaced by reconfigure; read once per step
+        self.owner = owner
+        self.create_retries = create_retries
+        self.lost_sessions = 0
+        self.calls = 0
+        self.wait_s = 0.0  # time the step loop spent waiting for catch-up replies
+        self._sessions: dict[str, _Session] = {}
+        self._uid = uuid.uuid4().hex[:8]
+        self._steps = itertools.count()
+        self._lost: collections.OrderedDict[str, None] = collections.OrderedDict()  # recently lost (bounded)
+
+    def open(self, session_id: str) -> None:
+        if session_id in self._sessions:
+            raise ValueError(f"{self.name}: session {session_id!r} is already open")
+        refill = self._lost.pop(session_id, 0) is None
+        self._sessions[session_id] = _Session(f"{session_id}#{next(_epochs)}", refill=refill)
+
+    def close(self, session_id: str) -> None:
+        session = self._sessions.pop(session_id, None)
+        if session is not None and session.sent:
+            try:
+                self.endpoint.close(session.key)  # fire and forget; TTL frees what this misses
+            except Exception:  # noqa: BLE001 - a lost replica has nothing left to free
+                log.debug("close of %s failed", session.key, exc_info=True)
+
+    def crop(self, session_id: str, length: int) -> None:
+        session = self._get(session_id)
+        if not 0 <= length <= session.length:
+            raise ValueError(f"{self.name}: cannot crop {session.length} positions to {length}")
+        session.length = length  # the next call's `past` tells the replica
+
+    def extend(self, items: list[tuple[str, list[int]]], hidden_layer: int | None = None,
+               last_only: bool = False) -> list[Extension]:
+        if hidden_layer is not None:
+            raise ValueError(f"{self.name}: a remote model returns no hidden states")
+        group = f"{self._uid}-{next(self._steps)}"
+        calls = [CatchUpCall(self._get(sid).key, self._get(sid).length, tuple(ids), group, len(items), self.owner,
+                             last_only, refill=self._get(sid).refill) for sid, ids in items]
+        start, deadline = time.perf_counter(), time.monotonic() + self.timeout_s
+        for sid, _ in items:
+            self._sessions[sid].sent = True
+        pending = [self.endpoint.extend(call) for call in calls]  # all in flight together
+        out, lost, failed, refused = {}, [], [], []
+        # the engine re-prefills the whole group after a loss: these are live, never refused then
+        live = [sid for sid, _ in items if self._sessions[sid].length or self._sessions[sid].refill]
+        for (sid, ids), call, p in zip(items, calls, pending):
+            try:
+                reply = self._receive(call, p, deadline)
+            except LargeUnavailable as exc:
+                failed.append(str(exc))
+                continue
+            if reply.refused:
+                refused.append(reply.refused)
+                continue
+            if reply.logits is None:
+                lost.append(sid)
+                continue
+            self._sessions[sid].length += len(ids)
+            out[sid] = Extension(torch.from_numpy(np.array(reply.logits, dtype=np.float32)), None)
+        self.calls += len(calls)
+        self.wait_s += time.perf_counter() - start
+        if failed:
+            log.warning("%s: %d of %d catch-ups failed (%s)", self.name, len(failed), len(calls), failed[0])
+            raise LargeUnavailable(failed[0], out)
+        if lost:
+            self.lost_sessions += len(lost)
+            for sid in (*lost, *live):
+                self._lost[sid] = None
+            while len(self._lost) > 4096:
+                self._lost.popitem(last=False)
+            raise SessionLost(f"{self.name}: the replicas lost sessions {lost}; re-prefill them")
+        if refused:
+            raise KVCapacityError(refused[0], out)
+        return list(out.values())
+
+    def _receive(self, call: CatchUpCall, pending: Pending, deadline: float) -> CatchUpReply:
+        for attempt in range(self.create_retries + 1):
+            try:
+                return pending.result(timeout_s=max(0.001, deadline - time.monotonic()))
+            except TimeoutError:
+                raise LargeUnavailable(f"{self.name}: no reply within {self.timeout_s:g} s") from None
+            except self.endpoint.transport_errors as exc:
+                if call.past > 0:
+                    log.warning("%s: replica of %s lost (%s)", self.name, call.key, type(exc).__name__)
+                    return CatchUpReply(None, f"replica lost: {type(exc).__name__}")
+                pause = 0.1 * 2**attempt
+                if attempt == self.create_retries or time.monotonic() + pause > deadline:
+                    raise LargeUnavailable(f"{self.name}: no replica answers ({type(exc).__name__})") from exc
+                # nothing to lose yet: a fresh session just goes to a live replica
+                time.sleep(pause)
+                pending = self.endpoint.extend(call)
+        raise AssertionError("unreachable")
+
+    def _get(self, session_id: str) -> _Session:
+        try:
+            return self._sessions[session_id]
+        except KeyError:
+            raise SessionError(f"{self.name}: no session {session_id!r}") from None

@@ -1,0 +1,100 @@
+"""What the ingress hands the SmallRouter, and how it becomes a GenerationRequest.
+
+The edge's pydantic `GenerateParams` become frozen dataclasses here; the live routing
+config (`RoutingConfig`, the SmallRouter's user_config) fills what a request leaves open.
+No Ray and no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from backoff_core.types import GenerationRequest, RoutingParams, SamplingParams
+from clients.wire.types import ChatMessage, GenerateParams
+
+from deployments.serving.config import RoutingConfig
+
+
+@dataclass(frozen=True)
+class RoutingOverrides:
+    """A request's own routing fields; None = take the live config's."""
+
+    router: str | None = None
+    thresholds: tuple[float, ...] | None = None
+    target_backoff: float | None = None
+
+
+@dataclass(frozen=True)
+class ServeRequest:
+    """One request as the SmallRouter receives it: exactly one of the three prompt forms."""
+
+    request_id: str
+    sampling: SamplingParams
+    overrides: RoutingOverrides
+    prompt: str | None = None
+    prompt_ids: tuple[int, ...] | None = None
+    messages: tuple[tuple[str, str], ...] | None = None  # (role, content)
+
+    def __post_init__(self) -> None:
+        if sum(x is not None for x in (self.prompt, self.prompt_ids, self.messages)) != 1:
+            raise ValueError("a request needs exactly one of prompt, prompt_ids and messages")
+
+
+def serve_request(
+    request_id: str,
+    params: GenerateParams,
+    *,
+    prompt: str | list[int] | None = None,
+    messages: list[ChatMessage] | None = None,
+    default_max_tokens: int = 64,
+) -> ServeRequest:
+    """Edge params -> ServeRequest. Raises ValueError on values the core refuses."""
+    sampling = SamplingParams(
+        max_tokens=params.max_tokens or default_max_tokens,
+        temperature=1.0 if params.temperature is None else params.temperature,
+        top_k=params.top_k or 0,
+        top_p=1.0 if params.top_p is None else params.top_p,
+        seed=params.seed,
+        stop=tuple(params.stop or ()),
+        ignore_eos=params.ignore_eos,
+        logprobs=params.logprobs,
+    )
+    thresholds = params.thresholds()
+    overrides = RoutingOverrides(
+        router=params.router,
+        thresholds=tuple(float(t) for t in thresholds) if thresholds is not None else None,
+        target_backoff=params.target_backoff,
+    )
+    if messages is not None:
+        return ServeRequest(request_id, sampling, overrides, messages=tuple((m.role, m.content) for m in messages))
+    if isinstance(prompt, str):
+        return ServeRequest(request_id, sampling, overrides, prompt=prompt)
+    if prompt is None:
+        raise ValueError("the request has no prompt")
+    return ServeRequest(request_id, sampling, overrides, prompt_ids=tuple(int(t) for t in prompt))
+
+
+def routing_params(overrides: RoutingOverrides, policy: RoutingConfig) -> RoutingParams:
+    """A request's routing: its own fields first, then the live config. The config's
+    threshold and target rate belong to the config's router, so a request that names
+    another router gets that router's defaults."""
+    router = overrides.router or policy.router
+    own_router = router == policy.router
+    thresholds = overrides.thresholds
+    if thresholds is None and own_router and policy.threshold is not None:
+        thresholds = tuple(policy.threshold)
+    target = overrides.target_backoff
+    if target is None and own_router and overrides.thresholds is None:
+        target = policy.target_backoff
+    return RoutingParams(
+        router=router,
+        thresholds=thresholds or None,
+        rate=policy.rate if router == "random" else None,
+        target_backoff=target,
+        on_large_failure=policy.on_large_failure,
+    )
+
+
+def generation_request(request: ServeRequest, prompt_ids: list[int], policy: RoutingConfig) -> GenerationRequest:
+    return GenerationRequest(tuple(prompt_ids), request.sampling, routing_params(request.overrides, policy),
+                             request.request_id)
