@@ -5,7 +5,7 @@ compare mode (always-large beside the entropy router at a threshold that mixes s
     python benchmarks/playground_shot.py --url http://127.0.0.1:8000 [--api-key KEY]   # a running `backoff serve`
 
 Saves benchmarks/results/playground.png and prints both panels' counters. Needs Debian's
-chromium + chromium-driver (see tests/playground_page.py).
+chromium + chromium-driver (see tests/support/playground_page.py).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
-from playground_page import PlaygroundPage, browser_missing  # noqa: E402
+sys.path.insert(0, str(ROOT))  # tests.support
+from tests.support.playground_page import PlaygroundPage, browser_missing  # noqa: E402
 
 PROMPT = "Explain in two sentences why the sky is blue."
 

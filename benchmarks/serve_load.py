@@ -82,8 +82,8 @@ def prepare_pair(kind: str, root: Path) -> tuple[str | None, str | None]:
         if kind == "tiny":
             import sys
 
-            sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-            from tiny import tiny_model, tiny_tokenizer
+            sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support
+            from tests.support.tiny import tiny_model, tiny_tokenizer
 
             tok, models = tiny_tokenizer(), (tiny_model(1), tiny_model(2, hidden=64, layers=4))
         else:  # smollm-skip: M_L = SmolLM2-135M; M_S = its first and last layer (same cost as a 2-layer student)

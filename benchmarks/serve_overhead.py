@@ -31,7 +31,7 @@ import yaml
 from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+sys.path.insert(0, str(ROOT))  # tests.support
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # replicas: benchmarks.standin
 
 from backoff_core.types import GenerationRequest, SamplingParams  # noqa: E402
@@ -264,7 +264,7 @@ def main() -> None:
     from ray import serve
 
     from deployments import serve_cli
-    from ray_local import start_local_ray
+    from tests.support.ray_local import start_local_ray
 
     small, large = prepare_pair("tiny", Path(args.models_dir))
     http_port, grpc_port = serve_cli.free_port(), serve_cli.free_port()

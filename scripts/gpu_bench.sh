@@ -16,7 +16,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 mkdir -p "$out" /tmp/pair
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$out/gpu.txt"
 [ -d /tmp/pair/large ] || python "$pair_src/make_pair.py" /tmp/pair
-python -m pytest -q -m cuda --tb=short -p no:cacheprovider tests/test_cuda_static.py 2>&1 | tee "$out/cuda_tests.txt" | tail -5
+python -m pytest -q -m cuda --tb=short -p no:cacheprovider tests/backoff_core/runners/test_static_cuda.py 2>&1 | tee "$out/cuda_tests.txt" | tail -5
 common=(--small /tmp/pair/small --large /tmp/pair/large --device cuda --dtype bfloat16 --max-len 1024)
 python benchmarks/cost_curve.py "${common[@]}" --kv-budget 65536 --max-tokens 64 --repeats 3 \
     --tag "$tag" --out "$out" 2>&1 | grep -v '%|' | tee "$out/cost_curve.txt" | tail -30

@@ -9,10 +9,9 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
-from tiny import tiny_model, tiny_tokenizer  # noqa: E402
+from tests.support.tiny import tiny_model, tiny_tokenizer  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,59 @@
+"""The router pipeline end to end through the `backoff` CLI, on tiny models saved to a
+tmp dir: router-data -> router-train -> router-calibrate -> evaluate."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from backoff_core.cli.main import main
+from tests.support.router_fakes import one_thread  # noqa: F401 (autouse fixture)
+from tests.backoff_core.learning.test_data import write_corpus
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, pair, tokenizer):
+    root = tmp_path_factory.mktemp("models")
+    for name, model in zip(("small", "large"), pair):
+        model.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+    return ["--small", str(root / "small"), "--large", str(root / "large"), "--threads", "1"]
+
+
+def test_pipeline_end_to_end(tmp_path, models, capsys):
+    texts, chat = write_corpus(tmp_path / "a", seed=0, docs=6, chats=6)
+    other, _ = write_corpus(tmp_path / "b", seed=1, docs=3)
+    data = lambda name, *corpora: main(["router-data", *models, "--out", str(tmp_path / name), "--seq-len", "64",  # noqa: E731
+                                        "--max-positions", "500", *[x for c in corpora for x in ("--corpus", c)]])
+    assert data("train", texts) == 0
+    assert data("fine", chat) == 0
+    assert data("calib", texts, chat) == 0
+    assert data("heldout", texts, chat) == 0
+    assert data("unseen", other) == 0
+    head = str(tmp_path / "head")
+    assert main(["router-train", "--data", str(tmp_path / "train"), "--finetune", str(tmp_path / "fine"),
+                 "--out", head, "--objective", "regression", "--inner-size", "16", "--epochs", "2",
+                 "--finetune-epochs", "1", "--threads", "1"]) == 0
+    assert main(["router-calibrate", "--head", head, "--data", str(tmp_path / "calib"), "--threads", "1"]) == 0
+    meta = json.loads((tmp_path / "head" / "head.json").read_text())
+    assert meta["objective"] == "regression" and len(meta["calibration"]) == 51
+    run = tmp_path / "run"
+    assert main(["evaluate", *models, "--run-dir", str(run), "--head", head, "--heldout", str(tmp_path / "heldout"),
+                 "--calib", str(tmp_path / "calib"), "--unseen", str(tmp_path / "unseen"), "--compare", head,
+                 "--prompts", "2", "--max-tokens", "6", "--control-requests", "2", "--control-tokens", "10"]) == 0
+    report = (run / "report.md").read_text()
+    for section in ("## Goals", "paper Table 1", "paper Table 2", "paper Figure 3", "Online rate control",
+                    "Measured speed"):
+        assert section in report
+    for png in ("quality_vs_backoff", "quality_vs_speed", "generation", "high_kl_accuracy", "control"):
+        assert (run / f"{png}.png").stat().st_size > 5000
+    results = json.loads((run / "results.json").read_text())
+    assert results["curves"]["routers"]["oracle"]["gap_closed"] == pytest.approx(1.0)
+    assert {r["target"] for r in results["control"]} == {0.5, 0.7, 0.9}
+
+
+def test_user_errors_exit_2(tmp_path, capsys):
+    assert main(["router-train", "--data", str(tmp_path / "missing"), "--out", str(tmp_path / "h")]) == 2
+    assert "no router data" in capsys.readouterr().err
+    assert main(["router-data", "--small", "x", "--out", str(tmp_path / "d"), "--corpus", "stdlib:nope"]) == 2

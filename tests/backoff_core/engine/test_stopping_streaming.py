@@ -1,0 +1,114 @@
+"""EOS, stop strings, max tokens, streaming text, and input validation of the engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from backoff_core.types import FinishReason, GenerationRequest, RoutingParams, SamplingParams, Verification
+from tests.support.helpers import engine_for, hf_greedy, request
+
+PROMPT = (3, 4, 5, 6)
+
+
+def test_eos_stops_generation(pair, tokenizer):
+    _, large = pair
+    full = hf_greedy(large, PROMPT, 12)
+    engine = engine_for(pair, tokenizer)
+    engine.eos_ids = frozenset({full[5]})  # make the 6th greedy token the end of sequence
+    req = GenerationRequest(PROMPT, SamplingParams(max_tokens=12), RoutingParams(router="always-large"))
+    result = engine.generate(req)
+    assert result.token_ids == full[: full.index(full[5]) + 1]
+    assert result.finish_reason == FinishReason.STOP
+
+
+def test_stop_string_cuts_text(pair, tokenizer):
+    engine = engine_for(pair, tokenizer)
+    plain = engine.generate(request(PROMPT, 12, "always-large"))
+    words = plain.text.split()
+    stop = words[4]
+    first = plain.text.index(stop)
+    req = GenerationRequest(PROMPT, SamplingParams(max_tokens=12, stop=(stop,)), RoutingParams(router="always-large"))
+    result = engine.generate(req)
+    assert result.text == plain.text[:first]
+    assert result.finish_reason == FinishReason.STOP
+    assert len(result.token_ids) < 12
+
+
+def test_max_tokens_finishes_with_length(pair, tokenizer):
+    result = engine_for(pair, tokenizer).generate(request(PROMPT, 7, "random", rate=0.5, seed=1))
+    assert len(result.token_ids) == 7 and result.finish_reason == FinishReason.LENGTH
+
+
+@pytest.mark.parametrize("routing", [dict(router="random", rate=0.5),
+                                     dict(router="random", rate=0.6, verification=Verification.KL, tolerance=0.3)])
+def test_stream_reassembles_to_the_result(pair, tokenizer, routing):
+    engine = engine_for(pair, tokenizer)
+    req = request(PROMPT, 20, seed=4, **routing)
+    text, ids, sources = "", [], []
+    for event in engine.stream(req):
+        if event.retracted:
+            assert text.endswith(event.retracted_text)
+            text = text[: len(text) - len(event.retracted_text)]
+            del ids[len(ids) - event.retracted :]
+            del sources[len(sources) - event.retracted :]
+        text += event.text
+        ids.append(event.token_id)
+        sources.append(event.source)
+        assert event.index == len(ids) - 1
+    result = engine.generate(req)
+    assert tuple(ids) == result.token_ids and tuple(sources) == result.sources
+    assert text == result.text
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: SamplingParams(max_tokens=0), "max_tokens"),
+        (lambda: SamplingParams(temperature=float("nan")), "temperature"),
+        (lambda: SamplingParams(temperature=-1), "temperature"),
+        (lambda: SamplingParams(top_p=0), "top_p"),
+        (lambda: RoutingParams(thresholds=(2.0, 1.0)), "ascending"),
+        (lambda: RoutingParams(rate=1.5), "rate"),
+        (lambda: GenerationRequest(()), "at least one token"),
+    ],
+)
+def test_bad_parameters_are_refused_clearly(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_engine_refuses_bad_requests(pair, tokenizer):
+    engine = engine_for(pair, tokenizer, context_window=64)
+    with pytest.raises(ValueError, match="context window"):
+        engine.submit(request(PROMPT, 100))
+    with pytest.raises(ValueError, match="unknown router"):
+        engine.submit(request(PROMPT, 4, "nonsense"))
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 48\)"):
+        engine.submit(request((3, 999), 4))
+    with pytest.raises(ValueError, match="thresholds"):
+        engine.submit(request(PROMPT, 4, "entropy", thresholds=(1.0, 2.0)))
+    assert engine.models[0].session_ids() == []
+
+
+def test_the_detokenizer_decodes_exactly_as_the_tokenizer(tokenizer):
+    """The step loop decodes through the fast tokenizer's backend (no per-id Python checks):
+    the text must be the tokenizer's own, special tokens skipped, on byte-level BPE too."""
+    import random
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from backoff_core.engine.state import Detokenizer
+
+    tokenizers = [tokenizer]
+    bpe = Path(__file__).resolve().parents[4] / "shared" / "gpu" / "tok"  # SmolLM2's, beside the repo
+    if bpe.exists():
+        tokenizers.append(AutoTokenizer.from_pretrained(str(bpe)))
+    rng = random.Random(0)
+    for tok in tokenizers:
+        detok = Detokenizer(tok)
+        assert detok.decode is not None
+        for n in (1, 3, 40, 300):
+            for _ in range(20):
+                ids = [rng.randrange(len(tok)) for _ in range(n)] + [tok.eos_token_id]
+                assert detok.decode(ids) == tok.decode(ids, skip_special_tokens=True)

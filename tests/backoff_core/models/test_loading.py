@@ -1,0 +1,92 @@
+"""The `backoff generate` CLI and model loading, on tiny models saved to local directories."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from backoff_core.models.loading import LoadSpec, TokenizerMismatch, check_same_tokenizer, load_chain
+from tests.support.helpers import hf_greedy
+from tests.support.tiny import tiny_model, tiny_tokenizer
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory, pair, tokenizer):
+    root = tmp_path_factory.mktemp("models")
+    paths = {}
+    for name, model in zip(("small", "large"), pair):
+        model.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+        paths[name] = str(root / name)
+    other = tiny_model(5, vocab=40)
+    other.save_pretrained(root / "other")
+    tiny_tokenizer(vocab=40).save_pretrained(root / "other")
+    # same tokenizer, but a model whose output layer is wider: logits not comparable
+    wide = tiny_model(6, vocab=64)
+    wide.save_pretrained(root / "wide")
+    tokenizer.save_pretrained(root / "wide")
+    paths["wide"] = str(root / "wide")
+    paths["other"] = str(root / "other")
+    return paths
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "backoff_core.cli.main", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_generate_json(model_dirs, pair):
+    _, large = pair
+    out = _cli("generate", "--small", model_dirs["small"], "--large", model_dirs["large"], "--prompt", "w3 w4 w5",
+               "--max-tokens", "10", "--router", "always-large", "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    prompt_ids = [5, 6, 7]  # w3 w4 w5 in the tiny vocabulary (2 specials first)
+    assert data["token_ids"] == list(hf_greedy(large, prompt_ids, 10))
+    assert data["sources"] == [1] * 10 and data["backoff_rate"] == 0.0 and data["large_calls"] == 10
+    for key in ("text", "first_token_latency_s", "tokens_per_s", "catch_up_lengths", "c_S_median_s"):
+        assert key in data
+
+
+def test_generate_speculative_and_human_view(model_dirs):
+    out = _cli("generate", "--small", model_dirs["small"], "--large", model_dirs["large"], "--prompt", "w3 w4",
+               "--max-tokens", "8", "--mode", "speculative", "--draft-tokens", "3")
+    assert out.returncode == 0, out.stderr
+    assert "backoff rate" in out.stdout and "\033[" in out.stdout
+
+
+def test_bad_arguments_give_a_clear_error(model_dirs):
+    out = _cli("generate", "--small", model_dirs["small"], "--large", model_dirs["large"], "--prompt", "w3",
+               "--router", "nonsense")
+    assert out.returncode == 2 and "unknown router 'nonsense'" in out.stderr
+    out = _cli("generate", "--small", model_dirs["small"], "--prompt", "w3")
+    assert out.returncode == 2 and "name both --small and --large" in out.stderr
+
+
+def test_mismatched_tokenizers_are_refused(model_dirs):
+    with pytest.raises(TokenizerMismatch, match="vocabulary sizes differ"):
+        load_chain(model_dirs["small"], model_dirs["other"])
+
+
+def test_mismatched_output_sizes_are_refused(model_dirs):
+    with pytest.raises(TokenizerMismatch, match="output vocabulary"):
+        load_chain(model_dirs["small"], model_dirs["wide"])
+
+
+def test_tokenizer_check_names_the_special_token(tokenizer):
+    other = tiny_tokenizer()
+    other.eos_token = "w7"
+    with pytest.raises(TokenizerMismatch, match="eos_token_id"):
+        check_same_tokenizer(["a", "b"], [tokenizer, other])
+
+
+def test_load_spec_refuses_unknown_dtype_and_missing_cuda():
+    with pytest.raises(ValueError, match="unknown dtype"):
+        LoadSpec(dtype="int3").torch_dtype()
+    import torch
+
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA"):
+            LoadSpec(device="cuda").torch_device()

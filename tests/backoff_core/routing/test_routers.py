@@ -1,0 +1,84 @@
+"""Decision functions on hand-written inputs, and their level mapping in the engine."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from backoff_core.routing.head import HeadMeta, RouterHead
+from backoff_core.routing.routers import NAMES, StepContext, build_router
+from tests.support.helpers import engine_for, request
+
+PROMPT = (3, 4, 5, 6)
+
+
+def ctx(small, large=None, hidden=None):
+    b = small.shape[0]
+    return StepContext(small, hidden, large, torch.zeros(b), torch.full((b,), 0.5))
+
+
+def test_scores_on_hand_written_logits():
+    uniform4 = torch.zeros(1, 4)
+    peaked = torch.tensor([[10.0, 0.0, 0.0, 0.0]])
+    both = torch.cat([uniform4, peaked])
+    assert build_router("entropy").scores(ctx(both))[0] == pytest.approx(math.log(4), abs=1e-5)
+    assert build_router("entropy").scores(ctx(both))[1] < 0.01
+    assert build_router("max-prob").scores(ctx(both))[0] == pytest.approx(0.75, abs=1e-6)
+    kl = build_router("oracle").scores(ctx(uniform4, large=peaked))
+    p = torch.softmax(peaked, -1)[0]
+    expected = float((p * (p.log() - math.log(0.25))).sum())
+    assert kl[0] == pytest.approx(expected, rel=1e-5)
+    assert build_router("flipped-oracle").scores(ctx(uniform4, large=peaked))[0] == pytest.approx(-expected, rel=1e-5)
+    assert build_router("always-small").scores(ctx(both)).tolist() == [-math.inf, -math.inf]
+    assert build_router("random", rate=0.3).default_thresholds(2) == (0.3,)
+
+
+def test_unknown_router_names_the_choices():
+    with pytest.raises(ValueError, match="choose one of .*entropy"):
+        build_router("bogus")
+    assert {"oracle", "flipped-oracle", "classifier", "entropy", "max-prob", "random",
+            "always-small", "always-large"} <= set(NAMES)
+
+
+def test_router_head_round_trip_and_calibration(tmp_path):
+    head = RouterHead(HeadMeta(hidden_size=8, layer=1, inner_size=16, calibration=((0.5, 0.2), (0.9, 0.6))))
+    head.save(tmp_path)
+    loaded = RouterHead.load(tmp_path)
+    h = torch.randn(5, 8)
+    torch.testing.assert_close(head.score(h), loaded.score(h))
+    assert loaded.threshold_for_rate(0.7) == pytest.approx(0.4)
+    with pytest.raises(FileNotFoundError, match="no router head"):
+        RouterHead.load(tmp_path / "missing")
+
+
+def test_classifier_router_reads_the_small_hidden_state(pair, tokenizer):
+    """A random head at the last layer: the engine hands it M_S's hidden states."""
+    small, _ = pair
+    engine = engine_for(pair, tokenizer, hidden_size=small.config.hidden_size)
+    result = engine.generate(request(PROMPT, 20, "classifier", thresholds=(0.5,)))
+    head = engine._routers[("classifier", None, 4)].head
+    # recompute the head's decision at each step from M_S's own hidden state
+    tokens = list(PROMPT) + list(result.token_ids)
+    with torch.no_grad():
+        hidden = small(torch.tensor([tokens]), output_hidden_states=True).hidden_states[-1][0]
+    scores = head.score(hidden[len(PROMPT) - 1 : -1])
+    assert tuple(int(s >= 0.5) for s in scores) == result.sources
+
+
+def test_chain_levels_follow_thresholds(chain3, tokenizer):
+    engine = engine_for(chain3, tokenizer)
+    result = engine.generate(request(PROMPT, 200, "random", seed=0, thresholds=(0.2, 0.6)))
+    shares = [result.sources.count(level) / 200 for level in range(3)]
+    for share, expected in zip(shares, (0.2, 0.4, 0.4)):
+        assert abs(share - expected) < 4.5 * math.sqrt(expected * (1 - expected) / 200)
+
+
+def test_classifier_and_other_routers_share_a_step(pair, tokenizer):
+    small, _ = pair
+    engine = engine_for(pair, tokenizer, hidden_size=small.config.hidden_size)
+    reqs = [request(PROMPT, 8, "classifier", thresholds=(0.5,)), request(PROMPT, 8, "entropy"),
+            request(PROMPT, 8, "random", seed=1, rate=0.5)]
+    together = engine.generate_many(reqs)
+    assert [r.token_ids for r in together] == [engine.generate(r).token_ids for r in reqs]

@@ -1,0 +1,180 @@
+"""Statistical checks of sampling: the distributions tokens are drawn from are the right ones."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from backoff_core.sampling import Stream, distribution, distributions, sample, sample_rows, uniforms
+from backoff_core.types import SamplingParams, Verification
+from tests.support.helpers import engine_for, request
+
+PROMPT = (3, 4, 5, 6)
+
+
+def chi_square_critical(df: int, z: float = 3.72) -> float:
+    """Wilson–Hilferty upper quantile of chi²(df); z = 3.72 is p ≈ 1e-4."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    """Pearson's statistic, pooling cells with expected count < 5 into one."""
+    n = counts.sum()
+    expected = probs * n
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    keep = exp > 0
+    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    return stat, int(keep.sum()) - 1
+
+
+def test_top_k_and_top_p_on_a_hand_written_vector():
+    logits = torch.log(torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05]))
+    p = distribution(logits, SamplingParams(temperature=1.0, top_k=2))
+    torch.testing.assert_close(p, torch.tensor([0.5, 0.2, 0, 0, 0]) / 0.7)
+    p = distribution(logits, SamplingParams(temperature=1.0, top_p=0.8))  # 0.5+0.2 < 0.8 -> keep 3
+    torch.testing.assert_close(p, torch.tensor([0.5, 0.2, 0.15, 0, 0]) / 0.85)
+    p = distribution(logits, SamplingParams(temperature=1.0, top_p=0.5))  # the top token alone
+    torch.testing.assert_close(p, torch.tensor([1.0, 0, 0, 0, 0]))
+    p = distribution(logits, SamplingParams(temperature=0.0))
+    torch.testing.assert_close(p, torch.tensor([1.0, 0, 0, 0, 0]))
+
+
+def test_temperature_sharpens_and_flattens():
+    logits = torch.log(torch.tensor([0.6, 0.3, 0.1]))
+    cold = distribution(logits, SamplingParams(temperature=0.5))
+    hot = distribution(logits, SamplingParams(temperature=2.0))
+    torch.testing.assert_close(cold, torch.tensor([0.36, 0.09, 0.01]) / 0.46)
+    assert hot[2] > 0.1 > cold[2]
+
+
+@pytest.mark.parametrize("vary", ["position", "seed"])
+def test_sample_frequencies_match_probabilities(vary):
+    probs = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    n = 4000
+    seeds = [7] * n if vary == "position" else list(range(n))
+    positions = list(range(n)) if vary == "position" else [5] * n
+    counts = torch.bincount(sample_rows(probs.expand(n, 4), seeds, positions), minlength=4).float()
+    stat, df = chi_square(counts, probs)
+    assert stat < chi_square_critical(df)
+
+
+def test_a_skewed_wide_distribution_is_drawn_faithfully():
+    """49152 tokens (the default pair's vocabulary), mass spread as a power law."""
+    probs = 1.0 / torch.arange(1, 49153, dtype=torch.float32) ** 1.2
+    probs /= probs.sum()
+    n = 3000
+    tokens = sample_rows(probs.expand(n, -1), list(range(n)), [0] * n)
+    counts = torch.bincount(tokens, minlength=probs.shape[0]).float()
+    stat, df = chi_square(counts, probs)
+    assert stat < chi_square_critical(df)
+
+
+def test_uniforms_are_uniform_and_streams_independent():
+    n = 20000
+    u = uniforms([3] * n, list(range(n)), Stream.ROUTER)[:, 0]
+    assert 0 < float(u.min()) and float(u.max()) < 1
+    counts = torch.histc(u, bins=20, min=0, max=1)
+    stat, df = chi_square(counts, torch.full((20,), 1 / 20))
+    assert stat < chi_square_critical(df)
+    other = uniforms([3] * n, list(range(n)), Stream.ACCEPT)[:, 0]
+    corr = torch.corrcoef(torch.stack([u, other]))[0, 1]
+    assert abs(float(corr)) < 4 / math.sqrt(n)
+    # neighbouring seeds and positions are not correlated either
+    shifted = uniforms([4] * n, list(range(n)), Stream.ROUTER)[:, 0]
+    assert abs(float(torch.corrcoef(torch.stack([u, shifted]))[0, 1])) < 4 / math.sqrt(n)
+    assert abs(float(torch.corrcoef(torch.stack([u[1:], u[:-1]]))[0, 1])) < 4 / math.sqrt(n)
+
+
+def test_draws_are_a_pure_function_of_seed_position_and_stream():
+    probs = torch.softmax(torch.randn(6, 100), -1)
+    seeds, positions = [1, 2, 3, -5, 2**62, -(2**63)], [0, 9, 9, 4, 100000, 3]
+    batched = sample_rows(probs, seeds, positions)
+    alone = [sample(probs[i], seeds[i], positions[i]) for i in range(6)]
+    assert batched.tolist() == alone
+    again = sample_rows(probs.flip(0), seeds[::-1], positions[::-1]).flip(0)
+    assert again.tolist() == alone
+    assert sample_rows(probs, seeds, positions, Stream.REPLACE).tolist() != alone
+
+
+def test_extreme_finite_parameters_give_proper_distributions():
+    """Finite values at their extremes never give inf/NaN: a tiny temperature is greedy,
+    a tiny top_p keeps the top token, a huge temperature is (nearly) uniform."""
+    logits = torch.tensor([[3.0, 1.0, 2.0, -1.0]] * 4)
+    params = [SamplingParams(temperature=1e-40), SamplingParams(temperature=1.0, top_p=1e-300),
+              SamplingParams(temperature=1e30), SamplingParams(temperature=5e-5, top_k=1)]
+    p = distributions(logits, params)
+    assert torch.isfinite(p).all()
+    torch.testing.assert_close(p.sum(-1), torch.ones(4))
+    assert p[0].tolist() == [1.0, 0.0, 0.0, 0.0] and p[1].tolist() == [1.0, 0.0, 0.0, 0.0]
+    torch.testing.assert_close(p[2], torch.full((4,), 0.25))
+    assert p[3].tolist() == [1.0, 0.0, 0.0, 0.0]
+    assert SamplingParams(temperature=1e-40).greedy and not SamplingParams(temperature=1e-3).greedy
+    # logits that are not finite: the row falls back to its finite argmax
+    bad = distributions(torch.tensor([[float("nan"), 1.0, float("inf"), 0.0]]), [SamplingParams(temperature=1.0)])
+    assert torch.isfinite(bad).all() and float(bad.sum()) == 1.0
+
+
+def test_batched_rows_follow_their_own_parameters():
+    logits = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]] * 3))
+    params = [SamplingParams(temperature=1.0, top_k=2), SamplingParams(temperature=1.0, top_p=0.8),
+              SamplingParams(temperature=0.5)]
+    p = distributions(logits, params)
+    for i in range(3):
+        torch.testing.assert_close(p[i], distribution(logits[i], params[i]))
+
+
+@pytest.mark.parametrize("rate", [0.3, 0.7, 0.9])
+def test_random_router_rate_within_binomial_bound(pair, tokenizer, rate):
+    engine = engine_for(pair, tokenizer)
+    results = engine.generate_many([request(PROMPT, 100, "random", rate=rate, seed=s) for s in range(20)])
+    n = sum(len(r.sources) for r in results)
+    observed = sum(r.sources.count(0) for r in results) / n
+    sigma = math.sqrt(rate * (1 - rate) / n)
+    assert abs(observed - rate) < 4.5 * sigma, (observed, rate, sigma)
+
+
+def _large_marginals(large, prompt, params):
+    """Exact distribution of the large model's first two sampled tokens: P(x1), P(x2)."""
+    with torch.no_grad():
+        p1 = distribution(large(torch.tensor([list(prompt)])).logits[0, -1], params)
+        vocab = p1.shape[0]
+        seqs = torch.tensor([list(prompt) + [x] for x in range(vocab)])
+        p2_given = distribution(large(seqs).logits[:, -1], params)  # [V, V]
+    return p1, p1 @ p2_given
+
+
+@pytest.mark.parametrize("draft_tokens", [1, 3])
+def test_speculative_sampling_matches_large_distribution(soft_pair, tokenizer, draft_tokens):
+    _, large = soft_pair
+    params = SamplingParams(temperature=1.0, max_tokens=2)
+    p1, p2 = _large_marginals(large, PROMPT, params)
+    engine = engine_for(soft_pair, tokenizer)
+    reqs = [
+        request(PROMPT, 2, "draft", seed=s, temperature=1.0, draft_tokens=draft_tokens, verification=Verification.EXACT)
+        for s in range(3000)
+    ]
+    results = []
+    for i in range(0, len(reqs), 500):
+        results += engine.generate_many(reqs[i : i + 500])
+    assert any(r.rollbacks for r in results) and any(0 in r.sources for r in results)
+    vocab = p1.shape[0]
+    for position, probs in ((0, p1), (1, p2)):
+        counts = torch.bincount(torch.tensor([r.token_ids[position] for r in results]), minlength=vocab).float()
+        stat, df = chi_square(counts, probs)
+        assert stat < chi_square_critical(df), (position, stat, df)
+
+
+def test_pure_backoff_sampling_is_not_the_large_distribution(soft_pair, tokenizer):
+    """The same statistic detects a wrong distribution (here: M_S's), so the test above can fail."""
+    _, large = soft_pair
+    params = SamplingParams(temperature=1.0, max_tokens=1)
+    p1, _ = _large_marginals(large, PROMPT, params)
+    engine = engine_for(soft_pair, tokenizer)
+    results = engine.generate_many([request(PROMPT, 1, "always-small", seed=s, temperature=1.0) for s in range(3000)])
+    counts = torch.bincount(torch.tensor([r.token_ids[0] for r in results]), minlength=p1.shape[0]).float()
+    stat, df = chi_square(counts, p1)
+    assert stat > chi_square_critical(df)

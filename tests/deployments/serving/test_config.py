@@ -1,0 +1,178 @@
+"""Configuration and wiring of the Serve app without a cluster: the config YAML, the
+`backoff serve` overrides, routing resolution, placement options, session affinity."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+import yaml
+from pydantic import ValidationError
+from ray.serve.schema import ServeDeploySchema
+
+from backoff_core.types import CatchUp, FinishReason, GenerationResult, Timings
+from deployments.affinity import rendezvous
+from deployments.app import build_app, replica_options
+from deployments.serving.config import AppArgs, ModelsConfig, ReplicaConfig, RoutingConfig
+from deployments.serving.formats import response_body, usage_of
+from deployments.serving.requests import RoutingOverrides, routing_params, serve_request
+from deployments.serve_cli import DEFAULT_CONFIG, _parser, apply_overrides
+from clients.wire.types import ChatMessage, GenerateParams
+
+
+def test_packaged_config_is_a_valid_serve_config():
+    config = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    schema = ServeDeploySchema.model_validate(config)
+    app = schema.applications[0]
+    assert app.import_path == "deployments.app:build_app"
+    AppArgs.model_validate(app.args)
+    users = {d.name: d.user_config for d in app.deployments}
+    RoutingConfig.model_validate(users["SmallRouter"])
+    assert "deployments.serving.grpc_service.add_BackoffServicer_to_server" in schema.grpc_options.grpc_servicer_functions
+    assert schema.http_options.host == "127.0.0.1"  # loopback unless exposed on purpose
+
+
+def test_every_config_field_is_described():
+    from deployments.serving import config
+
+    for model in (config.ModelsConfig, config.RoutingConfig, config.CatchUpConfig, config.ReplicaConfig,
+                  config.AccessConfig, config.LimitsConfig, config.AppArgs):
+        missing = [name for name, f in model.model_fields.items() if not f.description]
+        assert not missing, f"{model.__name__}: {missing}"
+
+
+def test_cli_overrides_land_in_args_and_user_config():
+    base = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    args = _parser().parse_args(["--small", "s", "--large", "l", "--medium", "m", "--router", "max-prob",
+                                 "--http-port", "8123", "--no-batching"])
+    out = apply_overrides(base, args)
+    app = out["applications"][0]
+    assert app["args"]["models"]["medium"] == ["m"] and out["http_options"]["port"] == 8123
+    users = {d["name"]: d["user_config"] for d in app["deployments"]}
+    assert users["SmallRouter"]["router"] == "max-prob" and users["SmallRouter"]["threshold"] is None
+    assert users["LargeModel"]["batching"] is False
+    assert base["applications"][0]["args"]["models"]["small"] is None  # a copy was changed
+    out = apply_overrides(base, _parser().parse_args(["--threshold", "1.5,2.5"]))
+    assert {d["name"]: d for d in out["applications"][0]["deployments"]}["SmallRouter"]["user_config"][
+        "threshold"] == [1.5, 2.5]
+
+
+def test_static_kv_settings_reach_the_models_config():
+    base = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    args = _parser().parse_args(["--device", "cuda", "--dtype", "bfloat16", "--kv-budget", "65536",
+                                 "--kv-max-len", "1024"])
+    models = ModelsConfig.model_validate(apply_overrides(base, args)["applications"][0]["args"]["models"])
+    assert models.kv_budget_tokens == 65536 and models.kv_max_len == 1024
+    assert models.cuda_graphs and models.dtype == "bfloat16"
+    assert ModelsConfig().kv_budget_tokens == "auto" and ModelsConfig().static_kv == "auto"  # resolved per replica
+    with pytest.raises(ValidationError, match="holds no slot"):
+        ModelsConfig(kv_budget_tokens=1000, kv_max_len=1024, static_kv=True)
+
+
+def test_models_config_refuses_half_a_pair():
+    with pytest.raises(ValidationError):
+        ModelsConfig(small="a")
+    with pytest.raises(ValidationError):
+        ModelsConfig(medium=["m"])
+    assert ModelsConfig(small="a", large="b", medium=["m"]).num_levels == 3
+
+
+@pytest.mark.parametrize(
+    "overrides, policy, expected",
+    [
+        (RoutingOverrides(), RoutingConfig(router="entropy", threshold=[2.0]), ("entropy", (2.0,), None)),
+        (RoutingOverrides(thresholds=(3.0,)), RoutingConfig(router="entropy", threshold=[2.0]), ("entropy", (3.0,), None)),
+        # another router: the config's threshold belongs to the config's router
+        (RoutingOverrides(router="max-prob"), RoutingConfig(router="entropy", threshold=[2.0]), ("max-prob", None, None)),
+        (RoutingOverrides(), RoutingConfig(router="entropy", target_backoff=0.7), ("entropy", None, 0.7)),
+        # a request's own threshold switches the config's target rate off
+        (RoutingOverrides(thresholds=(1.0,)), RoutingConfig(target_backoff=0.7), ("entropy", (1.0,), None)),
+        (RoutingOverrides(target_backoff=0.2), RoutingConfig(), ("entropy", None, 0.2)),
+    ],
+)
+def test_request_fields_override_the_live_config(overrides, policy, expected):
+    r = routing_params(overrides, policy)
+    assert (r.router, r.thresholds, r.target_backoff) == expected
+
+
+def test_edge_params_become_core_records():
+    req = serve_request("id", GenerateParams(max_tokens=5, temperature=0, stop=["x"], backoff_threshold=[1, 2]),
+                        messages=[ChatMessage(role="user", content="hi")])
+    assert req.messages == (("user", "hi"),) and req.sampling.max_tokens == 5 and req.sampling.greedy
+    assert req.overrides.thresholds == (1.0, 2.0) and req.sampling.stop == ("x",)
+    assert serve_request("id", GenerateParams(), prompt="p", default_max_tokens=7).sampling.max_tokens == 7
+    with pytest.raises(ValueError):
+        serve_request("id", GenerateParams(top_k=0, temperature=float("inf")), prompt="p")
+
+
+def test_placement_follows_the_cluster():
+    rc = ReplicaConfig(custom_resource="large_gpu", num_replicas=2)
+    cpu = replica_options(rc, {"CPU": 2})
+    assert cpu["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 0.0} and cpu["num_replicas"] == 2
+    gpu = replica_options(rc, {"CPU": 8, "GPU": 2, "large_gpu": 1})
+    assert gpu["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 1.0, "resources": {"large_gpu": 1}}
+    one_gpu = replica_options(rc, {"CPU": 16, "GPU": 1})  # no node types: small and large share it
+    assert one_gpu["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 0.5}
+    assert replica_options(rc, {"GPU": 1}, models=3)["ray_actor_options"]["num_gpus"] == pytest.approx(1 / 3)
+    assert replica_options(rc, {"GPU": 8})["ray_actor_options"]["num_gpus"] == 1.0
+    scaled = replica_options(ReplicaConfig(gpus=0.25, min_replicas=1, max_replicas=3), {"GPU": 1})
+    assert scaled["ray_actor_options"]["num_gpus"] == 0.25
+    assert scaled["autoscaling_config"]["max_replicas"] == 3 and "num_replicas" not in scaled
+
+
+def test_a_chain_of_three_adds_one_large_like_deployment():
+    app = build_app({"models": {"small": "s", "medium": ["m"], "large": "l"}})
+    from ray.serve._private.build_app import build_app as materialize
+
+    names = sorted(d.name for d in materialize(app, name="x").deployments)
+    assert names == ["Ingress", "LargeModel", "MediumModel1", "SmallRouter"]
+
+
+@dataclass(frozen=True)
+class _Id:
+    unique_id: str
+
+
+@dataclass(frozen=True)
+class _Replica:
+    replica_id: _Id
+
+
+def test_rendezvous_moves_only_the_lost_replicas_sessions():
+    replicas = [_Replica(_Id(f"r{i}")) for i in range(3)]
+    keys = [f"req-{i}#{i}" for i in range(300)]
+    before = {k: rendezvous(k, replicas).replica_id.unique_id for k in keys}
+    assert set(before.values()) == {"r0", "r1", "r2"}
+    survivors = [r for r in replicas if r.replica_id.unique_id != "r1"]
+    random.shuffle(survivors)
+    after = {k: rendezvous(k, survivors).replica_id.unique_id for k in keys}
+    assert all(after[k] == before[k] for k in keys if before[k] != "r1")
+
+
+def test_usage_counts_tokens_by_source():
+    result = GenerationResult(
+        request_id="r", text="a b c", token_ids=(5, 6, 7), sources=(0, 1, 0), num_levels=2,
+        finish_reason=FinishReason.LENGTH, prompt_tokens=4, catch_ups=(CatchUp(1, 3, 0.1),), rollbacks=0,
+        timings=Timings(0, (), (), 0, 0),
+    )
+    usage = usage_of(result)
+    assert (usage.small_tokens, usage.large_tokens, usage.large_calls, usage.total_tokens) == (2, 1, 1, 7)
+    body = response_body("cmpl-1", "backoff", 0, result, chat=True)
+    assert body["choices"][0]["message"]["content"] == "a b c" and body["choices"][0]["backoff"]["sources"] == [0, 1, 0]
+
+
+def test_cluster_yaml_is_a_valid_launcher_config_with_small_and_large_gpu_nodes():
+    import json
+    from pathlib import Path
+
+    import jsonschema
+    import ray.autoscaler
+
+    config = yaml.safe_load((Path(__file__).resolve().parents[3] / "cluster.yaml").read_text())
+    schema = json.loads((Path(ray.autoscaler.__file__).parent / "ray-schema.json").read_text())
+    jsonschema.validate(config, schema)
+    types = config["available_node_types"]
+    assert types["small_gpu"]["resources"]["small_gpu"] == 1 and types["large_gpu"]["resources"]["large_gpu"] == 1
+    served = yaml.safe_load(DEFAULT_CONFIG.read_text())["applications"][0]["args"]
+    assert (served["small"]["custom_resource"], served["large"]["custom_resource"]) == ("small_gpu", "large_gpu")

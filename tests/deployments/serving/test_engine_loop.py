@@ -1,0 +1,330 @@
+"""The Ray-free parts of deployments/: the catch-up batcher, the RemoteLarge proxy (with a
+fake transport standing in for Ray Serve, replicas that die included) and the engine
+thread. Tiny models, no Ray."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import threading
+import time
+
+import pytest
+import torch
+from tests.support.helpers import engine_for, request
+
+from backoff_core.engine.engine import BackoffEngine
+from backoff_core.runners.dynamic import ModelRunner
+from backoff_core.types import GenerationResult, TokenEvent, Verification
+from deployments.serving.batcher import CatchUpBatcher, CatchUpCall, CatchUpReply
+from deployments.serving.config import RoutingConfig
+from deployments.serving.engine_loop import Admitted, EngineLoop, Rejected
+from deployments.serving.remote import RemoteLarge
+from deployments.serving.requests import RoutingOverrides, ServeRequest, generation_request
+
+
+class LoopThread:
+    """An asyncio loop on a thread: plays the replica's event loop for sync callers."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout=30):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        async def cancel_all():  # the batchers' loops, so nothing is left pending
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        self.run(cancel_all())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+        self.loop.close()
+
+
+@pytest.fixture(scope="module")
+def loop_thread():
+    lt = LoopThread()
+    yield lt
+    lt.stop()
+
+
+# -- the batcher ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("last_only", [(False,) * 4, (True,) * 4, (True, False, True, False)])
+def test_one_forward_for_a_step_of_ragged_catch_ups(pair, loop_thread, last_only):
+    """Ragged catch-ups merge into one forward; a call that asks for the last row only gets
+    [1, V] (even beside calls that want every row), the others [k, V]."""
+    _, large = pair
+    runner, alone = ModelRunner(large, "large"), ModelRunner(large, "alone")
+    batcher = CatchUpBatcher(runner, batch_wait_s=1.0, batch_gap_s=0.1)
+    prompts = [[3, 4, 5, 6, 7], [8, 9], [10, 11, 12], [13]]
+
+    async def step():
+        calls = [CatchUpCall(f"s{i}", 0, tuple(p), "g0", len(prompts), last_only=last)
+                 for i, (p, last) in enumerate(zip(prompts, last_only))]
+        tasks = []
+        for call in calls:  # arriving one by one, as from a router
+            tasks.append(asyncio.ensure_future(batcher.extend(call)))
+            await asyncio.sleep(0.005)
+        return await asyncio.gather(*tasks)
+
+    replies = loop_thread.run(step())
+    assert batcher.stats.forward_passes == 1 and batcher.stats.batch_sizes == {4: 1}
+    for i, (p, reply, last) in enumerate(zip(prompts, replies, last_only)):
+        alone.open(f"a{i}")
+        expected = alone.extend([(f"a{i}", p)])[0].logits[-1:] if last else alone.extend([(f"a{i}", p)])[0].logits
+        assert reply.logits.shape == (1 if last else len(p), runner.vocab_size)
+        torch.testing.assert_close(torch.from_numpy(reply.logits), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_gap_ends_the_wait_for_calls_that_went_elsewhere(pair, loop_thread):
+    batcher = CatchUpBatcher(ModelRunner(pair[1], "large"), batch_wait_s=5.0, batch_gap_s=0.02)
+
+    async def step():  # 2 of the step's 4 calls were routed to another replica
+        start = time.monotonic()
+        await asyncio.gather(*[batcher.extend(CatchUpCall(f"s{i}", 0, (3, 4), "g", 4)) for i in range(2)])
+        return time.monotonic() - start
+
+    assert loop_thread.run(step()) < 1.0
+    assert batcher.stats.batch_sizes == {2: 1}
+
+
+def test_unbatched_runs_one_forward_per_call(pair, loop_thread):
+    batcher = CatchUpBatcher(ModelRunner(pair[1], "large"), batching=False)
+
+    async def step():
+        return await asyncio.gather(*[batcher.extend(CatchUpCall(f"s{i}", 0, (3, 4 + i), "g", 4)) for i in range(4)])
+
+    loop_thread.run(step())
+    assert batcher.stats.forward_passes == 4 and batcher.stats.batch_sizes == {1: 4}
+
+
+def test_past_creates_crops_or_loses_a_session(pair, loop_thread):
+    runner = ModelRunner(pair[1], "large")
+    batcher = CatchUpBatcher(runner)
+    run = loop_thread.run
+    assert run(batcher.extend(CatchUpCall("k", 0, (3, 4, 5, 6)))).logits is not None
+    assert runner.length("k") == 4
+    lost = run(batcher.extend(CatchUpCall("k", 9, (7,))))
+    assert lost.logits is None and "expects 9" in lost.lost
+    assert run(batcher.extend(CatchUpCall("missing", 3, (7,)))).logits is None
+    # a rollback: the caller says 2 positions survive, then sends a different token
+    rolled = run(batcher.extend(CatchUpCall("k", 2, (9,))))
+    fresh = ModelRunner(pair[1], "fresh")
+    fresh.open("f")
+    torch.testing.assert_close(torch.from_numpy(rolled.logits), fresh.extend([("f", [3, 4, 9])])[0].logits[-1:], rtol=1e-4, atol=1e-4)
+    assert batcher.stats.lost == 2
+
+
+def test_idle_sessions_expire(pair, loop_thread):
+    runner = ModelRunner(pair[1], "large")
+    batcher = CatchUpBatcher(runner)
+    loop_thread.run(batcher.extend(CatchUpCall("old", 0, (3, 4))))
+    time.sleep(0.05)
+    loop_thread.run(batcher.extend(CatchUpCall("new", 0, (3, 4))))
+    assert loop_thread.run(batcher.expire(0.03)) == ["old"]
+    assert runner.session_ids() == ["new"]
+
+
+# -- RemoteLarge over a fake transport --------------------------------------------------------
+
+class Dead(Exception):
+    """What calling a killed replica raises (Ray's RayActorError in the real endpoint)."""
+
+
+class FakeEndpoint:
+    """Replicas = batchers on one event loop; calls routed by a hash of the session key."""
+
+    transport_errors = (Dead,)
+
+    def __init__(self, large, loop_thread: LoopThread, replicas: int = 2) -> None:
+        self.large, self.lt = large, loop_thread
+        self.replicas = [CatchUpBatcher(ModelRunner(large, f"r{i}")) for i in range(replicas)]
+        self.dead: set[int] = set()  # killed: calls to them raise Dead
+        self.noticed: set[int] = set()  # the router has learnt they are gone
+        self.calls: list[CatchUpCall] = []
+
+    def route(self, key: str) -> int:
+        alive = [i for i in range(len(self.replicas)) if i not in self.noticed]
+        return max(alive, key=lambda i: hashlib.sha1(f"{key}{i}".encode()).digest())
+
+    def extend(self, call: CatchUpCall):
+        self.calls.append(call)
+        target = self.route(call.key)
+        future = asyncio.run_coroutine_threadsafe(self.replicas[target].extend(call), self.lt.loop)
+        fake = self
+
+        class Pending:
+            def result(self, timeout_s=None) -> CatchUpReply:
+                reply = future.result(timeout_s)
+                if target in fake.dead:
+                    fake.noticed.add(target)
+                    raise Dead(f"replica {target} died")
+                return reply
+
+        return Pending()
+
+    def close(self, key: str) -> None:
+        if self.route(key) in self.dead:
+            raise Dead("gone")
+        asyncio.run_coroutine_threadsafe(self.replicas[self.route(key)].close(key), self.lt.loop).result(10)
+
+    def holder(self) -> int:
+        return next(i for i, b in enumerate(self.replicas) if b.runner.session_ids())
+
+
+def remote_engine(pair, tokenizer, endpoint) -> tuple[BackoffEngine, RemoteLarge]:
+    small, large = pair
+    remote = RemoteLarge(endpoint, "large", ModelRunner(large).vocab_size)
+    return BackoffEngine([ModelRunner(small, "small"), remote], tokenizer), remote
+
+
+REQUESTS = [
+    request([3, 4, 5], max_tokens=20, router="entropy", thresholds=(0.3,)),
+    request([6, 7], max_tokens=14, router="random", rate=0.4, seed=5, temperature=0.8),
+    request([8, 9, 10, 11], max_tokens=17, router="always-large"),
+]
+
+
+def test_remote_large_equals_in_process(pair, tokenizer, loop_thread):
+    endpoint = FakeEndpoint(pair[1], loop_thread)
+    engine, remote = remote_engine(pair, tokenizer, endpoint)
+    served = engine.generate_many(REQUESTS)
+    local = engine_for(pair, tokenizer).generate_many(REQUESTS)
+    for s, l in zip(served, local):
+        assert (s.token_ids, s.sources) == (l.token_ids, l.sources)
+    assert any(0 < r.backoff_rate < 1 for r in served)
+    # one call per session per catch-up, carrying all of its pending ids (a chunk)
+    lengths = sorted(c.length for r in served for c in r.catch_ups if c.level == 1)
+    assert sorted(len(c.ids) for c in endpoint.calls) == lengths and max(lengths) > 1
+    groups: dict[str, list[str]] = {}
+    for c in endpoint.calls:
+        groups.setdefault(c.group, []).append(c.key)
+    assert all(len(set(g)) == len(g) == c.group_size for c in endpoint.calls for g in [groups[c.group]])
+    assert max(len(g) for g in groups.values()) > 1  # requests of one step went out together
+    assert remote.lost_sessions == 0
+    assert not any(b.runner.session_ids() for b in endpoint.replicas)  # freed on finish
+
+
+def test_lost_replica_is_re_prefilled_and_the_output_is_unchanged(pair, tokenizer, loop_thread):
+    endpoint = FakeEndpoint(pair[1], loop_thread)
+    engine, remote = remote_engine(pair, tokenizer, endpoint)
+    req = request([3, 4, 5], max_tokens=30, router="always-large")
+    rid = engine.submit(req)
+    for _ in range(8):
+        engine.step()
+    victim = endpoint.holder()
+    endpoint.dead.add(victim)  # the replica holding the session dies; the router learns it on the next call
+    while engine.has_work():
+        engine.step()
+    result = engine.finish(rid)
+    assert remote.lost_sessions >= 1 and victim in endpoint.noticed
+    assert result.token_ids == engine_for(pair, tokenizer).generate(req).token_ids
+    assert endpoint.calls[-1].past > 0 and any(c.past == 0 and c.key.split("#")[1] != endpoint.calls[0].key.split("#")[1]
+                                               for c in endpoint.calls)
+
+
+def test_rollbacks_reach_the_replica_as_a_shorter_past(pair, tokenizer, loop_thread):
+    endpoint = FakeEndpoint(pair[1], loop_thread, replicas=1)
+    engine, _ = remote_engine(pair, tokenizer, endpoint)
+    req = request([3, 4, 5], max_tokens=24, router="random", rate=0.7, seed=3,
+                  verification=Verification.KL, tolerance=0.0)
+    served = engine.generate(req)
+    local = engine_for(pair, tokenizer).generate(req)
+    assert served.rollbacks > 0 and (served.token_ids, served.sources) == (local.token_ids, local.sources)
+
+
+def test_fresh_session_on_a_dead_replica_is_retried(pair, tokenizer, loop_thread):
+    endpoint = FakeEndpoint(pair[1], loop_thread)
+    original = endpoint.extend
+    failures = []
+
+    def flaky(call):
+        if call.past == 0 and not failures:
+            failures.append(call.key)
+
+            class Gone:
+                def result(self, timeout_s=None):
+                    raise Dead("gone before it answered")
+            return Gone()
+        return original(call)
+
+    endpoint.extend = flaky
+    engine, remote = remote_engine(pair, tokenizer, endpoint)
+    result = engine.generate(request([3, 4], max_tokens=6, router="always-large"))
+    assert failures and len(result.token_ids) == 6 and remote.lost_sessions == 0
+
+
+# -- the engine thread ------------------------------------------------------------------------
+
+def _serve_request(rid, prompt, max_tokens=8, **overrides) -> ServeRequest:
+    return ServeRequest(rid, request(prompt, max_tokens).sampling, RoutingOverrides(**overrides),
+                        prompt_ids=tuple(prompt))
+
+
+def test_engine_loop_streams_batches_and_reads_the_policy_per_step(pair, tokenizer):
+    engine = engine_for(pair, tokenizer)
+    admitted_policies = []
+
+    def admit(req, policy):
+        admitted_policies.append(policy.threshold)
+        return generation_request(req, list(req.prompt_ids), policy)
+
+    loop = EngineLoop(engine, admit, RoutingConfig(router="entropy", threshold=[0.3]))
+    loop.start()
+
+    async def consume(rid, prompt, **overrides):
+        q = loop.submit(_serve_request(rid, prompt, **overrides))
+        items = []
+        while not items or not isinstance(items[-1], (GenerationResult, Rejected)):
+            items.append(await q.get())
+        return items
+
+    async def main():
+        first = await asyncio.gather(consume("a", [3, 4, 5]), consume("b", [6, 7]), consume("bad", [3], router="nope"))
+        await asyncio.sleep(0.2)  # the engine thread is idle, waiting for work
+        loop.policy = RoutingConfig(router="entropy", threshold=[99.0])  # what reconfigure does
+        second = await consume("c", [3, 4, 5])
+        return first, second
+
+    try:
+        (a, b, bad), c = asyncio.run(main())
+    finally:
+        loop.stop()
+    for items in (a, b, c):
+        assert isinstance(items[0], Admitted) and isinstance(items[-1], GenerationResult)
+        assert [e.token_id for e in items[1:-1] if isinstance(e, TokenEvent)] == list(items[-1].token_ids)
+    assert isinstance(bad[0], Rejected) and "unknown router" in bad[0].message
+    assert engine.live_ids() == []
+    expected = engine_for(pair, tokenizer).generate(request([3, 4, 5], 8, router="entropy", thresholds=(0.3,)))
+    assert a[-1].token_ids == expected.token_ids
+    assert c[-1].backoff_rate == 1.0 and a[-1].backoff_rate < 1.0  # the new policy, for the new request
+    assert loop.steps < 8 + 8 + 8  # a and b shared steps
+
+
+def test_engine_loop_cancel_frees_the_request(pair, tokenizer):
+    engine = engine_for(pair, tokenizer)
+    loop = EngineLoop(engine, lambda r, p: generation_request(r, list(r.prompt_ids), p), RoutingConfig())
+    loop.start()
+
+    async def main():
+        q = loop.submit(_serve_request("x", [3, 4], max_tokens=400))
+        await q.get()  # admitted
+        await q.get()  # a first token
+        loop.cancel("x")
+        for _ in range(100):
+            if not engine.live_ids():
+                return True
+            await asyncio.sleep(0.02)
+        return False
+
+    try:
+        assert asyncio.run(main())
+    finally:
+        loop.stop()

@@ -1,0 +1,568 @@
+"""The Serve application end to end on a real (local, CPU) Ray cluster with tiny models.
+
+One application for the whole module, deployed the way `backoff serve` / `serve run`
+deploy it (the packaged config with overrides): Ingress, one SmallRouter, TWO LargeModel
+replicas (every test goes through session affinity). The last tests change the live
+config and kill a replica, so they run last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+import yaml
+
+ray = pytest.importorskip("ray")
+from ray import serve  # noqa: E402
+
+from backoff_core.engine.engine import BackoffEngine  # noqa: E402
+from backoff_core.models.loading import LoadSpec, load_model  # noqa: E402
+from backoff_core.runners.dynamic import ModelRunner  # noqa: E402
+from backoff_core.types import GenerationRequest, RoutingParams, SamplingParams  # noqa: E402
+from clients import BadRequestError, NotFoundError, ServerError  # noqa: E402
+from clients.wire import backoff_pb2 as pb  # noqa: E402
+from clients.wire import backoff_pb2_grpc as pb_grpc  # noqa: E402
+from clients.grpc_client import AsyncBackoffGrpcClient, BackoffGrpcClient  # noqa: E402
+from clients.http_client import AsyncBackoffHTTPClient, BackoffHTTPClient  # noqa: E402
+from deployments import serve_cli  # noqa: E402
+
+from tests.support.tiny import tiny_model, tiny_tokenizer  # noqa: E402
+from tests.support.ray_local import start_local_ray  # noqa: E402
+from tests.support.playground_page import PlaygroundPage, browser_missing  # noqa: E402
+
+pytestmark = pytest.mark.slow
+THRESHOLD = 0.4  # entropy threshold of the deployed config: both sources occur
+CHAIN_THRESHOLDS = (0.4, 0.7)  # random router over three levels: ~40 / 30 / 30 %
+APP = (("application", "backoff"),)  # gRPC: which of the two applications
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+
+
+@dataclass
+class Served:
+    url: str
+    grpc_target: str
+    metrics_url: str
+    config: dict
+    config_path: Path
+    small_dir: str
+    large_dir: str
+    medium_dir: str
+
+
+def _save_tiny(root: Path) -> tuple[str, str, str]:
+    tok = tiny_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    dirs = []
+    for name, model in (("small", tiny_model(1, sharpness=30)), ("large", tiny_model(2, hidden=64, layers=4, sharpness=30)),
+                        ("medium", tiny_model(3, hidden=48, layers=3, sharpness=30))):
+        model.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+        dirs.append(str(root / name))
+    return dirs[0], dirs[1], dirs[2]
+
+
+def _config(small: str, large: str, medium: str, http_port: int, grpc_port: int) -> dict:
+    config = serve_cli.loopback_config(small, large, http_port, grpc_port, replicas={"large": 2})
+    app = config["applications"][0]
+    users = {d["name"]: d for d in app["deployments"]}
+    users["SmallRouter"]["user_config"] = {"router": "entropy", "threshold": [THRESHOLD]}
+    # a chain of three: one more LargeModel-like deployment (MediumModel1), by config only
+    chain = json.loads(json.dumps(app))
+    chain.update(name="chain", route_prefix="/chain")
+    chain["args"]["models"]["medium"] = [medium]
+    chain["args"]["large"]["num_replicas"] = 1
+    {d["name"]: d for d in chain["deployments"]}["SmallRouter"]["user_config"] = {
+        "router": "random", "threshold": list(CHAIN_THRESHOLDS)}
+    config["applications"].append(chain)
+    return config
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    small, large, medium = _save_tiny(root)
+    http_port, grpc_port, metrics_port = serve_cli.free_port(), serve_cli.free_port(), serve_cli.free_port()
+    config = _config(small, large, medium, http_port, grpc_port)
+    path = root / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    start_local_ray(num_cpus=4, _metrics_export_port=metrics_port,
+                    _system_config={**serve_cli.RAY_SYSTEM_CONFIG, "metrics_report_interval_ms": 500})
+    try:
+        assert serve_cli.main(["--config", str(path), "--non-blocking"]) == 0  # `backoff serve`
+        serve_cli.wait_until_running("backoff")
+        serve_cli.wait_until_running("chain")
+        yield Served(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{metrics_port}",
+                     config, path, small, large, medium)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def local(served):
+    """The in-process engine over the same model directories (the reference)."""
+    (small, tok), (large, _) = load_model(served.small_dir, LoadSpec()), load_model(served.large_dir, LoadSpec())
+    return BackoffEngine([ModelRunner(small, "small"), ModelRunner(large, "large")], tok, context_window=512,
+                         hidden_size=small.config.hidden_size)
+
+
+def _reference(local, prompt, max_tokens, router="entropy", thresholds=(THRESHOLD,), **sampling):
+    sampling.setdefault("temperature", 0.0)
+    return local.generate(GenerationRequest(
+        tuple(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling),
+        RoutingParams(router=router, thresholds=thresholds)))
+
+
+def _large_infos() -> dict:
+    """LargeModel.info() of every replica (keyed calls spread over replicas by hash)."""
+    handle = serve.get_deployment_handle("LargeModel", "backoff")
+    infos = {}
+    for i in range(24):
+        info = handle.options(multiplexed_model_id=f"probe-{i}").info.remote().result(timeout_s=30)
+        infos[info.replica] = info
+    return infos
+
+
+def _router_info():
+    return serve.get_deployment_handle("SmallRouter", "backoff").info.remote().result(timeout_s=30)
+
+
+# -- end to end ---------------------------------------------------------------------------
+
+def test_http_unary_and_stream(served, local):
+    with BackoffHTTPClient(served.url) as client:
+        unary = client.complete([3, 4, 5, 6], max_tokens=20, temperature=0, ignore_eos=True)
+        deltas = list(client.stream([3, 4, 5, 6], max_tokens=20, temperature=0, ignore_eos=True))
+        assert client.models() == ["backoff"] and client.health()
+    tokens = [d for d in deltas if d.token_id is not None]
+    assert [d.token_id for d in tokens] == unary.token_ids and [d.source for d in tokens] == unary.sources
+    assert "".join(d.text for d in deltas) == unary.text
+    usage = deltas[-1].usage
+    assert deltas[-1].finish_reason == "length" and usage == unary.usage
+    assert usage.small_tokens + usage.large_tokens == usage.completion_tokens == 20
+    assert 0 < usage.small_tokens < 20 and usage.large_calls >= 1
+    ref = _reference(local, [3, 4, 5, 6], 20)
+    assert (unary.token_ids, unary.sources) == (list(ref.token_ids), list(ref.sources))
+
+
+def test_a_local_ray_gives_serve_a_patient_proxy_ready_check(served):
+    """Serve's processes (workers of the local Ray) see serve_cli.LOCAL_SERVE_ENV."""
+    @ray.remote(num_cpus=0)
+    def environment(keys):
+        return {k: os.environ.get(k) for k in keys}
+
+    assert ray.get(environment.remote(list(serve_cli.LOCAL_SERVE_ENV)), timeout=60) == serve_cli.LOCAL_SERVE_ENV
+
+
+def test_served_output_equals_in_process(served, local):
+    cases = [  # (prompt, fields, reference kwargs)
+        ([5, 9, 13, 2], dict(temperature=0.9, seed=7), dict(temperature=0.9, seed=7)),
+        ([7, 8], dict(temperature=0, backoff_threshold=0.8), dict(thresholds=(0.8,))),
+        ([11, 12, 13], dict(temperature=0.7, seed=3, router="always-large"), dict(temperature=0.7, seed=3,
+                                                                                  router="always-large",
+                                                                                  thresholds=None)),
+    ]
+    with BackoffHTTPClient(served.url) as http, BackoffGrpcClient(served.grpc_target, application="backoff") as rpc:
+        for prompt, fields, ref_kwargs in cases:
+            ref = _reference(local, prompt, 24, **ref_kwargs)
+            for client in (http, rpc):
+                out = client.complete(prompt, max_tokens=24, ignore_eos=True, **fields)
+                assert (out.token_ids, out.sources) == (list(ref.token_ids), list(ref.sources)), type(client)
+                assert out.usage.large_calls == ref.large_calls
+
+
+def test_concurrent_requests_share_steps_and_match_in_process(served, local):
+    prompts = [[3 + i, 4 + i, 5] for i in range(6)]
+    before = _router_info().steps
+
+    async def run():
+        async with AsyncBackoffHTTPClient(served.url) as http:
+            return await asyncio.gather(*[http.complete(p, max_tokens=16, temperature=0, ignore_eos=True, seed=i,
+                                                        router="random", backoff_threshold=0.5)
+                                          for i, p in enumerate(prompts)])
+
+    outs = asyncio.run(run())
+    for i, (p, out) in enumerate(zip(prompts, outs)):
+        ref = _reference(local, p, 16, router="random", thresholds=(0.5,), seed=i)
+        assert (out.token_ids, out.sources) == (list(ref.token_ids), list(ref.sources))
+    assert _router_info().steps - before < 6 * 16  # M_S steps of concurrent requests were batched
+
+
+def test_grpc_unary_stream_and_invalid_argument(served):
+    with BackoffGrpcClient(served.grpc_target, application="backoff") as client:
+        unary = client.complete("w3 w4 w5", max_tokens=10, temperature=0, ignore_eos=True)
+        deltas = list(client.stream("w3 w4 w5", max_tokens=10, temperature=0, ignore_eos=True))
+        chat = client.chat([{"role": "user", "content": "w3 w4"}], max_tokens=4, temperature=0, ignore_eos=True)
+        assert client.models() == ["backoff"] and client.health()
+        with pytest.raises(BadRequestError) as bad:
+            client.complete("w3", router="nope")
+    assert [d.token_id for d in deltas[:-1]] == unary.token_ids and deltas[-1].usage == unary.usage
+    assert len(chat.token_ids) == 4 and bad.value.status == "INVALID_ARGUMENT"
+
+    async def run():
+        async with AsyncBackoffGrpcClient(served.grpc_target, application="backoff") as client:
+            return [d async for d in client.stream("w3 w4 w5", max_tokens=10, temperature=0, ignore_eos=True)]
+
+    assert [d.token_id for d in asyncio.run(run())[:-1]] == unary.token_ids
+    with grpc.insecure_channel(served.grpc_target) as channel:  # the raw status code
+        stub = pb_grpc.BackoffStub(channel)
+        for bad_request in (pb.GenerateRequest(prompt="w3", top_p=2.0), pb.GenerateRequest(),
+                            pb.GenerateRequest(prompt_ids=[3] * 600, max_tokens=8)):
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Generate(bad_request, metadata=APP)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.GenerateStream(bad_request, metadata=APP))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "w3", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "w3", "n": 2}, "n"),
+    ({"prompt": "w3", "temperature": -1}, "temperature"),
+    ({"prompt": "w3", "router": "nope"}, None),
+    ({"prompt": [3] * 600, "max_tokens": 8}, None),  # over the context window
+    ({"prompt": [3, 4000]}, None),  # token id outside the vocabulary
+    ({"prompt": "w3", "backoff_threshold": [2.0, 1.0]}, None),  # not ascending
+    ({"max_tokens": 3}, "prompt"),
+])
+def test_bad_http_input_is_a_400_with_an_openai_error_body(served, body, param):
+    for stream in (False, True):
+        response = httpx.post(f"{served.url}/v1/completions", json={**body, "stream": stream}, timeout=30)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+        assert error["message"] and (param is None or error["param"] == param)
+
+
+def test_wrong_model_and_malformed_json(served):
+    r = httpx.post(f"{served.url}/v1/completions", json={"prompt": "w3", "model": "gpt-9"}, timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    r = httpx.post(f"{served.url}/v1/chat/completions", content=b"{not json", timeout=30,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "error" in r.json()
+    with BackoffHTTPClient(served.url, model="gpt-9") as client, pytest.raises(NotFoundError):
+        client.complete("w3")
+
+
+def test_openai_package_works_unchanged(served):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list()] == ["backoff"]
+    extra = {"ignore_eos": True, "backoff_threshold": THRESHOLD}
+    done = client.completions.create(model="backoff", prompt="w3 w4 w5", max_tokens=12, temperature=0, extra_body=extra)
+    assert done.choices[0].finish_reason == "length" and done.usage.completion_tokens == 12
+    assert done.usage.model_extra["small_tokens"] + done.usage.model_extra["large_tokens"] == 12
+    chunks = list(client.completions.create(model="backoff", prompt="w3 w4 w5", max_tokens=12, temperature=0,
+                                            stream=True, extra_body=extra))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == done.choices[0].text
+    chat = client.chat.completions.create(model="backoff", messages=[{"role": "user", "content": "w3 w4"}],
+                                          max_tokens=6, temperature=0, extra_body=extra)
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 6
+    stream = client.chat.completions.create(model="backoff", messages=[{"role": "user", "content": "w3 w4"}],
+                                            max_tokens=6, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}, extra_body=extra)
+    parts = list(stream)
+    assert "".join(p.choices[0].delta.content or "" for p in parts if p.choices) == chat.choices[0].message.content
+    assert parts[-1].usage.completion_tokens == 6
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="backoff", prompt="w3", max_tokens=4, extra_body={"router": "nope"})
+
+
+def test_logprobs_over_the_openai_package_our_clients_and_grpc(served, local):
+    """Each token's log-probability under its source model, equal to the in-process engine's,
+    in OpenAI's shapes (unary and streamed), with the sources beside them in `backoff`."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0)
+    prompt, n = [3, 4, 5, 6], 20
+    ref = _reference(local, prompt, n, logprobs=3)
+    assert set(ref.sources) == {0, 1}  # both models' distributions are reported
+    want = [e.chosen.logprob for e in ref.logprobs]
+    extra = {"ignore_eos": True, "backoff_threshold": THRESHOLD}
+    args = dict(model="backoff", prompt=prompt, max_tokens=n, temperature=0, logprobs=2, extra_body=extra)
+    done = client.completions.create(**args)
+    lp = done.choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx(want, abs=1e-4)
+    assert [list(top)[:2] for top in lp.top_logprobs] == [[t.token for t in e.top[:2]] for e in ref.logprobs]
+    assert done.choices[0].model_extra["backoff"]["sources"] == list(ref.sources)
+    chunks = [c.choices[0].logprobs for c in client.completions.create(**args, stream=True)
+              if c.choices and c.choices[0].logprobs]
+    assert [c.token_logprobs[0] for c in chunks] == lp.token_logprobs and [c.tokens[0] for c in chunks] == lp.tokens
+
+    chat_args = dict(model="backoff", messages=[{"role": "user", "content": "w3 w4"}], max_tokens=6, temperature=0,
+                     logprobs=True, top_logprobs=3, extra_body=extra)
+    content = client.chat.completions.create(**chat_args).choices[0].logprobs.content
+    assert len(content) == 6 and all(len(e.top_logprobs) == 3 and bytes(e.bytes) == e.token.encode() for e in content)
+    assert all([t.logprob for t in e.top_logprobs] == sorted((t.logprob for t in e.top_logprobs), reverse=True)
+               and e.logprob <= e.top_logprobs[0].logprob for e in content)
+    streamed = [e for part in client.chat.completions.create(**chat_args, stream=True)
+                if part.choices and part.choices[0].logprobs for e in part.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(**{**chat_args, "logprobs": False})  # top_logprobs needs logprobs
+
+    fields = dict(max_tokens=n, temperature=0, ignore_eos=True, logprobs=3, backoff_threshold=THRESHOLD)
+    with BackoffHTTPClient(served.url) as http, BackoffGrpcClient(served.grpc_target, application="backoff") as rpc:
+        for c in (http, rpc):
+            unary = c.complete(prompt, **fields)
+            assert [e.logprob for e in unary.logprobs] == pytest.approx(want, abs=1e-4)
+            assert [[t.token for t in e.top_logprobs] for e in unary.logprobs] == \
+                [[t.token for t in e.top] for e in ref.logprobs]
+            deltas = [d for d in c.stream(prompt, **fields) if d.logprobs is not None]
+            assert [d.logprobs.token_id for d in deltas] == list(ref.token_ids)
+            assert [d.source for d in deltas] == list(ref.sources)
+            assert [len(e.top_logprobs) for e in c.chat([{"role": "user", "content": "w3"}], max_tokens=4, ignore_eos=True,
+                                                         logprobs=1).logprobs] == [1] * 4
+            assert c.complete(prompt, max_tokens=2).logprobs is None
+        assert [t.token_id for t in rpc.complete(prompt, **fields).logprobs[0].top_logprobs] == \
+            [t.token_id for t in ref.logprobs[0].top]
+
+    async def run_async():
+        async with AsyncBackoffHTTPClient(served.url) as http, \
+                AsyncBackoffGrpcClient(served.grpc_target, application="backoff") as rpc:
+            return (await http.complete(prompt, **fields), [d async for d in http.stream(prompt, **fields)],
+                    await rpc.complete(prompt, **fields), [d async for d in rpc.stream(prompt, **fields)])
+
+    http_unary, http_deltas, rpc_unary, rpc_deltas = asyncio.run(run_async())
+    for unary, deltas in ((http_unary, http_deltas), (rpc_unary, rpc_deltas)):
+        assert [e.logprob for e in unary.logprobs] == pytest.approx(want, abs=1e-4)
+        assert [d.logprobs.logprob for d in deltas if d.logprobs] == pytest.approx(want, abs=1e-4)
+
+
+def test_disconnect_frees_the_sessions(served):
+    with httpx.stream("POST", f"{served.url}/v1/completions", timeout=60, json={
+            "prompt": [3, 4, 5], "max_tokens": 400, "temperature": 0, "ignore_eos": True, "router": "always-large",
+            "stream": True}) as response:
+        lines = response.iter_lines()
+        seen = [line for _, line in zip(range(6), (x for x in lines if x.startswith("data:")))]
+        assert len(seen) == 6 and any(_large_infos()[r].sessions for r in _large_infos())
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if _router_info().live == 0 and not any(i.sessions for i in _large_infos().values()):
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail("sessions still held after the client went away")
+
+
+def test_sessions_go_to_their_replica(served):
+    infos = _large_infos()
+    assert len(infos) == 2  # both replicas serve
+    assert sum(i.calls for i in infos.values()) > 0 and all(i.lost == 0 for i in infos.values())
+    assert _router_info().sessions_lost == 0
+
+
+def test_prometheus_metrics_are_exported(served):
+    wanted = ["ray_backoff_tokens_total", 'source="small"', 'source="large"', "ray_backoff_large_forward_passes_total",
+              "ray_backoff_large_sessions", "ray_backoff_time_to_first_token_s",
+              "ray_backoff_large_forward_batch_size", "ray_backoff_catch_up_length", "ray_backoff_threshold",
+              "ray_backoff_requests", "ray_backoff_request_latency_s", "ray_backoff_request_backoff_rate"]
+    deadline = time.monotonic() + 60  # the metrics agent lags on a loaded machine
+    while True:
+        text = httpx.get(f"{served.metrics_url}/metrics", timeout=10).text
+        missing = [w for w in wanted if w not in text]
+        if not missing or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert not missing, missing
+
+
+def test_a_chain_of_three_serves_through_one_more_deployment(served):
+    (small, tok), (medium, _), (large, _) = (load_model(d, LoadSpec()) for d in
+                                             (served.small_dir, served.medium_dir, served.large_dir))
+    engine = BackoffEngine([ModelRunner(small, "small"), ModelRunner(medium, "medium1"), ModelRunner(large, "large")],
+                           tok, context_window=512)
+    prompt = [6, 5, 4, 3]
+    ref = engine.generate(GenerationRequest(tuple(prompt), SamplingParams(max_tokens=24, ignore_eos=True, seed=5,
+                                                                          temperature=0),
+                                            RoutingParams(router="random", thresholds=CHAIN_THRESHOLDS)))
+    assert set(ref.sources) == {0, 1, 2}
+    with BackoffHTTPClient(f"{served.url}/chain") as http, \
+            BackoffGrpcClient(served.grpc_target, application="chain") as rpc:
+        for client in (http, rpc):
+            out = client.complete(prompt, max_tokens=24, temperature=0, seed=5, ignore_eos=True)
+            assert (out.token_ids, out.sources) == (list(ref.token_ids), list(ref.sources))
+            assert out.usage.large_tokens == ref.sources.count(2)
+    medium_info = serve.get_deployment_handle("MediumModel1", "chain").info.remote().result(timeout_s=30)
+    assert medium_info.name == "medium1" and medium_info.forward_passes > 0
+
+
+def test_the_playground_of_a_chain_colours_three_sources_under_its_route_prefix(served):
+    """/chain/playground reads /chain/v1/routing (three levels, the live random router and its
+    two thresholds) and, in headless Chromium, colours small, medium and large tokens."""
+    info = httpx.get(f"{served.url}/chain/v1/routing", timeout=30).json()
+    assert info["levels"] == ["small", "medium1", "large"] and info["router"] == "random"
+    assert info["thresholds"] == list(CHAIN_THRESHOLDS)
+    missing = browser_missing()
+    if missing:
+        pytest.skip(missing)
+    prompt, fields = "w6 w5 w4 w3", dict(max_tokens=24, temperature=0, seed=5, ignore_eos=True)
+    with BackoffHTTPClient(f"{served.url}/chain") as http:
+        reference = http.complete(prompt, **fields)
+    assert set(reference.sources) == {0, 1, 2}
+    with PlaygroundPage(f"{served.url}/chain") as page:
+        page.ready()
+        legend = page.js("return [...document.querySelectorAll('#legend .swatch')]"
+                         ".map(s => s.className + ' ' + s.textContent)")
+        assert legend == ["swatch s-small small", "swatch s-medium medium1", "swatch s-large large"]
+        assert page.js("return [...document.querySelectorAll('#panel-a input.threshold')].map(i => +i.value)") == \
+            list(CHAIN_THRESHOLDS)  # panel a starts from the live config
+        page.set(mode="plain", prompt=prompt, **fields)
+        page.run()
+        a = page.panel("a")
+        medium_spans = page.js("return document.querySelectorAll('#panel-a .tok.s-medium').length")
+    assert a.status == "done (length)" and (a.text, a.sources) == (reference.text, reference.sources), a
+    assert medium_spans == reference.sources.count(1) and a.counters["tokens"] == (
+        f"24 ({reference.sources.count(0)} small / {reference.sources.count(1)} medium / "
+        f"{reference.sources.count(2)} large)")
+
+
+@pytest.mark.parametrize("target, max_tokens", [(0.0, 8), (1.0, 8), (0.01, 2), (0.99, 2)])
+def test_target_backoff_at_the_extremes_answers_finite_json(served, target, max_tokens):
+    """The rate controller's "every step large / small" threshold was ±inf: a plain-text 500
+    after the whole generation. Now a finite threshold, in JSON and in protobuf."""
+    body = {"prompt": [3, 4, 5], "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "target_backoff": target}
+    response = httpx.post(f"{served.url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    thresholds = json.loads(response.text, parse_constant=lambda c: pytest.fail(f"{c} in JSON"))[
+        "choices"][0]["backoff"]["thresholds"]
+    assert len(thresholds) == 1 and math.isfinite(thresholds[0])
+    if target in (0.0, 1.0):
+        assert response.json()["usage"]["small_tokens"] == (max_tokens if target else 0)
+    with grpc.insecure_channel(served.grpc_target) as channel:
+        fields = {k: v for k, v in body.items() if k != "prompt"}
+        reply = pb_grpc.BackoffStub(channel).Generate(pb.GenerateRequest(prompt_ids=body["prompt"], **fields),
+                                                      metadata=APP, timeout=60)
+    assert len(reply.thresholds) == 1 and math.isfinite(reply.thresholds[0])
+
+
+# -- live config and failure (these change the app: they run last) --------------------------
+
+def _router_config(served: Served, **changes) -> None:
+    """`backoff serve` of the config with these SmallRouter user_config changes (live)."""
+    edited = json.loads(json.dumps(served.config))
+    {d["name"]: d for d in edited["applications"][0]["deployments"]}["SmallRouter"]["user_config"].update(changes)
+    path = served.config_path.with_name("router.yaml")
+    path.write_text(yaml.safe_dump(edited))
+    assert serve_cli.main(["--config", str(path), "--non-blocking"]) == 0
+    deadline = time.monotonic() + 60
+    while not _router_info().policy.model_dump().items() >= changes.items():
+        assert time.monotonic() < deadline, "reconfigure did not arrive"
+        time.sleep(0.2)
+    serve_cli.wait_until_running("backoff")
+
+
+def test_a_request_failing_in_the_step_loop_ends_alone_beside_live_streams(served, local):
+    """Requests with the chaos seed (routing.inject_fault_seed) fail inside the step loop --
+    their M_S forward, batched with two live streams (HTTP and gRPC), raises after writing
+    every cache -- over HTTP unary (500 + OpenAI body), SSE (in-band error, [DONE]) and gRPC
+    (INTERNAL). The streams carry on: all their tokens, the in-process ones, a normal finish."""
+    bad_seed, n, prompts = 4242, 200, ([3, 4, 5, 6], [7, 8, 9])
+    _router_config(served, inject_fault_seed=bad_seed)
+
+    async def main():
+        async with AsyncBackoffHTTPClient(served.url) as http, httpx.AsyncClient(base_url=served.url, timeout=60) as \
+                raw, AsyncBackoffGrpcClient(served.grpc_target, application="backoff") as rpc:
+            started = [asyncio.Event(), asyncio.Event()]
+
+            async def live(client, prompt, first):
+                deltas = []
+                async for d in client.stream(prompt, max_tokens=n, temperature=0, ignore_eos=True):
+                    deltas.append(d)
+                    first.set()
+                return deltas
+
+            streams = [asyncio.create_task(live(c, p, e)) for c, p, e in zip((http, rpc), prompts, started)]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+            bad = {"prompt": [5, 6, 7], "max_tokens": 40, "temperature": 0, "ignore_eos": True, "seed": bad_seed}
+
+            async def grpc_stream():
+                try:
+                    return [d async for d in rpc.stream(**bad)]
+                except ServerError as exc:
+                    return exc
+
+            failed = await asyncio.gather(raw.post("/v1/completions", json=bad),
+                                          raw.post("/v1/completions", json={**bad, "stream": True}), grpc_stream())
+            alive = [not t.done() for t in streams]  # the failures happened beside them
+            return await asyncio.gather(*streams), failed, alive
+
+    try:
+        outs, (unary, sse, grpc_failure), alive = asyncio.run(main())
+    finally:
+        _router_config(served, inject_fault_seed=None)
+    says = "InjectedFault: injected fault"
+    assert unary.status_code == 500 and unary.headers["content-type"] == "application/json", unary.text
+    assert says in unary.json()["error"]["message"] and unary.json()["error"]["type"] == "server_error"
+    events = [line[len("data: "):] for line in sse.text.splitlines() if line.startswith("data: ")]
+    assert sse.status_code == 200 and events[-1] == "[DONE]" and says in json.loads(events[-2])["error"]["message"]
+    assert isinstance(grpc_failure, ServerError) and grpc_failure.status == "INTERNAL" and says in grpc_failure.message
+    assert alive == [True, True]
+    for prompt, deltas in zip(prompts, outs):
+        ref = _reference(local, prompt, n)
+        assert [d.token_id for d in deltas if d.token_id is not None] == list(ref.token_ids)
+        assert [d.source for d in deltas if d.token_id is not None] == list(ref.sources)
+        assert deltas[-1].finish_reason == "length"
+    deadline = time.monotonic() + 30  # every session freed: the failed ones' too
+    while _router_info().live or any(i.sessions for i in _large_infos().values()):
+        assert time.monotonic() < deadline, "sessions left behind"
+        time.sleep(0.2)
+
+def _backoff_rate(url: str, n: int = 6) -> float:
+    with BackoffHTTPClient(url) as client:
+        outs = [client.complete([3 + i, 7, 11], max_tokens=16, temperature=0, ignore_eos=True) for i in range(n)]
+    return sum(o.usage.small_tokens for o in outs) / sum(o.usage.completion_tokens for o in outs)
+
+
+def test_config_deploy_changes_the_threshold_live(served):
+    router_before, large_before = _router_info(), {i.replica: i.pid for i in _large_infos().values()}
+    low = _backoff_rate(served.url)
+    edited = json.loads(json.dumps(served.config))
+    users = {d["name"]: d for d in edited["applications"][0]["deployments"]}
+    users["SmallRouter"]["user_config"]["threshold"] = [50.0]  # nothing is that uncertain: all small
+    path = served.config_path.with_name("edited.yaml")
+    path.write_text(yaml.safe_dump(edited))
+    assert serve_cli.main(["--config", str(path), "--non-blocking"]) == 0
+    deadline = time.monotonic() + 60
+    while _router_info().policy.threshold != [50.0]:
+        assert time.monotonic() < deadline, "reconfigure did not arrive"
+        time.sleep(0.2)
+    serve_cli.wait_until_running("backoff")
+    high = _backoff_rate(served.url)
+    assert low < 0.9 and high == 1.0
+    with BackoffHTTPClient(served.url) as client:  # a request may still override the config
+        own = client.complete([3, 7, 11], max_tokens=16, temperature=0, ignore_eos=True, backoff_threshold=THRESHOLD)
+    assert own.usage.backoff_rate < 1.0
+    router_after = _router_info()
+    assert (router_after.pid, router_after.replica) == (router_before.pid, router_before.replica)
+    assert {i.replica: i.pid for i in _large_infos().values()} == large_before
+
+
+def test_killed_large_replica_mid_generation_still_completes(served, local):
+    prompt, n = [4, 5, 6], 300
+    before = _router_info().sessions_lost
+    with BackoffHTTPClient(served.url) as client:
+        stream = client.stream(prompt, max_tokens=n, temperature=0, ignore_eos=True, router="always-large")
+        deltas = [next(stream) for _ in range(5)]
+        holders = [i for i in _large_infos().values() if i.sessions]
+        assert len(holders) == 1, holders
+        os.kill(holders[0].pid, signal.SIGKILL)  # the replica holding the session crashes
+        deltas += list(stream)
+    tokens = [d.token_id for d in deltas if d.token_id is not None]
+    assert deltas[-1].finish_reason == "length" and len(tokens) == n
+    ref = _reference(local, prompt, n, router="always-large", thresholds=None)
+    assert tokens == list(ref.token_ids)  # re-prefilled elsewhere: the same text
+    assert _router_info().sessions_lost > before
+    serve_cli.wait_until_running("backoff")

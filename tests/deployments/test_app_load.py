@@ -1,0 +1,292 @@
+"""Load, live reload and backpressure on a real (local, CPU) Ray Serve app with tiny models.
+
+Two applications, deployed the way `backoff serve` deploys them (the packaged config with
+overrides): `backoff` with the default limits (Ingress, one SmallRouter, two LargeModel
+replicas) and `tight` (/tight) whose limits are tiny: 2 live + 1 waiting requests per
+SmallRouter replica, 4 ongoing and 2 queued in Serve. The reload test changes the live
+config, so it runs last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+import yaml
+
+ray = pytest.importorskip("ray")
+from ray import serve  # noqa: E402
+
+from clients import Retry  # noqa: E402
+from clients.wire import backoff_pb2 as pb  # noqa: E402
+from clients.wire import backoff_pb2_grpc as pb_grpc  # noqa: E402
+from clients.grpc_client import AsyncBackoffGrpcClient, BackoffGrpcClient  # noqa: E402
+from clients.http_client import AsyncBackoffHTTPClient, BackoffHTTPClient  # noqa: E402
+from deployments import serve_cli  # noqa: E402
+
+from tests.support.tiny import tiny_model, tiny_tokenizer  # noqa: E402
+from tests.support.ray_local import start_local_ray  # noqa: E402
+
+pytestmark = pytest.mark.slow
+THRESHOLD = 0.4  # entropy threshold of `backoff`: both sources occur
+ALL_SMALL = 50.0  # nothing is that uncertain: every token from M_S
+RETRY_AFTER_S = 2.0  # `tight`'s Retry-After
+
+
+@dataclass
+class Served:
+    url: str
+    grpc_target: str
+    config: dict
+    config_path: Path
+
+
+def _save_tiny(root: Path) -> tuple[str, str]:
+    tok = tiny_tokenizer()
+    dirs = []
+    for name, model in (("small", tiny_model(1, sharpness=30)), ("large", tiny_model(2, hidden=64, layers=4,
+                                                                                          sharpness=30))):
+        model.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+        dirs.append(str(root / name))
+    return dirs[0], dirs[1]
+
+
+def _config(small: str, large: str, http_port: int, grpc_port: int) -> dict:
+    config = serve_cli.loopback_config(small, large, http_port, grpc_port, replicas={"large": 2})
+    app = config["applications"][0]
+    {d["name"]: d for d in app["deployments"]}["SmallRouter"]["user_config"] = {
+        "router": "entropy", "threshold": [THRESHOLD]}
+    tight = json.loads(json.dumps(app))
+    tight.update(name="tight", route_prefix="/tight")
+    tight["args"]["large"]["num_replicas"] = 1
+    tight["args"]["small"].update(max_ongoing_requests=4, max_queued_requests=2)
+    tight["args"]["admission"] = {"max_live_requests": 2, "max_waiting_requests": 1, "retry_after_s": RETRY_AFTER_S}
+    config["applications"].append(tight)
+    return config
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve_load")
+    small, large = _save_tiny(root)
+    http_port, grpc_port = serve_cli.free_port(), serve_cli.free_port()
+    config = _config(small, large, http_port, grpc_port)
+    path = root / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    start_local_ray(num_cpus=4, _system_config=serve_cli.RAY_SYSTEM_CONFIG)
+    try:
+        assert serve_cli.main(["--config", str(path), "--non-blocking"]) == 0
+        serve_cli.wait_until_running("backoff")
+        serve_cli.wait_until_running("tight")
+        yield Served(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", config, path)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _info(deployment: str, app: str = "backoff"):
+    return serve.get_deployment_handle(deployment, app).info.remote().result(timeout_s=30)
+
+
+def _replica_pids(app: str = "backoff") -> dict[str, int]:
+    """replica id -> pid of every replica of the app (keyed calls spread over LargeModels)."""
+    pids = {i.replica: i.pid for i in (_info("Ingress", app), _info("SmallRouter", app))}
+    large = serve.get_deployment_handle("LargeModel", app)
+    for k in range(24):
+        info = large.options(multiplexed_model_id=f"probe-{k}").info.remote().result(timeout_s=30)
+        pids[info.replica] = info.pid
+    return pids
+
+
+def _wait_idle(app: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (info := _info("SmallRouter", app)).admitted or info.live:
+        assert time.monotonic() < deadline, f"{app}: requests still held: {info}"
+        time.sleep(0.2)
+
+
+# -- backpressure ----------------------------------------------------------------------------
+
+async def _http_burst(url: str, n: int) -> list[httpx.Response]:
+    async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+        async def one(i: int) -> httpx.Response:
+            body = {"prompt": [3 + i, 7, 11], "max_tokens": 64, "temperature": 0, "ignore_eos": True,
+                    "stream": i % 2 == 1}
+            response = await http.post("/v1/completions", json=body)
+            await response.aread()
+            return response
+
+        return await asyncio.gather(*[one(i) for i in range(n)])
+
+
+async def _grpc_burst(target: str, n: int) -> list[tuple[grpc.StatusCode, dict, str]]:
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.BackoffStub(channel)
+
+        async def one(i: int) -> tuple[grpc.StatusCode, dict, str]:
+            request = pb.GenerateRequest(prompt_ids=[5 + i, 7], max_tokens=64, temperature=0, ignore_eos=True)
+            metadata = (("application", "tight"),)
+            try:
+                if i % 2:
+                    [c async for c in stub.GenerateStream(request, metadata=metadata)]
+                else:
+                    await stub.Generate(request, metadata=metadata)
+                return grpc.StatusCode.OK, {}, ""
+            except grpc.aio.AioRpcError as err:
+                kind = "stream" if i % 2 else "unary"
+                return err.code(), dict(err.trailing_metadata() or ()), f"{kind}: {err.details()}"
+
+        return await asyncio.gather(*[one(i) for i in range(n)])
+
+
+def test_a_full_app_refuses_with_503_and_retry_after_then_recovers(served):
+    tight = f"{served.url}/tight"
+
+    async def burst():
+        return await asyncio.gather(_http_burst(tight, 24), _grpc_burst(served.grpc_target, 8))
+
+    responses, rpcs = asyncio.run(burst())
+    codes = [r.status_code for r in responses]
+    assert set(codes) <= {200, 503}, codes  # no other 5xx, nothing hangs
+    refused = [r for r in responses if r.status_code == 503]
+    assert refused, codes
+    assert 200 in codes or grpc.StatusCode.OK in [code for code, _, _ in rpcs]  # which transport won varies
+    for r in refused:
+        assert r.headers["retry-after"] == "2"
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["code"] == "overloaded"
+    for r in responses:
+        if r.status_code == 200 and r.headers["content-type"].startswith("application/json"):
+            assert r.json()["usage"]["completion_tokens"] == 64
+        elif r.status_code == 200:
+            assert r.text.rstrip().endswith("data: [DONE]") and '"finish_reason": "length"' in r.text
+    assert {code for code, _, _ in rpcs} <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, \
+        [(code, why) for code, _, why in rpcs]
+    assert any(code == grpc.StatusCode.RESOURCE_EXHAUSTED for code, _, _ in rpcs)
+    for code, trailing, why in rpcs:
+        # Serve's gRPC proxy keeps a streaming method's trailing metadata only with a message
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED and why.startswith("unary"):
+            assert trailing.get("retry-after") == "2", trailing
+    # both bounds refused: the SmallRouter's admission gate and Serve's queue in the Ingress
+    messages = [r.json()["error"]["message"] for r in refused] + [why for _, _, why in rpcs]
+    assert any("the server is at capacity" in m for m in messages), messages
+    assert any("Request dropped due to backpressure" in m for m in messages), messages
+
+    _wait_idle("tight")  # every slot was given back
+    with BackoffHTTPClient(tight) as http, BackoffGrpcClient(served.grpc_target, application="tight") as rpc:
+        for client in (http, rpc):
+            assert len(client.complete([3, 4], max_tokens=8, ignore_eos=True).token_ids) == 8
+
+    async def patient():  # a client that retries gets through a burst, bounded
+        retry = Retry(attempts=40, max_wait_s=0.25)
+        async with AsyncBackoffHTTPClient(tight, retry=retry) as client:
+            return await asyncio.gather(*[client.complete([3 + i, 4], max_tokens=16, ignore_eos=True)
+                                          for i in range(10)])
+
+    assert all(len(out.token_ids) == 16 for out in asyncio.run(patient()))
+
+
+# -- load through a live reload (changes the config: runs last) --------------------------------
+
+STREAMS, GRPC_STREAMS = 32, 4
+
+
+@dataclass(frozen=True)
+class Record:
+    start: float  # time.monotonic() when the client sent the request
+    end: float
+    backoff_rate: float | None  # None: failed
+    error: str = ""
+
+
+async def _stream_loop(i: int, served: Served, records: list[Record], stop: threading.Event) -> None:
+    """One of the concurrent streams: requests back to back until `stop`."""
+    if i < GRPC_STREAMS:
+        client = AsyncBackoffGrpcClient(served.grpc_target, application="backoff", timeout=120)
+    else:
+        client = AsyncBackoffHTTPClient(served.url, timeout=120)
+    n = 0
+    async with client:
+        while not stop.is_set():
+            start = time.monotonic()
+            try:
+                deltas = [d async for d in client.stream([3 + i, 7, 11 + n % 20], max_tokens=24, temperature=0,
+                                                         ignore_eos=True)]
+                usage = deltas[-1].usage
+                assert usage.completion_tokens == 24, usage
+                records.append(Record(start, time.monotonic(), usage.backoff_rate))
+            except Exception as exc:  # noqa: BLE001 - every failure is recorded and asserted on
+                records.append(Record(start, time.monotonic(), None, f"{type(exc).__name__}: {exc}"))
+            n += 1
+
+
+def _load(served: Served, records: list[Record], stop: threading.Event) -> threading.Thread:
+    async def run():
+        await asyncio.gather(*[_stream_loop(i, served, records, stop) for i in range(STREAMS)])
+
+    thread = threading.Thread(target=asyncio.run, args=(run(),), name="load", daemon=True)
+    thread.start()
+    return thread
+
+
+def _most_at_once(records: list[Record]) -> int:
+    """The most requests in flight at one time (client side)."""
+    edges = sorted([(r.start, 1) for r in records] + [(r.end, -1) for r in records])
+    most = now = 0
+    for _, step in edges:
+        now += step
+        most = max(most, now)
+    return most
+
+
+def _wait_for(predicate, what: str, timeout_s: float = 120.0) -> float:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+    return time.monotonic()
+
+
+def test_32_streams_through_a_live_threshold_change(served):
+    pids = _replica_pids()
+    records: list[Record] = []
+    stop = threading.Event()
+    load = _load(served, records, stop)
+    try:
+        _wait_for(lambda: len(records) >= 2 * STREAMS, "the load did not start")
+        edited = json.loads(json.dumps(served.config))
+        {d["name"]: d for d in edited["applications"][0]["deployments"]}["SmallRouter"]["user_config"][
+            "threshold"] = [ALL_SMALL]
+        path = served.config_path.with_name("edited.yaml")
+        path.write_text(yaml.safe_dump(edited))
+        deployed = time.monotonic()
+        assert serve_cli.main(["--config", str(path), "--non-blocking"]) == 0
+        applied = _wait_for(lambda: _info("SmallRouter").policy.threshold == [ALL_SMALL], "reconfigure did not arrive")
+        _wait_for(lambda: sum(r.start > applied for r in records) >= 2 * STREAMS, "no requests after the deploy")
+    finally:
+        stop.set()
+        load.join(timeout=120)
+    assert not load.is_alive()
+
+    failed = [r.error for r in records if r.backoff_rate is None]
+    assert not failed, failed[:5]
+    before = [r for r in records if r.end < deployed]
+    across = [r for r in records if r.start < applied and r.end > deployed]
+    after = [r for r in records if r.start > applied]
+    assert before and across and after, (len(before), len(across), len(after))
+    assert _most_at_once(records) == STREAMS
+    assert sum(r.backoff_rate for r in before) / len(before) < 0.9  # the old threshold: both sources
+    assert all(r.backoff_rate == 1.0 for r in after)  # the new one, for every request admitted since
+    assert _replica_pids() == pids  # no replica was restarted
+    serve_cli.wait_until_running("backoff")
+    _wait_idle("backoff")

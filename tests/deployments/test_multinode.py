@@ -1,0 +1,420 @@
+"""The Serve application on a Ray cluster of several nodes (tests/support/cluster_local.py: one
+machine, separate raylets), tiny models. `pytest -m multinode` runs just these.
+
+Nodes: a head (CPUs: Serve's controller and proxy, the Ingress), two `small_gpu` nodes and
+two `large_gpu` nodes (one logical GPU each). The app asks for them as on a real cluster:
+SmallRouter replicas need small_gpu + 1 GPU, LargeModel replicas large_gpu + 1 GPU, so
+each model replica gets a node (a GPU) of its own. In order: placement; a generation whose
+catch-ups cross nodes; the LargeModel's node killed under a stream (re-prefill on the other
+replica, a new replica on a replacement node); a SmallRouter's node killed (its requests
+fail with a retriable 503, new ones succeed); autoscaling of Ingress and SmallRouter under
+a burst, recorded (JSON + PNG; BACKOFF_RESULTS=DIR saves them there, e.g. benchmarks/results);
+last, a tiny KV budget (a redeploy): 503 + Retry-After, and every request completes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+ray = pytest.importorskip("ray")
+from ray import serve  # noqa: E402
+
+from backoff_core.engine.engine import BackoffEngine  # noqa: E402
+from backoff_core.models.loading import LoadSpec, load_model  # noqa: E402
+from backoff_core.runners.dynamic import ModelRunner  # noqa: E402
+from backoff_core.types import GenerationRequest, RoutingParams, SamplingParams  # noqa: E402
+from clients import TransportError  # noqa: E402
+from clients.http_client import AsyncBackoffHTTPClient, BackoffHTTPClient  # noqa: E402
+from deployments import serve_cli  # noqa: E402
+
+from tests.support.cluster_local import LocalCluster, start_cluster  # noqa: E402
+from tests.support.tiny import tiny_model, tiny_tokenizer  # noqa: E402
+
+pytestmark = [pytest.mark.multinode, pytest.mark.slow]
+APP = "backoff"
+PROMPT = [4, 5, 6]
+THRESHOLD = 0.4  # entropy: a mix of small and large steps on the tiny pair
+LONG = dict(max_tokens=300, temperature=0, ignore_eos=True, router="always-large")  # >= 7.5 s (25 ms a catch-up)
+AUTOSCALE = dict(min_replicas=1, max_replicas=2, target_ongoing_requests=2, upscale_delay_s=0.5,
+                 downscale_delay_s=8.0, look_back_period_s=3.0)  # shorter flaps when a new replica joins
+
+
+@dataclass
+class Served:
+    url: str
+    local: LocalCluster
+    config: dict
+    root: Path
+    small_dir: str
+    large_dir: str
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("multinode")
+    tok = tiny_tokenizer()
+    dirs = []
+    for name, model in (("small", tiny_model(1, sharpness=30)), ("large", tiny_model(2, hidden=64, layers=4, sharpness=30))):
+        model.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+        dirs.append(str(root / name))
+    http_port, grpc_port = serve_cli.free_port(), serve_cli.free_port()
+    config = serve_cli.loopback_config(dirs[0], dirs[1], http_port, grpc_port, replicas={"small": 2, "large": 2})
+    app = config["applications"][0]
+    args = app["args"]
+    # autoscaled 2..2 (the last test retunes it live), an Ingress that needs a CPU: the head's
+    args["small"].update(num_replicas=None, min_replicas=2, max_replicas=2, gpus="auto", custom_resource="small_gpu")
+    args["large"].update(gpus="auto", custom_resource="large_gpu")
+    args["ingress"].update(num_replicas=None, min_replicas=1, max_replicas=2, num_cpus=0.1)
+    args["limits"] = {"max_concurrent_per_client": None}
+    users = {d["name"]: d for d in app["deployments"]}
+    users["SmallRouter"]["user_config"] = {"router": "entropy", "threshold": [THRESHOLD], "large_timeout_s": 30.0}
+    users["LargeModel"]["user_config"].update(lease_s=3.0, inject_delay_ms=25.0)
+    # Serve's autoscaling options (delays, look-back) in the config's `deployments:` section, from
+    # the start: the first autoscaling_config there changes the app's code version (a redeploy of
+    # every replica), a later change of its numbers is a live update
+    users["SmallRouter"]["autoscaling_config"] = {**AUTOSCALE, "min_replicas": 2}
+    app["deployments"].append({"name": "Ingress", "autoscaling_config": AUTOSCALE})
+    local = start_cluster(head_cpus=2, small_gpu=2, large_gpu=2)
+    try:
+        _deploy(config, root / "config.yaml")
+        yield Served(f"http://127.0.0.1:{http_port}", local, config, root, dirs[0], dirs[1])
+    finally:
+        serve.shutdown()
+        local.shutdown()
+
+
+def _deploy(config: dict, path: Path) -> None:
+    path.write_text(yaml.safe_dump(config))
+    assert serve_cli.main(["--config", str(path), "--non-blocking"]) == 0
+    serve_cli.wait_until_running(APP)
+
+
+@pytest.fixture(scope="module")
+def engine(served):
+    (small, tok), (large, _) = load_model(served.small_dir, LoadSpec()), load_model(served.large_dir, LoadSpec())
+    return BackoffEngine([ModelRunner(small, "small"), ModelRunner(large, "large")], tok, context_window=512)
+
+
+def _reference(engine, router: str, max_tokens: int, thresholds=None):
+    return engine.generate(GenerationRequest(tuple(PROMPT), SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                                             RoutingParams(router=router, thresholds=thresholds)))
+
+
+# -- probes -----------------------------------------------------------------------------------
+
+def _infos(deployment: str) -> dict:
+    """info() of every live replica of a deployment, by replica id."""
+    async def call():
+        handle = serve.get_deployment_handle(deployment, APP)
+        return await handle.broadcast("info").results_async(timeout_s=30, return_exceptions=True)
+
+    return {i.replica: i for i in asyncio.run(call()) if not isinstance(i, BaseException)}
+
+
+def _running() -> dict[str, int]:
+    """RUNNING replicas per deployment, as Serve's controller sees them."""
+    app = serve.status().applications.get(APP)
+    if app is None:
+        return {}
+    return {name: d.replica_states.get("RUNNING", 0) for name, d in app.deployments.items()}
+
+
+def _wait(check, timeout_s: float, what: str) -> float:
+    start = time.monotonic()
+    while not check():
+        if time.monotonic() - start > timeout_s:
+            pytest.fail(f"{what}: not within {timeout_s} s (replicas {_running()})")
+        time.sleep(0.25)
+    return time.monotonic() - start
+
+
+def _placed(local: LocalCluster, deployment: str, kind: str, n: int) -> bool:
+    infos = _infos(deployment)
+    nodes = {i.node for i in infos.values()}
+    return len(infos) == n and len(nodes) == n and all(local.kind_of(node) == kind for node in nodes)
+
+
+# -- 1. placement and a generation across nodes -------------------------------------------------
+
+def test_model_replicas_land_on_their_own_node_types(served):
+    local = served.local
+    assert _placed(local, "SmallRouter", "small_gpu", 2)  # one per small_gpu node
+    assert _placed(local, "LargeModel", "large_gpu", 2)
+    routers = {i.node for i in _infos("SmallRouter").values()}
+    larges = {i.node for i in _infos("LargeModel").values()}
+    assert not routers & larges and len(routers | larges) == 4
+    gpus = {n["NodeID"]: n["Resources"].get("GPU", 0) for n in ray.nodes() if n["Alive"]}
+    assert all(gpus[node] == 1 for node in routers | larges)
+    # every logical GPU is taken: each model replica reserved a whole one
+    assert ray.available_resources().get("GPU", 0) == 0
+
+
+def test_a_generation_catches_up_across_nodes(served, engine):
+    expected = _reference(engine, "entropy", 48, (THRESHOLD,))
+    before = sum(i.calls for i in _infos("LargeModel").values())
+    with BackoffHTTPClient(served.url) as client:
+        out = client.complete(PROMPT, max_tokens=48, temperature=0, ignore_eos=True)
+    calls = sum(i.calls for i in _infos("LargeModel").values()) - before
+    assert out.token_ids == list(expected.token_ids) and out.sources == list(expected.sources)
+    assert 0 < out.usage.small_tokens < 48 and out.usage.large_tokens > 0
+    # catch-ups went from a small_gpu node to a large_gpu node, several pending tokens at once
+    assert calls == out.usage.large_calls == len(expected.catch_ups)
+    assert max(c.length for c in expected.catch_ups[1:]) > 1
+
+
+# -- 2. losing nodes ------------------------------------------------------------------------------
+
+def test_losing_the_large_models_node_mid_stream(served, engine):
+    """The node holding the request's M_L session dies: the router re-prefills the session
+    on the other LargeModel replica and the stream completes with the same tokens; Serve
+    places a new replica on a replacement node."""
+    local = served.local
+    reference = list(_reference(engine, "always-large", LONG["max_tokens"]).token_ids)
+    with BackoffHTTPClient(served.url) as client:
+        stream = client.stream(PROMPT, **LONG)
+        deltas = [next(stream) for _ in range(5)]
+        holders = [i for i in _infos("LargeModel").values() if i.sessions]
+        assert len(holders) == 1, holders
+        lost_node = holders[0].node
+        assert local.kill(lost_node) == "large_gpu"
+        killed = time.monotonic()
+        deltas += list(stream)
+        finished_s = time.monotonic() - killed
+    tokens = [d.token_id for d in deltas if d.finish_reason is None]
+    assert deltas[-1].finish_reason == "length" and tokens == reference
+    lost = sum(i.sessions_lost for i in _infos("SmallRouter").values())
+    assert lost >= 1
+    new_node = local.add("large_gpu").node_id  # the cluster's autoscaler would start one
+    up_s = _wait(lambda: _placed(local, "LargeModel", "large_gpu", 2)
+                 and new_node in {i.node for i in _infos("LargeModel").values()}, 120, "a LargeModel replica")
+    print(f"\nlarge node killed: the stream finished {finished_s:.1f} s later; a new replica was up on the "
+          f"replacement node {up_s:.1f} s after it joined")
+
+
+def test_losing_a_small_routers_node(served, engine):
+    """Requests on the lost SmallRouter end with a retriable error (SSE: an in-band 503
+    error event, `router_unavailable`); those on the other finish whole; new requests
+    succeed while the deployment has one replica left."""
+    local = served.local
+    reference = list(_reference(engine, "always-large", LONG["max_tokens"]).token_ids)
+
+    async def stream(client, first):
+        deltas = []
+        async for d in client.stream(PROMPT, **LONG):
+            deltas.append(d)
+            if not first.done():
+                first.set_result(d.id)
+        return deltas
+
+    async def main():
+        async with AsyncBackoffHTTPClient(served.url) as client:
+            flights = {}  # request id -> (task, router node)
+            for _ in range(12):  # until both routers serve some (where one lands is Serve's choice)
+                first = asyncio.get_running_loop().create_future()
+                task = asyncio.create_task(stream(client, first))
+                rid = await asyncio.wait_for(first, 60)
+                where = {r: i.node for i in (await asyncio.to_thread(_infos, "SmallRouter")).values() for r in i.requests}
+                flights[rid] = (task, where[rid])
+                if len({node for _, node in flights.values()}) == 2 and len(flights) >= 4:
+                    break
+            nodes = sorted({node for _, node in flights.values()})
+            assert len(nodes) == 2, "all requests went to one router"
+            victim = nodes[0]
+            assert all(not t.done() for t, _ in flights.values())
+            assert await asyncio.to_thread(local.kill, victim) == "small_gpu"
+            outcomes = await asyncio.gather(*[t for t, _ in flights.values()], return_exceptions=True)
+            return [(node == victim, out) for (_, node), out in zip(flights.values(), outcomes)]
+
+    results = asyncio.run(main())
+    for doomed, out in results:
+        if doomed:
+            assert isinstance(out, TransportError) and out.status == 503 and "small router" in out.message, out
+        else:
+            assert not isinstance(out, BaseException), out
+            assert [d.token_id for d in out if d.finish_reason is None] == reference
+    assert any(doomed for doomed, _ in results) and not all(doomed for doomed, _ in results)
+    _wait(lambda: len(_infos("SmallRouter")) == 1, 60, "the dead router dropped")
+    with BackoffHTTPClient(served.url) as client:  # new requests: the surviving router
+        for i in range(4):
+            out = client.complete([3 + i, 4], max_tokens=8, temperature=0, ignore_eos=True)
+            assert len(out.token_ids) == 8
+    local.add("small_gpu")  # room again for the autoscaling test
+    _wait(lambda: _placed(local, "SmallRouter", "small_gpu", 2), 120, "a replacement SmallRouter")
+
+
+# -- 3. autoscaling ---------------------------------------------------------------------------------
+
+class Recorder:
+    """Replica counts per deployment every `period_s`, from Serve's controller."""
+
+    def __init__(self, period_s: float = 0.25) -> None:
+        self.period_s, self.samples, self.marks = period_s, [], {}
+        self.t0 = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                counts = _running()
+            except Exception:  # noqa: BLE001 - the controller busy: skip a sample
+                counts = None
+            if counts:
+                self.samples.append({"t": round(time.monotonic() - self.t0, 2), **counts})
+            self._stop.wait(self.period_s)
+
+    def mark(self, name: str) -> None:
+        self.marks[name] = round(time.monotonic() - self.t0, 2)
+
+    def __enter__(self) -> "Recorder":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def series(self, name: str) -> list[int]:
+        return [s.get(name, 0) for s in self.samples]
+
+    def save(self, directory: Path, meta: dict) -> tuple[Path, Path]:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        directory.mkdir(parents=True, exist_ok=True)
+        data = {"meta": meta, "marks": self.marks, "samples": self.samples}
+        path_json = directory / "autoscaling.json"
+        path_json.write_text(json.dumps(data, indent=1))
+        names = ("Ingress", "SmallRouter", "LargeModel")
+        fig, axes = plt.subplots(len(names), 1, figsize=(8, 5), sharex=True)
+        t = [s["t"] for s in self.samples]
+        for ax, name, color in zip(axes, names, ("C0", "C1", "C2")):
+            ax.step(t, self.series(name), where="post", color=color)
+            ax.set_ylim(-0.2, 2.6)
+            ax.set_yticks([0, 1, 2])
+            ax.set_ylabel(name, fontsize=9)
+            for mark, at in self.marks.items():
+                ax.axvline(at, color="grey", linestyle=":")
+                if ax is axes[0]:
+                    ax.text(at, 2.5, f" {mark}", fontsize=8, va="top")
+        axes[-1].set_xlabel("seconds")
+        axes[0].set_title(f"RUNNING replicas under a burst of {meta.get('streams')} concurrent requests "
+                          f"(multi-node Ray cluster on one machine)", fontsize=10)
+        fig.tight_layout()
+        path_png = directory / "autoscaling.png"
+        fig.savefig(path_png, dpi=110)
+        plt.close(fig)
+        return path_json, path_png
+
+
+def test_autoscaling_follows_a_burst(served, tmp_path):
+    """SmallRouter (1..2) and Ingress (1..2), target 2 ongoing requests each: a burst of 12
+    concurrent requests scales both up, and they scale down after it. The SmallRouter's
+    lower bound goes from 2 to 1 live (the config's `deployments:` section): no replica restarts."""
+    app = served.config["applications"][0]
+    for d in app["deployments"]:
+        if d["name"] == "SmallRouter":
+            d["autoscaling_config"] = AUTOSCALE
+    burst_s, streams = 40.0, 12
+    larges = {i.pid for i in _infos("LargeModel").values()}
+    with Recorder() as rec:
+        _deploy(served.config, served.root / "autoscale.yaml")
+        _wait(lambda: _running().get("SmallRouter") == 1 and _running().get("Ingress") == 1, 120, "scaled to 1")
+        rec.mark("burst")
+
+        refused = 0
+
+        async def burst() -> int:
+            done = 0
+            deadline = time.monotonic() + burst_s
+            async with httpx.AsyncClient(base_url=served.url, timeout=120) as http:
+                async def worker(i: int) -> None:
+                    nonlocal done, refused
+                    while time.monotonic() < deadline:
+                        r = await http.post("/v1/completions", json={"prompt": [3 + i % 7, 4], "max_tokens": 80,
+                                                                     "temperature": 0, "ignore_eos": True,
+                                                                     "router": "always-large"})
+                        assert r.status_code in (200, 503), r.text
+                        done += r.status_code == 200
+                        refused += r.status_code == 503
+
+                await asyncio.gather(*[worker(i) for i in range(streams)])
+            return done
+
+        completed = asyncio.run(burst())
+        rec.mark("end of burst")
+        _wait(lambda: _running().get("SmallRouter") == 1 and _running().get("Ingress") == 1, 120, "scaled down")
+        time.sleep(1.0)
+        rec.mark("scaled down")
+    during = [s for s in rec.samples if rec.marks["burst"] <= s["t"] <= rec.marks["end of burst"]]
+    meta = {"streams": streams, "burst_s": burst_s, "completed": completed, "refused": refused,
+            "request": "80 tokens, always-large, 25 ms delay per catch-up", "autoscaling_config": AUTOSCALE,
+            "nodes": {"head": "2 CPUs", "small_gpu": 2, "large_gpu": 2}}
+    out = Path(os.environ.get("BACKOFF_RESULTS", tmp_path))
+    paths = rec.save(out, meta)
+    print(f"\nautoscaling: {completed} requests in the burst ({refused} refused); saved {paths[0]} and {paths[1]}")
+    assert completed > 0 and {i.pid for i in _infos("LargeModel").values()} == larges  # a live update
+    assert max(s.get("SmallRouter", 0) for s in during) == 2 and max(s.get("Ingress", 0) for s in during) == 2
+    assert rec.series("SmallRouter")[-1] == 1 and rec.series("Ingress")[-1] == 1
+
+
+# -- 4. the KV budget over Serve ------------------------------------------------------------------
+
+def test_a_small_kv_budget_refuses_with_retry_after_and_every_request_completes(served, engine):
+    """Every model replica with a 120-token KV budget (per-session caches), 20 always-large
+    requests of 3 + 60 positions (1260 in all) arriving 0.25 s apart: once the live ones fill
+    the budget, new ones get 503 `kv_capacity` + Retry-After (M_S refuses at admission), and
+    sent again after it every request completes with the in-process tokens. Each replica
+    reports its budget and frees what it held."""
+    budget, n, tokens = 120, 20, 60
+    args = served.config["applications"][0]["args"]
+    args["models"].update(kv_budget_tokens=budget, static_kv=False)  # args: the replicas restart
+    _deploy(served.config, served.root / "kv.yaml")
+    _wait(lambda: len(_infos("LargeModel")) == 2 and all(i.kv_budget_tokens == budget
+                                                         for i in _infos("LargeModel").values()), 120, "the budget")
+    prompts = [[3 + i % 7, 4 + i % 3, 5] for i in range(n)]
+    expected = {tuple(p): list(engine.generate(GenerationRequest(
+        tuple(p), SamplingParams(max_tokens=tokens, ignore_eos=True), RoutingParams(router="always-large"))).token_ids)
+        for p in prompts}
+    refusals: list[httpx.Response] = []
+
+    async def one(http: httpx.AsyncClient, i: int, prompt: list[int]) -> list[int]:
+        await asyncio.sleep(0.25 * i)  # arrivals while earlier requests grow
+        for _ in range(120):
+            r = await http.post("/v1/completions", json={"prompt": prompt, "max_tokens": tokens, "temperature": 0,
+                                                         "ignore_eos": True, "router": "always-large"})
+            if r.status_code != 503:
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]["backoff"]["token_ids"]
+            refusals.append(r)
+            await asyncio.sleep(float(r.headers["Retry-After"]))
+        pytest.fail("refused 120 times in a row")
+
+    async def main() -> list[list[int]]:
+        async with httpx.AsyncClient(base_url=served.url, timeout=120) as http:
+            return await asyncio.gather(*[one(http, i, p) for i, p in enumerate(prompts)])
+
+    outputs = asyncio.run(main())
+    assert outputs == [expected[tuple(p)] for p in prompts]  # all complete, unchanged
+    assert refusals, "the budget never refused a request"
+    for r in refusals:
+        assert r.headers["Retry-After"] == "1" and r.json()["error"]["code"] == "kv_capacity", r.text
+    infos = _infos("LargeModel")
+    _wait(lambda: all(i.kv_tokens == 0 for i in _infos("LargeModel").values()), 30, "KV freed")
+    print(f"\nKV budget {budget}: {n} requests completed after {len(refusals)} refusals (503 + Retry-After); "
+          f"LargeModel refused {sum(i.kv_refused for i in infos.values())} new sessions, "
+          f"evicted {sum(i.kv_evictions for i in infos.values())}")
