@@ -5,6 +5,9 @@ Same method names as the HTTP clients. Ray Serve picks the application from the
 RESOURCE_EXHAUSTED (the server is at capacity) raises OverloadedError; `retry=Retry(...)`
 retries it, bounded: a stream only before its first chunk. `api_key` (default: the
 BACKOFF_API_KEY environment variable) goes in the metadata `authorization: Bearer <key>`.
+
+The two classes differ only in how they wait (blocking or awaited): messages are built in
+`_Client` (through clients.wire.proto) and read by clients.wire.proto / errors, once.
 """
 
 from __future__ import annotations
@@ -16,18 +19,14 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 
 import grpc
 
+from clients.retry import NO_RETRY, Retry
 from clients.wire import backoff_pb2 as pb
 from clients.wire import backoff_pb2_grpc as pb_grpc
 from clients.wire.errors import from_grpc
-from clients.retry import NO_RETRY, Retry
 from clients.wire.proto import deltas_from_pb, generation_from_pb, request_to_pb
 from clients.wire.types import ChatMessage, Delta, GenerateParams, Generation, merge_params
 
 Messages = Sequence[ChatMessage | dict]
-
-
-def _chat(messages: Messages) -> list[ChatMessage]:
-    return [m if isinstance(m, ChatMessage) else ChatMessage(**m) for m in messages]
 
 
 def call_metadata(application: str | None, api_key: str | None) -> tuple[tuple[str, str], ...] | None:
@@ -38,7 +37,9 @@ def call_metadata(application: str | None, api_key: str | None) -> tuple[tuple[s
     return metadata or None
 
 
-class _Base:
+class _Client:
+    """Settings and request messages shared by the sync and async clients."""
+
     def __init__(self, model: str | None, application: str | None, timeout: float, retry: Retry,
                  api_key: str | None) -> None:
         self.model = model
@@ -46,11 +47,20 @@ class _Base:
         self.retry = retry
         self._metadata = call_metadata(application, api_key)
 
-    def _request(self, params, fields, **content) -> pb.GenerateRequest:
-        return request_to_pb(merge_params(params, fields), model=self.model, **content)
+    @property
+    def _options(self) -> dict:
+        """Keyword arguments of every stub call."""
+        return {"timeout": self.timeout, "metadata": self._metadata}
+
+    def _completion(self, prompt: str | list[int], params: GenerateParams | None, fields: dict) -> pb.GenerateRequest:
+        return request_to_pb(merge_params(params, fields), model=self.model, prompt=prompt)
+
+    def _chat(self, messages: Messages, params: GenerateParams | None, fields: dict) -> pb.GenerateRequest:
+        chat = [m if isinstance(m, ChatMessage) else ChatMessage(**m) for m in messages]
+        return request_to_pb(merge_params(params, fields), model=self.model, messages=chat)
 
 
-class BackoffGrpcClient(_Base):
+class BackoffGrpcClient(_Client):
     """Sync client: `BackoffGrpcClient("127.0.0.1:9000").complete("Hello", max_tokens=8)`."""
 
     def __init__(self, target: str = "127.0.0.1:9000", *, model: str | None = None,
@@ -71,62 +81,57 @@ class BackoffGrpcClient(_Base):
         self._channel.close()
 
     def complete(self, prompt: str | list[int], params: GenerateParams | None = None, **fields) -> Generation:
-        return self._unary(self._request(params, fields, prompt=prompt))
+        return self._unary(self._completion(prompt, params, fields))
 
     def chat(self, messages: Messages, params: GenerateParams | None = None, **fields) -> Generation:
-        return self._unary(self._request(params, fields, messages=_chat(messages)))
+        return self._unary(self._chat(messages, params, fields))
 
     def stream(self, prompt: str | list[int], params: GenerateParams | None = None, **fields) -> Iterator[Delta]:
-        return self._streaming(self._request(params, fields, prompt=prompt))
+        return self._streaming(self._completion(prompt, params, fields))
 
     def stream_chat(self, messages: Messages, params: GenerateParams | None = None, **fields) -> Iterator[Delta]:
-        return self._streaming(self._request(params, fields, messages=_chat(messages)))
+        return self._streaming(self._chat(messages, params, fields))
 
     def models(self) -> list[str]:
         try:
-            return list(self._stub.Models(pb.ModelsRequest(), timeout=self.timeout, metadata=self._metadata).models)
+            return list(self._stub.Models(pb.ModelsRequest(), **self._options).models)
         except grpc.RpcError as e:
             raise from_grpc(e) from None
 
     def health(self) -> bool:
         try:
-            return self._stub.Health(pb.HealthRequest(), timeout=self.timeout, metadata=self._metadata).ok
+            return self._stub.Health(pb.HealthRequest(), **self._options).ok
         except grpc.RpcError:
             return False
 
     def _unary(self, request: pb.GenerateRequest) -> Generation:
         for attempt in range(self.retry.attempts + 1):
             try:
-                return generation_from_pb(self._stub.Generate(request, timeout=self.timeout, metadata=self._metadata))
+                return generation_from_pb(self._stub.Generate(request, **self._options))
             except grpc.RpcError as e:
                 error = from_grpc(e)
-            wait = self.retry.delay(error, attempt)
-            if wait is None:
-                raise error
-            time.sleep(wait)
+            time.sleep(self.retry.wait(error, attempt))
         raise AssertionError("unreachable: the last try raises or returns")
 
     def _streaming(self, request: pb.GenerateRequest) -> Iterator[Delta]:
         for attempt in range(self.retry.attempts + 1):
-            call = self._stub.GenerateStream(request, timeout=self.timeout, metadata=self._metadata)
+            call = self._stub.GenerateStream(request, **self._options)
             started = False
             try:
                 for chunk in call:
                     started = True
-                    for delta in deltas_from_pb(chunk):  # one token, or several in one message
-                        yield delta
+                    yield from deltas_from_pb(chunk)  # one token, or several in one message
                 return
             except grpc.RpcError as e:
                 error = from_grpc(e)
             finally:
                 call.cancel()  # the caller stopped early: tell the server (frees the sessions)
-            wait = None if started else self.retry.delay(error, attempt)
-            if wait is None:
+            if started:  # tokens were delivered: sending again would repeat them
                 raise error
-            time.sleep(wait)
+            time.sleep(self.retry.wait(error, attempt))
 
 
-class AsyncBackoffGrpcClient(_Base):
+class AsyncBackoffGrpcClient(_Client):
     """Async client (grpc.aio) with the same methods."""
 
     def __init__(self, target: str = "127.0.0.1:9000", *, model: str | None = None,
@@ -147,46 +152,41 @@ class AsyncBackoffGrpcClient(_Base):
         await self._channel.close()
 
     async def complete(self, prompt: str | list[int], params: GenerateParams | None = None, **fields) -> Generation:
-        return await self._unary(self._request(params, fields, prompt=prompt))
+        return await self._unary(self._completion(prompt, params, fields))
 
     async def chat(self, messages: Messages, params: GenerateParams | None = None, **fields) -> Generation:
-        return await self._unary(self._request(params, fields, messages=_chat(messages)))
+        return await self._unary(self._chat(messages, params, fields))
 
     def stream(self, prompt: str | list[int], params: GenerateParams | None = None, **fields) -> AsyncIterator[Delta]:
-        return self._streaming(self._request(params, fields, prompt=prompt))
+        return self._streaming(self._completion(prompt, params, fields))
 
     def stream_chat(self, messages: Messages, params: GenerateParams | None = None, **fields) -> AsyncIterator[Delta]:
-        return self._streaming(self._request(params, fields, messages=_chat(messages)))
+        return self._streaming(self._chat(messages, params, fields))
 
     async def models(self) -> list[str]:
         try:
-            reply = await self._stub.Models(pb.ModelsRequest(), timeout=self.timeout, metadata=self._metadata)
-            return list(reply.models)
+            return list((await self._stub.Models(pb.ModelsRequest(), **self._options)).models)
         except grpc.RpcError as e:
             raise from_grpc(e) from None
 
     async def health(self) -> bool:
         try:
-            return (await self._stub.Health(pb.HealthRequest(), timeout=self.timeout, metadata=self._metadata)).ok
+            return (await self._stub.Health(pb.HealthRequest(), **self._options)).ok
         except grpc.RpcError:
             return False
 
     async def _unary(self, request: pb.GenerateRequest) -> Generation:
         for attempt in range(self.retry.attempts + 1):
             try:
-                reply = await self._stub.Generate(request, timeout=self.timeout, metadata=self._metadata)
-                return generation_from_pb(reply)
+                return generation_from_pb(await self._stub.Generate(request, **self._options))
             except grpc.RpcError as e:
                 error = from_grpc(e)
-            wait = self.retry.delay(error, attempt)
-            if wait is None:
-                raise error
-            await asyncio.sleep(wait)
+            await asyncio.sleep(self.retry.wait(error, attempt))
         raise AssertionError("unreachable: the last try raises or returns")
 
     async def _streaming(self, request: pb.GenerateRequest) -> AsyncIterator[Delta]:
         for attempt in range(self.retry.attempts + 1):
-            call = self._stub.GenerateStream(request, timeout=self.timeout, metadata=self._metadata)
+            call = self._stub.GenerateStream(request, **self._options)
             started = False
             try:
                 async for chunk in call:
@@ -197,8 +197,7 @@ class AsyncBackoffGrpcClient(_Base):
             except grpc.RpcError as e:
                 error = from_grpc(e)
             finally:
-                call.cancel()
-            wait = None if started else self.retry.delay(error, attempt)
-            if wait is None:
+                call.cancel()  # the caller stopped early: tell the server (frees the sessions)
+            if started:  # tokens were delivered: sending again would repeat them
                 raise error
-            await asyncio.sleep(wait)
+            await asyncio.sleep(self.retry.wait(error, attempt))

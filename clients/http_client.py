@@ -5,6 +5,9 @@ models, health. Sampling and routing knobs go in a `GenerateParams` or as keywor
 A refusal for lack of capacity raises OverloadedError; `retry=Retry(...)` retries it,
 bounded, after the server's Retry-After. `api_key` (default: the BACKOFF_API_KEY
 environment variable) goes in `Authorization: Bearer`.
+
+The two classes differ only in how they wait (blocking or awaited): each request is built,
+and each answer read, once, in `_Call` and `_Client` below.
 """
 
 from __future__ import annotations
@@ -14,16 +17,26 @@ import json
 import os
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
 
 import httpx
 
-from clients.wire.errors import BackoffError, from_event, from_http, from_transport
 from clients.retry import NO_RETRY, Retry
+from clients.wire.errors import BackoffError, from_event, from_http, from_transport
 from clients.wire.types import (
     ChatMessage, Delta, GenerateParams, Generation, delta_from_chunk, generation_from_body, merge_params,
 )
 
 Messages = Sequence[ChatMessage | dict]
+
+
+def api_key_headers(api_key: str | None) -> dict[str, str]:
+    """The Authorization header of `api_key`, else of $BACKOFF_API_KEY, else none."""
+    key = api_key if api_key is not None else os.environ.get("BACKOFF_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+# -- codec: requests built and answers read once, for both clients ----------------------------
 
 
 def _body(params: GenerateParams, model: str | None, stream: bool, **content) -> dict:
@@ -38,19 +51,8 @@ def _body(params: GenerateParams, model: str | None, stream: bool, **content) ->
     return body
 
 
-def api_key_headers(api_key: str | None) -> dict[str, str]:
-    """The Authorization header of `api_key`, else of $BACKOFF_API_KEY, else none."""
-    key = api_key if api_key is not None else os.environ.get("BACKOFF_API_KEY")
-    return {"Authorization": f"Bearer {key}"} if key else {}
-
-
 def _messages(messages: Messages) -> list[dict]:
     return [m.model_dump() if isinstance(m, ChatMessage) else dict(m) for m in messages]
-
-
-def _raise_for_status(response: httpx.Response, body: bytes) -> None:
-    if response.status_code >= 400:
-        raise from_http(response.status_code, body, response.headers.get("retry-after"))
 
 
 def _sse_data(line: str) -> dict | None:
@@ -65,15 +67,68 @@ def _sse_data(line: str) -> dict | None:
     return body
 
 
-class BackoffHTTPClient:
+def _error(response: httpx.Response, body: bytes) -> BackoffError:
+    return from_http(response.status_code, body, response.headers.get("retry-after"))
+
+
+def _model_ids(body: dict) -> list[str]:
+    return [m["id"] for m in body["data"]]
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One generation request: where it goes, its JSON body, and how its answer reads."""
+
+    path: str
+    body: dict
+    top_n: int | None = None  # completions' logprobs count: their answers list the sampled token after the top n
+
+    def generation(self, body: dict) -> Generation:
+        return generation_from_body(body, self.top_n)
+
+    def delta(self, line: str) -> Delta | None:
+        """One SSE line -> its delta; None for lines that carry none."""
+        data = _sse_data(line)
+        return None if data is None else delta_from_chunk(data, self.top_n)
+
+
+class _Client:
+    """Settings and request building shared by the sync and async clients (`_http` is an
+    httpx.Client or httpx.AsyncClient: both build requests the same way)."""
+
+    _http: httpx.Client | httpx.AsyncClient
+
+    def __init__(self, model: str | None, api_key: str | None, retry: Retry) -> None:
+        self.model = model
+        self.retry = retry
+        self._headers = api_key_headers(api_key)
+
+    def _completion(self, prompt: str | list[int], params: GenerateParams | None, fields: dict,
+                    stream: bool = False) -> _Call:
+        params = merge_params(params, fields)
+        return _Call("/v1/completions", _body(params, self.model, stream, prompt=prompt), params.logprobs)
+
+    def _chat(self, messages: Messages, params: GenerateParams | None, fields: dict, stream: bool = False) -> _Call:
+        body = _body(merge_params(params, fields), self.model, stream, messages=_messages(messages))
+        return _Call("/v1/chat/completions", body)
+
+    def _post(self, call: _Call) -> httpx.Request:
+        return self._http.build_request("POST", call.path, json=call.body, headers=self._headers)
+
+    def _get(self, path: str) -> httpx.Request:
+        return self._http.build_request("GET", path, headers=self._headers)
+
+
+# -- the clients: the same methods, blocking or awaited ----------------------------------------
+
+
+class BackoffHTTPClient(_Client):
     """Sync client. `with BackoffHTTPClient(url) as c: c.complete("Hello", max_tokens=8)`."""
 
     def __init__(self, base_url: str = "http://127.0.0.1:8000", *, model: str | None = None,
                  api_key: str | None = None, timeout: float = 120.0, retry: Retry = NO_RETRY,
                  http: httpx.Client | None = None) -> None:
-        self.model = model
-        self.retry = retry
-        self._headers = api_key_headers(api_key)
+        super().__init__(model, api_key, retry)
         self._http = http or httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout)
 
     def __enter__(self) -> "BackoffHTTPClient":
@@ -86,46 +141,36 @@ class BackoffHTTPClient:
         self._http.close()
 
     def complete(self, prompt: str | list[int], params: GenerateParams | None = None, **fields) -> Generation:
-        params = merge_params(params, fields)
-        body = _body(params, self.model, False, prompt=prompt)
-        return generation_from_body(self._post("/v1/completions", body), params.logprobs)
+        return self._generate(self._completion(prompt, params, fields))
 
     def chat(self, messages: Messages, params: GenerateParams | None = None, **fields) -> Generation:
-        body = _body(merge_params(params, fields), self.model, False, messages=_messages(messages))
-        return generation_from_body(self._post("/v1/chat/completions", body))
+        return self._generate(self._chat(messages, params, fields))
 
     def stream(self, prompt: str | list[int], params: GenerateParams | None = None, **fields) -> Iterator[Delta]:
-        params = merge_params(params, fields)
-        return self._stream("/v1/completions", _body(params, self.model, True, prompt=prompt), params.logprobs)
+        return self._stream(self._completion(prompt, params, fields, stream=True))
 
     def stream_chat(self, messages: Messages, params: GenerateParams | None = None, **fields) -> Iterator[Delta]:
-        body = _body(merge_params(params, fields), self.model, True, messages=_messages(messages))
-        return self._stream("/v1/chat/completions", body)
+        return self._stream(self._chat(messages, params, fields, stream=True))
 
     def models(self) -> list[str]:
-        return [m["id"] for m in self._get("/v1/models")["data"]]
+        return _model_ids(self._send(self._get("/v1/models")).json())
 
     def health(self) -> bool:
         try:
-            self._get("/health")
+            self._send(self._get("/health"))
             return True
         except BackoffError:
             return False
 
-    # -- transport --------------------------------------------------------------------------
-    def _get(self, path: str) -> dict:
-        return self._send(self._http.build_request("GET", path, headers=self._headers)).json()
+    def _generate(self, call: _Call) -> Generation:
+        return call.generation(self._send(self._post(call)).json())
 
-    def _post(self, path: str, body: dict) -> dict:
-        return self._send(self._http.build_request("POST", path, json=body, headers=self._headers)).json()
-
-    def _stream(self, path: str, body: dict, top_n: int | None = None) -> Iterator[Delta]:
-        response = self._send(self._http.build_request("POST", path, json=body, headers=self._headers), stream=True)
+    def _stream(self, call: _Call) -> Iterator[Delta]:
+        response = self._send(self._post(call), stream=True)
         try:
             for line in response.iter_lines():
-                data = _sse_data(line)
-                if data is not None:
-                    yield delta_from_chunk(data, top_n)
+                if (delta := call.delta(line)) is not None:
+                    yield delta
         except httpx.TransportError as e:
             raise from_transport(e) from e
         finally:
@@ -135,32 +180,31 @@ class BackoffHTTPClient:
         """A successful response (a stream's before its body is read), refusals retried per `retry`."""
         for attempt in range(self.retry.attempts + 1):
             try:
-                response = self._http.send(request, stream=stream)
-                if response.status_code >= 400:
-                    try:
-                        _raise_for_status(response, response.read())
-                    finally:
-                        response.close()
-                return response
-            except httpx.TransportError as e:
-                raise from_transport(e) from e
+                return self._send_once(request, stream)
             except BackoffError as e:
-                wait = self.retry.delay(e, attempt)
-                if wait is None:
-                    raise
-                time.sleep(wait)
+                time.sleep(self.retry.wait(e, attempt))
         raise AssertionError("unreachable: the last try raises or returns")
 
+    def _send_once(self, request: httpx.Request, stream: bool) -> httpx.Response:
+        try:
+            response = self._http.send(request, stream=stream)
+            if response.status_code >= 400:
+                try:
+                    raise _error(response, response.read())
+                finally:
+                    response.close()
+            return response
+        except httpx.TransportError as e:
+            raise from_transport(e) from e
 
-class AsyncBackoffHTTPClient:
+
+class AsyncBackoffHTTPClient(_Client):
     """Async client with the same methods; `stream` / `stream_chat` are async iterators."""
 
     def __init__(self, base_url: str = "http://127.0.0.1:8000", *, model: str | None = None,
                  api_key: str | None = None, timeout: float = 120.0, retry: Retry = NO_RETRY,
                  http: httpx.AsyncClient | None = None) -> None:
-        self.model = model
-        self.retry = retry
-        self._headers = api_key_headers(api_key)
+        super().__init__(model, api_key, retry)
         self._http = http or httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout)
 
     async def __aenter__(self) -> "AsyncBackoffHTTPClient":
@@ -173,45 +217,36 @@ class AsyncBackoffHTTPClient:
         await self._http.aclose()
 
     async def complete(self, prompt: str | list[int], params: GenerateParams | None = None, **fields) -> Generation:
-        params = merge_params(params, fields)
-        body = _body(params, self.model, False, prompt=prompt)
-        return generation_from_body(await self._post("/v1/completions", body), params.logprobs)
+        return await self._generate(self._completion(prompt, params, fields))
 
     async def chat(self, messages: Messages, params: GenerateParams | None = None, **fields) -> Generation:
-        body = _body(merge_params(params, fields), self.model, False, messages=_messages(messages))
-        return generation_from_body(await self._post("/v1/chat/completions", body))
+        return await self._generate(self._chat(messages, params, fields))
 
     def stream(self, prompt: str | list[int], params: GenerateParams | None = None, **fields) -> AsyncIterator[Delta]:
-        params = merge_params(params, fields)
-        return self._stream("/v1/completions", _body(params, self.model, True, prompt=prompt), params.logprobs)
+        return self._stream(self._completion(prompt, params, fields, stream=True))
 
     def stream_chat(self, messages: Messages, params: GenerateParams | None = None, **fields) -> AsyncIterator[Delta]:
-        body = _body(merge_params(params, fields), self.model, True, messages=_messages(messages))
-        return self._stream("/v1/chat/completions", body)
+        return self._stream(self._chat(messages, params, fields, stream=True))
 
     async def models(self) -> list[str]:
-        return [m["id"] for m in (await self._get("/v1/models"))["data"]]
+        return _model_ids((await self._send(self._get("/v1/models"))).json())
 
     async def health(self) -> bool:
         try:
-            await self._get("/health")
+            await self._send(self._get("/health"))
             return True
         except BackoffError:
             return False
 
-    async def _get(self, path: str) -> dict:
-        return (await self._send(self._http.build_request("GET", path, headers=self._headers))).json()
+    async def _generate(self, call: _Call) -> Generation:
+        return call.generation((await self._send(self._post(call))).json())
 
-    async def _post(self, path: str, body: dict) -> dict:
-        return (await self._send(self._http.build_request("POST", path, json=body, headers=self._headers))).json()
-
-    async def _stream(self, path: str, body: dict, top_n: int | None = None) -> AsyncIterator[Delta]:
-        response = await self._send(self._http.build_request("POST", path, json=body, headers=self._headers), stream=True)
+    async def _stream(self, call: _Call) -> AsyncIterator[Delta]:
+        response = await self._send(self._post(call), stream=True)
         try:
             async for line in response.aiter_lines():
-                data = _sse_data(line)
-                if data is not None:
-                    yield delta_from_chunk(data, top_n)
+                if (delta := call.delta(line)) is not None:
+                    yield delta
         except httpx.TransportError as e:
             raise from_transport(e) from e
         finally:
@@ -221,18 +256,19 @@ class AsyncBackoffHTTPClient:
         """A successful response (a stream's before its body is read), refusals retried per `retry`."""
         for attempt in range(self.retry.attempts + 1):
             try:
-                response = await self._http.send(request, stream=stream)
-                if response.status_code >= 400:
-                    try:
-                        _raise_for_status(response, await response.aread())
-                    finally:
-                        await response.aclose()
-                return response
-            except httpx.TransportError as e:
-                raise from_transport(e) from e
+                return await self._send_once(request, stream)
             except BackoffError as e:
-                wait = self.retry.delay(e, attempt)
-                if wait is None:
-                    raise
-                await asyncio.sleep(wait)
+                await asyncio.sleep(self.retry.wait(e, attempt))
         raise AssertionError("unreachable: the last try raises or returns")
+
+    async def _send_once(self, request: httpx.Request, stream: bool) -> httpx.Response:
+        try:
+            response = await self._http.send(request, stream=stream)
+            if response.status_code >= 400:
+                try:
+                    raise _error(response, await response.aread())
+                finally:
+                    await response.aclose()
+            return response
+        except httpx.TransportError as e:
+            raise from_transport(e) from e

@@ -28,5 +28,12 @@ class Retry:
         wait = error.retry_after_s if error.retry_after_s is not None else 0.5 * 2**attempt
         return min(self.max_wait_s, wait) * (1.0 + self.jitter * random.random())
 
+    def wait(self, error: BackoffError, attempt: int) -> float:
+        """`delay`, raising `error` where there is no further try (the clients' retry loops)."""
+        wait = self.delay(error, attempt)
+        if wait is None:
+            raise error
+        return wait
+
 
 NO_RETRY = Retry(attempts=0)
