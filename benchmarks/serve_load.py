@@ -179,7 +179,7 @@ APPS = {True: "batched", False: "unbatched"}
 async def _one_stream(client: httpx.AsyncClient, request: GenerationRequest, t0: float):
     body = {"prompt": list(request.prompt_ids), "max_tokens": request.sampling.max_tokens, "temperature": 0,
             "ignore_eos": True, "seed": request.sampling.seed, "router": "random",
-            "backoff_threshold": list(request.routing.thresholds), "stream": True}
+            "thresholds": list(request.routing.thresholds), "stream": True}
     times, usage = [], None
     async with client.stream("POST", "/v1/completions", json=body) as response:
         response.raise_for_status()

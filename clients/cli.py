@@ -1,6 +1,6 @@
 """`backoff-client`: talk to a running Backoff Serve over HTTP or gRPC.
 
-  backoff-client generate "Why is the sky blue?" --chat --stream --threshold 2.5
+  backoff-client generate "Why is the sky blue?" --chat --stream --thresholds 2.5
   backoff-client --grpc 127.0.0.1:9000 generate "def fib(n):" --max-tokens 32 --json
   backoff-client models | health
 The API key comes from --api-key or, better (no shell history), BACKOFF_API_KEY.
@@ -43,7 +43,8 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     gen.add_argument("--router", help="decision function for this request")
-    gen.add_argument("--threshold", help="backoff threshold(s), comma-separated")
+    gen.add_argument("--thresholds", "--threshold", dest="thresholds",  # --threshold: the old spelling
+                     help="threshold(s) on the router's score, comma-separated, ascending")
     gen.add_argument("--target-backoff", type=float, help="target backoff rate")
     gen.add_argument("--logprobs", type=int, metavar="N",
                      help="print each token's log-probability under its source model, with N alternatives (0..20)")
@@ -63,11 +64,11 @@ def _client(args):
 
 
 def _params(args) -> GenerateParams:
-    thresholds = [float(t) for t in args.threshold.split(",")] if args.threshold else None
+    thresholds = [float(t) for t in args.thresholds.split(",")] if args.thresholds else None
     return merge_params(None, dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                    top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
                                    router=args.router, logprobs=args.logprobs,
-                                   backoff_threshold=thresholds, target_backoff=args.target_backoff))
+                                   thresholds=thresholds, target_backoff=args.target_backoff))
 
 
 def _colour(text: str, source: int | None, plain: bool) -> str:

@@ -121,11 +121,13 @@ def apply_overrides(config: dict, args: argparse.Namespace) -> dict:
     if args.static_kv is not None:
         models["static_kv"] = {"true": True, "false": False}.get(args.static_kv, "auto")
     routing = _deployment(app, "SmallRouter").setdefault("user_config", {})
+    if args.router is not None or args.threshold is not None:
+        routing.pop("threshold", None)  # the deprecated spelling of thresholds: the command line replaces it
     if args.router is not None:
         routing["router"] = args.router
-        routing["threshold"] = None  # the config's threshold belonged to the config's router
+        routing["thresholds"] = None  # the config's thresholds belonged to the config's router
     if args.threshold is not None:
-        routing["threshold"] = [float(t) for t in args.threshold.split(",")]
+        routing["thresholds"] = [float(t) for t in args.threshold.split(",")]
     if args.target_backoff is not None:
         routing["target_backoff"] = args.target_backoff
     if args.no_batching:

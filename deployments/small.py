@@ -152,8 +152,8 @@ class SmallRouter:
     def _config_thresholds(self, policy: RoutingConfig) -> list[float]:
         """The config's thresholds, else its router's defaults: what requests that set none
         start from, published from the start (a config that names none still has them)."""
-        if policy.threshold is not None:
-            return list(policy.threshold)
+        if policy.thresholds is not None:
+            return list(policy.thresholds)
         try:
             router = build_router(policy.router, rate=policy.rate, classifier_path=self.args.models.classifier,
                                   hidden_size=self.hidden_size)

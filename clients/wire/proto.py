@@ -12,7 +12,7 @@ _OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "seed", "router", "t
 def request_to_pb(params: GenerateParams, *, prompt: str | list[int] | None = None,
                   messages: list[ChatMessage] | None = None, model: str | None = None) -> pb.GenerateRequest:
     msg = pb.GenerateRequest(model=model or "", ignore_eos=params.ignore_eos, stop=params.stop or [],
-                             backoff_threshold=params.thresholds() or [])
+                             thresholds=params.thresholds or [])
     for name in _OPTIONAL:
         value = getattr(params, name)
         if value is not None:
@@ -29,9 +29,9 @@ def request_to_pb(params: GenerateParams, *, prompt: str | list[int] | None = No
 def params_from_pb(msg: pb.GenerateRequest) -> GenerateParams:
     """Raises pydantic.ValidationError (a ValueError) on out-of-range values."""
     fields = {name: getattr(msg, name) for name in _OPTIONAL if msg.HasField(name)}
-    thresholds = list(msg.backoff_threshold)
+    # field 11 is the deprecated spelling of 16: GenerateParams reads either and refuses both
     return GenerateParams(**fields, stop=list(msg.stop) or None, ignore_eos=msg.ignore_eos,
-                          backoff_threshold=thresholds or None)
+                          thresholds=list(msg.thresholds) or None, backoff_threshold=list(msg.backoff_threshold) or None)
 
 
 def prompt_from_pb(msg: pb.GenerateRequest) -> tuple[str | list[int] | None, list[ChatMessage] | None]:

@@ -13,7 +13,8 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from pydantic import (
-    AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator,
+    AfterValidator, AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo,
+    field_validator, model_validator,
 )
 
 from clients.wire.errors import from_validation
@@ -53,6 +54,28 @@ def _threshold(value: float) -> float:
 
 
 Threshold = Annotated[Float, AfterValidator(_threshold)]
+
+
+def _one_or_many(value):
+    # the wire takes one number for a two-model chain; inside it is always a list
+    if isinstance(value, bool) or not isinstance(value, (int, float, list, tuple)):
+        raise ValueError("must be a number, or a list of numbers (one per boundary between models, ascending)")
+    return [value] if isinstance(value, (int, float)) else value
+
+
+# thresholds as the wire sends them: a number, or a list (one per boundary, ascending)
+Thresholds = Annotated[list[Threshold], Field(min_length=1), BeforeValidator(_one_or_many)]
+
+
+def refuse_both_spellings(data, name: str, old: str):
+    """A model's `mode="before"` check for a field renamed from `old` to `name` (both accepted):
+    both given is refused rather than one silently winning; a null one of the two is dropped."""
+    if not isinstance(data, dict) or name not in data or old not in data:
+        return data
+    if data[name] is not None and data[old] is not None:
+        raise ValueError(f"give {name} or its deprecated spelling {old}, not both")
+    unset = old if data[old] is None else name
+    return {k: v for k, v in data.items() if k != unset}
 
 
 class _NullIsDefault(BaseModel):
@@ -114,9 +137,10 @@ class GenerateParams(_NullIsDefault):
     stop: list[Text] | None = Field(None, description="stop strings (the text is cut before them)")
     ignore_eos: Bool = Field(False, description="keep generating past the end-of-sequence token")
     router: Text | None = Field(None, description="decision function (router) for this request")
-    backoff_threshold: Threshold | Annotated[list[Threshold], Field(min_length=1)] | None = Field(
-        None, description="threshold on the router's score (one per boundary between models, ascending; "
-                          "|threshold| <= 1e38)")
+    thresholds: Thresholds | None = Field(
+        None, validation_alias=AliasChoices("thresholds", "backoff_threshold"),
+        description="thresholds on the router's score: a number, or a list with one per boundary between models, "
+                    "ascending; |threshold| <= 1e38 (backoff_threshold, its deprecated spelling, is still accepted)")
     target_backoff: Float | None = Field(
         None, ge=0.0, le=1.0, description="ask for a backoff rate; a controller moves the threshold")
     logprobs: Int | None = Field(
@@ -124,9 +148,10 @@ class GenerateParams(_NullIsDefault):
         description="report each token's log-probability under its source model's raw distribution (log_softmax "
                     "at temperature 1) with this many top alternatives (0..20); None: no log-probabilities")
 
-    def thresholds(self) -> list[float] | None:
-        t = self.backoff_threshold
-        return None if t is None else ([t] if isinstance(t, (int, float)) else list(t))
+    @model_validator(mode="before")
+    @classmethod
+    def _one_thresholds_spelling(cls, data):
+        return refuse_both_spellings(data, "thresholds", "backoff_threshold")
 
 
 def merge_params(params: GenerateParams | None, fields: dict) -> GenerateParams:

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from backoff_core.types import KVSpec
-from clients.wire.types import Threshold
+from clients.wire.types import Threshold, refuse_both_spellings
 
 
 class _Config(BaseModel):
@@ -75,9 +75,11 @@ class RoutingConfig(_Config):
     """The live knob (SmallRouter user_config). A request's own fields override it."""
 
     router: str = Field("entropy", description="decision function used when a request names none")
-    threshold: list[Threshold] | None = Field(
-        None, description="thresholds, one per boundary between models, ascending, each in [-1e38, 1e38] "
-                          "(the same range as a request's backoff_threshold); none = the router's default")
+    thresholds: list[Threshold] | None = Field(
+        None, validation_alias=AliasChoices("thresholds", "threshold"),
+        description="thresholds, one per boundary between models, ascending, each in [-1e38, 1e38] (the same "
+                    "range as a request's thresholds); none = the router's default. `threshold`, the deprecated "
+                    "spelling, is still accepted (not both)")
     target_backoff: float | None = Field(
         None, ge=0.0, le=1.0, description="ask for this backoff rate instead of a fixed threshold")
     rate: float | None = Field(None, ge=0.0, le=1.0, description="backoff rate of the random router")
@@ -91,6 +93,11 @@ class RoutingConfig(_Config):
         None, description="chaos / testing knob: a request with this seed fails inside the step loop (its M_S "
                           "forwards raise from its third step on), beside the requests it shares steps with "
                           "(deployments/serving/chaos.py); none in production")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_thresholds_spelling(cls, data):
+        return refuse_both_spellings(data, "thresholds", "threshold")
 
 
 class CatchUpConfig(_Config):

@@ -71,7 +71,7 @@ def routing_info(args: AppArgs, model: str, policy: RoutingConfig) -> RoutingInf
     if args.models.classifier:
         routers.append(RouterChoice(name="classifier", thresholds=True, slider=(0.0, 1.0), defaults=[0.5] * (n - 1)))
     live = next((c for c in routers if c.name == policy.router), None)
-    thresholds = list(policy.threshold) if policy.threshold is not None else (live.defaults if live else [])
+    thresholds = list(policy.thresholds) if policy.thresholds is not None else (live.defaults if live else [])
     return RoutingInfo(model=model, levels=level_names(n), routers=routers, router=policy.router,
                        thresholds=thresholds, target_backoff=policy.target_backoff)
 

@@ -59,7 +59,7 @@ def serve_request(
         ignore_eos=params.ignore_eos,
         logprobs=params.logprobs,
     )
-    thresholds = params.thresholds()
+    thresholds = params.thresholds
     overrides = RoutingOverrides(
         router=params.router,
         thresholds=tuple(float(t) for t in thresholds) if thresholds is not None else None,
@@ -81,8 +81,8 @@ def routing_params(overrides: RoutingOverrides, policy: RoutingConfig) -> Routin
     router = overrides.router or policy.router
     own_router = router == policy.router
     thresholds = overrides.thresholds
-    if thresholds is None and own_router and policy.threshold is not None:
-        thresholds = tuple(policy.threshold)
+    if thresholds is None and own_router and policy.thresholds is not None:
+        thresholds = tuple(policy.thresholds)
     target = overrides.target_backoff
     if target is None and own_router and overrides.thresholds is None:
         target = policy.target_backoff

@@ -139,7 +139,7 @@ class Panel {
     const fields = { router: this.q("router").value };
     if (!this.router().thresholds) return fields;
     if (this.q("control").value === "target") fields.target_backoff = +this.q("target").value;
-    else fields.backoff_threshold = [...this.el.querySelectorAll("input.threshold")].map((i) => +i.value);
+    else fields.thresholds = [...this.el.querySelectorAll("input.threshold")].map((i) => +i.value);
     return fields;
   }
 

@@ -32,7 +32,7 @@ def test_sync_and_async_clients_send_the_same_body_and_retry_alike(monkeypatch):
         slept.append(seconds)
 
     monkeypatch.setattr("clients.http_client.asyncio.sleep", record)
-    fields = dict(max_tokens=3, backoff_threshold=[0.5], logprobs=2)
+    fields = dict(max_tokens=3, thresholds=[0.5], logprobs=2)
     policy = Retry(attempts=1, jitter=0.0)
     with BackoffHTTPClient(http=httpx.Client(transport=httpx.MockTransport(_refuse_once(sent_sync)),
                                              base_url="http://x"), model="m", retry=policy) as client:
@@ -45,5 +45,5 @@ def test_sync_and_async_clients_send_the_same_body_and_retry_alike(monkeypatch):
 
     assert asyncio.run(run()) == out and out.text == "a"
     assert sent_sync == sent_async and len(sent_sync) == 2 and slept == [0.0, 0.0]
-    assert sent_sync[0] == {"max_tokens": 3, "backoff_threshold": [0.5], "logprobs": True, "top_logprobs": 2,
+    assert sent_sync[0] == {"max_tokens": 3, "thresholds": [0.5], "logprobs": True, "top_logprobs": 2,
                             "messages": [{"role": "user", "content": "hi"}], "model": "m"}

@@ -536,7 +536,7 @@ def test_config_deploy_changes_the_threshold_live(served):
     path.write_text(yaml.safe_dump(edited))
     assert serve_cli.main(["--config", str(path), "--non-blocking"]) == 0
     deadline = time.monotonic() + 60
-    while _router_info().policy.threshold != [50.0]:
+    while _router_info().policy.thresholds != [50.0]:
         assert time.monotonic() < deadline, "reconfigure did not arrive"
         time.sleep(0.2)
     serve_cli.wait_until_running("backoff")

@@ -85,7 +85,7 @@ def served(tmp_path_factory):
     args["access"].update(api_keys=[KEY], api_keys_env=KEY_ENV_VAR)
     args["limits"].update(LIMITS)
     # no threshold in the config: the router's default, which the threshold gauge shows from the start
-    {d["name"]: d for d in config["applications"][0]["deployments"]}["SmallRouter"]["user_config"]["threshold"] = None
+    {d["name"]: d for d in config["applications"][0]["deployments"]}["SmallRouter"]["user_config"]["thresholds"] = None
     path = root / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     os.environ[KEY_ENV_VAR] = f" {ENV_KEY} ,"  # the Ray workers started below inherit it
@@ -218,6 +218,8 @@ CHAT = "/v1/chat/completions"
     ({"prompt": W, "backoff_threshold": [2.0, 1.0]}, "/v1/completions", 400, None, "ascending"),
     ({"prompt": W, "backoff_threshold": [1.0, 2.0]}, "/v1/completions", 400, None, "2 models need 1"),
     ({"prompt": W, "backoff_threshold": []}, "/v1/completions", 400, "backoff_threshold", ""),
+    ({"prompt": W, "thresholds": [1.0, 2.0]}, "/v1/completions", 400, None, "2 models need 1"),
+    ({"prompt": W, "thresholds": [0.5], "backoff_threshold": [0.5]}, "/v1/completions", 400, None, "not both"),
     ({"prompt": W, "target_backoff": 1.5}, "/v1/completions", 400, "target_backoff", ""),
     # unknown model
     ({"prompt": W, "model": "gpt-9"}, "/v1/completions", 404, "model", "not served"),
@@ -299,6 +301,9 @@ def _raw_grpc(served, method: str, data: bytes, key: str | None = KEY, stream: b
      "[0.0, 1.0]"),
     (pb.GenerateRequest(prompt="w3", backoff_threshold=[math.inf]), grpc.StatusCode.INVALID_ARGUMENT, "finite"),
     (pb.GenerateRequest(prompt="w3", backoff_threshold=[1, 2]), grpc.StatusCode.INVALID_ARGUMENT, "2 models need 1"),
+    (pb.GenerateRequest(prompt="w3", thresholds=[1, 2]), grpc.StatusCode.INVALID_ARGUMENT, "2 models need 1"),
+    (pb.GenerateRequest(prompt="w3", thresholds=[0.5], backoff_threshold=[0.5]), grpc.StatusCode.INVALID_ARGUMENT,
+     "not both"),
     (pb.GenerateRequest(messages=[pb.ChatMessage(role="bot", content="w3")]), grpc.StatusCode.INVALID_ARGUMENT,
      "role"),
     (pb.GenerateRequest(prompt="w3", model="gpt-9"), grpc.StatusCode.NOT_FOUND, "not served"),
@@ -695,7 +700,7 @@ def test_serve_cli_status_and_deploy_change_the_live_threshold(served, tmp_path)
     env.update(re.findall(r"export (\w+)=(\S+)", served.hints))
     cli_ = str(Path(sys.executable).with_name("serve"))
     edited = yaml.safe_load(served.config_path.read_text())
-    {d["name"]: d for d in edited["applications"][0]["deployments"]}["SmallRouter"]["user_config"]["threshold"] = [0.25]
+    {d["name"]: d for d in edited["applications"][0]["deployments"]}["SmallRouter"]["user_config"]["thresholds"] = [0.25]
     path = tmp_path / "edited.yaml"
     path.write_text(yaml.safe_dump(edited))
     deploy = subprocess.run([cli_, "deploy", str(path), "--address", served.dashboard], env=env, capture_output=True,
@@ -705,7 +710,7 @@ def test_serve_cli_status_and_deploy_change_the_live_threshold(served, tmp_path)
                             timeout=120)
     assert status.returncode == 0 and "backoff" in status.stdout, status.stderr[-2000:]
     _eventually(lambda: serve.get_deployment_handle("SmallRouter", "backoff").info.remote().result(
-        timeout_s=30).policy.threshold == [0.25], "the deploy did not reach the SmallRouter")
+        timeout_s=30).policy.thresholds == [0.25], "the deploy did not reach the SmallRouter")
     reply = _post(served, {"prompt": W, "max_tokens": 2})
     assert reply.status_code == 200 and reply.json()["choices"][0]["backoff"]["thresholds"] == [0.25], reply.text
     _eventually(lambda: _gauge(metrics_url) == {"0": 0.25}, f"the gauge did not follow: {_gauge(metrics_url)}")

@@ -271,7 +271,7 @@ def test_32_streams_through_a_live_threshold_change(served):
         path.write_text(yaml.safe_dump(edited))
         deployed = time.monotonic()
         assert serve_cli.main(["--config", str(path), "--non-blocking"]) == 0
-        applied = _wait_for(lambda: _info("SmallRouter").policy.threshold == [ALL_SMALL], "reconfigure did not arrive")
+        applied = _wait_for(lambda: _info("SmallRouter").policy.thresholds == [ALL_SMALL], "reconfigure did not arrive")
         _wait_for(lambda: sum(r.start > applied for r in records) >= 2 * STREAMS, "no requests after the deploy")
     finally:
         stop.set()

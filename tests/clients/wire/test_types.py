@@ -59,7 +59,7 @@ def test_clients_import_neither_ray_nor_torch():
 )
 def test_params_survive_the_protobuf_round_trip(max_tokens, temperature, top_p, seed, thresholds, router, target):
     params = GenerateParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                            backoff_threshold=thresholds, router=router, target_backoff=target, stop=["\n"])
+                            thresholds=thresholds, router=router, target_backoff=target, stop=["\n"])
     back = params_from_pb(request_to_pb(params, prompt="hi"))
     assert back.model_dump() == params.model_dump()
 
@@ -78,7 +78,7 @@ def test_prompt_forms_are_exclusive():
 
 def test_openai_request_validation():
     assert CompletionRequest(prompt="x", stop="\n").stop == ["\n"]
-    assert CompletionRequest(prompt="x", backoff_threshold=0.5).thresholds() == [0.5]
+    assert CompletionRequest(prompt="x", thresholds=0.5).thresholds == [0.5]
     assert CompletionRequest(prompt="x", user="someone", logit_bias={}).prompt == "x"  # ignored extras
     for bad in ({"n": 2}, {"max_tokens": 0}, {"top_p": 0}, {"target_backoff": 1.5}, {"presence_penalty": 1}):
         with pytest.raises(ValueError):
@@ -99,6 +99,7 @@ def _param(body: dict) -> str:
     ("top_k", [-1, 2**32, 2**70, 1.0, True], [0, 2**32 - 1]),
     ("max_tokens", [0, -5, 1.5, "3", False], [1, 2**70]),  # the configured cap refuses 2**70 in the Ingress
     ("seed", [2**63, -(2**63) - 1, 1.0], [2**63 - 1, -(2**63)]),
+    ("thresholds", [1.0000001e38, -1e39, 1e308, [0.5, 1e300], [], "high", True], [1e38, -1e38, -0.0, [0.1, 0.2]]),
     ("backoff_threshold", [1.0000001e38, -1e39, 1e308, [0.5, 1e300], [], "high"], [1e38, -1e38, -0.0, [0.1, 0.2]]),
     ("target_backoff", [-1e-9, 1.0000001, 1e308], [0, 1, -0.0]),
     ("n", [2, 0, 1.0, True], [1]),
@@ -114,7 +115,7 @@ def test_every_numeric_field_has_a_range_and_refusals_name_it(field, bad, good):
 
 def test_an_explicit_null_is_the_default():
     optional = ["max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "router",
-                "backoff_threshold", "target_backoff", "model", "stream", "stream_options", "n", "presence_penalty",
+                "thresholds", "backoff_threshold", "target_backoff", "model", "stream", "stream_options", "n", "presence_penalty",
                 "frequency_penalty", "user"]
     body = CompletionRequest.model_validate_json(json.dumps({"prompt": "x", **dict.fromkeys(optional)}))
     assert body == CompletionRequest(prompt="x")
@@ -188,7 +189,7 @@ def _handler(request: httpx.Request) -> httpx.Response:
         chunks.append({"id": "c", "choices": [{"text": "", "finish_reason": "length"}], "usage": USAGE})
         text = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
         return httpx.Response(200, text=text, headers={"content-type": "text/event-stream"})
-    assert body["max_tokens"] == 2 and body["backoff_threshold"] in (0.5, [0.5])
+    assert body["max_tokens"] == 2 and body["thresholds"] == [0.5] and "backoff_threshold" not in body
     choice = {"text": "a b", "finish_reason": "length", "backoff": {"token_ids": [5, 6], "sources": [0, 1]}}
     return httpx.Response(200, json={"id": "c", "choices": [choice], "usage": USAGE})
 
@@ -196,7 +197,7 @@ def _handler(request: httpx.Request) -> httpx.Response:
 def test_http_client_parses_bodies_and_streams():
     http = httpx.Client(transport=httpx.MockTransport(_handler), base_url="http://x")
     with BackoffHTTPClient(http=http) as client:
-        out = client.complete("hi", max_tokens=2, backoff_threshold=[0.5])
+        out = client.complete("hi", max_tokens=2, thresholds=[0.5])
         assert (out.text, out.sources, out.usage.backoff_rate) == ("a b", [0, 1], 0.5)
         deltas = list(client.stream("hi", max_tokens=2))
         assert [d.text for d in deltas] == ["a", " b", ""]
@@ -213,7 +214,7 @@ def test_async_http_client_has_the_same_methods():
     async def run():
         http = httpx.AsyncClient(transport=httpx.MockTransport(_handler), base_url="http://x")
         async with AsyncBackoffHTTPClient(http=http) as client:
-            out = await client.complete("hi", max_tokens=2, backoff_threshold=0.5)
+            out = await client.complete("hi", max_tokens=2, backoff_threshold=0.5)  # the old spelling, sent new
             deltas = [d async for d in client.stream("hi")]
             return out, deltas, await client.models()
 
@@ -308,6 +309,32 @@ def test_cli_flags_become_the_request_params():
                                  "--seed", "3", "--stop", "a", "--stop", "b", "--ignore-eos", "--router", "entropy",
                                  "--threshold", "1.5,4", "--target-backoff", "0.8"])
     assert _params(args) == GenerateParams(max_tokens=7, temperature=0.0, top_k=5, seed=3, stop=["a", "b"],
-                                           ignore_eos=True, router="entropy", backoff_threshold=[1.5, 4.0],
+                                           ignore_eos=True, router="entropy", thresholds=[1.5, 4.0],
                                            target_backoff=0.8)
     assert _params(_parser().parse_args(["generate", "x"])) == GenerateParams()
+    assert _params(_parser().parse_args(["generate", "x", "--thresholds", "2"])).thresholds == [2.0]
+
+
+# -- thresholds: the one name on the wire; backoff_threshold (JSON) and field 11 (protobuf) still read --
+
+@pytest.mark.parametrize("model", [CompletionRequest, ChatCompletionRequest])
+def test_http_bodies_take_thresholds_or_the_old_backoff_threshold(model):
+    base = {"prompt": "x"} if model is CompletionRequest else {"messages": [{"role": "user", "content": "x"}]}
+    for spelling in ("thresholds", "backoff_threshold"):
+        for value, expected in ((0.5, [0.5]), ([1.0, 2.0], [1.0, 2.0])):
+            body = model.model_validate_json(json.dumps({**base, spelling: value}))
+            assert body.generate_params().thresholds == expected, (spelling, value)
+    with_null = model.model_validate_json(json.dumps({**base, "thresholds": [1.0], "backoff_threshold": None}))
+    assert with_null.thresholds == [1.0]
+    with pytest.raises(ValidationError, match="not both"):  # the ingress answers 400
+        model.model_validate_json(json.dumps({**base, "thresholds": [1.0], "backoff_threshold": [1.0]}))
+
+
+def test_protobuf_takes_thresholds_or_the_deprecated_field_11():
+    assert request_to_pb(GenerateParams(backoff_threshold=0.5), prompt="x").thresholds == [0.5]
+    assert not request_to_pb(GenerateParams(thresholds=[0.5]), prompt="x").backoff_threshold  # 11 is not sent
+    old, new = pb.GenerateRequest(backoff_threshold=[1.0, 2.0]), pb.GenerateRequest(thresholds=[1.0, 2.0])
+    assert params_from_pb(old).thresholds == params_from_pb(new).thresholds == [1.0, 2.0]
+    with pytest.raises(ValidationError, match="not both"):  # the gRPC service answers INVALID_ARGUMENT
+        params_from_pb(pb.GenerateRequest(thresholds=[1.0], backoff_threshold=[1.0]))
+    assert pb.GenerateRequest.DESCRIPTOR.fields_by_name["backoff_threshold"].GetOptions().deprecated

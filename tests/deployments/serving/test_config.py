@@ -50,12 +50,12 @@ def test_cli_overrides_land_in_args_and_user_config():
     app = out["applications"][0]
     assert app["args"]["models"]["medium"] == ["m"] and out["http_options"]["port"] == 8123
     users = {d["name"]: d["user_config"] for d in app["deployments"]}
-    assert users["SmallRouter"]["router"] == "max-prob" and users["SmallRouter"]["threshold"] is None
+    assert users["SmallRouter"]["router"] == "max-prob" and users["SmallRouter"]["thresholds"] is None
     assert users["LargeModel"]["batching"] is False
     assert base["applications"][0]["args"]["models"]["small"] is None  # a copy was changed
     out = apply_overrides(base, _parser().parse_args(["--threshold", "1.5,2.5"]))
     assert {d["name"]: d for d in out["applications"][0]["deployments"]}["SmallRouter"]["user_config"][
-        "threshold"] == [1.5, 2.5]
+        "thresholds"] == [1.5, 2.5]
 
 
 def test_static_kv_settings_reach_the_models_config():
@@ -81,10 +81,10 @@ def test_models_config_refuses_half_a_pair():
 @pytest.mark.parametrize(
     "overrides, policy, expected",
     [
-        (RoutingOverrides(), RoutingConfig(router="entropy", threshold=[2.0]), ("entropy", (2.0,), None)),
-        (RoutingOverrides(thresholds=(3.0,)), RoutingConfig(router="entropy", threshold=[2.0]), ("entropy", (3.0,), None)),
+        (RoutingOverrides(), RoutingConfig(router="entropy", thresholds=[2.0]), ("entropy", (2.0,), None)),
+        (RoutingOverrides(thresholds=(3.0,)), RoutingConfig(router="entropy", thresholds=[2.0]), ("entropy", (3.0,), None)),
         # another router: the config's threshold belongs to the config's router
-        (RoutingOverrides(router="max-prob"), RoutingConfig(router="entropy", threshold=[2.0]), ("max-prob", None, None)),
+        (RoutingOverrides(router="max-prob"), RoutingConfig(router="entropy", thresholds=[2.0]), ("max-prob", None, None)),
         (RoutingOverrides(), RoutingConfig(router="entropy", target_backoff=0.7), ("entropy", None, 0.7)),
         # a request's own threshold switches the config's target rate off
         (RoutingOverrides(thresholds=(1.0,)), RoutingConfig(target_backoff=0.7), ("entropy", (1.0,), None)),
@@ -97,7 +97,7 @@ def test_request_fields_override_the_live_config(overrides, policy, expected):
 
 
 def test_edge_params_become_core_records():
-    req = serve_request("id", GenerateParams(max_tokens=5, temperature=0, stop=["x"], backoff_threshold=[1, 2]),
+    req = serve_request("id", GenerateParams(max_tokens=5, temperature=0, stop=["x"], thresholds=[1, 2]),
                         messages=[ChatMessage(role="user", content="hi")])
     assert req.messages == (("user", "hi"),) and req.sampling.max_tokens == 5 and req.sampling.greedy
     assert req.overrides.thresholds == (1.0, 2.0) and req.sampling.stop == ("x",)
@@ -176,3 +176,25 @@ def test_cluster_yaml_is_a_valid_launcher_config_with_small_and_large_gpu_nodes(
     assert types["small_gpu"]["resources"]["small_gpu"] == 1 and types["large_gpu"]["resources"]["large_gpu"] == 1
     served = yaml.safe_load(DEFAULT_CONFIG.read_text())["applications"][0]["args"]
     assert (served["small"]["custom_resource"], served["large"]["custom_resource"]) == ("small_gpu", "large_gpu")
+
+
+def test_routing_config_takes_thresholds_or_its_old_spelling_threshold():
+    """`thresholds` is the name; a user_config written with `threshold` still applies, and
+    `backoff serve --threshold` replaces either spelling. Both at once is refused, not guessed."""
+    assert RoutingConfig.model_validate({"threshold": [1.0, 2.0]}).thresholds == [1.0, 2.0]
+    assert RoutingConfig.model_validate({"thresholds": [1.0, 2.0]}).thresholds == [1.0, 2.0]
+    assert RoutingConfig.model_validate({"threshold": None, "thresholds": [3.0]}).thresholds == [3.0]
+    with pytest.raises(ValidationError, match="not both"):
+        RoutingConfig.model_validate({"threshold": [1.0], "thresholds": [1.0]})
+    with pytest.raises(ValidationError, match="1e38"):
+        RoutingConfig.model_validate({"threshold": [1e39]})  # the old spelling keeps the range
+    assert "threshold" not in RoutingConfig().model_dump()  # dumped (and redeployed) as thresholds
+    base = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    _routing(base)["threshold"] = _routing(base).pop("thresholds")  # a config written before the rename
+    out = _routing(apply_overrides(base, _parser().parse_args(["--threshold", "2.5"])))
+    assert "threshold" not in out and RoutingConfig.model_validate(out).thresholds == [2.5]
+
+
+def _routing(config: dict) -> dict:
+    """The SmallModel's user_config (the one deployment with a router)."""
+    return next(d["user_config"] for d in config["applications"][0]["deployments"] if "router" in d["user_config"])

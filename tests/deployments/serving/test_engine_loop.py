@@ -273,7 +273,7 @@ def test_engine_loop_streams_batches_and_reads_the_policy_per_step(pair, tokeniz
     admitted_policies = []
 
     def admit(req, policy):
-        admitted_policies.append(policy.threshold)
+        admitted_policies.append(policy.thresholds)
         return generation_request(req, list(req.prompt_ids), policy)
 
     loop = EngineLoop(engine, admit, RoutingConfig(router="entropy", threshold=[0.3]))
