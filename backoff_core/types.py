@@ -228,7 +228,7 @@ class GenerationResult:
     rollbacks: int  # tokens discarded by verification, in all
     timings: Timings
     kl_at_catch_up: tuple[float, ...] = ()  # true KL(M_L||M_S) at pending positions (telemetry)
-    final_thresholds: tuple[float, ...] = ()
+    thresholds: tuple[float, ...] = ()
     # a larger model failed to answer: every token from then on is the small model's
     degraded: bool = False
     degraded_reason: str = ""

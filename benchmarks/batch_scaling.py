@@ -50,7 +50,7 @@ def throughput(engine, prompt_ids, n, tokens, routing, repeats) -> float:
             engine.step()
         _sync()
         seconds = time.perf_counter() - start
-        done = sum(len(engine.finish(rid).token_ids) for rid in rids)
+        done = sum(len(engine.finish(request_id).token_ids) for request_id in rids)
         rates.append(done / seconds)
     return statistics.median(rates)
 

@@ -26,7 +26,7 @@ from tqdm import tqdm
 from backoff_core.engine.engine import BackoffEngine
 from backoff_core.models.loading import LoadSpec, load_chain
 from backoff_core.models.prompts import encode_prompt
-from backoff_core.routing.head import HeadMeta, RouterHead
+from backoff_core.routing.head import HeadMeta, ClassifierHead
 from backoff_core.routing.routers import Classifier, StepContext, build_router
 from backoff_core.runners.dynamic import timed
 from backoff_core.types import GenerationRequest, KVSpec, RoutingParams, SamplingParams, Verification
@@ -45,15 +45,15 @@ def measure_primitives(engine, prompt_ids, repeats, max_k=20):
 
     def step_cost(runner, k):
         # one session holding the prompt; each probe extends by k tokens and crops back
-        sid = f"probe-{k}"
-        runner.open(sid)
-        runner.extend([(sid, prompt_ids)], last_only=True)
+        request_id = f"probe-{k}"
+        runner.open(request_id)
+        runner.extend([(request_id, prompt_ids)], last_only=True)
         times = []
         for _ in range(repeats):  # as the engine's catch-up asks: the logits after the last id
-            _, seconds = timed(runner.extend, [(sid, (prompt_ids * (k // len(prompt_ids) + 1))[:k])], last_only=True)
-            runner.crop(sid, len(prompt_ids))
+            _, seconds = timed(runner.extend, [(request_id, (prompt_ids * (k // len(prompt_ids) + 1))[:k])], last_only=True)
+            runner.crop(request_id, len(prompt_ids))
             times.append(seconds)
-        runner.close(sid)
+        runner.close(request_id)
         return statistics.median(times)
 
     c_s = statistics.median(step_cost(small, 1) for _ in range(3))
@@ -66,7 +66,7 @@ def measure_router_costs(chain, repeats=200):
     vocab, d = chain.models[0].config.vocab_size, chain.models[0].config.hidden_size
     ctx = StepContext(torch.randn(1, vocab), torch.randn(1, d), None, torch.zeros(1), torch.rand(1))
     out = {}
-    head = RouterHead(HeadMeta(hidden_size=d, layer=-1, inner_size=1024))
+    head = ClassifierHead(HeadMeta(hidden_size=d, layer=-1, inner_size=1024))
     for name, router in (("entropy", build_router("entropy")), ("random", build_router("random", rate=0.5)),
                          ("classifier", Classifier(head))):
         times = [timed(router.scores, ctx)[1] for _ in range(repeats)]

@@ -122,16 +122,16 @@ def run_in_process(engine: BackoffEngine, requests: list[GenerationRequest]) -> 
     before = large.forward_passes
     start = time.perf_counter()
     rids = [engine.submit(r) for r in requests]
-    last = {rid: start for rid in rids}
+    last = {request_id: start for request_id in rids}
     ttfts, gaps = [], []
     while engine.has_work():
         events = engine.step()
         now = time.perf_counter()
-        for rid, _ in events.items():
-            (gaps if last[rid] != start else ttfts).append(now - last[rid])
-            last[rid] = now
+        for request_id, _ in events.items():
+            (gaps if last[request_id] != start else ttfts).append(now - last[request_id])
+            last[request_id] = now
     seconds = time.perf_counter() - start
-    results = [engine.finish(rid) for rid in rids]
+    results = [engine.finish(request_id) for request_id in rids]
     tokens = sum(len(r.token_ids) for r in results)
     large_tokens = sum(r.tokens_by_source()[-1] for r in results)
     return _stats("in-process", len(requests), ttfts, gaps, tokens, large_tokens,

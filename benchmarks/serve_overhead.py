@@ -3,8 +3,8 @@
     python benchmarks/serve_overhead.py                      # 2 and 5 ms; 1, 4, 16, 64 streams
     python benchmarks/serve_overhead.py --steps-ms 2 --streams 1 16 --repeats 3
 
-The real deployments (proxy, Ingress, SmallRouter with its step-loop thread, LargeModel) and
-the real clients (HTTP/SSE and gRPC, clients/), with the SmallRouter's engine replaced by
+The real deployments (proxy, Ingress, SmallModel with its step-loop thread, LargeModel) and
+the real clients (HTTP/SSE and gRPC, clients/), with the SmallModel's engine replaced by
 benchmarks/standin.py (`engine_factory`): a step sleeps its step time and commits one token
 per stream, no model runs. In-process = the same stand-in stepped in this process. Per
 (step time, streams, transport): served / in-process tokens/s (the in-process run just
@@ -66,10 +66,10 @@ def run_in_process(step_ms: float, streams: int, tokens: int) -> Run:
     while engine.has_work():
         events = engine.step()
         now = time.perf_counter()
-        for rid in events:
-            first.setdefault(rid, now - start)
+        for request_id in events:
+            first.setdefault(request_id, now - start)
     seconds = time.perf_counter() - start
-    n = sum(len(engine.finish(rid).token_ids) for rid in rids)
+    n = sum(len(engine.finish(request_id).token_ids) for request_id in rids)
     return Run(step_ms, streams, "in-process", n, seconds, n / seconds, statistics.median(first.values()), {})
 
 
@@ -101,7 +101,7 @@ async def _served(transport: str, target: str, app: str, streams: int, tokens: i
 
 def request_floor_ms(transport: str, target: str, app: str, calls: int = 10) -> float:
     """Median latency of a request that does no work (list the models: proxy and Ingress, no
-    SmallRouter): what Serve's request path costs before any token, the floor under TTFT."""
+    SmallModel): what Serve's request path costs before any token, the floor under TTFT."""
     async def main() -> float:
         client = (AsyncBackoffHTTPClient(f"{target}/{app}") if transport == "http"
                   else AsyncBackoffGrpcClient(target, application=app))

@@ -7,7 +7,7 @@
 streaming / unary), with random lengths; a share of the streams is dropped after a few
 tokens (a disconnect: the server must free their sessions). Every `--sample-s` it records
 the RSS of every replica process (psutil, pids from the deployments' info()), the sessions
-held by the LargeModel replica, the SmallRouter's live and admitted requests, and the
+held by the LargeModel replica, the SmallModel's live and admitted requests, and the
 requests ok / failed / cancelled / refused (503). After the load it waits for the app to
 drain (no live request, no session left).
 
@@ -49,7 +49,7 @@ class Sample:
     t_s: float  # since the load started
     rss_mb: dict[str, float]  # replica process -> resident memory
     sessions: int  # held by the LargeModel replica
-    live: int  # requests in the SmallRouter's step loop
+    live: int  # requests in the SmallModel's step loop
     admitted: int  # slots of its admission gate held
     outcomes: dict[str, int]  # cumulative: ok, failed, cancelled, overloaded
     tokens: int  # cumulative generated tokens (finished requests)
@@ -67,13 +67,13 @@ class Tally:
 def soak_config(small: str | None, large: str | None, http_port: int, grpc_port: int, threads: int,
                 routing: dict | None = None) -> dict:
     """The packaged config, one replica each, on loopback (the default pair when small is None);
-    `routing` replaces the SmallRouter's user_config."""
+    `routing` replaces the SmallModel's user_config."""
     from deployments import serve_cli
 
     config = serve_cli.loopback_config(small, large, http_port, grpc_port, threads=threads)
     if routing is not None:
         app = config["applications"][0]
-        {d["name"]: d for d in app["deployments"]}["SmallRouter"]["user_config"] = routing
+        {d["name"]: d for d in app["deployments"]}["SmallModel"]["user_config"] = routing
     return config
 
 
@@ -133,7 +133,7 @@ async def replica_pids() -> dict[str, int]:
     from ray import serve
 
     pids = {}
-    for name in ("Ingress", "SmallRouter", "LargeModel"):
+    for name in ("Ingress", "SmallModel", "LargeModel"):
         info = await serve.get_deployment_handle(name, "backoff").info.remote()
         pids[name] = info.pid
     return pids
@@ -142,7 +142,7 @@ async def replica_pids() -> dict[str, int]:
 async def sample(t0: float, pids: dict[str, int], tally: Tally) -> Sample:
     from ray import serve
 
-    router = await serve.get_deployment_handle("SmallRouter", "backoff").info.remote()
+    router = await serve.get_deployment_handle("SmallModel", "backoff").info.remote()
     large = await serve.get_deployment_handle("LargeModel", "backoff").info.remote()
     rss = {name: psutil.Process(pid).memory_info().rss / 2**20 for name, pid in pids.items()}
     return Sample(time.monotonic() - t0, rss, len(large.sessions), router.live, router.admitted,
@@ -259,7 +259,7 @@ def plot(samples: list[Sample], warmup_s: float, path: Path) -> None:
         a.plot(minutes, [s.rss_mb[name] for s in samples], label=name)
     a.set_ylabel("RSS (MB)")
     b.plot(minutes, [s.sessions for s in samples], label="LargeModel sessions")
-    b.plot(minutes, [s.live for s in samples], label="SmallRouter live requests")
+    b.plot(minutes, [s.live for s in samples], label="SmallModel live requests")
     for kind in ("ok", "failed", "cancelled", "overloaded"):
         c.plot(minutes, [s.outcomes.get(kind, 0) for s in samples], label=kind)
     c.set_ylabel("requests (cumulative)")

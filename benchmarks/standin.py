@@ -7,7 +7,7 @@ and the replica's event loop shares this process) and commits one token per live
 A token is a pure function of (seed, index): its id, its source (about half from each
 level) and its text, so a served stream can be checked against `expected_stream`.
 
-The SmallRouter builds it through `AppArgs.engine_factory` (benchmark-only: the product
+The SmallModel builds it through `AppArgs.engine_factory` (benchmark-only: the product
 path imports nothing from here), e.g. `engine_factory: benchmarks.standin:engine_2ms`.
 """
 
@@ -37,7 +37,7 @@ def expected_stream(seed: int, max_tokens: int, num_levels: int = 2) -> list[tup
 
 @dataclass
 class _Live:
-    rid: str
+    request_id: str
     request: GenerationRequest
     started: float
     tokens: list[int] = field(default_factory=list)
@@ -61,9 +61,9 @@ class StandInEngine:
         self.steps = 0
 
     def submit(self, request: GenerationRequest) -> str:
-        rid = request.request_id or f"standin-{next(self._ids)}"
-        self._live[rid] = _Live(rid, request, time.perf_counter())
-        return rid
+        request_id = request.request_id or f"standin-{next(self._ids)}"
+        self._live[request_id] = _Live(request_id, request, time.perf_counter())
+        return request_id
 
     def has_work(self) -> bool:
         return any(not r.done for r in self._live.values())
@@ -72,10 +72,10 @@ class StandInEngine:
         return list(self._live)
 
     def finished_ids(self) -> list[str]:
-        return [rid for rid, r in self._live.items() if r.done]
+        return [request_id for request_id, r in self._live.items() if r.done]
 
-    def cancel(self, rid: str) -> None:
-        self._live.pop(rid, None)
+    def cancel(self, request_id: str) -> None:
+        self._live.pop(request_id, None)
 
     def step(self) -> dict[str, TokenEvent]:
         start = time.perf_counter()
@@ -88,22 +88,22 @@ class StandInEngine:
             r.tokens.append(token)
             r.sources.append(source)
             r.texts.append(text)
-            events[r.rid] = TokenEvent(token, source, text, index)
+            events[r.request_id] = TokenEvent(token, source, text, index)
         self.steps += 1
         left = self.step_s - (time.perf_counter() - start)
         if left > 0:
             time.sleep(left)
         now = time.perf_counter()
         for r in self._live.values():
-            if len(r.tokens) == 1 and r.rid in events:
+            if len(r.tokens) == 1 and r.request_id in events:
                 r.first_token_s = now - r.started
         return events
 
-    def finish(self, rid: str) -> GenerationResult:
-        r = self._live.pop(rid)
+    def finish(self, request_id: str) -> GenerationResult:
+        r = self._live.pop(request_id)
         total = time.perf_counter() - r.started
         return GenerationResult(
-            request_id=rid, text="".join(r.texts), token_ids=tuple(r.tokens), sources=tuple(r.sources),
+            request_id=request_id, text="".join(r.texts), token_ids=tuple(r.tokens), sources=tuple(r.sources),
             num_levels=self.num_levels, finish_reason=FinishReason.LENGTH, prompt_tokens=len(r.request.prompt_ids),
             catch_ups=(), rollbacks=0, timings=Timings(0.0, (), (), r.first_token_s, total))
 

@@ -52,8 +52,8 @@ def ms_per_step(engine, n, tokens, routing, repeats) -> float:
             engine.step()
             steps += 1
         times.append((time.perf_counter() - start) / steps)
-        for rid in rids:
-            engine.finish(rid)
+        for request_id in rids:
+            engine.finish(request_id)
     return statistics.median(times) * 1e3
 
 

@@ -7,7 +7,7 @@ their registration has reached it (a push every 0.1 s, then a broadcast) and oth
 falls back to any replica -- too late for a session whose next catch-up follows within
 milliseconds. This router is deterministic instead:
   1. a replica that registered the key, if any;
-  2. else rendezvous hashing of the key over the live replicas: every SmallRouter picks
+  2. else rendezvous hashing of the key over the live replicas: every SmallModel picks
      the same replica without waiting, and losing a replica moves only its own sessions.
 A full replica is waited for (backoff), never swapped: swapping would lose the session.
 Calls without a key (stats, info) go to the least loaded replica.
@@ -27,7 +27,7 @@ def rendezvous(key: str, replicas: list[RunningReplica]) -> RunningReplica:
                                                        digest_size=8).digest())
 
 
-class SessionAffinityRouter(RequestRouter):
+class SessionAffinity(RequestRouter):
     async def choose_replicas(
         self,
         candidate_replicas: list[RunningReplica],

@@ -1,6 +1,6 @@
 """The application builder: `import_path: deployments.app:build_app` in a Serve config.
 
-Binds Ingress -> SmallRouter -> one LargeModel-like deployment per larger level (a chain of
+Binds Ingress -> SmallModel -> one LargeModel-like deployment per larger level (a chain of
 three models adds `MediumModel1`). Scaling and resources come from `AppArgs`: the custom
 resources of cluster.yaml (small_gpu / large_gpu) where the cluster has them, else shares of
 whatever GPUs it has (two models on one GPU: half each), zero GPUs on a CPU-only cluster.
@@ -15,7 +15,7 @@ from ray.serve.config import BackpressureConfig
 from deployments.serving.config import AppArgs, ReplicaConfig
 from deployments.ingress import Ingress
 from deployments.large import LargeModel
-from deployments.small import SmallRouter
+from deployments.small import SmallModel
 
 
 def level_deployment_name(level: int, num_levels: int) -> str:
@@ -66,6 +66,6 @@ def build_app(args: dict | AppArgs | None = None) -> Application:
         for level in range(1, n)
     ]
     retry = cfg.admission.retry_after_s
-    router = SmallRouter.options(user_config=cfg.routing.model_dump(),
+    router = SmallModel.options(user_config=cfg.routing.model_dump(),
                                  **replica_options(cfg.small, cluster, n, retry)).bind(cfg.model_dump(), *levels)
     return Ingress.options(**replica_options(cfg.ingress, cluster, retry_after_s=retry)).bind(router, cfg.model_dump())

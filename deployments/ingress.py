@@ -1,7 +1,7 @@
 """Ingress deployment: OpenAI-compatible HTTP (FastAPI) and gRPC (Ray Serve's gRPC proxy).
 
 No model here. A request is validated at the edge (pydantic, then the configured limits
-and API keys of `access.py`), sent to a SmallRouter as a ServeRequest, and its stream of
+and API keys of `access.py`), sent to a SmallModel as a ServeRequest, and its stream of
 items (Admitted, TokenEvent ..., GenerationResult) is turned into SSE chunks, one JSON
 body, or protobuf messages. The first item decides the status: a Rejected request is a
 400 / INVALID_ARGUMENT before anything is streamed, an Overloaded one (or Serve's
@@ -9,7 +9,7 @@ BackPressureError: a full queue) a 503 + Retry-After / RESOURCE_EXHAUSTED. Every
 mistake is a 4xx with an OpenAI-style error body, or INVALID_ARGUMENT / NOT_FOUND /
 UNAUTHENTICATED / RESOURCE_EXHAUSTED on gRPC; 5xx / INTERNAL mean the server failed.
 
-Failures after admission: a SmallRouter replica that dies under a request (its stream
+Failures after admission: a SmallModel replica that dies under a request (its stream
 raises a Ray actor error) and a larger model that failed a request (on_large_failure =
 fail) are "unavailable": HTTP 503 with an OpenAI error body for a unary request, an
 in-band OpenAI error event then [DONE] for an SSE stream (its 200 is already sent), gRPC
@@ -53,7 +53,7 @@ from deployments.serving.formats import (
 from deployments.serving.grpc_service import Undecodable
 from deployments.serving.playground import mount_playground, routing_info
 from deployments.serving.requests import serve_request
-from deployments.streams import Overload, ServerFailure, collect, failure, guarded, holding
+from deployments.streams import OverloadedError, ServerFailure, collect, failure, guarded, holding
 
 app = FastAPI(title="Backoff Serve", description="Backoff decoding: a small and a large LM, one live threshold.")
 log = logging.getLogger(__name__)
@@ -147,8 +147,8 @@ async def _client_error(request: Request, exc: ClientError) -> JSONResponse:
     return _error_response(exc.status, exc.message, exc.kind, exc.param, exc.code, exc.headers)
 
 
-@app.exception_handler(Overload)
-async def _overload(request: Request, exc: Overload) -> JSONResponse:
+@app.exception_handler(OverloadedError)
+async def _overload(request: Request, exc: OverloadedError) -> JSONResponse:
     return _error_response(exc.status, exc.message, "server_error", code=exc.code,
                            headers={"Retry-After": exc.retry_after})
 
@@ -172,7 +172,7 @@ def _set_status(context: RayServegRPCContext, exc: Exception) -> None:
         context.set_details(exc.message)
         if exc.headers.get("Retry-After"):
             context.set_trailing_metadata([("retry-after", exc.headers["Retry-After"])])
-    elif isinstance(exc, Overload):
+    elif isinstance(exc, OverloadedError):
         context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)
         context.set_details(str(exc))
         # reaches the client on unary calls; Serve's proxy drops it when a stream raises
@@ -213,7 +213,7 @@ class Ingress:
                            open_by_client=dict(self.edge.slots.open))
 
     async def _chain_ok(self) -> str:
-        """'' when a SmallRouter answers within 5 s, else why not."""
+        """'' when a SmallModel answers within 5 s, else why not."""
         try:
             await asyncio.wait_for(self.router_unary.info.remote(), 5.0)
             return ""
@@ -254,23 +254,23 @@ class Ingress:
             raise ClientError(f"model {body.model!r} is not served here; GET /v1/models lists "
                               f"{self.model_name!r}", "model", 404, "model_not_found")
         params = body.generate_params()  # chat's (logprobs, top_logprobs) become one count
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         client = getattr(request.state, "client", None) or f"peer:{peer_host(request.client)}"  # set by EdgeGate
-        stream = await self._open(rid, params, client, tokens=body.stream, **content)
+        stream = await self._open(request_id, params, client, tokens=body.stream, **content)
         created = int(time.time())
         if not body.stream:
             result = await collect(stream)
-            return response_body(rid, self.model_name, created, result, chat)
-        return StreamingResponse(self._sse(rid, created, stream, chat), media_type="text/event-stream")
+            return response_body(request_id, self.model_name, created, result, chat)
+        return StreamingResponse(self._sse(request_id, created, stream, chat), media_type="text/event-stream")
 
-    async def _sse(self, rid: str, created: int, stream: AsyncIterator, chat: bool) -> AsyncIterator[str]:
-        chunks = TokenChunks(rid, self.model_name, created, chat)
+    async def _sse(self, request_id: str, created: int, stream: AsyncIterator, chat: bool) -> AsyncIterator[str]:
+        chunks = TokenChunks(request_id, self.model_name, created, chat)
         try:
             async for item in stream:
                 if isinstance(item, (TokenEvent, tuple)):
                     yield chunks.sse(_events(item))  # one write for the tokens of one router message
                 elif isinstance(item, GenerationResult):
-                    yield _sse(final_chunk_body(rid, self.model_name, created, item, chat))
+                    yield _sse(final_chunk_body(request_id, self.model_name, created, item, chat))
                 elif isinstance(item, (Rejected, Failed)):
                     raise failure(item)
         except ServerFailure as exc:  # after admission (the 200 is out): report in-band, as OpenAI does
@@ -286,10 +286,10 @@ class Ingress:
     # -- gRPC -------------------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest | Undecodable,
                        grpc_context: RayServegRPCContext) -> pb.GenerateResponse:
-        rid = f"cmpl-{uuid.uuid4().hex}"
+        request_id = f"cmpl-{uuid.uuid4().hex}"
         try:
-            stream = await self._open_pb(rid, request, grpc_context, tokens=False)
-            return pb_response(rid, await collect(stream))
+            stream = await self._open_pb(request_id, request, grpc_context, tokens=False)
+            return pb_response(request_id, await collect(stream))
         except Exception as exc:  # noqa: BLE001 - client errors, failures, and a bug as INTERNAL with a message
             if not isinstance(exc, (ClientError, ServerFailure)):
                 log.exception("Generate failed")
@@ -298,18 +298,18 @@ class Ingress:
 
     async def GenerateStream(self, request: pb.GenerateRequest | Undecodable,
                              grpc_context: RayServegRPCContext) -> AsyncIterator[pb.GenerateChunk]:
-        rid = f"cmpl-{uuid.uuid4().hex}"
+        request_id = f"cmpl-{uuid.uuid4().hex}"
         try:
-            stream = await self._open_pb(rid, request, grpc_context)
+            stream = await self._open_pb(request_id, request, grpc_context)
         except Exception as exc:  # noqa: BLE001 - as in Generate
             _set_status(grpc_context, exc)
             raise  # nothing was streamed: Serve sends the status set above only with an exception
         try:
             async for item in stream:
                 if isinstance(item, (TokenEvent, tuple)):
-                    yield pb_chunks(rid, _events(item))  # one message, as it came from the router
+                    yield pb_chunks(request_id, _events(item))  # one message, as it came from the router
                 elif isinstance(item, GenerationResult):
-                    yield pb_final_chunk(rid, item)
+                    yield pb_final_chunk(request_id, item)
                 elif isinstance(item, (Rejected, Failed)):
                     raise failure(item)
         except Exception as exc:  # noqa: BLE001 - a ServerFailure, or a bug: INTERNAL with a message
@@ -340,7 +340,7 @@ class Ingress:
         problem = await self._chain_ok()
         return pb.HealthResponse(ok=not problem, detail=problem or "ok")
 
-    async def _open_pb(self, rid: str, request: pb.GenerateRequest | Undecodable, context: RayServegRPCContext,
+    async def _open_pb(self, request_id: str, request: pb.GenerateRequest | Undecodable, context: RayServegRPCContext,
                        tokens: bool = True) -> AsyncIterator:
         client = _grpc_client(self.edge, context)  # first: an unknown caller learns nothing else
         if isinstance(request, Undecodable):
@@ -356,34 +356,34 @@ class Ingress:
             prompt, messages = prompt_from_pb(request)
         except (ValidationError, ValueError) as exc:
             raise ClientError(_first_error(exc)) from None
-        return await self._open(rid, params, client, tokens=tokens, prompt=prompt, messages=messages)
+        return await self._open(request_id, params, client, tokens=tokens, prompt=prompt, messages=messages)
 
     # -- both -------------------------------------------------------------------------------
-    async def _open(self, rid: str, params: GenerateParams, client: str, tokens: bool, **content) -> AsyncIterator:
+    async def _open(self, request_id: str, params: GenerateParams, client: str, tokens: bool, **content) -> AsyncIterator:
         """Check the limits, take one of the client's slots and send the request to a
-        SmallRouter; returns its stream once it is admitted (the slot is freed when the
+        SmallModel; returns its stream once it is admitted (the slot is freed when the
         stream ends or is closed). tokens=False (unary): no TokenEvents, only the result."""
         check_limits(self.edge.limits, params, **content)
         try:
-            request = serve_request(rid, params, default_max_tokens=self.args.default_max_tokens, **content)
+            request = serve_request(request_id, params, default_max_tokens=self.args.default_max_tokens, **content)
         except ValueError as exc:
             raise ClientError(str(exc)) from None
         release = self.edge.slots.take(client)
         stream = guarded(self.router.generate.remote(request, tokens))
         try:
             first = await stream.__anext__()
-        except BackPressureError as exc:  # Serve's queue for a SmallRouter replica is full
+        except BackPressureError as exc:  # Serve's queue for a SmallModel replica is full
             release()
             retry = self.args.admission.retry_after_s if exc.retry_after_s is None else exc.retry_after_s
-            raise Overload(exc.message, retry) from None
+            raise OverloadedError(exc.message, retry) from None
         except BaseException:
             release()
             raise
         if not isinstance(first, Admitted):
             release()
             await stream.aclose()
-        if isinstance(first, Overloaded):  # the SmallRouter replica is full
-            raise Overload(first.message, first.retry_after_s)
+        if isinstance(first, Overloaded):  # the SmallModel replica is full
+            raise OverloadedError(first.message, first.retry_after_s)
         if isinstance(first, Rejected):
             raise ClientError(first.message)
         if isinstance(first, Failed):

@@ -1,12 +1,12 @@
 """LargeModel deployment: M_L (or a medium level of a chain), one session per request.
 
-Concurrent catch-up calls of many requests and many SmallRouter replicas are merged into
+Concurrent catch-up calls of many requests and many SmallModel replicas are merged into
 one forward by the CatchUpBatcher. Sessions register through `@serve.multiplexed` (the
-session key is the multiplexed model id), so SessionAffinityRouter keeps sending a
+session key is the multiplexed model id), so SessionAffinity keeps sending a
 session's calls here; they are freed on finish / cancel / disconnect (the router's close),
 by TTL, by the multiplexer's LRU bound, and by lease.
 
-The lease frees the sessions of a SmallRouter replica that died (it cannot close them):
+The lease frees the sessions of a SmallModel replica that died (it cannot close them):
 every catch-up call names its owner (the router replica), and each router broadcasts
 `renew(owner)` to every replica of this deployment every lease_s / 3 (Serve's
 `handle.broadcast`, one call per replica: the cost does not grow with the sessions).
@@ -43,7 +43,7 @@ from deployments.metrics import LargeMetrics
 from deployments.serving.models import load_level
 
 log = logging.getLogger(__name__)
-AFFINITY = RequestRouterConfig(request_router_class="deployments.affinity:SessionAffinityRouter")
+AFFINITY = RequestRouterConfig(request_router_class="deployments.affinity:SessionAffinity")
 MAX_SESSIONS = 4096  # LRU bound of registered sessions per replica (memory is bounded by the KV budget)
 
 
@@ -64,7 +64,7 @@ class LargeInfo:
     forward_passes: int
     calls: int
     lost: int
-    owners: tuple[tuple[str, int], ...]  # (SmallRouter replica, sessions held for it)
+    owners: tuple[tuple[str, int], ...]  # (SmallModel replica, sessions held for it)
     orphans_freed: int  # sessions freed because their owner's lease expired
     waited_s: float
     forward_s: float
@@ -124,7 +124,7 @@ class LargeModel:
         return await self.batcher.extend(call)
 
     async def renew(self, owner: str) -> float:
-        """The SmallRouter replica `owner` is alive; returns the lease (s) it must renew within."""
+        """The SmallModel replica `owner` is alive; returns the lease (s) it must renew within."""
         self._start_sweeper()
         self.batcher.renew(owner)
         return self.config.lease_s
@@ -138,14 +138,14 @@ class LargeModel:
         self._held()
 
     def _held(self) -> None:
-        self.metrics.held(len(self.runner.session_ids()))
+        self.metrics.held(len(self.runner.request_ids()))
         self.metrics.kv(kv_tokens(self.runner), self.kv.budget_tokens, kv_evictions(self.runner))
 
     def info(self) -> LargeInfo:
         s = self.batcher.stats
         return LargeInfo(
             pid=os.getpid(), replica=serve.get_replica_context().replica_id.unique_id, name=self.name,
-            sessions=tuple(self.runner.session_ids()), forward_passes=s.forward_passes, calls=s.calls,
+            sessions=tuple(self.runner.request_ids()), forward_passes=s.forward_passes, calls=s.calls,
             lost=s.lost, owners=tuple(sorted(self.batcher.owners().items())), orphans_freed=s.orphans_freed,
             waited_s=s.waited_s, forward_s=s.forward_s, batch_sizes=tuple(sorted(s.batch_sizes.items())), config=self.config,
             kv_budget_tokens=self.kv.budget_tokens, kv_tokens=kv_tokens(self.runner), kv_evictions=kv_evictions(self.runner),

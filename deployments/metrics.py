@@ -56,8 +56,8 @@ class Gauge:
                     g._gauge.set(value, tags=dict(key))
 
 
-class RouterMetrics:
-    """SmallRouter: requests, tokens by source, backoff rate, catch-ups, latency, threshold."""
+class SmallMetrics:
+    """SmallModel: requests, tokens by source, backoff rate, catch-ups, latency, threshold."""
 
     def __init__(self, num_levels: int) -> None:
         self.names = level_names(num_levels)

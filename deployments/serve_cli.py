@@ -109,10 +109,25 @@ def _deployment(app: dict, name: str) -> dict:
     return deployments[-1]
 
 
+# Deployment names that changed, old -> new: a config written for the old name keeps working here
+DEPRECATED_DEPLOYMENT_NAMES = {"SmallRouter": "SmallModel"}
+
+
+def rename_deprecated_deployments(app: dict) -> None:
+    """Rewrite deprecated deployment names of one application in place (with a warning)."""
+    for d in app.get("deployments", []):
+        new = DEPRECATED_DEPLOYMENT_NAMES.get(d.get("name"))
+        if new is not None:
+            print(f"backoff serve: deployment {d['name']!r} is now called {new!r}; rename it in your config",
+                  file=sys.stderr)
+            d["name"] = new
+
+
 def apply_overrides(config: dict, args: argparse.Namespace) -> dict:
     """The config with the command line's choices written into it (a copy)."""
     config = copy.deepcopy(config)
     app = config["applications"][0]
+    rename_deprecated_deployments(app)
     models = app.setdefault("args", {}).setdefault("models", {})
     for key in ("small", "large", "medium", "device", "dtype", "kv_budget_tokens", "kv_max_len"):
         value = getattr(args, key)
@@ -120,7 +135,7 @@ def apply_overrides(config: dict, args: argparse.Namespace) -> dict:
             models[key] = value
     if args.static_kv is not None:
         models["static_kv"] = {"true": True, "false": False}.get(args.static_kv, "auto")
-    routing = _deployment(app, "SmallRouter").setdefault("user_config", {})
+    routing = _deployment(app, "SmallModel").setdefault("user_config", {})
     if args.router is not None or args.threshold is not None:
         routing.pop("threshold", None)  # the deprecated spelling of thresholds: the command line replaces it
     if args.router is not None:

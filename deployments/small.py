@@ -1,4 +1,4 @@
-"""SmallRouter deployment: M_S + decision function + the step loop of every request.
+"""SmallModel deployment: M_S + decision function + the step loop of every request.
 
 Holds M_S as a local runner (a ModelRunner, or a StaticRunner given a KV budget) and a
 BackoffEngine whose larger levels are RemoteLarge proxies to LargeModel deployments. One
@@ -45,7 +45,7 @@ from deployments.serving.batcher import CatchUpCall
 from deployments.serving.config import AppArgs, RoutingConfig, handle_options
 from deployments.serving.engine_loop import Admitted, EngineLoop, Failed, Rejected
 from deployments.large import replica_kv
-from deployments.metrics import KVMetrics, RouterMetrics
+from deployments.metrics import KVMetrics, SmallMetrics
 from deployments.serving.models import load_small_side
 from deployments.serving.remote import RemoteLarge
 from deployments.serving.requests import ServeRequest, generation_request
@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 StreamItem = Admitted | TokenEvent | tuple[TokenEvent, ...] | GenerationResult | Rejected | Failed | Overloaded
 
 
-STEP_THREAD_SWITCH_S = 0.0005  # sys.setswitchinterval in a SmallRouter replica
+STEP_THREAD_SWITCH_S = 0.0005  # sys.setswitchinterval in a SmallModel replica
 
 
 def _import(path: str):
@@ -88,7 +88,7 @@ class ServeEndpoint:
 
 
 @dataclass(frozen=True)
-class RouterInfo:
+class SmallInfo:
     pid: int
     replica: str
     policy: RoutingConfig
@@ -106,7 +106,7 @@ class RouterInfo:
 
 
 @serve.deployment(max_ongoing_requests=64)
-class SmallRouter:
+class SmallModel:
     def __init__(self, args: dict, *levels: DeploymentHandle) -> None:
         self.args = AppArgs.model_validate(args)
         # the step thread wakes from the device (or a sleep) needing the GIL while Serve's event
@@ -134,7 +134,7 @@ class SmallRouter:
         engine = make_engine([self.faults, *self.remotes], side.tokenizer,
                              classifier_path=self.args.models.classifier, hidden_size=side.hidden_size,
                              context_window=side.context_window)
-        self.metrics = RouterMetrics(n)
+        self.metrics = SmallMetrics(n)
         self.gate = AdmissionGate(self.args.admission.max_live_requests, self.args.admission.max_waiting_requests)
         self._lost_reported = 0
         self._cancelled = 0
@@ -216,8 +216,8 @@ class SmallRouter:
         budget = self.args.stream
         return min(self.loop.live() / budget.max_messages_per_s, budget.max_delay_ms / 1e3)
 
-    def info(self) -> RouterInfo:
-        return RouterInfo(pid=os.getpid(), replica=serve.get_replica_context().replica_id.unique_id,
+    def info(self) -> SmallInfo:
+        return SmallInfo(pid=os.getpid(), replica=serve.get_replica_context().replica_id.unique_id,
                           policy=self.loop.policy, steps=self.loop.steps, live=self.loop.live(),
                           requests=self.loop.live_ids(), admitted=self.gate.live, waiting=self.gate.waiting,
                           cancelled=self._cancelled,

@@ -1,4 +1,4 @@
-"""What the Ingress makes of a SmallRouter's stream of items (Admitted, TokenEvent ...,
+"""What the Ingress makes of a SmallModel's stream of items (Admitted, TokenEvent ...,
 GenerationResult; or Rejected / Failed / Overloaded): the failures a client is told about,
 a guard that turns a lost router into one of them and cancels an abandoned request, and
 the two ways a stream is consumed (collected for a unary reply, or held open while it
@@ -33,14 +33,14 @@ KV_RETRY_AFTER_S = 1.0  # a KV refusal: room frees as soon as a request ends
 
 def failure(item: Rejected | Failed) -> ServerFailure:
     if isinstance(item, Failed) and item.code == "kv_capacity":  # at capacity: 503 + Retry-After
-        return Overload(item.message, KV_RETRY_AFTER_S, item.code)
+        return OverloadedError(item.message, KV_RETRY_AFTER_S, item.code)
     if isinstance(item, Failed) and item.unavailable:
         return ServerFailure(item.message, 503, item.code)
     return ServerFailure(item.message)
 
 
 async def guarded(stream: DeploymentResponseGenerator) -> AsyncIterator:
-    """A SmallRouter's stream. The router failing under it becomes a ServerFailure; a
+    """A SmallModel's stream. The router failing under it becomes a ServerFailure; a
     caller that stops early (disconnect, cancel) cancels the router's request here, not
     trusting Ray's recursive cancel from this replica (under load it misses some)."""
     ended = False
@@ -63,7 +63,7 @@ async def guarded(stream: DeploymentResponseGenerator) -> AsyncIterator:
             stream.cancel()
 
 
-class Overload(ServerFailure):
+class OverloadedError(ServerFailure):
     """The chain is at capacity: refused before admission, the client may retry."""
 
     def __init__(self, message: str, retry_after_s: float, code: str = "overloaded") -> None:

@@ -91,7 +91,8 @@ def result_json(result: GenerationResult) -> dict:
         "c_S_median_s": statistics.median(t.small_steps) if t.small_steps else None,
         "c_r_median_s": statistics.median(t.router_steps) if t.router_steps else None,
         "P_L_s": [[c.length, c.seconds] for c in result.catch_ups if c.level == top],
-        "final_thresholds": list(result.final_thresholds),
+        "thresholds": list(result.thresholds),
+        "final_thresholds": list(result.thresholds),  # deprecated name of "thresholds"
     }
 
 

@@ -1,7 +1,7 @@
 """The router pipeline's subcommands of `backoff` (registered by cli.py):
 
   router-data       teacher-forced M_S/M_L pass over a corpus -> shards + manifest
-  router-train      fit a RouterHead (binary / regression / buckets; pretrain + finetune)
+  router-train      fit a ClassifierHead (binary / regression / buckets; pretrain + finetune)
   router-calibrate  backoff rate -> threshold table on a calibration set, into head.json
   evaluate          the paper's analyses + our goals -> report.md and PNGs under a run dir
 """

@@ -49,30 +49,30 @@ class CatchUpper:
             exts = self._extend(level, group)
         except LargeUnavailable as exc:
             for r in group:
-                if r.sid not in exc.extensions:
+                if r.request_id not in exc.extensions:
                     self._give_up(level, r, str(exc))
-            group = [r for r in group if r.sid in exc.extensions]
-            exts = [exc.extensions[r.sid] for r in group]
+            group = [r for r in group if r.request_id in exc.extensions]
+            exts = [exc.extensions[r.request_id] for r in group]
         except KVCapacityError as exc:
             if exc.extensions is None:  # the whole call was refused: find which sessions fit alone
                 replies = self._one_by_one(level, group, exc)
             else:  # a remote model refused the new sessions it had no KV room for: those requests end
                 replies = exc.extensions  # with a retriable error, the others carry on
                 for r in group:
-                    if r.sid not in replies:
+                    if r.request_id not in replies:
                         fail(r, exc, self.models)
-            group = [r for r in group if r.sid in replies]
-            exts = [replies[r.sid] for r in group]
+            group = [r for r in group if r.request_id in replies]
+            exts = [replies[r.request_id] for r in group]
         except Exception as exc:  # noqa: BLE001 - not an unavailable model: find whose catch-up it was
             replies = self._one_by_one(level, group, exc)
-            group = [r for r in group if r.sid in replies]
-            exts = [replies[r.sid] for r in group]
+            group = [r for r in group if r.request_id in replies]
+            exts = [replies[r.request_id] for r in group]
         seconds = time.perf_counter() - start
         before = [r.fed[level] for r in group]  # after _extend: a re-prefill starts at 0
         outcomes, kept = {}, {}  # kept: sid -> logits [V] of the requests whose drafts all stand
         lengths = {}  # sid -> (pending positions this forward read, positions fed before it)
         for r, b, ext in zip(group, before, exts):
-            lengths[r.sid] = (len(r.tokens) - b, b)
+            lengths[r.request_id] = (len(r.tokens) - b, b)
             r.fed[level] = len(r.tokens)
             try:
                 outcome = self._verify(level, r, b, ext)
@@ -80,23 +80,23 @@ class CatchUpper:
                 fail(r, exc, self.models)
                 continue
             if outcome is None:
-                kept[r.sid] = ext.logits[-1]
+                kept[r.request_id] = ext.logits[-1]
             else:
-                outcomes[r.sid] = outcome
+                outcomes[r.request_id] = outcome
         # the step's token of every request that kept its drafts: one batched draw, one host copy
-        waiting = [r for r in group if r.sid in kept]
+        waiting = [r for r in group if r.request_id in kept]
         tokens = batched(waiting, self.models, lambda g: self._draw(g, kept), lambda r: self._draw([r], kept)[0])
-        outcomes.update((sid, Outcome(level, kept[sid], token, 0)) for sid, token in tokens.items())
+        outcomes.update((request_id, Outcome(level, kept[request_id], token, 0)) for request_id, token in tokens.items())
         for r in group:
-            if r.sid in outcomes:
-                length, b = lengths[r.sid]
-                r.catch_ups.append(CatchUp(level, length, seconds, outcomes[r.sid].rolled_back, len(group),
+            if r.request_id in outcomes:
+                length, b = lengths[r.request_id]
+                r.catch_ups.append(CatchUp(level, length, seconds, outcomes[r.request_id].rolled_back, len(group),
                                            max(0, r.prompt_len - b)))
         return outcomes
 
     @staticmethod
     def _draw(group: Sequence[Live], logits: dict[str, torch.Tensor]) -> list[int]:
-        return draw(torch.stack([logits[r.sid] for r in group]), [r.request.sampling for r in group],
+        return draw(torch.stack([logits[r.request_id] for r in group]), [r.request.sampling for r in group],
                     [r.seed for r in group], [len(r.tokens) for r in group])
 
     def _one_by_one(self, level: int, group: list[Live], exc: Exception) -> dict[str, Extension]:
@@ -109,7 +109,7 @@ class CatchUpper:
         for r in group:
             try:
                 reopen(self.models[level], level, r)
-                replies[r.sid] = self._extend(level, [r])[0]
+                replies[r.request_id] = self._extend(level, [r])[0]
             except LargeUnavailable as unavailable:
                 self._give_up(level, r, str(unavailable))
             except Exception as err:  # noqa: BLE001 - the culprit
@@ -120,21 +120,21 @@ class CatchUpper:
         model = self.models[level]
         for r in group:
             if level not in r.opened:  # lazy: the first call at this level prefills the prompt
-                model.open(r.sid)
+                model.open(r.request_id)
                 r.opened.add(level)
         # verification and the KL record read every new position; sampling reads the last one
         last_only = not self.collect_kl and all(r.request.routing.verification == Verification.NONE for r in group)
         try:
-            return model.extend([(r.sid, r.tokens[r.fed[level] :]) for r in group], last_only=last_only)
+            return model.extend([(r.request_id, r.tokens[r.fed[level] :]) for r in group], last_only=last_only)
         except (SessionError, SessionLost):
             # the model lost sessions (replica crash, TTL): the tokens are all here, so
             # rebuild every session of the group from scratch and try once more
             for r in group:
-                model.close(r.sid)
-                model.open(r.sid)
+                model.close(r.request_id)
+                model.open(r.request_id)
                 r.fed[level] = 0
                 r.last_logits.pop(level, None)
-            return model.extend([(r.sid, list(r.tokens)) for r in group], last_only=last_only)
+            return model.extend([(r.request_id, list(r.tokens)) for r in group], last_only=last_only)
 
     def _give_up(self, level: int, r: Live, reason: str) -> None:
         """The request goes on with M_S alone (or fails): no larger model is called again."""
@@ -143,7 +143,7 @@ class CatchUpper:
             r.failure = LargeUnavailable(r.degraded)
         for m in sorted(r.opened - {0}):
             try:
-                self.models[m].close(r.sid)  # fire and forget for a remote model
+                self.models[m].close(r.request_id)  # fire and forget for a remote model
             except Exception:  # noqa: BLE001 - an unreachable model has its own ways to free it
                 pass
         r.opened &= {0}
@@ -190,7 +190,7 @@ class CatchUpper:
         r.rollbacks += dropped
         for m, model in enumerate(self.models):
             if r.fed[m] > j:
-                model.crop(r.sid, j)
+                model.crop(r.request_id, j)
                 r.fed[m] = j
                 r.last_logits.pop(m, None)
         r.last_logits[level] = p_level  # it predicted position j, which the new token fills

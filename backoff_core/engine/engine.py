@@ -90,9 +90,9 @@ class BackoffEngine:
     # -- admission ------------------------------------------------------------------------
     def submit(self, request: GenerationRequest, router: DecisionFunction | None = None) -> str:
         """Admit a request (M_S prompt prefill now); returns its id. Raises ValueError on bad input."""
-        rid = request.request_id or f"req-{next(self._ids)}"
-        if rid in self._live:
-            raise ValueError(f"request id {rid!r} is already live")
+        request_id = request.request_id or f"req-{next(self._ids)}"
+        if request_id in self._live:
+            raise ValueError(f"request id {request_id!r} is already live")
         total = len(request.prompt_ids) + request.sampling.max_tokens
         if self.context_window and total > self.context_window:
             raise ValueError(
@@ -121,7 +121,7 @@ class BackoffEngine:
                                         horizon=request.sampling.max_tokens)
             thresholds = (controller.threshold,)
         live = Live(
-            request=request, sid=rid, router=router,
+            request=request, request_id=request_id, router=router,
             thresholds=torch.tensor(thresholds, dtype=torch.float64),
             seed=request_seed(request.sampling.seed), num_levels=self.num_levels,
             controller=controller, tokens=list(request.prompt_ids), fed=[0] * self.num_levels,
@@ -131,7 +131,7 @@ class BackoffEngine:
         try:
             for level, model in enumerate(self.models):
                 if level == 0 or routing.eager_prefill or router.needs_large_logits:
-                    model.open(rid)
+                    model.open(request_id)
                     opened.append(model)
                     live.opened.add(level)
             # prefill all but the last prompt token: every step then reads >= 1 pending token
@@ -139,15 +139,15 @@ class BackoffEngine:
             if head:
                 for level, model in enumerate(self.models):
                     if model in opened:
-                        model.extend([(rid, head)], last_only=True)
+                        model.extend([(request_id, head)], last_only=True)
                         live.fed[level] = len(head)
         except Exception:
             for model in opened:
-                model.close(rid)
+                model.close(request_id)
             raise
         live.prefill_s = time.perf_counter() - start
-        self._live[rid] = live
-        return rid
+        self._live[request_id] = live
+        return request_id
 
     def _router(self, request: GenerationRequest) -> DecisionFunction:
         r = request.routing
@@ -161,15 +161,15 @@ class BackoffEngine:
             )
         return self._routers[key]
 
-    def cancel(self, rid: str) -> None:
-        live = self._live.pop(rid, None)
+    def cancel(self, request_id: str) -> None:
+        live = self._live.pop(request_id, None)
         if live is not None:
             self._close_sessions(live)
 
     def _close_sessions(self, live: Live) -> None:
         for model in self.models:
             try:
-                model.close(live.sid)
+                model.close(live.request_id)
             except Exception:  # a lost remote session is already gone
                 pass
 
@@ -181,7 +181,7 @@ class BackoffEngine:
 
     def finished_ids(self) -> list[str]:
         """Requests whose last token is committed (or that failed); `finish(rid)` collects each."""
-        return [rid for rid, live in self._live.items() if live.done]
+        return [request_id for request_id, live in self._live.items() if live.done]
 
     # -- the step -------------------------------------------------------------------------
     def step(self) -> dict[str, TokenEvent]:
@@ -191,30 +191,30 @@ class BackoffEngine:
         # 1. levels decided without M_S (a degraded request has M_S only). From here on, an
         # exception while handling one request ends that request alone (isolation.py).
         forced = each(live, self.models, self._forced_level)
-        live = [r for r in live if r.sid in forced]
-        stepping = [r for r in live if forced[r.sid] < 0]
+        live = [r for r in live if r.request_id in forced]
+        stepping = [r for r in live if forced[r.request_id] < 0]
         # 2. M_S, batched
         small = self._small_step(stepping)
         # 3+4. decide (oracles catch the largest model up first)
-        levels: dict[str, int] = {sid: f for sid, f in forced.items() if f >= 0}
+        levels: dict[str, int] = {request_id: f for request_id, f in forced.items() if f >= 0}
         outcomes: dict[str, Outcome] = {}
         scores: dict[str, float] = {}
-        for router, group in _by_router([r for r in stepping if not r.degraded and r.sid in small]).items():
+        for router, group in _by_router([r for r in stepping if not r.degraded and r.request_id in small]).items():
             self._decide(router, group, small, levels, outcomes, scores)
         # 5. catch-ups, one batched forward per level
         for level in range(1, self.num_levels):
-            group = [r for r in live if levels.get(r.sid) == level and r.sid not in outcomes and not r.degraded
+            group = [r for r in live if levels.get(r.request_id) == level and r.request_id not in outcomes and not r.degraded
                      and r.failure is None]
             outcomes.update(self.catch_up.run(level, group))
         # a catch-up failed (degraded): M_S's token instead, for those that skipped M_S
-        small.update(self._small_step([r for r in live if r.degraded and r.failure is None and r.sid not in small
+        small.update(self._small_step([r for r in live if r.degraded and r.failure is None and r.request_id not in small
                                        and not r.finish_after_verify]))
         # 6. commit (the tokens of the steps that stay small are drawn together: one sync)
-        drawn = self._draw([r for r in live if r.failure is None and r.sid in small and r.sid not in outcomes
+        drawn = self._draw([r for r in live if r.failure is None and r.request_id in small and r.request_id not in outcomes
                             and not r.finish_after_verify], small)
         settled = each([r for r in live if r.failure is None], self.models,
-                       lambda r: self._settle(r, outcomes.get(r.sid), small, drawn.get(r.sid), scores))
-        return {sid: event for sid, event in settled.items() if event is not None}
+                       lambda r: self._settle(r, outcomes.get(r.request_id), small, drawn.get(r.request_id), scores))
+        return {request_id: event for request_id, event in settled.items() if event is not None}
 
     def _draw(self, group: list[Live], small: dict) -> dict[str, int]:
         """sid -> the token each request draws from its M_S logits: one batched draw on
@@ -223,7 +223,7 @@ class BackoffEngine:
             return {}
 
         def together(g: Sequence[Live]) -> list[int]:
-            return draw(torch.stack([small[r.sid][0] for r in g]), [r.request.sampling for r in g],
+            return draw(torch.stack([small[r.request_id][0] for r in g]), [r.request.sampling for r in g],
                         [r.seed for r in g], [len(r.tokens) for r in g])
 
         return batched(group, self.models, together, lambda r: together([r])[0])
@@ -249,11 +249,11 @@ class BackoffEngine:
         if outcome is None:  # stays small
             if drawn is None:  # its draw failed: it ended alone (isolation.py)
                 return None
-            logits, token, retracted, source = small[r.sid][0], drawn, 0, 0
+            logits, token, retracted, source = small[r.request_id][0], drawn, 0, 0
         else:
             logits, token, retracted, source = outcome.logits, outcome.token, outcome.rolled_back, outcome.level
-        if r.controller is not None and r.sid in scores:
-            r.thresholds[0] = r.controller.update(scores[r.sid], source == 0)
+        if r.controller is not None and r.request_id in scores:
+            r.thresholds[0] = r.controller.update(scores[r.request_id], source == 0)
         if outcome is not None and source == self.num_levels - 1:
             _schedule_drafts(r, rejected=retracted > 0)
         if r.finish_after_verify and not retracted:
@@ -261,7 +261,7 @@ class BackoffEngine:
             return None
         r.finish_after_verify = None
         r.cut_at = None
-        return self._commit(r, token, source, logits, small.get(r.sid), retracted)
+        return self._commit(r, token, source, logits, small.get(r.request_id), retracted)
 
     def _small_step(self, group: list[Live]) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
         """-> sid: (logits [V], hidden [d] or None). Different routers may want different layers."""
@@ -275,20 +275,20 @@ class BackoffEngine:
         model = self.models[0]
 
         def alone(r: Live):  # after a failed batch: a fresh session, re-prefilled
-            return model.extend([(r.sid, reopen(model, 0, r))], hidden_layer=layer, last_only=True)[0]
+            return model.extend([(r.request_id, reopen(model, 0, r))], hidden_layer=layer, last_only=True)[0]
 
         start = time.perf_counter()
-        out = batched(group, self.models, lambda g: model.extend([(r.sid, r.tokens[r.fed[0]:]) for r in g],
+        out = batched(group, self.models, lambda g: model.extend([(r.request_id, r.tokens[r.fed[0]:]) for r in g],
                                                                    hidden_layer=layer, last_only=True), alone)
         seconds = time.perf_counter() - start
         result = {}
         for r in group:
-            if r.sid not in out:
+            if r.request_id not in out:
                 continue  # failed: ends alone
-            ext = out[r.sid]
+            ext = out[r.request_id]
             r.fed[0] = len(r.tokens)
             r.small_times.append(seconds)
-            result[r.sid] = (ext.logits[-1], ext.hidden[-1] if ext.hidden is not None else None)
+            result[r.request_id] = (ext.logits[-1], ext.hidden[-1] if ext.hidden is not None else None)
         return result
 
     def _decide(self, router, group, small, levels, outcomes, scores) -> None:
@@ -296,40 +296,40 @@ class BackoffEngine:
         large_logits = None
         if router.needs_large_logits:
             outcomes.update(self.catch_up.run(top, group))
-            group = [r for r in group if r.sid in outcomes]  # a degraded request stays small
+            group = [r for r in group if r.request_id in outcomes]  # a degraded request stays small
             if not group:
                 return
-            large_logits = torch.stack([outcomes[r.sid].logits for r in group])
+            large_logits = torch.stack([outcomes[r.request_id].logits for r in group])
         start = time.perf_counter()
         ctx = StepContext(
-            small_logits=torch.stack([small[r.sid][0] for r in group]),
-            hidden=torch.stack([small[r.sid][1] for r in group]) if router.hidden_layer is not None else None,
+            small_logits=torch.stack([small[r.request_id][0] for r in group]),
+            hidden=torch.stack([small[r.request_id][1] for r in group]) if router.hidden_layer is not None else None,
             large_logits=large_logits,
             drafts=torch.tensor([r.drafts() for r in group] if router.reads_drafts else [0] * len(group)),
             uniforms=uniforms([r.seed for r in group], [len(r.tokens) for r in group], Stream.ROUTER)[:, 0],
         )
         # one call for the group (one host copy of its scores); if it raises, one per
         # request finds whose row it was
-        index = {r.sid: i for i, r in enumerate(group)}
+        index = {r.request_id: i for i, r in enumerate(group)}
         rows = batched(group, self.models, lambda g: router.scores(ctx).double().tolist(),
-                       lambda r: float(router.scores(_row(ctx, index[r.sid]))[0]))
-        group = [r for r in group if r.sid in rows]
+                       lambda r: float(router.scores(_row(ctx, index[r.request_id]))[0]))
+        group = [r for r in group if r.request_id in rows]
         if not group:
             return
-        s = torch.tensor([rows[r.sid] for r in group], dtype=torch.float64)  # [B]
+        s = torch.tensor([rows[r.request_id] for r in group], dtype=torch.float64)  # [B]
         thresholds = torch.stack([r.thresholds for r in group])  # [B, N-1] float64, host
         chosen = (s[:, None] >= thresholds).sum(-1).tolist()
         seconds = time.perf_counter() - start
         for i, r in enumerate(group):
             r.router_times.append(seconds)
-            scores[r.sid] = rows[r.sid]
-            outcome = outcomes.get(r.sid)
+            scores[r.request_id] = rows[r.request_id]
+            outcome = outcomes.get(r.request_id)
             if outcome is not None and outcome.rolled_back:
-                levels[r.sid] = top  # verification already replaced the step's token
+                levels[r.request_id] = top  # verification already replaced the step's token
             else:
-                levels[r.sid] = chosen[i]
-                if outcome is not None and levels[r.sid] != top:
-                    del outcomes[r.sid]  # the oracle looked, but the step is not the large model's
+                levels[r.request_id] = chosen[i]
+                if outcome is not None and levels[r.request_id] != top:
+                    del outcomes[r.request_id]  # the oracle looked, but the step is not the large model's
 
     def _commit(self, r: Live, token: int, source: int, logits, small, retracted: int) -> TokenEvent:
         position = len(r.tokens)
@@ -372,11 +372,11 @@ class BackoffEngine:
         else:
             r.finished = reason
 
-    def finish(self, rid: str) -> GenerationResult:
+    def finish(self, request_id: str) -> GenerationResult:
         """The result of a finished (or cancelled mid-way) request; frees its sessions.
         Raises the error that ended a failed request: LargeUnavailable (on_large_failure =
         "fail") or what handling this one request raised (isolation.py)."""
-        live = self._live.pop(rid)
+        live = self._live.pop(request_id)
         self._close_sessions(live)
         if live.failure is not None:
             raise live.failure
@@ -393,26 +393,26 @@ class BackoffEngine:
         routers = routers or [None] * len(requests)
         rids = [self.submit(req, router) for req, router in zip(requests, routers)]
         try:
-            while any(not self._live[rid].done for rid in rids):
+            while any(not self._live[request_id].done for request_id in rids):
                 self.step()
-            return [self.finish(rid) for rid in rids]
+            return [self.finish(request_id) for request_id in rids]
         except BaseException:
-            for rid in rids:
-                self.cancel(rid)
+            for request_id in rids:
+                self.cancel(request_id)
             raise
 
     def stream(self, request: GenerationRequest, router: DecisionFunction | None = None) -> Iterator[TokenEvent]:
         """Yields each committed token (with its source); the caller may stop early."""
-        rid = self.submit(request, router)
+        request_id = self.submit(request, router)
         try:
-            while not self._live[rid].done:
-                event = self.step().get(rid)
+            while not self._live[request_id].done:
+                event = self.step().get(request_id)
                 if event is not None:
                     yield event
-            if self._live[rid].failure is not None:
-                self.finish(rid)  # raises its error
+            if self._live[request_id].failure is not None:
+                self.finish(request_id)  # raises its error
         finally:
-            self.cancel(rid)
+            self.cancel(request_id)
 
 
 def make_runner(model, name: str, kv: KVSpec | None, small: bool = False, classifier_path=None) -> Backend:
@@ -434,9 +434,9 @@ def make_runner(model, name: str, kv: KVSpec | None, small: bool = False, classi
     runner = StaticRunner(model, name, kv_budget_tokens=kv.budget_tokens, max_len=kv.max_len,
                           cuda_graphs=kv.cuda_graphs)
     if small:
-        from backoff_core.routing.head import RouterHead
+        from backoff_core.routing.head import ClassifierHead
 
-        layers = (None,) if classifier_path is None else (None, RouterHead.load(classifier_path).layer)
+        layers = (None,) if classifier_path is None else (None, ClassifierHead.load(classifier_path).layer)
         runner.warmup(hidden_layers=layers, last_only=(True,), ks=(1,))
     else:
         runner.warmup()

@@ -28,7 +28,7 @@ def fail(r: Live, exc: Exception, models: Sequence[Backend]) -> None:
         r.failure = exc
     for model in models:
         try:
-            model.close(r.sid)
+            model.close(r.request_id)
         except Exception:  # noqa: BLE001 - a lost remote session is already gone
             pass
     r.opened.clear()
@@ -39,7 +39,7 @@ def each(group: Sequence[Live], models: Sequence[Backend], fn: Callable[[Live], 
     out: dict[str, T] = {}
     for r in group:
         try:
-            out[r.sid] = fn(r)
+            out[r.request_id] = fn(r)
         except Exception as exc:  # noqa: BLE001 - ends this request, with its error
             fail(r, exc, models)
     return out
@@ -50,7 +50,7 @@ def batched(group: Sequence[Live], models: Sequence[Backend], together: Callable
     """sid -> result of one shared call `together(group)` (one result per request, in order);
     if it raises, `alone(r)` for each request finds the culprit (a lone request is its own)."""
     try:
-        return {r.sid: out for r, out in zip(group, together(group), strict=True)}
+        return {r.request_id: out for r, out in zip(group, together(group), strict=True)}
     except Exception as exc:  # noqa: BLE001 - whose fault it is decides who fails
         if len(group) == 1:
             fail(group[0], exc, models)
@@ -61,8 +61,8 @@ def batched(group: Sequence[Live], models: Sequence[Backend], together: Callable
 def reopen(model: Backend, level: int, r: Live) -> list[int]:
     """A fresh session of r at `level` (what a failed forward left is not trusted);
     returns the ids that rebuild it: every token r holds."""
-    model.close(r.sid)
-    model.open(r.sid)
+    model.close(r.request_id)
+    model.open(r.request_id)
     r.opened.add(level)
     r.fed[level] = 0
     r.last_logits.pop(level, None)

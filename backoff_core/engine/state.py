@@ -17,7 +17,7 @@ from backoff_core.types import CatchUp, FinishReason, GenerationRequest, Generat
 @dataclass
 class Live:
     request: GenerationRequest
-    sid: str
+    request_id: str
     router: DecisionFunction
     thresholds: torch.Tensor  # [N-1] float64, ascending, finite (float32 would overflow a huge one)
     seed: int  # the request's draws are a pure function of (seed, position): sampling.py
@@ -87,7 +87,7 @@ class Live:
     def result(self, text: str) -> GenerationResult:
         total = time.perf_counter() - self.started
         return GenerationResult(
-            request_id=self.sid,
+            request_id=self.request_id,
             text=text,
             token_ids=tuple(self.generated),
             sources=tuple(self.sources),
@@ -104,7 +104,7 @@ class Live:
                 total=total,
             ),
             kl_at_catch_up=tuple(self.kl_at_catch_up),
-            final_thresholds=tuple(float(t) for t in self.thresholds),
+            thresholds=tuple(float(t) for t in self.thresholds),
             degraded=bool(self.degraded),
             degraded_reason=self.degraded,
             logprobs=tuple(self.logprobs) if self.request.sampling.logprobs is not None else None,

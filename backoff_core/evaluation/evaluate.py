@@ -24,7 +24,7 @@ from backoff_core.learning import data as router_data
 from backoff_core.learning.calibrate import head_scores
 from backoff_core.models.kernels import model_fingerprint
 from backoff_core.learning.data import RouterData
-from backoff_core.routing.head import RouterHead
+from backoff_core.routing.head import ClassifierHead
 from backoff_core.learning.metrics import RATES, area, gap_closed, nll_curve, random_curve, thresholds_for_rates
 
 KL_BUCKETS = (0.0, 0.5, 1.0, 2.0, 5.0, float("inf"))  # the paper's Table 1 edges, plus >= 5
@@ -56,13 +56,13 @@ class EvalConfig:
             raise ValueError(f"unknown section(s) to skip {sorted(unknown)}; choose from {SECTIONS}")
 
 
-def router_scores(head: RouterHead, data: RouterData) -> dict[str, torch.Tensor]:
+def router_scores(head: ClassifierHead, data: RouterData) -> dict[str, torch.Tensor]:
     """Score per position of every decision function (higher = send to M_L)."""
     return {"oracle": data.kl, "classifier": head_scores(head, data), "entropy": data.ent_s,
             "max-prob": 1.0 - data.maxp_s}
 
 
-def curves(head: RouterHead, data: RouterData) -> dict:
+def curves(head: ClassifierHead, data: RouterData) -> dict:
     """NLL(b) per router and each router's area and gap closed (Figure 2, teacher-forced)."""
     out = {"rates": RATES.tolist(), "nll_small": float(data.nll_s.mean()), "nll_large": float(data.nll_l.mean()),
            "positions": len(data), "routers": {}}
@@ -126,7 +126,7 @@ def high_kl_accuracy(scores: torch.Tensor, kl: torch.Tensor) -> dict:
     return out
 
 
-def compare_heads(heads: dict[str, RouterHead], data: RouterData) -> list[dict]:
+def compare_heads(heads: dict[str, ClassifierHead], data: RouterData) -> list[dict]:
     rand = area(random_curve(data.nll_s, data.nll_l))
     oracle = area(nll_curve(data.kl, data.nll_s, data.nll_l))
     rows = []
@@ -142,7 +142,7 @@ def compare_heads(heads: dict[str, RouterHead], data: RouterData) -> list[dict]:
     return rows
 
 
-def fixed_thresholds(head: RouterHead, calib: RouterData | None, targets) -> dict[str, dict[float, float]]:
+def fixed_thresholds(head: ClassifierHead, calib: RouterData | None, targets) -> dict[str, dict[float, float]]:
     """Per router and target rate, the threshold that gives that rate on the calibration set."""
     out = {"random": {t: t for t in targets}}
     out["classifier"] = {t: head.threshold_for_rate(t) for t in targets}
@@ -158,7 +158,7 @@ def run(cfg: EvalConfig, chain) -> Path:
 
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    head = RouterHead.load(cfg.head)
+    head = ClassifierHead.load(cfg.head)
     heldout = router_data.load(list(cfg.heldout))
     _check_pair(head, heldout, chain)
     res: dict = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in cfg.__dict__.items()},
@@ -173,7 +173,7 @@ def run(cfg: EvalConfig, chain) -> Path:
     res["kl_table"] = per_domain(heldout, kl_table) | (per_domain(unseen, kl_table) if unseen else {})
     res["oracle_table"] = oracle_table(heldout)
     res["high_kl"] = high_kl_accuracy(head_scores(head, heldout), heldout.kl)
-    heads = {cfg.head: head} | {p: RouterHead.load(p) for p in cfg.compare if p != cfg.head}
+    heads = {cfg.head: head} | {p: ClassifierHead.load(p) for p in cfg.compare if p != cfg.head}
     res["compare"] = compare_heads(heads, heldout) if "layers" not in cfg.skip else []
     calib = router_data.load(list(cfg.calib)) if cfg.calib else None
     _engine_sections(cfg, chain, head, heldout, calib, res)
@@ -217,7 +217,7 @@ def _gaps(c: dict) -> dict:
         "nll_small": c["nll_small"], "nll_large": c["nll_large"], "positions": c["positions"]}
 
 
-def _check_pair(head: RouterHead, data: RouterData, chain) -> None:
+def _check_pair(head: ClassifierHead, data: RouterData, chain) -> None:
     want = head.meta.extra.get("small_fingerprint")
     got = data.pair.get("small_fingerprint")
     if want and got and want != got:

@@ -157,12 +157,12 @@ def speed(chain, engine: BackoffEngine, head, prompt: list[int], targets, max_to
     def one_step(runner, k, hidden_layer=None):
         times = []
         for i in range(repeats * 3):
-            sid = f"probe-{k}-{i}"
-            runner.open(sid)
-            runner.extend([(sid, prompt)], last_only=True)
-            _, seconds = timed(runner.extend, [(sid, prompt[:k])], hidden_layer=hidden_layer, last_only=True)
+            request_id = f"probe-{k}-{i}"
+            runner.open(request_id)
+            runner.extend([(request_id, prompt)], last_only=True)
+            _, seconds = timed(runner.extend, [(request_id, prompt[:k])], hidden_layer=hidden_layer, last_only=True)
             times.append(seconds)
-            runner.close(sid)
+            runner.close(request_id)
         return statistics.median(times)
 
     c_s = one_step(small, 1, hidden_layer=head.layer)

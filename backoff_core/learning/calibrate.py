@@ -2,7 +2,7 @@
 
 The head scores every position of the calibration data; the threshold for rate b is the
 b-quantile of those scores (score >= T -> M_L), so on this set the achieved rate is b up to
-one position. The table lands in head.json (`calibration`), where `RouterHead.
+one position. The table lands in head.json (`calibration`), where `ClassifierHead.
 threshold_for_rate` reads it and the rate controller uses it as its prior.
 """
 
@@ -14,13 +14,13 @@ from pathlib import Path
 import torch
 
 from backoff_core.learning.data import RouterData
-from backoff_core.routing.head import RouterHead
+from backoff_core.routing.head import ClassifierHead
 from backoff_core.learning.metrics import thresholds_for_rates
 
 DEFAULT_RATES = tuple(round(i / 50, 4) for i in range(51))
 
 
-def head_scores(head: RouterHead, data: RouterData) -> torch.Tensor:
+def head_scores(head: ClassifierHead, data: RouterData) -> torch.Tensor:
     """[N] the head's score for every position (what the engine compares to the threshold)."""
     from backoff_core.learning.train import data_scores
 
@@ -35,7 +35,7 @@ def achieved_rates(scores: torch.Tensor, thresholds) -> list[float]:
     return [float((s < torch.tensor(t, dtype=torch.float32)).float().mean()) for t in thresholds]
 
 
-def calibrate(head: RouterHead, data: RouterData, rates=DEFAULT_RATES, source: str = "") -> dict:
+def calibrate(head: ClassifierHead, data: RouterData, rates=DEFAULT_RATES, source: str = "") -> dict:
     """Write the calibration table into `head.meta`; returns a summary (rates, thresholds, achieved)."""
     if any(not 0.0 <= r <= 1.0 for r in rates):
         raise ValueError("calibration rates must be in [0, 1]")
@@ -51,7 +51,7 @@ def calibrate(head: RouterHead, data: RouterData, rates=DEFAULT_RATES, source: s
 
 
 def calibrate_dir(head_dir: str | Path, data: RouterData, rates=DEFAULT_RATES, source: str = "") -> dict:
-    head = RouterHead.load(head_dir)
+    head = ClassifierHead.load(head_dir)
     summary = calibrate(head, data, rates, source)
     head.save(head_dir)
     return summary

@@ -1,4 +1,4 @@
-"""`backoff router-train`: fit a RouterHead over one hidden layer of M_S to router data.
+"""`backoff router-train`: fit a ClassifierHead over one hidden layer of M_S to router data.
 
 Objectives (router_head.OBJECTIVES), all trained on the same features:
 - binary: the paper's classifier. Label = KL > T_KL, T_KL at a percentile of the pretraining
@@ -10,7 +10,7 @@ Two stages: pretrain on one corpus, then finetune on a second (lower rate). The 
 is the one whose routing is best on held-out windows of the stage's data (area under the
 teacher-forced NLL-vs-backoff curve, router_metrics), not the one with the lowest loss.
 Inputs are standardised with pretraining statistics, folded into the first layer on save,
-so the checkpoint is a plain RouterHead.
+so the checkpoint is a plain ClassifierHead.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from backoff_core.learning.data import RouterData
-from backoff_core.routing.head import OBJECTIVES, HeadMeta, RouterHead
+from backoff_core.routing.head import OBJECTIVES, HeadMeta, ClassifierHead
 from backoff_core.learning.metrics import quality
 
 LOG_EPS = 1e-3  # regression target log(KL + ε): KL is clamped at 0
@@ -101,7 +101,7 @@ def _epoch_indices(objective: str, y: torch.Tensor, g: torch.Generator) -> torch
     return both[torch.randperm(len(both), generator=g)]
 
 
-def _evaluate(head: RouterHead, x: torch.Tensor, data: RouterData, labels: Labels, objective: str) -> dict:
+def _evaluate(head: ClassifierHead, x: torch.Tensor, data: RouterData, labels: Labels, objective: str) -> dict:
     head.eval()
     with torch.no_grad():
         out = torch.cat([head.mlp(x[i : i + 4096]) for i in range(0, len(x), 4096)])
@@ -112,13 +112,13 @@ def _evaluate(head: RouterHead, x: torch.Tensor, data: RouterData, labels: Label
 
 
 @torch.no_grad()
-def data_scores(head: RouterHead, data: RouterData, batch: int = 8192) -> torch.Tensor:
+def data_scores(head: ClassifierHead, data: RouterData, batch: int = 8192) -> torch.Tensor:
     """[N] the score the engine would compute at each stored position (fp16 hidden states)."""
     x = data.inputs(head.layer, head.meta.features)
     return torch.cat([_score(head, head.mlp(x[i : i + batch])) for i in range(0, len(x), batch)]).float()
 
 
-def _score(head: RouterHead, out: torch.Tensor) -> torch.Tensor:
+def _score(head: ClassifierHead, out: torch.Tensor) -> torch.Tensor:
     if head.meta.objective == "regression":
         return out[:, 0]
     probs = torch.softmax(out, -1)
@@ -162,7 +162,7 @@ def _stage(head, data: RouterData, labels: Labels, cfg: TrainConfig, epochs: int
 
 
 def train(cfg: TrainConfig, pretrain: RouterData, finetune: RouterData | None = None,
-          meta_extra: dict | None = None) -> tuple[RouterHead, list[dict]]:
+          meta_extra: dict | None = None) -> tuple[ClassifierHead, list[dict]]:
     """-> (head with standardisation folded in, per-epoch log)."""
     torch.manual_seed(cfg.seed)
     num_layers = max(pretrain.hidden)
@@ -176,7 +176,7 @@ def train(cfg: TrainConfig, pretrain: RouterData, finetune: RouterData | None = 
     meta = HeadMeta(hidden_size=pretrain.hidden[layer].shape[1], layer=layer, objective=cfg.objective,
                     inner_size=cfg.inner_size, num_classes=max(2, classes), features=tuple(cfg.features),
                     pair="+".join(pretrain.pair.get("names", [])), extra=extra)
-    head = RouterHead(meta)
+    head = ClassifierHead(meta)
     log: list[dict] = []
     start = time.perf_counter()
     _stage(head, pretrain, labels, cfg, cfg.epochs, cfg.lr, "pretrain", log)
@@ -194,7 +194,7 @@ def _best(log: list[dict], stage: str) -> dict | None:
     return min(rows, key=lambda r: r["area"]) if rows else None
 
 
-def fold_standardisation(head: RouterHead, mean: torch.Tensor, std: torch.Tensor) -> None:
+def fold_standardisation(head: ClassifierHead, mean: torch.Tensor, std: torch.Tensor) -> None:
     """W((x - μ)/σ) + b = (W/σ) x + (b - (W/σ) μ): the saved head reads raw hidden states."""
     first = head.mlp[0]
     with torch.no_grad():
@@ -207,7 +207,7 @@ def _jsonable(d: dict) -> dict:
     return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
 
 
-def save(head: RouterHead, log: list[dict], out: str | Path) -> Path:
+def save(head: ClassifierHead, log: list[dict], out: str | Path) -> Path:
     """head.safetensors + head.json + train_log.json + train_curve.png under `out`."""
     out = Path(out)
     head.save(out)

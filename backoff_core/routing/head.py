@@ -51,7 +51,7 @@ class HeadMeta:
             raise ValueError(f"unknown head feature(s) {sorted(unknown)}; choose from {LOGIT_FEATURES}")
 
 
-class RouterHead(nn.Module):
+class ClassifierHead(nn.Module):
     def __init__(self, meta: HeadMeta) -> None:
         super().__init__()
         self.meta = meta
@@ -108,7 +108,7 @@ class RouterHead(nn.Module):
         return directory
 
     @classmethod
-    def load(cls, directory: str | Path) -> "RouterHead":
+    def load(cls, directory: str | Path) -> "ClassifierHead":
         directory = Path(directory)
         meta_file = directory / "head.json"
         if not meta_file.exists():
@@ -121,7 +121,7 @@ class RouterHead(nn.Module):
         return head.eval()
 
     @classmethod
-    def random(cls, hidden_size: int, layer: int = -1, seed: int = 0) -> "RouterHead":
+    def random(cls, hidden_size: int, layer: int = -1, seed: int = 0) -> "ClassifierHead":
         """An untrained head (tests): deterministic weights from `seed`."""
         with torch.random.fork_rng():
             torch.manual_seed(seed)

@@ -225,11 +225,11 @@ def build_router(
     if name == "scripted":
         return Scripted(script or [0])
     if name == "classifier":
-        from backoff_core.routing.head import RouterHead
+        from backoff_core.routing.head import ClassifierHead
 
         if classifier_path is not None:
-            return Classifier(RouterHead.load(classifier_path))
+            return Classifier(ClassifierHead.load(classifier_path))
         if hidden_size is None:
             raise ValueError("classifier router needs a checkpoint path (or hidden_size for a random head)")
-        return Classifier(RouterHead.random(hidden_size))
+        return Classifier(ClassifierHead.random(hidden_size))
     raise ValueError(f"unknown router {name!r}; choose one of {', '.join(NAMES)}")

@@ -85,32 +85,32 @@ class ModelRunner:
         self._evicted: collections.OrderedDict[str, None] = collections.OrderedDict()  # recent (bounded)
 
     # -- sessions -------------------------------------------------------------------------
-    def open(self, session_id: str, refill: bool = False) -> None:
+    def open(self, request_id: str, refill: bool = False) -> None:
         """refill: the session rebuilds one this or another runner lost (its request is live)."""
         with self._lock:
-            if session_id in self._sessions:
-                raise ValueError(f"{self.name}: session {session_id!r} is already open")
-            refill = refill or self._evicted.pop(session_id, 0) is None
-            self._sessions[session_id] = _Session(last_used=time.monotonic(), refill=refill)
+            if request_id in self._sessions:
+                raise ValueError(f"{self.name}: session {request_id!r} is already open")
+            refill = refill or self._evicted.pop(request_id, 0) is None
+            self._sessions[request_id] = _Session(last_used=time.monotonic(), refill=refill)
 
-    def close(self, session_id: str) -> None:
+    def close(self, request_id: str) -> None:
         with self._lock:
-            self._sessions.pop(session_id, None)
+            self._sessions.pop(request_id, None)
 
-    def has(self, session_id: str) -> bool:
-        return session_id in self._sessions
+    def has(self, request_id: str) -> bool:
+        return request_id in self._sessions
 
-    def length(self, session_id: str) -> int:
-        return self._get(session_id).length
+    def length(self, request_id: str) -> int:
+        return self._get(request_id).length
 
-    def session_ids(self) -> list[str]:
+    def request_ids(self) -> list[str]:
         with self._lock:
             return list(self._sessions)
 
     def idle_sessions(self, older_than_s: float) -> list[str]:
         cutoff = time.monotonic() - older_than_s
         with self._lock:
-            return [sid for sid, s in self._sessions.items() if s.last_used < cutoff]
+            return [request_id for request_id, s in self._sessions.items() if s.last_used < cutoff]
 
     # -- KV budget ------------------------------------------------------------------------
     @property
@@ -125,7 +125,7 @@ class ModelRunner:
         if self.kv_budget_tokens is None:
             return True
         with self._lock:
-            return sum(self._get(sid).length + n for sid, n in items) <= self.kv_budget_tokens
+            return sum(self._get(request_id).length + n for request_id, n in items) <= self.kv_budget_tokens
 
     def _reserve(self, items: list[tuple[str, list[int]]]) -> list[str]:
         """Room in the budget for this extend (under the lock): refuse a new session that
@@ -135,30 +135,30 @@ class ModelRunner:
         used = sum(s.length for s in self._sessions.values())
         if budget is None or used + need <= budget:
             return []
-        fresh = [sid for sid, _ in items if self._sessions[sid].length == 0 and not self._sessions[sid].refill]
-        if fresh and (not self.evict_idle or not self.kv_fits([(sid, len(ids)) for sid, ids in items])):
+        fresh = [request_id for request_id, _ in items if self._sessions[request_id].length == 0 and not self._sessions[request_id].refill]
+        if fresh and (not self.evict_idle or not self.kv_fits([(request_id, len(ids)) for request_id, ids in items])):
             raise KVCapacityError(
                 f"{self.name}: no KV room for a new session: the live sessions alone would hold more than "
                 f"kv_budget_tokens={budget} positions; retry when a request ends")
         if not self.evict_idle:
             return []
-        extending = {sid for sid, _ in items}
-        idle = sorted((s.last_used, sid) for sid, s in self._sessions.items() if sid not in extending and s.length)
+        extending = {request_id for request_id, _ in items}
+        idle = sorted((s.last_used, request_id) for request_id, s in self._sessions.items() if request_id not in extending and s.length)
         evicted = []
-        for _, sid in idle:
+        for _, request_id in idle:
             if used + need <= budget:
                 break
-            used -= self._sessions.pop(sid).length
-            evicted.append(sid)
-            self._evicted[sid] = None
+            used -= self._sessions.pop(request_id).length
+            evicted.append(request_id)
+            self._evicted[request_id] = None
         while len(self._evicted) > 65536:
             self._evicted.popitem(last=False)
         self.evictions += len(evicted)
         return evicted
 
-    def crop(self, session_id: str, length: int) -> None:
+    def crop(self, request_id: str, length: int) -> None:
         """Forget every position from `length` on (rollback)."""
-        session = self._get(session_id)
+        session = self._get(request_id)
         if length > session.length or length < 0:
             raise ValueError(f"{self.name}: cannot crop {session.length} positions to {length}")
         if session.cache is not None and length < session.length:
@@ -166,11 +166,11 @@ class ModelRunner:
                 layer.keys, layer.values = layer.keys[:, :, :length], layer.values[:, :, :length]
         session.length = length
 
-    def _get(self, session_id: str) -> _Session:
+    def _get(self, request_id: str) -> _Session:
         try:
-            return self._sessions[session_id]
+            return self._sessions[request_id]
         except KeyError:
-            raise SessionError(f"{self.name}: no session {session_id!r}") from None
+            raise SessionError(f"{self.name}: no session {request_id!r}") from None
 
     # -- forward --------------------------------------------------------------------------
     @torch.inference_mode()
@@ -184,8 +184,8 @@ class ModelRunner:
         if any(len(ids) == 0 for _, ids in items):
             raise ValueError(f"{self.name}: extend needs at least one token per session")
         with self._lock:
-            sessions = [self._get(sid) for sid, _ in items]
-            if len({sid for sid, _ in items}) != len(items):
+            sessions = [self._get(request_id) for request_id, _ in items]
+            if len({request_id for request_id, _ in items}) != len(items):
                 raise ValueError(f"{self.name}: a session appears twice in one extend")
             self._reserve(items)
             if len(items) == 1:

@@ -101,46 +101,46 @@ class StaticRunner:
         return self.kv.max_len - 1
 
     # -- sessions -------------------------------------------------------------------------
-    def open(self, session_id: str) -> None:
+    def open(self, request_id: str) -> None:
         with self._lock:
-            if session_id in self._sessions:
-                raise ValueError(f"{self.name}: session {session_id!r} is already open")
-            self._sessions[session_id] = _Session(slot=self.kv.take(), last_used=time.monotonic())
+            if request_id in self._sessions:
+                raise ValueError(f"{self.name}: session {request_id!r} is already open")
+            self._sessions[request_id] = _Session(slot=self.kv.take(), last_used=time.monotonic())
 
-    def close(self, session_id: str) -> None:
+    def close(self, request_id: str) -> None:
         with self._lock:
-            session = self._sessions.pop(session_id, None)
+            session = self._sessions.pop(request_id, None)
             if session is not None:
                 self.kv.give_back(session.slot)
 
-    def has(self, session_id: str) -> bool:
-        return session_id in self._sessions
+    def has(self, request_id: str) -> bool:
+        return request_id in self._sessions
 
-    def length(self, session_id: str) -> int:
-        return self._get(session_id).length
+    def length(self, request_id: str) -> int:
+        return self._get(request_id).length
 
-    def session_ids(self) -> list[str]:
+    def request_ids(self) -> list[str]:
         with self._lock:
             return list(self._sessions)
 
     def idle_sessions(self, older_than_s: float) -> list[str]:
         cutoff = time.monotonic() - older_than_s
         with self._lock:
-            return [sid for sid, s in self._sessions.items() if s.last_used < cutoff]
+            return [request_id for request_id, s in self._sessions.items() if s.last_used < cutoff]
 
-    def crop(self, session_id: str, length: int) -> None:
+    def crop(self, request_id: str, length: int) -> None:
         """Forget every position from `length` on (rollback): only the length moves."""
         with self._lock:
-            session = self._get(session_id)
+            session = self._get(request_id)
             if length > session.length or length < 0:
                 raise ValueError(f"{self.name}: cannot crop {session.length} positions to {length}")
             session.length = length
 
-    def _get(self, session_id: str) -> _Session:
+    def _get(self, request_id: str) -> _Session:
         try:
-            return self._sessions[session_id]
+            return self._sessions[request_id]
         except KeyError:
-            raise SessionError(f"{self.name}: no session {session_id!r}") from None
+            raise SessionError(f"{self.name}: no session {request_id!r}") from None
 
     # -- warm-up --------------------------------------------------------------------------
     def warmup(self, hidden_layers=(None,), last_only=(True, False), ks: tuple[int, ...] = K_BUCKETS,
@@ -182,11 +182,11 @@ class StaticRunner:
         if any(len(ids) == 0 for _, ids in items):
             raise ValueError(f"{self.name}: extend needs at least one token per session")
         with self._lock:
-            sessions = [self._get(sid) for sid, _ in items]
-            if len({sid for sid, _ in items}) != len(items):
+            sessions = [self._get(request_id) for request_id, _ in items]
+            if len({request_id for request_id, _ in items}) != len(items):
                 raise ValueError(f"{self.name}: a session appears twice in one extend")
-            for (sid, ids), s in zip(items, sessions):
-                self.kv.check_room(sid, s.length, len(ids))
+            for (request_id, ids), s in zip(items, sessions):
+                self.kv.check_room(request_id, s.length, len(ids))
             new_ids = [list(ids) for _, ids in items]
             plan = self._plan(sessions, new_ids, self._layer(hidden_layer), last_only)
             logits, hidden = self._run(plan)  # [B, K or 1, V], [B, K, d] | None

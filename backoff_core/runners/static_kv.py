@@ -106,9 +106,9 @@ class StaticKV:
     def give_back(self, slot: int) -> None:
         heapq.heappush(self._free, slot)  # no clearing: the mask hides what the slot held
 
-    def check_room(self, session_id: str, length: int, new: int) -> None:
+    def check_room(self, request_id: str, length: int, new: int) -> None:
         if length + new > self.capacity:
             raise KVCapacityError(
-                f"{self.name}: session {session_id!r} would hold {length + new} positions, over the limit of "
+                f"{self.name}: session {request_id!r} would hold {length + new} positions, over the limit of "
                 f"{self.capacity} (max_len={self.max_len}, one column reserved); start a new request"
             )

@@ -123,7 +123,7 @@ class ClientSlots:
 def check_limits(limits: LimitsConfig, params: GenerateParams, prompt: str | list[int] | None = None,
                  messages: list[ChatMessage] | None = None) -> None:
     """The configured caps a request must fit (ClientError naming the cap). The tokenized
-    prompt length and the context window are the SmallRouter's to check."""
+    prompt length and the context window are the SmallModel's to check."""
     if params.max_tokens is not None and params.max_tokens > limits.max_tokens:
         raise ClientError(f"max_tokens {params.max_tokens} exceeds the limit of {limits.max_tokens} "
                           "(limits.max_tokens)", "max_tokens")

@@ -1,4 +1,4 @@
-"""Admission of requests into a SmallRouter replica: bounded, never an unbounded queue (no Ray).
+"""Admission of requests into a SmallModel replica: bounded, never an unbounded queue (no Ray).
 
 Every live request is in every batched step of the replica, so each one admitted makes all
 the others slower. The gate lets `max_live` requests into the step loop, lets `max_waiting`

@@ -18,7 +18,7 @@ beside the forward's other sessions -- or finds no free static slot -- is answer
 `refused` (the caller's request ends with a retriable 503); the forward's others go on.
 
 Sessions are freed by their caller's close, by TTL, and by lease: a call names its
-`owner` (a SmallRouter replica), every call and every `renew(owner)` renews that owner's
+`owner` (a SmallModel replica), every call and every `renew(owner)` renews that owner's
 lease, and `expire_leases` frees the sessions of owners silent for longer than the lease
 (a router that died cannot close them). A closed key is remembered (a tombstone), so a
 late call that arrives after its close -- a call the caller gave up on -- cannot recreate
@@ -47,7 +47,7 @@ class CatchUpCall:
     ids: tuple[int, ...]  # the pending ids, k >= 1
     group: str = ""  # the caller's step: its calls are merged when they arrive together
     group_size: int = 1  # calls the caller issued in that step
-    owner: str = ""  # the caller (a SmallRouter replica) whose lease keeps the session; "": TTL only
+    owner: str = ""  # the caller (a SmallModel replica) whose lease keeps the session; "": TTL only
     last_only: bool = False  # reply with the logits after the last id only ([1, V]: 1/k of the bytes)
     refill: bool = False  # past 0 rebuilding a lost session of a live request: never refused for KV room
 

@@ -1,4 +1,4 @@
-"""Chaos / testing knob of the SmallRouter: a request that fails inside the step loop.
+"""Chaos / testing knob of the SmallModel: a request that fails inside the step loop.
 
 `RoutingConfig.inject_fault_seed` (live, like LargeModel's `inject_delay_ms`): a request
 with that seed makes the M_S forwards that carry its tokens raise, from its third step on,
@@ -24,27 +24,27 @@ class FaultInjector:
         self.name, self.vocab_size = inner.name, inner.vocab_size
         self._doomed: dict[str, int] = {}  # request id -> forwards that carried it (test requests only)
 
-    def doom(self, session_id: str) -> None:
-        self._doomed[session_id] = 0
+    def doom(self, request_id: str) -> None:
+        self._doomed[request_id] = 0
 
     def __getattr__(self, name: str):  # session_ids, forward_passes, ...: the inner runner's
         return getattr(self.inner, name)
 
-    def open(self, session_id: str) -> None:
-        self.inner.open(session_id)
+    def open(self, request_id: str) -> None:
+        self.inner.open(request_id)
 
-    def close(self, session_id: str) -> None:
-        self.inner.close(session_id)
+    def close(self, request_id: str) -> None:
+        self.inner.close(request_id)
 
-    def crop(self, session_id: str, length: int) -> None:
-        self.inner.crop(session_id, length)
+    def crop(self, request_id: str, length: int) -> None:
+        self.inner.crop(request_id, length)
 
     def extend(self, items, hidden_layer=None, last_only=False):
         out = self.inner.extend(items, hidden_layer, last_only)
         if self._doomed:
-            hit = [sid for sid, _ in items if sid in self._doomed]
-            for sid in hit:
-                self._doomed[sid] += 1
-            if any(self._doomed[sid] > self.after for sid in hit):  # its retry alone fails too
+            hit = [request_id for request_id, _ in items if request_id in self._doomed]
+            for request_id in hit:
+                self._doomed[request_id] += 1
+            if any(self._doomed[request_id] > self.after for request_id in hit):  # its retry alone fails too
                 raise InjectedFault("injected fault (routing.inject_fault_seed)")
         return out

@@ -1,7 +1,7 @@
 """Configuration of the Serve application: pydantic models, a description on every field.
 
 `AppArgs` are the builder's `args` in the Serve config YAML (changing them redeploys the
-replicas). `RoutingConfig` is the SmallRouter's `user_config` and `CatchUpConfig` the
+replicas). `RoutingConfig` is the SmallModel's `user_config` and `CatchUpConfig` the
 LargeModel's: `serve deploy` of an edited config applies them live through
 `reconfigure()`, replicas untouched. No Ray and no torch in this module.
 """
@@ -72,7 +72,7 @@ class ModelsConfig(_Config):
 
 
 class RoutingConfig(_Config):
-    """The live knob (SmallRouter user_config). A request's own fields override it."""
+    """The live knob (SmallModel user_config). A request's own fields override it."""
 
     router: str = Field("entropy", description="decision function used when a request names none")
     thresholds: list[Threshold] | None = Field(
@@ -112,7 +112,7 @@ class CatchUpConfig(_Config):
                                                          "long (the rest went to other replicas)")
     session_ttl_s: float = Field(600.0, gt=0.0, description="sessions idle this long are freed")
     lease_s: float = Field(
-        30.0, gt=0.0, description="a SmallRouter replica renews the lease on its sessions every lease_s / 3; "
+        30.0, gt=0.0, description="a SmallModel replica renews the lease on its sessions every lease_s / 3; "
                                   "the sessions of one that stopped renewing (it died) are freed after lease_s")
     inject_delay_ms: float = Field(
         0.0, ge=0.0, description="chaos / testing knob: every catch-up call waits this long before it is served "
@@ -142,7 +142,7 @@ class ReplicaConfig(_Config):
 
 
 class AdmissionConfig(_Config):
-    """How much work one SmallRouter replica takes on; the rest is refused at once (HTTP 503 +
+    """How much work one SmallModel replica takes on; the rest is refused at once (HTTP 503 +
     Retry-After, gRPC RESOURCE_EXHAUSTED), never queued without bound."""
 
     max_live_requests: int = Field(48, ge=1, description="requests in a replica's step loop at once; each is in "
@@ -153,7 +153,7 @@ class AdmissionConfig(_Config):
 
 
 class StreamConfig(_Config):
-    """How a SmallRouter replica sends its streams' tokens to the Ingress. Each message costs
+    """How a SmallModel replica sends its streams' tokens to the Ingress. Each message costs
     the path (Ray's stream, the Ingress, the proxy) about as much whatever it carries, so a
     replica spends a budget of messages: a stream's next message waits until live streams /
     max_messages_per_s has passed since its last one, and the tokens committed meanwhile ride
@@ -191,7 +191,7 @@ class LimitsConfig(_Config):
                                                              "messages together")
     max_prompt_tokens: int | None = Field(
         None, ge=1, description="prompt tokens (token ids sent, or the tokenized text, counted by the "
-                                "SmallRouter); none: only the models' context window bounds the prompt")
+                                "SmallModel); none: only the models' context window bounds the prompt")
     max_tokens: int = Field(4096, ge=1, description="largest max_tokens a request may ask for (prompt + "
                                                     "max_tokens must also fit the context window)")
     max_stop: int = Field(4, ge=0, description="stop strings per request (OpenAI allows 4)")
@@ -199,7 +199,7 @@ class LimitsConfig(_Config):
     max_concurrent_per_client: int | None = Field(
         64, ge=1, description="requests one client may have open at once, counted in each Ingress replica "
                               "(429 / RESOURCE_EXHAUSTED above; the default lets one client fill one "
-                              "SmallRouter replica's admission, not more); none: unlimited")
+                              "SmallModel replica's admission, not more); none: unlimited")
     retry_after_s: int = Field(1, ge=0, description="Retry-After (seconds) sent with a 429")
 
 
@@ -207,12 +207,12 @@ class AppArgs(_Config):
     """The application builder's arguments (`args:` in the Serve config YAML)."""
 
     models: ModelsConfig = Field(default_factory=ModelsConfig, description="which models form the chain")
-    routing: RoutingConfig = Field(default_factory=RoutingConfig, description="initial SmallRouter user_config")
+    routing: RoutingConfig = Field(default_factory=RoutingConfig, description="initial SmallModel user_config")
     catch_up: CatchUpConfig = Field(default_factory=CatchUpConfig, description="initial LargeModel user_config")
     small: ReplicaConfig = Field(
         default_factory=lambda: ReplicaConfig(custom_resource="small_gpu", max_ongoing_requests=64,
                                               max_queued_requests=32),
-        description="SmallRouter replicas (M_S + decision function + step loop)")
+        description="SmallModel replicas (M_S + decision function + step loop)")
     large: ReplicaConfig = Field(
         default_factory=lambda: ReplicaConfig(custom_resource="large_gpu"),
         description="LargeModel replicas (M_L); medium models use the same settings")
@@ -222,17 +222,17 @@ class AppArgs(_Config):
                                               max_queued_requests=256),
         description="Ingress replicas (HTTP + gRPC, no GPU)")
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig,
-                                       description="per SmallRouter replica: live and waiting requests at most")
+                                       description="per SmallModel replica: live and waiting requests at most")
     stream: StreamConfig = Field(default_factory=StreamConfig,
-                                 description="per SmallRouter replica: how tokens are coalesced into messages")
+                                 description="per SmallModel replica: how tokens are coalesced into messages")
     default_max_tokens: int = Field(64, ge=1, description="max_tokens of a request that sets none")
     torch_threads: int | None = Field(None, ge=1, description="torch threads per model replica (none: Ray's default)")
     handle_transport: Literal["grpc", "actor"] = Field(
         "grpc", description="how the per-step calls between deployments travel (catch-ups to LargeModel, token "
-                            "streams from SmallRouter): 'grpc', Serve's direct replica-to-replica gRPC "
+                            "streams from SmallModel): 'grpc', Serve's direct replica-to-replica gRPC "
                             "(`_by_reference=False`, pickled; about 1 ms less per call), or 'actor', Ray actor calls")
     engine_factory: str | None = Field(
-        None, description="'module:callable' that builds the SmallRouter's engine instead of BackoffEngine (same "
+        None, description="'module:callable' that builds the SmallModel's engine instead of BackoffEngine (same "
                           "arguments); benchmarks of the serving path alone inject a stand-in through it "
                           "(benchmarks/standin.py). None: the BackoffEngine")
     access: AccessConfig = Field(default_factory=AccessConfig, description="API keys (none: open)")

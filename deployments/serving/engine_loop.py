@@ -138,8 +138,8 @@ class EngineLoop(Generic[Policy]):
             self._drain(block=not self.engine.has_work())
             if self.engine.has_work():
                 self._step()
-        for rid in list(self._sinks):
-            self._fail(rid, "the server is shutting down")
+        for request_id in list(self._sinks):
+            self._fail(request_id, "the server is shutting down")
 
     def _drain(self, block: bool) -> None:
         try:
@@ -161,7 +161,7 @@ class EngineLoop(Generic[Policy]):
     def _admit(self, request, sink: _Sink, policy) -> None:
         try:
             generation = self.admit(request, policy)
-            rid = self.engine.submit(generation)
+            request_id = self.engine.submit(generation)
         except ValueError as exc:
             sink.put(Rejected(str(exc)))
             return
@@ -173,12 +173,12 @@ class EngineLoop(Generic[Policy]):
             log.exception("admission failed")
             sink.put(Failed(f"{type(exc).__name__}: {exc}"))
             return
-        self._sinks[rid] = sink
-        sink.put(Admitted(rid, len(generation.prompt_ids)))
+        self._sinks[request_id] = sink
+        sink.put(Admitted(request_id, len(generation.prompt_ids)))
 
-    def _cancel(self, rid: str) -> None:
-        if self._sinks.pop(rid, None) is not None:
-            self.engine.cancel(rid)
+    def _cancel(self, request_id: str) -> None:
+        if self._sinks.pop(request_id, None) is not None:
+            self.engine.cancel(request_id)
 
     def _step(self) -> None:
         start = time.perf_counter()
@@ -186,28 +186,28 @@ class EngineLoop(Generic[Policy]):
             events = self.engine.step()  # 2.
         except Exception as exc:  # noqa: BLE001 - no one request to blame (a bug in the step itself):
             log.exception("step failed")  # fail the step's requests, keep serving
-            for rid in list(self._sinks):
-                self._fail(rid, f"{type(exc).__name__}: {exc}")
+            for request_id in list(self._sinks):
+                self._fail(request_id, f"{type(exc).__name__}: {exc}")
             return
         self.steps += 1
-        _deliver([(sink, event) for rid, event in events.items()  # 3.
-                  if (sink := self._sinks.get(rid)) is not None and sink.tokens])
-        for rid in self.engine.finished_ids():
-            self._finish(rid)
+        _deliver([(sink, event) for request_id, event in events.items()  # 3.
+                  if (sink := self._sinks.get(request_id)) is not None and sink.tokens])
+        for request_id in self.engine.finished_ids():
+            self._finish(request_id)
         self.last_step_s = time.perf_counter() - start
         self.busy_s += self.last_step_s
 
-    def _finish(self, rid: str) -> None:
+    def _finish(self, request_id: str) -> None:
         """Hand a finished request its result, or the error that ended it alone."""
-        sink = self._sinks.pop(rid, None)
+        sink = self._sinks.pop(request_id, None)
         try:
-            result = self.engine.finish(rid)
+            result = self.engine.finish(request_id)
         except LargeUnavailable as exc:  # on_large_failure = "fail"
             item = Failed(str(exc), unavailable=True)
         except KVCapacityError as exc:  # a larger model had no KV room for its new session: retriable
             item = Failed(str(exc), unavailable=True, code="kv_capacity")
         except Exception as exc:  # noqa: BLE001 - this request's own failure; the others go on
-            log.warning("request %s failed: %s: %s", rid, type(exc).__name__, exc, exc_info=exc)
+            log.warning("request %s failed: %s: %s", request_id, type(exc).__name__, exc, exc_info=exc)
             item = Failed(f"{type(exc).__name__}: {exc}")
         else:
             item = result
@@ -219,8 +219,8 @@ class EngineLoop(Generic[Policy]):
         if sink is not None:
             sink.put(item)
 
-    def _fail(self, rid: str, message: str) -> None:
-        sink = self._sinks.pop(rid, None)
+    def _fail(self, request_id: str, message: str) -> None:
+        sink = self._sinks.pop(request_id, None)
         if sink is not None:
             sink.put(Failed(message))
-        self.engine.cancel(rid)
+        self.engine.cancel(request_id)

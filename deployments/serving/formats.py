@@ -44,7 +44,7 @@ def usage_of(result: GenerationResult) -> Usage:
 
 def _trace(result: GenerationResult) -> BackoffTrace:
     return BackoffTrace(token_ids=list(result.token_ids), sources=list(result.sources),
-                        thresholds=list(result.final_thresholds))
+                        thresholds=list(result.thresholds))
 
 
 def _chat_top(t: Logprob) -> ChatTopLogprob:
@@ -79,28 +79,28 @@ def _event_logprobs(event: TokenEvent) -> tuple[TokenLogprobs, ...] | None:
     return None if event.logprobs is None else (event.logprobs,)
 
 
-def response_body(rid: str, model: str, created: int, result: GenerationResult, chat: bool) -> dict:
+def response_body(request_id: str, model: str, created: int, result: GenerationResult, chat: bool) -> dict:
     reason = result.finish_reason.value
     if chat:
         choice = ChatChoice(message=ChatMessageOut(content=result.text), finish_reason=reason, backoff=_trace(result),
                             logprobs=chat_logprobs(result.logprobs))
-        body = ChatCompletionResponse(id=rid, created=created, model=model, choices=[choice], usage=usage_of(result))
+        body = ChatCompletionResponse(id=request_id, created=created, model=model, choices=[choice], usage=usage_of(result))
     else:
         choice = CompletionChoice(text=result.text, finish_reason=reason, backoff=_trace(result),
                                   logprobs=completion_logprobs(result.logprobs))
-        body = CompletionResponse(id=rid, created=created, model=model, choices=[choice], usage=usage_of(result))
+        body = CompletionResponse(id=request_id, created=created, model=model, choices=[choice], usage=usage_of(result))
     return json_safe(body.model_dump())
 
 
-def chunk_body(rid: str, model: str, created: int, event: TokenEvent, chat: bool) -> dict:
+def chunk_body(request_id: str, model: str, created: int, event: TokenEvent, chat: bool) -> dict:
     trace = TokenTrace(token_id=event.token_id, source=event.source, index=event.index,
                        retracted=event.retracted, retracted_text=event.retracted_text)
     if chat:
         delta = ChatDelta(role="assistant" if event.index == 0 else None, content=event.text)
         choice = ChatChunkChoice(delta=delta, backoff=trace, logprobs=chat_logprobs(_event_logprobs(event)))
-        return json_safe(ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice]).model_dump())
+        return json_safe(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice]).model_dump())
     choice = CompletionChunkChoice(text=event.text, backoff=trace, logprobs=completion_logprobs(_event_logprobs(event)))
-    return json_safe(CompletionChunk(id=rid, created=created, model=model, choices=[choice]).model_dump())
+    return json_safe(CompletionChunk(id=request_id, created=created, model=model, choices=[choice]).model_dump())
 
 
 class TokenChunks:
@@ -110,13 +110,13 @@ class TokenChunks:
     json_safe per token cost ~45 µs, this ~8); a first token or one with logprobs goes
     through chunk_body whole."""
 
-    def __init__(self, rid: str, model: str, created: int, chat: bool) -> None:
-        self.rid, self.model, self.created, self.chat = rid, model, created, chat
-        self.template = chunk_body(rid, model, created, TokenEvent(0, 0, "", 1), chat)
+    def __init__(self, request_id: str, model: str, created: int, chat: bool) -> None:
+        self.request_id, self.model, self.created, self.chat = request_id, model, created, chat
+        self.template = chunk_body(request_id, model, created, TokenEvent(0, 0, "", 1), chat)
 
     def body(self, event: TokenEvent) -> dict:
         if event.index == 0 or event.logprobs is not None:
-            return chunk_body(self.rid, self.model, self.created, event, self.chat)
+            return chunk_body(self.request_id, self.model, self.created, event, self.chat)
         body, choice = dict(self.template), dict(self.template["choices"][0])
         body["choices"] = [choice]
         if self.chat:
@@ -132,15 +132,15 @@ class TokenChunks:
         return "".join(f"data: {json.dumps(self.body(e), allow_nan=False)}\n\n" for e in events)
 
 
-def final_chunk_body(rid: str, model: str, created: int, result: GenerationResult, chat: bool) -> dict:
+def final_chunk_body(request_id: str, model: str, created: int, result: GenerationResult, chat: bool) -> dict:
     """The last chunk: no token, finish_reason and usage (whatever stream_options say)."""
     reason, usage = result.finish_reason.value, usage_of(result)
     if chat:
         choice = ChatChunkChoice(delta=ChatDelta(), finish_reason=reason)
-        return json_safe(ChatCompletionChunk(id=rid, created=created, model=model, choices=[choice],
+        return json_safe(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice],
                                              usage=usage).model_dump())
     choice = CompletionChunkChoice(finish_reason=reason)
-    return json_safe(CompletionChunk(id=rid, created=created, model=model, choices=[choice], usage=usage).model_dump())
+    return json_safe(CompletionChunk(id=request_id, created=created, model=model, choices=[choice], usage=usage).model_dump())
 
 
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
@@ -148,11 +148,11 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
     return ErrorBody(error=ErrorDetail(message=message, type=kind, param=param, code=code)).model_dump()
 
 
-def pb_response(rid: str, result: GenerationResult) -> pb.GenerateResponse:
+def pb_response(request_id: str, result: GenerationResult) -> pb.GenerateResponse:
     return pb.GenerateResponse(
-        id=rid, text=result.text, finish_reason=result.finish_reason.value, usage=usage_to_pb(usage_of(result)),
+        id=request_id, text=result.text, finish_reason=result.finish_reason.value, usage=usage_to_pb(usage_of(result)),
         token_ids=list(result.token_ids), sources=list(result.sources), num_levels=result.num_levels,
-        thresholds=[_finite(t) for t in result.final_thresholds],  # JSON mappings of the reply stay finite
+        thresholds=[_finite(t) for t in result.thresholds],  # JSON mappings of the reply stay finite
         logprobs=[pb_logprobs(e) for e in result.logprobs or ()],
     )
 
@@ -164,19 +164,19 @@ def pb_logprobs(entry: TokenLogprobs) -> pb.TokenLogprobs:
     return pb.TokenLogprobs(chosen=one(entry.chosen), top=[one(t) for t in entry.top], text_offset=entry.text_offset)
 
 
-def pb_chunk(rid: str, event: TokenEvent) -> pb.GenerateChunk:
-    return pb.GenerateChunk(id=rid, text=event.text, token_id=event.token_id, source=event.source,
+def pb_chunk(request_id: str, event: TokenEvent) -> pb.GenerateChunk:
+    return pb.GenerateChunk(id=request_id, text=event.text, token_id=event.token_id, source=event.source,
                             index=event.index, retracted=event.retracted, retracted_text=event.retracted_text,
                             logprobs=None if event.logprobs is None else pb_logprobs(event.logprobs))
 
 
-def pb_chunks(rid: str, events: tuple[TokenEvent, ...]) -> pb.GenerateChunk:
+def pb_chunks(request_id: str, events: tuple[TokenEvent, ...]) -> pb.GenerateChunk:
     """One message for the tokens of one stream message: a token alone is pb_chunk's; several
     ride in `tokens`, in order (the inner chunks without the id)."""
     if len(events) == 1:
-        return pb_chunk(rid, events[0])
-    return pb.GenerateChunk(id=rid, tokens=[pb_chunk("", e) for e in events])
+        return pb_chunk(request_id, events[0])
+    return pb.GenerateChunk(id=request_id, tokens=[pb_chunk("", e) for e in events])
 
 
-def pb_final_chunk(rid: str, result: GenerationResult) -> pb.GenerateChunk:
-    return pb.GenerateChunk(id=rid, finish_reason=result.finish_reason.value, usage=usage_to_pb(usage_of(result)))
+def pb_final_chunk(request_id: str, result: GenerationResult) -> pb.GenerateChunk:
+    return pb.GenerateChunk(id=request_id, finish_reason=result.finish_reason.value, usage=usage_to_pb(usage_of(result)))

@@ -1,8 +1,8 @@
 """Loading one level of the chain inside a replica (each replica loads only its model).
 
-The SmallRouter needs M_S, the shared tokenizer and the chain's context window; a
+The SmallModel needs M_S, the shared tokenizer and the chain's context window; a
 LargeModel replica needs its own model. No models named = the embedded default pair, whose
-M_S shares M_L's embeddings, so the SmallRouter loads M_L's file for them (its decoder
+M_S shares M_L's embeddings, so the SmallModel loads M_L's file for them (its decoder
 layers are dropped with the reference). No Ray here.
 """
 

@@ -14,7 +14,7 @@ A step's calls share one deadline, `timeout_s` (the live `large_timeout_s`): ses
 without a reply by then -- M_L too slow, or no replica to create a session on -- raise
 LargeUnavailable with the replies that did come, and the engine degrades (or fails) just
 those requests. Their sessions are closed like any other (a late call meets a tombstone).
-Every call names `owner`, the SmallRouter replica whose lease keeps its sessions alive.
+Every call names `owner`, the SmallModel replica whose lease keeps its sessions alive.
 
 KV budget: a replica with no KV room for a NEW session answers `refused` (its others go
 on); this proxy raises KVCapacityError carrying the replies that came, and that request
@@ -86,22 +86,22 @@ class RemoteLarge:
         self._steps = itertools.count()
         self._lost: collections.OrderedDict[str, None] = collections.OrderedDict()  # recently lost (bounded)
 
-    def open(self, session_id: str) -> None:
-        if session_id in self._sessions:
-            raise ValueError(f"{self.name}: session {session_id!r} is already open")
-        refill = self._lost.pop(session_id, 0) is None
-        self._sessions[session_id] = _Session(f"{session_id}#{next(_epochs)}", refill=refill)
+    def open(self, request_id: str) -> None:
+        if request_id in self._sessions:
+            raise ValueError(f"{self.name}: session {request_id!r} is already open")
+        refill = self._lost.pop(request_id, 0) is None
+        self._sessions[request_id] = _Session(f"{request_id}#{next(_epochs)}", refill=refill)
 
-    def close(self, session_id: str) -> None:
-        session = self._sessions.pop(session_id, None)
+    def close(self, request_id: str) -> None:
+        session = self._sessions.pop(request_id, None)
         if session is not None and session.sent:
             try:
                 self.endpoint.close(session.key)  # fire and forget; TTL frees what this misses
             except Exception:  # noqa: BLE001 - a lost replica has nothing left to free
                 log.debug("close of %s failed", session.key, exc_info=True)
 
-    def crop(self, session_id: str, length: int) -> None:
-        session = self._get(session_id)
+    def crop(self, request_id: str, length: int) -> None:
+        session = self._get(request_id)
         if not 0 <= length <= session.length:
             raise ValueError(f"{self.name}: cannot crop {session.length} positions to {length}")
         session.length = length  # the next call's `past` tells the replica
@@ -111,16 +111,16 @@ class RemoteLarge:
         if hidden_layer is not None:
             raise ValueError(f"{self.name}: a remote model returns no hidden states")
         group = f"{self._uid}-{next(self._steps)}"
-        calls = [CatchUpCall(self._get(sid).key, self._get(sid).length, tuple(ids), group, len(items), self.owner,
-                             last_only, refill=self._get(sid).refill) for sid, ids in items]
+        calls = [CatchUpCall(self._get(request_id).key, self._get(request_id).length, tuple(ids), group, len(items), self.owner,
+                             last_only, refill=self._get(request_id).refill) for request_id, ids in items]
         start, deadline = time.perf_counter(), time.monotonic() + self.timeout_s
-        for sid, _ in items:
-            self._sessions[sid].sent = True
+        for request_id, _ in items:
+            self._sessions[request_id].sent = True
         pending = [self.endpoint.extend(call) for call in calls]  # all in flight together
         out, lost, failed, refused = {}, [], [], []
         # the engine re-prefills the whole group after a loss: these are live, never refused then
-        live = [sid for sid, _ in items if self._sessions[sid].length or self._sessions[sid].refill]
-        for (sid, ids), call, p in zip(items, calls, pending):
+        live = [request_id for request_id, _ in items if self._sessions[request_id].length or self._sessions[request_id].refill]
+        for (request_id, ids), call, p in zip(items, calls, pending):
             try:
                 reply = self._receive(call, p, deadline)
             except LargeUnavailable as exc:
@@ -130,10 +130,10 @@ class RemoteLarge:
                 refused.append(reply.refused)
                 continue
             if reply.logits is None:
-                lost.append(sid)
+                lost.append(request_id)
                 continue
-            self._sessions[sid].length += len(ids)
-            out[sid] = Extension(torch.from_numpy(np.array(reply.logits, dtype=np.float32)), None)
+            self._sessions[request_id].length += len(ids)
+            out[request_id] = Extension(torch.from_numpy(np.array(reply.logits, dtype=np.float32)), None)
         self.calls += len(calls)
         self.wait_s += time.perf_counter() - start
         if failed:
@@ -141,8 +141,8 @@ class RemoteLarge:
             raise LargeUnavailable(failed[0], out)
         if lost:
             self.lost_sessions += len(lost)
-            for sid in (*lost, *live):
-                self._lost[sid] = None
+            for request_id in (*lost, *live):
+                self._lost[request_id] = None
             while len(self._lost) > 4096:
                 self._lost.popitem(last=False)
             raise SessionLost(f"{self.name}: the replicas lost sessions {lost}; re-prefill them")
@@ -168,8 +168,8 @@ class RemoteLarge:
                 pending = self.endpoint.extend(call)
         raise AssertionError("unreachable")
 
-    def _get(self, session_id: str) -> _Session:
+    def _get(self, request_id: str) -> _Session:
         try:
-            return self._sessions[session_id]
+            return self._sessions[request_id]
         except KeyError:
-            raise SessionError(f"{self.name}: no session {session_id!r}") from None
+            raise SessionError(f"{self.name}: no session {request_id!r}") from None

@@ -1,7 +1,7 @@
-"""What the ingress hands the SmallRouter, and how it becomes a GenerationRequest.
+"""What the ingress hands the SmallModel, and how it becomes a GenerationRequest.
 
 The edge's pydantic `GenerateParams` become frozen dataclasses here; the live routing
-config (`RoutingConfig`, the SmallRouter's user_config) fills what a request leaves open.
+config (`RoutingConfig`, the SmallModel's user_config) fills what a request leaves open.
 No Ray and no torch.
 """
 
@@ -26,7 +26,7 @@ class RoutingOverrides:
 
 @dataclass(frozen=True)
 class ServeRequest:
-    """One request as the SmallRouter receives it: exactly one of the three prompt forms."""
+    """One request as the SmallModel receives it: exactly one of the three prompt forms."""
 
     request_id: str
     sampling: SamplingParams

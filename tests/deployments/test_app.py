@@ -1,7 +1,7 @@
 """The Serve application end to end on a real (local, CPU) Ray cluster with tiny models.
 
 One application for the whole module, deployed the way `backoff serve` / `serve run`
-deploy it (the packaged config with overrides): Ingress, one SmallRouter, TWO LargeModel
+deploy it (the packaged config with overrides): Ingress, one SmallModel, TWO LargeModel
 replicas (every test goes through session affinity). The last tests change the live
 config and kill a replica, so they run last.
 """
@@ -76,13 +76,13 @@ def _config(small: str, large: str, medium: str, http_port: int, grpc_port: int)
     config = serve_cli.loopback_config(small, large, http_port, grpc_port, replicas={"large": 2})
     app = config["applications"][0]
     users = {d["name"]: d for d in app["deployments"]}
-    users["SmallRouter"]["user_config"] = {"router": "entropy", "threshold": [THRESHOLD]}
+    users["SmallModel"]["user_config"] = {"router": "entropy", "threshold": [THRESHOLD]}
     # a chain of three: one more LargeModel-like deployment (MediumModel1), by config only
     chain = json.loads(json.dumps(app))
     chain.update(name="chain", route_prefix="/chain")
     chain["args"]["models"]["medium"] = [medium]
     chain["args"]["large"]["num_replicas"] = 1
-    {d["name"]: d for d in chain["deployments"]}["SmallRouter"]["user_config"] = {
+    {d["name"]: d for d in chain["deployments"]}["SmallModel"]["user_config"] = {
         "router": "random", "threshold": list(CHAIN_THRESHOLDS)}
     config["applications"].append(chain)
     return config
@@ -135,7 +135,7 @@ def _large_infos() -> dict:
 
 
 def _router_info():
-    return serve.get_deployment_handle("SmallRouter", "backoff").info.remote().result(timeout_s=30)
+    return serve.get_deployment_handle("SmallModel", "backoff").info.remote().result(timeout_s=30)
 
 
 # -- end to end ---------------------------------------------------------------------------
@@ -451,9 +451,9 @@ def test_target_backoff_at_the_extremes_answers_finite_json(served, target, max_
 # -- live config and failure (these change the app: they run last) --------------------------
 
 def _router_config(served: Served, **changes) -> None:
-    """`backoff serve` of the config with these SmallRouter user_config changes (live)."""
+    """`backoff serve` of the config with these SmallModel user_config changes (live)."""
     edited = json.loads(json.dumps(served.config))
-    {d["name"]: d for d in edited["applications"][0]["deployments"]}["SmallRouter"]["user_config"].update(changes)
+    {d["name"]: d for d in edited["applications"][0]["deployments"]}["SmallModel"]["user_config"].update(changes)
     path = served.config_path.with_name("router.yaml")
     path.write_text(yaml.safe_dump(edited))
     assert serve_cli.main(["--config", str(path), "--non-blocking"]) == 0
@@ -531,7 +531,7 @@ def test_config_deploy_changes_the_threshold_live(served):
     low = _backoff_rate(served.url)
     edited = json.loads(json.dumps(served.config))
     users = {d["name"]: d for d in edited["applications"][0]["deployments"]}
-    users["SmallRouter"]["user_config"]["threshold"] = [50.0]  # nothing is that uncertain: all small
+    users["SmallModel"]["user_config"]["threshold"] = [50.0]  # nothing is that uncertain: all small
     path = served.config_path.with_name("edited.yaml")
     path.write_text(yaml.safe_dump(edited))
     assert serve_cli.main(["--config", str(path), "--non-blocking"]) == 0

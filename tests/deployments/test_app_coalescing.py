@@ -1,7 +1,7 @@
 """Coalesced token messages over a real (local, CPU) Ray Serve app and the real clients.
 
 Two applications with a tiny message budget (StreamConfig: 20 messages a second, so a
-stream's tokens ride together, up to 40 ms of them): `standin` runs the SmallRouter over the
+stream's tokens ride together, up to 40 ms of them): `standin` runs the SmallModel over the
 benchmark's stand-in engine (benchmarks/standin.py, 2 ms a step, tokens scripted by seed),
 `real` over the tiny models. A client must see every token once, in order, with its source,
 the first token alone in the first message, and the same tokens, text, logprobs, stop and
@@ -74,7 +74,7 @@ def served(tmp_path_factory):
 
 
 def _router(app: str):
-    return serve.get_deployment_handle("SmallRouter", app).info.remote().result(timeout_s=30)
+    return serve.get_deployment_handle("SmallModel", app).info.remote().result(timeout_s=30)
 
 
 async def _raw_grpc(target: str, app: str, request: pb.GenerateRequest) -> list[pb.GenerateChunk]:

@@ -1,10 +1,10 @@
 """Faults on the real Serve application (local CPU Ray, loopback, tiny models).
 
-One application for the module: Ingress, TWO SmallRouter replicas (one can die while the
+One application for the module: Ingress, TWO SmallModel replicas (one can die while the
 other serves), TWO LargeModel replicas. Leases are short (lease_s = 3) and every catch-up
 is delayed a little (inject_delay_ms = 25) so a long request lasts long enough to kill
 something under it on any machine. In order: 1000 cancelled streams, a LargeModel replica
-killed under a gRPC stream, a SmallRouter replica killed under several requests, and last
+killed under a gRPC stream, a SmallModel replica killed under several requests, and last
 a slow M_L (live config) that degrades or fails requests, then recovers.
 """
 
@@ -69,7 +69,7 @@ def _config(small: str, large: str, http_port: int, grpc_port: int) -> dict:
     # one test client opens hundreds of streams; the per-client cap is tests/deployments/test_app_input.py's
     app["args"]["limits"] = {"max_concurrent_per_client": None}
     users = {d["name"]: d for d in app["deployments"]}
-    users["SmallRouter"]["user_config"] = {"router": "entropy", "threshold": [0.4], "large_timeout_s": 10.0}
+    users["SmallModel"]["user_config"] = {"router": "entropy", "threshold": [0.4], "large_timeout_s": 10.0}
     users["LargeModel"]["user_config"].update(lease_s=LEASE_S, inject_delay_ms=DELAY_MS)
     return config
 
@@ -121,7 +121,7 @@ async def _large_infos() -> dict:
 
 
 async def _router_infos() -> dict:
-    return await _infos("SmallRouter")
+    return await _infos("SmallModel")
 
 
 async def _poll(check, timeout_s: float, what: str) -> float:
@@ -147,7 +147,7 @@ def _settled() -> None:
 def _deploy(served: Served, router: dict | None = None, large: dict | None = None) -> None:
     """`backoff serve --config edited.yaml` with these user_config changes (live: no restart)."""
     for d in served.config["applications"][0]["deployments"]:
-        d["user_config"].update({"SmallRouter": router, "LargeModel": large}[d["name"]] or {})
+        d["user_config"].update({"SmallModel": router, "LargeModel": large}[d["name"]] or {})
     path = served.config_path.with_name("edited.yaml")
     path.write_text(yaml.safe_dump(served.config))
     assert serve_cli.main(["--config", str(path), "--non-blocking"]) == 0
@@ -273,14 +273,14 @@ def test_killed_large_replica_mid_grpc_stream_still_completes(served, reference)
     serve_cli.wait_until_running(APP)
 
 
-# -- 2. a SmallRouter replica dies under several requests ---------------------------------------------
+# -- 2. a SmallModel replica dies under several requests ---------------------------------------------
 
 @dataclass
 class Flight:
     kind: str  # http, grpc (streams) or unary (HTTP, not streamed)
     task: asyncio.Task
-    rid: str = ""
-    router: str = ""  # SmallRouter replica serving it
+    request_id: str = ""
+    router: str = ""  # SmallModel replica serving it
 
 
 async def _stream(client: AsyncBackoffHTTPClient | AsyncBackoffGrpcClient, first: asyncio.Future):
@@ -305,15 +305,15 @@ async def _launch(kind: str, clients: tuple, known: set[str]) -> Flight:
     coro = {"http": lambda: _stream(client, first), "grpc": lambda: _stream(grpc_client, first),
             "unary": lambda: _unary(http)}[kind]()
     flight = Flight(kind, asyncio.create_task(coro))
-    rid = await asyncio.wait_for(first, 30) if kind != "unary" else ""
+    request_id = await asyncio.wait_for(first, 30) if kind != "unary" else ""
     for _ in range(200):
         routers = await _router_infos()
         where = {r: info.replica for info in routers.values() for r in info.requests}
-        fresh = [r for r in where if r not in known and (not rid or r == rid)]
+        fresh = [r for r in where if r not in known and (not request_id or r == request_id)]
         assert len(fresh) <= 1, f"{kind} request: {len(fresh)} unknown requests on the routers ({fresh})"
         if fresh:
-            flight.rid, flight.router = fresh[0], where[fresh[0]]
-            known.add(flight.rid)
+            flight.request_id, flight.router = fresh[0], where[fresh[0]]
+            known.add(flight.request_id)
             return flight
         await asyncio.sleep(0.05)
     raise AssertionError(f"{kind} request not found on any router")
@@ -350,7 +350,7 @@ def test_killed_router_fails_its_requests_clearly_and_frees_their_sessions(serve
                 larges = await _large_infos()
                 keys = [k for i in larges.values() for k in i.sessions]
                 owners = {o for i in larges.values() for o, _ in i.owners}
-                return victim not in owners and not any(k.startswith(f.rid + "#") for k in keys for f in doomed)
+                return victim not in owners and not any(k.startswith(f.request_id + "#") for k in keys for f in doomed)
 
             freeing = asyncio.create_task(_poll(orphans_freed, LEASE_S + 20, "sessions of the dead router"))
             await asyncio.gather(*[f.task for f in doomed], return_exceptions=True)

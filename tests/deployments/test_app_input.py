@@ -85,7 +85,7 @@ def served(tmp_path_factory):
     args["access"].update(api_keys=[KEY], api_keys_env=KEY_ENV_VAR)
     args["limits"].update(LIMITS)
     # no threshold in the config: the router's default, which the threshold gauge shows from the start
-    {d["name"]: d for d in config["applications"][0]["deployments"]}["SmallRouter"]["user_config"]["thresholds"] = None
+    {d["name"]: d for d in config["applications"][0]["deployments"]}["SmallModel"]["user_config"]["thresholds"] = None
     path = root / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     os.environ[KEY_ENV_VAR] = f" {ENV_KEY} ,"  # the Ray workers started below inherit it
@@ -133,17 +133,17 @@ def _infos() -> dict[str, tuple]:
         handle = serve.get_deployment_handle(name, "backoff").options(**options)
         return getattr(handle, method).remote().result(timeout_s=30)
 
-    small, ingress = call("SmallRouter"), call("Ingress")
+    small, ingress = call("SmallModel"), call("Ingress")
     large = call("LargeModel", multiplexed_model_id="probe")
-    return {"SmallRouter": (small.pid, small.replica), "Ingress": (ingress.pid, ingress.replica),
+    return {"SmallModel": (small.pid, small.replica), "Ingress": (ingress.pid, ingress.replica),
             "LargeModel": (large.pid, large.replica)}
 
 
 def _wait_idle(timeout_s: float = 30.0) -> None:
-    """No request left open in the SmallRouter, no client slot left taken in the Ingress."""
+    """No request left open in the SmallModel, no client slot left taken in the Ingress."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        small = serve.get_deployment_handle("SmallRouter", "backoff").info.remote().result(timeout_s=30)
+        small = serve.get_deployment_handle("SmallModel", "backoff").info.remote().result(timeout_s=30)
         ingress = serve.get_deployment_handle("Ingress", "backoff").info.remote().result(timeout_s=30)
         if small.live == 0 and not ingress.open_by_client:
             return
@@ -700,7 +700,7 @@ def test_serve_cli_status_and_deploy_change_the_live_threshold(served, tmp_path)
     env.update(re.findall(r"export (\w+)=(\S+)", served.hints))
     cli_ = str(Path(sys.executable).with_name("serve"))
     edited = yaml.safe_load(served.config_path.read_text())
-    {d["name"]: d for d in edited["applications"][0]["deployments"]}["SmallRouter"]["user_config"]["thresholds"] = [0.25]
+    {d["name"]: d for d in edited["applications"][0]["deployments"]}["SmallModel"]["user_config"]["thresholds"] = [0.25]
     path = tmp_path / "edited.yaml"
     path.write_text(yaml.safe_dump(edited))
     deploy = subprocess.run([cli_, "deploy", str(path), "--address", served.dashboard], env=env, capture_output=True,
@@ -709,8 +709,8 @@ def test_serve_cli_status_and_deploy_change_the_live_threshold(served, tmp_path)
     status = subprocess.run([cli_, "status", "--address", served.dashboard], env=env, capture_output=True, text=True,
                             timeout=120)
     assert status.returncode == 0 and "backoff" in status.stdout, status.stderr[-2000:]
-    _eventually(lambda: serve.get_deployment_handle("SmallRouter", "backoff").info.remote().result(
-        timeout_s=30).policy.thresholds == [0.25], "the deploy did not reach the SmallRouter")
+    _eventually(lambda: serve.get_deployment_handle("SmallModel", "backoff").info.remote().result(
+        timeout_s=30).policy.thresholds == [0.25], "the deploy did not reach the SmallModel")
     reply = _post(served, {"prompt": W, "max_tokens": 2})
     assert reply.status_code == 200 and reply.json()["choices"][0]["backoff"]["thresholds"] == [0.25], reply.text
     _eventually(lambda: _gauge(metrics_url) == {"0": 0.25}, f"the gauge did not follow: {_gauge(metrics_url)}")

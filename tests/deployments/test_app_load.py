@@ -1,9 +1,9 @@
 """Load, live reload and backpressure on a real (local, CPU) Ray Serve app with tiny models.
 
 Two applications, deployed the way `backoff serve` deploys them (the packaged config with
-overrides): `backoff` with the default limits (Ingress, one SmallRouter, two LargeModel
+overrides): `backoff` with the default limits (Ingress, one SmallModel, two LargeModel
 replicas) and `tight` (/tight) whose limits are tiny: 2 live + 1 waiting requests per
-SmallRouter replica, 4 ongoing and 2 queued in Serve. The reload test changes the live
+SmallModel replica, 4 ongoing and 2 queued in Serve. The reload test changes the live
 config, so it runs last.
 """
 
@@ -64,7 +64,7 @@ def _save_tiny(root: Path) -> tuple[str, str]:
 def _config(small: str, large: str, http_port: int, grpc_port: int) -> dict:
     config = serve_cli.loopback_config(small, large, http_port, grpc_port, replicas={"large": 2})
     app = config["applications"][0]
-    {d["name"]: d for d in app["deployments"]}["SmallRouter"]["user_config"] = {
+    {d["name"]: d for d in app["deployments"]}["SmallModel"]["user_config"] = {
         "router": "entropy", "threshold": [THRESHOLD]}
     tight = json.loads(json.dumps(app))
     tight.update(name="tight", route_prefix="/tight")
@@ -100,7 +100,7 @@ def _info(deployment: str, app: str = "backoff"):
 
 def _replica_pids(app: str = "backoff") -> dict[str, int]:
     """replica id -> pid of every replica of the app (keyed calls spread over LargeModels)."""
-    pids = {i.replica: i.pid for i in (_info("Ingress", app), _info("SmallRouter", app))}
+    pids = {i.replica: i.pid for i in (_info("Ingress", app), _info("SmallModel", app))}
     large = serve.get_deployment_handle("LargeModel", app)
     for k in range(24):
         info = large.options(multiplexed_model_id=f"probe-{k}").info.remote().result(timeout_s=30)
@@ -110,7 +110,7 @@ def _replica_pids(app: str = "backoff") -> dict[str, int]:
 
 def _wait_idle(app: str, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
-    while (info := _info("SmallRouter", app)).admitted or info.live:
+    while (info := _info("SmallModel", app)).admitted or info.live:
         assert time.monotonic() < deadline, f"{app}: requests still held: {info}"
         time.sleep(0.2)
 
@@ -177,7 +177,7 @@ def test_a_full_app_refuses_with_503_and_retry_after_then_recovers(served):
         # Serve's gRPC proxy keeps a streaming method's trailing metadata only with a message
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED and why.startswith("unary"):
             assert trailing.get("retry-after") == "2", trailing
-    # both bounds refused: the SmallRouter's admission gate and Serve's queue in the Ingress
+    # both bounds refused: the SmallModel's admission gate and Serve's queue in the Ingress
     messages = [r.json()["error"]["message"] for r in refused] + [why for _, _, why in rpcs]
     assert any("the server is at capacity" in m for m in messages), messages
     assert any("Request dropped due to backpressure" in m for m in messages), messages
@@ -265,13 +265,13 @@ def test_32_streams_through_a_live_threshold_change(served):
     try:
         _wait_for(lambda: len(records) >= 2 * STREAMS, "the load did not start")
         edited = json.loads(json.dumps(served.config))
-        {d["name"]: d for d in edited["applications"][0]["deployments"]}["SmallRouter"]["user_config"][
+        {d["name"]: d for d in edited["applications"][0]["deployments"]}["SmallModel"]["user_config"][
             "threshold"] = [ALL_SMALL]
         path = served.config_path.with_name("edited.yaml")
         path.write_text(yaml.safe_dump(edited))
         deployed = time.monotonic()
         assert serve_cli.main(["--config", str(path), "--non-blocking"]) == 0
-        applied = _wait_for(lambda: _info("SmallRouter").policy.thresholds == [ALL_SMALL], "reconfigure did not arrive")
+        applied = _wait_for(lambda: _info("SmallModel").policy.thresholds == [ALL_SMALL], "reconfigure did not arrive")
         _wait_for(lambda: sum(r.start > applied for r in records) >= 2 * STREAMS, "no requests after the deploy")
     finally:
         stop.set()

@@ -3,11 +3,11 @@ machine, separate raylets), tiny models. `pytest -m multinode` runs just these.
 
 Nodes: a head (CPUs: Serve's controller and proxy, the Ingress), two `small_gpu` nodes and
 two `large_gpu` nodes (one logical GPU each). The app asks for them as on a real cluster:
-SmallRouter replicas need small_gpu + 1 GPU, LargeModel replicas large_gpu + 1 GPU, so
+SmallModel replicas need small_gpu + 1 GPU, LargeModel replicas large_gpu + 1 GPU, so
 each model replica gets a node (a GPU) of its own. In order: placement; a generation whose
 catch-ups cross nodes; the LargeModel's node killed under a stream (re-prefill on the other
-replica, a new replica on a replacement node); a SmallRouter's node killed (its requests
-fail with a retriable 503, new ones succeed); autoscaling of Ingress and SmallRouter under
+replica, a new replica on a replacement node); a SmallModel's node killed (its requests
+fail with a retriable 503, new ones succeed); autoscaling of Ingress and SmallModel under
 a burst, recorded (JSON + PNG; BACKOFF_RESULTS=DIR saves them there, e.g. benchmarks/results);
 last, a tiny KV budget (a redeploy): 503 + Retry-After, and every request completes.
 """
@@ -79,12 +79,12 @@ def served(tmp_path_factory):
     args["ingress"].update(num_replicas=None, min_replicas=1, max_replicas=2, num_cpus=0.1)
     args["limits"] = {"max_concurrent_per_client": None}
     users = {d["name"]: d for d in app["deployments"]}
-    users["SmallRouter"]["user_config"] = {"router": "entropy", "threshold": [THRESHOLD], "large_timeout_s": 30.0}
+    users["SmallModel"]["user_config"] = {"router": "entropy", "threshold": [THRESHOLD], "large_timeout_s": 30.0}
     users["LargeModel"]["user_config"].update(lease_s=3.0, inject_delay_ms=25.0)
     # Serve's autoscaling options (delays, look-back) in the config's `deployments:` section, from
     # the start: the first autoscaling_config there changes the app's code version (a redeploy of
     # every replica), a later change of its numbers is a live update
-    users["SmallRouter"]["autoscaling_config"] = {**AUTOSCALE, "min_replicas": 2}
+    users["SmallModel"]["autoscaling_config"] = {**AUTOSCALE, "min_replicas": 2}
     app["deployments"].append({"name": "Ingress", "autoscaling_config": AUTOSCALE})
     local = start_cluster(head_cpus=2, small_gpu=2, large_gpu=2)
     try:
@@ -150,9 +150,9 @@ def _placed(local: LocalCluster, deployment: str, kind: str, n: int) -> bool:
 
 def test_model_replicas_land_on_their_own_node_types(served):
     local = served.local
-    assert _placed(local, "SmallRouter", "small_gpu", 2)  # one per small_gpu node
+    assert _placed(local, "SmallModel", "small_gpu", 2)  # one per small_gpu node
     assert _placed(local, "LargeModel", "large_gpu", 2)
-    routers = {i.node for i in _infos("SmallRouter").values()}
+    routers = {i.node for i in _infos("SmallModel").values()}
     larges = {i.node for i in _infos("LargeModel").values()}
     assert not routers & larges and len(routers | larges) == 4
     gpus = {n["NodeID"]: n["Resources"].get("GPU", 0) for n in ray.nodes() if n["Alive"]}
@@ -194,7 +194,7 @@ def test_losing_the_large_models_node_mid_stream(served, engine):
         finished_s = time.monotonic() - killed
     tokens = [d.token_id for d in deltas if d.finish_reason is None]
     assert deltas[-1].finish_reason == "length" and tokens == reference
-    lost = sum(i.sessions_lost for i in _infos("SmallRouter").values())
+    lost = sum(i.sessions_lost for i in _infos("SmallModel").values())
     assert lost >= 1
     new_node = local.add("large_gpu").node_id  # the cluster's autoscaler would start one
     up_s = _wait(lambda: _placed(local, "LargeModel", "large_gpu", 2)
@@ -204,7 +204,7 @@ def test_losing_the_large_models_node_mid_stream(served, engine):
 
 
 def test_losing_a_small_routers_node(served, engine):
-    """Requests on the lost SmallRouter end with a retriable error (SSE: an in-band 503
+    """Requests on the lost SmallModel end with a retriable error (SSE: an in-band 503
     error event, `router_unavailable`); those on the other finish whole; new requests
     succeed while the deployment has one replica left."""
     local = served.local
@@ -224,9 +224,9 @@ def test_losing_a_small_routers_node(served, engine):
             for _ in range(12):  # until both routers serve some (where one lands is Serve's choice)
                 first = asyncio.get_running_loop().create_future()
                 task = asyncio.create_task(stream(client, first))
-                rid = await asyncio.wait_for(first, 60)
-                where = {r: i.node for i in (await asyncio.to_thread(_infos, "SmallRouter")).values() for r in i.requests}
-                flights[rid] = (task, where[rid])
+                request_id = await asyncio.wait_for(first, 60)
+                where = {r: i.node for i in (await asyncio.to_thread(_infos, "SmallModel")).values() for r in i.requests}
+                flights[request_id] = (task, where[request_id])
                 if len({node for _, node in flights.values()}) == 2 and len(flights) >= 4:
                     break
             nodes = sorted({node for _, node in flights.values()})
@@ -245,13 +245,13 @@ def test_losing_a_small_routers_node(served, engine):
             assert not isinstance(out, BaseException), out
             assert [d.token_id for d in out if d.finish_reason is None] == reference
     assert any(doomed for doomed, _ in results) and not all(doomed for doomed, _ in results)
-    _wait(lambda: len(_infos("SmallRouter")) == 1, 60, "the dead router dropped")
+    _wait(lambda: len(_infos("SmallModel")) == 1, 60, "the dead router dropped")
     with BackoffHTTPClient(served.url) as client:  # new requests: the surviving router
         for i in range(4):
             out = client.complete([3 + i, 4], max_tokens=8, temperature=0, ignore_eos=True)
             assert len(out.token_ids) == 8
     local.add("small_gpu")  # room again for the autoscaling test
-    _wait(lambda: _placed(local, "SmallRouter", "small_gpu", 2), 120, "a replacement SmallRouter")
+    _wait(lambda: _placed(local, "SmallModel", "small_gpu", 2), 120, "a replacement SmallModel")
 
 
 # -- 3. autoscaling ---------------------------------------------------------------------------------
@@ -299,7 +299,7 @@ class Recorder:
         data = {"meta": meta, "marks": self.marks, "samples": self.samples}
         path_json = directory / "autoscaling.json"
         path_json.write_text(json.dumps(data, indent=1))
-        names = ("Ingress", "SmallRouter", "LargeModel")
+        names = ("Ingress", "SmallModel", "LargeModel")
         fig, axes = plt.subplots(len(names), 1, figsize=(8, 5), sharex=True)
         t = [s["t"] for s in self.samples]
         for ax, name, color in zip(axes, names, ("C0", "C1", "C2")):
@@ -322,18 +322,18 @@ class Recorder:
 
 
 def test_autoscaling_follows_a_burst(served, tmp_path):
-    """SmallRouter (1..2) and Ingress (1..2), target 2 ongoing requests each: a burst of 12
-    concurrent requests scales both up, and they scale down after it. The SmallRouter's
+    """SmallModel (1..2) and Ingress (1..2), target 2 ongoing requests each: a burst of 12
+    concurrent requests scales both up, and they scale down after it. The SmallModel's
     lower bound goes from 2 to 1 live (the config's `deployments:` section): no replica restarts."""
     app = served.config["applications"][0]
     for d in app["deployments"]:
-        if d["name"] == "SmallRouter":
+        if d["name"] == "SmallModel":
             d["autoscaling_config"] = AUTOSCALE
     burst_s, streams = 40.0, 12
     larges = {i.pid for i in _infos("LargeModel").values()}
     with Recorder() as rec:
         _deploy(served.config, served.root / "autoscale.yaml")
-        _wait(lambda: _running().get("SmallRouter") == 1 and _running().get("Ingress") == 1, 120, "scaled to 1")
+        _wait(lambda: _running().get("SmallModel") == 1 and _running().get("Ingress") == 1, 120, "scaled to 1")
         rec.mark("burst")
 
         refused = 0
@@ -357,7 +357,7 @@ def test_autoscaling_follows_a_burst(served, tmp_path):
 
         completed = asyncio.run(burst())
         rec.mark("end of burst")
-        _wait(lambda: _running().get("SmallRouter") == 1 and _running().get("Ingress") == 1, 120, "scaled down")
+        _wait(lambda: _running().get("SmallModel") == 1 and _running().get("Ingress") == 1, 120, "scaled down")
         time.sleep(1.0)
         rec.mark("scaled down")
     during = [s for s in rec.samples if rec.marks["burst"] <= s["t"] <= rec.marks["end of burst"]]
@@ -368,8 +368,8 @@ def test_autoscaling_follows_a_burst(served, tmp_path):
     paths = rec.save(out, meta)
     print(f"\nautoscaling: {completed} requests in the burst ({refused} refused); saved {paths[0]} and {paths[1]}")
     assert completed > 0 and {i.pid for i in _infos("LargeModel").values()} == larges  # a live update
-    assert max(s.get("SmallRouter", 0) for s in during) == 2 and max(s.get("Ingress", 0) for s in during) == 2
-    assert rec.series("SmallRouter")[-1] == 1 and rec.series("Ingress")[-1] == 1
+    assert max(s.get("SmallModel", 0) for s in during) == 2 and max(s.get("Ingress", 0) for s in during) == 2
+    assert rec.series("SmallModel")[-1] == 1 and rec.series("Ingress")[-1] == 1
 
 
 # -- 4. the KV budget over Serve ------------------------------------------------------------------

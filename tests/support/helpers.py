@@ -36,8 +36,8 @@ class Recording(ModelRunner):
         self.calls: list[tuple[str, int, list[int], torch.Tensor]] = []
 
     def extend(self, items, hidden_layer=None, last_only=False):
-        before = {sid: self.length(sid) for sid, _ in items}
+        before = {request_id: self.length(request_id) for request_id, _ in items}
         out = super().extend(items, hidden_layer, last_only)
-        for (sid, ids), ext in zip(items, out):
-            self.calls.append((sid, before[sid], list(ids), ext.logits))
+        for (request_id, ids), ext in zip(items, out):
+            self.calls.append((request_id, before[request_id], list(ids), ext.logits))
         return out

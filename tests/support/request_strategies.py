@@ -80,7 +80,7 @@ def expected_refusal(path: str, body: dict, max_tokens_cap: int) -> str | None:
         return describe_validation(exc.errors())[0] or ""
     if request.max_tokens is not None and request.max_tokens > max_tokens_cap:
         return "max_tokens"
-    if request.router not in (None, *ROUTERS):  # e.g. "1": judged by the SmallRouter, a 400 naming no param
+    if request.router not in (None, *ROUTERS):  # e.g. "1": judged by the SmallModel, a 400 naming no param
         return ""
     return None
 

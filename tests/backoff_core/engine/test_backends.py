@@ -23,11 +23,11 @@ class Failing(ModelRunner):
         self.calls: list[list[str]] = []
 
     def extend(self, items, hidden_layer=None, last_only=False):
-        self.calls.append([sid for sid, _ in items])
+        self.calls.append([request_id for request_id, _ in items])
         if len(self.calls) <= self.after:
             return super().extend(items, hidden_layer, last_only)
-        alive = [(sid, ids) for sid, ids in items if self.dead is not None and sid not in self.dead]
-        done = dict(zip([sid for sid, _ in alive], super().extend(alive, last_only=last_only))) if alive else {}
+        alive = [(request_id, ids) for request_id, ids in items if self.dead is not None and request_id not in self.dead]
+        done = dict(zip([request_id for request_id, _ in alive], super().extend(alive, last_only=last_only))) if alive else {}
         raise LargeUnavailable("large: no reply within 0.1 s", done)
 
 
@@ -35,9 +35,9 @@ def _engine(pair, tokenizer, large: Failing) -> BackoffEngine:
     return BackoffEngine([ModelRunner(pair[0], "small"), large], tokenizer)
 
 
-def _always_large(prompt, n, on_large_failure="degrade", rid=""):
+def _always_large(prompt, n, on_large_failure="degrade", request_id=""):
     return GenerationRequest(tuple(prompt), SamplingParams(max_tokens=n, ignore_eos=True),
-                             RoutingParams(router="always-large", on_large_failure=on_large_failure), rid)
+                             RoutingParams(router="always-large", on_large_failure=on_large_failure), request_id)
 
 
 def test_a_failed_catch_up_degrades_the_rest_to_the_small_model(pair, tokenizer):
@@ -50,7 +50,7 @@ def test_a_failed_catch_up_degrades_the_rest_to_the_small_model(pair, tokenizer)
     assert result.token_ids[:5] == hf_greedy(large_model, prompt, 5)
     # M_S goes on from the committed text (its cache caught up over the large tokens)
     assert result.token_ids[5:] == hf_greedy(small, prompt + list(result.token_ids[:5]), n - 5)
-    assert len(large.calls) == 6 and large.session_ids() == []  # never called again, session closed
+    assert len(large.calls) == 6 and large.request_ids() == []  # never called again, session closed
 
 
 def test_fail_policy_ends_the_request_with_the_error(pair, tokenizer):
@@ -58,7 +58,7 @@ def test_fail_policy_ends_the_request_with_the_error(pair, tokenizer):
     engine = _engine(pair, tokenizer, large)
     with pytest.raises(LargeUnavailable, match="no reply"):
         engine.generate(_always_large([3, 4], 12, on_large_failure="fail"))
-    assert engine.live_ids() == [] and large.session_ids() == []
+    assert engine.live_ids() == [] and large.request_ids() == []
     with pytest.raises(LargeUnavailable):
         list(engine.stream(_always_large([3, 4], 12, on_large_failure="fail")))
     assert engine.live_ids() == []
@@ -67,10 +67,10 @@ def test_fail_policy_ends_the_request_with_the_error(pair, tokenizer):
 def test_only_the_sessions_without_a_reply_degrade(pair, tokenizer):
     large = Failing(pair[1], after=3, dead={"b"})
     engine = _engine(pair, tokenizer, large)
-    a, b = engine.generate_many([_always_large([3, 4, 5], 10, rid="a"), _always_large([6, 7], 10, rid="b")])
+    a, b = engine.generate_many([_always_large([3, 4, 5], 10, request_id="a"), _always_large([6, 7], 10, request_id="b")])
     assert not a.degraded and a.sources == (1,) * 10
     assert b.degraded and b.sources == (1,) * 3 + (0,) * 7
-    assert large.session_ids() == []
+    assert large.request_ids() == []
 
 
 @pytest.mark.parametrize("routing", [
@@ -84,7 +84,7 @@ def test_every_router_degrades_without_hanging(pair, tokenizer, routing):
     req = request([3, 4, 5], max_tokens=20, seed=1, temperature=0.8, **routing)
     result = engine.generate(req)
     assert result.degraded and len(result.token_ids) == 20 and 0 in result.sources
-    assert len(large.calls) == 3 and engine.live_ids() == [] and large.session_ids() == []
+    assert len(large.calls) == 3 and engine.live_ids() == [] and large.request_ids() == []
     last_large = max((i for i, s in enumerate(result.sources) if s == 1), default=-1)
     assert all(s == 0 for s in result.sources[last_large + 1:])
 

@@ -87,8 +87,8 @@ def test_logits_after_catch_up_equal_full_recompute(pair, tokenizer, batched, ve
     for r, res in zip(reqs, results):
         full[res.request_id] = list(r.prompt_ids) + list(res.token_ids)
     checked = 0
-    for sid, before, ids, logits in runners[1].calls:
-        seq = full[sid][: before + len(ids)]
+    for request_id, before, ids, logits in runners[1].calls:
+        seq = full[request_id][: before + len(ids)]
         with torch.no_grad():
             reference = large(torch.tensor([seq])).logits[0, before:]
         if verification == Verification.NONE:
@@ -110,8 +110,8 @@ class Forgetful(ModelRunner):
     def extend(self, items, hidden_layer=None, last_only=False):
         self.calls += 1
         if self.calls == self.lose_at:
-            for sid in self.session_ids():
-                self.close(sid)
+            for request_id in self.request_ids():
+                self.close(request_id)
         return super().extend(items, hidden_layer, last_only)
 
 
@@ -129,17 +129,17 @@ def test_lost_large_session_is_rebuilt_by_re_prefill(pair, tokenizer):
 
 def test_runner_lengths_track_fed_through_rollbacks(pair, tokenizer):
     engine = engine_for(pair, tokenizer)
-    rid = engine.submit(request(PROMPT, 30, "random", rate=0.7, seed=2, verification=Verification.KL, tolerance=0.5))
+    request_id = engine.submit(request(PROMPT, 30, "random", rate=0.7, seed=2, verification=Verification.KL, tolerance=0.5))
     rollbacks = 0
     while engine.has_work():
-        event = engine.step().get(rid)
-        live = engine._live[rid]
+        event = engine.step().get(request_id)
+        live = engine._live[request_id]
         rollbacks += event.retracted if event else 0
         for level, model in enumerate(engine.models):
             if level in live.opened:
-                assert model.length(rid) == live.fed[level]
+                assert model.length(request_id) == live.fed[level]
         assert len(live.sources) == len(live.tokens) - len(PROMPT)
-    result = engine.finish(rid)
+    result = engine.finish(request_id)
     assert result.rollbacks == rollbacks > 0
     assert len(result.token_ids) == 30
 
@@ -165,11 +165,11 @@ def test_last_only_is_the_last_row_of_every_row(pair, keeps):
     steps = [[("a", [5, 6, 7, 8])], [("a", [9])], [("a", [3, 4]), ("b", [1, 2, 3, 4, 5, 6]), ("c", [7])],
              [("b", [2]), ("c", [8, 9, 10]), ("a", [11, 12, 13, 14])]]
     for runner in (full, last):
-        for sid in "abc":
-            runner.open(sid)
+        for request_id in "abc":
+            runner.open(request_id)
     for items in steps:
         every = full.extend(items)
         ends = last.extend(items, last_only=True)
-        for (sid, ids), e, l in zip(items, every, ends):
+        for (request_id, ids), e, l in zip(items, every, ends):
             assert e.logits.shape[0] == len(ids) and l.logits.shape[0] == 1
             torch.testing.assert_close(l.logits, e.logits[-1:], atol=1e-5, rtol=1e-5)

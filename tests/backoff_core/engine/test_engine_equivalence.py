@@ -59,8 +59,8 @@ def test_draft_schedule_shrinks_after_rejections_and_constant_stays(pair, tokeni
     kwargs = dict(draft_tokens=4, verification=Verification.EXACT)
     heuristic = engine.generate(request(PROMPTS[0], 30, "draft", **kwargs))
     constant = engine.generate(request(PROMPTS[0], 30, "draft", draft_schedule="constant", **kwargs))
-    assert heuristic.rollbacks > 0 and heuristic.final_thresholds == (1.0,)
-    assert constant.final_thresholds == (4.0,)
+    assert heuristic.rollbacks > 0 and heuristic.thresholds == (1.0,)
+    assert constant.thresholds == (4.0,)
     # each verification of the constant schedule reads 4 drafts + the large model's own token
     assert [c.length for c in constant.catch_ups][1:] and all(
         c.length == 5 for c in constant.catch_ups[1:] if c.rolled_back == 0)
@@ -129,4 +129,4 @@ def test_sessions_are_freed(pair, tokenizer):
     stream = engine.stream(request(PROMPTS[0], 50, "always-large"))
     next(stream)
     stream.close()  # the caller stops early: a cancel
-    assert engine.models[0].session_ids() == [] and engine.models[1].session_ids() == []
+    assert engine.models[0].request_ids() == [] and engine.models[1].request_ids() == []

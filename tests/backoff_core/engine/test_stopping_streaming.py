@@ -87,7 +87,7 @@ def test_engine_refuses_bad_requests(pair, tokenizer):
         engine.submit(request((3, 999), 4))
     with pytest.raises(ValueError, match="thresholds"):
         engine.submit(request(PROMPT, 4, "entropy", thresholds=(1.0, 2.0)))
-    assert engine.models[0].session_ids() == []
+    assert engine.models[0].request_ids() == []
 
 
 def test_the_detokenizer_decodes_exactly_as_the_tokenizer(tokenizer):

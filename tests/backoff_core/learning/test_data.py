@@ -98,7 +98,7 @@ def test_bad_specs_are_user_errors(tmp_path):
 
 
 def test_a_head_scores_stored_positions_as_the_engine_does(built):
-    """data_scores (training, calibration, evaluation) == RouterHead.score on live tensors."""
+    """data_scores (training, calibration, evaluation) == ClassifierHead.score on live tensors."""
     from backoff_core.learning.train import TrainConfig, data_scores, train
 
     chain, cfg, out = built

@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-from backoff_core.routing.head import RouterHead
+from backoff_core.routing.head import ClassifierHead
 from backoff_core.learning.metrics import area, gap_closed, nll_curve, random_curve, roc_auc, thresholds_for_rates
 from backoff_core.learning.train import TrainConfig, fold_standardisation, save, train
 from tests.support.router_fakes import one_thread, synthetic  # noqa: F401 (autouse fixture)
@@ -79,14 +79,14 @@ def test_two_stage_training_logs_both_stages_and_reads_the_right_layer(tmp_path)
     assert {r["stage"] for r in log} == {"pretrain", "finetune"}
     assert head.layer == 1 and head.meta.extra["t_kl"] == pytest.approx(float(torch.quantile(pre.kl.double(), 0.75)))
     save(head, log, tmp_path / "head")
-    loaded = RouterHead.load(tmp_path / "head")
+    loaded = ClassifierHead.load(tmp_path / "head")
     x = pre.hidden[1][:10].float()
     assert torch.allclose(loaded.score(x), head.score(x), atol=1e-6)
     assert (tmp_path / "head" / "train_curve.png").stat().st_size > 1000
 
 
 def test_standardisation_folds_into_the_first_layer():
-    head = RouterHead.random(8)
+    head = ClassifierHead.random(8)
     x = torch.randn(5, 8)
     mean, std = torch.randn(8), torch.rand(8) + 0.5
     with torch.no_grad():

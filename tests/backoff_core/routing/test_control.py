@@ -10,7 +10,7 @@ import torch
 
 from backoff_core.learning.calibrate import achieved_rates, calibrate, calibrate_dir, head_scores
 from backoff_core.routing.control import RateController, rate_prior
-from backoff_core.routing.head import RouterHead
+from backoff_core.routing.head import ClassifierHead
 from backoff_core.learning.train import TrainConfig, save, train
 from backoff_core.routing.routers import Classifier
 from tests.support.helpers import engine_for, request
@@ -106,7 +106,7 @@ def test_controller_extremes_and_prior():
 
 
 def test_rate_prior_reads_the_calibration_table():
-    head = RouterHead.random(8)
+    head = ClassifierHead.random(8)
     assert rate_prior(Classifier(head)) is None
     from dataclasses import replace
 
@@ -123,7 +123,7 @@ def test_controller_in_the_engine(pair, tokenizer):
     results = engine.generate_many(reqs)
     rates = [r.backoff_rate for r in results]
     assert all(abs(r - t) <= 0.03 for r, t in zip(rates, targets)), rates
-    assert all(r.final_thresholds[0] != 2.0 for r in results)  # steered away from the router default
+    assert all(r.thresholds[0] != 2.0 for r in results)  # steered away from the router default
 
 
 def test_the_default_pair_gets_the_committed_head(pair, tokenizer):
@@ -133,7 +133,7 @@ def test_the_default_pair_gets_the_committed_head(pair, tokenizer):
     assert default_head_dir(Chain(tuple(pair), tokenizer, ("a", "b"))) is None
     if not (DEFAULT_HEAD_DIR / "head.json").exists():
         pytest.skip("no committed router head")
-    head = RouterHead.load(DEFAULT_HEAD_DIR)
+    head = ClassifierHead.load(DEFAULT_HEAD_DIR)
     assert head.meta.calibration and head.meta.hidden_size == 576
     with pytest.warns(UserWarning, match="another M_S"):  # tiny M_S: not the one the head was trained on
         assert default_head_dir(Chain(tuple(pair), tokenizer, ("default-small", "default-large"))) == str(DEFAULT_HEAD_DIR)

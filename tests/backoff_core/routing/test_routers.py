@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from backoff_core.routing.head import HeadMeta, RouterHead
+from backoff_core.routing.head import HeadMeta, ClassifierHead
 from backoff_core.routing.routers import NAMES, StepContext, build_router
 from tests.support.helpers import engine_for, request
 
@@ -43,14 +43,14 @@ def test_unknown_router_names_the_choices():
 
 
 def test_router_head_round_trip_and_calibration(tmp_path):
-    head = RouterHead(HeadMeta(hidden_size=8, layer=1, inner_size=16, calibration=((0.5, 0.2), (0.9, 0.6))))
+    head = ClassifierHead(HeadMeta(hidden_size=8, layer=1, inner_size=16, calibration=((0.5, 0.2), (0.9, 0.6))))
     head.save(tmp_path)
-    loaded = RouterHead.load(tmp_path)
+    loaded = ClassifierHead.load(tmp_path)
     h = torch.randn(5, 8)
     torch.testing.assert_close(head.score(h), loaded.score(h))
     assert loaded.threshold_for_rate(0.7) == pytest.approx(0.4)
     with pytest.raises(FileNotFoundError, match="no router head"):
-        RouterHead.load(tmp_path / "missing")
+        ClassifierHead.load(tmp_path / "missing")
 
 
 def test_classifier_router_reads_the_small_hidden_state(pair, tokenizer):

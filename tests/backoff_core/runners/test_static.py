@@ -59,21 +59,21 @@ def static(model, slots=8, max_len=128, name="static") -> StaticRunner:
 def both(model, sids, **kwargs):
     """A ModelRunner and a StaticRunner over the same model, with the same sessions open."""
     ref, run = ModelRunner(model, "ref"), static(model, **kwargs)
-    for sid in sids:
-        ref.open(sid)
-        run.open(sid)
+    for request_id in sids:
+        ref.open(request_id)
+        run.open(request_id)
     return ref, run
 
 
 def assert_same(ref, run, items, hidden_layer=None, last_only=False):
     expected = ref.extend(items, hidden_layer=hidden_layer, last_only=last_only)
     got = run.extend(items, hidden_layer=hidden_layer, last_only=last_only)
-    for (sid, _), e, g in zip(items, expected, got):
+    for (request_id, _), e, g in zip(items, expected, got):
         assert g.logits.shape == e.logits.shape and g.logits.dtype == torch.float32
         torch.testing.assert_close(g.logits, e.logits, **TOL)
         if hidden_layer is not None:
             torch.testing.assert_close(g.hidden, e.hidden, **TOL)
-        assert run.length(sid) == ref.length(sid)
+        assert run.length(request_id) == ref.length(request_id)
 
 
 def record_paths(run) -> list[bool]:
@@ -108,8 +108,8 @@ def test_ragged_batches_on_both_read_paths(model):
     sids = [f"s{i}" for i in range(8)]
     ref, run = both(model, sids)
     assert [run._sessions[s].slot for s in sids] == list(range(8))
-    for i, sid in enumerate(sids):  # different lengths in every slot
-        assert_same(ref, run, [(sid, list(range(1, 3 + 5 * i)))])
+    for i, request_id in enumerate(sids):  # different lengths in every slot
+        assert_same(ref, run, [(request_id, list(range(1, 3 + 5 * i)))])
     paths = record_paths(run)
     batches = [
         ["s0", "s1", "s2", "s3"],  # slots 0-3 of a 4-row view: dense
@@ -119,11 +119,11 @@ def test_ragged_batches_on_both_read_paths(model):
         ["s7", "s0", "s3"],  # out of slot order: gather
     ]
     for t, group in enumerate(batches):
-        items = [(sid, [(t + j) % VOCAB] * (1 + (j * 3) % 5)) for j, sid in enumerate(group)]
+        items = [(request_id, [(t + j) % VOCAB] * (1 + (j * 3) % 5)) for j, request_id in enumerate(group)]
         assert_same(ref, run, items, last_only=t % 2 == 1)
     assert paths == [True, False, False, True, False]
     # and the sessions the batches skipped still extend correctly
-    assert_same(ref, run, [(sid, [2, 3]) for sid in sids])
+    assert_same(ref, run, [(request_id, [2, 3]) for request_id in sids])
 
 
 def test_crop_then_extend_equals_recomputation(model):
@@ -173,7 +173,7 @@ def test_slot_budget_and_max_len_errors_change_nothing(model):
     with pytest.raises(KVCapacityError, match="kv_budget_tokens=128") as err:
         run.open("c")
     assert isinstance(err.value, RuntimeError)
-    assert sorted(run.session_ids()) == ["a", "b"] and run.kv.free_slots == 0
+    assert sorted(run.request_ids()) == ["a", "b"] and run.kv.free_slots == 0
     run.extend([("a", [1] * 60), ("b", [2] * 5)])
     with pytest.raises(KVCapacityError, match="would hold 64 positions"):
         run.extend([("b", [3]), ("a", [4] * 4)])  # b fits, a does not: neither moves
@@ -241,7 +241,7 @@ def test_engine_random_routing_equals_model_runner_engine(pair, tokenizer):
     assert [g.token_ids for g in got] == [e.token_ids for e in expected]
     assert [g.sources for g in got] == [e.sources for e in expected]
     assert len({g.sources for g in got}) > 1 and all(0 < sum(g.sources) < 16 for g in got)  # really mixed
-    assert [m.session_ids() for m in engine.models] == [[], []]
+    assert [m.request_ids() for m in engine.models] == [[], []]
     assert [m.kv.free_slots for m in engine.models] == [16, 16]
 
 
@@ -281,7 +281,7 @@ def test_graph_replay_bookkeeping_equals_model_runner(model):
         ([("s0", [3]), ("s1", [4, 5]), ("s2", [6] * 7)], dict(hidden_layer=1)),  # dense 4 rows, k 8
         ([("s5", [2] * 9), ("s2", [3])], dict(last_only=True, hidden_layer=1)),  # gather 2 rows, k 16
         ([("s1", [1] * 40)], {}),  # k = 40 > 16: eager
-        ([(sid, [4]) for sid in sids], {}),  # 6 rows > max_rows: eager
+        ([(request_id, [4]) for request_id in sids], {}),  # 6 rows > max_rows: eager
         ([("s0", [5] * 60)], dict(last_only=True)),  # L 128, eager (k 60)
         ([("s0", [6]), ("s3", [7])], dict(hidden_layer=1)),  # gather 2 rows at L 128
     ]

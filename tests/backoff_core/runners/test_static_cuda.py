@@ -83,7 +83,7 @@ def test_batched_equals_alone(engine):
     together = engine.generate_many(reqs)
     assert [a.token_ids for a in alone] == [t.token_ids for t in together]
     assert [a.sources for a in alone] == [t.sources for t in together]
-    assert [m.session_ids() for m in engine.models] == [[], []]
+    assert [m.request_ids() for m in engine.models] == [[], []]
 
 
 def test_rollback_equals_recomputation(gpu_pair):

@@ -42,15 +42,15 @@ def test_no_free_slot_refuses_with_a_retriable_error_and_leaks_nothing(pair, tok
     first, second = engine.submit(_request(1)), engine.submit(_request(2))
     with pytest.raises(KVCapacityError, match="kv_budget_tokens=128"):
         engine.submit(_request(3))
-    assert sorted(small.session_ids()) == sorted([first, second]) and engine.live_ids() == [first, second]
+    assert sorted(small.request_ids()) == sorted([first, second]) and engine.live_ids() == [first, second]
     while engine.has_work():
         engine.step()
     results = [engine.finish(first), engine.finish(second)]
-    assert small.session_ids() == [] and large.session_ids() == []
-    rid = engine.submit(_request(3))  # a slot is free again
+    assert small.request_ids() == [] and large.request_ids() == []
+    request_id = engine.submit(_request(3))  # a slot is free again
     while engine.has_work():
         engine.step()
-    results.append(engine.finish(rid))
+    results.append(engine.finish(request_id))
     dynamic = _engine(pair, tokenizer, None)
     assert [r.token_ids for r in results] == [dynamic.generate(_request(s)).token_ids for s in (1, 2, 3)]
 
@@ -60,7 +60,7 @@ def test_a_request_longer_than_a_slot_is_refused_up_front(pair, tokenizer):
     assert engine.context_window == 31  # one position of each slot is scratch
     with pytest.raises(ValueError, match="context window of 31 tokens"):
         engine.submit(_request(0, max_tokens=28))
-    assert engine.models[0].session_ids() == []
+    assert engine.models[0].request_ids() == []
     assert len(engine.generate(_request(0, max_tokens=27)).token_ids) == 27  # 4 + 27 = 31 fits
 
 
@@ -113,4 +113,4 @@ def test_the_step_loop_refuses_a_request_without_a_slot_as_503_kv_capacity(pair,
     error = failure(refused)
     assert error.status == 503 and error.code == "kv_capacity" and "no free KV slot" in error.message
     assert len(result.token_ids) == 40  # the admitted request was not disturbed
-    assert engine.models[0].session_ids() == []
+    assert engine.models[0].request_ids() == []

@@ -1,4 +1,4 @@
-"""Backpressure without a cluster: the SmallRouter's admission gate, the bounded-queue
+"""Backpressure without a cluster: the SmallModel's admission gate, the bounded-queue
 options of the config, and the clients' OverloadedError and bounded retries (HTTP against a
 mock transport, gRPC against an in-process server)."""
 

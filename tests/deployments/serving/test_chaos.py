@@ -46,7 +46,7 @@ def test_sessions_of_an_owner_that_stops_renewing_are_freed(pair, loop_thread):
     time.sleep(0.06)
     batcher.renew("router-b")  # b is alive; a died (no call, no renewal)
     assert sorted(loop_thread.run(batcher.expire_leases(0.05))) == ["a1", "a2"]
-    assert sorted(runner.session_ids()) == ["b1", "x"]  # no owner: TTL only
+    assert sorted(runner.request_ids()) == ["b1", "x"]  # no owner: TTL only
     assert batcher.owners() == {"router-b": 1} and batcher.stats.orphans_freed == 2
     reply = loop_thread.run(batcher.extend(CatchUpCall("b1", 2, (5,), owner="router-b")))  # b carries on
     assert reply.logits is not None
@@ -57,7 +57,7 @@ def test_a_late_call_cannot_recreate_a_closed_session(pair, loop_thread):
     batcher = CatchUpBatcher(runner)
     loop_thread.run(batcher.close("k#1"))  # the caller gave up and closed before its call landed
     reply = loop_thread.run(batcher.extend(CatchUpCall("k#1", 0, (3, 4), owner="router-a")))
-    assert reply.logits is None and "closed" in reply.lost and runner.session_ids() == []
+    assert reply.logits is None and "closed" in reply.lost and runner.request_ids() == []
 
 
 class SlowEndpoint(FakeEndpoint):
@@ -85,7 +85,7 @@ def test_a_slow_large_model_degrades_within_the_timeout_and_leaves_no_session(pa
     engine, remote = remote_engine(pair, tokenizer, endpoint)
     remote.timeout_s = 0.2
     req = request([3, 4, 5], max_tokens=12, router="always-large")
-    rid = engine.submit(req)
+    request_id = engine.submit(req)
     for _ in range(4):  # four M_L tokens at full speed
         engine.step()
     endpoint.delay_s = 3.0
@@ -93,12 +93,12 @@ def test_a_slow_large_model_degrades_within_the_timeout_and_leaves_no_session(pa
     while engine.has_work():
         engine.step()
     seconds = time.monotonic() - start
-    result = engine.finish(rid)
+    result = engine.finish(request_id)
     assert seconds < 2.0 and result.degraded and "no reply within 0.2 s" in result.degraded_reason  # not 3 s
     assert result.sources == (1,) * 4 + (0,) * 8
     assert result.token_ids[:4] == engine_for(pair, tokenizer).generate(req).token_ids[:4]
     time.sleep(3.2)  # the late call lands after the close: a tombstone, not a session
-    assert not any(b.runner.session_ids() for b in endpoint.replicas)
+    assert not any(b.runner.request_ids() for b in endpoint.replicas)
 
 
 def test_no_replica_to_create_a_session_on_is_unavailable(pair, tokenizer, loop_thread):
@@ -122,7 +122,7 @@ class _BareIngress(Ingress.func_or_class):
 
 
 class _FirstItemRouter:
-    """A SmallRouter handle whose stream yields one item: what the step loop answered."""
+    """A SmallModel handle whose stream yields one item: what the step loop answered."""
 
     def __init__(self, first) -> None:
         self.first, self.generate = first, self
@@ -205,11 +205,11 @@ def test_an_unexpected_grpc_error_is_internal_with_a_message():
 
 def test_the_chaos_knob_fails_forwards_that_carry_a_doomed_request(pair):
     faults = FaultInjector(ModelRunner(pair[0], "small"), after=1)
-    for sid in ("ok", "doomed"):
-        faults.open(sid)
+    for request_id in ("ok", "doomed"):
+        faults.open(request_id)
     faults.doom("doomed")
     faults.extend([("ok", [3]), ("doomed", [4])])  # its first forward passes
     with pytest.raises(InjectedFault):
         faults.extend([("ok", [5]), ("doomed", [6])])
     assert faults.inner.length("ok") == 2  # the forward ran first: its caches were written
-    assert len(faults.extend([("ok", [7])])[0].logits) == 1 and faults.session_ids() == ["ok", "doomed"]
+    assert len(faults.extend([("ok", [7])])[0].logits) == 1 and faults.request_ids() == ["ok", "doomed"]

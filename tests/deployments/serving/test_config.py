@@ -28,7 +28,7 @@ def test_packaged_config_is_a_valid_serve_config():
     assert app.import_path == "deployments.app:build_app"
     AppArgs.model_validate(app.args)
     users = {d.name: d.user_config for d in app.deployments}
-    RoutingConfig.model_validate(users["SmallRouter"])
+    RoutingConfig.model_validate(users["SmallModel"])
     assert "deployments.serving.grpc_service.add_BackoffServicer_to_server" in schema.grpc_options.grpc_servicer_functions
     assert schema.http_options.host == "127.0.0.1"  # loopback unless exposed on purpose
 
@@ -50,11 +50,11 @@ def test_cli_overrides_land_in_args_and_user_config():
     app = out["applications"][0]
     assert app["args"]["models"]["medium"] == ["m"] and out["http_options"]["port"] == 8123
     users = {d["name"]: d["user_config"] for d in app["deployments"]}
-    assert users["SmallRouter"]["router"] == "max-prob" and users["SmallRouter"]["thresholds"] is None
+    assert users["SmallModel"]["router"] == "max-prob" and users["SmallModel"]["thresholds"] is None
     assert users["LargeModel"]["batching"] is False
     assert base["applications"][0]["args"]["models"]["small"] is None  # a copy was changed
     out = apply_overrides(base, _parser().parse_args(["--threshold", "1.5,2.5"]))
-    assert {d["name"]: d for d in out["applications"][0]["deployments"]}["SmallRouter"]["user_config"][
+    assert {d["name"]: d for d in out["applications"][0]["deployments"]}["SmallModel"]["user_config"][
         "thresholds"] == [1.5, 2.5]
 
 
@@ -126,7 +126,7 @@ def test_a_chain_of_three_adds_one_large_like_deployment():
     from ray.serve._private.build_app import build_app as materialize
 
     names = sorted(d.name for d in materialize(app, name="x").deployments)
-    assert names == ["Ingress", "LargeModel", "MediumModel1", "SmallRouter"]
+    assert names == ["Ingress", "LargeModel", "MediumModel1", "SmallModel"]
 
 
 @dataclass(frozen=True)
@@ -198,3 +198,16 @@ def test_routing_config_takes_thresholds_or_its_old_spelling_threshold():
 def _routing(config: dict) -> dict:
     """The SmallModel's user_config (the one deployment with a router)."""
     return next(d["user_config"] for d in config["applications"][0]["deployments"] if "router" in d["user_config"])
+
+
+def test_a_config_naming_the_old_small_deployment_still_applies(capsys):
+    base = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    for d in base["applications"][0]["deployments"]:
+        if d["name"] == "SmallModel":
+            d["name"] = "SmallRouter"  # a config written before the rename
+    out = apply_overrides(base, _parser().parse_args(["--router", "entropy"]))
+    names = [d["name"] for d in out["applications"][0]["deployments"]]
+    assert "SmallRouter" not in names and names.count("SmallModel") == 1
+    small = {d["name"]: d for d in out["applications"][0]["deployments"]}["SmallModel"]
+    assert small["user_config"]["router"] == "entropy" and "inject_fault_seed" in small["user_config"]  # the old entry
+    assert "'SmallRouter' is now called 'SmallModel'" in capsys.readouterr().err

@@ -129,7 +129,7 @@ def test_idle_sessions_expire(pair, loop_thread):
     time.sleep(0.05)
     loop_thread.run(batcher.extend(CatchUpCall("new", 0, (3, 4))))
     assert loop_thread.run(batcher.expire(0.03)) == ["old"]
-    assert runner.session_ids() == ["new"]
+    assert runner.request_ids() == ["new"]
 
 
 # -- RemoteLarge over a fake transport --------------------------------------------------------
@@ -176,7 +176,7 @@ class FakeEndpoint:
         asyncio.run_coroutine_threadsafe(self.replicas[self.route(key)].close(key), self.lt.loop).result(10)
 
     def holder(self) -> int:
-        return next(i for i, b in enumerate(self.replicas) if b.runner.session_ids())
+        return next(i for i, b in enumerate(self.replicas) if b.runner.request_ids())
 
 
 def remote_engine(pair, tokenizer, endpoint) -> tuple[BackoffEngine, RemoteLarge]:
@@ -209,21 +209,21 @@ def test_remote_large_equals_in_process(pair, tokenizer, loop_thread):
     assert all(len(set(g)) == len(g) == c.group_size for c in endpoint.calls for g in [groups[c.group]])
     assert max(len(g) for g in groups.values()) > 1  # requests of one step went out together
     assert remote.lost_sessions == 0
-    assert not any(b.runner.session_ids() for b in endpoint.replicas)  # freed on finish
+    assert not any(b.runner.request_ids() for b in endpoint.replicas)  # freed on finish
 
 
 def test_lost_replica_is_re_prefilled_and_the_output_is_unchanged(pair, tokenizer, loop_thread):
     endpoint = FakeEndpoint(pair[1], loop_thread)
     engine, remote = remote_engine(pair, tokenizer, endpoint)
     req = request([3, 4, 5], max_tokens=30, router="always-large")
-    rid = engine.submit(req)
+    request_id = engine.submit(req)
     for _ in range(8):
         engine.step()
     victim = endpoint.holder()
     endpoint.dead.add(victim)  # the replica holding the session dies; the router learns it on the next call
     while engine.has_work():
         engine.step()
-    result = engine.finish(rid)
+    result = engine.finish(request_id)
     assert remote.lost_sessions >= 1 and victim in endpoint.noticed
     assert result.token_ids == engine_for(pair, tokenizer).generate(req).token_ids
     assert endpoint.calls[-1].past > 0 and any(c.past == 0 and c.key.split("#")[1] != endpoint.calls[0].key.split("#")[1]
@@ -263,8 +263,8 @@ def test_fresh_session_on_a_dead_replica_is_retried(pair, tokenizer, loop_thread
 
 # -- the engine thread ------------------------------------------------------------------------
 
-def _serve_request(rid, prompt, max_tokens=8, **overrides) -> ServeRequest:
-    return ServeRequest(rid, request(prompt, max_tokens).sampling, RoutingOverrides(**overrides),
+def _serve_request(request_id, prompt, max_tokens=8, **overrides) -> ServeRequest:
+    return ServeRequest(request_id, request(prompt, max_tokens).sampling, RoutingOverrides(**overrides),
                         prompt_ids=tuple(prompt))
 
 
@@ -279,8 +279,8 @@ def test_engine_loop_streams_batches_and_reads_the_policy_per_step(pair, tokeniz
     loop = EngineLoop(engine, admit, RoutingConfig(router="entropy", threshold=[0.3]))
     loop.start()
 
-    async def consume(rid, prompt, **overrides):
-        q = loop.submit(_serve_request(rid, prompt, **overrides))
+    async def consume(request_id, prompt, **overrides):
+        q = loop.submit(_serve_request(request_id, prompt, **overrides))
         items = []
         while not items or not isinstance(items[-1], (GenerationResult, Rejected)):
             items.append(await q.get())

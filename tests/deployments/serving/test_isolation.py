@@ -47,7 +47,7 @@ class Flaky(ModelRunner):
 
     def extend(self, items, hidden_layer=None, last_only=False):
         out = super().extend(items, hidden_layer, last_only)
-        if any(sid == CULPRIT for sid, _ in items):
+        if any(request_id == CULPRIT for request_id, _ in items):
             self.seen += 1
             if self.seen > self.after:
                 raise Injected(f"{self.name}: injected fault")
@@ -56,8 +56,8 @@ class Flaky(ModelRunner):
 
 def _requests(router: str, seeded: bool = False, **routing) -> dict:
     """rid -> 12 greedy tokens of PROMPTS[rid] (seeds 0, 1, 2 if `seeded`)."""
-    return {rid: dataclasses.replace(request(p, 12, router, seed=i if seeded else None, **routing), request_id=rid)
-            for i, (rid, p) in enumerate(PROMPTS.items())}
+    return {request_id: dataclasses.replace(request(p, 12, router, seed=i if seeded else None, **routing), request_id=request_id)
+            for i, (request_id, p) in enumerate(PROMPTS.items())}
 
 
 def _alone(pair, tokenizer, req, router=None) -> GenerationResult:
@@ -66,31 +66,31 @@ def _alone(pair, tokenizer, req, router=None) -> GenerationResult:
 
 def _run(engine: BackoffEngine, reqs: dict, routers: dict | None = None) -> dict:
     """Every request together; rid -> its GenerationResult or the exception finish raised."""
-    for rid, req in reqs.items():
-        engine.submit(req, (routers or {}).get(rid))
+    for request_id, req in reqs.items():
+        engine.submit(req, (routers or {}).get(request_id))
     while engine.has_work():
         engine.step()
     out = {}
-    for rid in reqs:
+    for request_id in reqs:
         try:
-            out[rid] = engine.finish(rid)
+            out[request_id] = engine.finish(request_id)
         except Exception as exc:  # noqa: BLE001 - what the test inspects
-            out[rid] = exc
+            out[request_id] = exc
     return out
 
 
 def _check(out: dict, pair, tokenizer, reqs: dict, routers: dict | None = None, says: str = "injected") -> None:
     assert isinstance(out[CULPRIT], Exception) and says in str(out[CULPRIT]), out[CULPRIT]
-    for rid in ("a", "b"):
-        alone = _alone(pair, tokenizer, reqs[rid], (routers or {}).get(rid))
-        assert isinstance(out[rid], GenerationResult), out[rid]
-        assert (out[rid].token_ids, out[rid].sources) == (alone.token_ids, alone.sources), rid
-        assert len(out[rid].token_ids) == 12 and out[rid].finish_reason == FinishReason.LENGTH
+    for request_id in ("a", "b"):
+        alone = _alone(pair, tokenizer, reqs[request_id], (routers or {}).get(request_id))
+        assert isinstance(out[request_id], GenerationResult), out[request_id]
+        assert (out[request_id].token_ids, out[request_id].sources) == (alone.token_ids, alone.sources), request_id
+        assert len(out[request_id].token_ids) == 12 and out[request_id].finish_reason == FinishReason.LENGTH
 
 
 def _no_sessions(engine: BackoffEngine) -> None:
     assert engine.live_ids() == []
-    assert all(not m.session_ids() for m in engine.models)
+    assert all(not m.request_ids() for m in engine.models)
 
 
 @pytest.mark.parametrize("router", ["entropy", "always-small"])
@@ -156,14 +156,14 @@ def test_a_router_error_ends_only_its_request(pair, tokenizer):
     routers = dict.fromkeys(reqs, router)  # one object: the three share each router call
     engine = engine_for(pair, tokenizer)
     out = _run(engine, reqs, routers)
-    _check(out, pair, tokenizer, reqs, {rid: Poisoned(None) for rid in reqs})
+    _check(out, pair, tokenizer, reqs, {request_id: Poisoned(None) for request_id in reqs})
     assert len(out["a"].timings.router_steps) == 12
     _no_sessions(engine)
 
 
 class FlakyDetokenizer(Detokenizer):
     def event(self, live, source, retracted):
-        if live.sid == CULPRIT and len(live.generated) == 5:
+        if live.request_id == CULPRIT and len(live.generated) == 5:
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
         return super().event(live, source, retracted)
 
@@ -185,15 +185,15 @@ def test_the_engine_loop_fails_one_stream_and_completes_the_others(pair, tokeniz
     loop = EngineLoop(engine, lambda r, policy: reqs[r], RoutingConfig())
     loop.start()
 
-    async def consume(rid):
-        q = loop.submit(rid)
+    async def consume(request_id):
+        q = loop.submit(request_id)
         items = [await q.get()]
         while not isinstance(items[-1], (GenerationResult, Failed)):
             items.append(await q.get())
         return items
 
     async def main():
-        return await asyncio.gather(*[consume(rid) for rid in reqs])
+        return await asyncio.gather(*[consume(request_id) for request_id in reqs])
 
     try:
         a, b, bad = asyncio.run(main())
@@ -201,11 +201,11 @@ def test_the_engine_loop_fails_one_stream_and_completes_the_others(pair, tokeniz
         loop.stop()
     assert isinstance(bad[0], Admitted) and isinstance(bad[-1], Failed)
     assert "Injected: small: injected fault" in bad[-1].message and not bad[-1].unavailable
-    for rid, items in (("a", a), ("b", b)):
+    for request_id, items in (("a", a), ("b", b)):
         result = items[-1]
         assert isinstance(result, GenerationResult) and result.finish_reason == FinishReason.LENGTH
         assert [e.token_id for e in items if isinstance(e, TokenEvent)] == list(result.token_ids)
-        assert result.token_ids == _alone(pair, tokenizer, reqs[rid]).token_ids
+        assert result.token_ids == _alone(pair, tokenizer, reqs[request_id]).token_ids
     assert loop.live() == 0
     _no_sessions(engine)
 
@@ -233,20 +233,20 @@ def test_target_backoff_at_the_extremes_ends_with_json_safe_thresholds(pair, tok
     req = request([3, 4, 5], max_tokens=6, router="entropy", target_backoff=target)
     result = engine_for(pair, tokenizer).generate(req)
     assert result.sources == (source,) * 6
-    assert all(math.isfinite(t) for t in result.final_thresholds)
+    assert all(math.isfinite(t) for t in result.thresholds)
     json.dumps(response_body("cmpl-1", "m", 0, result, chat=False), allow_nan=False)
 
 
 def test_huge_thresholds_stay_finite_in_float64(pair, tokenizer):
     result = engine_for(pair, tokenizer).generate(request([3, 4], 4, "entropy", thresholds=(3.4e38,)))
-    assert result.final_thresholds == (3.4e38,) and result.sources == (0,) * 4  # float32 made it inf
+    assert result.thresholds == (3.4e38,) and result.sources == (0,) * 4  # float32 made it inf
     result = engine_for(pair, tokenizer).generate(request([3, 4], 4, "entropy", thresholds=(math.inf,)))
-    assert result.final_thresholds == (sys.float_info.max,)
+    assert result.thresholds == (sys.float_info.max,)
 
 
 def test_every_response_body_is_json_safe(pair, tokenizer):
     result = engine_for(pair, tokenizer).generate(request([3, 4], 3))
-    result = dataclasses.replace(result, final_thresholds=(-math.inf, math.inf, math.nan))
+    result = dataclasses.replace(result, thresholds=(-math.inf, math.inf, math.nan))
     event = TokenEvent(token_id=5, source=0, text="w3", index=0)
     bodies = [response_body("c", "m", 0, result, chat) for chat in (False, True)]
     bodies += [final_chunk_body("c", "m", 0, result, chat) for chat in (False, True)]
@@ -263,7 +263,7 @@ def test_a_failure_at_finish_reaches_the_stream_as_its_failed(pair, tokenizer):
 
     class FailsAtTheEnd(Detokenizer):
         def full_text(self, live):
-            if live.sid == CULPRIT and live.finished:
+            if live.request_id == CULPRIT and live.finished:
                 raise ValueError("injected: cannot decode")
             return super().full_text(live)
 
@@ -274,7 +274,7 @@ def test_a_failure_at_finish_reaches_the_stream_as_its_failed(pair, tokenizer):
     loop.start()
 
     async def main():
-        queues = [loop.submit(rid, tokens=False) for rid in reqs]
+        queues = [loop.submit(request_id, tokens=False) for request_id in reqs]
         outs = []
         for q in queues:
             items = [await q.get()]

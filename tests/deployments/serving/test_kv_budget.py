@@ -15,7 +15,7 @@ from backoff_core.runners.static_kv import KVCapacityError
 from backoff_core.types import KVSpec
 from deployments.serving.batcher import CatchUpBatcher, CatchUpCall
 from deployments.serving.engine_loop import Failed
-from deployments.streams import Overload, failure
+from deployments.streams import OverloadedError, failure
 
 
 @pytest.fixture(scope="module")
@@ -27,13 +27,13 @@ def loop_thread():
 
 def test_runner_evicts_idle_sessions_lru_and_refuses_a_new_one_the_live_ones_leave_no_room_for(pair):
     runner = ModelRunner(pair[1], "large", kv_budget_tokens=10)
-    for sid in ("a", "b", "c"):
-        runner.open(sid)
-        runner.extend([(sid, [3, 4, 5])])  # 9 positions held
+    for request_id in ("a", "b", "c"):
+        runner.open(request_id)
+        runner.extend([(request_id, [3, 4, 5])])  # 9 positions held
     runner.extend([("a", [6])])  # a is now the most recently used; 10 held
     runner.open("d")
     runner.extend([("d", [7, 8, 9, 10])])  # needs 4: b and c (least recently used, idle) go
-    assert sorted(runner.session_ids()) == ["a", "d"] and runner.kv_tokens == 8 and runner.evictions == 2
+    assert sorted(runner.request_ids()) == ["a", "d"] and runner.kv_tokens == 8 and runner.evictions == 2
     # a new session that does not fit beside the live ones of its extend: refused, nothing changed
     runner.open("e")
     with pytest.raises(KVCapacityError, match="kv_budget_tokens=10"):
@@ -76,7 +76,7 @@ def test_twenty_long_requests_with_a_small_budget_all_complete_and_memory_stays_
 
     def recording(items, **kwargs):
         out = extend(items, **kwargs)
-        held_after.append((runner.kv_tokens, sum(runner.length(sid) for sid, _ in items)))
+        held_after.append((runner.kv_tokens, sum(runner.length(request_id) for request_id, _ in items)))
         return out
 
     runner.extend = recording
@@ -91,7 +91,7 @@ def test_twenty_long_requests_with_a_small_budget_all_complete_and_memory_stays_
     assert all(held <= max(budget, live) for held, live in held_after), held_after
     peak = max(held for held, _ in held_after)
     assert peak <= budget < n * (3 + tokens) // 2, (peak, budget)
-    assert runner.session_ids() == []  # freed on finish
+    assert runner.request_ids() == []  # freed on finish
 
 
 def test_new_requests_are_refused_when_live_sessions_fill_the_budget(pair, tokenizer, loop_thread):
@@ -107,9 +107,9 @@ def test_new_requests_are_refused_when_live_sessions_fill_the_budget(pair, token
     while engine.has_work():
         engine.step()
     outcomes = []
-    for rid in rids:
+    for request_id in rids:
         try:
-            outcomes.append(engine.finish(rid).token_ids)
+            outcomes.append(engine.finish(request_id).token_ids)
         except KVCapacityError as exc:
             outcomes.append(exc)
     refused = [o for o in outcomes if isinstance(o, KVCapacityError)]
@@ -123,12 +123,12 @@ def test_new_requests_are_refused_when_live_sessions_fill_the_budget(pair, token
     assert reply.logits is not None and not reply.refused
     reply = loop_thread.run(batcher.extend(CatchUpCall("z", 0, tuple(range(3, 10)), owner="r")))
     assert reply.logits is not None  # x and y were idle: evicted for z
-    assert sorted(batcher.runner.session_ids()) == ["z"] and batcher.owners() == {"r": 1}
+    assert sorted(batcher.runner.request_ids()) == ["z"] and batcher.owners() == {"r": 1}
 
 
 def test_a_kv_refusal_is_a_503_with_retry_after():
     exc = failure(Failed("no KV room", unavailable=True, code="kv_capacity"))
-    assert isinstance(exc, Overload) and exc.status == 503 and exc.code == "kv_capacity"
+    assert isinstance(exc, OverloadedError) and exc.status == 503 and exc.code == "kv_capacity"
     assert exc.retry_after == "1"
     assert type(exc)(*exc.__reduce__()[1]).code == "kv_capacity"  # survives the pickle to the gRPC proxy
 
@@ -192,5 +192,5 @@ def test_the_small_models_budget_refuses_new_requests_and_never_evicts_a_live_on
     while engine.has_work():
         engine.step()
     alone = engine_for(pair, tokenizer)
-    assert [engine.finish(rid).token_ids for rid in rids] == [alone.generate(r).token_ids for r in reqs]
+    assert [engine.finish(request_id).token_ids for request_id in rids] == [alone.generate(r).token_ids for r in reqs]
     engine.generate(request([9, 9], max_tokens=4))  # room again once they ended
