@@ -5,7 +5,7 @@ PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test venv bench
+.PHONY: demo test lint venv bench
 
 $(BIN)/backoff: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -22,6 +22,10 @@ demo: venv
 
 test: venv
 	$(BIN)/python -m pytest -q --tb=short tests
+
+lint: venv
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 bench: venv
 	$(BIN)/python benchmarks/cost_curve.py
