@@ -1,0 +1,172 @@
+"""Stand-ins for what Ray Serve gives a replica, so that the deployment classes of
+deployments/ (their `.func_or_class`) run in the test process with Ray not started:
+
+- `replica_context`: the replica's id and node (serve.get_replica_context, ray.get_runtime_context);
+- `LoopThread`: the larger replicas' event loop, on a thread;
+- `Multiplexer`: `@serve.multiplexed` of one LargeModel (an LRU of what `_register` returned;
+  the real one needs a live replica and pushes its ids to the controller);
+- `FakeHandle`: a DeploymentHandle of a LargeModel deployment over such instances: calls routed
+  by multiplexed_model_id (whose value the replica reads from Serve's request context, set here
+  as Serve sets it), `broadcast(...).results_async` for the lease renewals.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+import threading
+import types
+
+import ray
+from ray import serve
+from ray.serve.context import _set_request_context
+
+
+def replica_context(monkeypatch, replica: str = "small-replica-0", node: str = "node-0") -> None:
+    """What a replica asks Serve and Ray about itself, answered without a cluster."""
+    context = types.SimpleNamespace(replica_id=types.SimpleNamespace(unique_id=replica), deployment="test",
+                                    app_name="test")
+    runtime = types.SimpleNamespace(get_node_id=lambda: node, get_assigned_resources=lambda: {})
+    monkeypatch.setattr(serve, "get_replica_context", lambda: context)
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: runtime)
+
+
+class LoopThread:
+    """An asyncio loop on a thread: plays a replica's event loop for callers on other threads."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float = 30):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        async def cancel_all():  # batchers' and sweepers' tasks, so nothing is left pending
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        self.run(cancel_all())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+        self.loop.close()
+
+
+class Multiplexer:
+    """`@serve.multiplexed(max_num_models_per_replica=capacity)` on `large._register`: the
+    undecorated loader's results, least recently used dropped beyond `capacity` (dropping
+    the last reference is what frees a session in Serve too)."""
+
+    def __init__(self, large, capacity: int = 4096) -> None:
+        self.large, self.capacity = large, capacity
+        self.loader = type(large)._register.__wrapped__  # the method under Serve's decorator
+        self.held: collections.OrderedDict[str, object] = collections.OrderedDict()
+        self.loads: list[str] = []
+
+    async def __call__(self, key: str):
+        if key in self.held:
+            self.held.move_to_end(key)
+            return self.held[key]
+        self.loads.append(key)
+        self.held[key] = await self.loader(self.large, key)
+        while len(self.held) > self.capacity:
+            self.held.popitem(last=False)
+        return self.held[key]
+
+    def evict(self, key: str) -> None:
+        del self.held[key]
+
+
+class _Pending:
+    """A DeploymentResponse: `.result(timeout_s)` blocks the calling thread."""
+
+    def __init__(self, future) -> None:
+        self.future = future
+
+    def result(self, timeout_s: float | None = None):
+        return self.future.result(timeout_s)
+
+
+class _Method:
+    def __init__(self, handle: "FakeHandle", name: str, key: str) -> None:
+        self.handle, self.name, self.key = handle, name, key
+
+    def remote(self, *args) -> _Pending:
+        replica = self.handle.route(self.key)
+        self.handle.sent.append((self.name, self.key, replica))
+
+        async def call():
+            _set_request_context(multiplexed_model_id=self.key)  # this task's context, as in a replica
+            return await getattr(self.handle.replicas[replica], self.name)(*args)
+
+        return _Pending(asyncio.run_coroutine_threadsafe(call(), self.handle.lt.loop))
+
+
+class _Keyed:
+    def __init__(self, handle: "FakeHandle", key: str) -> None:
+        self.handle, self.key = handle, key
+
+    def __getattr__(self, name: str) -> _Method:
+        return _Method(self.handle, name, self.key)
+
+
+class _Broadcast:
+    def __init__(self, handle: "FakeHandle", name: str, args: tuple) -> None:
+        self.handle, self.name, self.args = handle, name, args
+
+    async def results_async(self, timeout_s: float | None = None, return_exceptions: bool = False) -> list:
+        futures = [asyncio.wrap_future(asyncio.run_coroutine_threadsafe(getattr(r, self.name)(*self.args),
+                                                                        self.handle.lt.loop))
+                   for r in self.handle.replicas]
+        return await asyncio.wait_for(asyncio.gather(*futures, return_exceptions=return_exceptions), timeout_s)
+
+
+class FakeHandle:
+    """A LargeModel deployment's handle over `replicas` (user-class instances) on `lt`'s loop.
+    `sent` records (method, key, replica index) of every keyed call."""
+
+    def __init__(self, replicas: list, lt: LoopThread) -> None:
+        self.replicas, self.lt = replicas, lt
+        self.sent: list[tuple[str, str, int]] = []
+        self.broadcasts: list[tuple[str, tuple]] = []
+
+    def options(self, multiplexed_model_id: str | None = None, **_options):
+        return self if multiplexed_model_id is None else _Keyed(self, multiplexed_model_id)
+
+    def route(self, key: str) -> int:
+        """Session affinity: one replica per key (highest random weight)."""
+        return max(range(len(self.replicas)), key=lambda i: hashlib.sha1(f"{key}{i}".encode()).digest())
+
+    def broadcast(self, name: str, *args) -> _Broadcast:
+        self.broadcasts.append((name, args))
+        return _Broadcast(self, name, args)
+
+
+def large_replica(monkeypatch, model, level: int = 1, models: dict | None = None, capacity: int = 4096):
+    """A LargeModel instance serving `model` (its loading replaced), its multiplexer faked."""
+    from deployments import large
+
+    replica_context(monkeypatch)
+    monkeypatch.setattr(large, "load_level", lambda cfg, lvl, threads=None: model)
+    replica = large.LargeModel.func_or_class(models or {}, level)
+    replica._register = Multiplexer(replica, capacity)
+    return replica
+
+
+def small_replica(monkeypatch, model, tokenizer, handles: list, args: dict | None = None):
+    """A SmallModel instance over `model` and the larger deployments' `handles`, its engine
+    thread started (stop it: `.loop.stop()`)."""
+    import sys
+
+    from deployments import small
+    from deployments.serving.models import SmallSide
+
+    replica_context(monkeypatch)
+    side = SmallSide(model, tokenizer, model.config.max_position_embeddings, model.config.hidden_size)
+    monkeypatch.setattr(small, "load_small_side", lambda cfg, threads=None: side)
+    monkeypatch.setattr(sys, "setswitchinterval", lambda s: None)  # a replica's setting, not the test process's
+    return small.SmallModel.func_or_class(args or {}, *handles)
