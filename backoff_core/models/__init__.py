@@ -1,5 +1,5 @@
 """Models: local checkpoints, GGUF files and the embedded default pair; CPU kernels; prompts."""
 
-from backoff_core.models.loading import Chain, LoadSpec, load_chain, load_model
+from backoff_core.models.loading import Chain, LoadSpec, SmallSide, load_chain, load_level, load_model, load_small_side
 
-__all__ = ["Chain", "LoadSpec", "load_chain", "load_model"]
+__all__ = ["Chain", "LoadSpec", "SmallSide", "load_chain", "load_level", "load_model", "load_small_side"]

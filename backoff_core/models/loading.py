@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from backoff_core.models.default_pair import DEFAULT_PAIR_NAMES, load_default_large, load_default_pair
 from backoff_core.models.kernels import use_cpu_kernels
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -44,20 +45,32 @@ class LoadSpec:
         return self.device
 
 
-def _split_gguf(name: str) -> tuple[str, dict]:
+def _where(name: str) -> tuple[str, dict]:
+    """(path or id, from_pretrained keywords) for a directory, a cached hub id or a .gguf file."""
     path = Path(name)
     if path.suffix == ".gguf":
         if not path.is_file():
             raise FileNotFoundError(f"no GGUF file at {path}")
         return str(path.parent), {"gguf_file": path.name}
-    return name, {}
+    # a hub id: only from the local cache, never fetched
+    return name, ({} if path.exists() else {"local_files_only": True})
+
+
+def load_tokenizer(name: str):
+    where, extra = _where(name)
+    return AutoTokenizer.from_pretrained(where, **extra)
+
+
+def _context_window(configs) -> int | None:
+    """The chain's window: the shortest max_position_embeddings of its models (None: no limit known)."""
+    sizes = [getattr(c, "max_position_embeddings", None) for c in configs]
+    sizes = [s for s in sizes if s]
+    return min(sizes) if sizes else None
 
 
 def load_model(name: str, spec: LoadSpec = LoadSpec()) -> tuple[PreTrainedModel, object]:
     """(model in eval mode, tokenizer) from a directory, a cached hub id or a .gguf file."""
-    where, extra = _split_gguf(name)
-    if not extra and not Path(where).exists():
-        extra["local_files_only"] = True  # a hub id: only from the local cache, never fetched
+    where, extra = _where(name)
     tokenizer = AutoTokenizer.from_pretrained(where, **extra)
     kwargs = dict(extra, dtype=spec.torch_dtype())
     if spec.device_map:
@@ -92,22 +105,29 @@ class Chain:
 
     @property
     def context_window(self) -> int | None:
-        sizes = [getattr(m.config, "max_position_embeddings", None) for m in self.models]
-        sizes = [s for s in sizes if s]
-        return min(sizes) if sizes else None
+        return _context_window([m.config for m in self.models])
+
+
+def chain_names(small: str | None, large: str | None, medium: list[str] = ()) -> tuple[str, ...] | None:
+    """The models' names smallest first; None when none is named: the embedded default pair."""
+    if small is None and large is None and not medium:
+        return None
+    if small is None or large is None:
+        raise ValueError("name both --small and --large, or neither (the embedded default pair)")
+    return (small, *medium, large)
+
+
+def _default_pair(spec: LoadSpec) -> tuple[PreTrainedModel, PreTrainedModel, object]:
+    s, l, tok = load_default_pair(device=spec.torch_device(), dtype=spec.torch_dtype())
+    return use_cpu_kernels(s, spec.cpu_kernels), use_cpu_kernels(l, spec.cpu_kernels), tok  # M_S keeps sharing M_L's head
 
 
 def load_chain(small: str | None, large: str | None, medium: list[str] = (), spec: LoadSpec = LoadSpec()) -> Chain:
     """The models smallest first. small and large both None: the embedded default pair."""
-    if small is None and large is None and not medium:
-        from backoff_core.models.default_pair import load_default_pair
-
-        s, l, tok = load_default_pair(device=spec.torch_device(), dtype=spec.torch_dtype())
-        s, l = use_cpu_kernels(s, spec.cpu_kernels), use_cpu_kernels(l, spec.cpu_kernels)  # M_S keeps sharing M_L's head
-        return Chain((s, l), tok, ("default-small", "default-large"))
-    if small is None or large is None:
-        raise ValueError("name both --small and --large, or neither (the embedded default pair)")
-    names = [small, *medium, large]
+    names = chain_names(small, large, medium)
+    if names is None:
+        s, l, tok = _default_pair(spec)
+        return Chain((s, l), tok, DEFAULT_PAIR_NAMES)
     loaded = [load_model(n, spec) for n in names]
     check_same_tokenizer(names, [t for _, t in loaded])
     widths = [m.get_output_embeddings().weight.shape[0] for m, _ in loaded]
@@ -116,3 +136,36 @@ def load_chain(small: str | None, large: str | None, medium: list[str] = (), spe
             "output vocabulary sizes differ: " + ", ".join(f"{n} has {w}" for n, w in zip(names, widths))
         )
     return Chain(tuple(m for m, _ in loaded), loaded[0][1], tuple(names))
+
+
+@dataclass(frozen=True)
+class SmallSide:
+    """What the replica of the smallest level holds: M_S, the chain's tokenizer and context window."""
+
+    model: PreTrainedModel
+    tokenizer: object
+    context_window: int | None
+    hidden_size: int  # M_S's hidden states, the classifier head's input
+
+
+def load_small_side(names: tuple[str, ...] | None, spec: LoadSpec = LoadSpec()) -> SmallSide:
+    """M_S of the chain `names` (chain_names), with the tokenizer check and context window of
+    the whole chain read from the larger models' tokenizer and config files, not their weights."""
+    if names is None:
+        small, _, tokenizer = _default_pair(spec)
+        configs = [small.config]  # M_S is M_L's config with fewer layers
+    else:
+        small, tokenizer = load_model(names[0], spec)
+        check_same_tokenizer(list(names), [tokenizer, *map(load_tokenizer, names[1:])])
+        configs = [small.config, *(AutoConfig.from_pretrained(w, **x) for w, x in map(_where, names[1:]))]
+    return SmallSide(small, tokenizer, _context_window(configs), small.config.hidden_size)
+
+
+def load_level(names: tuple[str, ...] | None, level: int, spec: LoadSpec = LoadSpec()) -> PreTrainedModel:
+    """The model at `level` (0 = M_S) of the chain `names` (chain_names), loaded alone."""
+    if names is not None:
+        return load_model(names[level], spec)[0]
+    if level == 0:
+        return _default_pair(spec)[0]
+    large = load_default_large(device=spec.torch_device(), dtype=spec.torch_dtype())[0]
+    return use_cpu_kernels(large, spec.cpu_kernels)

@@ -128,3 +128,14 @@ def test_large_answers_a_chat_prompt(pair):
         out = large.generate(**enc, max_new_tokens=20, do_sample=False)
     answer = tokenizer.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
     assert "Paris" in answer
+
+
+def test_replica_loading_of_the_default_pair(pair):
+    """No names: the SmallModel replica gets M_S sharing M_L's head, a LargeModel replica M_L."""
+    from backoff_core.models.loading import LoadSpec, load_level, load_small_side
+
+    spec = LoadSpec(cpu_kernels="default")  # the cached M_L stays a plain float32 model for the other tests
+    side, large = load_small_side(None, spec), load_level(None, 1, spec)
+    assert side.model.lm_head is large.lm_head and large is pair[1]
+    assert side.context_window == large.config.max_position_embeddings
+    assert side.hidden_size == large.config.hidden_size

@@ -7,8 +7,17 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
-from backoff_core.models.loading import LoadSpec, TokenizerMismatch, check_same_tokenizer, load_chain
+from backoff_core.models.loading import (
+    LoadSpec,
+    TokenizerMismatch,
+    chain_names,
+    check_same_tokenizer,
+    load_chain,
+    load_level,
+    load_small_side,
+)
 from tests.support.helpers import hf_greedy
 from tests.support.tiny import tiny_model, tiny_tokenizer
 
@@ -29,6 +38,12 @@ def model_dirs(tmp_path_factory, pair, tokenizer):
     wide.save_pretrained(root / "wide")
     tokenizer.save_pretrained(root / "wide")
     paths["wide"] = str(root / "wide")
+    # same tokenizer, a shorter context window than the others
+    short = tiny_model(7)
+    short.config.max_position_embeddings = 128
+    short.save_pretrained(root / "short")
+    tokenizer.save_pretrained(root / "short")
+    paths["short"] = str(root / "short")
     paths["other"] = str(root / "other")
     return paths
 
@@ -90,3 +105,21 @@ def test_load_spec_refuses_unknown_dtype_and_missing_cuda():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="no CUDA"):
             LoadSpec(device="cuda").torch_device()
+
+
+def test_small_side_checks_the_whole_chain(model_dirs, pair):
+    names = chain_names(model_dirs["small"], model_dirs["large"], [model_dirs["short"]])
+    side = load_small_side(names, LoadSpec(cpu_kernels="default"))
+    assert side.context_window == 128  # the short model's, read from its config alone
+    assert side.hidden_size == pair[0].config.hidden_size
+    torch.testing.assert_close(side.model.lm_head.weight, pair[0].lm_head.weight)
+    with pytest.raises(TokenizerMismatch, match="vocabulary sizes differ"):
+        load_small_side(chain_names(model_dirs["small"], model_dirs["other"]))
+
+
+def test_load_level_loads_that_model_alone(model_dirs, pair):
+    names = chain_names(model_dirs["small"], model_dirs["large"])
+    large = load_level(names, 1, LoadSpec(cpu_kernels="default"))
+    torch.testing.assert_close(large.lm_head.weight, pair[1].lm_head.weight)
+    with pytest.raises(ValueError, match="name both"):
+        chain_names(model_dirs["small"], None)
