@@ -28,8 +28,6 @@ from dataclasses import dataclass
 
 import ray
 from ray import serve
-from ray.exceptions import ActorUnavailableError, RayActorError
-from ray.serve.exceptions import ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle
 
 from backoff_core.types import level_names
@@ -46,6 +44,7 @@ from deployments.serving.config import AppArgs, RoutingConfig, handle_options
 from deployments.serving.engine_loop import Admitted, EngineLoop, Failed, Rejected
 from deployments.large import replica_kv
 from deployments.metrics import KVMetrics, SmallMetrics
+from deployments.streams import REPLICA_LOST
 from deployments.serving.models import load_small_side
 from deployments.serving.remote import RemoteLarge
 from deployments.serving.requests import ServeRequest, generation_request
@@ -69,7 +68,7 @@ def _import(path: str):
 class ServeEndpoint:
     """RemoteLarge's view of a LargeModel deployment: calls routed by session key."""
 
-    transport_errors = (RayActorError, ActorUnavailableError, ReplicaUnavailableError)
+    transport_errors = REPLICA_LOST
 
     def __init__(self, handle: DeploymentHandle, transport: str = "actor") -> None:
         self.handle = handle  # renewals: a broadcast, over actor calls

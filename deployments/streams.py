@@ -2,7 +2,8 @@
 GenerationResult; or Rejected / Failed / Overloaded): the failures a client is told about,
 a guard that turns a lost router into one of them and cancels an abandoned request, and
 the two ways a stream is consumed (collected for a unary reply, or held open while it
-holds one of the client's slots).
+holds one of the client's slots). REPLICA_LOST, what a call to a lost replica raises, serves
+the SmallModel's calls to the LargeModels too.
 """
 
 import math
@@ -25,7 +26,9 @@ class ServerFailure(RuntimeError):
         self.message, self.status, self.code = message, status, code
 
 
-ROUTER_LOST = (RayActorError, ActorUnavailableError, ReplicaUnavailableError)
+# what a handle call raises when the replica serving it is gone (died, or its node did):
+# the Ingress's calls to a SmallModel and a SmallModel's to a LargeModel alike
+REPLICA_LOST = (RayActorError, ActorUnavailableError, ReplicaUnavailableError)
 
 
 KV_RETRY_AFTER_S = 1.0  # a KV refusal: room frees as soon as a request ends
@@ -51,7 +54,7 @@ async def guarded(stream: DeploymentResponseGenerator) -> AsyncIterator:
     except BackPressureError:  # not admitted: the caller answers 503 + Retry-After
         ended = True
         raise
-    except ROUTER_LOST as exc:
+    except REPLICA_LOST as exc:
         ended = True
         raise ServerFailure(f"the small router serving this request was lost ({type(exc).__name__}); "
                             f"retry the request", 503, "router_unavailable") from exc
