@@ -2,7 +2,7 @@
 deployments/ (their `.func_or_class`) run in the test process with Ray not started:
 
 - `replica_context`: the replica's id and node (serve.get_replica_context, ray.get_runtime_context);
-- `LoopThread`: the larger replicas' event loop, on a thread;
+- `LoopThread` (from tests/support/remote_fakes.py): the larger replicas' event loop, on a thread;
 - `Multiplexer`: `@serve.multiplexed` of one LargeModel (an LRU of what `_register` returned;
   the real one needs a live replica and pushes its ids to the controller);
 - `FakeHandle`: a DeploymentHandle of a LargeModel deployment over such instances: calls routed
@@ -15,12 +15,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import hashlib
-import threading
 import types
 
 import ray
 from ray import serve
 from ray.serve.context import _set_request_context
+
+from tests.support.remote_fakes import LoopThread
 
 
 def replica_context(monkeypatch, replica: str = "small-replica-0", node: str = "node-0") -> None:
@@ -30,30 +31,6 @@ def replica_context(monkeypatch, replica: str = "small-replica-0", node: str = "
     runtime = types.SimpleNamespace(get_node_id=lambda: node, get_assigned_resources=lambda: {})
     monkeypatch.setattr(serve, "get_replica_context", lambda: context)
     monkeypatch.setattr(ray, "get_runtime_context", lambda: runtime)
-
-
-class LoopThread:
-    """An asyncio loop on a thread: plays a replica's event loop for callers on other threads."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro, timeout: float = 30):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def stop(self) -> None:
-        async def cancel_all():  # batchers' and sweepers' tasks, so nothing is left pending
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-        self.run(cancel_all())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-        self.loop.close()
 
 
 class Multiplexer:

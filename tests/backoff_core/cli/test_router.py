@@ -8,8 +8,8 @@ import json
 import pytest
 
 from backoff_core.cli.main import main
+from tests.support.corpus import write_corpus
 from tests.support.router_fakes import one_thread  # noqa: F401 (autouse fixture)
-from tests.backoff_core.learning.test_data import write_corpus
 
 
 @pytest.fixture(scope="module")

@@ -3,31 +3,16 @@ records route only the answer; shards resume."""
 
 from __future__ import annotations
 
-import json
-import random
-
 import pytest
 import torch
 
 from backoff_core.learning import data as router_data
-from backoff_core.models.loading import Chain
-from backoff_core.learning.sources import load_documents, parse_spec
 from backoff_core.learning.data import DataConfig, build, load, make_windows
+from backoff_core.learning.sources import load_documents, parse_spec
+from backoff_core.models.loading import Chain
 from backoff_core.sampling import entropy, kl_divergence
+from tests.support.corpus import write_corpus
 from tests.support.router_fakes import one_thread  # noqa: F401 (autouse fixture)
-
-
-def write_corpus(root, seed=0, docs=3, chats=4):
-    rng = random.Random(seed)
-    words = lambda n: " ".join(f"w{rng.randrange(40)}" for _ in range(n))  # noqa: E731
-    (root / "texts").mkdir(parents=True, exist_ok=True)
-    for i in range(docs):
-        (root / "texts" / f"d{i}.txt").write_text(words(rng.randrange(90, 200)))
-    with (root / "chat.jsonl").open("w") as f:
-        for _ in range(chats):
-            f.write(json.dumps({"messages": [{"role": "user", "content": words(8)},
-                                             {"role": "assistant", "content": words(30)}]}) + "\n")
-    return str(root / "texts"), str(root / "chat.jsonl")
 
 
 @pytest.fixture()

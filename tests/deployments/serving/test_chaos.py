@@ -14,27 +14,20 @@ import grpc
 import httpx
 import pytest
 from fastapi import FastAPI
-from tests.support.helpers import engine_for, request
-from tests.deployments.serving.test_engine_loop import FakeEndpoint, LoopThread, remote_engine
 
 from backoff_core.engine.backends import LargeUnavailable
 from backoff_core.runners.dynamic import ModelRunner
 from clients.wire import backoff_pb2 as pb
 from clients.wire.types import GenerateParams
+from deployments.ingress import Ingress, InternalErrors
 from deployments.serving.access import Edge
 from deployments.serving.batcher import CatchUpBatcher, CatchUpCall
 from deployments.serving.chaos import FaultInjector, InjectedFault
 from deployments.serving.config import AppArgs
 from deployments.serving.engine_loop import Failed
-from deployments.ingress import Ingress, InternalErrors
 from deployments.streams import ServerFailure
-
-
-@pytest.fixture(scope="module")
-def loop_thread():
-    lt = LoopThread()
-    yield lt
-    lt.stop()
+from tests.support.helpers import engine_for, request
+from tests.support.remote_fakes import FakeEndpoint, remote_engine
 
 
 def test_sessions_of_an_owner_that_stops_renewing_are_freed(pair, loop_thread):

@@ -5,54 +5,19 @@ thread. Tiny models, no Ray."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import threading
 import time
 
 import pytest
 import torch
-from tests.support.helpers import engine_for, request
 
-from backoff_core.engine.engine import BackoffEngine
 from backoff_core.runners.dynamic import ModelRunner
 from backoff_core.types import GenerationResult, TokenEvent, Verification
-from deployments.serving.batcher import CatchUpBatcher, CatchUpCall, CatchUpReply
+from deployments.serving.batcher import CatchUpBatcher, CatchUpCall
 from deployments.serving.config import RoutingConfig
 from deployments.serving.engine_loop import Admitted, EngineLoop, Rejected
-from deployments.serving.remote import RemoteLarge
 from deployments.serving.requests import RoutingOverrides, ServeRequest, generation_request
-
-
-class LoopThread:
-    """An asyncio loop on a thread: plays the replica's event loop for sync callers."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-
-    def run(self, coro, timeout=30):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def stop(self) -> None:
-        async def cancel_all():  # the batchers' loops, so nothing is left pending
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-        self.run(cancel_all())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-        self.loop.close()
-
-
-@pytest.fixture(scope="module")
-def loop_thread():
-    lt = LoopThread()
-    yield lt
-    lt.stop()
-
+from tests.support.helpers import engine_for, request
+from tests.support.remote_fakes import Dead, FakeEndpoint, remote_engine
 
 # -- the batcher ----------------------------------------------------------------------------
 
@@ -134,57 +99,6 @@ def test_idle_sessions_expire(pair, loop_thread):
 
 # -- RemoteLarge over a fake transport --------------------------------------------------------
 
-class Dead(Exception):
-    """What calling a killed replica raises (Ray's RayActorError in the real endpoint)."""
-
-
-class FakeEndpoint:
-    """Replicas = batchers on one event loop; calls routed by a hash of the session key."""
-
-    transport_errors = (Dead,)
-
-    def __init__(self, large, loop_thread: LoopThread, replicas: int = 2) -> None:
-        self.large, self.lt = large, loop_thread
-        self.replicas = [CatchUpBatcher(ModelRunner(large, f"r{i}")) for i in range(replicas)]
-        self.dead: set[int] = set()  # killed: calls to them raise Dead
-        self.noticed: set[int] = set()  # the router has learnt they are gone
-        self.calls: list[CatchUpCall] = []
-
-    def route(self, key: str) -> int:
-        alive = [i for i in range(len(self.replicas)) if i not in self.noticed]
-        return max(alive, key=lambda i: hashlib.sha1(f"{key}{i}".encode()).digest())
-
-    def extend(self, call: CatchUpCall):
-        self.calls.append(call)
-        target = self.route(call.key)
-        future = asyncio.run_coroutine_threadsafe(self.replicas[target].extend(call), self.lt.loop)
-        fake = self
-
-        class Pending:
-            def result(self, timeout_s=None) -> CatchUpReply:
-                reply = future.result(timeout_s)
-                if target in fake.dead:
-                    fake.noticed.add(target)
-                    raise Dead(f"replica {target} died")
-                return reply
-
-        return Pending()
-
-    def close(self, key: str) -> None:
-        if self.route(key) in self.dead:
-            raise Dead("gone")
-        asyncio.run_coroutine_threadsafe(self.replicas[self.route(key)].close(key), self.lt.loop).result(10)
-
-    def holder(self) -> int:
-        return next(i for i, b in enumerate(self.replicas) if b.runner.request_ids())
-
-
-def remote_engine(pair, tokenizer, endpoint) -> tuple[BackoffEngine, RemoteLarge]:
-    small, large = pair
-    remote = RemoteLarge(endpoint, "large", ModelRunner(large).vocab_size)
-    return BackoffEngine([ModelRunner(small, "small"), remote], tokenizer), remote
-
-
 REQUESTS = [
     request([3, 4, 5], max_tokens=20, router="entropy", thresholds=(0.3,)),
     request([6, 7], max_tokens=14, router="random", rate=0.4, seed=5, temperature=0.8),
@@ -197,8 +111,8 @@ def test_remote_large_equals_in_process(pair, tokenizer, loop_thread):
     engine, remote = remote_engine(pair, tokenizer, endpoint)
     served = engine.generate_many(REQUESTS)
     local = engine_for(pair, tokenizer).generate_many(REQUESTS)
-    for s, l in zip(served, local):
-        assert (s.token_ids, s.sources) == (l.token_ids, l.sources)
+    for out, ref in zip(served, local):
+        assert (out.token_ids, out.sources) == (ref.token_ids, ref.sources)
     assert any(0 < r.backoff_rate < 1 for r in served)
     # one call per session per catch-up, carrying all of its pending ids (a chunk)
     lengths = sorted(c.length for r in served for c in r.catch_ups if c.level == 1)

@@ -5,24 +5,17 @@ of static slots is tested with the StaticRunner (test_static_runner.py)."""
 from __future__ import annotations
 
 import pytest
-from tests.support.helpers import engine_for, request
-from tests.deployments.serving.test_engine_loop import FakeEndpoint, LoopThread, remote_engine
 
 from backoff_core.engine.engine import make_runner
-from backoff_core.runners.kv_budget import bytes_per_token, kv_tokens, resolve_kv
 from backoff_core.runners.dynamic import ModelRunner
+from backoff_core.runners.kv_budget import bytes_per_token, kv_tokens, resolve_kv
 from backoff_core.runners.static_kv import KVCapacityError
 from backoff_core.types import KVSpec
 from deployments.serving.batcher import CatchUpBatcher, CatchUpCall
 from deployments.serving.engine_loop import Failed
 from deployments.streams import OverloadedError, failure
-
-
-@pytest.fixture(scope="module")
-def loop_thread():
-    lt = LoopThread()
-    yield lt
-    lt.stop()
+from tests.support.helpers import engine_for, request
+from tests.support.remote_fakes import FakeEndpoint, remote_engine
 
 
 def test_runner_evicts_idle_sessions_lru_and_refuses_a_new_one_the_live_ones_leave_no_room_for(pair):
@@ -162,8 +155,8 @@ def test_batcher_refuses_a_new_session_when_static_storage_has_no_free_slot(pair
 def test_backoff_serve_prints_auto_and_takes_a_budget_and_storage():
     import yaml
 
-    from deployments.serving.config import ModelsConfig
     from deployments.serve_cli import DEFAULT_CONFIG, _parser, apply_overrides
+    from deployments.serving.config import ModelsConfig
 
     base = yaml.safe_load(DEFAULT_CONFIG.read_text())
     models = ModelsConfig.model_validate(base["applications"][0]["args"]["models"])
