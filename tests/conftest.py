@@ -1,5 +1,6 @@
-"""Shared fixtures: tiny random models (fast) built in-process; the default pair lives in
-tests of its own, loaded once per session."""
+"""Fixtures every level uses: the tiny tokenizer and pair (random models built in-process);
+the default pair lives in tests of its own. Level-specific fixtures are in the conftest.py of
+their level (tests/backoff_core, tests/deployments, tests/deployments/serving)."""
 
 from __future__ import annotations
 
@@ -23,21 +24,6 @@ def tokenizer():
 def pair():
     """(small, large): peaky distributions so the two models disagree often."""
     return tiny_model(1, sharpness=30), tiny_model(2, hidden=64, layers=4, sharpness=30)
-
-
-@pytest.fixture(scope="session")
-def chain3():
-    return (
-        tiny_model(1, sharpness=30),
-        tiny_model(3, hidden=48, layers=3, sharpness=30),
-        tiny_model(2, hidden=64, layers=4, sharpness=30),
-    )
-
-
-@pytest.fixture(scope="session")
-def soft_pair():
-    """Moderately peaked models for the statistical tests (every token has mass)."""
-    return tiny_model(11, sharpness=4), tiny_model(12, hidden=64, layers=4, sharpness=4)
 
 
 _exit_status = 0
