@@ -18,7 +18,8 @@ import torch
 
 from backoff_core.engine.backends import Backend, LargeUnavailable, SessionLost
 from backoff_core.engine.isolation import batched, fail, reopen
-from backoff_core.runners.dynamic import Extension, SessionError
+from backoff_core.runners.dynamic import Extension
+from backoff_core.runners.sessions import SessionError
 from backoff_core.runners.static_kv import KVCapacityError
 from backoff_core.sampling import Stream, distribution, draw, kl_divergence, residual, sample, uniform
 from backoff_core.engine.state import Live

@@ -28,21 +28,17 @@ from __future__ import annotations
 
 import collections
 import inspect
-import threading
 import time
 from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from backoff_core.runners.sessions import Session, SessionTable
 from backoff_core.runners.static_kv import KVCapacityError
 
 # [1, heads, length, head_dim] keys and values, one pair per layer
 KV = list[tuple[torch.Tensor, torch.Tensor]]
-
-
-class SessionError(KeyError):
-    """A session id this runner does not hold (never opened, closed or expired)."""
 
 
 @dataclass(frozen=True)
@@ -54,22 +50,20 @@ class Extension:
 
 
 @dataclass
-class _Session:
+class _CachedSession(Session):
     cache: DynamicCache | None = None  # None: nothing cached yet
-    length: int = 0  # positions held in the cache
-    last_used: float = 0.0
-    refill: bool = False  # a re-prefill of an evicted or lost session: never refused for the budget
 
     @property
     def kv(self) -> KV:
         return [(layer.keys, layer.values) for layer in self.cache.layers]
 
 
-class ModelRunner:
+class ModelRunner(SessionTable[_CachedSession]):
     """Holds one model and its sessions. Thread-safe: one forward at a time."""
 
     def __init__(self, model: PreTrainedModel, name: str = "model", kv_budget_tokens: int | None = None,
                  evict_idle: bool = True) -> None:
+        super().__init__()
         self.model = model.eval()
         self.name = name
         self.device = next(model.parameters()).device
@@ -77,40 +71,20 @@ class ModelRunner:
         self.num_layers = int(model.config.num_hidden_layers)
         self.forward_passes = 0
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
-        self._sessions: dict[str, _Session] = {}
-        self._lock = threading.RLock()
         self.kv_budget_tokens = kv_budget_tokens  # None: unbounded
         self.evict_idle = evict_idle
         self.evictions = 0  # idle sessions freed to make room
         self._evicted: collections.OrderedDict[str, None] = collections.OrderedDict()  # recent (bounded)
 
-    # -- sessions -------------------------------------------------------------------------
-    def open(self, request_id: str, refill: bool = False) -> None:
-        """refill: the session rebuilds one this or another runner lost (its request is live)."""
-        with self._lock:
-            if request_id in self._sessions:
-                raise ValueError(f"{self.name}: session {request_id!r} is already open")
-            refill = refill or self._evicted.pop(request_id, 0) is None
-            self._sessions[request_id] = _Session(last_used=time.monotonic(), refill=refill)
+    # -- sessions (sessions.SessionTable) ---------------------------------------------------
+    def _new_session(self, request_id: str, refill: bool) -> _CachedSession:
+        # reopened after an eviction: a rebuild, never refused for the budget
+        return _CachedSession(refill=refill or self._evicted.pop(request_id, 0) is None)
 
-    def close(self, request_id: str) -> None:
-        with self._lock:
-            self._sessions.pop(request_id, None)
-
-    def has(self, request_id: str) -> bool:
-        return request_id in self._sessions
-
-    def length(self, request_id: str) -> int:
-        return self._get(request_id).length
-
-    def request_ids(self) -> list[str]:
-        with self._lock:
-            return list(self._sessions)
-
-    def idle_sessions(self, older_than_s: float) -> list[str]:
-        cutoff = time.monotonic() - older_than_s
-        with self._lock:
-            return [request_id for request_id, s in self._sessions.items() if s.last_used < cutoff]
+    def _crop(self, session: _CachedSession, length: int) -> None:
+        if session.cache is not None and length < session.length:
+            for layer in session.cache.layers:  # views: no copy
+                layer.keys, layer.values = layer.keys[:, :, :length], layer.values[:, :, :length]
 
     # -- KV budget ------------------------------------------------------------------------
     @property
@@ -156,22 +130,6 @@ class ModelRunner:
         self.evictions += len(evicted)
         return evicted
 
-    def crop(self, request_id: str, length: int) -> None:
-        """Forget every position from `length` on (rollback)."""
-        session = self._get(request_id)
-        if length > session.length or length < 0:
-            raise ValueError(f"{self.name}: cannot crop {session.length} positions to {length}")
-        if session.cache is not None and length < session.length:
-            for layer in session.cache.layers:  # views: no copy
-                layer.keys, layer.values = layer.keys[:, :, :length], layer.values[:, :, :length]
-        session.length = length
-
-    def _get(self, request_id: str) -> _Session:
-        try:
-            return self._sessions[request_id]
-        except KeyError:
-            raise SessionError(f"{self.name}: no session {request_id!r}") from None
-
     # -- forward --------------------------------------------------------------------------
     @torch.inference_mode()
     def extend(
@@ -210,7 +168,7 @@ class ModelRunner:
             **kwargs,
         )
 
-    def _extend_one(self, s: _Session, ids: list[int], hidden_layer: int | None, last_only: bool) -> list[Extension]:
+    def _extend_one(self, s: _CachedSession, ids: list[int], hidden_layer: int | None, last_only: bool) -> list[Extension]:
         # Fast path: no padding, no mask, the session's own cache extended in place by HF.
         if s.cache is None:
             s.cache = DynamicCache()
@@ -223,7 +181,7 @@ class ModelRunner:
         return [Extension(logits.float(), hidden)]
 
     def _extend_batch(
-        self, sessions: list[_Session], new_ids: list[list[int]], hidden_layer: int | None, last_only: bool
+        self, sessions: list[_CachedSession], new_ids: list[list[int]], hidden_layer: int | None, last_only: bool
     ) -> list[Extension]:
         past_lens = [s.length for s in sessions]
         new_lens = [len(ids) for ids in new_ids]
@@ -259,7 +217,7 @@ class ModelRunner:
             results.append(Extension(logits.float(), hidden))
         return results
 
-    def _left_pad(self, sessions: list[_Session], p_max: int) -> KV:
+    def _left_pad(self, sessions: list[_CachedSession], p_max: int) -> KV:
         """Stack the sessions' caches into [B, H, P, D] per layer, right-aligned."""
         kvs = [s.kv if s.cache is not None and s.length else None for s in sessions]
         template = next(kv for kv in kvs if kv is not None)

@@ -26,7 +26,6 @@ others raise ValueError here, and the caller keeps ModelRunner for them.
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass
 
@@ -34,7 +33,8 @@ import torch
 from transformers import PreTrainedModel
 
 from backoff_core.runners.cuda_graphs import CudaGraphs, GraphKey
-from backoff_core.runners.dynamic import Extension, SessionError
+from backoff_core.runners.dynamic import Extension
+from backoff_core.runners.sessions import Session, SessionTable
 from backoff_core.runners.static_forward import Batch, StaticForward, check_supported
 from backoff_core.runners.static_kv import KVCapacityError, StaticKV, bucket, next_power_of_two, powers_of_two
 
@@ -44,11 +44,9 @@ K_BUCKETS = (1, 2, 4, 8, 16)  # new tokens per row that graphs cover: M_S steps 
 MIN_LENGTH_BUCKET = 64
 
 
-@dataclass
-class _Session:
-    slot: int
-    length: int = 0  # positions held
-    last_used: float = 0.0
+@dataclass(kw_only=True)
+class _SlotSession(Session):
+    slot: int  # its row of the static storage
 
 
 @dataclass(frozen=True)
@@ -63,7 +61,7 @@ class _Plan:
     last_col: torch.Tensor  # [B]
 
 
-class StaticRunner:
+class StaticRunner(SessionTable[_SlotSession]):
     """Holds one model, its static KV storage and its sessions. Thread-safe: one forward
     at a time. kv_budget_tokens: KV positions to preallocate across all sessions;
     max_len: positions per slot (a session holds at most max_len - 1: one is scratch)."""
@@ -79,6 +77,7 @@ class StaticRunner:
         graph_max_rows: int = 64,
     ) -> None:
         check_supported(model, max_len)  # before allocating anything
+        super().__init__()
         self.model = model.eval()
         self.name = name
         self.device = next(model.parameters()).device
@@ -92,55 +91,19 @@ class StaticRunner:
         use_graphs = cuda_graphs and self.device.type == "cuda"
         self.graph_max_rows = min(graph_max_rows, next_power_of_two(self.kv.slots))  # more rows never occur
         self.graphs = CudaGraphs(self._forward, self.graph_max_rows, K_BUCKETS[-1]) if use_graphs else None
-        self._sessions: dict[str, _Session] = {}
-        self._lock = threading.RLock()
 
     @property
     def max_positions(self) -> int:
         """Positions one session can hold (the engine refuses longer requests up front)."""
         return self.kv.max_len - 1
 
-    # -- sessions -------------------------------------------------------------------------
-    def open(self, request_id: str) -> None:
-        with self._lock:
-            if request_id in self._sessions:
-                raise ValueError(f"{self.name}: session {request_id!r} is already open")
-            self._sessions[request_id] = _Session(slot=self.kv.take(), last_used=time.monotonic())
+    # -- sessions (sessions.SessionTable; a crop only moves the length) -------------------
+    def _new_session(self, request_id: str, refill: bool) -> _SlotSession:
+        # refill changes nothing here: a session needs a free slot either way
+        return _SlotSession(slot=self.kv.take(), refill=refill)
 
-    def close(self, request_id: str) -> None:
-        with self._lock:
-            session = self._sessions.pop(request_id, None)
-            if session is not None:
-                self.kv.give_back(session.slot)
-
-    def has(self, request_id: str) -> bool:
-        return request_id in self._sessions
-
-    def length(self, request_id: str) -> int:
-        return self._get(request_id).length
-
-    def request_ids(self) -> list[str]:
-        with self._lock:
-            return list(self._sessions)
-
-    def idle_sessions(self, older_than_s: float) -> list[str]:
-        cutoff = time.monotonic() - older_than_s
-        with self._lock:
-            return [request_id for request_id, s in self._sessions.items() if s.last_used < cutoff]
-
-    def crop(self, request_id: str, length: int) -> None:
-        """Forget every position from `length` on (rollback): only the length moves."""
-        with self._lock:
-            session = self._get(request_id)
-            if length > session.length or length < 0:
-                raise ValueError(f"{self.name}: cannot crop {session.length} positions to {length}")
-            session.length = length
-
-    def _get(self, request_id: str) -> _Session:
-        try:
-            return self._sessions[request_id]
-        except KeyError:
-            raise SessionError(f"{self.name}: no session {request_id!r}") from None
+    def _release(self, session: _SlotSession) -> None:
+        self.kv.give_back(session.slot)
 
     # -- warm-up --------------------------------------------------------------------------
     def warmup(self, hidden_layers=(None,), last_only=(True, False), ks: tuple[int, ...] = K_BUCKETS,
@@ -210,7 +173,7 @@ class StaticRunner:
             raise ValueError(f"{self.name}: hidden_layer must be in [{-count}, {count}), got {hidden_layer}")
         return hidden_layer % count
 
-    def _plan(self, sessions: list[_Session], new_ids: list[list[int]], layer: int | None, last_only: bool) -> _Plan:
+    def _plan(self, sessions: list[_SlotSession], new_ids: list[list[int]], layer: int | None, last_only: bool) -> _Plan:
         n, k_max = len(sessions), max(len(ids) for ids in new_ids)
         k = bucket(k_max, K_BUCKETS)  # k_max itself past 16: eager
         length = bucket(max(s.length + len(ids) for s, ids in zip(sessions, new_ids)), self.length_buckets)

@@ -290,10 +290,7 @@ class CatchUpBatcher:
                 return CatchUpReply(None, f"session {key!r} was closed (a late call)")
             runner.close(key)  # a fresh epoch starts from nothing
             try:
-                if isinstance(runner, ModelRunner):
-                    runner.open(key, refill=call.refill)
-                else:
-                    runner.open(key)
+                runner.open(key, refill=call.refill)
             except KVCapacityError as exc:  # static storage: no free slot
                 return CatchUpReply(None, refused=str(exc))
             if call.owner:

@@ -36,7 +36,8 @@ import numpy as np
 import torch
 
 from backoff_core.engine.backends import LargeUnavailable, SessionLost
-from backoff_core.runners.dynamic import Extension, SessionError
+from backoff_core.runners.dynamic import Extension
+from backoff_core.runners.sessions import Session, SessionTable
 from backoff_core.runners.static_kv import KVCapacityError
 
 from deployments.serving.batcher import CatchUpCall, CatchUpReply
@@ -58,20 +59,21 @@ class LargeEndpoint(Protocol):
     def close(self, key: str) -> None: ...
 
 
-@dataclass
-class _Session:
+@dataclass(kw_only=True)
+class _RemoteSession(Session):
+    """This proxy's record of a session the replicas hold (`length`: as far as it knows)."""
+
     key: str
-    length: int = 0  # positions the replica holds, as far as this proxy knows
     sent: bool = False  # a call went out: a replica may hold it (even one that got no reply)
-    refill: bool = False  # it rebuilds a lost session of a live request
 
 
 _epochs = itertools.count()
 
 
-class RemoteLarge:
+class RemoteLarge(SessionTable[_RemoteSession]):
     def __init__(self, endpoint: LargeEndpoint, name: str, vocab_size: int, *,
                  timeout_s: float = 30.0, create_retries: int = 5, owner: str = "") -> None:
+        super().__init__()
         self.endpoint = endpoint
         self.name = name
         self.vocab_size = vocab_size
@@ -81,30 +83,22 @@ class RemoteLarge:
         self.lost_sessions = 0
         self.calls = 0
         self.wait_s = 0.0  # time the step loop spent waiting for catch-up replies
-        self._sessions: dict[str, _Session] = {}
         self._uid = uuid.uuid4().hex[:8]
         self._steps = itertools.count()
         self._lost: collections.OrderedDict[str, None] = collections.OrderedDict()  # recently lost (bounded)
 
-    def open(self, request_id: str) -> None:
-        if request_id in self._sessions:
-            raise ValueError(f"{self.name}: session {request_id!r} is already open")
-        refill = self._lost.pop(request_id, 0) is None
-        self._sessions[request_id] = _Session(f"{request_id}#{next(_epochs)}", refill=refill)
+    # -- sessions (sessions.SessionTable; a crop moves the length: the next call's `past`
+    # tells the replica) --------------------------------------------------------------------
+    def _new_session(self, request_id: str, refill: bool) -> _RemoteSession:
+        refill = refill or self._lost.pop(request_id, 0) is None
+        return _RemoteSession(key=f"{request_id}#{next(_epochs)}", refill=refill)
 
-    def close(self, request_id: str) -> None:
-        session = self._sessions.pop(request_id, None)
-        if session is not None and session.sent:
+    def _release(self, session: _RemoteSession) -> None:
+        if session.sent:
             try:
                 self.endpoint.close(session.key)  # fire and forget; TTL frees what this misses
             except Exception:  # noqa: BLE001 - a lost replica has nothing left to free
                 log.debug("close of %s failed", session.key, exc_info=True)
-
-    def crop(self, request_id: str, length: int) -> None:
-        session = self._get(request_id)
-        if not 0 <= length <= session.length:
-            raise ValueError(f"{self.name}: cannot crop {session.length} positions to {length}")
-        session.length = length  # the next call's `past` tells the replica
 
     def extend(self, items: list[tuple[str, list[int]]], hidden_layer: int | None = None,
                last_only: bool = False) -> list[Extension]:
@@ -167,9 +161,3 @@ class RemoteLarge:
                 time.sleep(pause)
                 pending = self.endpoint.extend(call)
         raise AssertionError("unreachable")
-
-    def _get(self, request_id: str) -> _Session:
-        try:
-            return self._sessions[request_id]
-        except KeyError:
-            raise SessionError(f"{self.name}: no session {request_id!r}") from None
