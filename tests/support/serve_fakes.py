@@ -96,10 +96,22 @@ class _Broadcast:
         self.handle, self.name, self.args = handle, name, args
 
     async def results_async(self, timeout_s: float | None = None, return_exceptions: bool = False) -> list:
-        futures = [asyncio.wrap_future(asyncio.run_coroutine_threadsafe(getattr(r, self.name)(*self.args),
-                                                                        self.handle.lt.loop))
+        futures = [asyncio.run_coroutine_threadsafe(getattr(r, self.name)(*self.args), self.handle.lt.loop)
                    for r in self.handle.replicas]
-        return await asyncio.wait_for(asyncio.gather(*futures, return_exceptions=return_exceptions), timeout_s)
+
+        def results() -> list:
+            out = []
+            for future in futures:
+                try:
+                    out.append(future.result(timeout_s))
+                except Exception as exc:  # noqa: BLE001 - as Serve's return_exceptions
+                    if not return_exceptions:
+                        raise
+                    out.append(exc)
+            return out
+
+        # waited for on a thread: a caller cancelled meanwhile (its loop closing) is not held up
+        return await asyncio.get_running_loop().run_in_executor(None, results)
 
 
 class FakeHandle:
