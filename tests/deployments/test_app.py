@@ -9,112 +9,62 @@ config and kill a replica, so they run last.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
 import os
 import signal
-import sys
 import time
-from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 import httpx
 import pytest
-import yaml
 
 ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 
-from backoff_core.engine.engine import BackoffEngine  # noqa: E402
-from backoff_core.models.loading import LoadSpec, load_model  # noqa: E402
-from backoff_core.runners.dynamic import ModelRunner  # noqa: E402
 from backoff_core.types import GenerationRequest, RoutingParams, SamplingParams  # noqa: E402
 from clients import BadRequestError, NotFoundError, ServerError  # noqa: E402
-from clients.wire import backoff_pb2 as pb  # noqa: E402
-from clients.wire import backoff_pb2_grpc as pb_grpc  # noqa: E402
 from clients.grpc_client import AsyncBackoffGrpcClient, BackoffGrpcClient  # noqa: E402
 from clients.http_client import AsyncBackoffHTTPClient, BackoffHTTPClient  # noqa: E402
+from clients.wire import backoff_pb2 as pb  # noqa: E402
+from clients.wire import backoff_pb2_grpc as pb_grpc  # noqa: E402
 from deployments import serve_cli  # noqa: E402
-
-from tests.support.tiny import tiny_model, tiny_tokenizer  # noqa: E402
-from tests.support.ray_local import start_local_ray  # noqa: E402
 from tests.support.playground_page import PlaygroundPage, browser_missing  # noqa: E402
+from tests.support.served_app import TINY_PAIR, ServedApp, deploy, deployment_config, in_process_engine  # noqa: E402
+from tests.support.tiny import tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.slow
 THRESHOLD = 0.4  # entropy threshold of the deployed config: both sources occur
 CHAIN_THRESHOLDS = (0.4, 0.7)  # random router over three levels: ~40 / 30 / 30 %
 APP = (("application", "backoff"),)  # gRPC: which of the two applications
-CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+MODELS = {**TINY_PAIR, "medium": functools.partial(tiny_model, 3, hidden=48, layers=3, sharpness=30)}
 
 
-@dataclass
-class Served:
-    url: str
-    grpc_target: str
-    metrics_url: str
-    config: dict
-    config_path: Path
-    small_dir: str
-    large_dir: str
-    medium_dir: str
-
-
-def _save_tiny(root: Path) -> tuple[str, str, str]:
-    tok = tiny_tokenizer()
-    tok.chat_template = CHAT_TEMPLATE
-    dirs = []
-    for name, model in (("small", tiny_model(1, sharpness=30)), ("large", tiny_model(2, hidden=64, layers=4, sharpness=30)),
-                        ("medium", tiny_model(3, hidden=48, layers=3, sharpness=30))):
-        model.save_pretrained(root / name)
-        tok.save_pretrained(root / name)
-        dirs.append(str(root / name))
-    return dirs[0], dirs[1], dirs[2]
-
-
-def _config(small: str, large: str, medium: str, http_port: int, grpc_port: int) -> dict:
-    config = serve_cli.loopback_config(small, large, http_port, grpc_port, replicas={"large": 2})
-    app = config["applications"][0]
-    users = {d["name"]: d for d in app["deployments"]}
-    users["SmallModel"]["user_config"] = {"router": "entropy", "threshold": [THRESHOLD]}
+def _edit(config: dict, dirs) -> None:
+    deployment_config(config, "SmallModel")["user_config"] = {"router": "entropy", "threshold": [THRESHOLD]}
     # a chain of three: one more LargeModel-like deployment (MediumModel1), by config only
-    chain = json.loads(json.dumps(app))
+    chain = json.loads(json.dumps(config["applications"][0]))
     chain.update(name="chain", route_prefix="/chain")
-    chain["args"]["models"]["medium"] = [medium]
+    chain["args"]["models"]["medium"] = [dirs["medium"]]
     chain["args"]["large"]["num_replicas"] = 1
-    {d["name"]: d for d in chain["deployments"]}["SmallModel"]["user_config"] = {
-        "router": "random", "threshold": list(CHAIN_THRESHOLDS)}
     config["applications"].append(chain)
-    return config
+    deployment_config(config, "SmallModel", app=1)["user_config"] = {"router": "random",
+                                                                     "threshold": list(CHAIN_THRESHOLDS)}
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    root = tmp_path_factory.mktemp("serve")
-    small, large, medium = _save_tiny(root)
-    http_port, grpc_port, metrics_port = serve_cli.free_port(), serve_cli.free_port(), serve_cli.free_port()
-    config = _config(small, large, medium, http_port, grpc_port)
-    path = root / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    start_local_ray(num_cpus=4, _metrics_export_port=metrics_port,
-                    _system_config={**serve_cli.RAY_SYSTEM_CONFIG, "metrics_report_interval_ms": 500})
-    try:
-        assert serve_cli.main(["--config", str(path), "--non-blocking"]) == 0  # `backoff serve`
-        serve_cli.wait_until_running("backoff")
-        serve_cli.wait_until_running("chain")
-        yield Served(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{metrics_port}",
-                     config, path, small, large, medium)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+def served(serve_app) -> ServedApp:
+    """Ingress, SmallModel and two LargeModel replicas (`backoff`), the chain (`chain`)."""
+    ray_options = {"num_cpus": 4, "_metrics_export_port": serve_cli.free_port(),
+                   "_system_config": {**serve_cli.RAY_SYSTEM_CONFIG, "metrics_report_interval_ms": 500}}
+    return serve_app("serve", MODELS, replicas={"large": 2}, edit=_edit, ray_options=ray_options)
 
 
 @pytest.fixture(scope="module")
 def local(served):
     """The in-process engine over the same model directories (the reference)."""
-    (small, tok), (large, _) = load_model(served.small_dir, LoadSpec()), load_model(served.large_dir, LoadSpec())
-    return BackoffEngine([ModelRunner(small, "small"), ModelRunner(large, "large")], tok, context_window=512,
-                         hidden_size=small.config.hidden_size)
+    return in_process_engine(served.model_dirs["small"], served.model_dirs["large"])
 
 
 def _reference(local, prompt, max_tokens, router="entropy", thresholds=(THRESHOLD,), **sampling):
@@ -379,10 +329,7 @@ def test_prometheus_metrics_are_exported(served):
 
 
 def test_a_chain_of_three_serves_through_one_more_deployment(served):
-    (small, tok), (medium, _), (large, _) = (load_model(d, LoadSpec()) for d in
-                                             (served.small_dir, served.medium_dir, served.large_dir))
-    engine = BackoffEngine([ModelRunner(small, "small"), ModelRunner(medium, "medium1"), ModelRunner(large, "large")],
-                           tok, context_window=512)
+    engine = in_process_engine(*(served.model_dirs[name] for name in ("small", "medium", "large")))
     prompt = [6, 5, 4, 3]
     ref = engine.generate(GenerationRequest(tuple(prompt), SamplingParams(max_tokens=24, ignore_eos=True, seed=5,
                                                                           temperature=0),
@@ -450,13 +397,11 @@ def test_target_backoff_at_the_extremes_answers_finite_json(served, target, max_
 
 # -- live config and failure (these change the app: they run last) --------------------------
 
-def _router_config(served: Served, **changes) -> None:
+def _router_config(served: ServedApp, **changes) -> None:
     """`backoff serve` of the config with these SmallModel user_config changes (live)."""
     edited = json.loads(json.dumps(served.config))
-    {d["name"]: d for d in edited["applications"][0]["deployments"]}["SmallModel"]["user_config"].update(changes)
-    path = served.config_path.with_name("router.yaml")
-    path.write_text(yaml.safe_dump(edited))
-    assert serve_cli.main(["--config", str(path), "--non-blocking"]) == 0
+    deployment_config(edited, "SmallModel")["user_config"].update(changes)
+    deploy(edited, served.config_path.with_name("router.yaml"))
     deadline = time.monotonic() + 60
     while not _router_info().policy.model_dump().items() >= changes.items():
         assert time.monotonic() < deadline, "reconfigure did not arrive"
@@ -530,11 +475,8 @@ def test_config_deploy_changes_the_threshold_live(served):
     router_before, large_before = _router_info(), {i.replica: i.pid for i in _large_infos().values()}
     low = _backoff_rate(served.url)
     edited = json.loads(json.dumps(served.config))
-    users = {d["name"]: d for d in edited["applications"][0]["deployments"]}
-    users["SmallModel"]["user_config"]["threshold"] = [50.0]  # nothing is that uncertain: all small
-    path = served.config_path.with_name("edited.yaml")
-    path.write_text(yaml.safe_dump(edited))
-    assert serve_cli.main(["--config", str(path), "--non-blocking"]) == 0
+    deployment_config(edited, "SmallModel")["user_config"]["threshold"] = [50.0]  # nothing is that uncertain: all small
+    deploy(edited, served.config_path.with_name("edited.yaml"))
     deadline = time.monotonic() + 60
     while _router_info().policy.thresholds != [50.0]:
         assert time.monotonic() < deadline, "reconfigure did not arrive"

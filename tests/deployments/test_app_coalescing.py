@@ -11,46 +11,37 @@ usage as the unary answer; a cancelled stream must leave the step loop.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 import grpc
 import httpx
 import pytest
-import yaml
 
 ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 
-from clients.wire import backoff_pb2 as pb  # noqa: E402
-from clients.wire import backoff_pb2_grpc as pb_grpc  # noqa: E402
 from clients.grpc_client import AsyncBackoffGrpcClient  # noqa: E402
 from clients.http_client import AsyncBackoffHTTPClient  # noqa: E402
+from clients.wire import backoff_pb2 as pb  # noqa: E402
+from clients.wire import backoff_pb2_grpc as pb_grpc  # noqa: E402
 from clients.wire.proto import deltas_from_pb  # noqa: E402
-from deployments import serve_cli  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 from benchmarks.standin import expected_stream  # noqa: E402
-from tests.support.ray_local import start_local_ray  # noqa: E402
-from tests.support.tiny import tiny_model, tiny_tokenizer  # noqa: E402
+from tests.support.served_app import TINY_PAIR, ServedApp  # noqa: E402
+from tests.support.tiny import tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.slow
 BUDGET = {"max_messages_per_s": 20.0, "max_delay_ms": 40.0}
 PROMPT = [3, 7, 11]
+MODELS = {**TINY_PAIR, "large": functools.partial(tiny_model, 2, hidden=64, layers=4)}  # a flat M_L
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    root = tmp_path_factory.mktemp("coalescing")
-    tok = tiny_tokenizer()
-    for name, model in (("small", tiny_model(1, sharpness=30)), ("large", tiny_model(2, hidden=64, layers=4))):
-        model.save_pretrained(root / name)
-        tok.save_pretrained(root / name)
-    http_port, grpc_port = serve_cli.free_port(), serve_cli.free_port()
-    config = serve_cli.loopback_config(str(root / "small"), str(root / "large"), http_port, grpc_port)
+def _edit(config: dict, dirs) -> None:
     real = config["applications"][0]
     real.update(name="real", route_prefix="/real")
     real["args"]["stream"] = BUDGET
@@ -58,19 +49,13 @@ def served(tmp_path_factory):
     standin.update(name="standin", route_prefix="/standin")
     standin["args"]["engine_factory"] = "benchmarks.standin:engine_2ms"
     config["applications"].append(standin)
-    path = root / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
+
+
+@pytest.fixture(scope="module")
+def served(serve_app) -> ServedApp:
     # the replicas import benchmarks.standin from the checkout
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    start_local_ray(num_cpus=4, _system_config=serve_cli.RAY_SYSTEM_CONFIG)
-    try:
-        assert serve_cli.main(["--config", str(path), "--non-blocking"]) == 0
-        serve_cli.wait_until_running("real")
-        serve_cli.wait_until_running("standin")
-        yield f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    pythonpath = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return serve_app("coalescing", MODELS, edit=_edit, env={"PYTHONPATH": pythonpath})
 
 
 def _router(app: str):
@@ -84,7 +69,7 @@ async def _raw_grpc(target: str, app: str, request: pb.GenerateRequest) -> list[
 
 
 def test_grpc_batches_carry_every_token_once_in_order_and_the_first_alone(served):
-    _, target = served
+    target = served.grpc_target
     n = 120
 
     async def main():
@@ -105,7 +90,7 @@ def test_grpc_batches_carry_every_token_once_in_order_and_the_first_alone(served
 
 
 def test_sse_batches_are_one_event_per_token_for_every_client(served):
-    url, target = served
+    url, target = served.url, served.grpc_target
     n = 100
 
     async def client_stream(make):
@@ -131,7 +116,7 @@ def test_sse_batches_are_one_event_per_token_for_every_client(served):
 
 
 def test_a_cancelled_stream_leaves_the_step_loop_while_another_finishes(served):
-    url, target = served
+    url, target = served.url, served.grpc_target
     before = _router("standin").cancelled
 
     async def disconnected() -> int:
@@ -167,7 +152,7 @@ def _logprobs(entry) -> tuple:
 
 
 def test_real_engine_batches_equal_the_unary_answer_with_stop_and_logprobs(served):
-    url, target = served
+    url, target = served.url, served.grpc_target
     params = dict(max_tokens=40, temperature=0.0, seed=3, ignore_eos=True, router="random",
                   backoff_threshold=[0.5], logprobs=2)
 

@@ -13,32 +13,30 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 import httpx
 import pytest
-import yaml
 
 ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 
-from backoff_core.engine.engine import BackoffEngine  # noqa: E402
-from backoff_core.models.loading import LoadSpec, load_model  # noqa: E402
-from backoff_core.runners.dynamic import ModelRunner  # noqa: E402
 from backoff_core.types import GenerationRequest, RoutingParams, SamplingParams  # noqa: E402
 from clients import OverloadedError, TransportError  # noqa: E402
-from clients.wire import backoff_pb2 as pb  # noqa: E402
-from clients.wire import backoff_pb2_grpc as pb_grpc  # noqa: E402
 from clients.grpc_client import AsyncBackoffGrpcClient, BackoffGrpcClient  # noqa: E402
 from clients.http_client import AsyncBackoffHTTPClient, BackoffHTTPClient  # noqa: E402
+from clients.wire import backoff_pb2 as pb  # noqa: E402
+from clients.wire import backoff_pb2_grpc as pb_grpc  # noqa: E402
 from deployments import serve_cli  # noqa: E402
-
-from tests.support.tiny import tiny_model, tiny_tokenizer  # noqa: E402
-from tests.support.ray_local import start_local_ray  # noqa: E402
+from tests.support.served_app import (  # noqa: E402
+    ServedApp,
+    deploy,
+    deployment_config,
+    in_process_engine,
+    stream_noting_first,
+)
 
 pytestmark = pytest.mark.slow
 APP = "backoff"
@@ -53,55 +51,23 @@ class Refused(Exception):
     """The server had no room for a request (503 / RESOURCE_EXHAUSTED): send it again later."""
 
 
-@dataclass
-class Served:
-    url: str
-    grpc_target: str
-    config: dict
-    config_path: Path
-    small_dir: str
-    large_dir: str
-
-
-def _config(small: str, large: str, http_port: int, grpc_port: int) -> dict:
-    config = serve_cli.loopback_config(small, large, http_port, grpc_port, replicas={"small": 2, "large": 2})
-    app = config["applications"][0]
+def _edit(config: dict, dirs) -> None:
     # one test client opens hundreds of streams; the per-client cap is tests/deployments/test_app_input.py's
-    app["args"]["limits"] = {"max_concurrent_per_client": None}
-    users = {d["name"]: d for d in app["deployments"]}
-    users["SmallModel"]["user_config"] = {"router": "entropy", "threshold": [0.4], "large_timeout_s": 10.0}
-    users["LargeModel"]["user_config"].update(lease_s=LEASE_S, inject_delay_ms=DELAY_MS)
-    return config
+    config["applications"][0]["args"]["limits"] = {"max_concurrent_per_client": None}
+    deployment_config(config, "SmallModel")["user_config"] = {"router": "entropy", "threshold": [0.4],
+                                                              "large_timeout_s": 10.0}
+    deployment_config(config, "LargeModel")["user_config"].update(lease_s=LEASE_S, inject_delay_ms=DELAY_MS)
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    root = tmp_path_factory.mktemp("faults")
-    tok = tiny_tokenizer()
-    dirs = []
-    for name, model in (("small", tiny_model(1, sharpness=30)), ("large", tiny_model(2, hidden=64, layers=4, sharpness=30))):
-        model.save_pretrained(root / name)
-        tok.save_pretrained(root / name)
-        dirs.append(str(root / name))
-    http_port, grpc_port = serve_cli.free_port(), serve_cli.free_port()
-    config = _config(dirs[0], dirs[1], http_port, grpc_port)
-    path = root / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    start_local_ray(num_cpus=4, _system_config=serve_cli.RAY_SYSTEM_CONFIG)
-    try:
-        assert serve_cli.main(["--config", str(path), "--non-blocking"]) == 0
-        serve_cli.wait_until_running(APP)
-        yield Served(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", config, path, dirs[0], dirs[1])
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+def served(serve_app) -> ServedApp:
+    return serve_app("faults", replicas={"small": 2, "large": 2}, edit=_edit)
 
 
 @pytest.fixture(scope="module")
 def reference(served):
     """The in-process engine's tokens for PROMPT under LONG (always-large, greedy)."""
-    (small, tok), (large, _) = load_model(served.small_dir, LoadSpec()), load_model(served.large_dir, LoadSpec())
-    engine = BackoffEngine([ModelRunner(small, "small"), ModelRunner(large, "large")], tok, context_window=512)
+    engine = in_process_engine(served.model_dirs["small"], served.model_dirs["large"])
     result = engine.generate(GenerationRequest(tuple(PROMPT), SamplingParams(max_tokens=LONG["max_tokens"], ignore_eos=True),
                                                RoutingParams(router="always-large")))
     return list(result.token_ids)
@@ -144,13 +110,11 @@ def _settled() -> None:
     asyncio.run(_poll(_all_freed, 300, "requests left by an earlier test"))
 
 
-def _deploy(served: Served, router: dict | None = None, large: dict | None = None) -> None:
+def _deploy(served: ServedApp, router: dict | None = None, large: dict | None = None) -> None:
     """`backoff serve --config edited.yaml` with these user_config changes (live: no restart)."""
     for d in served.config["applications"][0]["deployments"]:
         d["user_config"].update({"SmallModel": router, "LargeModel": large}[d["name"]] or {})
-    path = served.config_path.with_name("edited.yaml")
-    path.write_text(yaml.safe_dump(served.config))
-    assert serve_cli.main(["--config", str(path), "--non-blocking"]) == 0
+    deploy(served.config, served.config_path.with_name("edited.yaml"))
 
     async def applied() -> bool:
         routers, larges = await _router_infos(), await _large_infos()
@@ -163,6 +127,90 @@ def _deploy(served: Served, router: dict | None = None, large: dict | None = Non
 
 # -- 3. cancellations free every session ---------------------------------------------------------
 
+CANCEL_BODY = dict(prompt=PROMPT, max_tokens=200, temperature=0, ignore_eos=True, router="always-large")
+GRPC_CANCEL_TOKENS = 60  # >= 1.5 s of catch-up delays: the cancel still arrives long before the end
+
+
+async def _http_closed(http: httpx.AsyncClient) -> None:
+    """An SSE stream whose connection is closed at the first token."""
+    async with http.stream("POST", "/v1/completions", json={**CANCEL_BODY, "stream": True}) as response:
+        if response.status_code == 503:
+            raise Refused
+        assert response.status_code == 200, response.status_code
+        async for line in response.aiter_lines():
+            if line.startswith("data:"):
+                return  # first token: leaving the block closes the connection
+
+
+async def _client_cancelled(client: AsyncBackoffHTTPClient) -> None:
+    """Our async client's stream, its task cancelled after the first token."""
+    first = asyncio.Event()
+
+    async def consume():
+        async for _ in client.stream(PROMPT, **{k: v for k, v in CANCEL_BODY.items() if k != "prompt"}):
+            first.set()
+
+    task, waiter = asyncio.create_task(consume()), asyncio.create_task(first.wait())
+    await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    waiter.cancel()
+    if not first.is_set():  # over before its first token
+        if isinstance(task.exception(), OverloadedError):
+            raise Refused
+        raise AssertionError(f"a stream ended before its first token: {task.exception()!r}")
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+async def _grpc_cancelled(stub) -> None:
+    """A gRPC stream cancelled after its first message."""
+    call = stub.GenerateStream(pb.GenerateRequest(prompt_ids=PROMPT, max_tokens=GRPC_CANCEL_TOKENS, temperature=0,
+                                                  ignore_eos=True, router="always-large"), metadata=METADATA)
+    try:
+        await call.read()
+    except grpc.aio.AioRpcError as err:
+        if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            raise Refused from None
+        raise
+    call.cancel()
+
+
+async def _send_until_admitted(way, gate: asyncio.Semaphore) -> int:
+    """One stream; sent again a second after a refusal for capacity, as a client should
+    (streams whose cancel Ray's gRPC proxy missed can fill the routers); the refusals."""
+    async with gate:
+        for refused in range(60):
+            try:
+                await asyncio.wait_for(way(), 120)
+                return refused
+            except Refused:
+                await asyncio.sleep(1.0)
+        pytest.fail("a stream was refused for capacity 60 times in a row")
+
+
+async def _cancelled_at_routers() -> int:
+    return sum(r.cancelled for r in (await _router_infos()).values())
+
+
+async def _cancel_streams(served: ServedApp, n: int) -> dict[str, tuple[int, int, float, float, int]]:
+    """n streams, a third each way, one way after another. Per way: (streams, cancelled at
+    the routers, seconds to send them, seconds until every M_L session was freed, refusals)."""
+    report = {}
+    gate = asyncio.Semaphore(48)
+    async with httpx.AsyncClient(base_url=served.url, timeout=120, limits=httpx.Limits(max_connections=64)) as http, \
+            AsyncBackoffHTTPClient(served.url) as client, grpc.aio.insecure_channel(served.grpc_target) as channel:
+        stub = pb_grpc.BackoffStub(channel)
+        ways = {"HTTP stream closed": lambda: _http_closed(http), "async client task cancelled":
+                lambda: _client_cancelled(client), "gRPC stream cancelled": lambda: _grpc_cancelled(stub)}
+        for k, (name, way) in enumerate(ways.items()):
+            count, before = n // 3 + (k < n % 3), await _cancelled_at_routers()
+            start = time.monotonic()
+            refused = sum(await asyncio.gather(*[_send_until_admitted(way, gate) for _ in range(count)]))
+            sent = time.monotonic() - start
+            freed = await _poll(_all_freed, 300, f"sessions of {name} streams")
+            report[name] = (count, await _cancelled_at_routers() - before, sent, freed, refused)
+    return report
+
+
 def test_a_thousand_cancelled_streams_leave_no_session(served):
     """Three ways a caller goes away after the first token, a third of the streams each.
     M_L holds each stream's session by then (always-large) and only its close can free it
@@ -170,83 +218,9 @@ def test_a_thousand_cancelled_streams_leave_no_session(served):
     misses a cancel that arrives while it writes a chunk (its send_request_to_replica
     swallows the GeneratorExit): such a stream runs to max_tokens, then frees its session.
     Up to an eighth of them did so on a loaded 2-core machine, so the gRPC streams ask for
-    fewer tokens: the missed ones then end in seconds, not minutes."""
-    n, body = 1000, dict(prompt=PROMPT, max_tokens=200, temperature=0, ignore_eos=True, router="always-large")
-    grpc_tokens = 60  # >= 1.5 s of catch-up delays: the cancel still arrives long before the end
-
-    async def http_closed(http: httpx.AsyncClient) -> None:
-        async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
-            if response.status_code == 503:
-                raise Refused
-            assert response.status_code == 200, response.status_code
-            async for line in response.aiter_lines():
-                if line.startswith("data:"):
-                    return  # first token: leaving the block closes the connection
-
-    async def client_cancelled(client: AsyncBackoffHTTPClient) -> None:
-        first = asyncio.Event()
-
-        async def consume():
-            async for _ in client.stream(PROMPT, **{k: v for k, v in body.items() if k != "prompt"}):
-                first.set()
-
-        task, waiter = asyncio.create_task(consume()), asyncio.create_task(first.wait())
-        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
-        waiter.cancel()
-        if not first.is_set():  # over before its first token
-            if isinstance(task.exception(), OverloadedError):
-                raise Refused
-            raise AssertionError(f"a stream ended before its first token: {task.exception()!r}")
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-
-    async def grpc_cancelled(stub) -> None:
-        call = stub.GenerateStream(pb.GenerateRequest(prompt_ids=PROMPT, max_tokens=grpc_tokens, temperature=0,
-                                                      ignore_eos=True, router="always-large"), metadata=METADATA)
-        try:
-            await call.read()
-        except grpc.aio.AioRpcError as err:
-            if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                raise Refused from None
-            raise
-        call.cancel()
-
-    async def cancelled() -> int:
-        return sum(r.cancelled for r in (await _router_infos()).values())
-
-    async def main() -> dict:
-        report = {}
-        gate = asyncio.Semaphore(48)
-        refused = 0
-
-        async def one(way) -> None:
-            """One stream; sent again a second after a refusal for capacity, as a client
-            should (streams whose cancel Ray's gRPC proxy missed can fill the routers)."""
-            nonlocal refused
-            async with gate:
-                for _ in range(60):
-                    try:
-                        return await asyncio.wait_for(way(), 120)
-                    except Refused:
-                        refused += 1
-                        await asyncio.sleep(1.0)
-                pytest.fail("a stream was refused for capacity 60 times in a row")
-
-        async with httpx.AsyncClient(base_url=served.url, timeout=120, limits=httpx.Limits(max_connections=64)) as http, \
-                AsyncBackoffHTTPClient(served.url) as client, grpc.aio.insecure_channel(served.grpc_target) as channel:
-            stub = pb_grpc.BackoffStub(channel)
-            ways = {"HTTP stream closed": lambda: http_closed(http), "async client task cancelled":
-                    lambda: client_cancelled(client), "gRPC stream cancelled": lambda: grpc_cancelled(stub)}
-            for k, (name, way) in enumerate(ways.items()):
-                count, before, refused = n // 3 + (k < n % 3), await cancelled(), 0
-                start = time.monotonic()
-                await asyncio.gather(*[one(way) for _ in range(count)])
-                sent = time.monotonic() - start
-                freed = await _poll(_all_freed, 300, f"sessions of {name} streams")
-                report[name] = (count, await cancelled() - before, sent, freed, refused)
-        return report
-
-    report = asyncio.run(main())
+    fewer tokens (GRPC_CANCEL_TOKENS): the missed ones then end in seconds, not minutes."""
+    n = 1000
+    report = asyncio.run(_cancel_streams(served, n))
     for name, (count, ended, sent, freed, refused) in report.items():
         print(f"\n{name}: {count} streams in {sent:.1f} s ({refused} refusals for capacity, sent again), {ended} "
               f"of them cancelled at the router; every M_L session freed {freed:.1f} s later", end="")
@@ -283,17 +257,6 @@ class Flight:
     router: str = ""  # SmallModel replica serving it
 
 
-async def _stream(client: AsyncBackoffHTTPClient | AsyncBackoffGrpcClient, first: asyncio.Future):
-    """All deltas of one long stream (HTTP or gRPC: the clients share `stream`); `first`
-    gets the request id as soon as the first delta arrives."""
-    deltas = []
-    async for d in client.stream(PROMPT, **LONG):
-        deltas.append(d)
-        if not first.done():
-            first.set_result(d.id)
-    return deltas
-
-
 async def _unary(http: httpx.AsyncClient) -> httpx.Response:
     return await http.post("/v1/completions", json={"prompt": PROMPT, **LONG})
 
@@ -302,7 +265,8 @@ async def _launch(kind: str, clients: tuple, known: set[str]) -> Flight:
     """Start one request and find the router that serves it (from the routers' live ids)."""
     http, client, grpc_client = clients
     first: asyncio.Future = asyncio.get_running_loop().create_future()
-    coro = {"http": lambda: _stream(client, first), "grpc": lambda: _stream(grpc_client, first),
+    coro = {"http": lambda: stream_noting_first(client, first, PROMPT, **LONG),
+            "grpc": lambda: stream_noting_first(grpc_client, first, PROMPT, **LONG),
             "unary": lambda: _unary(http)}[kind]()
     flight = Flight(kind, asyncio.create_task(coro))
     request_id = await asyncio.wait_for(first, 30) if kind != "unary" else ""
@@ -319,43 +283,74 @@ async def _launch(kind: str, clients: tuple, known: set[str]) -> Flight:
     raise AssertionError(f"{kind} request not found on any router")
 
 
+async def _flights_on_both_routers(clients: tuple) -> list[Flight]:
+    """Requests until each router serves each kind (where one lands is Serve's choice)."""
+    known: set[str] = set()
+    flights: list[Flight] = []
+    kinds = ["http", "grpc", "unary"]
+    while len(flights) < 24:
+        flights.append(await _launch(kinds[len(flights) % 3], clients, known))
+        placed = {(f.kind, f.router) for f in flights}
+        routers = {f.router for f in flights}
+        if len(routers) == 2 and all((k, r) in placed for k in kinds for r in routers):
+            break
+    return flights
+
+
+async def _kill_a_router_under(flights: list[Flight]) -> tuple[str, float, float]:
+    """SIGKILL one router once every request holds its M_L session; (the router, seconds
+    until its requests failed, seconds until their M_L sessions were freed)."""
+    victim = sorted({f.router for f in flights})[0]
+    doomed = [f for f in flights if f.router == victim]
+
+    async def all_hold_sessions() -> bool:  # every request's M_L session exists
+        return sum(len(i.sessions) for i in (await _large_infos()).values()) == len(flights)
+
+    await _poll(all_hold_sessions, 60, "M_L sessions of the requests")
+    assert all(not f.task.done() for f in flights), "a request ended before the kill"
+    os.kill((await _router_infos())[victim].pid, signal.SIGKILL)
+    killed = time.monotonic()
+
+    async def orphans_freed() -> bool:
+        larges = await _large_infos()
+        keys = [k for i in larges.values() for k in i.sessions]
+        owners = {o for i in larges.values() for o, _ in i.owners}
+        return victim not in owners and not any(k.startswith(f.request_id + "#") for k in keys for f in doomed)
+
+    freeing = asyncio.create_task(_poll(orphans_freed, LEASE_S + 20, "sessions of the dead router"))
+    await asyncio.gather(*[f.task for f in doomed], return_exceptions=True)
+    failed_s = time.monotonic() - killed
+    return victim, failed_s, await freeing
+
+
+def _check_outcome(flight: Flight, out, victim: str, reference: list[int]) -> None:
+    """A clear error per transport on the killed router; elsewhere the whole, right answer."""
+    if flight.router == victim:
+        if flight.kind == "unary":
+            assert out.status_code == 503, out.text
+            error = out.json()["error"]
+            assert error["code"] == "router_unavailable" and "small router" in error["message"]
+        else:
+            assert isinstance(out, TransportError), (flight.kind, out)
+            assert "small router" in out.message
+            assert out.status == (503 if flight.kind == "http" else "UNAVAILABLE")
+    else:
+        assert not isinstance(out, BaseException), (flight.kind, out)
+        if flight.kind == "unary":
+            assert out.status_code == 200 and out.json()["choices"][0]["backoff"]["token_ids"] == reference
+        else:
+            assert [d.token_id for d in out if d.finish_reason is None] == reference
+            assert out[-1].finish_reason == "length"
+
+
 def test_killed_router_fails_its_requests_clearly_and_frees_their_sessions(served, reference):
     _settled()
 
     async def main():
-        known: set[str] = set()
-        flights: list[Flight] = []
         async with httpx.AsyncClient(base_url=served.url, timeout=120) as http, AsyncBackoffHTTPClient(http=http) as \
                 client, AsyncBackoffGrpcClient(served.grpc_target, application=APP) as grpc_client:
-            # requests until each router serves each kind (where one lands is Serve's choice)
-            kinds = ["http", "grpc", "unary"]
-            while len(flights) < 24:
-                flights.append(await _launch(kinds[len(flights) % 3], (http, client, grpc_client), known))
-                placed = {(f.kind, f.router) for f in flights}
-                routers = {f.router for f in flights}
-                if len(routers) == 2 and all((k, r) in placed for k in kinds for r in routers):
-                    break
-            victim = sorted(routers)[0]
-            doomed = [f for f in flights if f.router == victim]
-
-            async def all_hold_sessions() -> bool:  # every request's M_L session exists
-                return sum(len(i.sessions) for i in (await _large_infos()).values()) == len(flights)
-
-            await _poll(all_hold_sessions, 60, "M_L sessions of the requests")
-            assert all(not f.task.done() for f in flights), "a request ended before the kill"
-            os.kill((await _router_infos())[victim].pid, signal.SIGKILL)
-            killed = time.monotonic()
-
-            async def orphans_freed() -> bool:
-                larges = await _large_infos()
-                keys = [k for i in larges.values() for k in i.sessions]
-                owners = {o for i in larges.values() for o, _ in i.owners}
-                return victim not in owners and not any(k.startswith(f.request_id + "#") for k in keys for f in doomed)
-
-            freeing = asyncio.create_task(_poll(orphans_freed, LEASE_S + 20, "sessions of the dead router"))
-            await asyncio.gather(*[f.task for f in doomed], return_exceptions=True)
-            failed_s = time.monotonic() - killed
-            freed_s = await freeing
+            flights = await _flights_on_both_routers((http, client, grpc_client))
+            victim, failed_s, freed_s = await _kill_a_router_under(flights)
             outcomes = await asyncio.gather(*[f.task for f in flights], return_exceptions=True)
             return flights, outcomes, victim, failed_s, freed_s
 
@@ -363,23 +358,8 @@ def test_killed_router_fails_its_requests_clearly_and_frees_their_sessions(serve
     print(f"\n{len(flights)} requests, {sum(f.router == victim for f in flights)} on the killed router: "
           f"they failed {failed_s:.1f} s after the kill, their M_L sessions were freed {freed_s:.1f} s after "
           f"it (lease_s = {LEASE_S}); the others finished")
-    for f, out in zip(flights, outcomes):
-        if f.router == victim:  # a clear error, per transport
-            if f.kind == "unary":
-                assert out.status_code == 503, out.text
-                error = out.json()["error"]
-                assert error["code"] == "router_unavailable" and "small router" in error["message"]
-            else:
-                assert isinstance(out, TransportError), (f.kind, out)
-                assert "small router" in out.message
-                assert out.status == (503 if f.kind == "http" else "UNAVAILABLE")
-        else:  # unaffected: the whole, right answer
-            assert not isinstance(out, BaseException), (f.kind, out)
-            if f.kind == "unary":
-                assert out.status_code == 200 and out.json()["choices"][0]["backoff"]["token_ids"] == reference
-            else:
-                assert [d.token_id for d in out if d.finish_reason is None] == reference
-                assert out[-1].finish_reason == "length"
+    for flight, out in zip(flights, outcomes):
+        _check_outcome(flight, out, victim, reference)
     serve_cli.wait_until_running(APP)
     asyncio.run(_poll(_all_freed, 60, "sessions after the kill"))
 

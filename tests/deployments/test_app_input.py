@@ -10,6 +10,7 @@ requests over both transports and checks exactly that.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -20,7 +21,6 @@ import time
 import uuid
 from collections import Counter
 from contextlib import ExitStack
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -33,19 +33,17 @@ from hypothesis import strategies as st
 ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 
-from clients import AuthenticationError, BadRequestError, RateLimitError  # noqa: E402
-from clients.wire import backoff_pb2 as pb  # noqa: E402
-from clients.wire import backoff_pb2_grpc as pb_grpc  # noqa: E402
-from clients import cli  # noqa: E402
+from clients import AuthenticationError, BadRequestError, RateLimitError, cli  # noqa: E402
 from clients.grpc_client import BackoffGrpcClient  # noqa: E402
 from clients.http_client import BackoffHTTPClient  # noqa: E402
+from clients.wire import backoff_pb2 as pb  # noqa: E402
+from clients.wire import backoff_pb2_grpc as pb_grpc  # noqa: E402
 from clients.wire.types import Usage  # noqa: E402
 from deployments import serve_cli  # noqa: E402
-
-from tests.support.tiny import tiny_model, tiny_tokenizer  # noqa: E402
-from tests.support.ray_local import start_local_ray  # noqa: E402
-from tests.support.request_strategies import expected_refusal, grpc_requests, http_bodies  # noqa: E402
 from tests.support.playground_page import PlaygroundPage, browser_missing  # noqa: E402
+from tests.support.request_strategies import expected_refusal, grpc_requests, http_bodies  # noqa: E402
+from tests.support.served_app import TINY_PAIR, ServedApp, deployment_config, wait_until  # noqa: E402
+from tests.support.tiny import tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.slow
 KEY = "test-key-a"  # in the config's access.api_keys
@@ -57,50 +55,27 @@ LIMITS = dict(max_body_bytes=32_768, max_prompt_chars=2_000, max_prompt_tokens=3
 ERROR_FIELDS = {"message", "type", "param", "code"}
 PLAYGROUND_ROUTER = ("random", 0.5)  # the playground test's: half the tokens small, drawn from the seed
 CLIENT_CODES = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND}
+# M_L big enough (a few ms a token on one thread) that an always-large request of a few
+# hundred tokens stays open for seconds: the per-client limit test holds two of them
+MODELS = {**TINY_PAIR, "large": functools.partial(tiny_model, 2, hidden=512, layers=8)}
 
 
-@dataclass
-class Served:
-    url: str
-    grpc_target: str
-    config_path: Path
-    dashboard: str  # Ray's dashboard: what `serve status` / `serve deploy --address` talk to
-    hints: str  # what `backoff serve` prints about this Ray (metrics URL, auth for Ray's CLI)
-
-
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    root = tmp_path_factory.mktemp("serve-input")
-    tok = tiny_tokenizer()
-    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-    # M_L big enough (a few ms a token on one thread) that an always-large request of a few
-    # hundred tokens stays open for seconds: the per-client limit test holds two of them
-    for name, model in (("small", tiny_model(1, sharpness=30)), ("large", tiny_model(2, hidden=512, layers=8))):
-        model.save_pretrained(root / name)
-        tok.save_pretrained(root / name)
-    http_port, grpc_port = serve_cli.free_port(), serve_cli.free_port()
-    config = serve_cli.loopback_config(str(root / "small"), str(root / "large"), http_port, grpc_port)
+def _edit(config: dict, dirs) -> None:
     args = config["applications"][0]["args"]
     args["default_max_tokens"] = 8
     args["access"].update(api_keys=[KEY], api_keys_env=KEY_ENV_VAR)
     args["limits"].update(LIMITS)
     # no threshold in the config: the router's default, which the threshold gauge shows from the start
-    {d["name"]: d for d in config["applications"][0]["deployments"]}["SmallModel"]["user_config"]["thresholds"] = None
-    path = root / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    os.environ[KEY_ENV_VAR] = f" {ENV_KEY} ,"  # the Ray workers started below inherit it
-    dashboard_port = serve_cli.free_port()
-    start_local_ray(num_cpus=2, include_dashboard=True, dashboard_port=dashboard_port,
-                    _system_config=serve_cli.RAY_SYSTEM_CONFIG)
-    try:
-        assert serve_cli.main(["--config", str(path), "--non-blocking"]) == 0
-        serve_cli.wait_until_running("backoff")
-        yield Served(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", path,
-                     f"http://127.0.0.1:{dashboard_port}", serve_cli.local_ray_hints())
-    finally:
-        os.environ.pop(KEY_ENV_VAR, None)
-        serve.shutdown()
-        ray.shutdown()
+    deployment_config(config, "SmallModel")["user_config"]["thresholds"] = None
+
+
+@pytest.fixture(scope="module")
+def served(serve_app) -> ServedApp:
+    """With Ray's dashboard (what `serve status` / `serve deploy --address` talk to); the key
+    in KEY_ENV_VAR reaches the replicas as the Ray workers inherit the environment."""
+    ray_options = {"num_cpus": 2, "include_dashboard": True, "dashboard_port": serve_cli.free_port(),
+                   "_system_config": serve_cli.RAY_SYSTEM_CONFIG}
+    return serve_app("serve-input", MODELS, edit=_edit, ray_options=ray_options, env={KEY_ENV_VAR: f" {ENV_KEY} ,"})
 
 
 def _auth(key: str = KEY) -> dict:
@@ -361,9 +336,9 @@ def test_grpc_needs_an_api_key_except_for_health(served):
     with grpc.insecure_channel(served.grpc_target) as channel:
         stub = pb_grpc.BackoffStub(channel)
         for meta in ((), _grpc_meta("wrong"), (("authorization", KEY),)):
-            for call in (lambda: stub.Generate(request, metadata=meta, timeout=60),
-                         lambda: list(stub.GenerateStream(request, metadata=meta, timeout=60)),
-                         lambda: stub.Models(pb.ModelsRequest(), metadata=meta, timeout=60)):
+            for call in (lambda meta=meta: stub.Generate(request, metadata=meta, timeout=60),
+                         lambda meta=meta: list(stub.GenerateStream(request, metadata=meta, timeout=60)),
+                         lambda meta=meta: stub.Models(pb.ModelsRequest(), metadata=meta, timeout=60)):
                 with pytest.raises(grpc.RpcError) as err:
                     call()
                 assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -684,23 +659,21 @@ def _gauge(metrics_url: str) -> dict[str, float]:
     return found
 
 
-def _eventually(predicate, what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.5)
+def _eventually(predicate, what: str) -> None:
+    wait_until(predicate, what, 60.0, every_s=0.5)
 
 
 def test_serve_cli_status_and_deploy_change_the_live_threshold(served, tmp_path):
-    metrics_url = re.search(r"http://\S+/metrics", served.hints).group(0)
+    hints = serve_cli.local_ray_hints()  # what `backoff serve` prints about this Ray (metrics URL, auth for Ray's CLI)
+    metrics_url = re.search(r"http://\S+/metrics", hints).group(0)
     # published from the start: the config names no threshold, so the entropy router's default
     _eventually(lambda: _gauge(metrics_url) == {"0": 2.0}, f"no threshold gauge at start: {_gauge(metrics_url)}")
     # Ray's CLI in a fresh shell, given exactly what `backoff serve` says to export
     env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
-    env.update(re.findall(r"export (\w+)=(\S+)", served.hints))
+    env.update(re.findall(r"export (\w+)=(\S+)", hints))
     cli_ = str(Path(sys.executable).with_name("serve"))
     edited = yaml.safe_load(served.config_path.read_text())
-    {d["name"]: d for d in edited["applications"][0]["deployments"]}["SmallModel"]["user_config"]["thresholds"] = [0.25]
+    deployment_config(edited, "SmallModel")["user_config"]["thresholds"] = [0.25]
     path = tmp_path / "edited.yaml"
     path.write_text(yaml.safe_dump(edited))
     deploy = subprocess.run([cli_, "deploy", str(path), "--address", served.dashboard], env=env, capture_output=True,
@@ -738,52 +711,72 @@ def test_playground_asks_for_the_key_and_colours_each_token_by_its_source(served
                                 **fields)
     assert {0, 1} <= set(reference.sources)  # the threshold mixes sources
     with PlaygroundPage(served.url) as page:
-        page.wait("return !document.getElementById('key-dialog').hidden")
-        assert "no API key" in page.key_dialog()[1]
-        page.enter_key("wrong")
-        page.wait("return document.getElementById('key-error').textContent.includes('not valid')")
-        page.enter_key(KEY)
-        page.ready()
-        assert page.key_dialog()[0] is False
+        _playground_takes_the_key(page)
         page.set(prompt=prompt, mode="chat", temperature=0, max_tokens=24, seed=5, ignore_eos=True)
         page.set_panel("a", router, [threshold])
-        page.run()
-        a = page.panel("a")
-        assert a.status == "done (length)" and not a.error, a
-        assert a.text == reference.text and a.sources == reference.sources, (a, reference)
-        usage = Usage(**a.usage)
-        assert usage == reference.usage and len(a.sources) == usage.completion_tokens
-        assert (a.sources.count(0), a.sources.count(1)) == (usage.small_tokens, usage.large_tokens)
-        assert a.counters["rate"] == f"{100 * usage.backoff_rate:.1f} %"
-        assert a.counters["large-calls"] == str(usage.large_calls) and usage.large_calls > 0
-        assert a.counters["tokens"].startswith(f"{usage.completion_tokens} (")
-        assert a.counters["ttft"].endswith(" ms") and float(a.counters["tps"]) > 0
+        a = _playground_run_equals(page, reference)
+        _playground_compares_with_always_large(page, a, Path(os.environ.get("BACKOFF_RESULTS", tmp_path)))
+        _playground_shows_a_refusal(page)
+        _playground_drops_retracted_spans(page)
 
-        page.set(compare=True)  # panel b: always-large beside panel a's threshold
-        page.run()
-        a2, b = page.panel("a"), page.panel("b")
-        assert a2.sources == a.sources and a2.text == a.text
-        assert b.status == "done (length)" and set(b.sources) == {1} and len(b.sources) == 24, b
-        assert b.counters["rate"] == "0.0 %" and b.counters["large-calls"] == str(b.usage["large_calls"])
-        page.screenshot(Path(os.environ.get("BACKOFF_RESULTS", tmp_path)) / "playground.png")
 
-        page.set(compare=False, max_tokens=LIMITS["max_tokens"] + 1)  # over limits.max_tokens: a 400
-        page.run()
-        refused = page.panel("a")
-        assert refused.status == "error" and "limits.max_tokens" in refused.error, refused
+def _playground_takes_the_key(page: PlaygroundPage) -> None:
+    """No key: the server's message; a wrong key: refused; the right one: the page is ready."""
+    page.wait("return !document.getElementById('key-dialog').hidden")
+    assert "no API key" in page.key_dialog()[1]
+    page.enter_key("wrong")
+    page.wait("return document.getElementById('key-error').textContent.includes('not valid')")
+    page.enter_key(KEY)
+    page.ready()
+    assert page.key_dialog()[0] is False
 
-        # a verification rollback (not reachable from a request's fields): the page's own fetch
-        # answers with chunks in the server's shape; `retracted` drops the last spans
-        page.js("""const chunks = arguments[0].map(c => 'data: ' + JSON.stringify(c) + '\\n\\n').join('')
-                       + 'data: [DONE]\\n\\n';
-                   window.fetch = async () => new Response(chunks, {status: 200,
-                                                                    headers: {'content-type': 'text/event-stream'}});""",
-                _rollback_chunks())
-        page.set(max_tokens=3)
-        page.run()
-        rolled = page.panel("a")
-        assert (rolled.text, rolled.sources, rolled.status) == ("aBd", [0, 1, 0], "done (length)"), rolled
-        assert rolled.counters["rate"] == "66.7 %" and rolled.counters["large-calls"] == "1"
+
+def _playground_run_equals(page: PlaygroundPage, reference):
+    """Panel a's run: the client's text and sources, the final chunk's usage in its counters."""
+    page.run()
+    a = page.panel("a")
+    assert a.status == "done (length)" and not a.error, a
+    assert a.text == reference.text and a.sources == reference.sources, (a, reference)
+    usage = Usage(**a.usage)
+    assert usage == reference.usage and len(a.sources) == usage.completion_tokens
+    assert (a.sources.count(0), a.sources.count(1)) == (usage.small_tokens, usage.large_tokens)
+    assert a.counters["rate"] == f"{100 * usage.backoff_rate:.1f} %"
+    assert a.counters["large-calls"] == str(usage.large_calls) and usage.large_calls > 0
+    assert a.counters["tokens"].startswith(f"{usage.completion_tokens} (")
+    assert a.counters["ttft"].endswith(" ms") and float(a.counters["tps"]) > 0
+    return a
+
+
+def _playground_compares_with_always_large(page: PlaygroundPage, a, results: Path) -> None:
+    page.set(compare=True)  # panel b: always-large beside panel a's threshold
+    page.run()
+    a2, b = page.panel("a"), page.panel("b")
+    assert a2.sources == a.sources and a2.text == a.text
+    assert b.status == "done (length)" and set(b.sources) == {1} and len(b.sources) == 24, b
+    assert b.counters["rate"] == "0.0 %" and b.counters["large-calls"] == str(b.usage["large_calls"])
+    page.screenshot(results / "playground.png")
+
+
+def _playground_shows_a_refusal(page: PlaygroundPage) -> None:
+    page.set(compare=False, max_tokens=LIMITS["max_tokens"] + 1)  # over limits.max_tokens: a 400
+    page.run()
+    refused = page.panel("a")
+    assert refused.status == "error" and "limits.max_tokens" in refused.error, refused
+
+
+def _playground_drops_retracted_spans(page: PlaygroundPage) -> None:
+    """A verification rollback (not reachable from a request's fields): the page's own fetch
+    answers with chunks in the server's shape; `retracted` drops the last spans."""
+    page.js("""const chunks = arguments[0].map(c => 'data: ' + JSON.stringify(c) + '\\n\\n').join('')
+                   + 'data: [DONE]\\n\\n';
+               window.fetch = async () => new Response(chunks, {status: 200,
+                                                                headers: {'content-type': 'text/event-stream'}});""",
+            _rollback_chunks())
+    page.set(max_tokens=3)
+    page.run()
+    rolled = page.panel("a")
+    assert (rolled.text, rolled.sources, rolled.status) == ("aBd", [0, 1, 0], "done (length)"), rolled
+    assert rolled.counters["rate"] == "66.7 %" and rolled.counters["large-calls"] == "1"
 
 
 def _rollback_chunks() -> list[dict]:

@@ -11,30 +11,24 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import sys
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 import httpx
 import pytest
-import yaml
 
 ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 
 from clients import Retry  # noqa: E402
-from clients.wire import backoff_pb2 as pb  # noqa: E402
-from clients.wire import backoff_pb2_grpc as pb_grpc  # noqa: E402
 from clients.grpc_client import AsyncBackoffGrpcClient, BackoffGrpcClient  # noqa: E402
 from clients.http_client import AsyncBackoffHTTPClient, BackoffHTTPClient  # noqa: E402
+from clients.wire import backoff_pb2 as pb  # noqa: E402
+from clients.wire import backoff_pb2_grpc as pb_grpc  # noqa: E402
 from deployments import serve_cli  # noqa: E402
-
-from tests.support.tiny import tiny_model, tiny_tokenizer  # noqa: E402
-from tests.support.ray_local import start_local_ray  # noqa: E402
+from tests.support.served_app import ServedApp, deploy, deployment_config, wait_until  # noqa: E402
 
 pytestmark = pytest.mark.slow
 THRESHOLD = 0.4  # entropy threshold of `backoff`: both sources occur
@@ -42,56 +36,19 @@ ALL_SMALL = 50.0  # nothing is that uncertain: every token from M_S
 RETRY_AFTER_S = 2.0  # `tight`'s Retry-After
 
 
-@dataclass
-class Served:
-    url: str
-    grpc_target: str
-    config: dict
-    config_path: Path
-
-
-def _save_tiny(root: Path) -> tuple[str, str]:
-    tok = tiny_tokenizer()
-    dirs = []
-    for name, model in (("small", tiny_model(1, sharpness=30)), ("large", tiny_model(2, hidden=64, layers=4,
-                                                                                          sharpness=30))):
-        model.save_pretrained(root / name)
-        tok.save_pretrained(root / name)
-        dirs.append(str(root / name))
-    return dirs[0], dirs[1]
-
-
-def _config(small: str, large: str, http_port: int, grpc_port: int) -> dict:
-    config = serve_cli.loopback_config(small, large, http_port, grpc_port, replicas={"large": 2})
-    app = config["applications"][0]
-    {d["name"]: d for d in app["deployments"]}["SmallModel"]["user_config"] = {
-        "router": "entropy", "threshold": [THRESHOLD]}
-    tight = json.loads(json.dumps(app))
+def _edit(config: dict, dirs) -> None:
+    deployment_config(config, "SmallModel")["user_config"] = {"router": "entropy", "threshold": [THRESHOLD]}
+    tight = json.loads(json.dumps(config["applications"][0]))
     tight.update(name="tight", route_prefix="/tight")
     tight["args"]["large"]["num_replicas"] = 1
     tight["args"]["small"].update(max_ongoing_requests=4, max_queued_requests=2)
     tight["args"]["admission"] = {"max_live_requests": 2, "max_waiting_requests": 1, "retry_after_s": RETRY_AFTER_S}
     config["applications"].append(tight)
-    return config
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    root = tmp_path_factory.mktemp("serve_load")
-    small, large = _save_tiny(root)
-    http_port, grpc_port = serve_cli.free_port(), serve_cli.free_port()
-    config = _config(small, large, http_port, grpc_port)
-    path = root / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    start_local_ray(num_cpus=4, _system_config=serve_cli.RAY_SYSTEM_CONFIG)
-    try:
-        assert serve_cli.main(["--config", str(path), "--non-blocking"]) == 0
-        serve_cli.wait_until_running("backoff")
-        serve_cli.wait_until_running("tight")
-        yield Served(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", config, path)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+def served(serve_app) -> ServedApp:
+    return serve_app("serve_load", replicas={"large": 2}, edit=_edit)
 
 
 def _info(deployment: str, app: str = "backoff"):
@@ -209,7 +166,7 @@ class Record:
     error: str = ""
 
 
-async def _stream_loop(i: int, served: Served, records: list[Record], stop: threading.Event) -> None:
+async def _stream_loop(i: int, served: ServedApp, records: list[Record], stop: threading.Event) -> None:
     """One of the concurrent streams: requests back to back until `stop`."""
     if i < GRPC_STREAMS:
         client = AsyncBackoffGrpcClient(served.grpc_target, application="backoff", timeout=120)
@@ -230,7 +187,7 @@ async def _stream_loop(i: int, served: Served, records: list[Record], stop: thre
             n += 1
 
 
-def _load(served: Served, records: list[Record], stop: threading.Event) -> threading.Thread:
+def _load(served: ServedApp, records: list[Record], stop: threading.Event) -> threading.Thread:
     async def run():
         await asyncio.gather(*[_stream_loop(i, served, records, stop) for i in range(STREAMS)])
 
@@ -249,30 +206,21 @@ def _most_at_once(records: list[Record]) -> int:
     return most
 
 
-def _wait_for(predicate, what: str, timeout_s: float = 120.0) -> float:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.1)
-    return time.monotonic()
-
-
 def test_32_streams_through_a_live_threshold_change(served):
     pids = _replica_pids()
     records: list[Record] = []
     stop = threading.Event()
     load = _load(served, records, stop)
     try:
-        _wait_for(lambda: len(records) >= 2 * STREAMS, "the load did not start")
+        wait_until(lambda: len(records) >= 2 * STREAMS, "the load did not start", 120.0)
         edited = json.loads(json.dumps(served.config))
-        {d["name"]: d for d in edited["applications"][0]["deployments"]}["SmallModel"]["user_config"][
-            "threshold"] = [ALL_SMALL]
-        path = served.config_path.with_name("edited.yaml")
-        path.write_text(yaml.safe_dump(edited))
+        deployment_config(edited, "SmallModel")["user_config"]["threshold"] = [ALL_SMALL]
         deployed = time.monotonic()
-        assert serve_cli.main(["--config", str(path), "--non-blocking"]) == 0
-        applied = _wait_for(lambda: _info("SmallModel").policy.thresholds == [ALL_SMALL], "reconfigure did not arrive")
-        _wait_for(lambda: sum(r.start > applied for r in records) >= 2 * STREAMS, "no requests after the deploy")
+        deploy(edited, served.config_path.with_name("edited.yaml"))
+        applied = wait_until(lambda: _info("SmallModel").policy.thresholds == [ALL_SMALL],
+                             "reconfigure did not arrive", 120.0)
+        wait_until(lambda: sum(r.start > applied for r in records) >= 2 * STREAMS, "no requests after the deploy",
+                   120.0)
     finally:
         stop.set()
         load.join(timeout=120)

@@ -15,31 +15,30 @@ last, a tiny KV budget (a redeploy): 503 + Retry-After, and every request comple
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
-import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 
 ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 
-from backoff_core.engine.engine import BackoffEngine  # noqa: E402
-from backoff_core.models.loading import LoadSpec, load_model  # noqa: E402
-from backoff_core.runners.dynamic import ModelRunner  # noqa: E402
 from backoff_core.types import GenerationRequest, RoutingParams, SamplingParams  # noqa: E402
 from clients import TransportError  # noqa: E402
 from clients.http_client import AsyncBackoffHTTPClient, BackoffHTTPClient  # noqa: E402
-from deployments import serve_cli  # noqa: E402
-
 from tests.support.cluster_local import LocalCluster, start_cluster  # noqa: E402
-from tests.support.tiny import tiny_model, tiny_tokenizer  # noqa: E402
+from tests.support.served_app import (  # noqa: E402
+    ServedApp,
+    deploy,
+    deployment_config,
+    in_process_engine,
+    stream_noting_first,
+)
 
 pytestmark = [pytest.mark.multinode, pytest.mark.slow]
 APP = "backoff"
@@ -50,27 +49,7 @@ AUTOSCALE = dict(min_replicas=1, max_replicas=2, target_ongoing_requests=2, upsc
                  downscale_delay_s=8.0, look_back_period_s=3.0)  # shorter flaps when a new replica joins
 
 
-@dataclass
-class Served:
-    url: str
-    local: LocalCluster
-    config: dict
-    root: Path
-    small_dir: str
-    large_dir: str
-
-
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    root = tmp_path_factory.mktemp("multinode")
-    tok = tiny_tokenizer()
-    dirs = []
-    for name, model in (("small", tiny_model(1, sharpness=30)), ("large", tiny_model(2, hidden=64, layers=4, sharpness=30))):
-        model.save_pretrained(root / name)
-        tok.save_pretrained(root / name)
-        dirs.append(str(root / name))
-    http_port, grpc_port = serve_cli.free_port(), serve_cli.free_port()
-    config = serve_cli.loopback_config(dirs[0], dirs[1], http_port, grpc_port, replicas={"small": 2, "large": 2})
+def _edit(config: dict, dirs) -> None:
     app = config["applications"][0]
     args = app["args"]
     # autoscaled 2..2 (the last test retunes it live), an Ingress that needs a CPU: the head's
@@ -78,33 +57,26 @@ def served(tmp_path_factory):
     args["large"].update(gpus="auto", custom_resource="large_gpu")
     args["ingress"].update(num_replicas=None, min_replicas=1, max_replicas=2, num_cpus=0.1)
     args["limits"] = {"max_concurrent_per_client": None}
-    users = {d["name"]: d for d in app["deployments"]}
-    users["SmallModel"]["user_config"] = {"router": "entropy", "threshold": [THRESHOLD], "large_timeout_s": 30.0}
-    users["LargeModel"]["user_config"].update(lease_s=3.0, inject_delay_ms=25.0)
+    small = deployment_config(config, "SmallModel")
+    small["user_config"] = {"router": "entropy", "threshold": [THRESHOLD], "large_timeout_s": 30.0}
+    deployment_config(config, "LargeModel")["user_config"].update(lease_s=3.0, inject_delay_ms=25.0)
     # Serve's autoscaling options (delays, look-back) in the config's `deployments:` section, from
     # the start: the first autoscaling_config there changes the app's code version (a redeploy of
     # every replica), a later change of its numbers is a live update
-    users["SmallModel"]["autoscaling_config"] = {**AUTOSCALE, "min_replicas": 2}
+    small["autoscaling_config"] = {**AUTOSCALE, "min_replicas": 2}
     app["deployments"].append({"name": "Ingress", "autoscaling_config": AUTOSCALE})
-    local = start_cluster(head_cpus=2, small_gpu=2, large_gpu=2)
-    try:
-        _deploy(config, root / "config.yaml")
-        yield Served(f"http://127.0.0.1:{http_port}", local, config, root, dirs[0], dirs[1])
-    finally:
-        serve.shutdown()
-        local.shutdown()
 
 
-def _deploy(config: dict, path: Path) -> None:
-    path.write_text(yaml.safe_dump(config))
-    assert serve_cli.main(["--config", str(path), "--non-blocking"]) == 0
-    serve_cli.wait_until_running(APP)
+@pytest.fixture(scope="module")
+def served(serve_app) -> ServedApp:
+    """Head, two small_gpu and two large_gpu nodes; the app on them (served.cluster)."""
+    cluster = functools.partial(start_cluster, head_cpus=2, small_gpu=2, large_gpu=2)
+    return serve_app("multinode", replicas={"small": 2, "large": 2}, edit=_edit, cluster=cluster)
 
 
 @pytest.fixture(scope="module")
 def engine(served):
-    (small, tok), (large, _) = load_model(served.small_dir, LoadSpec()), load_model(served.large_dir, LoadSpec())
-    return BackoffEngine([ModelRunner(small, "small"), ModelRunner(large, "large")], tok, context_window=512)
+    return in_process_engine(served.model_dirs["small"], served.model_dirs["large"])
 
 
 def _reference(engine, router: str, max_tokens: int, thresholds=None):
@@ -149,7 +121,7 @@ def _placed(local: LocalCluster, deployment: str, kind: str, n: int) -> bool:
 # -- 1. placement and a generation across nodes -------------------------------------------------
 
 def test_model_replicas_land_on_their_own_node_types(served):
-    local = served.local
+    local = served.cluster
     assert _placed(local, "SmallModel", "small_gpu", 2)  # one per small_gpu node
     assert _placed(local, "LargeModel", "large_gpu", 2)
     routers = {i.node for i in _infos("SmallModel").values()}
@@ -180,7 +152,7 @@ def test_losing_the_large_models_node_mid_stream(served, engine):
     """The node holding the request's M_L session dies: the router re-prefills the session
     on the other LargeModel replica and the stream completes with the same tokens; Serve
     places a new replica on a replacement node."""
-    local = served.local
+    local = served.cluster
     reference = list(_reference(engine, "always-large", LONG["max_tokens"]).token_ids)
     with BackoffHTTPClient(served.url) as client:
         stream = client.stream(PROMPT, **LONG)
@@ -207,23 +179,15 @@ def test_losing_a_small_routers_node(served, engine):
     """Requests on the lost SmallModel end with a retriable error (SSE: an in-band 503
     error event, `router_unavailable`); those on the other finish whole; new requests
     succeed while the deployment has one replica left."""
-    local = served.local
+    local = served.cluster
     reference = list(_reference(engine, "always-large", LONG["max_tokens"]).token_ids)
-
-    async def stream(client, first):
-        deltas = []
-        async for d in client.stream(PROMPT, **LONG):
-            deltas.append(d)
-            if not first.done():
-                first.set_result(d.id)
-        return deltas
 
     async def main():
         async with AsyncBackoffHTTPClient(served.url) as client:
             flights = {}  # request id -> (task, router node)
             for _ in range(12):  # until both routers serve some (where one lands is Serve's choice)
                 first = asyncio.get_running_loop().create_future()
-                task = asyncio.create_task(stream(client, first))
+                task = asyncio.create_task(stream_noting_first(client, first, PROMPT, **LONG))
                 request_id = await asyncio.wait_for(first, 60)
                 where = {r: i.node for i in (await asyncio.to_thread(_infos, "SmallModel")).values() for r in i.requests}
                 flights[request_id] = (task, where[request_id])
@@ -332,7 +296,7 @@ def test_autoscaling_follows_a_burst(served, tmp_path):
     burst_s, streams = 40.0, 12
     larges = {i.pid for i in _infos("LargeModel").values()}
     with Recorder() as rec:
-        _deploy(served.config, served.root / "autoscale.yaml")
+        deploy(served.config, served.config_path.with_name("autoscale.yaml"), APP)
         _wait(lambda: _running().get("SmallModel") == 1 and _running().get("Ingress") == 1, 120, "scaled to 1")
         rec.mark("burst")
 
@@ -383,7 +347,7 @@ def test_a_small_kv_budget_refuses_with_retry_after_and_every_request_completes(
     budget, n, tokens = 120, 20, 60
     args = served.config["applications"][0]["args"]
     args["models"].update(kv_budget_tokens=budget, static_kv=False)  # args: the replicas restart
-    _deploy(served.config, served.root / "kv.yaml")
+    deploy(served.config, served.config_path.with_name("kv.yaml"), APP)
     _wait(lambda: len(_infos("LargeModel")) == 2 and all(i.kv_budget_tokens == budget
                                                          for i in _infos("LargeModel").values()), 120, "the budget")
     prompts = [[3 + i % 7, 4 + i % 3, 5] for i in range(n)]
