@@ -1,0 +1,135 @@
+"""The layout's rules (README "Layout"), read from the source with `ast`, so a change that
+breaks one fails here: dependencies point one way, no import cycles, no package deeper than
+two levels, tests mirror the source tree and never import each other."""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("backoff_core", "deployments", "clients")
+
+
+def _module_name(path: Path) -> str:
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module a file imports, at any depth of the file (lazy imports included)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{path}: relative import"
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def _source_files(package: str) -> list[Path]:
+    return sorted(p for p in (ROOT / package).rglob("*.py") if "_pb2" not in p.name)
+
+
+def _is_module(name: str) -> bool:
+    path = ROOT / Path(*name.split("."))
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+
+
+def _unit(module: str) -> str:
+    """The package a module belongs to (`backoff_core.engine`, `deployments.serving`, ...);
+    top-level modules of backoff_core (types, sampling) are units of their own."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 1 else parts[0]
+
+
+def _graph() -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = defaultdict(set)
+    for package in PACKAGES:
+        for path in _source_files(package):
+            source = _module_name(path)
+            for target in _imports(path):
+                if target.split(".")[0] in PACKAGES and _is_module(target) and target != source:
+                    edges[source].add(target)
+    return edges
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one node (Tarjan)."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in list(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_cycle_finder_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_import_cycles_between_modules_or_packages():
+    edges = _graph()
+    assert _cycles(edges) == []
+    units: dict[str, set[str]] = defaultdict(set)
+    for source, targets in edges.items():
+        units[_unit(source)].update(_unit(t) for t in targets if _unit(t) != _unit(source))
+    assert _cycles(units) == []
+
+
+@pytest.mark.parametrize("package, banned", [
+    ("backoff_core", ("ray", "deployments", "clients", "fastapi", "grpc")),
+    ("clients", ("ray", "torch", "backoff_core", "deployments")),
+    ("deployments/serving", ("ray",)),
+])
+def test_dependencies_point_one_way(package, banned):
+    offenders = [f"{path.relative_to(ROOT)}: {name}" for path in _source_files(package)
+                 for name in _imports(path) if name.split(".")[0] in banned]
+    assert offenders == []
+
+
+def test_no_package_deeper_than_two_levels():
+    deep = [p for package in PACKAGES for p in (ROOT / package).rglob("__init__.py")
+            if len(p.relative_to(ROOT).parts) > 3]
+    assert deep == []
+
+
+def test_test_directories_mirror_the_source_tree():
+    for init in (ROOT / "tests").rglob("__init__.py"):
+        folder = init.parent.relative_to(ROOT / "tests")
+        if folder.parts and folder.parts[0] != "support":
+            assert (ROOT / folder).is_dir(), f"tests/{folder} mirrors no source folder"
+
+
+def test_no_test_module_imports_another():
+    offenders = []
+    for path in (ROOT / "tests").rglob("*.py"):
+        for name in _imports(path):
+            if name.startswith("tests.") and "support" not in name.split(".")[:2]:
+                offenders.append(f"{path.relative_to(ROOT)}: {name}")
+    assert offenders == []
