@@ -23,9 +23,8 @@ import httpx
 
 from clients.retry import NO_RETRY, Retry
 from clients.wire.errors import BackoffError, from_event, from_http, from_transport
-from clients.wire.types import (
-    ChatMessage, Delta, GenerateParams, Generation, delta_from_chunk, generation_from_body, merge_params,
-)
+from clients.wire.types import ChatMessage, Delta, GenerateParams, Generation, merge_params
+from clients.wire.openai import delta_from_chunk, generation_from_body
 
 Messages = Sequence[ChatMessage | dict]
 

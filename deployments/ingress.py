@@ -41,7 +41,8 @@ from backoff_core.types import GenerationResult, TokenEvent
 from clients.wire import backoff_pb2 as pb
 from clients.wire.errors import describe_validation
 from clients.wire.proto import params_from_pb, prompt_from_pb
-from clients.wire.types import ChatCompletionRequest, CompletionRequest, GenerateParams, ModelCard, ModelList
+from clients.wire.types import ChatCompletionRequest, CompletionRequest, GenerateParams
+from clients.wire.openai import ModelCard, ModelList
 
 from deployments.serving.access import ClientError, Edge, EdgeGate, body_too_large, check_limits, peer_host
 from deployments.serving.admission import Overloaded

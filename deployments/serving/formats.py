@@ -10,11 +10,8 @@ from backoff_core.types import GenerationResult, Logprob, TokenEvent, TokenLogpr
 from clients.wire import backoff_pb2 as pb
 from clients.wire.logprobs import ChatLogprobs, ChatTokenLogprob, ChatTopLogprob, CompletionLogprobs
 from clients.wire.proto import usage_to_pb
-from clients.wire.types import (
-    BackoffTrace, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse, ChatDelta,
-    ChatMessageOut, CompletionChoice, CompletionChunk, CompletionChunkChoice, CompletionResponse, ErrorBody,
-    ErrorDetail, TokenTrace, Usage,
-)
+from clients.wire.types import Usage
+from clients.wire.openai import BackoffTrace, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse, ChatDelta, ChatMessageOut, CompletionChoice, CompletionChunk, CompletionChunkChoice, CompletionResponse, ErrorBody, ErrorDetail, TokenTrace
 
 
 def json_safe(value):

@@ -15,7 +15,7 @@ import pytest
 from backoff_core.types import Logprob, TokenEvent, TokenLogprobs
 from clients.wire import backoff_pb2 as pb
 from clients.wire.proto import delta_from_pb, deltas_from_pb
-from clients.wire.types import delta_from_chunk
+from clients.wire.openai import delta_from_chunk
 from deployments.serving.engine_loop import _deliver, _Sink
 from deployments.serving.formats import TokenChunks, chunk_body, pb_chunk, pb_chunks
 
