@@ -80,11 +80,11 @@ class LargeInfo:
 class _Registration:
     """What the multiplexer holds per session; evicting it frees the session."""
 
-    def __init__(self, key: str, batcher: CatchUpBatcher) -> None:
-        self.key, self.batcher = key, batcher
+    def __init__(self, session_key: str, batcher: CatchUpBatcher) -> None:
+        self.session_key, self.batcher = session_key, batcher
 
     def __del__(self) -> None:
-        self.batcher.close_soon(self.key)
+        self.batcher.close_soon(self.session_key)
 
 
 @serve.deployment(request_router_config=AFFINITY, max_ongoing_requests=256)
@@ -109,18 +109,18 @@ class LargeModel:
         self.batcher.batch_gap_s = self.config.batch_gap_ms / 1000.0
 
     @serve.multiplexed(max_num_models_per_replica=MAX_SESSIONS)
-    async def _register(self, key: str) -> _Registration:
-        return _Registration(key, self.batcher)
+    async def _register(self, session_key: str) -> _Registration:
+        return _Registration(session_key, self.batcher)
 
     async def extend(self, call: CatchUpCall) -> CatchUpReply:
         """One session's catch-up: all its pending ids, merged with other sessions' calls."""
         self._start_sweeper()
-        if serve.get_multiplexed_model_id() != call.key:
+        if serve.get_multiplexed_model_id() != call.session_key:
             raise ValueError("send a catch-up with multiplexed_model_id=<its session key>")
         if self.config.inject_delay_ms:  # chaos knob: a slow M_L
             await asyncio.sleep(self.config.inject_delay_ms / 1000.0)
-        if call.past == 0 or self.batcher.holds(call.key):
-            await self._register(call.key)  # tells the routers that this replica holds it
+        if call.past == 0 or self.batcher.holds(call.session_key):
+            await self._register(call.session_key)  # tells the routers that this replica holds it
         return await self.batcher.extend(call)
 
     async def renew(self, owner: str) -> float:
@@ -129,8 +129,8 @@ class LargeModel:
         self.batcher.renew(owner)
         return self.config.lease_s
 
-    async def close(self, key: str) -> None:
-        await self.batcher.close(key)
+    async def close(self, session_key: str) -> None:
+        await self.batcher.close(session_key)
         self._held()
 
     def _forwarded(self, record: ForwardRecord) -> None:  # on the forward thread

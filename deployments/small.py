@@ -75,10 +75,10 @@ class ServeEndpoint:
         self.calls = handle.options(**handle_options(transport))  # extend / close, per step
 
     def extend(self, call: CatchUpCall):
-        return self.calls.options(multiplexed_model_id=call.key).extend.remote(call)
+        return self.calls.options(multiplexed_model_id=call.session_key).extend.remote(call)
 
-    def close(self, key: str) -> None:
-        self.calls.options(multiplexed_model_id=key).close.remote(key)
+    def close(self, session_key: str) -> None:
+        self.calls.options(multiplexed_model_id=session_key).close.remote(session_key)
 
     async def renew(self, owner: str) -> list[float]:
         """Renew `owner`'s lease on every replica; the leases (s) they granted."""

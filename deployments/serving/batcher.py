@@ -20,7 +20,7 @@ beside the forward's other sessions -- or finds no free static slot -- is answer
 Sessions are freed by their caller's close, by TTL, and by lease: a call names its
 `owner` (a SmallModel replica), every call and every `renew(owner)` renews that owner's
 lease, and `expire_leases` frees the sessions of owners silent for longer than the lease
-(a router that died cannot close them). A closed key is remembered (a tombstone), so a
+(a router that died cannot close them). A closed session key is remembered (a tombstone), so a
 late call that arrives after its close -- a call the caller gave up on -- cannot recreate
 the session.
 """
@@ -42,7 +42,7 @@ from backoff_core.runners.static_kv import KVCapacityError
 
 @dataclass(frozen=True)
 class CatchUpCall:
-    key: str  # session key: request id + epoch (a re-prefill starts a new epoch)
+    session_key: str  # request id + epoch (a re-prefill starts a new epoch)
     past: int  # positions the caller believes the session holds
     ids: tuple[int, ...]  # the pending ids, k >= 1
     group: str = ""  # the caller's step: its calls are merged when they arrive together
@@ -122,13 +122,13 @@ class CatchUpBatcher:
         self._arrived.set()
         return await future
 
-    async def close(self, key: str) -> None:
-        await asyncio.get_running_loop().run_in_executor(self._forward_thread, self._close, key)
+    async def close(self, session_key: str) -> None:
+        await asyncio.get_running_loop().run_in_executor(self._forward_thread, self._close, session_key)
 
-    def close_soon(self, key: str) -> None:
+    def close_soon(self, session_key: str) -> None:
         """From any thread: free a session after the forwards already queued."""
         try:
-            self._forward_thread.submit(self._close, key)
+            self._forward_thread.submit(self._close, session_key)
         except RuntimeError:  # shut down: the sessions go with the replica
             pass
 
@@ -137,7 +137,7 @@ class CatchUpBatcher:
         self._leases[owner] = time.monotonic()
 
     async def expire_leases(self, lease_s: float) -> list[str]:
-        """Free the sessions of owners that neither called nor renewed for lease_s; their keys."""
+        """Free the sessions of owners that neither called nor renewed for lease_s; their session keys."""
         cutoff = time.monotonic() - lease_s
         for owner in [o for o, t in self._leases.items() if t < cutoff]:
             del self._leases[owner]
@@ -148,14 +148,14 @@ class CatchUpBatcher:
         return dict(collections.Counter(self._owners.values()))
 
     async def expire(self, ttl_s: float) -> list[str]:
-        """Free sessions idle for ttl_s; returns their keys."""
-        keys = self.runner.idle_sessions(ttl_s)
-        for key in keys:
-            await self.close(key)
-        return keys
+        """Free sessions idle for ttl_s; returns their session keys."""
+        session_keys = self.runner.idle_sessions(ttl_s)
+        for session_key in session_keys:
+            await self.close(session_key)
+        return session_keys
 
-    def holds(self, key: str) -> bool:
-        return self.runner.has(key)
+    def holds(self, session_key: str) -> bool:
+        return self.runner.has(session_key)
 
     def shutdown(self) -> None:
         if self._loop_task is not None:
@@ -190,11 +190,11 @@ class CatchUpBatcher:
         if not self.batching:
             return [self._pending.popleft()]
         batch: list[tuple[CatchUpCall, asyncio.Future]] = []
-        keys: set[str] = set()
+        session_keys: set[str] = set()
         opened = time.monotonic()
         deadline = opened + self.batch_wait_s
         while True:
-            self._take(batch, keys)
+            self._take(batch, session_keys)
             remaining = deadline - time.monotonic()
             if len(batch) >= self.max_batch_size or remaining <= 0 or not self._incomplete(batch):
                 break
@@ -207,15 +207,15 @@ class CatchUpBatcher:
         self.stats.waited_s += time.monotonic() - opened
         return batch
 
-    def _take(self, batch: list, keys: set[str]) -> None:
+    def _take(self, batch: list, session_keys: set[str]) -> None:
         """Move queued calls into the batch; a second call of one session waits for the next."""
         later = []
         while self._pending and len(batch) < self.max_batch_size:
             call, future = self._pending.popleft()
-            if call.key in keys:
+            if call.session_key in session_keys:
                 later.append((call, future))
             else:
-                keys.add(call.key)
+                session_keys.add(call.session_key)
                 batch.append((call, future))
         self._pending.extendleft(reversed(later))
 
@@ -234,19 +234,19 @@ class CatchUpBatcher:
             self._taken.popitem(last=False)
 
     # -- the forward thread -----------------------------------------------------------------
-    def _close(self, key: str) -> None:
-        self.runner.close(key)
-        self._owners.pop(key, None)
-        self._closed[key] = None
+    def _close(self, session_key: str) -> None:
+        self.runner.close(session_key)
+        self._owners.pop(session_key, None)
+        self._closed[session_key] = None
         while len(self._closed) > 65536:
             self._closed.popitem(last=False)
 
     def _free_orphans(self) -> list[str]:
-        keys = [key for key, owner in self._owners.items() if owner not in self._leases]
-        for key in keys:
-            self._close(key)
-        self.stats.orphans_freed += len(keys)
-        return keys
+        session_keys = [session_key for session_key, owner in self._owners.items() if owner not in self._leases]
+        for session_key in session_keys:
+            self._close(session_key)
+        self.stats.orphans_freed += len(session_keys)
+        return session_keys
 
     def _forward(self, calls: list[CatchUpCall]) -> list[CatchUpReply]:
         replies: list[CatchUpReply | None] = [None] * len(calls)
@@ -267,10 +267,10 @@ class CatchUpBatcher:
             start = time.perf_counter()
             last_only = all(calls[i].last_only for i in ready)  # one forward: every row if any call wants them
             evictions = getattr(self.runner, "evictions", 0)
-            exts = self.runner.extend([(calls[i].key, list(calls[i].ids)) for i in ready], last_only=last_only)
+            exts = self.runner.extend([(calls[i].session_key, list(calls[i].ids)) for i in ready], last_only=last_only)
             if getattr(self.runner, "evictions", 0) != evictions:  # idle sessions made room: forget their owners
-                for key in [k for k in self._owners if not self.runner.has(k)]:
-                    del self._owners[key]
+                for session_key in [k for k in self._owners if not self.runner.has(k)]:
+                    del self._owners[session_key]
             seconds = time.perf_counter() - start
             self.stats.forward_s += seconds
             for i, ext in zip(ready, exts):
@@ -284,25 +284,25 @@ class CatchUpBatcher:
 
     def _prepare(self, call: CatchUpCall) -> CatchUpReply | None:
         """Bring the session to `past` positions; None when ready, else the reply (lost or refused)."""
-        runner, key = self.runner, call.key
+        runner, session_key = self.runner, call.session_key
         if call.past == 0:
-            if key in self._closed:
-                return CatchUpReply(None, f"session {key!r} was closed (a late call)")
-            runner.close(key)  # a fresh epoch starts from nothing
+            if session_key in self._closed:
+                return CatchUpReply(None, f"session {session_key!r} was closed (a late call)")
+            runner.close(session_key)  # a fresh epoch starts from nothing
             try:
-                runner.open(key, refill=call.refill)
+                runner.open(session_key, refill=call.refill)
             except KVCapacityError as exc:  # static storage: no free slot
                 return CatchUpReply(None, refused=str(exc))
             if call.owner:
-                self._owners[key] = call.owner
+                self._owners[session_key] = call.owner
             return None
-        if not runner.has(key):
-            return CatchUpReply(None, f"{runner.name} holds no session {key!r}")
-        held = runner.length(key)
+        if not runner.has(session_key):
+            return CatchUpReply(None, f"{runner.name} holds no session {session_key!r}")
+        held = runner.length(session_key)
         if held < call.past:
-            return CatchUpReply(None, f"{runner.name} holds {held} positions of {key!r}, the caller expects {call.past}")
+            return CatchUpReply(None, f"{runner.name} holds {held} positions of {session_key!r}, the caller expects {call.past}")
         if held > call.past:
-            runner.crop(key, call.past)  # the caller rolled back
+            runner.crop(session_key, call.past)  # the caller rolled back
         return None
 
     def _fit(self, calls: list[CatchUpCall], ready: list[int], replies: list) -> list[int]:
@@ -315,11 +315,11 @@ class CatchUpBatcher:
         for i in ready:
             if calls[i].past > 0 or calls[i].refill:
                 continue
-            if runner.kv_fits([(calls[j].key, len(calls[j].ids)) for j in (*taken, i)]):
+            if runner.kv_fits([(calls[j].session_key, len(calls[j].ids)) for j in (*taken, i)]):
                 taken.append(i)
                 continue
-            runner.close(calls[i].key)
-            self._owners.pop(calls[i].key, None)
+            runner.close(calls[i].session_key)
+            self._owners.pop(calls[i].session_key, None)
             self.stats.refused += 1
             replies[i] = CatchUpReply(None, refused=(
                 f"{runner.name}: no KV room for a new session ({len(calls[i].ids)} positions): the live sessions "

@@ -3,8 +3,8 @@
 The step loop calls `extend` with the pending ids of many requests; this proxy sends ONE
 call per session carrying all of its pending ids (a chunk), all calls of a step at once,
 tagged with the step so the replica's batcher can merge them into one forward; a reply
-carries the logits after the last id only, unless the engine asks for every row. Sessions
-are keyed `<request id>#<epoch>`: a re-prefill opens a new epoch, so a replica that still
+carries the logits after the last id only, unless the engine asks for every row. Session
+keys are `<request id>#<epoch>`: a re-prefill opens a new epoch, so a replica that still
 holds an old copy can never be extended by mistake. `open` and `crop` cost no round trip:
 the next call says how many positions it expects (`past`) and the replica creates or
 crops. A session the replicas no longer hold (replica lost, TTL) raises SessionLost and
@@ -56,14 +56,14 @@ class LargeEndpoint(Protocol):
 
     def extend(self, call: CatchUpCall) -> Pending: ...
 
-    def close(self, key: str) -> None: ...
+    def close(self, session_key: str) -> None: ...
 
 
 @dataclass(kw_only=True)
 class _RemoteSession(Session):
     """This proxy's record of a session the replicas hold (`length`: as far as it knows)."""
 
-    key: str
+    session_key: str  # `<request id>#<epoch>`
     sent: bool = False  # a call went out: a replica may hold it (even one that got no reply)
 
 
@@ -91,21 +91,21 @@ class RemoteLarge(SessionTable[_RemoteSession]):
     # tells the replica) --------------------------------------------------------------------
     def _new_session(self, request_id: str, refill: bool) -> _RemoteSession:
         refill = refill or self._lost.pop(request_id, 0) is None
-        return _RemoteSession(key=f"{request_id}#{next(_epochs)}", refill=refill)
+        return _RemoteSession(session_key=f"{request_id}#{next(_epochs)}", refill=refill)
 
     def _release(self, session: _RemoteSession) -> None:
         if session.sent:
             try:
-                self.endpoint.close(session.key)  # fire and forget; TTL frees what this misses
+                self.endpoint.close(session.session_key)  # fire and forget; TTL frees what this misses
             except Exception:  # noqa: BLE001 - a lost replica has nothing left to free
-                log.debug("close of %s failed", session.key, exc_info=True)
+                log.debug("close of %s failed", session.session_key, exc_info=True)
 
     def extend(self, items: list[tuple[str, list[int]]], hidden_layer: int | None = None,
                last_only: bool = False) -> list[Extension]:
         if hidden_layer is not None:
             raise ValueError(f"{self.name}: a remote model returns no hidden states")
         group = f"{self._uid}-{next(self._steps)}"
-        calls = [CatchUpCall(self._get(request_id).key, self._get(request_id).length, tuple(ids), group, len(items), self.owner,
+        calls = [CatchUpCall(self._get(request_id).session_key, self._get(request_id).length, tuple(ids), group, len(items), self.owner,
                              last_only, refill=self._get(request_id).refill) for request_id, ids in items]
         start, deadline = time.perf_counter(), time.monotonic() + self.timeout_s
         for request_id, _ in items:
@@ -152,7 +152,7 @@ class RemoteLarge(SessionTable[_RemoteSession]):
                 raise LargeUnavailable(f"{self.name}: no reply within {self.timeout_s:g} s") from None
             except self.endpoint.transport_errors as exc:
                 if call.past > 0:
-                    log.warning("%s: replica of %s lost (%s)", self.name, call.key, type(exc).__name__)
+                    log.warning("%s: replica of %s lost (%s)", self.name, call.session_key, type(exc).__name__)
                     return CatchUpReply(None, f"replica lost: {type(exc).__name__}")
                 pause = 0.1 * 2**attempt
                 if attempt == self.create_retries or time.monotonic() + pause > deadline:

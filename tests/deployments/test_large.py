@@ -36,7 +36,7 @@ def large(monkeypatch, model):
 
 
 def _extend(handle: FakeHandle, call: CatchUpCall):
-    return handle.options(multiplexed_model_id=call.key).extend.remote(call)
+    return handle.options(multiplexed_model_id=call.session_key).extend.remote(call)
 
 
 def _until(condition, timeout_s: float = 20.0) -> bool:

@@ -63,7 +63,7 @@ class FakeEndpoint:
 
     def extend(self, call: CatchUpCall):
         self.calls.append(call)
-        target = self.route(call.key)
+        target = self.route(call.session_key)
         future = asyncio.run_coroutine_threadsafe(self.replicas[target].extend(call), self.lt.loop)
         fake = self
 

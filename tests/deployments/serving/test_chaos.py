@@ -59,7 +59,7 @@ class SlowEndpoint(FakeEndpoint):
     delay_s = 0.0
 
     def extend(self, call: CatchUpCall):
-        replica = self.replicas[self.route(call.key)]
+        replica = self.replicas[self.route(call.session_key)]
         real = replica.extend
 
         async def late(c):

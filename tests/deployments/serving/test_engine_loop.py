@@ -119,7 +119,7 @@ def test_remote_large_equals_in_process(pair, tokenizer, loop_thread):
     assert sorted(len(c.ids) for c in endpoint.calls) == lengths and max(lengths) > 1
     groups: dict[str, list[str]] = {}
     for c in endpoint.calls:
-        groups.setdefault(c.group, []).append(c.key)
+        groups.setdefault(c.group, []).append(c.session_key)
     assert all(len(set(g)) == len(g) == c.group_size for c in endpoint.calls for g in [groups[c.group]])
     assert max(len(g) for g in groups.values()) > 1  # requests of one step went out together
     assert remote.lost_sessions == 0
@@ -140,7 +140,7 @@ def test_lost_replica_is_re_prefilled_and_the_output_is_unchanged(pair, tokenize
     result = engine.finish(request_id)
     assert remote.lost_sessions >= 1 and victim in endpoint.noticed
     assert result.token_ids == engine_for(pair, tokenizer).generate(req).token_ids
-    assert endpoint.calls[-1].past > 0 and any(c.past == 0 and c.key.split("#")[1] != endpoint.calls[0].key.split("#")[1]
+    assert endpoint.calls[-1].past > 0 and any(c.past == 0 and c.session_key.split("#")[1] != endpoint.calls[0].session_key.split("#")[1]
                                                for c in endpoint.calls)
 
 
@@ -161,7 +161,7 @@ def test_fresh_session_on_a_dead_replica_is_retried(pair, tokenizer, loop_thread
 
     def flaky(call):
         if call.past == 0 and not failures:
-            failures.append(call.key)
+            failures.append(call.session_key)
 
             class Gone:
                 def result(self, timeout_s=None):
