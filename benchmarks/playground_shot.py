@@ -54,14 +54,14 @@ def main() -> None:
     import ray
     from ray import serve
 
-    from deployments import serve_cli
+    from deployments import harness, serve_cli
 
-    port = serve_cli.free_port()
+    port = harness.free_port()
     serve_cli.start_ray(include_dashboard=False, log_to_driver=False)
     try:
-        serve_cli.run_config(serve_cli.loopback_config(None, None, port, serve_cli.free_port(), threads=2),
+        serve_cli.run_config(harness.loopback_config(None, None, port, harness.free_port(), threads=2),
                              blocking=False)
-        serve_cli.wait_until_running("backoff")
+        harness.wait_until_running("backoff")
         shoot(f"http://127.0.0.1:{port}", args.out, args.api_key, args.threshold, args.max_tokens)
     finally:
         serve.shutdown()

@@ -293,7 +293,7 @@ def main() -> None:
     import ray
     from ray import serve
 
-    from deployments import serve_cli
+    from deployments import harness, serve_cli
 
     port = _free_port()
     serve_cli.start_ray(include_dashboard=False, log_to_driver=False)
@@ -302,7 +302,7 @@ def main() -> None:
         serve_cli.run_config(serve_config(small, large, port, args.threads, args.batch_gap_ms), blocking=False)
         served = {}
         for batching, app in APPS.items():
-            serve_cli.wait_until_running(app)
+            harness.wait_until_running(app)
             handle = serve.get_deployment_handle("LargeModel", app)
             served[f"served-{app}"] = (f"http://127.0.0.1:{port}/{app}",
                                        lambda h=handle: h.info.remote().result().forward_passes)

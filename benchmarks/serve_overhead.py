@@ -164,9 +164,9 @@ def run_served(transport: str, target: str, app: str, step_ms: float, streams: i
 def serve_config(small: str, large: str, http_port: int, grpc_port: int, steps_ms: list[float]) -> dict:
     """One application per step time (`standin2` at /standin2 ...), the packaged config's
     deployments, admission wide enough for the most streams."""
-    from deployments import serve_cli
+    from deployments import harness
 
-    config = serve_cli.loopback_config(small, large, http_port, grpc_port)
+    config = harness.loopback_config(small, large, http_port, grpc_port)
     base = config["applications"][0]
     base["args"]["admission"] = {"max_live_requests": 64, "max_waiting_requests": 8}
     base["args"]["small"]["max_ongoing_requests"] = 96
@@ -263,11 +263,11 @@ def main() -> None:
 
     from ray import serve
 
-    from deployments import serve_cli
+    from deployments import harness, serve_cli
     from tests.support.ray_local import start_local_ray
 
     small, large = prepare_pair("tiny", Path(args.models_dir))
-    http_port, grpc_port = serve_cli.free_port(), serve_cli.free_port()
+    http_port, grpc_port = harness.free_port(), harness.free_port()
     start_local_ray(_system_config=serve_cli.RAY_SYSTEM_CONFIG)
     pairs: dict[tuple, list[tuple[Run, Run]]] = {}
     try:
@@ -276,7 +276,7 @@ def main() -> None:
         path.write_text(yaml.safe_dump(config))
         assert serve_cli.main(["--config", str(path), "--non-blocking"]) == 0
         for ms in args.steps_ms:
-            serve_cli.wait_until_running(app_name(ms))
+            harness.wait_until_running(app_name(ms))
         meter = CpuMeter()
         targets = {"http": f"http://127.0.0.1:{http_port}", "grpc": f"127.0.0.1:{grpc_port}"}
         for ms in args.steps_ms:  # warm-up: every process imports and connects once

@@ -68,9 +68,9 @@ def soak_config(small: str | None, large: str | None, http_port: int, grpc_port:
                 routing: dict | None = None) -> dict:
     """The packaged config, one replica each, on loopback (the default pair when small is None);
     `routing` replaces the SmallModel's user_config."""
-    from deployments import serve_cli
+    from deployments import harness
 
-    config = serve_cli.loopback_config(small, large, http_port, grpc_port, threads=threads)
+    config = harness.loopback_config(small, large, http_port, grpc_port, threads=threads)
     if routing is not None:
         app = config["applications"][0]
         {d["name"]: d for d in app["deployments"]}["SmallModel"]["user_config"] = routing
@@ -295,16 +295,16 @@ def main() -> int:
     import ray
     from ray import serve
 
-    from deployments import serve_cli
+    from deployments import harness, serve_cli
 
-    http_port, grpc_port = serve_cli.free_port(), serve_cli.free_port()
+    http_port, grpc_port = harness.free_port(), harness.free_port()
     serve_cli.start_ray(include_dashboard=False, log_to_driver=False)
     try:
         # the tiny random models are never uncertain enough for the config's entropy threshold:
         # route them at random, half the steps to the large model, so sessions come and go
         routing = {"router": "random", "threshold": [0.5]} if args.pair == "tiny" else None
         serve_cli.run_config(soak_config(small, large, http_port, grpc_port, args.threads, routing), blocking=False)
-        serve_cli.wait_until_running("backoff")
+        harness.wait_until_running("backoff")
         urls = (f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}")
         samples, tally, drained = asyncio.run(soak(args, urls))
     finally:

@@ -9,10 +9,8 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import socket
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import yaml
@@ -166,45 +164,6 @@ def run_config(config: dict, blocking: bool = True) -> None:
         yaml.safe_dump(config, f, sort_keys=False)
     argv = ["run", f.name] + ([] if blocking else ["--non-blocking"])
     cli.main(args=argv, prog_name="serve", standalone_mode=False)
-
-
-def free_port() -> int:
-    """A TCP port free on loopback right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def loopback_config(small: str | None, large: str | None, http_port: int, grpc_port: int, *, threads: int = 1,
-                    replicas: dict[str, int] | None = None) -> dict:
-    """The packaged Serve config on 127.0.0.1 (one application, `backoff`) with these models
-    (None, None: the default pair) on CPU, fixed replica counts (default one each) and no CPU
-    reservations -- what tests and benchmarks start on one machine."""
-    config = yaml.safe_load(DEFAULT_CONFIG.read_text())
-    config["proxy_location"] = "HeadOnly"
-    config["http_options"] = {"host": "127.0.0.1", "port": http_port}
-    config["grpc_options"]["port"] = grpc_port
-    args = config["applications"][0]["args"]
-    args["models"].update(small=small, large=large, device="cpu")
-    args["torch_threads"] = threads
-    for part in ("small", "large", "ingress"):
-        args[part].update(num_replicas=(replicas or {}).get(part, 1), num_cpus=0)
-    return config
-
-
-def wait_until_running(app: str = "backoff", timeout_s: float = 300.0) -> None:
-    """Block until the application reports RUNNING (raises on DEPLOY_FAILED or timeout)."""
-    from ray import serve
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        status = serve.status().applications.get(app)
-        if status is not None and status.status == "RUNNING":
-            return
-        if status is not None and status.status == "DEPLOY_FAILED":
-            raise RuntimeError(f"application {app!r} failed to deploy: {status.message}")
-        time.sleep(0.5)
-    raise TimeoutError(f"application {app!r} not running after {timeout_s:.0f} s")
 
 
 def main(argv: list[str] | None = None) -> int:

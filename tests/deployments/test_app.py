@@ -29,7 +29,7 @@ from clients.grpc_client import AsyncBackoffGrpcClient, BackoffGrpcClient  # noq
 from clients.http_client import AsyncBackoffHTTPClient, BackoffHTTPClient  # noqa: E402
 from clients.wire import backoff_pb2 as pb  # noqa: E402
 from clients.wire import backoff_pb2_grpc as pb_grpc  # noqa: E402
-from deployments import serve_cli  # noqa: E402
+from deployments import harness, serve_cli  # noqa: E402
 from tests.support.playground_page import PlaygroundPage, browser_missing  # noqa: E402
 from tests.support.served_app import TINY_PAIR, ServedApp, deploy, deployment_config, in_process_engine  # noqa: E402
 from tests.support.tiny import tiny_model  # noqa: E402
@@ -56,7 +56,7 @@ def _edit(config: dict, dirs) -> None:
 @pytest.fixture(scope="module")
 def served(serve_app) -> ServedApp:
     """Ingress, SmallModel and two LargeModel replicas (`backoff`), the chain (`chain`)."""
-    ray_options = {"num_cpus": 4, "_metrics_export_port": serve_cli.free_port(),
+    ray_options = {"num_cpus": 4, "_metrics_export_port": harness.free_port(),
                    "_system_config": {**serve_cli.RAY_SYSTEM_CONFIG, "metrics_report_interval_ms": 500}}
     return serve_app("serve", MODELS, replicas={"large": 2}, edit=_edit, ray_options=ray_options)
 
@@ -406,7 +406,7 @@ def _router_config(served: ServedApp, **changes) -> None:
     while not _router_info().policy.model_dump().items() >= changes.items():
         assert time.monotonic() < deadline, "reconfigure did not arrive"
         time.sleep(0.2)
-    serve_cli.wait_until_running("backoff")
+    harness.wait_until_running("backoff")
 
 
 def test_a_request_failing_in_the_step_loop_ends_alone_beside_live_streams(served, local):
@@ -481,7 +481,7 @@ def test_config_deploy_changes_the_threshold_live(served):
     while _router_info().policy.thresholds != [50.0]:
         assert time.monotonic() < deadline, "reconfigure did not arrive"
         time.sleep(0.2)
-    serve_cli.wait_until_running("backoff")
+    harness.wait_until_running("backoff")
     high = _backoff_rate(served.url)
     assert low < 0.9 and high == 1.0
     with BackoffHTTPClient(served.url) as client:  # a request may still override the config
@@ -507,4 +507,4 @@ def test_killed_large_replica_mid_generation_still_completes(served, local):
     ref = _reference(local, prompt, n, router="always-large", thresholds=None)
     assert tokens == list(ref.token_ids)  # re-prefilled elsewhere: the same text
     assert _router_info().sessions_lost > before
-    serve_cli.wait_until_running("backoff")
+    harness.wait_until_running("backoff")

@@ -29,7 +29,7 @@ from clients.grpc_client import AsyncBackoffGrpcClient, BackoffGrpcClient  # noq
 from clients.http_client import AsyncBackoffHTTPClient, BackoffHTTPClient  # noqa: E402
 from clients.wire import backoff_pb2 as pb  # noqa: E402
 from clients.wire import backoff_pb2_grpc as pb_grpc  # noqa: E402
-from deployments import serve_cli  # noqa: E402
+from deployments import harness  # noqa: E402
 from tests.support.served_app import (  # noqa: E402
     ServedApp,
     deploy,
@@ -122,7 +122,7 @@ def _deploy(served: ServedApp, router: dict | None = None, large: dict | None = 
                 and all(i.config.model_dump().items() >= (large or {}).items() for i in larges.values()))
 
     asyncio.run(_poll(applied, 60, "the live config"))
-    serve_cli.wait_until_running(APP)
+    harness.wait_until_running(APP)
 
 
 # -- 3. cancellations free every session ---------------------------------------------------------
@@ -244,7 +244,7 @@ def test_killed_large_replica_mid_grpc_stream_still_completes(served, reference)
         deltas += list(stream)
     tokens = [d.token_id for d in deltas if d.finish_reason is None]
     assert deltas[-1].finish_reason == "length" and tokens == reference[:n]  # re-prefilled elsewhere
-    serve_cli.wait_until_running(APP)
+    harness.wait_until_running(APP)
 
 
 # -- 2. a SmallModel replica dies under several requests ---------------------------------------------
@@ -360,7 +360,7 @@ def test_killed_router_fails_its_requests_clearly_and_frees_their_sessions(serve
           f"it (lease_s = {LEASE_S}); the others finished")
     for flight, out in zip(flights, outcomes):
         _check_outcome(flight, out, victim, reference)
-    serve_cli.wait_until_running(APP)
+    harness.wait_until_running(APP)
     asyncio.run(_poll(_all_freed, 60, "sessions after the kill"))
 
 

@@ -39,7 +39,7 @@ from clients.http_client import BackoffHTTPClient  # noqa: E402
 from clients.wire import backoff_pb2 as pb  # noqa: E402
 from clients.wire import backoff_pb2_grpc as pb_grpc  # noqa: E402
 from clients.wire.types import Usage  # noqa: E402
-from deployments import serve_cli  # noqa: E402
+from deployments import harness, serve_cli  # noqa: E402
 from tests.support.playground_page import PlaygroundPage, browser_missing  # noqa: E402
 from tests.support.request_strategies import expected_refusal, grpc_requests, http_bodies  # noqa: E402
 from tests.support.served_app import TINY_PAIR, ServedApp, deployment_config, wait_until  # noqa: E402
@@ -73,7 +73,7 @@ def _edit(config: dict, dirs) -> None:
 def served(serve_app) -> ServedApp:
     """With Ray's dashboard (what `serve status` / `serve deploy --address` talk to); the key
     in KEY_ENV_VAR reaches the replicas as the Ray workers inherit the environment."""
-    ray_options = {"num_cpus": 2, "include_dashboard": True, "dashboard_port": serve_cli.free_port(),
+    ray_options = {"num_cpus": 2, "include_dashboard": True, "dashboard_port": harness.free_port(),
                    "_system_config": serve_cli.RAY_SYSTEM_CONFIG}
     return serve_app("serve-input", MODELS, edit=_edit, ray_options=ray_options, env={KEY_ENV_VAR: f" {ENV_KEY} ,"})
 

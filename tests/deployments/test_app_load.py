@@ -27,7 +27,7 @@ from clients.grpc_client import AsyncBackoffGrpcClient, BackoffGrpcClient  # noq
 from clients.http_client import AsyncBackoffHTTPClient, BackoffHTTPClient  # noqa: E402
 from clients.wire import backoff_pb2 as pb  # noqa: E402
 from clients.wire import backoff_pb2_grpc as pb_grpc  # noqa: E402
-from deployments import serve_cli  # noqa: E402
+from deployments import harness  # noqa: E402
 from tests.support.served_app import ServedApp, deploy, deployment_config, wait_until  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -236,5 +236,5 @@ def test_32_streams_through_a_live_threshold_change(served):
     assert sum(r.backoff_rate for r in before) / len(before) < 0.9  # the old threshold: both sources
     assert all(r.backoff_rate == 1.0 for r in after)  # the new one, for every request admitted since
     assert _replica_pids() == pids  # no replica was restarted
-    serve_cli.wait_until_running("backoff")
+    harness.wait_until_running("backoff")
     _wait_idle("backoff")

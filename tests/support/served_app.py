@@ -1,6 +1,6 @@
 """One way to put the Serve application up for a Ray integration module (tests/deployments/
 test_app*.py, test_multinode.py), as `backoff serve` does: tiny models saved to disk, the
-packaged config on loopback (serve_cli.loopback_config) with the module's overrides,
+packaged config on loopback (deployments.harness.loopback_config) with the module's overrides,
 `backoff serve --config` into a fresh Ray, then wait until every application in the config
 runs. The module-scoped fixture `serve_app` (tests/deployments/conftest.py) wraps
 `running_app`, so Serve and Ray go down after the module's last test.
@@ -24,7 +24,7 @@ import yaml
 
 from backoff_core.engine.engine import BackoffEngine
 from backoff_core.models.loading import LoadSpec, load_model
-from deployments import serve_cli
+from deployments import harness, serve_cli
 from tests.support.helpers import engine_for
 from tests.support.ray_local import start_local_ray
 from tests.support.tiny import tiny_model, tiny_tokenizer
@@ -73,7 +73,7 @@ def deploy(config: dict, path: Path, *apps: str) -> None:
     path.write_text(yaml.safe_dump(config))
     assert serve_cli.main(["--config", str(path), "--non-blocking"]) == 0
     for app in apps:
-        serve_cli.wait_until_running(app)
+        harness.wait_until_running(app)
 
 
 def deployment_config(config: dict, name: str, app: int = 0) -> dict:
@@ -102,8 +102,8 @@ def running_app(
     from ray import serve
 
     dirs = save_tiny_models(root, models)
-    http_port, grpc_port = serve_cli.free_port(), serve_cli.free_port()
-    config = serve_cli.loopback_config(dirs["small"], dirs["large"], http_port, grpc_port, replicas=replicas)
+    http_port, grpc_port = harness.free_port(), harness.free_port()
+    config = harness.loopback_config(dirs["small"], dirs["large"], http_port, grpc_port, replicas=replicas)
     if edit is not None:
         edit(config, dirs)
     apps = [app["name"] for app in config["applications"]]
