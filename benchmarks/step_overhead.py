@@ -20,7 +20,8 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from backoff_core.engine.engine import BackoffEngine, make_runner
+from backoff_core.engine.engine import BackoffEngine
+from backoff_core.runners.factory import make_runner
 from backoff_core.types import GenerationRequest, KVSpec, RoutingParams, SamplingParams
 
 VOCAB = 512

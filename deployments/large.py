@@ -33,7 +33,7 @@ from ray.serve.config import RequestRouterConfig
 
 from backoff_core.types import level_names
 from backoff_core.models.kernels import trim_heap
-from backoff_core.engine.engine import make_runner
+from backoff_core.runners.factory import make_runner
 from backoff_core.runners.kv_budget import describe, kv_evictions, kv_tokens
 from backoff_core.types import KVSpec
 

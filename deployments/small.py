@@ -31,7 +31,8 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from backoff_core.types import level_names
-from backoff_core.engine.engine import BackoffEngine, make_runner
+from backoff_core.engine.engine import BackoffEngine
+from backoff_core.runners.factory import make_runner
 from backoff_core.runners.kv_budget import kv_evictions, kv_tokens
 from backoff_core.models.prompts import encode_chat, encode_prompt
 from backoff_core.routing.routers import build_router

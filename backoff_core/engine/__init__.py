@@ -1,5 +1,5 @@
 """The step loop: M_S steps every request, the router hands steps to M_L, catch-ups settle."""
 
-from backoff_core.engine.engine import BackoffEngine, make_runner
+from backoff_core.engine.engine import BackoffEngine
 
-__all__ = ["BackoffEngine", "make_runner"]
+__all__ = ["BackoffEngine"]

@@ -3,6 +3,7 @@
 One `step()` advances every live request by one committed token (or one rollback):
   1. levels known before M_S runs (speculative verify steps, always-large) skip M_S
   2. M_S forward for the others, batched: next-token logits (+ hidden state for the router)
+     (propose.py, which also draws the tokens of the steps that stay small)
   3. oracle routers: the largest model catches up first, to know KL(M_L||M_S)
   4. decide: score -> level per request (thresholds read once per step)
   5. catch-up per level, batched over requests: ONE forward over each request's pending
@@ -25,11 +26,12 @@ import torch
 from backoff_core.engine.backends import Backend
 from backoff_core.engine.catchup import CatchUpper, Outcome
 from backoff_core.routing.control import HIGHEST, LOWEST, RateController, rate_prior
-from backoff_core.engine.isolation import batched, each, reopen
+from backoff_core.engine.isolation import batched, each
 from backoff_core.routing.routers import DecisionFunction, StepContext, build_router
-from backoff_core.runners.dynamic import ModelRunner
-from backoff_core.sampling import Stream, draw, request_seed, uniforms
+from backoff_core.runners.factory import make_runner
+from backoff_core.sampling import Stream, request_seed, uniforms
 from backoff_core.engine.logprobs import TokenTexts, token_logprobs
+from backoff_core.engine.propose import draw_small, small_step
 from backoff_core.engine.state import Detokenizer, Live
 from backoff_core.types import FinishReason, GenerationRequest, GenerationResult, KVSpec, TokenEvent, Verification, level_names
 
@@ -194,7 +196,7 @@ class BackoffEngine:
         live = [r for r in live if r.request_id in forced]
         stepping = [r for r in live if forced[r.request_id] < 0]
         # 2. M_S, batched
-        small = self._small_step(stepping)
+        small = small_step(self.models, stepping)
         # 3+4. decide (oracles catch the largest model up first)
         levels: dict[str, int] = {request_id: f for request_id, f in forced.items() if f >= 0}
         outcomes: dict[str, Outcome] = {}
@@ -207,26 +209,14 @@ class BackoffEngine:
                      and r.failure is None]
             outcomes.update(self.catch_up.run(level, group))
         # a catch-up failed (degraded): M_S's token instead, for those that skipped M_S
-        small.update(self._small_step([r for r in live if r.degraded and r.failure is None and r.request_id not in small
+        small.update(small_step(self.models, [r for r in live if r.degraded and r.failure is None and r.request_id not in small
                                        and not r.finish_after_verify]))
         # 6. commit (the tokens of the steps that stay small are drawn together: one sync)
-        drawn = self._draw([r for r in live if r.failure is None and r.request_id in small and r.request_id not in outcomes
+        drawn = draw_small(self.models, [r for r in live if r.failure is None and r.request_id in small and r.request_id not in outcomes
                             and not r.finish_after_verify], small)
         settled = each([r for r in live if r.failure is None], self.models,
                        lambda r: self._settle(r, outcomes.get(r.request_id), small, drawn.get(r.request_id), scores))
         return {request_id: event for request_id, event in settled.items() if event is not None}
-
-    def _draw(self, group: list[Live], small: dict) -> dict[str, int]:
-        """sid -> the token each request draws from its M_S logits: one batched draw on
-        the logits' device and one host copy for the whole group."""
-        if not group:
-            return {}
-
-        def together(g: Sequence[Live]) -> list[int]:
-            return draw(torch.stack([small[r.request_id][0] for r in g]), [r.request.sampling for r in g],
-                        [r.seed for r in g], [len(r.tokens) for r in g])
-
-        return batched(group, self.models, together, lambda r: together([r])[0])
 
     def _forced_level(self, r: Live) -> int:
         """The level of r's step if it is known before M_S runs, else -1."""
@@ -262,34 +252,6 @@ class BackoffEngine:
         r.finish_after_verify = None
         r.cut_at = None
         return self._commit(r, token, source, logits, small.get(r.request_id), retracted)
-
-    def _small_step(self, group: list[Live]) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
-        """-> sid: (logits [V], hidden [d] or None). Different routers may want different layers."""
-        if not group:
-            return {}
-        # one engine loads one classifier head, so at most one layer is asked for
-        layers = {r.router.hidden_layer for r in group} - {None}
-        if len(layers) > 1:
-            raise ValueError("one step cannot serve classifier heads over different layers")
-        layer = next(iter(layers), None)
-        model = self.models[0]
-
-        def alone(r: Live):  # after a failed batch: a fresh session, re-prefilled
-            return model.extend([(r.request_id, reopen(model, 0, r))], hidden_layer=layer, last_only=True)[0]
-
-        start = time.perf_counter()
-        out = batched(group, self.models, lambda g: model.extend([(r.request_id, r.tokens[r.fed[0]:]) for r in g],
-                                                                   hidden_layer=layer, last_only=True), alone)
-        seconds = time.perf_counter() - start
-        result = {}
-        for r in group:
-            if r.request_id not in out:
-                continue  # failed: ends alone
-            ext = out[r.request_id]
-            r.fed[0] = len(r.tokens)
-            r.small_times.append(seconds)
-            result[r.request_id] = (ext.logits[-1], ext.hidden[-1] if ext.hidden is not None else None)
-        return result
 
     def _decide(self, router, group, small, levels, outcomes, scores) -> None:
         top = self.num_levels - 1
@@ -413,34 +375,6 @@ class BackoffEngine:
                 self.finish(request_id)  # raises its error
         finally:
             self.cancel(request_id)
-
-
-def make_runner(model, name: str, kv: KVSpec | None, small: bool = False, classifier_path=None) -> Backend:
-    """A ModelRunner, or with `kv` a StaticRunner (static KV slots, CUDA graphs captured
-    now, with a progress line) where the architecture allows; other models fall back to
-    per-session caches, with a warning. small: M_S extends one token a step (its per-session
-    caches never evict: the step loop cannot rebuild an M_S session; static: graphs for
-    k = 1, last row only, and the hidden layer a classifier head reads)."""
-    if kv is None or not kv.static:  # per-session caches, within the budget where one is given
-        return ModelRunner(model, name, None if kv is None else kv.budget_tokens, evict_idle=not small)
-    from backoff_core.runners.static_forward import check_supported
-    from backoff_core.runners.static import StaticRunner
-
-    try:
-        check_supported(model, kv.max_len)
-    except ValueError as exc:
-        log.warning("%s: no static KV storage (%s); per-session caches instead", name, exc)
-        return ModelRunner(model, name, kv.budget_tokens, evict_idle=not small)
-    runner = StaticRunner(model, name, kv_budget_tokens=kv.budget_tokens, max_len=kv.max_len,
-                          cuda_graphs=kv.cuda_graphs)
-    if small:
-        from backoff_core.routing.head import ClassifierHead
-
-        layers = (None,) if classifier_path is None else (None, ClassifierHead.load(classifier_path).layer)
-        runner.warmup(hidden_layers=layers, last_only=(True,), ks=(1,))
-    else:
-        runner.warmup()
-    return runner
 
 
 def _schedule_drafts(r: Live, rejected: bool) -> None:

@@ -15,7 +15,8 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from backoff_core.engine.engine import BackoffEngine, make_runner
+from backoff_core.engine.engine import BackoffEngine
+from backoff_core.runners.factory import make_runner
 from backoff_core.runners.dynamic import ModelRunner
 from backoff_core.runners.static_kv import KVCapacityError
 from backoff_core.runners.static import StaticRunner

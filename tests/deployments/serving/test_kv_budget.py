@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from backoff_core.engine.engine import make_runner
+from backoff_core.runners.factory import make_runner
 from backoff_core.runners.dynamic import ModelRunner
 from backoff_core.runners.kv_budget import bytes_per_token, kv_tokens, resolve_kv
 from backoff_core.runners.static_kv import KVCapacityError

@@ -1,0 +1,37 @@
+"""Which runner holds a model: per-session caches, or static KV slots with CUDA graphs."""
+
+from __future__ import annotations
+
+import logging
+
+from backoff_core.runners.dynamic import ModelRunner
+from backoff_core.runners.static import StaticRunner
+from backoff_core.runners.static_forward import check_supported
+from backoff_core.types import KVSpec
+
+log = logging.getLogger(__name__)
+
+
+def make_runner(model, name: str, kv: KVSpec | None, small: bool = False, classifier_path=None) -> ModelRunner | StaticRunner:
+    """A ModelRunner, or with `kv` a StaticRunner (static KV slots, CUDA graphs captured
+    now, with a progress line) where the architecture allows; other models fall back to
+    per-session caches, with a warning. small: M_S extends one token a step (its per-session
+    caches never evict: the step loop cannot rebuild an M_S session; static: graphs for
+    k = 1, last row only, and the hidden layer a classifier head reads)."""
+    if kv is None or not kv.static:  # per-session caches, within the budget where one is given
+        return ModelRunner(model, name, None if kv is None else kv.budget_tokens, evict_idle=not small)
+    try:
+        check_supported(model, kv.max_len)
+    except ValueError as exc:
+        log.warning("%s: no static KV storage (%s); per-session caches instead", name, exc)
+        return ModelRunner(model, name, kv.budget_tokens, evict_idle=not small)
+    runner = StaticRunner(model, name, kv_budget_tokens=kv.budget_tokens, max_len=kv.max_len,
+                          cuda_graphs=kv.cuda_graphs)
+    if small:
+        from backoff_core.routing.head import ClassifierHead
+
+        layers = (None,) if classifier_path is None else (None, ClassifierHead.load(classifier_path).layer)
+        runner.warmup(hidden_layers=layers, last_only=(True,), ks=(1,))
+    else:
+        runner.warmup()
+    return runner
