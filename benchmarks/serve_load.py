@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -139,12 +138,6 @@ def run_in_process(engine: BackoffEngine, requests: list[GenerationRequest]) -> 
 
 
 # -- served ----------------------------------------------------------------------------------
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def serve_config(small, large, port: int, threads: int, gap_ms: float | None = None) -> dict:
     """Two applications on the same cluster, the same models: catch-up batching on and off."""
@@ -295,7 +288,7 @@ def main() -> None:
 
     from deployments import harness, serve_cli
 
-    port = _free_port()
+    port = harness.free_port()
     serve_cli.start_ray(include_dashboard=False, log_to_driver=False)
     runs: dict[tuple[str, int], list[RunStats]] = {}
     try:

@@ -139,12 +139,8 @@ class ModelRunner(SessionTable[_CachedSession]):
         logits at every new position, or at the last one only)."""
         if not items:
             return []
-        if any(len(ids) == 0 for _, ids in items):
-            raise ValueError(f"{self.name}: extend needs at least one token per session")
         with self._lock:
-            sessions = [self._get(request_id) for request_id, _ in items]
-            if len({request_id for request_id, _ in items}) != len(items):
-                raise ValueError(f"{self.name}: a session appears twice in one extend")
+            sessions = self._extending(items)
             self._reserve(items)
             if len(items) == 1:
                 out = self._extend_one(sessions[0], items[0][1], hidden_layer, last_only)

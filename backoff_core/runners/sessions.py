@@ -85,6 +85,15 @@ class SessionTable(Generic[S]):
         with self._lock:
             return [request_id for request_id, s in self._sessions.items() if s.last_used < cutoff]
 
+    def _extending(self, items: list[tuple[str, list[int]]]) -> list[S]:
+        """The sessions of an extend's (request id, new ids) items, each named once with at
+        least one new id. Called under the lock."""
+        if any(len(ids) == 0 for _, ids in items):
+            raise ValueError(f"{self.name}: extend needs at least one token per session")
+        if len({request_id for request_id, _ in items}) != len(items):
+            raise ValueError(f"{self.name}: a session appears twice in one extend")
+        return [self._get(request_id) for request_id, _ in items]
+
     def _get(self, request_id: str) -> S:
         try:
             return self._sessions[request_id]

@@ -142,12 +142,8 @@ class StaticRunner(SessionTable[_SlotSession]):
         changing nothing, if a session would pass max_len - 1 positions."""
         if not items:
             return []
-        if any(len(ids) == 0 for _, ids in items):
-            raise ValueError(f"{self.name}: extend needs at least one token per session")
         with self._lock:
-            sessions = [self._get(request_id) for request_id, _ in items]
-            if len({request_id for request_id, _ in items}) != len(items):
-                raise ValueError(f"{self.name}: a session appears twice in one extend")
+            sessions = self._extending(items)
             for (request_id, ids), s in zip(items, sessions):
                 self.kv.check_room(request_id, s.length, len(ids))
             new_ids = [list(ids) for _, ids in items]

@@ -66,3 +66,16 @@ def test_idle_sessions_are_those_not_used_since():
     table.open("new")
     table._get("old").last_used = time.monotonic() - 60.0
     assert table.idle_sessions(30.0) == ["old"]
+
+
+def test_an_extend_names_each_session_once_with_new_ids():
+    table = _Table()
+    table.open("a")
+    table.open("b")
+    assert [s.tag for s in table._extending([("b", [3]), ("a", [4, 5])])] == ["b", "a"]
+    with pytest.raises(ValueError, match="appears twice"):
+        table._extending([("a", [3]), ("a", [4])])
+    with pytest.raises(ValueError, match="at least one token"):
+        table._extending([("a", [])])
+    with pytest.raises(SessionError):
+        table._extending([("c", [3])])
