@@ -81,13 +81,13 @@ def test_a_slow_large_model_degrades_within_the_timeout_and_leaves_no_session(pa
     request_id = engine.submit(req)
     for _ in range(4):  # four M_L tokens at full speed
         engine.step()
-    endpoint.delay_s = 3.0
+    endpoint.delay_s = 20.0  # far beyond the timeout: waiting for it would show
     start = time.monotonic()
     while engine.has_work():
         engine.step()
     seconds = time.monotonic() - start
     result = engine.finish(request_id)
-    assert seconds < 2.0 and result.degraded and "no reply within 0.2 s" in result.degraded_reason  # not 3 s
+    assert seconds < 10.0 and result.degraded and "no reply within 0.2 s" in result.degraded_reason  # not 20 s
     assert result.sources == (1,) * 4 + (0,) * 8
     assert result.token_ids[:4] == engine_for(pair, tokenizer).generate(req).token_ids[:4]
     time.sleep(3.2)  # the late call lands after the close: a tombstone, not a session
