@@ -98,8 +98,9 @@ def _keys(seeds: Sequence[int], positions: Sequence[int], stream: Stream, device
     return key
 
 
-def uniforms(seeds: Sequence[int], positions: Sequence[int], stream: Stream, width: int = 1,
-             device: torch.device | str = "cpu") -> torch.Tensor:
+def uniforms(
+    seeds: Sequence[int], positions: Sequence[int], stream: Stream, width: int = 1, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """U(0, 1) noise [B, width] (float32, never 0 or 1), a pure function of its arguments."""
     keys = _keys(seeds, positions, stream, device)  # [B]
     index = torch.arange(width, dtype=torch.int64, device=device)[None]  # [1, W]
@@ -107,8 +108,9 @@ def uniforms(seeds: Sequence[int], positions: Sequence[int], stream: Stream, wid
     return ((bits >> 8).float() + 0.5) / float(1 << 24)
 
 
-def sample_rows(probs: torch.Tensor, seeds: Sequence[int], positions: Sequence[int],
-                stream: Stream = Stream.TOKEN) -> torch.Tensor:
+def sample_rows(
+    probs: torch.Tensor, seeds: Sequence[int], positions: Sequence[int], stream: Stream = Stream.TOKEN
+) -> torch.Tensor:
     """probs: [B, V] -> token ids [B] (on probs' device), row i drawn by inverting its CDF
     at the uniform of (seeds[i], positions[i], stream): one hash per row, one cumsum."""
     u = uniforms(seeds, positions, stream, 2, probs.device).double()  # [B, 2]: 48 bits of resolution
@@ -119,8 +121,9 @@ def sample_rows(probs: torch.Tensor, seeds: Sequence[int], positions: Sequence[i
     return token.clamp_max(probs.shape[-1] - 1)
 
 
-def draw(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int],
-         positions: Sequence[int]) -> list[int]:
+def draw(
+    logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int], positions: Sequence[int]
+) -> list[int]:
     """logits: [B, V] -> the token of each row, drawn from its own distribution at its own
     (seed, position): the whole batch in one pass and one host copy."""
     return sample_rows(distributions(logits, params), seeds, positions).tolist()

@@ -40,9 +40,12 @@ def throughput(engine, prompt_ids, n, tokens, routing, repeats) -> float:
     """Median tok/s of n requests generated together (admission excluded)."""
     rates = []
     for rep in range(repeats):
-        reqs = [GenerationRequest(tuple(prompt_ids), SamplingParams(max_tokens=tokens, seed=rep * 1000 + i,
-                                                                    ignore_eos=True), routing)
-                for i in range(n)]
+        reqs = [
+            GenerationRequest(
+                tuple(prompt_ids), SamplingParams(max_tokens=tokens, seed=rep * 1000 + i, ignore_eos=True), routing
+            )
+            for i in range(n)
+        ]
         rids = [engine.submit(r) for r in reqs]
         _sync()
         start = time.perf_counter()
@@ -84,18 +87,24 @@ def main() -> None:
     load_s = time.perf_counter() - start
     prompt_ids = encode_prompt(chain.tokenizer, PROMPT, chat=bool(chain.tokenizer.chat_template))
     streams = [int(s) for s in args.streams.split(",")]
-    for label, routing in ROUTINGS.items():  # warm-up: allocator growth, lazy initialisation
+    for routing in ROUTINGS.values():  # warm-up: allocator growth, lazy initialisation
         throughput(engine, prompt_ids, 2, 4, routing, 1)
     table: dict[str, dict[str, float]] = {}
     for label, routing in tqdm(ROUTINGS.items(), desc="routings"):
-        table[label] = {str(n): throughput(engine, prompt_ids, n, args.tokens, routing, args.repeats)
-                        for n in tqdm(streams, desc=label, leave=False)}
+        table[label] = {
+            str(n): throughput(engine, prompt_ids, n, args.tokens, routing, args.repeats)
+            for n in tqdm(streams, desc=label, leave=False)
+        }
     base = str(streams[0])
     report = {
-        "device": args.device, "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
-        "dtype": args.dtype, "tokens": args.tokens, "repeats": args.repeats,
-        "kv": None if kv is None else {"budget_tokens": kv.budget_tokens, "max_len": kv.max_len,
-                                       "cuda_graphs": kv.cuda_graphs},
+        "device": args.device,
+        "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
+        "dtype": args.dtype,
+        "tokens": args.tokens,
+        "repeats": args.repeats,
+        "kv": None
+        if kv is None
+        else {"budget_tokens": kv.budget_tokens, "max_len": kv.max_len, "cuda_graphs": kv.cuda_graphs},
         "engine_load_s": load_s,
         "tok_per_s": table,
         "scaling_vs_n1": {label: {n: v / row[base] for n, v in row.items()} for label, row in table.items()},

@@ -26,7 +26,7 @@ from tqdm import tqdm
 from backoff_core.engine.engine import BackoffEngine
 from backoff_core.models.loading import LoadSpec, load_chain
 from backoff_core.models.prompts import encode_prompt
-from backoff_core.routing.head import HeadMeta, ClassifierHead
+from backoff_core.routing.head import ClassifierHead, HeadMeta
 from backoff_core.routing.routers import Classifier, StepContext, build_router
 from backoff_core.runners.dynamic import timed
 from backoff_core.types import GenerationRequest, KVSpec, RoutingParams, SamplingParams, Verification
@@ -50,7 +50,9 @@ def measure_primitives(engine, prompt_ids, repeats, max_k=20):
         runner.extend([(request_id, prompt_ids)], last_only=True)
         times = []
         for _ in range(repeats):  # as the engine's catch-up asks: the logits after the last id
-            _, seconds = timed(runner.extend, [(request_id, (prompt_ids * (k // len(prompt_ids) + 1))[:k])], last_only=True)
+            _, seconds = timed(
+                runner.extend, [(request_id, (prompt_ids * (k // len(prompt_ids) + 1))[:k])], last_only=True
+            )
             runner.crop(request_id, len(prompt_ids))
             times.append(seconds)
         runner.close(request_id)
@@ -67,8 +69,11 @@ def measure_router_costs(chain, repeats=200):
     ctx = StepContext(torch.randn(1, vocab), torch.randn(1, d), None, torch.zeros(1), torch.rand(1))
     out = {}
     head = ClassifierHead(HeadMeta(hidden_size=d, layer=-1, inner_size=1024))
-    for name, router in (("entropy", build_router("entropy")), ("random", build_router("random", rate=0.5)),
-                         ("classifier", Classifier(head))):
+    for name, router in (
+        ("entropy", build_router("entropy")),
+        ("random", build_router("random", rate=0.5)),
+        ("classifier", Classifier(head)),
+    ):
         times = [timed(router.scores, ctx)[1] for _ in range(repeats)]
         out[name] = statistics.median(times)
     return out
@@ -87,16 +92,23 @@ def bandwidth_floors(chain) -> dict:
         times.append(seconds)
     bandwidth = 2 * buf.numel() / statistics.median(times)  # bytes read + written per second
     del buf, out
-    sizes = {name: sum(p.numel() * p.element_size() for p in m.parameters())
-             for name, m in (("M_S", chain.models[0]), ("M_L", chain.models[-1]))}
-    return {"bandwidth_bytes_per_s": bandwidth, "weights_bytes": sizes,
-            "floor_s": {name: size / bandwidth for name, size in sizes.items()}}
+    sizes = {
+        name: sum(p.numel() * p.element_size() for p in m.parameters())
+        for name, m in (("M_S", chain.models[0]), ("M_L", chain.models[-1]))
+    }
+    return {
+        "bandwidth_bytes_per_s": bandwidth,
+        "weights_bytes": sizes,
+        "floor_s": {name: size / bandwidth for name, size in sizes.items()},
+    }
 
 
 def run_engine(engine, prompt_ids, max_tokens, routing, repeats):
     per_token, results = [], []
     for i in range(repeats):
-        req = GenerationRequest(tuple(prompt_ids), SamplingParams(max_tokens=max_tokens, seed=i, ignore_eos=True), routing)
+        req = GenerationRequest(
+            tuple(prompt_ids), SamplingParams(max_tokens=max_tokens, seed=i, ignore_eos=True), routing
+        )
         start = time.perf_counter()
         result = engine.generate(req)
         per_token.append((time.perf_counter() - start - result.timings.prefill) / len(result.token_ids))
@@ -154,10 +166,14 @@ def main() -> None:
     c_r = measure_router_costs(chain)
     rows = {}
     configs = [(f"random b={b}", RoutingParams(router="random", rate=b)) for b in RATES]
-    configs += [("M_S alone (always-small)", RoutingParams(router="always-small")),
-                ("M_L alone (always-large)", RoutingParams(router="always-large")),
-                (f"ours speculative K={args.draft_tokens}+heuristic",
-                 RoutingParams(router="draft", draft_tokens=args.draft_tokens, verification=Verification.EXACT))]
+    configs += [
+        ("M_S alone (always-small)", RoutingParams(router="always-small")),
+        ("M_L alone (always-large)", RoutingParams(router="always-large")),
+        (
+            f"ours speculative K={args.draft_tokens}+heuristic",
+            RoutingParams(router="draft", draft_tokens=args.draft_tokens, verification=Verification.EXACT),
+        ),
+    ]
     spec_results = []
     for name, routing in tqdm(configs, desc="engine configs"):
         per_prompt = []
@@ -186,11 +202,19 @@ def main() -> None:
         k = min(max(p_l), round(k_bar)) if k_bar else None
         ideal[b] = c_s + c_r["random"] + ((1 - b) * p_l[k] if k else 0.0)
     report = {
-        "device": args.device, "gpu": torch.cuda.get_device_name() if gpu else None, "dtype": args.dtype,
-        "max_tokens": n, "repeats": reps, "engine_load_s": load_s,
-        "kv": None if kv is None else {"budget_tokens": kv.budget_tokens, "max_len": kv.max_len,
-                                       "cuda_graphs": kv.cuda_graphs},
-        "c_S_s": c_s, "c_r_s": c_r, "P_L_s": p_l, "cost_ratio_P_L1_over_c_S": p_l[1] / c_s,
+        "device": args.device,
+        "gpu": torch.cuda.get_device_name() if gpu else None,
+        "dtype": args.dtype,
+        "max_tokens": n,
+        "repeats": reps,
+        "engine_load_s": load_s,
+        "kv": None
+        if kv is None
+        else {"budget_tokens": kv.budget_tokens, "max_len": kv.max_len, "cuda_graphs": kv.cuda_graphs},
+        "c_S_s": c_s,
+        "c_r_s": c_r,
+        "P_L_s": p_l,
+        "cost_ratio_P_L1_over_c_S": p_l[1] / c_s,
         "per_token_s": rows,
         "ideal_per_token_s": {f"random b={b}": v for b, v in ideal.items()},
         "measured_over_ideal_throughput": {f"random b={b}": ideal[b] / rows[f"random b={b}"] for b in RATES},
@@ -211,10 +235,16 @@ def main() -> None:
 
 def _print(r) -> None:
     base = r["per_token_s"]["M_L alone (always-large)"]
-    print(f"\nc_S = {r['c_S_s'] * 1e3:.2f} ms   P_L(1) = {r['P_L_s'][1] * 1e3:.2f} ms   "
-          f"cost ratio {r['cost_ratio_P_L1_over_c_S']:.2f}x   P_L(8) = {r['P_L_s'][8] * 1e3:.2f} ms")
-    print("c_r: " + ", ".join(f"{k} {v * 1e3:.3f} ms ({r['router_overhead_vs_c_S'][k]:.1%} of c_S)"
-                              for k, v in r["c_r_s"].items()))
+    print(
+        f"\nc_S = {r['c_S_s'] * 1e3:.2f} ms   P_L(1) = {r['P_L_s'][1] * 1e3:.2f} ms   "
+        f"cost ratio {r['cost_ratio_P_L1_over_c_S']:.2f}x   P_L(8) = {r['P_L_s'][8] * 1e3:.2f} ms"
+    )
+    print(
+        "c_r: "
+        + ", ".join(
+            f"{k} {v * 1e3:.3f} ms ({r['router_overhead_vs_c_S'][k]:.1%} of c_S)" for k, v in r["c_r_s"].items()
+        )
+    )
     print(f"\n{'config':34s} {'ms/token':>9s} {'tok/s':>7s} {'vs M_L':>7s} {'ideal ms':>9s} {'meas/ideal':>10s}")
     for name, sec in r["per_token_s"].items():
         ideal = r["ideal_per_token_s"].get(name)
@@ -223,9 +253,11 @@ def _print(r) -> None:
     print(f"\nour speculative mode: acceptance rate {r['speculative_acceptance_rate']:.2f}")
     if r["bandwidth"]:
         f = r["bandwidth"]
-        print(f"bandwidth {f['bandwidth_bytes_per_s'] / 1e12:.2f} TB/s; floors: M_S {f['floor_s']['M_S'] * 1e3:.3f} ms, "
-              f"M_L {f['floor_s']['M_L'] * 1e3:.2f} ms; M_L alone / floor {r['M_L_alone_over_floor']:.2f}, "
-              f"c_S / floor {r['c_S_over_floor']:.1f}")
+        print(
+            f"bandwidth {f['bandwidth_bytes_per_s'] / 1e12:.2f} TB/s; floors: M_S {f['floor_s']['M_S'] * 1e3:.3f} ms, "
+            f"M_L {f['floor_s']['M_L'] * 1e3:.2f} ms; M_L alone / floor {r['M_L_alone_over_floor']:.2f}, "
+            f"c_S / floor {r['c_S_over_floor']:.1f}"
+        )
 
 
 def _plot(r, path: Path) -> None:
@@ -238,8 +270,12 @@ def _plot(r, path: Path) -> None:
     bs = list(RATES)
     ax.plot(bs, [r["per_token_s"][f"random b={b}"] * 1e3 for b in bs], "o-", label="backoff (random router), measured")
     ax.plot(bs, [r["ideal_per_token_s"][f"random b={b}"] * 1e3 for b in bs], "--", label="cost model C(b)")
-    styles = {"M_S alone (always-small)": ":", "M_L alone (always-large)": "-.", "HF generate M_L": (0, (1, 3)),
-              "HF assisted (M_S drafts)": (0, (5, 2)), }
+    styles = {
+        "M_S alone (always-small)": ":",
+        "M_L alone (always-large)": "-.",
+        "HF generate M_L": (0, (1, 3)),
+        "HF assisted (M_S drafts)": (0, (5, 2)),
+    }
     for name, style in styles.items():
         ax.axhline(r["per_token_s"][name] * 1e3, linestyle=style, color="grey", label=name)
     spec = next(k for k in r["per_token_s"] if k.startswith("ours speculative"))

@@ -59,8 +59,7 @@ def main() -> None:
     port = harness.free_port()
     serve_cli.start_ray(include_dashboard=False, log_to_driver=False)
     try:
-        serve_cli.run_config(harness.loopback_config(None, None, port, harness.free_port(), threads=2),
-                             blocking=False)
+        serve_cli.run_config(harness.loopback_config(None, None, port, harness.free_port(), threads=2), blocking=False)
         harness.wait_until_running("backoff")
         shoot(f"http://127.0.0.1:{port}", args.out, args.api_key, args.threshold, args.max_tokens)
     finally:

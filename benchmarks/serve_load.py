@@ -65,12 +65,25 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def _stats(mode, streams, ttfts, gaps, tokens, large_tokens, large_calls, seconds, forwards) -> RunStats:
-    return RunStats(mode, streams, tokens, large_tokens, seconds, tokens / seconds, statistics.median(ttfts),
-                    _pct(gaps, 0.5), _pct(gaps, 0.99), forwards, forwards / max(1, large_tokens),
-                    large_calls / max(1, forwards), 1 - large_tokens / max(1, tokens))
+    return RunStats(
+        mode,
+        streams,
+        tokens,
+        large_tokens,
+        seconds,
+        tokens / seconds,
+        statistics.median(ttfts),
+        _pct(gaps, 0.5),
+        _pct(gaps, 0.99),
+        forwards,
+        forwards / max(1, large_tokens),
+        large_calls / max(1, forwards),
+        1 - large_tokens / max(1, tokens),
+    )
 
 
 # -- models ----------------------------------------------------------------------------------
+
 
 def prepare_pair(kind: str, root: Path) -> tuple[str | None, str | None]:
     """Model directories for --pair (built once under root)."""
@@ -109,12 +122,18 @@ def requests_for(tokenizer, streams: int, args) -> list[GenerationRequest]:
     out = []
     for i in range(streams):
         ids = tokenizer(PROMPTS[i % len(PROMPTS)])["input_ids"] if args.pair != "tiny" else [3 + i % 40, 7, 11]
-        out.append(GenerationRequest(tuple(ids), SamplingParams(max_tokens=args.tokens, ignore_eos=True, seed=i),
-                                     RoutingParams(router="random", thresholds=(args.backoff,))))
+        out.append(
+            GenerationRequest(
+                tuple(ids),
+                SamplingParams(max_tokens=args.tokens, ignore_eos=True, seed=i),
+                RoutingParams(router="random", thresholds=(args.backoff,)),
+            )
+        )
     return out
 
 
 # -- in process ------------------------------------------------------------------------------
+
 
 def run_in_process(engine: BackoffEngine, requests: list[GenerationRequest]) -> RunStats:
     large = engine.models[-1]
@@ -133,11 +152,21 @@ def run_in_process(engine: BackoffEngine, requests: list[GenerationRequest]) -> 
     results = [engine.finish(request_id) for request_id in rids]
     tokens = sum(len(r.token_ids) for r in results)
     large_tokens = sum(r.tokens_by_source()[-1] for r in results)
-    return _stats("in-process", len(requests), ttfts, gaps, tokens, large_tokens,
-                  sum(r.large_calls for r in results), seconds, large.forward_passes - before)
+    return _stats(
+        "in-process",
+        len(requests),
+        ttfts,
+        gaps,
+        tokens,
+        large_tokens,
+        sum(r.large_calls for r in results),
+        seconds,
+        large.forward_passes - before,
+    )
 
 
 # -- served ----------------------------------------------------------------------------------
+
 
 def serve_config(small, large, port: int, threads: int, gap_ms: float | None = None) -> dict:
     """Two applications on the same cluster, the same models: catch-up batching on and off."""
@@ -170,9 +199,16 @@ APPS = {True: "batched", False: "unbatched"}
 
 
 async def _one_stream(client: httpx.AsyncClient, request: GenerationRequest, t0: float):
-    body = {"prompt": list(request.prompt_ids), "max_tokens": request.sampling.max_tokens, "temperature": 0,
-            "ignore_eos": True, "seed": request.sampling.seed, "router": "random",
-            "thresholds": list(request.routing.thresholds), "stream": True}
+    body = {
+        "prompt": list(request.prompt_ids),
+        "max_tokens": request.sampling.max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "seed": request.sampling.seed,
+        "router": "random",
+        "thresholds": list(request.routing.thresholds),
+        "stream": True,
+    }
     times, usage = [], None
     async with client.stream("POST", "/v1/completions", json=body) as response:
         response.raise_for_status()
@@ -200,19 +236,33 @@ def run_served(url: str, requests: list[GenerationRequest], mode: str, large_for
     outs, seconds = asyncio.run(_streams(url, requests))
     tokens = sum(u["completion_tokens"] for _, _, u in outs)
     large_tokens = sum(u["large_tokens"] for _, _, u in outs)
-    return _stats(mode, len(requests), [t for t, _, _ in outs], [g for _, gs, _ in outs for g in gs], tokens,
-                  large_tokens, sum(u["large_calls"] for _, _, u in outs), seconds, large_forwards() - before)
+    return _stats(
+        mode,
+        len(requests),
+        [t for t, _, _ in outs],
+        [g for _, gs, _ in outs for g in gs],
+        tokens,
+        large_tokens,
+        sum(u["large_calls"] for _, _, u in outs),
+        seconds,
+        large_forwards() - before,
+    )
 
 
 # -- report ----------------------------------------------------------------------------------
 
+
 def print_table(rows: list[RunStats]) -> None:
-    print(f"\n{'mode':18} {'streams':>7} {'tok/s':>8} {'TTFT p50':>9} {'ITL p50':>8} {'ITL p99':>8} "
-          f"{'L fwd':>6} {'fwd/L tok':>9} {'sess/fwd':>8} {'backoff':>7}")
+    print(
+        f"\n{'mode':18} {'streams':>7} {'tok/s':>8} {'TTFT p50':>9} {'ITL p50':>8} {'ITL p99':>8} "
+        f"{'L fwd':>6} {'fwd/L tok':>9} {'sess/fwd':>8} {'backoff':>7}"
+    )
     for r in rows:
-        print(f"{r.mode:18} {r.streams:7d} {r.tokens_per_s:8.1f} {r.ttft_p50_s * 1e3:7.0f}ms {r.itl_p50_s * 1e3:6.1f}ms "
-              f"{r.itl_p99_s * 1e3:6.1f}ms {r.large_forwards:6d} {r.forwards_per_large_token:9.2f} "
-              f"{r.sessions_per_forward:8.2f} {r.backoff_rate:7.2f}")
+        print(
+            f"{r.mode:18} {r.streams:7d} {r.tokens_per_s:8.1f} {r.ttft_p50_s * 1e3:7.0f}ms {r.itl_p50_s * 1e3:6.1f}ms "
+            f"{r.itl_p99_s * 1e3:6.1f}ms {r.large_forwards:6d} {r.forwards_per_large_token:9.2f} "
+            f"{r.sessions_per_forward:8.2f} {r.backoff_rate:7.2f}"
+        )
 
 
 def summary(rows: list[RunStats], runs: dict[tuple[str, int], list[RunStats]] | None = None) -> dict:
@@ -225,13 +275,19 @@ def summary(rows: list[RunStats], runs: dict[tuple[str, int], list[RunStats]] | 
     if ("served-batched", lo) in by and ("in-process", lo) in by:
         out["single_stream_vs_in_process"] = by["served-batched", lo].tokens_per_s / by["in-process", lo].tokens_per_s
         if runs:
-            paired = sorted(s.tokens_per_s / i.tokens_per_s
-                            for s, i in zip(runs["served-batched", lo], runs["in-process", lo]))
+            paired = sorted(
+                s.tokens_per_s / i.tokens_per_s for s, i in zip(runs["served-batched", lo], runs["in-process", lo])
+            )
             out["single_stream_vs_in_process_paired"] = {
-                "median": statistics.median(paired), "min": paired[0], "max": paired[-1], "repeats": len(paired)}
+                "median": statistics.median(paired),
+                "min": paired[0],
+                "max": paired[-1],
+                "repeats": len(paired),
+            }
     if ("served-unbatched", hi) in by and ("served-batched", hi) in by:
         out["unbatched_over_batched_forwards"] = by["served-unbatched", hi].large_forwards / max(
-            1, by["served-batched", hi].large_forwards)
+            1, by["served-batched", hi].large_forwards
+        )
     for mode in ("served-batched", "in-process"):
         if (mode, lo) in by and (mode, hi) in by:
             out[f"scaling_{lo}_to_{hi}_{mode}"] = by[mode, hi].tokens_per_s / by[mode, lo].tokens_per_s
@@ -279,8 +335,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     small, large = (args.small, args.large) if args.small else prepare_pair(args.pair, Path(args.models_dir))
     chain = load_chain(small, large, [], LoadSpec())
-    engine = BackoffEngine([ModelRunner(chain.models[0], "small"), ModelRunner(chain.models[-1], "large")],
-                           chain.tokenizer, context_window=chain.context_window)
+    engine = BackoffEngine(
+        [ModelRunner(chain.models[0], "small"), ModelRunner(chain.models[-1], "large")],
+        chain.tokenizer,
+        context_window=chain.context_window,
+    )
     engine.generate(requests_for(chain.tokenizer, 1, args)[0])  # warm-up
 
     import ray
@@ -294,16 +353,18 @@ def main() -> None:
     try:
         serve_cli.run_config(serve_config(small, large, port, args.threads, args.batch_gap_ms), blocking=False)
         served = {}
-        for batching, app in APPS.items():
+        for app in APPS.values():
             harness.wait_until_running(app)
             handle = serve.get_deployment_handle("LargeModel", app)
-            served[f"served-{app}"] = (f"http://127.0.0.1:{port}/{app}",
-                                       lambda h=handle: h.info.remote().result().forward_passes)
+            served[f"served-{app}"] = (
+                f"http://127.0.0.1:{port}/{app}",
+                lambda h=handle: h.info.remote().result().forward_passes,
+            )
         for url, forwards in served.values():
             run_served(url, requests_for(chain.tokenizer, 1, args), "warm-up", forwards)
         # interleaved and repeated: the box is shared, its load drifts; the median run is kept
         for n in tqdm(args.streams, desc="streams"):
-            for rep in range(args.repeats):
+            for _ in range(args.repeats):
                 requests = requests_for(chain.tokenizer, n, args)
                 runs.setdefault(("in-process", n), []).append(run_in_process(engine, requests))
                 for mode, (url, forwards) in served.items():
@@ -315,8 +376,12 @@ def main() -> None:
     rows.sort(key=lambda r: (r.mode, r.streams))
 
     print_table(rows)
-    result = {"args": vars(args), "models": [small or "default-small", large or "default-large"],
-              "rows": [asdict(r) for r in rows], "summary": summary(rows, runs)}
+    result = {
+        "args": vars(args),
+        "models": [small or "default-small", large or "default-large"],
+        "rows": [asdict(r) for r in rows],
+        "summary": summary(rows, runs),
+    }
     print("\n" + json.dumps(result["summary"], indent=2))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -32,7 +32,9 @@ from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # tests.support
-os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # replicas: benchmarks.standin
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])
+)  # replicas: benchmarks.standin
 
 from backoff_core.types import GenerationRequest, SamplingParams  # noqa: E402
 from benchmarks.serve_load import prepare_pair  # noqa: E402
@@ -57,11 +59,14 @@ class Run:
 
 # -- in process -------------------------------------------------------------------------------
 
+
 def run_in_process(step_ms: float, streams: int, tokens: int) -> Run:
     engine = StandInEngine([None, None], None, step_s=step_ms / 1e3)
     start = time.perf_counter()
-    rids = [engine.submit(GenerationRequest(tuple(PROMPT), SamplingParams(max_tokens=tokens, seed=i)))
-            for i in range(streams)]
+    rids = [
+        engine.submit(GenerationRequest(tuple(PROMPT), SamplingParams(max_tokens=tokens, seed=i)))
+        for i in range(streams)
+    ]
     first: dict[str, float] = {}
     while engine.has_work():
         events = engine.step()
@@ -74,6 +79,7 @@ def run_in_process(step_ms: float, streams: int, tokens: int) -> Run:
 
 
 # -- served -----------------------------------------------------------------------------------
+
 
 async def _one(client, seed: int, tokens: int, t0: float) -> tuple[float, int]:
     """Time to first token; the stream checked against the stand-in's script (every token
@@ -102,9 +108,13 @@ async def _served(transport: str, target: str, app: str, streams: int, tokens: i
 def request_floor_ms(transport: str, target: str, app: str, calls: int = 10) -> float:
     """Median latency of a request that does no work (list the models: proxy and Ingress, no
     SmallModel): what Serve's request path costs before any token, the floor under TTFT."""
+
     async def main() -> float:
-        client = (AsyncBackoffHTTPClient(f"{target}/{app}") if transport == "http"
-                  else AsyncBackoffGrpcClient(target, application=app))
+        client = (
+            AsyncBackoffHTTPClient(f"{target}/{app}")
+            if transport == "http"
+            else AsyncBackoffGrpcClient(target, application=app)
+        )
         async with client:
             times = []
             for _ in range(calls):
@@ -152,8 +162,9 @@ class CpuMeter:
         return {k: round(v, 3) for k, v in sorted(out.items()) if v >= 0.005}
 
 
-def run_served(transport: str, target: str, app: str, step_ms: float, streams: int, tokens: int,
-               meter: CpuMeter) -> Run:
+def run_served(
+    transport: str, target: str, app: str, step_ms: float, streams: int, tokens: int, meter: CpuMeter
+) -> Run:
     meter.start()
     outs, seconds = asyncio.run(_served(transport, target, app, streams, tokens))
     cpu = meter.stop()
@@ -187,6 +198,7 @@ def app_name(step_ms: float) -> str:
 
 # -- report -----------------------------------------------------------------------------------
 
+
 def summarise(pairs: dict) -> list[dict]:
     """Per (step, streams, transport): median run, and the paired served / in-process ratios."""
     rows = []
@@ -198,30 +210,42 @@ def summarise(pairs: dict) -> list[dict]:
         mid = sorted((s for s, _ in served), key=lambda r: r.tokens_per_s)[len(served) // 2]
         inproc = statistics.median(i.tokens_per_s for _, i in served)
         cpu_keys = {k for s, _ in served for k in s.cpu}
-        rows.append({
-            "step_ms": ms, "streams": n, "transport": transport, "repeats": len(served),
-            "served_tokens_per_s": statistics.median(s.tokens_per_s for s, _ in served),
-            "in_process_tokens_per_s": inproc,
-            "ratio": statistics.median(ratios), "ratio_min": ratios[0], "ratio_max": ratios[-1],
-            "overhead_us_per_token": statistics.median(extra_us),
-            "ttft_served_ms": 1e3 * statistics.median(s.ttft_p50_s for s, _ in served),
-            "ttft_in_process_ms": 1e3 * statistics.median(i.ttft_p50_s for _, i in served),
-            "ttft_extra_ms": 1e3 * statistics.median(ttft_extra),
-            "cpu": {k: statistics.median(s.cpu.get(k, 0.0) for s, _ in served) for k in sorted(cpu_keys)},
-            "median_run": asdict(mid),
-        })
+        rows.append(
+            {
+                "step_ms": ms,
+                "streams": n,
+                "transport": transport,
+                "repeats": len(served),
+                "served_tokens_per_s": statistics.median(s.tokens_per_s for s, _ in served),
+                "in_process_tokens_per_s": inproc,
+                "ratio": statistics.median(ratios),
+                "ratio_min": ratios[0],
+                "ratio_max": ratios[-1],
+                "overhead_us_per_token": statistics.median(extra_us),
+                "ttft_served_ms": 1e3 * statistics.median(s.ttft_p50_s for s, _ in served),
+                "ttft_in_process_ms": 1e3 * statistics.median(i.ttft_p50_s for _, i in served),
+                "ttft_extra_ms": 1e3 * statistics.median(ttft_extra),
+                "cpu": {k: statistics.median(s.cpu.get(k, 0.0) for s, _ in served) for k in sorted(cpu_keys)},
+                "median_run": asdict(mid),
+            }
+        )
     return rows
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"\n{'step':>5} {'streams':>7} {'transport':>9} {'served/s':>9} {'inproc/s':>9} {'ratio':>6} "
-          f"{'µs/token':>8} {'TTFT':>7} {'+TTFT':>6}  CPU (cores)")
+    print(
+        f"\n{'step':>5} {'streams':>7} {'transport':>9} {'served/s':>9} {'inproc/s':>9} {'ratio':>6} "
+        f"{'µs/token':>8} {'TTFT':>7} {'+TTFT':>6}  CPU (cores)"
+    )
     for r in rows:
-        cpu = ", ".join(f"{k.replace('ray::', '').replace('ServeReplica:', '')}={v:.2f}"
-                        for k, v in r["cpu"].items() if v >= 0.02)
-        print(f"{r['step_ms']:4g}ms {r['streams']:7d} {r['transport']:>9} {r['served_tokens_per_s']:9.0f} "
-              f"{r['in_process_tokens_per_s']:9.0f} {r['ratio']:6.2f} {r['overhead_us_per_token']:8.0f} "
-              f"{r['ttft_served_ms']:5.1f}ms {r['ttft_extra_ms']:5.1f}  {cpu}")
+        cpu = ", ".join(
+            f"{k.replace('ray::', '').replace('ServeReplica:', '')}={v:.2f}" for k, v in r["cpu"].items() if v >= 0.02
+        )
+        print(
+            f"{r['step_ms']:4g}ms {r['streams']:7d} {r['transport']:>9} {r['served_tokens_per_s']:9.0f} "
+            f"{r['in_process_tokens_per_s']:9.0f} {r['ratio']:6.2f} {r['overhead_us_per_token']:8.0f} "
+            f"{r['ttft_served_ms']:5.1f}ms {r['ttft_extra_ms']:5.1f}  {cpu}"
+        )
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -233,8 +257,9 @@ def plot(rows: list[dict], path: Path) -> None:
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     for ms in sorted({r["step_ms"] for r in rows}):
         for transport, style in (("http", "o-"), ("grpc", "s--")):
-            rs = sorted((r for r in rows if r["step_ms"] == ms and r["transport"] == transport),
-                        key=lambda r: r["streams"])
+            rs = sorted(
+                (r for r in rows if r["step_ms"] == ms and r["transport"] == transport), key=lambda r: r["streams"]
+            )
             if rs:
                 label = f"{ms:g} ms step, {transport}"
                 a.plot([r["streams"] for r in rs], [r["ratio"] for r in rs], style, label=label)
@@ -284,10 +309,11 @@ def main() -> None:
                 run_served(transport, targets[transport], app_name(ms), ms, 4, 16, meter)
         points = [(ms, n, t) for ms in args.steps_ms for n in args.streams for t in args.transports]
         floors: dict[str, list[float]] = {}
-        for rep in tqdm(range(args.repeats), desc="repeats"):  # interleaved: the box's load drifts
+        for _ in tqdm(range(args.repeats), desc="repeats"):  # interleaved: the box's load drifts
             for transport in args.transports:
                 floors.setdefault(transport, []).append(
-                    request_floor_ms(transport, targets[transport], app_name(args.steps_ms[0])))
+                    request_floor_ms(transport, targets[transport], app_name(args.steps_ms[0]))
+                )
             for ms, n, transport in points:
                 inproc = run_in_process(ms, n, args.tokens)
                 served = run_served(transport, targets[transport], app_name(ms), ms, n, args.tokens, meter)
@@ -306,7 +332,10 @@ def main() -> None:
         "single_stream_ratio_2ms_grpc": by.get((2.0, 1, "grpc"), {}).get("ratio"),
         "streams16_ratio_2ms_grpc": by.get((2.0, 16, "grpc"), {}).get("ratio"),
         "request_floor_ms": {t: statistics.median(v) for t, v in floors.items()},
-        "args": vars(args), "cpu_cores": psutil.cpu_count(), "load_avg_at_end": os.getloadavg(), "rows": rows,
+        "args": vars(args),
+        "cpu_cores": psutil.cpu_count(),
+        "load_avg_at_end": os.getloadavg(),
+        "rows": rows,
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

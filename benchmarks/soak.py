@@ -33,12 +33,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import psutil
+from serve_load import PROMPTS, prepare_pair
 from tqdm import tqdm
 
 from clients import OverloadedError
 from clients.grpc_client import AsyncBackoffGrpcClient
 from clients.http_client import AsyncBackoffHTTPClient
-from serve_load import PROMPTS, prepare_pair
 
 KINDS = ("http-stream", "http-unary", "grpc-stream", "grpc-unary")
 TARGET_GROWTH = 0.05
@@ -64,8 +64,10 @@ class Tally:
 
 # -- the app ---------------------------------------------------------------------------------
 
-def soak_config(small: str | None, large: str | None, http_port: int, grpc_port: int, threads: int,
-                routing: dict | None = None) -> dict:
+
+def soak_config(
+    small: str | None, large: str | None, http_port: int, grpc_port: int, threads: int, routing: dict | None = None
+) -> dict:
     """The packaged config, one replica each, on loopback (the default pair when small is None);
     `routing` replaces the SmallModel's user_config."""
     from deployments import harness
@@ -79,14 +81,22 @@ def soak_config(small: str | None, large: str | None, http_port: int, grpc_port:
 
 # -- load ------------------------------------------------------------------------------------
 
+
 def _prompt(pair: str, rng: random.Random) -> str:
     if pair == "tiny":  # the tiny tokenizer's words
         return " ".join(f"w{rng.randrange(2, 40)}" for _ in range(rng.randrange(2, 8)))
     return rng.choice(PROMPTS)
 
 
-async def _one(kind: str, http: AsyncBackoffHTTPClient, rpc: AsyncBackoffGrpcClient, prompt: str,
-               max_tokens: int, drop_after: int | None, seed: int) -> tuple[str, int]:
+async def _one(
+    kind: str,
+    http: AsyncBackoffHTTPClient,
+    rpc: AsyncBackoffGrpcClient,
+    prompt: str,
+    max_tokens: int,
+    drop_after: int | None,
+    seed: int,
+) -> tuple[str, int]:
     """One request: (outcome, generated tokens). drop_after: leave a stream after that many tokens."""
     fields = dict(max_tokens=max_tokens, temperature=0.8, seed=seed, ignore_eos=True)
     client = http if kind.startswith("http") else rpc
@@ -106,8 +116,10 @@ async def _one(kind: str, http: AsyncBackoffHTTPClient, rpc: AsyncBackoffGrpcCli
 async def worker(i: int, args, urls: tuple[str, str], tally: Tally, stop: asyncio.Event) -> None:
     rng = random.Random(1000 + i)
     kind = KINDS[i % len(KINDS)]
-    async with AsyncBackoffHTTPClient(urls[0], timeout=300) as http, \
-            AsyncBackoffGrpcClient(urls[1], application="backoff", timeout=300) as rpc:
+    async with (
+        AsyncBackoffHTTPClient(urls[0], timeout=300) as http,
+        AsyncBackoffGrpcClient(urls[1], application="backoff", timeout=300) as rpc,
+    ):
         n = 0
         while not stop.is_set():
             max_tokens = rng.randrange(args.min_tokens, args.max_tokens + 1)
@@ -129,6 +141,7 @@ async def worker(i: int, args, urls: tuple[str, str], tally: Tally, stop: asynci
 
 # -- sampling --------------------------------------------------------------------------------
 
+
 async def replica_pids() -> dict[str, int]:
     from ray import serve
 
@@ -145,8 +158,15 @@ async def sample(t0: float, pids: dict[str, int], tally: Tally) -> Sample:
     router = await serve.get_deployment_handle("SmallModel", "backoff").info.remote()
     large = await serve.get_deployment_handle("LargeModel", "backoff").info.remote()
     rss = {name: psutil.Process(pid).memory_info().rss / 2**20 for name, pid in pids.items()}
-    return Sample(time.monotonic() - t0, rss, len(large.sessions), router.live, router.admitted,
-                  dict(tally.outcomes), tally.tokens)
+    return Sample(
+        time.monotonic() - t0,
+        rss,
+        len(large.sessions),
+        router.live,
+        router.admitted,
+        dict(tally.outcomes),
+        tally.tokens,
+    )
 
 
 async def soak(args, urls: tuple[str, str]) -> tuple[list[Sample], Tally, Sample]:
@@ -162,8 +182,12 @@ async def soak(args, urls: tuple[str, str]) -> tuple[list[Sample], Tally, Sample
             s = await sample(t0, pids, tally)
             samples.append(s)
             bar.update(round(s.t_s) - bar.n)
-            bar.set_postfix(ok=s.outcomes.get("ok", 0), failed=s.outcomes.get("failed", 0), sessions=s.sessions,
-                            rss_mb="/".join(f"{v:.0f}" for v in s.rss_mb.values()))
+            bar.set_postfix(
+                ok=s.outcomes.get("ok", 0),
+                failed=s.outcomes.get("failed", 0),
+                sessions=s.sessions,
+                rss_mb="/".join(f"{v:.0f}" for v in s.rss_mb.values()),
+            )
     stop.set()
     await asyncio.gather(*workers)
     drained = await _drain(t0, pids, tally)
@@ -181,6 +205,7 @@ async def _drain(t0: float, pids: dict[str, int], tally: Tally, timeout_s: float
 
 
 # -- report ----------------------------------------------------------------------------------
+
 
 def _median(samples: list[Sample], value) -> float:
     return statistics.median(value(s) for s in samples) if samples else float("nan")
@@ -200,17 +225,19 @@ def growth(samples: list[Sample], warmup_s: float, value) -> dict:
 
 
 def summarize(samples: list[Sample], tally: Tally, drained: Sample, warmup_s: float) -> dict:
-    out = {"rss_mb": {name: growth(samples, warmup_s, lambda s, n=name: s.rss_mb[n]) for name in samples[0].rss_mb},
-           "sessions": growth(samples, warmup_s, lambda s: s.sessions),
-           "router_live": growth(samples, warmup_s, lambda s: s.live),
-           "outcomes": dict(tally.outcomes), "tokens": tally.tokens,
-           "tokens_per_s": tally.tokens / samples[-1].t_s,
-           "drained": {"live": drained.live, "sessions": drained.sessions, "admitted": drained.admitted},
-           "errors": tally.errors}
+    out = {
+        "rss_mb": {name: growth(samples, warmup_s, lambda s, n=name: s.rss_mb[n]) for name in samples[0].rss_mb},
+        "sessions": growth(samples, warmup_s, lambda s: s.sessions),
+        "router_live": growth(samples, warmup_s, lambda s: s.live),
+        "outcomes": dict(tally.outcomes),
+        "tokens": tally.tokens,
+        "tokens_per_s": tally.tokens / samples[-1].t_s,
+        "drained": {"live": drained.live, "sessions": drained.sessions, "admitted": drained.admitted},
+        "errors": tally.errors,
+    }
     checks = [g["growth"] < TARGET_GROWTH for g in out["rss_mb"].values()]
     # sessions follow the live requests (a few, so one more is +20 %): growth beyond them is a leak
-    sessions_ok = (out["sessions"]["growth"] < TARGET_GROWTH
-                   or out["sessions"]["last"] <= out["router_live"]["last"])
+    sessions_ok = out["sessions"]["growth"] < TARGET_GROWTH or out["sessions"]["last"] <= out["router_live"]["last"]
     checks += [sessions_ok, tally.outcomes.get("failed", 0) == 0, drained.live == 0 and drained.sessions == 0]
     out["passed"] = all(checks)
     return out
@@ -218,8 +245,11 @@ def summarize(samples: list[Sample], tally: Tally, drained: Sample, warmup_s: fl
 
 def print_table(samples: list[Sample], summary: dict) -> None:
     names = list(samples[0].rss_mb)
-    print(f"\n{'min':>4} {'ok':>6} {'failed':>6} {'cancel':>6} {'503':>5} {'tok/s':>6} "
-          + " ".join(f"{'RSS ' + n[:11] + ' MB':>18}" for n in names) + f" {'sessions':>8} {'live':>5}")
+    print(
+        f"\n{'min':>4} {'ok':>6} {'failed':>6} {'cancel':>6} {'503':>5} {'tok/s':>6} "
+        + " ".join(f"{'RSS ' + n[:11] + ' MB':>18}" for n in names)
+        + f" {'sessions':>8} {'live':>5}"
+    )
     previous = None
     minutes = max(1, math.ceil(samples[-1].t_s / 60 - 0.01))  # the last sample lands just after the end
     for minute in range(minutes):
@@ -228,12 +258,16 @@ def print_table(samples: list[Sample], summary: dict) -> None:
             continue
         last = rows[-1]
         seconds = last.t_s - (previous.t_s if previous else 0.0)
-        done = {k: last.outcomes.get(k, 0) - (previous.outcomes.get(k, 0) if previous else 0)
-                for k in ("ok", "failed", "cancelled", "overloaded")}
+        done = {
+            k: last.outcomes.get(k, 0) - (previous.outcomes.get(k, 0) if previous else 0)
+            for k in ("ok", "failed", "cancelled", "overloaded")
+        }
         tok_s = (last.tokens - (previous.tokens if previous else 0)) / max(seconds, 1e-9)
         rss = " ".join(f"{_median(rows, lambda s, n=n: s.rss_mb[n]):18.1f}" for n in names)
-        print(f"{minute:4d} {done['ok']:6d} {done['failed']:6d} {done['cancelled']:6d} {done['overloaded']:5d} "
-              f"{tok_s:6.1f} {rss} {_median(rows, lambda s: s.sessions):8.1f} {_median(rows, lambda s: s.live):5.1f}")
+        print(
+            f"{minute:4d} {done['ok']:6d} {done['failed']:6d} {done['cancelled']:6d} {done['overloaded']:5d} "
+            f"{tok_s:6.1f} {rss} {_median(rows, lambda s: s.sessions):8.1f} {_median(rows, lambda s: s.live):5.1f}"
+        )
         previous = last
     print("\ngrowth, last minute vs first minute after warm-up (target < 5 %):")
     for name, g in summary["rss_mb"].items():
@@ -241,8 +275,10 @@ def print_table(samples: list[Sample], summary: dict) -> None:
     for key in ("sessions", "router_live"):
         g = summary[key]
         print(f"  {key:16} {g['first']:8.1f} -> {g['last']:8.1f}     {g['growth'] * 100:+6.2f} %")
-    print(f"requests: {summary['outcomes']}; {summary['tokens_per_s']:.1f} tokens/s; after the load: "
-          f"{summary['drained']}; {'PASSED' if summary['passed'] else 'FAILED'}")
+    print(
+        f"requests: {summary['outcomes']}; {summary['tokens_per_s']:.1f} tokens/s; after the load: "
+        f"{summary['drained']}; {'PASSED' if summary['passed'] else 'FAILED'}"
+    )
     for e in summary["errors"]:
         print("  error:", e)
 
@@ -317,8 +353,12 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = "soak" + (f"-{args.tag}" if args.tag else "")
-    result = {"args": vars(args), "summary": summary, "samples": [asdict(s) for s in samples],
-              "drained": asdict(drained)}
+    result = {
+        "args": vars(args),
+        "summary": summary,
+        "samples": [asdict(s) for s in samples],
+        "drained": asdict(drained),
+    }
     (out / f"{stem}.json").write_text(json.dumps(result, indent=2))
     plot(samples, warmup_s, out / f"{stem}.png")
     print(f"saved {out / stem}.json and .png")

@@ -103,9 +103,17 @@ class StandInEngine:
         r = self._live.pop(request_id)
         total = time.perf_counter() - r.started
         return GenerationResult(
-            request_id=request_id, text="".join(r.texts), token_ids=tuple(r.tokens), sources=tuple(r.sources),
-            num_levels=self.num_levels, finish_reason=FinishReason.LENGTH, prompt_tokens=len(r.request.prompt_ids),
-            catch_ups=(), rollbacks=0, timings=Timings(0.0, (), (), r.first_token_s, total))
+            request_id=request_id,
+            text="".join(r.texts),
+            token_ids=tuple(r.tokens),
+            sources=tuple(r.sources),
+            num_levels=self.num_levels,
+            finish_reason=FinishReason.LENGTH,
+            prompt_tokens=len(r.request.prompt_ids),
+            catch_ups=(),
+            rollbacks=0,
+            timings=Timings(0.0, (), (), r.first_token_s, total),
+        )
 
 
 # the factories a Serve config names (AppArgs.engine_factory); 0 ms: tokens as fast as the loop goes

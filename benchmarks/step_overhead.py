@@ -35,9 +35,18 @@ def tiny_pair():
     pair = []
     for seed, hidden in ((0, 32), (1, 64)):
         torch.manual_seed(seed)
-        config = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                             bos_token_id=None, eos_token_id=0, pad_token_id=0)
+        config = LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=1024,
+            bos_token_id=None,
+            eos_token_id=0,
+            pad_token_id=0,
+        )
         pair.append(LlamaForCausalLM(config).eval())
     return pair, tokenizer
 
@@ -45,9 +54,14 @@ def tiny_pair():
 def ms_per_step(engine, n, tokens, routing, repeats) -> float:
     times = []
     for rep in range(repeats):
-        rids = [engine.submit(GenerationRequest((3, 4, 5, 6), SamplingParams(max_tokens=tokens, seed=rep * n + i,
-                                                                             ignore_eos=True), routing))
-                for i in range(n)]
+        rids = [
+            engine.submit(
+                GenerationRequest(
+                    (3, 4, 5, 6), SamplingParams(max_tokens=tokens, seed=rep * n + i, ignore_eos=True), routing
+                )
+            )
+            for i in range(n)
+        ]
         steps, start = 0, time.perf_counter()
         while engine.has_work():
             engine.step()
@@ -69,16 +83,20 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     (small, large), tokenizer = tiny_pair()
     streams = [int(n) for n in args.streams.split(",")]
-    routings = {"always-small": RoutingParams(router="always-small"),
-                "random b=0.9": RoutingParams(router="random", rate=0.9)}
+    routings = {
+        "always-small": RoutingParams(router="always-small"),
+        "random b=0.9": RoutingParams(router="random", rate=0.9),
+    }
     table = {}
     for storage, kv in (("per-session caches", None), ("static KV", KVSpec(128 * 256, 256))):
-        engine = BackoffEngine([make_runner(small, "small", kv, small=True), make_runner(large, "large", kv)],
-                               tokenizer)
+        engine = BackoffEngine(
+            [make_runner(small, "small", kv, small=True), make_runner(large, "large", kv)], tokenizer
+        )
         for label, routing in routings.items():
             ms_per_step(engine, 2, 4, routing, 1)  # warm-up
-            table[f"{storage}, {label}"] = {str(n): ms_per_step(engine, n, args.tokens, routing, args.repeats)
-                                            for n in streams}
+            table[f"{storage}, {label}"] = {
+                str(n): ms_per_step(engine, n, args.tokens, routing, args.repeats) for n in streams
+            }
     print(f"\n{'ms per step':36s} " + " ".join(f"{'n=' + str(n):>9s}" for n in streams) + "   us/request-step at n max")
     for name, row in table.items():
         cells = " ".join(f"{row[str(n)]:9.2f}" for n in streams)

@@ -5,16 +5,35 @@ shared by every transport (and by the server's edge); errors map to the exceptio
 `clients.wire.errors` in one place.
 """
 
+from clients.retry import Retry
 from clients.wire.errors import (
-    AuthenticationError, BackoffError, BadRequestError, NotFoundError, OverloadedError, RateLimitError, ServerError,
+    AuthenticationError,
+    BackoffError,
+    BadRequestError,
+    NotFoundError,
+    OverloadedError,
+    RateLimitError,
+    ServerError,
     TransportError,
 )
-from clients.retry import Retry
 from clients.wire.logprobs import TokenLogprob, TopLogprob
 from clients.wire.types import ChatMessage, Delta, GenerateParams, Generation, Usage
 
 __all__ = [
-    "AuthenticationError", "BackoffError", "BadRequestError", "NotFoundError", "OverloadedError", "RateLimitError",
-    "ServerError", "TransportError", "Retry",
-    "ChatMessage", "Delta", "GenerateParams", "Generation", "Usage", "TokenLogprob", "TopLogprob",
+    "AuthenticationError",
+    "BackoffError",
+    "BadRequestError",
+    "NotFoundError",
+    "OverloadedError",
+    "RateLimitError",
+    "ServerError",
+    "TransportError",
+    "Retry",
+    "ChatMessage",
+    "Delta",
+    "GenerateParams",
+    "Generation",
+    "Usage",
+    "TokenLogprob",
+    "TopLogprob",
 ]

@@ -43,11 +43,19 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     gen.add_argument("--router", help="decision function for this request")
-    gen.add_argument("--thresholds", "--threshold", dest="thresholds",  # --threshold: the old spelling
-                     help="threshold(s) on the router's score, comma-separated, ascending")
+    gen.add_argument(
+        "--thresholds",
+        "--threshold",
+        dest="thresholds",  # --threshold: the old spelling
+        help="threshold(s) on the router's score, comma-separated, ascending",
+    )
     gen.add_argument("--target-backoff", type=float, help="target backoff rate")
-    gen.add_argument("--logprobs", type=int, metavar="N",
-                     help="print each token's log-probability under its source model, with N alternatives (0..20)")
+    gen.add_argument(
+        "--logprobs",
+        type=int,
+        metavar="N",
+        help="print each token's log-probability under its source model, with N alternatives (0..20)",
+    )
     sub.add_parser("models", help="list the served model names")
     sub.add_parser("health", help="exit 0 when the server answers")
     return p
@@ -65,10 +73,22 @@ def _client(args):
 
 def _params(args) -> GenerateParams:
     thresholds = [float(t) for t in args.thresholds.split(",")] if args.thresholds else None
-    return merge_params(None, dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                   top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos,
-                                   router=args.router, logprobs=args.logprobs,
-                                   thresholds=thresholds, target_backoff=args.target_backoff))
+    return merge_params(
+        None,
+        dict(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            stop=args.stop,
+            ignore_eos=args.ignore_eos,
+            router=args.router,
+            logprobs=args.logprobs,
+            thresholds=thresholds,
+            target_backoff=args.target_backoff,
+        ),
+    )
 
 
 def _colour(text: str, source: int | None, plain: bool) -> str:
@@ -78,16 +98,21 @@ def _colour(text: str, source: int | None, plain: bool) -> str:
 
 
 def _summary(usage: Usage) -> str:
-    return (f"[{usage.completion_tokens} tokens · backoff rate {usage.backoff_rate:.2f} · small {usage.small_tokens}"
-            f" · large {usage.large_tokens} · large calls {usage.large_calls}]")
+    return (
+        f"[{usage.completion_tokens} tokens · backoff rate {usage.backoff_rate:.2f} · small {usage.small_tokens}"
+        f" · large {usage.large_tokens} · large calls {usage.large_calls}]"
+    )
 
 
 def _print_logprobs(entries: list[TokenLogprob], sources: list[int]) -> None:
     """One line per token on stderr: source, log-probability, token, then the alternatives."""
     for i, (e, source) in enumerate(zip(entries, sources)):
         top = ", ".join(f"{t.token!r} {t.logprob:.3f}" for t in e.top_logprobs)
-        print(f"{i:>4} {'small' if source == 0 else f'level {source}':>7} {e.logprob:9.4f} {e.token!r}"
-              + (f"  [{top}]" if top else ""), file=sys.stderr)
+        print(
+            f"{i:>4} {'small' if source == 0 else f'level {source}':>7} {e.logprob:9.4f} {e.token!r}"
+            + (f"  [{top}]" if top else ""),
+            file=sys.stderr,
+        )
 
 
 def _generate(client, args) -> None:
@@ -100,7 +125,7 @@ def _generate(client, args) -> None:
             if delta.usage is not None:
                 usage = delta.usage
             if delta.logprobs is not None:  # a rollback retracts the entries of the tokens it drops
-                del entries[len(entries) - delta.retracted:], sources[len(sources) - delta.retracted:]
+                del entries[len(entries) - delta.retracted :], sources[len(sources) - delta.retracted :]
                 entries.append(delta.logprobs)
                 sources.append(delta.source)
             print(_colour(delta.text, delta.source, args.no_color), end="", flush=True)

@@ -32,16 +32,18 @@ Messages = Sequence[ChatMessage | dict]
 def call_metadata(application: str | None, api_key: str | None) -> tuple[tuple[str, str], ...] | None:
     """Metadata of every call: the Serve application, the API key (else $BACKOFF_API_KEY)."""
     key = api_key if api_key is not None else os.environ.get("BACKOFF_API_KEY")
-    metadata = ((("application", application),) if application else ()) + \
-        ((("authorization", f"Bearer {key}"),) if key else ())
+    metadata = ((("application", application),) if application else ()) + (
+        (("authorization", f"Bearer {key}"),) if key else ()
+    )
     return metadata or None
 
 
 class _Client:
     """Settings and request messages shared by the sync and async clients."""
 
-    def __init__(self, model: str | None, application: str | None, timeout: float, retry: Retry,
-                 api_key: str | None) -> None:
+    def __init__(
+        self, model: str | None, application: str | None, timeout: float, retry: Retry, api_key: str | None
+    ) -> None:
         self.model = model
         self.timeout = timeout
         self.retry = retry
@@ -63,10 +65,17 @@ class _Client:
 class BackoffGrpcClient(_Client):
     """Sync client: `BackoffGrpcClient("127.0.0.1:9000").complete("Hello", max_tokens=8)`."""
 
-    def __init__(self, target: str = "127.0.0.1:9000", *, model: str | None = None,
-                 application: str | None = None, api_key: str | None = None, timeout: float = 120.0,
-                 retry: Retry = NO_RETRY,
-                 channel: grpc.Channel | None = None) -> None:
+    def __init__(
+        self,
+        target: str = "127.0.0.1:9000",
+        *,
+        model: str | None = None,
+        application: str | None = None,
+        api_key: str | None = None,
+        timeout: float = 120.0,
+        retry: Retry = NO_RETRY,
+        channel: grpc.Channel | None = None,
+    ) -> None:
         super().__init__(model, application, timeout, retry, api_key)
         self._channel = channel or grpc.insecure_channel(target)
         self._stub = pb_grpc.BackoffStub(self._channel)
@@ -134,10 +143,17 @@ class BackoffGrpcClient(_Client):
 class AsyncBackoffGrpcClient(_Client):
     """Async client (grpc.aio) with the same methods."""
 
-    def __init__(self, target: str = "127.0.0.1:9000", *, model: str | None = None,
-                 application: str | None = None, api_key: str | None = None, timeout: float = 120.0,
-                 retry: Retry = NO_RETRY,
-                 channel: grpc.aio.Channel | None = None) -> None:
+    def __init__(
+        self,
+        target: str = "127.0.0.1:9000",
+        *,
+        model: str | None = None,
+        application: str | None = None,
+        api_key: str | None = None,
+        timeout: float = 120.0,
+        retry: Retry = NO_RETRY,
+        channel: grpc.aio.Channel | None = None,
+    ) -> None:
         super().__init__(model, application, timeout, retry, api_key)
         self._channel = channel or grpc.aio.insecure_channel(target)
         self._stub = pb_grpc.BackoffStub(self._channel)

@@ -23,8 +23,8 @@ import httpx
 
 from clients.retry import NO_RETRY, Retry
 from clients.wire.errors import BackoffError, from_event, from_http, from_transport
-from clients.wire.types import ChatMessage, Delta, GenerateParams, Generation, merge_params
 from clients.wire.openai import delta_from_chunk, generation_from_body
+from clients.wire.types import ChatMessage, Delta, GenerateParams, Generation, merge_params
 
 Messages = Sequence[ChatMessage | dict]
 
@@ -102,8 +102,9 @@ class _Client:
         self.retry = retry
         self._headers = api_key_headers(api_key)
 
-    def _completion(self, prompt: str | list[int], params: GenerateParams | None, fields: dict,
-                    stream: bool = False) -> _Call:
+    def _completion(
+        self, prompt: str | list[int], params: GenerateParams | None, fields: dict, stream: bool = False
+    ) -> _Call:
         params = merge_params(params, fields)
         return _Call("/v1/completions", _body(params, self.model, stream, prompt=prompt), params.logprobs)
 
@@ -124,9 +125,16 @@ class _Client:
 class BackoffHTTPClient(_Client):
     """Sync client. `with BackoffHTTPClient(url) as c: c.complete("Hello", max_tokens=8)`."""
 
-    def __init__(self, base_url: str = "http://127.0.0.1:8000", *, model: str | None = None,
-                 api_key: str | None = None, timeout: float = 120.0, retry: Retry = NO_RETRY,
-                 http: httpx.Client | None = None) -> None:
+    def __init__(
+        self,
+        base_url: str = "http://127.0.0.1:8000",
+        *,
+        model: str | None = None,
+        api_key: str | None = None,
+        timeout: float = 120.0,
+        retry: Retry = NO_RETRY,
+        http: httpx.Client | None = None,
+    ) -> None:
         super().__init__(model, api_key, retry)
         self._http = http or httpx.Client(base_url=base_url.rstrip("/"), timeout=timeout)
 
@@ -200,9 +208,16 @@ class BackoffHTTPClient(_Client):
 class AsyncBackoffHTTPClient(_Client):
     """Async client with the same methods; `stream` / `stream_chat` are async iterators."""
 
-    def __init__(self, base_url: str = "http://127.0.0.1:8000", *, model: str | None = None,
-                 api_key: str | None = None, timeout: float = 120.0, retry: Retry = NO_RETRY,
-                 http: httpx.AsyncClient | None = None) -> None:
+    def __init__(
+        self,
+        base_url: str = "http://127.0.0.1:8000",
+        *,
+        model: str | None = None,
+        api_key: str | None = None,
+        timeout: float = 120.0,
+        retry: Retry = NO_RETRY,
+        http: httpx.AsyncClient | None = None,
+    ) -> None:
         super().__init__(model, api_key, retry)
         self._http = http or httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout)
 

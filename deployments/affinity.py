@@ -23,15 +23,15 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 
 def rendezvous(session_key: str, replicas: list[RunningReplica]) -> RunningReplica:
     """The replica with the highest hash of (session key, replica id): stable under churn."""
-    return max(replicas, key=lambda r: hashlib.blake2b(f"{session_key}|{r.replica_id.unique_id}".encode(),
-                                                       digest_size=8).digest())
+    return max(
+        replicas,
+        key=lambda r: hashlib.blake2b(f"{session_key}|{r.replica_id.unique_id}".encode(), digest_size=8).digest(),
+    )
 
 
 class SessionAffinity(RequestRouter):
     async def choose_replicas(
-        self,
-        candidate_replicas: list[RunningReplica],
-        pending_request: PendingRequest | None = None,
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []

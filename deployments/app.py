@@ -12,9 +12,9 @@ import ray
 from ray.serve import Application
 from ray.serve.config import BackpressureConfig
 
-from deployments.serving.config import AppArgs, ReplicaConfig
 from deployments.ingress import Ingress
 from deployments.large import LargeModel
+from deployments.serving.config import AppArgs, ReplicaConfig
 from deployments.small import SmallModel
 
 
@@ -26,8 +26,9 @@ def _cluster_resources() -> dict[str, float]:
     return ray.cluster_resources() if ray.is_initialized() else {}
 
 
-def replica_options(rc: ReplicaConfig, cluster: dict[str, float], models: int = 2,
-                    retry_after_s: float | None = None) -> dict:
+def replica_options(
+    rc: ReplicaConfig, cluster: dict[str, float], models: int = 2, retry_after_s: float | None = None
+) -> dict:
     """Deployment.options(...) kwargs: scaling, concurrency, bounded queues and placement.
     `gpus: auto` is a whole GPU on a node type of its own (cluster.yaml), else a share of
     the cluster's GPUs such that one replica of each of the `models` model deployments
@@ -50,7 +51,8 @@ def replica_options(rc: ReplicaConfig, cluster: dict[str, float], models: int = 
         options["num_replicas"] = rc.num_replicas
     else:
         options["autoscaling_config"] = {
-            "min_replicas": rc.min_replicas, "max_replicas": rc.max_replicas,
+            "min_replicas": rc.min_replicas,
+            "max_replicas": rc.max_replicas,
             "target_ongoing_requests": rc.target_ongoing_requests,
         }
     return options
@@ -61,11 +63,15 @@ def build_app(args: dict | AppArgs | None = None) -> Application:
     cluster = _cluster_resources()
     models, n = cfg.models.model_dump(), cfg.models.num_levels
     levels = [
-        LargeModel.options(name=level_deployment_name(level, n), user_config=cfg.catch_up.model_dump(),
-                           **replica_options(cfg.large, cluster, n)).bind(models, level, cfg.torch_threads)
+        LargeModel.options(
+            name=level_deployment_name(level, n),
+            user_config=cfg.catch_up.model_dump(),
+            **replica_options(cfg.large, cluster, n),
+        ).bind(models, level, cfg.torch_threads)
         for level in range(1, n)
     ]
     retry = cfg.admission.retry_after_s
-    router = SmallModel.options(user_config=cfg.routing.model_dump(),
-                                 **replica_options(cfg.small, cluster, n, retry)).bind(cfg.model_dump(), *levels)
+    router = SmallModel.options(
+        user_config=cfg.routing.model_dump(), **replica_options(cfg.small, cluster, n, retry)
+    ).bind(cfg.model_dump(), *levels)
     return Ingress.options(**replica_options(cfg.ingress, cluster, retry_after_s=retry)).bind(router, cfg.model_dump())

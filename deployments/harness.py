@@ -18,8 +18,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def loopback_config(small: str | None, large: str | None, http_port: int, grpc_port: int, *, threads: int = 1,
-                    replicas: dict[str, int] | None = None) -> dict:
+def loopback_config(
+    small: str | None,
+    large: str | None,
+    http_port: int,
+    grpc_port: int,
+    *,
+    threads: int = 1,
+    replicas: dict[str, int] | None = None,
+) -> dict:
     """The packaged Serve config on 127.0.0.1 (one application, `backoff`) with these models
     (None, None: the default pair) on CPU, fixed replica counts (default one each) and no CPU
     reservations -- what tests and benchmarks start on one machine."""

@@ -40,16 +40,21 @@ from starlette.middleware.body_limit import MAX_BODY_SIZE_SCOPE_KEY
 from backoff_core.types import GenerationResult, TokenEvent
 from clients.wire import backoff_pb2 as pb
 from clients.wire.errors import describe_validation
+from clients.wire.openai import ModelCard, ModelList
 from clients.wire.proto import params_from_pb, prompt_from_pb
 from clients.wire.types import ChatCompletionRequest, CompletionRequest, GenerateParams
-from clients.wire.openai import ModelCard, ModelList
-
 from deployments.serving.access import ClientError, Edge, EdgeGate, body_too_large, check_limits, peer_host
 from deployments.serving.admission import Overloaded
 from deployments.serving.config import AppArgs, handle_options
 from deployments.serving.engine_loop import Admitted, Failed, Rejected
 from deployments.serving.formats import (
-    TokenChunks, error_body, final_chunk_body, pb_chunks, pb_final_chunk, pb_response, response_body,
+    TokenChunks,
+    error_body,
+    final_chunk_body,
+    pb_chunks,
+    pb_final_chunk,
+    pb_response,
+    response_body,
 )
 from deployments.serving.grpc_service import Undecodable
 from deployments.serving.playground import mount_playground, routing_info
@@ -93,16 +98,20 @@ class InternalErrors:
             log.exception("unhandled error in %s", scope.get("path"))
             if started:
                 raise
-            await _error_response(500, f"internal error: {type(exc).__name__}: {exc}", "server_error",
-                                  code="internal_error")(scope, receive, send)
+            await _error_response(
+                500, f"internal error: {type(exc).__name__}: {exc}", "server_error", code="internal_error"
+            )(scope, receive, send)
 
 
 app.add_middleware(InternalErrors)
 mount_playground(app)  # GET /playground: the page (static files, no key needed to load it)
 
 # HTTP status of a client error -> its gRPC status (anything else 4xx: INVALID_ARGUMENT)
-GRPC_CODES = {401: grpc.StatusCode.UNAUTHENTICATED, 404: grpc.StatusCode.NOT_FOUND,
-              429: grpc.StatusCode.RESOURCE_EXHAUSTED}
+GRPC_CODES = {
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    404: grpc.StatusCode.NOT_FOUND,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
 
 
 @dataclass(frozen=True)
@@ -112,8 +121,9 @@ class IngressInfo:
     open_by_client: dict[str, int]  # requests open per client id (key digest prefix or peer host)
 
 
-def _error_response(status: int, message: str, kind: str, param: str | None = None, code: str | None = None,
-                    headers: dict | None = None):
+def _error_response(
+    status: int, message: str, kind: str, param: str | None = None, code: str | None = None, headers: dict | None = None
+):
     # a message may quote client text with lone surrogates, which UTF-8 cannot encode
     message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     return JSONResponse(error_body(message, kind, param, code), status_code=status, headers=headers)
@@ -150,8 +160,9 @@ async def _client_error(request: Request, exc: ClientError) -> JSONResponse:
 
 @app.exception_handler(OverloadedError)
 async def _overload(request: Request, exc: OverloadedError) -> JSONResponse:
-    return _error_response(exc.status, exc.message, "server_error", code=exc.code,
-                           headers={"Retry-After": exc.retry_after})
+    return _error_response(
+        exc.status, exc.message, "server_error", code=exc.code, headers={"Retry-After": exc.retry_after}
+    )
 
 
 @app.exception_handler(ServerFailure)
@@ -210,8 +221,11 @@ class Ingress:
         self.router_unary = router
 
     def info(self) -> IngressInfo:
-        return IngressInfo(pid=os.getpid(), replica=serve.get_replica_context().replica_id.unique_id,
-                           open_by_client=dict(self.edge.slots.open))
+        return IngressInfo(
+            pid=os.getpid(),
+            replica=serve.get_replica_context().replica_id.unique_id,
+            open_by_client=dict(self.edge.slots.open),
+        )
 
     async def _chain_ok(self) -> str:
         """'' when a SmallModel answers within 5 s, else why not."""
@@ -252,8 +266,12 @@ class Ingress:
 
     async def _http(self, body, request: Request, chat: bool, **content):
         if body.model and body.model != self.model_name:
-            raise ClientError(f"model {body.model!r} is not served here; GET /v1/models lists "
-                              f"{self.model_name!r}", "model", 404, "model_not_found")
+            raise ClientError(
+                f"model {body.model!r} is not served here; GET /v1/models lists {self.model_name!r}",
+                "model",
+                404,
+                "model_not_found",
+            )
         params = body.generate_params()  # chat's (logprobs, top_logprobs) become one count
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         client = getattr(request.state, "client", None) or f"peer:{peer_host(request.client)}"  # set by EdgeGate
@@ -278,15 +296,17 @@ class Ingress:
             yield _sse(error_body(exc.message, "server_error", code=exc.code))
         except Exception as exc:  # noqa: BLE001 - a bug here still ends the stream in the OpenAI shape
             log.exception("SSE stream failed")
-            yield _sse(error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error",
-                                  code="internal_error"))
+            yield _sse(
+                error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error", code="internal_error")
+            )
         finally:
             await stream.aclose()  # closed early (a disconnect while a chunk was sent): cancels the router's request
         yield "data: [DONE]\n\n"
 
     # -- gRPC -------------------------------------------------------------------------------
-    async def Generate(self, request: pb.GenerateRequest | Undecodable,
-                       grpc_context: RayServegRPCContext) -> pb.GenerateResponse:
+    async def Generate(
+        self, request: pb.GenerateRequest | Undecodable, grpc_context: RayServegRPCContext
+    ) -> pb.GenerateResponse:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         try:
             stream = await self._open_pb(request_id, request, grpc_context, tokens=False)
@@ -297,8 +317,9 @@ class Ingress:
             _set_status(grpc_context, exc)
             return pb.GenerateResponse()
 
-    async def GenerateStream(self, request: pb.GenerateRequest | Undecodable,
-                             grpc_context: RayServegRPCContext) -> AsyncIterator[pb.GenerateChunk]:
+    async def GenerateStream(
+        self, request: pb.GenerateRequest | Undecodable, grpc_context: RayServegRPCContext
+    ) -> AsyncIterator[pb.GenerateChunk]:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         try:
             stream = await self._open_pb(request_id, request, grpc_context)
@@ -321,8 +342,9 @@ class Ingress:
         finally:
             await stream.aclose()
 
-    async def Models(self, request: pb.ModelsRequest | Undecodable,
-                     grpc_context: RayServegRPCContext) -> pb.ModelsResponse:
+    async def Models(
+        self, request: pb.ModelsRequest | Undecodable, grpc_context: RayServegRPCContext
+    ) -> pb.ModelsResponse:
         try:
             _grpc_client(self.edge, grpc_context)
         except ClientError as exc:
@@ -330,8 +352,9 @@ class Ingress:
             return pb.ModelsResponse()
         return pb.ModelsResponse(models=[self.model_name])
 
-    async def Health(self, request: pb.HealthRequest | Undecodable,
-                     grpc_context: RayServegRPCContext) -> pb.HealthResponse:
+    async def Health(
+        self, request: pb.HealthRequest | Undecodable, grpc_context: RayServegRPCContext
+    ) -> pb.HealthResponse:
         if not self.edge.access.health_open:
             try:
                 _grpc_client(self.edge, grpc_context)
@@ -341,15 +364,22 @@ class Ingress:
         problem = await self._chain_ok()
         return pb.HealthResponse(ok=not problem, detail=problem or "ok")
 
-    async def _open_pb(self, request_id: str, request: pb.GenerateRequest | Undecodable, context: RayServegRPCContext,
-                       tokens: bool = True) -> AsyncIterator:
+    async def _open_pb(
+        self,
+        request_id: str,
+        request: pb.GenerateRequest | Undecodable,
+        context: RayServegRPCContext,
+        tokens: bool = True,
+    ) -> AsyncIterator:
         client = _grpc_client(self.edge, context)  # first: an unknown caller learns nothing else
         if isinstance(request, Undecodable):
             raise ClientError(request.describe())
         size = request.ByteSize()
         if size > self.edge.limits.max_body_bytes:
-            raise ClientError(f"the request is {size} bytes; the limit is {self.edge.limits.max_body_bytes} "
-                              "(limits.max_body_bytes)", code="request_too_large")
+            raise ClientError(
+                f"the request is {size} bytes; the limit is {self.edge.limits.max_body_bytes} (limits.max_body_bytes)",
+                code="request_too_large",
+            )
         if request.model and request.model != self.model_name:
             raise ClientError(f"model {request.model!r} is not served here", "model", 404, "model_not_found")
         try:
@@ -360,7 +390,9 @@ class Ingress:
         return await self._open(request_id, params, client, tokens=tokens, prompt=prompt, messages=messages)
 
     # -- both -------------------------------------------------------------------------------
-    async def _open(self, request_id: str, params: GenerateParams, client: str, tokens: bool, **content) -> AsyncIterator:
+    async def _open(
+        self, request_id: str, params: GenerateParams, client: str, tokens: bool, **content
+    ) -> AsyncIterator:
         """Check the limits, take one of the client's slots and send the request to a
         SmallModel; returns its stream once it is admitted (the slot is freed when the
         stream ends or is closed). tokens=False (unary): no TokenEvents, only the result."""
@@ -391,4 +423,3 @@ class Ingress:
             raise failure(first)
         assert isinstance(first, Admitted), first
         return holding(stream, release)
-

@@ -31,15 +31,13 @@ import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from backoff_core.types import level_names
 from backoff_core.models.kernels import trim_heap
 from backoff_core.runners.factory import make_runner
 from backoff_core.runners.kv_budget import describe, kv_evictions, kv_tokens
-from backoff_core.types import KVSpec
-
+from backoff_core.types import KVSpec, level_names
+from deployments.metrics import LargeMetrics
 from deployments.serving.batcher import CatchUpBatcher, CatchUpCall, CatchUpReply, ForwardRecord
 from deployments.serving.config import CatchUpConfig, ModelsConfig
-from deployments.metrics import LargeMetrics
 from deployments.serving.models import load_level
 
 log = logging.getLogger(__name__)
@@ -144,12 +142,24 @@ class LargeModel:
     def info(self) -> LargeInfo:
         s = self.batcher.stats
         return LargeInfo(
-            pid=os.getpid(), replica=serve.get_replica_context().replica_id.unique_id, name=self.name,
-            sessions=tuple(self.runner.request_ids()), forward_passes=s.forward_passes, calls=s.calls,
-            lost=s.lost, owners=tuple(sorted(self.batcher.owners().items())), orphans_freed=s.orphans_freed,
-            waited_s=s.waited_s, forward_s=s.forward_s, batch_sizes=tuple(sorted(s.batch_sizes.items())), config=self.config,
-            kv_budget_tokens=self.kv.budget_tokens, kv_tokens=kv_tokens(self.runner), kv_evictions=kv_evictions(self.runner),
-            kv_refused=s.refused, node=ray.get_runtime_context().get_node_id(),
+            pid=os.getpid(),
+            replica=serve.get_replica_context().replica_id.unique_id,
+            name=self.name,
+            sessions=tuple(self.runner.request_ids()),
+            forward_passes=s.forward_passes,
+            calls=s.calls,
+            lost=s.lost,
+            owners=tuple(sorted(self.batcher.owners().items())),
+            orphans_freed=s.orphans_freed,
+            waited_s=s.waited_s,
+            forward_s=s.forward_s,
+            batch_sizes=tuple(sorted(s.batch_sizes.items())),
+            config=self.config,
+            kv_budget_tokens=self.kv.budget_tokens,
+            kv_tokens=kv_tokens(self.runner),
+            kv_evictions=kv_evictions(self.runner),
+            kv_refused=s.refused,
+            node=ray.get_runtime_context().get_node_id(),
         )
 
     def _start_sweeper(self) -> None:

@@ -12,7 +12,6 @@ import threading
 from ray.serve import metrics
 
 from backoff_core.types import GenerationResult, level_names
-
 from deployments.serving.batcher import ForwardRecord
 
 _LENGTHS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024]
@@ -62,23 +61,32 @@ class SmallMetrics:
     def __init__(self, num_levels: int) -> None:
         self.names = level_names(num_levels)
         self.requests = metrics.Counter(
-            "backoff_requests", "Requests by outcome (finished, rejected, failed, cancelled).", ("outcome",))
+            "backoff_requests", "Requests by outcome (finished, rejected, failed, cancelled).", ("outcome",)
+        )
         self.tokens = metrics.Counter("backoff_tokens", "Generated tokens by source model.", ("source",))
         self.backoff_rate = metrics.Histogram(
-            "backoff_request_backoff_rate", "Per request: share of tokens the small model produced.", _RATES)
+            "backoff_request_backoff_rate", "Per request: share of tokens the small model produced.", _RATES
+        )
         self.catch_up_length = metrics.Histogram(
-            "backoff_catch_up_length", "Pending tokens per catch-up (one session, one call).", _LENGTHS, ("level",))
+            "backoff_catch_up_length", "Pending tokens per catch-up (one session, one call).", _LENGTHS, ("level",)
+        )
         self.catch_up_batch = metrics.Histogram(
-            "backoff_catch_up_batch_size", "Requests whose catch-ups one step sent together.", _SIZES, ("level",))
+            "backoff_catch_up_batch_size", "Requests whose catch-ups one step sent together.", _SIZES, ("level",)
+        )
         self.latency = metrics.Histogram("backoff_request_latency_s", "Admission to last token.", _SECONDS)
         self.first_token = metrics.Histogram("backoff_time_to_first_token_s", "Admission to first token.", _SECONDS)
         self.threshold = Gauge(
-            "backoff_threshold", "Threshold in the live config, or its router's default when it sets none "
-                                 "(per boundary between models); published from the start.", ("boundary",))
+            "backoff_threshold",
+            "Threshold in the live config, or its router's default when it sets none "
+            "(per boundary between models); published from the start.",
+            ("boundary",),
+        )
         self.sessions_lost = metrics.Counter("backoff_sessions_lost", "Remote sessions lost and re-prefilled.")
         self.degraded = metrics.Counter(
-            "backoff_requests_degraded", "Finished requests that went on with the small model alone after a "
-                                         "larger model failed (slow or unavailable).")
+            "backoff_requests_degraded",
+            "Finished requests that went on with the small model alone after a "
+            "larger model failed (slow or unavailable).",
+        )
 
     def request(self, outcome: str) -> None:
         self.requests.inc(1, tags={"outcome": outcome})
@@ -111,9 +119,11 @@ class LargeMetrics:
         self.tags = {"model": name}
         self.forwards = metrics.Counter("backoff_large_forward_passes", "Forward passes of a large model.", ("model",))
         self.batch = metrics.Histogram(
-            "backoff_large_forward_batch_size", "Sessions merged into one forward.", _SIZES, ("model",))
+            "backoff_large_forward_batch_size", "Sessions merged into one forward.", _SIZES, ("model",)
+        )
         self.length = metrics.Histogram(
-            "backoff_large_catch_up_length", "New tokens per session in a forward.", _LENGTHS, ("model",))
+            "backoff_large_catch_up_length", "New tokens per session in a forward.", _LENGTHS, ("model",)
+        )
         self.seconds = metrics.Histogram("backoff_large_forward_s", "Seconds per forward.", _SECONDS, ("model",))
         self.sessions = Gauge("backoff_large_sessions", "Sessions held by this replica.", ("model",))
         self.kv_metrics = KVMetrics()
@@ -137,10 +147,14 @@ class KVMetrics:
 
     def __init__(self) -> None:
         self.used = Gauge("backoff_kv_tokens_used", "KV positions held by the replica's sessions.", ("model",))
-        self.free = Gauge("backoff_kv_tokens_free", "KV positions left in the replica's budget "
-                                                            "(negative: live sessions grew past it).", ("model",))
-        self.evictions = metrics.Counter("backoff_kv_evictions", "Idle sessions evicted to make KV room (their "
-                                                                 "requests re-prefill).", ("model",))
+        self.free = Gauge(
+            "backoff_kv_tokens_free",
+            "KV positions left in the replica's budget (negative: live sessions grew past it).",
+            ("model",),
+        )
+        self.evictions = metrics.Counter(
+            "backoff_kv_evictions", "Idle sessions evicted to make KV room (their requests re-prefill).", ("model",)
+        )
         self._evictions_seen: dict[str, int] = {}
 
     def publish(self, model: str, used: int, budget: int, evictions: int) -> None:

@@ -77,12 +77,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--medium", action="append", default=None, help="intermediate model(s), smallest first")
     p.add_argument("--device", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--dtype", help="float32, bfloat16 or float16")
-    p.add_argument("--kv-budget", type=_budget, dest="kv_budget_tokens",
-                   help="KV positions per model replica, or auto (default: from free GPU memory, or a fraction "
-                        "of RAM on CPU, resolved at replica start)")
-    p.add_argument("--static-kv", choices=["auto", "true", "false"],
-                   help="KV storage: preallocated slots (+ CUDA graphs on a GPU), per-session caches, or auto "
-                        "(slots on CUDA, per-session caches on CPU)")
+    p.add_argument(
+        "--kv-budget",
+        type=_budget,
+        dest="kv_budget_tokens",
+        help="KV positions per model replica, or auto (default: from free GPU memory, or a fraction "
+        "of RAM on CPU, resolved at replica start)",
+    )
+    p.add_argument(
+        "--static-kv",
+        choices=["auto", "true", "false"],
+        help="KV storage: preallocated slots (+ CUDA graphs on a GPU), per-session caches, or auto "
+        "(slots on CUDA, per-session caches on CPU)",
+    )
     p.add_argument("--kv-max-len", type=int, help="static KV: positions per slot (default 2048)")
     p.add_argument("--router", help="decision function (live config)")
     p.add_argument("--threshold", help="threshold(s), comma-separated, ascending (live config)")
@@ -116,8 +123,10 @@ def rename_deprecated_deployments(app: dict) -> None:
     for d in app.get("deployments", []):
         new = DEPRECATED_DEPLOYMENT_NAMES.get(d.get("name"))
         if new is not None:
-            print(f"backoff serve: deployment {d['name']!r} is now called {new!r}; rename it in your config",
-                  file=sys.stderr)
+            print(
+                f"backoff serve: deployment {d['name']!r} is now called {new!r}; rename it in your config",
+                file=sys.stderr,
+            )
             d["name"] = new
 
 

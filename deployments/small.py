@@ -30,25 +30,23 @@ import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from backoff_core.types import level_names
 from backoff_core.engine.engine import BackoffEngine
-from backoff_core.runners.factory import make_runner
-from backoff_core.runners.kv_budget import kv_evictions, kv_tokens
 from backoff_core.models.prompts import encode_chat, encode_prompt
 from backoff_core.routing.routers import build_router
-from backoff_core.types import GenerationRequest, GenerationResult, TokenEvent
-
-from deployments.serving.admission import AdmissionGate, Overloaded
-from deployments.serving.chaos import FaultInjector
-from deployments.serving.batcher import CatchUpCall
-from deployments.serving.config import AppArgs, RoutingConfig, handle_options
-from deployments.serving.engine_loop import Admitted, EngineLoop, Failed, Rejected
+from backoff_core.runners.factory import make_runner
+from backoff_core.runners.kv_budget import kv_evictions, kv_tokens
+from backoff_core.types import GenerationRequest, GenerationResult, TokenEvent, level_names
 from deployments.large import replica_kv
 from deployments.metrics import KVMetrics, SmallMetrics
-from deployments.streams import REPLICA_LOST
+from deployments.serving.admission import AdmissionGate, Overloaded
+from deployments.serving.batcher import CatchUpCall
+from deployments.serving.chaos import FaultInjector
+from deployments.serving.config import AppArgs, RoutingConfig, handle_options
+from deployments.serving.engine_loop import Admitted, EngineLoop, Failed, Rejected
 from deployments.serving.models import load_small_side
 from deployments.serving.remote import RemoteLarge
 from deployments.serving.requests import ServeRequest, generation_request
+from deployments.streams import REPLICA_LOST
 
 log = logging.getLogger(__name__)
 
@@ -125,15 +123,18 @@ class SmallModel:
         if len(self.remotes) != n - 1:
             raise ValueError(f"a chain of {n} models needs {n - 1} larger deployments, got {len(self.remotes)}")
         self.kv = replica_kv(self.args.models, side.model, "small")
-        small = make_runner(side.model, "small", self.kv, small=True,
-                            classifier_path=self.args.models.classifier)
+        small = make_runner(side.model, "small", self.kv, small=True, classifier_path=self.args.models.classifier)
         self.faults = FaultInjector(small)  # inject_fault_seed
         self.small_runner = small
         self.kv_metrics = KVMetrics()
         make_engine = _import(self.args.engine_factory) if self.args.engine_factory else BackoffEngine
-        engine = make_engine([self.faults, *self.remotes], side.tokenizer,
-                             classifier_path=self.args.models.classifier, hidden_size=side.hidden_size,
-                             context_window=side.context_window)
+        engine = make_engine(
+            [self.faults, *self.remotes],
+            side.tokenizer,
+            classifier_path=self.args.models.classifier,
+            hidden_size=side.hidden_size,
+            context_window=side.context_window,
+        )
         self.metrics = SmallMetrics(n)
         self.gate = AdmissionGate(self.args.admission.max_live_requests, self.args.admission.max_waiting_requests)
         self._lost_reported = 0
@@ -155,8 +156,12 @@ class SmallModel:
         if policy.thresholds is not None:
             return list(policy.thresholds)
         try:
-            router = build_router(policy.router, rate=policy.rate, classifier_path=self.args.models.classifier,
-                                  hidden_size=self.hidden_size)
+            router = build_router(
+                policy.router,
+                rate=policy.rate,
+                classifier_path=self.args.models.classifier,
+                hidden_size=self.hidden_size,
+            )
         except (ValueError, OSError):  # an unknown router: every request says so
             return []
         return list(router.default_thresholds(self.args.models.num_levels))
@@ -170,9 +175,11 @@ class SmallModel:
         if not await self.gate.enter():
             self.metrics.request("overloaded")
             limits = self.args.admission
-            yield Overloaded(f"the server is at capacity ({limits.max_live_requests} live and "
-                             f"{limits.max_waiting_requests} waiting requests per replica); retry later",
-                             limits.retry_after_s)
+            yield Overloaded(
+                f"the server is at capacity ({limits.max_live_requests} live and "
+                f"{limits.max_waiting_requests} waiting requests per replica); retry later",
+                limits.retry_after_s,
+            )
             return
         try:
             async with contextlib.aclosing(self._stream(request, tokens)) as items:  # its finally runs first
@@ -217,14 +224,22 @@ class SmallModel:
         return min(self.loop.live() / budget.max_messages_per_s, budget.max_delay_ms / 1e3)
 
     def info(self) -> SmallInfo:
-        return SmallInfo(pid=os.getpid(), replica=serve.get_replica_context().replica_id.unique_id,
-                          policy=self.loop.policy, steps=self.loop.steps, live=self.loop.live(),
-                          requests=self.loop.live_ids(), admitted=self.gate.live, waiting=self.gate.waiting,
-                          cancelled=self._cancelled,
-                          sessions_lost=sum(r.lost_sessions for r in self.remotes),
-                          catch_up_calls=sum(r.calls for r in self.remotes),
-                          catch_up_wait_s=sum(r.wait_s for r in self.remotes), busy_s=self.loop.busy_s,
-                          node=ray.get_runtime_context().get_node_id())
+        return SmallInfo(
+            pid=os.getpid(),
+            replica=serve.get_replica_context().replica_id.unique_id,
+            policy=self.loop.policy,
+            steps=self.loop.steps,
+            live=self.loop.live(),
+            requests=self.loop.live_ids(),
+            admitted=self.gate.live,
+            waiting=self.gate.waiting,
+            cancelled=self._cancelled,
+            sessions_lost=sum(r.lost_sessions for r in self.remotes),
+            catch_up_calls=sum(r.calls for r in self.remotes),
+            catch_up_wait_s=sum(r.wait_s for r in self.remotes),
+            busy_s=self.loop.busy_s,
+            node=ray.get_runtime_context().get_node_id(),
+        )
 
     def _start_renewals(self) -> None:
         if self._renewals is None or self._renewals.done():
@@ -262,8 +277,9 @@ class SmallModel:
         if lost > self._lost_reported:
             self.metrics.sessions_lost.inc(lost - self._lost_reported)
             self._lost_reported = lost
-        self.kv_metrics.publish("small", kv_tokens(self.small_runner), self.kv.budget_tokens,
-                                kv_evictions(self.small_runner))
+        self.kv_metrics.publish(
+            "small", kv_tokens(self.small_runner), self.kv.budget_tokens, kv_evictions(self.small_runner)
+        )
 
     def __del__(self) -> None:
         loop = getattr(self, "loop", None)

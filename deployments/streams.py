@@ -15,8 +15,8 @@ from ray.serve.exceptions import BackPressureError, ReplicaUnavailableError
 from ray.serve.handle import DeploymentResponseGenerator
 
 from backoff_core.types import GenerationResult
-
 from deployments.serving.engine_loop import Failed, Rejected
+
 
 class ServerFailure(RuntimeError):
     """Serving failed; status 503 when a part of the chain is down or too slow."""
@@ -56,8 +56,11 @@ async def guarded(stream: DeploymentResponseGenerator) -> AsyncIterator:
         raise
     except REPLICA_LOST as exc:
         ended = True
-        raise ServerFailure(f"the small router serving this request was lost ({type(exc).__name__}); "
-                            f"retry the request", 503, "router_unavailable") from exc
+        raise ServerFailure(
+            f"the small router serving this request was lost ({type(exc).__name__}); retry the request",
+            503,
+            "router_unavailable",
+        ) from exc
     except Exception as exc:  # noqa: BLE001 - reported to the client, not a broken connection
         ended = True
         raise ServerFailure(f"{type(exc).__name__}: {exc}") from exc

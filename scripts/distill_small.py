@@ -20,7 +20,6 @@ fills in).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -38,15 +37,10 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from backoff_core.learning import corpus
-from backoff_core.models.default_pair import (
-    STUDENT_DIR,
-    build_small,
-    large_layer_state,
-    load_default_large,
-    save_small,
-)
 from eval_small import chat_conversations, heldout_windows, token_stream  # same folder
+
+from backoff_core.learning import corpus
+from backoff_core.models.default_pair import STUDENT_DIR, build_small, large_layer_state, load_default_large, save_small
 
 # Share of training windows drawn from each source. Code dominates the stdlib bytes, but
 # M_S mostly serves English chat, so prose and M_L's own answers are over-weighted.
@@ -56,22 +50,33 @@ SOURCE_WEIGHTS = {"stdlib_source": 0.35, "stdlib_docstrings": 0.2, "pydoc_topics
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=600, help="student optimiser steps")
-    p.add_argument("--teacher-windows", type=int, default=2048,
-                   help="training windows labelled once by M_L (the student revisits them)")
+    p.add_argument(
+        "--teacher-windows",
+        type=int,
+        default=2048,
+        help="training windows labelled once by M_L (the student revisits them)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate")
     p.add_argument("--warmup", type=int, default=30, help="linear warm-up steps")
-    p.add_argument("--hidden-weight", type=float, default=1.0,
-                   help="weight of the normalised MSE between final normed hidden states")
-    p.add_argument("--kl-positions", type=int, default=512,
-                   help="positions per batch that get the full-vocabulary KL (0: all)")
+    p.add_argument(
+        "--hidden-weight",
+        type=float,
+        default=1.0,
+        help="weight of the normalised MSE between final normed hidden states",
+    )
+    p.add_argument(
+        "--kl-positions", type=int, default=512, help="positions per batch that get the full-vocabulary KL (0: all)"
+    )
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
-    p.add_argument("--layers-init", default="0,28",
-                   help="comma-separated M_L layers copied as M_S's starting layers (sets depth)")
-    p.add_argument("--chat-samples", type=int, default=320,
-                   help="M_L answers generated for train chat prompts (0: no chat data)")
+    p.add_argument(
+        "--layers-init", default="0,28", help="comma-separated M_L layers copied as M_S's starting layers (sets depth)"
+    )
+    p.add_argument(
+        "--chat-samples", type=int, default=320, help="M_L answers generated for train chat prompts (0: no chat data)"
+    )
     p.add_argument("--chat-tokens", type=int, default=128, help="max tokens per answer")
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--eval-windows", type=int, default=6, help="held-out windows per source")
@@ -112,14 +117,21 @@ def build_streams(large, tokenizer, args) -> dict[str, torch.Tensor]:
             idx = torch.randperm(len(pool), generator=g)[: args.chat_samples // 2]
             prompts += [pool[i] for i in idx.tolist()]
         torch.manual_seed(args.seed)  # generate() samples from the global RNG
-        convs = chat_conversations(large, tokenizer, prompts, args.chat_tokens, batch_size=16,
-                                   do_sample=True, temperature=0.7, desc="M_L chat answers")
+        convs = chat_conversations(
+            large,
+            tokenizer,
+            prompts,
+            args.chat_tokens,
+            batch_size=16,
+            do_sample=True,
+            temperature=0.7,
+            desc="M_L chat answers",
+        )
         streams["chat"] = torch.tensor([t for ids, _ in convs for t in ids])
     return streams
 
 
-def sample_windows(streams: dict[str, torch.Tensor], n: int, seq_len: int,
-                   g: torch.Generator) -> torch.Tensor:
+def sample_windows(streams: dict[str, torch.Tensor], n: int, seq_len: int, g: torch.Generator) -> torch.Tensor:
     """Random windows, the source of each drawn by SOURCE_WEIGHTS: [n, T]."""
     names = [s for s in SOURCE_WEIGHTS if s in streams and len(streams[s]) > seq_len]
     weights = torch.tensor([SOURCE_WEIGHTS[s] for s in names])
@@ -140,10 +152,12 @@ def label_with_teacher(large, x: torch.Tensor, batch_size: int, desc: str) -> to
     window, and the student can revisit windows for several epochs.
     """
     device = large.device
-    return torch.cat([
-        teacher_hidden(large, x[i : i + batch_size].to(device)).half().cpu()
-        for i in tqdm(range(0, len(x), batch_size), desc=desc, unit="batch")
-    ])
+    return torch.cat(
+        [
+            teacher_hidden(large, x[i : i + batch_size].to(device)).half().cpu()
+            for i in tqdm(range(0, len(x), batch_size), desc=desc, unit="batch")
+        ]
+    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -158,8 +172,9 @@ def teacher_hidden(large, x: torch.Tensor) -> torch.Tensor:
         return large.model(x).last_hidden_state.float()
 
 
-def distill_loss(small, large, x: torch.Tensor, h_l: torch.Tensor, hidden_weight: float,
-                 kl_positions: int, g: torch.Generator):
+def distill_loss(
+    small, large, x: torch.Tensor, h_l: torch.Tensor, hidden_weight: float, kl_positions: int, g: torch.Generator
+):
     """(total loss, mean KL(p_L‖p_S) per position) for x: [B, T], h_l: [B, T, d].
 
     The full-vocabulary KL dominates the step's cost (softmaxes over [B·T, 49152]), so it
@@ -362,20 +377,31 @@ def main() -> None:
     student_minutes = (time.time() - t_student) / 60
     wall = (time.time() - t_start) / 60
     meta = {
-        "seed": args.seed, "steps": args.steps, "batch_size": args.batch_size,
-        "seq_len": args.seq_len, "lr": args.lr, "warmup": args.warmup,
-        "hidden_weight": args.hidden_weight, "layers_init": layers_init,
-        "num_hidden_layers": len(layers_init), "chat_samples": args.chat_samples,
-        "chat_tokens": args.chat_tokens, "eval_windows": args.eval_windows,
+        "seed": args.seed,
+        "steps": args.steps,
+        "batch_size": args.batch_size,
+        "seq_len": args.seq_len,
+        "lr": args.lr,
+        "warmup": args.warmup,
+        "hidden_weight": args.hidden_weight,
+        "layers_init": layers_init,
+        "num_hidden_layers": len(layers_init),
+        "chat_samples": args.chat_samples,
+        "chat_tokens": args.chat_tokens,
+        "eval_windows": args.eval_windows,
         "source_weights": {s: w for s, w in SOURCE_WEIGHTS.items() if s in streams},
         "stream_tokens": {s: len(t) for s, t in streams.items()},
         "tokens_seen": args.steps * args.batch_size * args.seq_len,
         "trainable_params": sum(p.numel() for p in params),
         "hardware": f"{device.type}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}",
-        "teacher_windows": args.teacher_windows, "kl_positions": args.kl_positions,
+        "teacher_windows": args.teacher_windows,
+        "kl_positions": args.kl_positions,
         "epochs": args.steps * args.batch_size / args.teacher_windows,
-        "wall_minutes": wall, "chat_minutes": chat_minutes, "teacher_minutes": teacher_minutes,
-        "student_minutes": student_minutes, "heldout": log["heldout"],
+        "wall_minutes": wall,
+        "chat_minutes": chat_minutes,
+        "teacher_minutes": teacher_minutes,
+        "student_minutes": student_minutes,
+        "heldout": log["heldout"],
     }
     args.out.mkdir(parents=True, exist_ok=True)
     save_small(small, args.out, {k: v for k, v in meta.items() if k != "heldout"})

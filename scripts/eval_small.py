@@ -72,8 +72,14 @@ def heldout_windows(tokenizer, seq_len: int, n_per_source: int) -> dict[str, tor
 
 @torch.inference_mode()
 def chat_conversations(
-    large, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int,
-    do_sample: bool = False, temperature: float = 1.0, desc: str = "M_L chat",
+    large,
+    tokenizer,
+    prompts: list[str],
+    max_new_tokens: int,
+    batch_size: int,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    desc: str = "M_L chat",
 ) -> list[tuple[list[int], int]]:
     """M_L's responses to ``prompts``: (templated prompt + response token ids, prompt
     length). The response ends at (and includes) the first <|im_end|>."""
@@ -82,8 +88,7 @@ def chat_conversations(
     for i in tqdm(range(0, len(prompts), batch_size), desc=desc, unit="batch"):
         batch = [[{"role": "user", "content": p}] for p in prompts[i : i + batch_size]]
         prompt_ids = [
-            tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True,
-                                          return_dict=True)["input_ids"]
+            tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
             for m in batch
         ]
         width = max(map(len, prompt_ids))
@@ -91,9 +96,13 @@ def chat_conversations(
         input_ids = torch.tensor([[eos] * (width - len(p)) + p for p in prompt_ids])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids])
         out = large.generate(
-            input_ids=input_ids.to(large.device), attention_mask=mask.to(large.device),
-            max_new_tokens=max_new_tokens, do_sample=do_sample,
-            temperature=temperature if do_sample else None, top_p=None, top_k=None,
+            input_ids=input_ids.to(large.device),
+            attention_mask=mask.to(large.device),
+            max_new_tokens=max_new_tokens,
+            do_sample=do_sample,
+            temperature=temperature if do_sample else None,
+            top_p=None,
+            top_k=None,
             pad_token_id=eos,
         )  # [b, width + new]
         for p, row in zip(prompt_ids, out[:, width:].tolist()):
@@ -128,8 +137,12 @@ def summarize(kl: torch.Tensor, nll_s: torch.Tensor, nll_l: torch.Tensor, agree:
         for lo, hi in zip(KL_BUCKETS[:-1], KL_BUCKETS[1:])
     }
     return Quality(
-        positions=kl.numel(), nll_small=nll_s.mean().item(), nll_large=nll_l.mean().item(),
-        kl_mean=kl.mean().item(), kl_median=kl.median().item(), kl_buckets=buckets,
+        positions=kl.numel(),
+        nll_small=nll_s.mean().item(),
+        nll_large=nll_l.mean().item(),
+        kl_mean=kl.mean().item(),
+        kl_median=kl.median().item(),
+        kl_buckets=buckets,
         top1_agreement=agree.float().mean().item(),
     )
 
@@ -159,10 +172,12 @@ def _cat(parts: list[Stats]) -> Stats:
 
 def evaluate_windows(small, large, x: torch.Tensor, batch_size: int, desc: str) -> Stats:
     """Position stats over all windows x: [n, T]."""
-    return _cat([
-        position_stats(small, large, x[i : i + batch_size].to(large.device))
-        for i in tqdm(range(0, len(x), batch_size), desc=f"eval {desc}", unit="batch")
-    ])
+    return _cat(
+        [
+            position_stats(small, large, x[i : i + batch_size].to(large.device))
+            for i in tqdm(range(0, len(x), batch_size), desc=f"eval {desc}", unit="batch")
+        ]
+    )
 
 
 def evaluate_chat(small, large, convs: list[tuple[list[int], int]]) -> Stats:
@@ -209,9 +224,12 @@ def measure_latency(small, large, tokenizer, steps: int, rounds: int) -> dict[st
             times[name] += decode_step_latency(model, prompt, steps)[2:]  # drop warm-up
     med = {name: statistics.median(t) for name, t in times.items()}
     return {
-        "small_ms": 1e3 * med["small"], "large_ms": 1e3 * med["large"],
-        "ratio": med["large"] / med["small"], "steps_timed": len(times["small"]),
-        "threads": torch.get_num_threads(), "device": str(large.device),
+        "small_ms": 1e3 * med["small"],
+        "large_ms": 1e3 * med["large"],
+        "ratio": med["large"] / med["small"],
+        "steps_timed": len(times["small"]),
+        "threads": torch.get_num_threads(),
+        "device": str(large.device),
     }
 
 
@@ -224,7 +242,8 @@ def format_table(results: dict[str, Quality], latency: dict | None) -> str:
     names = [bucket_name(lo, hi) for lo, hi in zip(KL_BUCKETS[:-1], KL_BUCKETS[1:])]
     lines = [
         "| held-out set | positions | NLL M_S | NLL M_L | mean KL | "
-        + " | ".join(f"KL {n}" for n in names) + " | top-1 agree |",
+        + " | ".join(f"KL {n}" for n in names)
+        + " | top-1 agree |",
         "|---" * (6 + len(names)) + "|",
     ]
     for source, q in results.items():
@@ -305,8 +324,9 @@ def main() -> None:
     if args.chat_prompts:
         prompts = corpus.chat_prompts("heldout", "general") + corpus.chat_prompts("heldout", "python")
         step = max(1, len(prompts) // args.chat_prompts)
-        convs = chat_conversations(large, tokenizer, prompts[::step][: args.chat_prompts],
-                                   args.chat_tokens, args.batch_size)
+        convs = chat_conversations(
+            large, tokenizer, prompts[::step][: args.chat_prompts], args.chat_tokens, args.batch_size
+        )
         stats[CHAT_SOURCE] = evaluate_chat(small, large, convs)
     stats["all"] = _cat(list(stats.values()))
     results = {source: summarize(*s) for source, s in stats.items()}
@@ -316,8 +336,11 @@ def main() -> None:
     table = format_table(results, latency)
     print(table)
     plot_kl_histogram(kl_all, args.student_dir / "kl_hist.png")
-    report = {"quality": {k: asdict(v) for k, v in results.items()}, "latency": latency,
-              "args": {k: str(v) for k, v in vars(args).items()}}
+    report = {
+        "quality": {k: asdict(v) for k, v in results.items()},
+        "latency": latency,
+        "args": {k: str(v) for k, v in vars(args).items()},
+    }
     out = args.json or args.student_dir / "eval.json"
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {out}")

@@ -33,11 +33,14 @@ def test_cluster_yaml_is_valid_for_ray(cluster, schema):
     jsonschema.validate(cluster, schema)
 
 
-@pytest.mark.parametrize("mutate", [
-    lambda c: c["available_node_types"]["small_gpu"].update(resource={"GPU": 1}),  # a misspelt key
-    lambda c: c["available_node_types"]["large_gpu"].update(max_workers="four"),  # a wrong type
-    lambda c: c.pop("provider"),  # a required section
-])
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda c: c["available_node_types"]["small_gpu"].update(resource={"GPU": 1}),  # a misspelt key
+        lambda c: c["available_node_types"]["large_gpu"].update(max_workers="four"),  # a wrong type
+        lambda c: c.pop("provider"),  # a required section
+    ],
+)
 def test_the_schema_catches_a_broken_cluster_yaml(cluster, schema, mutate):
     broken = copy.deepcopy(cluster)
     mutate(broken)

@@ -102,20 +102,28 @@ def test_no_import_cycles_between_modules_or_packages():
     assert _cycles(units) == []
 
 
-@pytest.mark.parametrize("package, banned", [
-    ("backoff_core", ("ray", "deployments", "clients", "fastapi", "grpc")),
-    ("clients", ("ray", "torch", "backoff_core", "deployments")),
-    ("deployments/serving", ("ray",)),
-])
+@pytest.mark.parametrize(
+    "package, banned",
+    [
+        ("backoff_core", ("ray", "deployments", "clients", "fastapi", "grpc")),
+        ("clients", ("ray", "torch", "backoff_core", "deployments")),
+        ("deployments/serving", ("ray",)),
+    ],
+)
 def test_dependencies_point_one_way(package, banned):
-    offenders = [f"{path.relative_to(ROOT)}: {name}" for path in _source_files(package)
-                 for name in _imports(path) if name.split(".")[0] in banned]
+    offenders = [
+        f"{path.relative_to(ROOT)}: {name}"
+        for path in _source_files(package)
+        for name in _imports(path)
+        if name.split(".")[0] in banned
+    ]
     assert offenders == []
 
 
 def test_no_package_deeper_than_two_levels():
-    deep = [p for package in PACKAGES for p in (ROOT / package).rglob("__init__.py")
-            if len(p.relative_to(ROOT).parts) > 3]
+    deep = [
+        p for package in PACKAGES for p in (ROOT / package).rglob("__init__.py") if len(p.relative_to(ROOT).parts) > 3
+    ]
     assert deep == []
 
 

@@ -15,31 +15,56 @@ def model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
     g.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16")
     g.add_argument("--device-map", default=None, help="accelerate device map (e.g. auto)")
-    g.add_argument("--cpu-kernels", default="mkldnn", choices=["mkldnn", "default"],
-                   help="linear layers on CPU float32: oneDNN (faster for every catch-up length) or torch's default")
-    g.add_argument("--kv-budget", type=int, default=None,
-                   help="static KV storage: positions per model (slots of --max-len); with cuda, CUDA graphs "
-                        "for steps and short catch-ups, captured at load. Default: per-session caches")
+    g.add_argument(
+        "--cpu-kernels",
+        default="mkldnn",
+        choices=["mkldnn", "default"],
+        help="linear layers on CPU float32: oneDNN (faster for every catch-up length) or torch's default",
+    )
+    g.add_argument(
+        "--kv-budget",
+        type=int,
+        default=None,
+        help="static KV storage: positions per model (slots of --max-len); with cuda, CUDA graphs "
+        "for steps and short catch-ups, captured at load. Default: per-session caches",
+    )
     g.add_argument("--max-len", type=int, default=2048, help="static KV: positions per slot (prompt + output)")
     g.add_argument("--no-cuda-graphs", action="store_true", help="static KV without CUDA graphs (eager)")
 
 
 def routing_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("routing")
-    g.add_argument("--router", default="entropy", help="decision function: always-small, always-large, "
-                   "oracle, flipped-oracle, entropy, max-prob, random, classifier")
-    g.add_argument("--threshold", default=None,
-                   help="threshold (comma-separated, ascending, one per boundary for chains)")
+    g.add_argument(
+        "--router",
+        default="entropy",
+        help="decision function: always-small, always-large, "
+        "oracle, flipped-oracle, entropy, max-prob, random, classifier",
+    )
+    g.add_argument(
+        "--threshold", default=None, help="threshold (comma-separated, ascending, one per boundary for chains)"
+    )
     g.add_argument("--rate", type=float, default=None, help="random router: backoff rate (share of steps on M_S)")
-    g.add_argument("--target-backoff", type=float, default=None,
-                   help="ask for a backoff rate; a controller moves the threshold during generation")
+    g.add_argument(
+        "--target-backoff",
+        type=float,
+        default=None,
+        help="ask for a backoff rate; a controller moves the threshold during generation",
+    )
     g.add_argument("--classifier", default=None, help="router head directory (router-train output)")
     g.add_argument("--mode", choices=("backoff", "speculative"), default="backoff")
     g.add_argument("--draft-tokens", type=int, default=4, help="speculative mode: drafts per verification (initial)")
-    g.add_argument("--draft-schedule", choices=("heuristic", "constant"), default="heuristic",
-                   help="heuristic: +2 drafts after a fully accepted verification, -1 after a rejection")
-    g.add_argument("--verification", choices=[v.value for v in Verification], default=None,
-                   help="check pending tokens at catch-up (default: none; speculative: exact)")
+    g.add_argument(
+        "--draft-schedule",
+        choices=("heuristic", "constant"),
+        default="heuristic",
+        help="heuristic: +2 drafts after a fully accepted verification, -1 after a rejection",
+    )
+    g.add_argument(
+        "--verification",
+        choices=[v.value for v in Verification],
+        default=None,
+        help="check pending tokens at catch-up (default: none; speculative: exact)",
+    )
     g.add_argument("--tolerance", type=float, default=float("inf"), help="KL tolerance for --verification kl")
     g.add_argument("--eager-prefill", action="store_true", help="prefill M_L's prompt at admission")
 

@@ -59,13 +59,25 @@ def request_from_args(args, prompt_ids: list[int]) -> GenerationRequest:
     router = "draft" if args.mode == "speculative" else args.router
     return GenerationRequest(
         prompt_ids=tuple(prompt_ids),
-        sampling=SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                                top_p=args.top_p, seed=args.seed, stop=tuple(args.stop)),
-        routing=RoutingParams(router=router, thresholds=thresholds, rate=args.rate,
-                              target_backoff=args.target_backoff, draft_tokens=args.draft_tokens,
-                              draft_schedule=args.draft_schedule,
-                              verification=Verification(verification), tolerance=args.tolerance,
-                              eager_prefill=args.eager_prefill),
+        sampling=SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+            stop=tuple(args.stop),
+        ),
+        routing=RoutingParams(
+            router=router,
+            thresholds=thresholds,
+            rate=args.rate,
+            target_backoff=args.target_backoff,
+            draft_tokens=args.draft_tokens,
+            draft_schedule=args.draft_schedule,
+            verification=Verification(verification),
+            tolerance=args.tolerance,
+            eager_prefill=args.eager_prefill,
+        ),
     )
 
 
@@ -102,7 +114,7 @@ def coloured(tokenizer, result: GenerationResult) -> str:
     ids = list(result.token_ids)
     for i, source in enumerate(result.sources):
         text = tokenizer.decode(ids[: i + 1], skip_special_tokens=True)
-        piece, prev = text[len(prev):], text
+        piece, prev = text[len(prev) :], text
         colour = _TOP if source == result.num_levels - 1 else _COLOURS.get(source, "")
         out.append(f"{colour}{piece}{_RESET}")
     return "".join(out)
@@ -110,9 +122,11 @@ def coloured(tokenizer, result: GenerationResult) -> str:
 
 def summary(result: GenerationResult) -> str:
     r = result_json(result)
-    return (f"backoff rate {r['backoff_rate']:.2f} · tokens by source {r['tokens_by_source']} · "
-            f"large calls {r['large_calls']} · rollbacks {r['rollbacks']} · "
-            f"first token {r['first_token_latency_s'] * 1000:.0f} ms · {r['tokens_per_s']:.1f} tok/s")
+    return (
+        f"backoff rate {r['backoff_rate']:.2f} · tokens by source {r['tokens_by_source']} · "
+        f"large calls {r['large_calls']} · rollbacks {r['rollbacks']} · "
+        f"first token {r['first_token_latency_s'] * 1000:.0f} ms · {r['tokens_per_s']:.1f} tok/s"
+    )
 
 
 def _generate(args) -> int:
@@ -120,7 +134,9 @@ def _generate(args) -> int:
     from backoff_core.models.loading import LoadSpec, load_chain
     from backoff_core.models.prompts import encode_prompt
 
-    chain = load_chain(args.small, args.large, args.medium, LoadSpec(args.device, args.dtype, args.device_map, args.cpu_kernels))
+    chain = load_chain(
+        args.small, args.large, args.medium, LoadSpec(args.device, args.dtype, args.device_map, args.cpu_kernels)
+    )
     kv = KVSpec(args.kv_budget, args.max_len, not args.no_cuda_graphs) if args.kv_budget else None
     engine = BackoffEngine.from_chain(chain, kv=kv, classifier_path=args.classifier)
     request = request_from_args(args, encode_prompt(chain.tokenizer, args.prompt, args.chat))
@@ -148,7 +164,9 @@ def _demo(args) -> int:
     runs = [("always-large", None), ("entropy", 4.0), ("entropy", 6.0), ("always-small", None)]
     for router, threshold in runs:
         routing = RoutingParams(router=router, thresholds=(threshold,) if threshold is not None else None)
-        result = engine.generate(GenerationRequest(tuple(prompt_ids), SamplingParams(max_tokens=args.max_tokens), routing))
+        result = engine.generate(
+            GenerationRequest(tuple(prompt_ids), SamplingParams(max_tokens=args.max_tokens), routing)
+        )
         label = router + (f" (threshold {threshold})" if threshold is not None else "")
         print(f"── {label}\n{coloured(chain.tokenizer, result)}\n[{summary(result)}]\n")
     print(f"legend: {_COLOURS[0]}small{_RESET} {_TOP}large{_RESET}")

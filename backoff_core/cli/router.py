@@ -1,9 +1,9 @@
 """The router pipeline's subcommands of `backoff` (registered by cli.py):
 
-  router-data       teacher-forced M_S/M_L pass over a corpus -> shards + manifest
-  router-train      fit a ClassifierHead (binary / regression / buckets; pretrain + finetune)
-  router-calibrate  backoff rate -> threshold table on a calibration set, into head.json
-  evaluate          the paper's analyses + our goals -> report.md and PNGs under a run dir
+router-data       teacher-forced M_S/M_L pass over a corpus -> shards + manifest
+router-train      fit a ClassifierHead (binary / regression / buckets; pretrain + finetune)
+router-calibrate  backoff rate -> threshold table on a calibration set, into head.json
+evaluate          the paper's analyses + our goals -> report.md and PNGs under a run dir
 """
 
 from __future__ import annotations
@@ -40,23 +40,32 @@ def _layers(text: str | None) -> tuple[int, ...] | None:
 def _load_chain(args):
     from backoff_core.models.loading import LoadSpec, load_chain
 
-    return load_chain(args.small, args.large, args.medium, LoadSpec(args.device, args.dtype, args.device_map, args.cpu_kernels))
+    return load_chain(
+        args.small, args.large, args.medium, LoadSpec(args.device, args.dtype, args.device_map, args.cpu_kernels)
+    )
 
 
 def _router_data(args) -> int:
-    from backoff_core.learning.sources import ChatGen
     from backoff_core.learning.data import DataConfig, build
+    from backoff_core.learning.sources import ChatGen
 
     _threads(args)
     cfg = DataConfig(
-        corpora=tuple(args.corpus or ["stdlib:train"]), seq_len=args.seq_len, max_positions=args.max_positions,
-        windows_per_doc=args.windows_per_doc, layers=_layers(args.layers), batch_size=args.batch_size,
-        shard_windows=args.shard_windows, seed=args.seed,
+        corpora=tuple(args.corpus or ["stdlib:train"]),
+        seq_len=args.seq_len,
+        max_positions=args.max_positions,
+        windows_per_doc=args.windows_per_doc,
+        layers=_layers(args.layers),
+        batch_size=args.batch_size,
+        shard_windows=args.shard_windows,
+        seed=args.seed,
         chat=ChatGen(samples=args.chat_samples, max_tokens=args.chat_max_tokens, seed=args.seed),
     )
     manifest = json.loads(build(_load_chain(args), cfg, args.out).read_text())
-    print(f"{manifest['positions']} positions from {manifest['windows']} windows of {', '.join(cfg.corpora)} "
-          f"-> {args.out} (layers {manifest['layers']})")
+    print(
+        f"{manifest['positions']} positions from {manifest['windows']} windows of {', '.join(cfg.corpora)} "
+        f"-> {args.out} (layers {manifest['layers']})"
+    )
     return 0
 
 
@@ -66,21 +75,32 @@ def _router_train(args) -> int:
 
     _threads(args)
     cfg = router_train.TrainConfig(
-        layer=args.layer, objective=args.objective, inner_size=args.inner_size, percentile=args.percentile,
-        epochs=args.epochs, finetune_epochs=args.finetune_epochs, lr=args.lr, finetune_lr=args.finetune_lr,
-        batch_size=args.batch_size, val_fraction=args.val_fraction, seed=args.seed,
+        layer=args.layer,
+        objective=args.objective,
+        inner_size=args.inner_size,
+        percentile=args.percentile,
+        epochs=args.epochs,
+        finetune_epochs=args.finetune_epochs,
+        lr=args.lr,
+        finetune_lr=args.finetune_lr,
+        batch_size=args.batch_size,
+        val_fraction=args.val_fraction,
+        seed=args.seed,
         features=tuple(f for f in (args.features or "").split(",") if f),
     )
     pretrain = router_data.load(args.data)
     finetune = router_data.load(args.finetune) if args.finetune else None
-    head, log = router_train.train(cfg, pretrain, finetune,
-                                   {"pretrain_data": args.data, "finetune_data": args.finetune or []})
+    head, log = router_train.train(
+        cfg, pretrain, finetune, {"pretrain_data": args.data, "finetune_data": args.finetune or []}
+    )
     router_train.save(head, log, args.out)
     val = head.meta.extra["val"]
     feats = f" + {','.join(cfg.features)}" if cfg.features else ""
-    print(f"head ({cfg.objective}, layer {head.layer}{feats}, {head.meta.hidden_size}->{head.meta.inner_size}->"
-          f"{head.meta.num_classes if cfg.objective != 'regression' else 1}) -> {args.out}; held-out windows: "
-          f"gap closed {val['gap_closed']:.3f}, AUC(KL > T_KL) {val['auc_high_kl']:.3f}")
+    print(
+        f"head ({cfg.objective}, layer {head.layer}{feats}, {head.meta.hidden_size}->{head.meta.inner_size}->"
+        f"{head.meta.num_classes if cfg.objective != 'regression' else 1}) -> {args.out}; held-out windows: "
+        f"gap closed {val['gap_closed']:.3f}, AUC(KL > T_KL) {val['auc_high_kl']:.3f}"
+    )
     return 0
 
 
@@ -92,8 +112,10 @@ def _router_calibrate(args) -> int:
     rates = tuple(float(x) for x in args.rates.split(",")) if args.rates else DEFAULT_RATES
     summary = calibrate_dir(args.head, router_data.load(args.data), rates, source=",".join(args.data))
     worst = max(abs(a - r) for a, r in zip(summary["achieved"], summary["rates"]))
-    print(f"calibrated {len(summary['rates'])} rates on {summary['positions']} positions "
-          f"(max |achieved - target| on this set {worst:.4f}) -> {Path(args.head) / 'head.json'}")
+    print(
+        f"calibrated {len(summary['rates'])} rates on {summary['positions']} positions "
+        f"(max |achieved - target| on this set {worst:.4f}) -> {Path(args.head) / 'head.json'}"
+    )
     for r, t, a in zip(summary["rates"], summary["thresholds"], summary["achieved"]):
         if round(r * 10, 6) == round(r * 10):  # print every 0.1
             print(f"  rate {r:.2f}  threshold {t:+.5f}  achieved {a:.3f}")
@@ -105,10 +127,19 @@ def _evaluate(args) -> int:
 
     _threads(args)
     cfg = EvalConfig(
-        run_dir=Path(args.run_dir), head=args.head, heldout=tuple(args.heldout), calib=tuple(args.calib),
-        compare=tuple(args.compare), unseen=tuple(args.unseen), prompts=args.prompts, max_tokens=args.max_tokens,
-        control_requests=args.control_requests, control_tokens=args.control_tokens,
-        targets=tuple(float(x) for x in args.targets.split(",")), skip=tuple(args.skip), seed=args.seed,
+        run_dir=Path(args.run_dir),
+        head=args.head,
+        heldout=tuple(args.heldout),
+        calib=tuple(args.calib),
+        compare=tuple(args.compare),
+        unseen=tuple(args.unseen),
+        prompts=args.prompts,
+        max_tokens=args.max_tokens,
+        control_requests=args.control_requests,
+        control_tokens=args.control_tokens,
+        targets=tuple(float(x) for x in args.targets.split(",")),
+        skip=tuple(args.skip),
+        seed=args.seed,
     )
     report = run(cfg, _load_chain(args))
     print(f"report: {report}")
@@ -120,9 +151,13 @@ def register(sub) -> None:
     p = sub.add_parser("router-data", help="teacher-forced router data (hidden states, KL, entropies) -> shards")
     model_args(p)
     p.add_argument("--out", required=True, help="run dir for shards + manifest.json (resumable)")
-    p.add_argument("--corpus", action="append", help="stdlib|docstrings|pydoc|notes|chat-general|chat-python"
-                   "[:train|calib|heldout], a .jsonl of chat records, or a file/dir of text (repeatable; "
-                   "default stdlib:train)")
+    p.add_argument(
+        "--corpus",
+        action="append",
+        help="stdlib|docstrings|pydoc|notes|chat-general|chat-python"
+        "[:train|calib|heldout], a .jsonl of chat records, or a file/dir of text (repeatable; "
+        "default stdlib:train)",
+    )
     p.add_argument("--max-positions", type=int, default=16384, help="positions in all, split over the corpora")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--windows-per-doc", type=int, default=2)
@@ -165,10 +200,18 @@ def register(sub) -> None:
     p.add_argument("--head", required=True, help="calibrated router head dir")
     p.add_argument("--heldout", action="append", required=True, help="held-out router-data dir(s)")
     p.add_argument("--calib", action="append", default=[], help="calibration router-data dir(s) (fixed thresholds)")
-    p.add_argument("--compare", action="append", default=[],
-                   help="more head dirs (objectives x layers) scored on the held-out data (Fig. 4)")
-    p.add_argument("--unseen", action="append", default=[],
-                   help="router-data dir(s) of domains the router never saw (KL table, control prompts)")
+    p.add_argument(
+        "--compare",
+        action="append",
+        default=[],
+        help="more head dirs (objectives x layers) scored on the held-out data (Fig. 4)",
+    )
+    p.add_argument(
+        "--unseen",
+        action="append",
+        default=[],
+        help="router-data dir(s) of domains the router never saw (KL table, control prompts)",
+    )
     p.add_argument("--prompts", type=int, default=8, help="fixed prompt set size for generation quality")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--control-requests", type=int, default=6, help="requests per domain and target")

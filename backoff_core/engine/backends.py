@@ -21,8 +21,9 @@ class Backend(Protocol):
 
     def crop(self, request_id: str, length: int) -> None: ...
 
-    def extend(self, items: list[tuple[str, list[int]]], hidden_layer: int | None = None,
-               last_only: bool = False) -> list[Extension]: ...
+    def extend(
+        self, items: list[tuple[str, list[int]]], hidden_layer: int | None = None, last_only: bool = False
+    ) -> list[Extension]: ...
 
 
 class SessionLost(RuntimeError):

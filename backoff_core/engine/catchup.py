@@ -18,11 +18,11 @@ import torch
 
 from backoff_core.engine.backends import Backend, LargeUnavailable, SessionLost
 from backoff_core.engine.isolation import batched, fail, reopen
+from backoff_core.engine.state import Live
 from backoff_core.runners.dynamic import Extension
 from backoff_core.runners.sessions import SessionError
 from backoff_core.runners.static_kv import KVCapacityError
 from backoff_core.sampling import Stream, distribution, draw, kl_divergence, residual, sample, uniform
-from backoff_core.engine.state import Live
 from backoff_core.types import CatchUp, Verification
 
 
@@ -87,18 +87,27 @@ class CatchUpper:
         # the step's token of every request that kept its drafts: one batched draw, one host copy
         waiting = [r for r in group if r.request_id in kept]
         tokens = batched(waiting, self.models, lambda g: self._draw(g, kept), lambda r: self._draw([r], kept)[0])
-        outcomes.update((request_id, Outcome(level, kept[request_id], token, 0)) for request_id, token in tokens.items())
+        outcomes.update(
+            (request_id, Outcome(level, kept[request_id], token, 0)) for request_id, token in tokens.items()
+        )
         for r in group:
             if r.request_id in outcomes:
                 length, b = lengths[r.request_id]
-                r.catch_ups.append(CatchUp(level, length, seconds, outcomes[r.request_id].rolled_back, len(group),
-                                           max(0, r.prompt_len - b)))
+                r.catch_ups.append(
+                    CatchUp(
+                        level, length, seconds, outcomes[r.request_id].rolled_back, len(group), max(0, r.prompt_len - b)
+                    )
+                )
         return outcomes
 
     @staticmethod
     def _draw(group: Sequence[Live], logits: dict[str, torch.Tensor]) -> list[int]:
-        return draw(torch.stack([logits[r.request_id] for r in group]), [r.request.sampling for r in group],
-                    [r.seed for r in group], [len(r.tokens) for r in group])
+        return draw(
+            torch.stack([logits[r.request_id] for r in group]),
+            [r.request.sampling for r in group],
+            [r.seed for r in group],
+            [len(r.tokens) for r in group],
+        )
 
     def _one_by_one(self, level: int, group: list[Live], exc: Exception) -> dict[str, Extension]:
         """After a shared catch-up raised: each request alone, from a fresh session (the

@@ -8,7 +8,7 @@ One `step()` advances every live request by one committed token (or one rollback
   4. decide: score -> level per request (thresholds read once per step)
   5. catch-up per level, batched over requests: ONE forward over each request's pending
      tokens; verification may roll back; the step's token comes from that level
-  6. commit: append, stream, stop
+  6. commit: append, stream, stop (commit.py)
 A request whose larger model could not answer (catchup.py) is `degraded`: from then on it
 is routed nowhere but M_S, and a step whose catch-up failed takes M_S's token instead.
 """
@@ -25,16 +25,16 @@ import torch
 
 from backoff_core.engine.backends import Backend
 from backoff_core.engine.catchup import CatchUpper, Outcome
-from backoff_core.routing.control import HIGHEST, LOWEST, RateController, rate_prior
+from backoff_core.engine.commit import CommitContext, commit
 from backoff_core.engine.isolation import batched, each
+from backoff_core.engine.logprobs import TokenTexts
+from backoff_core.engine.propose import draw_small, small_step
+from backoff_core.engine.state import Detokenizer, Live
+from backoff_core.routing.control import HIGHEST, LOWEST, RateController, rate_prior
 from backoff_core.routing.routers import DecisionFunction, StepContext, build_router
 from backoff_core.runners.factory import make_runner
 from backoff_core.sampling import Stream, request_seed, uniforms
-from backoff_core.engine.logprobs import TokenTexts, token_logprobs
-from backoff_core.engine.propose import draw_small, small_step
-from backoff_core.engine.state import Detokenizer, Live
-from backoff_core.types import FinishReason, GenerationRequest, GenerationResult, KVSpec, TokenEvent, Verification, level_names
-
+from backoff_core.types import GenerationRequest, GenerationResult, KVSpec, TokenEvent, level_names
 
 log = logging.getLogger(__name__)
 
@@ -111,22 +111,29 @@ class BackoffEngine:
             raise ValueError(f"{self.num_levels} models need {self.num_levels - 1} thresholds, got {len(thresholds)}")
         low, high = router.threshold_range
         if any(not low <= t <= high for t in thresholds):
-            raise ValueError(f"thresholds of the {router.name} router must be in [{low}, {high}], "
-                             f"got {list(thresholds)}")
+            raise ValueError(
+                f"thresholds of the {router.name} router must be in [{low}, {high}], got {list(thresholds)}"
+            )
         thresholds = tuple(min(HIGHEST, max(LOWEST, float(t))) for t in thresholds)  # finite, in float64 too
         controller = None
         if routing.target_backoff is not None:
             if self.num_levels != 2:
                 raise ValueError("target_backoff needs exactly two models")
             # a calibrated router starts from its calibration table, then the controller steers
-            controller = RateController(routing.target_backoff, thresholds[0], prior=rate_prior(router),
-                                        horizon=request.sampling.max_tokens)
+            controller = RateController(
+                routing.target_backoff, thresholds[0], prior=rate_prior(router), horizon=request.sampling.max_tokens
+            )
             thresholds = (controller.threshold,)
         live = Live(
-            request=request, request_id=request_id, router=router,
+            request=request,
+            request_id=request_id,
+            router=router,
             thresholds=torch.tensor(thresholds, dtype=torch.float64),
-            seed=request_seed(request.sampling.seed), num_levels=self.num_levels,
-            controller=controller, tokens=list(request.prompt_ids), fed=[0] * self.num_levels,
+            seed=request_seed(request.sampling.seed),
+            num_levels=self.num_levels,
+            controller=controller,
+            tokens=list(request.prompt_ids),
+            fed=[0] * self.num_levels,
         )
         start = time.perf_counter()
         opened = []
@@ -158,8 +165,11 @@ class BackoffEngine:
         key = (r.router, r.rate, r.draft_tokens)
         if key not in self._routers:
             self._routers[key] = build_router(
-                r.router, rate=r.rate, draft_tokens=r.draft_tokens,
-                classifier_path=self.classifier_path, hidden_size=self.hidden_size,
+                r.router,
+                rate=r.rate,
+                draft_tokens=r.draft_tokens,
+                classifier_path=self.classifier_path,
+                hidden_size=self.hidden_size,
             )
         return self._routers[key]
 
@@ -205,17 +215,44 @@ class BackoffEngine:
             self._decide(router, group, small, levels, outcomes, scores)
         # 5. catch-ups, one batched forward per level
         for level in range(1, self.num_levels):
-            group = [r for r in live if levels.get(r.request_id) == level and r.request_id not in outcomes and not r.degraded
-                     and r.failure is None]
+            group = [
+                r
+                for r in live
+                if levels.get(r.request_id) == level
+                and r.request_id not in outcomes
+                and not r.degraded
+                and r.failure is None
+            ]
             outcomes.update(self.catch_up.run(level, group))
         # a catch-up failed (degraded): M_S's token instead, for those that skipped M_S
-        small.update(small_step(self.models, [r for r in live if r.degraded and r.failure is None and r.request_id not in small
-                                       and not r.finish_after_verify]))
+        small.update(
+            small_step(
+                self.models,
+                [
+                    r
+                    for r in live
+                    if r.degraded and r.failure is None and r.request_id not in small and not r.finish_after_verify
+                ],
+            )
+        )
         # 6. commit (the tokens of the steps that stay small are drawn together: one sync)
-        drawn = draw_small(self.models, [r for r in live if r.failure is None and r.request_id in small and r.request_id not in outcomes
-                            and not r.finish_after_verify], small)
-        settled = each([r for r in live if r.failure is None], self.models,
-                       lambda r: self._settle(r, outcomes.get(r.request_id), small, drawn.get(r.request_id), scores))
+        drawn = draw_small(
+            self.models,
+            [
+                r
+                for r in live
+                if r.failure is None
+                and r.request_id in small
+                and r.request_id not in outcomes
+                and not r.finish_after_verify
+            ],
+            small,
+        )
+        settled = each(
+            [r for r in live if r.failure is None],
+            self.models,
+            lambda r: self._settle(r, outcomes.get(r.request_id), small, drawn.get(r.request_id), scores),
+        )
         return {request_id: event for request_id, event in settled.items() if event is not None}
 
     def _forced_level(self, r: Live) -> int:
@@ -229,8 +266,9 @@ class BackoffEngine:
         f = r.router.levels_before_small_step(torch.tensor([r.drafts()]), r.thresholds[None], self.num_levels)
         return int(f[0]) if f is not None else -1
 
-    def _settle(self, r: Live, outcome: Outcome | None, small: dict, drawn: int | None,
-                scores: dict) -> TokenEvent | None:
+    def _settle(
+        self, r: Live, outcome: Outcome | None, small: dict, drawn: int | None, scores: dict
+    ) -> TokenEvent | None:
         """Commit r's token of this step (None: nothing to stream). drawn: its token, if it
         stays small."""
         if outcome is None and r.finish_after_verify:  # the verification failed: the drafts stand
@@ -251,7 +289,8 @@ class BackoffEngine:
             return None
         r.finish_after_verify = None
         r.cut_at = None
-        return self._commit(r, token, source, logits, small.get(r.request_id), retracted)
+        ctx = CommitContext(self.detok, self.token_texts, self.eos_ids, self.collect_kl)
+        return commit(r, token, source, logits, small.get(r.request_id), retracted, ctx)
 
     def _decide(self, router, group, small, levels, outcomes, scores) -> None:
         top = self.num_levels - 1
@@ -273,8 +312,12 @@ class BackoffEngine:
         # one call for the group (one host copy of its scores); if it raises, one per
         # request finds whose row it was
         index = {r.request_id: i for i, r in enumerate(group)}
-        rows = batched(group, self.models, lambda g: router.scores(ctx).double().tolist(),
-                       lambda r: float(router.scores(_row(ctx, index[r.request_id]))[0]))
+        rows = batched(
+            group,
+            self.models,
+            lambda g: router.scores(ctx).double().tolist(),
+            lambda r: float(router.scores(_row(ctx, index[r.request_id]))[0]),
+        )
         group = [r for r in group if r.request_id in rows]
         if not group:
             return
@@ -292,47 +335,6 @@ class BackoffEngine:
                 levels[r.request_id] = chosen[i]
                 if outcome is not None and levels[r.request_id] != top:
                     del outcomes[r.request_id]  # the oracle looked, but the step is not the large model's
-
-    def _commit(self, r: Live, token: int, source: int, logits, small, retracted: int) -> TokenEvent:
-        position = len(r.tokens)
-        r.tokens.append(token)
-        r.sources.append(source)
-        if r.num_levels > source + 1 and r.request.routing.verification != Verification.NONE and not r.degraded:
-            r.source_logits[position] = logits
-        if self.collect_kl and small is not None:
-            r.small_logits[position] = small[0]
-        r.prune()
-        if r.first_token_s is None:
-            r.first_token_s = time.perf_counter() - r.started
-        self._check_stop(r, token)
-        event = self.detok.event(r, source, retracted)
-        if r.request.sampling.logprobs is None:
-            return event
-        # under the source level's raw distribution: `logits` are the ones the token was drawn
-        # from (logprobs.py); a rollback's truncate() already dropped the retracted entries
-        entry = token_logprobs(logits, token, r.request.sampling.logprobs, self.token_texts,
-                               text_offset=len(r.text) - len(event.text))
-        r.logprobs.append(entry)
-        return dataclasses.replace(event, logprobs=entry)
-
-    def _check_stop(self, r: Live, token: int) -> None:
-        params = r.request.sampling
-        reason = None
-        if token in self.eos_ids and not params.ignore_eos:
-            reason = FinishReason.STOP
-        elif params.stop:
-            text = self.detok.decode(r.generated)
-            hits = [text.find(s) for s in params.stop if s in text]
-            if hits:
-                r.cut_at = min(hits)
-                reason = FinishReason.STOP
-        if reason is None and len(r.generated) >= params.max_tokens:
-            reason = FinishReason.LENGTH
-        verified = r.request.routing.verification != Verification.NONE and not r.degraded
-        if reason is not None and verified and r.drafts():
-            r.finish_after_verify = reason  # never hand out tokens verification would reject
-        else:
-            r.finished = reason
 
     def finish(self, request_id: str) -> GenerationResult:
         """The result of a finished (or cancelled mid-way) request; frees its sessions.
@@ -386,8 +388,9 @@ def _schedule_drafts(r: Live, rejected: bool) -> None:
 
 def _row(ctx: StepContext, i: int) -> StepContext:
     """Row i of a step's context, as a batch of one."""
-    return StepContext(**{f.name: None if (v := getattr(ctx, f.name)) is None else v[i : i + 1]
-                          for f in dataclasses.fields(ctx)})
+    return StepContext(
+        **{f.name: None if (v := getattr(ctx, f.name)) is None else v[i : i + 1] for f in dataclasses.fields(ctx)}
+    )
 
 
 def _by_router(group: list[Live]) -> dict[DecisionFunction, list[Live]]:

@@ -45,8 +45,12 @@ def each(group: Sequence[Live], models: Sequence[Backend], fn: Callable[[Live], 
     return out
 
 
-def batched(group: Sequence[Live], models: Sequence[Backend], together: Callable[[Sequence[Live]], list[T]],
-            alone: Callable[[Live], T]) -> dict[str, T]:
+def batched(
+    group: Sequence[Live],
+    models: Sequence[Backend],
+    together: Callable[[Sequence[Live]], list[T]],
+    alone: Callable[[Live], T],
+) -> dict[str, T]:
     """sid -> result of one shared call `together(group)` (one result per request, in order);
     if it raises, `alone(r)` for each request finds the culprit (a lone request is its own)."""
     try:

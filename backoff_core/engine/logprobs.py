@@ -67,8 +67,7 @@ class TokenTexts:
         return token.replace("\u2581", " ").encode("utf-8")
 
 
-def token_logprobs(logits: torch.Tensor, token: int, top_n: int, texts: TokenTexts,
-                   text_offset: int) -> TokenLogprobs:
+def token_logprobs(logits: torch.Tensor, token: int, top_n: int, texts: TokenTexts, text_offset: int) -> TokenLogprobs:
     """logits: [V] raw logits of the source model at this step -> the committed token's
     log-probability and the top_n most likely tokens, most likely first (one host copy)."""
     logp = torch.log_softmax(torch.nan_to_num(logits.float(), nan=float("-inf")), dim=-1)  # [V]
@@ -81,5 +80,6 @@ def token_logprobs(logits: torch.Tensor, token: int, top_n: int, texts: TokenTex
         text, raw = texts(token_id)
         return Logprob(token_id=token_id, token=text, token_bytes=raw, logprob=value)
 
-    return TokenLogprobs(chosen=entry(token, values[0]), top=tuple(entry(i, v) for i, v in zip(ids, values[1:])),
-                         text_offset=text_offset)
+    return TokenLogprobs(
+        chosen=entry(token, values[0]), top=tuple(entry(i, v) for i, v in zip(ids, values[1:])), text_offset=text_offset
+    )

@@ -29,8 +29,12 @@ def small_step(models: list[Backend], group: list[Live]) -> dict[str, tuple[torc
         return model.extend([(r.request_id, reopen(model, 0, r))], hidden_layer=layer, last_only=True)[0]
 
     start = time.perf_counter()
-    out = batched(group, models, lambda g: model.extend([(r.request_id, r.tokens[r.fed[0]:]) for r in g],
-                                                               hidden_layer=layer, last_only=True), alone)
+    out = batched(
+        group,
+        models,
+        lambda g: model.extend([(r.request_id, r.tokens[r.fed[0] :]) for r in g], hidden_layer=layer, last_only=True),
+        alone,
+    )
     seconds = time.perf_counter() - start
     result = {}
     for r in group:
@@ -50,7 +54,11 @@ def draw_small(models: list[Backend], group: list[Live], small: dict) -> dict[st
         return {}
 
     def together(g: Sequence[Live]) -> list[int]:
-        return draw(torch.stack([small[r.request_id][0] for r in g]), [r.request.sampling for r in g],
-                    [r.seed for r in g], [len(r.tokens) for r in g])
+        return draw(
+            torch.stack([small[r.request_id][0] for r in g]),
+            [r.request.sampling for r in g],
+            [r.seed for r in g],
+            [len(r.tokens) for r in g],
+        )
 
     return batched(group, models, together, lambda r: together([r])[0])

@@ -11,7 +11,15 @@ import torch
 
 from backoff_core.routing.control import RateController
 from backoff_core.routing.routers import DecisionFunction
-from backoff_core.types import CatchUp, FinishReason, GenerationRequest, GenerationResult, Timings, TokenEvent, TokenLogprobs
+from backoff_core.types import (
+    CatchUp,
+    FinishReason,
+    GenerationRequest,
+    GenerationResult,
+    Timings,
+    TokenEvent,
+    TokenLogprobs,
+)
 
 
 @dataclass

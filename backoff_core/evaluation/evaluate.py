@@ -22,10 +22,10 @@ import torch
 from backoff_core.evaluation import generate as gen
 from backoff_core.learning import data as router_data
 from backoff_core.learning.calibrate import head_scores
-from backoff_core.models.kernels import model_fingerprint
 from backoff_core.learning.data import RouterData
-from backoff_core.routing.head import ClassifierHead
 from backoff_core.learning.metrics import RATES, area, gap_closed, nll_curve, random_curve, thresholds_for_rates
+from backoff_core.models.kernels import model_fingerprint
+from backoff_core.routing.head import ClassifierHead
 
 KL_BUCKETS = (0.0, 0.5, 1.0, 2.0, 5.0, float("inf"))  # the paper's Table 1 edges, plus >= 5
 TABLE2_THRESHOLDS = (1.0, 2.0, 5.0, 10.0)
@@ -58,14 +58,23 @@ class EvalConfig:
 
 def router_scores(head: ClassifierHead, data: RouterData) -> dict[str, torch.Tensor]:
     """Score per position of every decision function (higher = send to M_L)."""
-    return {"oracle": data.kl, "classifier": head_scores(head, data), "entropy": data.ent_s,
-            "max-prob": 1.0 - data.maxp_s}
+    return {
+        "oracle": data.kl,
+        "classifier": head_scores(head, data),
+        "entropy": data.ent_s,
+        "max-prob": 1.0 - data.maxp_s,
+    }
 
 
 def curves(head: ClassifierHead, data: RouterData) -> dict:
     """NLL(b) per router and each router's area and gap closed (Figure 2, teacher-forced)."""
-    out = {"rates": RATES.tolist(), "nll_small": float(data.nll_s.mean()), "nll_large": float(data.nll_l.mean()),
-           "positions": len(data), "routers": {}}
+    out = {
+        "rates": RATES.tolist(),
+        "nll_small": float(data.nll_s.mean()),
+        "nll_large": float(data.nll_l.mean()),
+        "positions": len(data),
+        "routers": {},
+    }
     rand = random_curve(data.nll_s, data.nll_l)
     a_rand = area(rand)
     scores = router_scores(head, data)
@@ -73,16 +82,24 @@ def curves(head: ClassifierHead, data: RouterData) -> dict:
     out["routers"]["random"] = {"curve": rand.tolist(), "area": a_rand, "gap_closed": 0.0}
     for name, s in scores.items():
         c = nll_curve(s, data.nll_s, data.nll_l)
-        out["routers"][name] = {"curve": c.tolist(), "area": area(c), "gap_closed": gap_closed(area(c), a_rand, a_oracle)}
+        out["routers"][name] = {
+            "curve": c.tolist(),
+            "area": area(c),
+            "gap_closed": gap_closed(area(c), a_rand, a_oracle),
+        }
     flipped = nll_curve(-data.kl, data.nll_s, data.nll_l)
-    out["routers"]["flipped-oracle"] = {"curve": flipped.tolist(), "area": area(flipped),
-                                        "gap_closed": gap_closed(area(flipped), a_rand, a_oracle)}
+    out["routers"]["flipped-oracle"] = {
+        "curve": flipped.tolist(),
+        "area": area(flipped),
+        "gap_closed": gap_closed(area(flipped), a_rand, a_oracle),
+    }
     return out
 
 
 def per_domain(data: RouterData, fn) -> dict[str, object]:
-    return {name: fn(data.subset(data.domain == i)) for i, name in enumerate(data.domains)
-            if bool((data.domain == i).any())}
+    return {
+        name: fn(data.subset(data.domain == i)) for i, name in enumerate(data.domains) if bool((data.domain == i).any())
+    }
 
 
 def kl_table(data: RouterData) -> dict:
@@ -90,15 +107,24 @@ def kl_table(data: RouterData) -> dict:
     kl = data.kl
     buckets = {}
     for lo, hi in zip(KL_BUCKETS[:-1], KL_BUCKETS[1:]):
-        buckets[f"{lo:g}-{hi:g}" if hi != float("inf") else f">={lo:g}"] = float(((kl >= lo) & (kl < hi)).float().mean())
-    return {"buckets": buckets, "mean_kl": float(kl.mean()), "median_kl": float(kl.median()),
-            "argmax_agree": float(data.agree.float().mean()), "positions": len(kl)}
+        buckets[f"{lo:g}-{hi:g}" if hi != float("inf") else f">={lo:g}"] = float(
+            ((kl >= lo) & (kl < hi)).float().mean()
+        )
+    return {
+        "buckets": buckets,
+        "mean_kl": float(kl.mean()),
+        "median_kl": float(kl.median()),
+        "argmax_agree": float(data.agree.float().mean()),
+        "positions": len(kl),
+    }
 
 
 def oracle_table(data: RouterData) -> list[dict]:
     """Oracle (KL < T stays small) vs flipped oracle (KL >= T stays small): Table 2, teacher-forced."""
-    rows = [_routed(data, torch.ones(len(data), dtype=torch.bool), "M_S", "-"),
-            _routed(data, torch.zeros(len(data), dtype=torch.bool), "M_L", "-")]
+    rows = [
+        _routed(data, torch.ones(len(data), dtype=torch.bool), "M_S", "-"),
+        _routed(data, torch.zeros(len(data), dtype=torch.bool), "M_L", "-"),
+    ]
     rows += [_routed(data, data.kl < t, "oracle", f"KL < {t:g}") for t in TABLE2_THRESHOLDS]
     rows += [_routed(data, data.kl >= t, "flipped-oracle", f"KL >= {t:g}") for t in FLIPPED_THRESHOLDS]
     return rows
@@ -107,8 +133,13 @@ def oracle_table(data: RouterData) -> list[dict]:
 def _routed(data: RouterData, small: torch.Tensor, model: str, rule: str) -> dict:
     nll = torch.where(small, data.nll_s, data.nll_l)
     agree = torch.where(small, data.agree.bool(), torch.ones_like(small))
-    return {"model": model, "rule": rule, "backoff_rate": float(small.float().mean()), "nll": float(nll.mean()),
-            "top1_agree_with_large": float(agree.float().mean())}
+    return {
+        "model": model,
+        "rule": rule,
+        "backoff_rate": float(small.float().mean()),
+        "nll": float(nll.mean()),
+        "top1_agree_with_large": float(agree.float().mean()),
+    }
 
 
 def high_kl_accuracy(scores: torch.Tensor, kl: torch.Tensor) -> dict:
@@ -121,8 +152,10 @@ def high_kl_accuracy(scores: torch.Tensor, kl: torch.Tensor) -> dict:
         if int(group.sum()) < 10:
             continue
         s = scores[group]
-        out["groups"][f"KL>={g:g}"] = {"count": int(group.sum()),
-                                       "accuracy": [float((s >= t).float().mean()) for t in thresholds]}
+        out["groups"][f"KL>={g:g}"] = {
+            "count": int(group.sum()),
+            "accuracy": [float((s >= t).float().mean()) for t in thresholds],
+        }
     return out
 
 
@@ -134,11 +167,20 @@ def compare_heads(heads: dict[str, ClassifierHead], data: RouterData) -> list[di
         s = head_scores(head, data)
         a = area(nll_curve(s, data.nll_s, data.nll_l))
         val = head.meta.extra.get("val") or {}
-        rows.append({"head": path, "objective": head.meta.objective, "layer": head.layer,
-                     "features": list(head.meta.features),
-                     "inner_size": head.meta.inner_size, "gap_closed": gap_closed(a, rand, oracle), "area": a,
-                     "val_gap_closed": val.get("gap_closed"), "val_auc_high_kl": val.get("auc_high_kl"),
-                     "high_kl": high_kl_accuracy(s, data.kl)})
+        rows.append(
+            {
+                "head": path,
+                "objective": head.meta.objective,
+                "layer": head.layer,
+                "features": list(head.meta.features),
+                "inner_size": head.meta.inner_size,
+                "gap_closed": gap_closed(a, rand, oracle),
+                "area": a,
+                "val_gap_closed": val.get("gap_closed"),
+                "val_auc_high_kl": val.get("auc_high_kl"),
+                "high_kl": high_kl_accuracy(s, data.kl),
+            }
+        )
     return rows
 
 
@@ -161,10 +203,17 @@ def run(cfg: EvalConfig, chain) -> Path:
     head = ClassifierHead.load(cfg.head)
     heldout = router_data.load(list(cfg.heldout))
     _check_pair(head, heldout, chain)
-    res: dict = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in cfg.__dict__.items()},
-                 "head": {"path": cfg.head, "objective": head.meta.objective, "layer": head.layer,
-                          "inner_size": head.meta.inner_size, "features": list(head.meta.features),
-                          "extra": head.meta.extra}}
+    res: dict = {
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in cfg.__dict__.items()},
+        "head": {
+            "path": cfg.head,
+            "objective": head.meta.objective,
+            "layer": head.layer,
+            "inner_size": head.meta.inner_size,
+            "features": list(head.meta.features),
+            "extra": head.meta.extra,
+        },
+    }
     res["curves"] = curves(head, heldout)
     res["curves_by_domain"] = per_domain(heldout, lambda d: _gaps(curves(head, d)))
     unseen = router_data.load(list(cfg.unseen)) if cfg.unseen else None
@@ -193,12 +242,19 @@ def _engine_sections(cfg: EvalConfig, chain, head, heldout, calib, res: dict) ->
             raise ValueError(f"{cfg.heldout[-1]} holds no chat records to take generation prompts from")
         th = fixed_thresholds(head, calib, cfg.targets)
         runs = [gen.Run("M_L", "always-large"), gen.Run("M_S", "always-small")]
-        runs += [gen.Run(f"{r}@{t}", r, thresholds=(th[r][t],), nominal=t) for r in ("oracle", "classifier", "entropy", "random")
-                 if r in th for t in cfg.targets]
+        runs += [
+            gen.Run(f"{r}@{t}", r, thresholds=(th[r][t],), nominal=t)
+            for r in ("oracle", "classifier", "entropy", "random")
+            if r in th
+            for t in cfg.targets
+        ]
         runs += [gen.Run(f"oracle KL<{t:g}", "oracle", thresholds=(t,)) for t in TABLE2_THRESHOLDS]
         runs += [gen.Run(f"flipped KL>={t:g}", "flipped-oracle", thresholds=(-t,)) for t in FLIPPED_THRESHOLDS]
-        res["generation"] = {"prompts": len(prompts), "max_tokens": cfg.max_tokens,
-                             "runs": gen.quality_runs(engine, large, prompts, runs, cfg.max_tokens)}
+        res["generation"] = {
+            "prompts": len(prompts),
+            "max_tokens": cfg.max_tokens,
+            "runs": gen.quality_runs(engine, large, prompts, runs, cfg.max_tokens),
+        }
     if "speed" not in cfg.skip:
         prompt = gen.chat_prompt_ids(chain.tokenizer, Path(cfg.heldout[-1]), 1, cfg.seed + 1)[0]
         res["speed"] = gen.speed(chain, engine, head, prompt, (0.5, 0.7, 0.9), cfg.max_tokens)
@@ -207,14 +263,19 @@ def _engine_sections(cfg: EvalConfig, chain, head, heldout, calib, res: dict) ->
         for d in cfg.unseen:
             manifest = json.loads((Path(d) / "manifest.json").read_text())
             domains[manifest["config"]["corpora"][0]] = gen.domain_prompt_ids(
-                chain.tokenizer, Path(d), cfg.control_requests, cfg.seed)
-        res["control"] = gen.control_runs(engine, domains, head.threshold_for_rate, cfg.targets,
-                                          cfg.control_tokens, cfg.seed)
+                chain.tokenizer, Path(d), cfg.control_requests, cfg.seed
+            )
+        res["control"] = gen.control_runs(
+            engine, domains, head.threshold_for_rate, cfg.targets, cfg.control_tokens, cfg.seed
+        )
 
 
 def _gaps(c: dict) -> dict:
     return {name: r["gap_closed"] for name, r in c["routers"].items()} | {
-        "nll_small": c["nll_small"], "nll_large": c["nll_large"], "positions": c["positions"]}
+        "nll_small": c["nll_small"],
+        "nll_large": c["nll_large"],
+        "positions": c["positions"],
+    }
 
 
 def _check_pair(head: ClassifierHead, data: RouterData, chain) -> None:

@@ -20,8 +20,8 @@ import torch
 from tqdm import tqdm
 
 from backoff_core.engine.engine import BackoffEngine
+from backoff_core.learning.sources import CHAT_DOMAINS, load_documents, parse_spec
 from backoff_core.models.prompts import encode_prompt
-from backoff_core.learning.sources import load_documents, parse_spec, CHAT_DOMAINS
 from backoff_core.runners.dynamic import ModelRunner, timed
 from backoff_core.types import GenerationRequest, RoutingParams, SamplingParams
 
@@ -82,7 +82,9 @@ def domain_prompt_ids(tokenizer, data_dir: Path, n: int, seed: int, prefix: int 
 
 def generate(engine: BackoffEngine, prompts: list[list[int]], run: Run, sampling: SamplingParams):
     routing = RoutingParams(router=run.router, thresholds=run.thresholds, target_backoff=run.target)
-    requests = [GenerationRequest(tuple(p), sampling, routing, request_id=f"{run.label}-{i}") for i, p in enumerate(prompts)]
+    requests = [
+        GenerationRequest(tuple(p), sampling, routing, request_id=f"{run.label}-{i}") for i, p in enumerate(prompts)
+    ]
     return engine.generate_many(requests)
 
 
@@ -113,32 +115,62 @@ def quality_runs(engine: BackoffEngine, large, prompts, runs: list[Run], max_tok
         nll, agree = large_scores(large, prompts, outs)
         tokens = sum(len(o) for o in outs)
         rate = sum(r.backoff_rate * len(r.token_ids) for r in results) / max(1, tokens)
-        rows.append({"label": run.label, "router": run.router, "thresholds": run.thresholds,
-                     "target": run.target if run.target is not None else run.nominal, "backoff_rate": rate, "large_nll": nll, "agreement": agree})
+        rows.append(
+            {
+                "label": run.label,
+                "router": run.router,
+                "thresholds": run.thresholds,
+                "target": run.target if run.target is not None else run.nominal,
+                "backoff_rate": rate,
+                "large_nll": nll,
+                "agreement": agree,
+            }
+        )
     return rows
 
 
-def control_runs(engine: BackoffEngine, domains: dict[str, list[list[int]]], head_threshold, targets,
-                 max_tokens: int, seed: int) -> list[dict]:
+def control_runs(
+    engine: BackoffEngine, domains: dict[str, list[list[int]]], head_threshold, targets, max_tokens: int, seed: int
+) -> list[dict]:
     """Per domain and target: the controller (`target_backoff`) and the fixed calibrated threshold."""
     rows = []
     jobs = [(d, t, mode) for d in domains for t in targets for mode in ("controller", "fixed")]
     for domain, target, mode in tqdm(jobs, desc="rate control", unit="run"):
         prompts = domains[domain]
-        run = Run(f"{domain}-{target}-{mode}", "classifier", target=target if mode == "controller" else None,
-                  thresholds=None if mode == "controller" else (head_threshold(target),))
+        run = Run(
+            f"{domain}-{target}-{mode}",
+            "classifier",
+            target=target if mode == "controller" else None,
+            thresholds=None if mode == "controller" else (head_threshold(target),),
+        )
         sampling = SamplingParams(max_tokens=max_tokens, temperature=0.8, top_p=0.95, seed=seed)
         routing = RoutingParams(router=run.router, thresholds=run.thresholds, target_backoff=run.target)
-        requests = [GenerationRequest(tuple(p), SamplingParams(**{**sampling.__dict__, "seed": seed + i}), routing,
-                                      request_id=f"{run.label}-{i}") for i, p in enumerate(prompts)]
+        requests = [
+            GenerationRequest(
+                tuple(p),
+                SamplingParams(**{**sampling.__dict__, "seed": seed + i}),
+                routing,
+                request_id=f"{run.label}-{i}",
+            )
+            for i, p in enumerate(prompts)
+        ]
         results = engine.generate_many(requests)
         rates = [r.backoff_rate for r in results]
         tokens = [len(r.token_ids) for r in results]
         pooled = sum(r * n for r, n in zip(rates, tokens)) / max(1, sum(tokens))
-        rows.append({"domain": domain, "target": target, "mode": mode, "pooled": pooled,
-                     "error": pooled - target, "per_request": rates, "tokens": tokens,
-                     "mean_abs_request_error": statistics.fmean(abs(r - target) for r in rates),
-                     "trajectories": [_running_rate(r.sources) for r in results[:3]]})
+        rows.append(
+            {
+                "domain": domain,
+                "target": target,
+                "mode": mode,
+                "pooled": pooled,
+                "error": pooled - target,
+                "per_request": rates,
+                "tokens": tokens,
+                "mean_abs_request_error": statistics.fmean(abs(r - target) for r in rates),
+                "trajectories": [_running_rate(r.sources) for r in results[:3]],
+            }
+        )
     return rows
 
 
@@ -183,11 +215,21 @@ def speed(chain, engine: BackoffEngine, head, prompt: list[int], targets, max_to
         for _ in range(repeats):
             r = generate(engine, [prompt], run, sampling)[0]
             decode = max(1e-9, r.timings.total - r.timings.first_token)
-            per.append(((len(r.token_ids) - 1) / decode, r.backoff_rate,
-                        statistics.median(r.timings.router_steps) if r.timings.router_steps else 0.0,
-                        statistics.median(r.timings.small_steps) if r.timings.small_steps else 0.0))
-        rows.append({"label": run.label, "tokens_per_s": statistics.median(p[0] for p in per),
-                     "backoff_rate": statistics.median(p[1] for p in per),
-                     "c_r_engine_s": statistics.median(p[2] for p in per),
-                     "c_S_engine_s": statistics.median(p[3] for p in per)})
+            per.append(
+                (
+                    (len(r.token_ids) - 1) / decode,
+                    r.backoff_rate,
+                    statistics.median(r.timings.router_steps) if r.timings.router_steps else 0.0,
+                    statistics.median(r.timings.small_steps) if r.timings.small_steps else 0.0,
+                )
+            )
+        rows.append(
+            {
+                "label": run.label,
+                "tokens_per_s": statistics.median(p[0] for p in per),
+                "backoff_rate": statistics.median(p[1] for p in per),
+                "c_r_engine_s": statistics.median(p[2] for p in per),
+                "c_S_engine_s": statistics.median(p[3] for p in per),
+            }
+        )
     return {"c_S_s": c_s, "c_head_s": c_head, "P_L_s": p_l, "runs": rows, "time": time.time()}

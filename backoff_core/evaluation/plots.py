@@ -11,16 +11,27 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from backoff_core.learning.plots import save_figure
 
-COLOURS = {"oracle": "black", "classifier": "tab:blue", "entropy": "tab:orange", "max-prob": "tab:green",
-           "random": "tab:gray", "flipped-oracle": "tab:red"}
+COLOURS = {
+    "oracle": "black",
+    "classifier": "tab:blue",
+    "entropy": "tab:orange",
+    "max-prob": "tab:green",
+    "random": "tab:gray",
+    "flipped-oracle": "tab:red",
+}
 
 
 def plot_quality_vs_backoff(res: dict, path: Path) -> Path:
     c = res["curves"]
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     for name, r in c["routers"].items():
-        ax.plot(c["rates"], r["curve"], label=f"{name} (gap closed {r['gap_closed']:.2f})",
-                color=COLOURS.get(name), ls="--" if name == "flipped-oracle" else "-")
+        ax.plot(
+            c["rates"],
+            r["curve"],
+            label=f"{name} (gap closed {r['gap_closed']:.2f})",
+            color=COLOURS.get(name),
+            ls="--" if name == "flipped-oracle" else "-",
+        )
     ax.axhline(c["nll_large"], color="gray", ls=":", lw=0.8)
     ax.axhline(c["nll_small"], color="gray", ls=":", lw=0.8)
     ax.set_xlabel("backoff rate (share of tokens from M_S)")
@@ -70,8 +81,12 @@ def plot_generation(res: dict, path: Path) -> Path | None:
         rows = sorted((r for r in g["runs"] if r["label"].startswith(name + "@")), key=lambda r: r["backoff_rate"])
         if rows:
             for ax, key in zip(axes, ("large_nll", "agreement")):
-                ax.plot([r["backoff_rate"] for r in rows], [r[key] for r in rows], "o-", label=name, color=COLOURS[name])
-    for ax, key, label in zip(axes, ("large_nll", "agreement"), ("M_L NLL of generated text", "greedy agreement with M_L")):
+                ax.plot(
+                    [r["backoff_rate"] for r in rows], [r[key] for r in rows], "o-", label=name, color=COLOURS[name]
+                )
+    for ax, key, label in zip(
+        axes, ("large_nll", "agreement"), ("M_L NLL of generated text", "greedy agreement with M_L")
+    ):
         for ref, r in refs.items():
             ax.axhline(r[key], color="gray", ls=":", lw=0.8)
             ax.annotate(ref, (0.01, r[key]), fontsize=7)
@@ -86,8 +101,10 @@ def plot_high_kl(res: dict, path: Path) -> Path | None:
     # the shipped head, then the paper-like heads (hidden state only) of each objective on its layer
     main = res["head"]
     rows = [{"objective": main["objective"], "features": main.get("features"), "high_kl": res["high_kl"]}]
-    rows += sorted((r for r in res.get("compare", []) if r["layer"] == main["layer"] and not r.get("features")),
-                   key=lambda r: r["objective"])
+    rows += sorted(
+        (r for r in res.get("compare", []) if r["layer"] == main["layer"] and not r.get("features")),
+        key=lambda r: r["objective"],
+    )
     fig, axes = plt.subplots(1, len(rows), figsize=(4.2 * len(rows), 3.6), squeeze=False)
     for ax, r in zip(axes[0], rows):
         hk = r["high_kl"]
@@ -130,8 +147,14 @@ def plot_control(res: dict, path: Path) -> Path | None:
     for i, d in enumerate(domains):
         for mode, marker in (("controller", "o"), ("fixed", "x")):
             pts = sorted((r["target"], r["pooled"]) for r in rows if r["domain"] == d and r["mode"] == mode)
-            axes[0].plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, ls="-" if mode == "controller" else ":",
-                         color=f"C{i}", label=f"{d} ({mode})")
+            axes[0].plot(
+                [p[0] for p in pts],
+                [p[1] for p in pts],
+                marker=marker,
+                ls="-" if mode == "controller" else ":",
+                color=f"C{i}",
+                label=f"{d} ({mode})",
+            )
     lo, hi = 0.4, 1.0
     axes[0].plot([lo, hi], [lo, hi], color="gray", lw=0.8)
     axes[0].fill_between([lo, hi], [lo - 0.03, hi - 0.03], [lo + 0.03, hi + 0.03], color="gray", alpha=0.15)
@@ -142,8 +165,13 @@ def plot_control(res: dict, path: Path) -> Path | None:
     for r in rows:
         if r["mode"] == "controller" and r["domain"] == domains[0]:
             for j, traj in enumerate(r["trajectories"]):
-                axes[1].plot(range(1, len(traj) + 1), traj, color=colour[r["target"]], lw=0.8,
-                             label=f"target {r['target']}" if j == 0 else None)
+                axes[1].plot(
+                    range(1, len(traj) + 1),
+                    traj,
+                    color=colour[r["target"]],
+                    lw=0.8,
+                    label=f"target {r['target']}" if j == 0 else None,
+                )
             axes[1].axhline(r["target"], color="gray", ls=":", lw=0.8)
     axes[1].set_xlabel("generated tokens")
     axes[1].set_ylabel("running backoff rate")
@@ -154,9 +182,14 @@ def plot_control(res: dict, path: Path) -> Path | None:
 
 def plot_all(res: dict, run_dir: Path) -> dict[str, Path]:
     out = {}
-    for name, fn in (("quality_vs_backoff", plot_quality_vs_backoff), ("quality_vs_speed", plot_quality_vs_speed),
-                     ("generation", plot_generation), ("high_kl_accuracy", plot_high_kl), ("layers", plot_layers),
-                     ("control", plot_control)):
+    for name, fn in (
+        ("quality_vs_backoff", plot_quality_vs_backoff),
+        ("quality_vs_speed", plot_quality_vs_speed),
+        ("generation", plot_generation),
+        ("high_kl_accuracy", plot_high_kl),
+        ("layers", plot_layers),
+        ("control", plot_control),
+    ):
         p = fn(res, Path(run_dir) / f"{name}.png")
         if p is not None:
             out[name] = p

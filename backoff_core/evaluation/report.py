@@ -27,28 +27,36 @@ def goals(res: dict) -> list[str]:
     lines = ["## Goals", ""]
     gap = res["curves"]["routers"]["classifier"]["gap_closed"]
     h = res["head"]
-    lines.append(f"- **Gap closed** (area under NLL vs backoff, random → oracle, held-out text): "
-                 f"**{gap:.3f}** with the {h['objective']} head on layer {h['layer']} "
-                 f"(goal ≥ {GAP_GOAL:.2f}: {'met' if gap >= GAP_GOAL else 'MISSED'}).")
+    lines.append(
+        f"- **Gap closed** (area under NLL vs backoff, random → oracle, held-out text): "
+        f"**{gap:.3f}** with the {h['objective']} head on layer {h['layer']} "
+        f"(goal ≥ {GAP_GOAL:.2f}: {'met' if gap >= GAP_GOAL else 'MISSED'})."
+    )
     ctrl = [r for r in res.get("control", []) if r["mode"] == "controller"]
     if ctrl:
         worst = max(ctrl, key=lambda r: abs(r["error"]))
         ok = abs(worst["error"]) <= CONTROL_GOAL
-        lines.append(f"- **Online control** on {len({r['domain'] for r in ctrl})} unseen domains × targets "
-                     f"{sorted({r['target'] for r in ctrl})}: worst |achieved − target| (pooled per domain) "
-                     f"**{abs(worst['error']) * 100:.1f} points** ({worst['domain']}, target {worst['target']}) "
-                     f"(goal ≤ {CONTROL_GOAL * 100:.0f}: {'met' if ok else 'MISSED'}); mean per-request |error| "
-                     f"{100 * sum(r['mean_abs_request_error'] for r in ctrl) / len(ctrl):.1f} points.")
+        lines.append(
+            f"- **Online control** on {len({r['domain'] for r in ctrl})} unseen domains × targets "
+            f"{sorted({r['target'] for r in ctrl})}: worst |achieved − target| (pooled per domain) "
+            f"**{abs(worst['error']) * 100:.1f} points** ({worst['domain']}, target {worst['target']}) "
+            f"(goal ≤ {CONTROL_GOAL * 100:.0f}: {'met' if ok else 'MISSED'}); mean per-request |error| "
+            f"{100 * sum(r['mean_abs_request_error'] for r in ctrl) / len(ctrl):.1f} points."
+        )
     sp = res.get("speed")
     if sp:
         cost = head_cost(sp)
-        what = "MLP" + (" + " + "/".join(h.get("features") or ()) + " from the step's logits" if h.get("features") else "")
-        lines.append(f"- **Router head cost** ({what}), measured in the engine as the decision step's time with the "
-                     f"head minus without it (always-small): **{cost['marginal_s'] * 1e3:.3f} ms = "
-                     f"{100 * cost['marginal_ratio']:.1f}%** of the M_S step ({cost['c_S_s'] * 1e3:.2f} ms) "
-                     f"(goal ≤ {HEAD_COST_GOAL * 100:.0f}%: {'met' if cost['marginal_ratio'] <= HEAD_COST_GOAL else 'MISSED'}); "
-                     f"the head alone with warm caches: {sp['c_head_s'] * 1e3:.3f} ms "
-                     f"({100 * sp['c_head_s'] / sp['c_S_s']:.1f}% of c_S measured alone, {sp['c_S_s'] * 1e3:.2f} ms).")
+        what = "MLP" + (
+            " + " + "/".join(h.get("features") or ()) + " from the step's logits" if h.get("features") else ""
+        )
+        lines.append(
+            f"- **Router head cost** ({what}), measured in the engine as the decision step's time with the "
+            f"head minus without it (always-small): **{cost['marginal_s'] * 1e3:.3f} ms = "
+            f"{100 * cost['marginal_ratio']:.1f}%** of the M_S step ({cost['c_S_s'] * 1e3:.2f} ms) "
+            f"(goal ≤ {HEAD_COST_GOAL * 100:.0f}%: {'met' if cost['marginal_ratio'] <= HEAD_COST_GOAL else 'MISSED'}); "
+            f"the head alone with warm caches: {sp['c_head_s'] * 1e3:.3f} ms "
+            f"({100 * sp['c_head_s'] / sp['c_S_s']:.1f}% of c_S measured alone, {sp['c_S_s'] * 1e3:.2f} ms)."
+        )
     return lines + [""]
 
 
@@ -66,20 +74,32 @@ def head_cost(sp: dict) -> dict:
 
 def curves_section(res: dict, plots: dict) -> list[str]:
     c = res["curves"]
-    lines = ["## Quality vs backoff rate (paper Figure 2, teacher-forced)", "",
-             f"Held-out positions: {c['positions']}; NLL M_S alone {c['nll_small']:.3f}, M_L alone {c['nll_large']:.3f}.", ""]
+    lines = [
+        "## Quality vs backoff rate (paper Figure 2, teacher-forced)",
+        "",
+        f"Held-out positions: {c['positions']}; NLL M_S alone {c['nll_small']:.3f}, M_L alone {c['nll_large']:.3f}.",
+        "",
+    ]
     names = list(c["routers"])
-    lines += _table(["router", "area under NLL(b)", "gap closed"],
-                    [[n, c["routers"][n]["area"], c["routers"][n]["gap_closed"]] for n in names])
-    for key, title in (("curves_by_domain", "Gap closed per held-out domain"),
-                       ("curves_unseen", "Gap closed on domains the router never saw")):
+    lines += _table(
+        ["router", "area under NLL(b)", "gap closed"],
+        [[n, c["routers"][n]["area"], c["routers"][n]["gap_closed"]] for n in names],
+    )
+    for key, title in (
+        ("curves_by_domain", "Gap closed per held-out domain"),
+        ("curves_unseen", "Gap closed on domains the router never saw"),
+    ):
         if res.get(key):
             doms = res[key]
             routers = [n for n in ("classifier", "entropy", "max-prob", "oracle") if n in next(iter(doms.values()))]
             lines += [f"**{title}**", ""]
-            lines += _table(["domain", "positions", "NLL M_S", "NLL M_L", *routers],
-                            [[d, v["positions"], v["nll_small"], v["nll_large"], *[v[r] for r in routers]]
-                             for d, v in doms.items()])
+            lines += _table(
+                ["domain", "positions", "NLL M_S", "NLL M_L", *routers],
+                [
+                    [d, v["positions"], v["nll_small"], v["nll_large"], *[v[r] for r in routers]]
+                    for d, v in doms.items()
+                ],
+            )
     lines += _img(plots, "quality_vs_backoff") + _img(plots, "quality_vs_speed")
     return lines
 
@@ -88,25 +108,39 @@ def kl_section(res: dict) -> list[str]:
     lines = ["## KL(M_L ‖ M_S) buckets (paper Table 1)", ""]
     doms = res["kl_table"]
     buckets = list(next(iter(doms.values()))["buckets"])
-    lines += _table(["domain", "positions", *buckets, "mean KL", "argmax agree"],
-                    [[d, v["positions"], *[v["buckets"][b] for b in buckets], v["mean_kl"], v["argmax_agree"]]
-                     for d, v in doms.items()])
+    lines += _table(
+        ["domain", "positions", *buckets, "mean KL", "argmax agree"],
+        [
+            [d, v["positions"], *[v["buckets"][b] for b in buckets], v["mean_kl"], v["argmax_agree"]]
+            for d, v in doms.items()
+        ],
+    )
     return lines
 
 
 def oracle_section(res: dict) -> list[str]:
-    lines = ["## Oracle vs flipped oracle (paper Table 2)", "",
-             "Teacher-forced on held-out text (NLL of the text; share of positions whose routed model's argmax "
-             "equals M_L's):", ""]
-    lines += _table(["model", "rule (stays on M_S)", "backoff %", "NLL", "top-1 = M_L"],
-                    [[r["model"], r["rule"], 100 * r["backoff_rate"], r["nll"], r["top1_agree_with_large"]]
-                     for r in res["oracle_table"]])
+    lines = [
+        "## Oracle vs flipped oracle (paper Table 2)",
+        "",
+        "Teacher-forced on held-out text (NLL of the text; share of positions whose routed model's argmax "
+        "equals M_L's):",
+        "",
+    ]
+    lines += _table(
+        ["model", "rule (stays on M_S)", "backoff %", "NLL", "top-1 = M_L"],
+        [
+            [r["model"], r["rule"], 100 * r["backoff_rate"], r["nll"], r["top1_agree_with_large"]]
+            for r in res["oracle_table"]
+        ],
+    )
     g = res.get("generation")
     if g:
         rows = [r for r in g["runs"] if r["label"] in ("M_L", "M_S") or "KL" in r["label"]]
         lines += [f"Generated ({g['prompts']} held-out chat prompts × {g['max_tokens']} greedy tokens):", ""]
-        lines += _table(["run", "backoff %", "M_L NLL of text", "greedy agreement with M_L"],
-                        [[r["label"], 100 * r["backoff_rate"], r["large_nll"], r["agreement"]] for r in rows])
+        lines += _table(
+            ["run", "backoff %", "M_L NLL of text", "greedy agreement with M_L"],
+            [[r["label"], 100 * r["backoff_rate"], r["large_nll"], r["agreement"]] for r in rows],
+        )
     return lines
 
 
@@ -115,11 +149,16 @@ def generation_section(res: dict, plots: dict) -> list[str]:
     if not g:
         return []
     rows = [r for r in g["runs"] if "@" in r["label"] or r["label"] in ("M_L", "M_S")]
-    lines = ["## Generated text: M_L's NLL and greedy agreement with M_L", "",
-             "Thresholds fixed from the calibration set for each router's target rate.", ""]
-    lines += _table(["run", "target", "achieved backoff %", "M_L NLL of text", "greedy agreement"],
-                    [[r["label"], r["target"], 100 * r["backoff_rate"],
-                      r["large_nll"], r["agreement"]] for r in rows])
+    lines = [
+        "## Generated text: M_L's NLL and greedy agreement with M_L",
+        "",
+        "Thresholds fixed from the calibration set for each router's target rate.",
+        "",
+    ]
+    lines += _table(
+        ["run", "target", "achieved backoff %", "M_L NLL of text", "greedy agreement"],
+        [[r["label"], r["target"], 100 * r["backoff_rate"], r["large_nll"], r["agreement"]] for r in rows],
+    )
     return lines + _img(plots, "generation")
 
 
@@ -127,10 +166,16 @@ def high_kl_section(res: dict, plots: dict) -> list[str]:
     hk = res["high_kl"]
     want = [0.5, 0.7, 0.9]
     idx = [min(range(len(hk["rates"])), key=lambda i: abs(hk["rates"][i] - w)) for w in want]
-    lines = ["## Accuracy on high-KL positions vs backoff rate (paper Figure 3)", "",
-             "Share of positions in each KL group that the head sends to M_L:", ""]
-    lines += _table(["group", "count", *[f"b={hk['rates'][i]:.2f}" for i in idx]],
-                    [[g, v["count"], *[v["accuracy"][i] for i in idx]] for g, v in hk["groups"].items()])
+    lines = [
+        "## Accuracy on high-KL positions vs backoff rate (paper Figure 3)",
+        "",
+        "Share of positions in each KL group that the head sends to M_L:",
+        "",
+    ]
+    lines += _table(
+        ["group", "count", *[f"b={hk['rates'][i]:.2f}" for i in idx]],
+        [[g, v["count"], *[v["accuracy"][i] for i in idx]] for g, v in hk["groups"].items()],
+    )
     return lines + _img(plots, "high_kl_accuracy")
 
 
@@ -139,11 +184,22 @@ def compare_section(res: dict, plots: dict) -> list[str]:
     if not rows:
         return []
     lines = ["## Heads by objective and layer (paper Figure 4: quality per layer depth)", ""]
-    lines += _table(["head", "objective", "layer", "logit features", "inner", "held-out gap closed", "val gap closed",
-                     "val AUC"],
-                    [[Path(r["head"]).name, r["objective"], r["layer"], ",".join(r.get("features", [])) or "–",
-                      r["inner_size"], r["gap_closed"],
-                      r["val_gap_closed"], r["val_auc_high_kl"]] for r in sorted(rows, key=lambda r: (r["objective"], r["layer"]))])
+    lines += _table(
+        ["head", "objective", "layer", "logit features", "inner", "held-out gap closed", "val gap closed", "val AUC"],
+        [
+            [
+                Path(r["head"]).name,
+                r["objective"],
+                r["layer"],
+                ",".join(r.get("features", [])) or "–",
+                r["inner_size"],
+                r["gap_closed"],
+                r["val_gap_closed"],
+                r["val_auc_high_kl"],
+            ]
+            for r in sorted(rows, key=lambda r: (r["objective"], r["layer"]))
+        ],
+    )
     return lines + _img(plots, "layers")
 
 
@@ -151,12 +207,21 @@ def speed_section(res: dict) -> list[str]:
     sp = res.get("speed")
     if not sp:
         return []
-    lines = ["## Measured speed (this machine, shared CPU)", "",
-             f"c_S (M_S step with hidden state) {sp['c_S_s'] * 1e3:.2f} ms; router head alone "
-             f"{sp['c_head_s'] * 1e3:.3f} ms; P_L(k): " + ", ".join(f"k={k}: {v * 1e3:.1f} ms" for k, v in sp["P_L_s"].items()), ""]
-    lines += _table(["run", "achieved backoff %", "decode tokens/s", "c_r in engine (ms)", "c_S in engine (ms)"],
-                    [[r["label"], 100 * r["backoff_rate"], r["tokens_per_s"], r["c_r_engine_s"] * 1e3,
-                      r["c_S_engine_s"] * 1e3] for r in sp["runs"]])
+    lines = [
+        "## Measured speed (this machine, shared CPU)",
+        "",
+        f"c_S (M_S step with hidden state) {sp['c_S_s'] * 1e3:.2f} ms; router head alone "
+        f"{sp['c_head_s'] * 1e3:.3f} ms; P_L(k): "
+        + ", ".join(f"k={k}: {v * 1e3:.1f} ms" for k, v in sp["P_L_s"].items()),
+        "",
+    ]
+    lines += _table(
+        ["run", "achieved backoff %", "decode tokens/s", "c_r in engine (ms)", "c_S in engine (ms)"],
+        [
+            [r["label"], 100 * r["backoff_rate"], r["tokens_per_s"], r["c_r_engine_s"] * 1e3, r["c_S_engine_s"] * 1e3]
+            for r in sp["runs"]
+        ],
+    )
     return lines
 
 
@@ -164,13 +229,28 @@ def control_section(res: dict, plots: dict) -> list[str]:
     rows = res.get("control")
     if not rows:
         return []
-    lines = ["## Online rate control on unseen domains", "",
-             "`controller`: the request asks for `target_backoff`; `fixed`: the calibrated threshold for that rate "
-             "held fixed (a lookup). Pooled = small tokens / all tokens over the domain's requests.", ""]
-    lines += _table(["domain", "target", "mode", "pooled achieved", "error (points)", "mean |request error| (points)",
-                     "tokens"],
-                    [[r["domain"], r["target"], r["mode"], r["pooled"], 100 * r["error"],
-                      100 * r["mean_abs_request_error"], sum(r["tokens"])] for r in rows])
+    lines = [
+        "## Online rate control on unseen domains",
+        "",
+        "`controller`: the request asks for `target_backoff`; `fixed`: the calibrated threshold for that rate "
+        "held fixed (a lookup). Pooled = small tokens / all tokens over the domain's requests.",
+        "",
+    ]
+    lines += _table(
+        ["domain", "target", "mode", "pooled achieved", "error (points)", "mean |request error| (points)", "tokens"],
+        [
+            [
+                r["domain"],
+                r["target"],
+                r["mode"],
+                r["pooled"],
+                100 * r["error"],
+                100 * r["mean_abs_request_error"],
+                sum(r["tokens"]),
+            ]
+            for r in rows
+        ],
+    )
     return lines + _img(plots, "control")
 
 
@@ -180,13 +260,25 @@ def _img(plots: dict, name: str) -> list[str]:
 
 def write_report(res: dict, plots: dict, run_dir: Path) -> Path:
     h = res["head"]
-    lines = ["# Backoff decoding: learned decision functions on our pair", "",
-             f"Head `{h['path']}`: {h['objective']} objective, M_S layer {h['layer']}"
-             f"{' + ' + ', '.join(h['features']) if h.get('features') else ''}, inner size {h['inner_size']}. "
-             "All numbers below are measured by `backoff evaluate` (results.json beside this file).", ""]
+    lines = [
+        "# Backoff decoding: learned decision functions on our pair",
+        "",
+        f"Head `{h['path']}`: {h['objective']} objective, M_S layer {h['layer']}"
+        f"{' + ' + ', '.join(h['features']) if h.get('features') else ''}, inner size {h['inner_size']}. "
+        "All numbers below are measured by `backoff evaluate` (results.json beside this file).",
+        "",
+    ]
     lines += goals(res)
-    for part in (curves_section(res, plots), kl_section(res), oracle_section(res), generation_section(res, plots),
-                 high_kl_section(res, plots), compare_section(res, plots), speed_section(res), control_section(res, plots)):
+    for part in (
+        curves_section(res, plots),
+        kl_section(res),
+        oracle_section(res),
+        generation_section(res, plots),
+        high_kl_section(res, plots),
+        compare_section(res, plots),
+        speed_section(res),
+        control_section(res, plots),
+    ):
         lines += part
     path = Path(run_dir) / "report.md"
     path.write_text("\n".join(lines))

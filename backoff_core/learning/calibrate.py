@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 
 from backoff_core.learning.data import RouterData
-from backoff_core.routing.head import ClassifierHead
 from backoff_core.learning.metrics import thresholds_for_rates
+from backoff_core.routing.head import ClassifierHead
 
 DEFAULT_RATES = tuple(round(i / 50, 4) for i in range(51))
 
@@ -44,8 +44,12 @@ def calibrate(head: ClassifierHead, data: RouterData, rates=DEFAULT_RATES, sourc
     thresholds = thresholds_for_rates(scores, rates)
     achieved = achieved_rates(scores, thresholds)
     table = tuple((r, t) for r, t in zip(rates, thresholds))
-    extra = dict(head.meta.extra, calibration_source=source, calibration_positions=len(scores),
-                 calibration_max_error=max(abs(a - r) for a, r in zip(achieved, rates)))
+    extra = dict(
+        head.meta.extra,
+        calibration_source=source,
+        calibration_positions=len(scores),
+        calibration_max_error=max(abs(a - r) for a, r in zip(achieved, rates)),
+    )
     head.meta = replace(head.meta, calibration=table, extra=extra)
     return {"rates": rates, "thresholds": thresholds, "achieved": achieved, "positions": len(scores)}
 

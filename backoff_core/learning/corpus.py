@@ -32,9 +32,7 @@ HELDOUT_PERCENT = 5
 # Test suites are huge (~90% of the stdlib bytes), repetitive and unlike the text a chat
 # model sees; encodings/ is mostly generated character-map tables; site-packages is not
 # the standard library and differs between machines.
-_EXCLUDED_DIRS = frozenset(
-    {"test", "tests", "idle_test", "encodings", "site-packages", "__pycache__"}
-)
+_EXCLUDED_DIRS = frozenset({"test", "tests", "idle_test", "encodings", "site-packages", "__pycache__"})
 
 
 def _is_heldout(key: str) -> bool:
@@ -128,9 +126,7 @@ def pydoc_topics_texts(split: Split = "train") -> list[str]:
     _check_split(split)
     want_heldout = split == "heldout"
     return [
-        topics[name]
-        for name in sorted(topics)
-        if _is_heldout("pydoc:" + name) == want_heldout and topics[name].strip()
+        topics[name] for name in sorted(topics) if _is_heldout("pydoc:" + name) == want_heldout and topics[name].strip()
     ]
 
 
@@ -149,17 +145,56 @@ def corpus_texts(split: Split = "train") -> dict[str, list[str]]:
 # ---------------------------------------------------------------------------------------
 
 _GENERAL_SUBJECTS = (
-    "the water cycle", "photosynthesis", "the French Revolution", "black holes",
-    "healthy sleep habits", "learning a new language", "the Roman Empire", "volcanoes",
-    "climate change", "the human heart", "saving money", "the Moon landing",
-    "machine learning", "honey bees", "the Great Wall of China", "baking bread",
-    "electric cars", "the Renaissance", "vaccines", "ocean tides", "chess openings",
-    "the periodic table", "time management", "rainbows", "the internet", "dinosaurs",
-    "meditation", "the solar system", "coffee", "democracy", "earthquakes", "gardening",
-    "the printing press", "recycling", "jazz music", "the immune system", "Mount Everest",
-    "public speaking", "bicycles", "the stock market", "friendship", "penguins",
-    "ancient Egypt", "running a marathon", "solar panels", "the Amazon rainforest",
-    "writing a resume", "gravity", "the Olympic Games", "origami",
+    "the water cycle",
+    "photosynthesis",
+    "the French Revolution",
+    "black holes",
+    "healthy sleep habits",
+    "learning a new language",
+    "the Roman Empire",
+    "volcanoes",
+    "climate change",
+    "the human heart",
+    "saving money",
+    "the Moon landing",
+    "machine learning",
+    "honey bees",
+    "the Great Wall of China",
+    "baking bread",
+    "electric cars",
+    "the Renaissance",
+    "vaccines",
+    "ocean tides",
+    "chess openings",
+    "the periodic table",
+    "time management",
+    "rainbows",
+    "the internet",
+    "dinosaurs",
+    "meditation",
+    "the solar system",
+    "coffee",
+    "democracy",
+    "earthquakes",
+    "gardening",
+    "the printing press",
+    "recycling",
+    "jazz music",
+    "the immune system",
+    "Mount Everest",
+    "public speaking",
+    "bicycles",
+    "the stock market",
+    "friendship",
+    "penguins",
+    "ancient Egypt",
+    "running a marathon",
+    "solar panels",
+    "the Amazon rainforest",
+    "writing a resume",
+    "gravity",
+    "the Olympic Games",
+    "origami",
 )
 
 _GENERAL_TEMPLATES = (
@@ -189,9 +224,7 @@ def _pydoc_titles() -> list[tuple[str, str]]:
     return titles
 
 
-def chat_prompts(
-    split: Split = "train", kind: Literal["general", "python"] = "general"
-) -> list[str]:
+def chat_prompts(split: Split = "train", kind: Literal["general", "python"] = "general") -> list[str]:
     """Deterministic user prompts (sorted by key) for the chat domain.
 
     ``general``: everyday questions (~300); ``python``: questions about pydoc topics and

@@ -23,8 +23,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from backoff_core.models.kernels import model_fingerprint
 from backoff_core.learning.sources import ChatGen, Document, load_documents
+from backoff_core.models.kernels import model_fingerprint
 from backoff_core.sampling import entropy, kl_divergence
 
 FIELDS = ("kl", "ent_s", "ent_l", "maxp_s", "nll_s", "nll_l", "agree", "window", "pos", "domain", "token")
@@ -55,11 +55,14 @@ class Window:
         return len(self.ids) - 1 - self.start
 
 
-
 def pair_info(chain) -> dict:
     small = chain.models[0]
-    return {"names": list(chain.names), "small_fingerprint": model_fingerprint(small),
-            "hidden_size": int(small.config.hidden_size), "small_layers": int(small.config.num_hidden_layers)}
+    return {
+        "names": list(chain.names),
+        "small_fingerprint": model_fingerprint(small),
+        "hidden_size": int(small.config.hidden_size),
+        "small_layers": int(small.config.num_hidden_layers),
+    }
 
 
 def _doc_windows(doc: Document, cfg: DataConfig, rng: random.Random) -> list[tuple[tuple[int, ...], int]]:
@@ -89,8 +92,9 @@ def make_windows(docs: list[list[Document]], cfg: DataConfig) -> list[Window]:
 
 
 @torch.inference_mode()
-def teacher_forced(small, large, windows: list[Window], layers: tuple[int, ...], batch_size: int,
-                   first_window: int = 0) -> dict[str, torch.Tensor]:
+def teacher_forced(
+    small, large, windows: list[Window], layers: tuple[int, ...], batch_size: int, first_window: int = 0
+) -> dict[str, torch.Tensor]:
     """The per-position record (module docstring) of `windows`, batched by length."""
     device = next(small.parameters()).device
     order = sorted(range(len(windows)), key=lambda i: len(windows[i].ids))
@@ -109,10 +113,17 @@ def teacher_forced(small, large, windows: list[Window], layers: tuple[int, ...],
         for row, i in enumerate(idx):
             w = windows[i]
             p = torch.arange(w.start, len(w.ids) - 1, device=device)  # [N] router positions
-            parts[i] = _positions(out_s.logits[row, p], logits_l[row, p], ids[row, p + 1],
-                                  {n: out_s.hidden_states[n][row, p] for n in layers})
-            parts[i].update(window=torch.full((len(p),), first_window + i, dtype=torch.int32),
-                            pos=p.int().cpu(), domain=torch.full((len(p),), w.domain, dtype=torch.int32))
+            parts[i] = _positions(
+                out_s.logits[row, p],
+                logits_l[row, p],
+                ids[row, p + 1],
+                {n: out_s.hidden_states[n][row, p] for n in layers},
+            )
+            parts[i].update(
+                window=torch.full((len(p),), first_window + i, dtype=torch.int32),
+                pos=p.int().cpu(),
+                domain=torch.full((len(p),), w.domain, dtype=torch.int32),
+            )
     keys = parts[0].keys() if parts else ()
     return {k: torch.cat([parts[i][k] for i in range(len(windows))]) for k in keys}
 
@@ -123,7 +134,8 @@ def _positions(logits_s, logits_l, targets, hidden: dict[int, torch.Tensor]) -> 
     logp_l = torch.log_softmax(logits_l.float(), -1)
     out = {
         "kl": kl_divergence(logits_l, logits_s),
-        "ent_s": entropy(logits_s), "ent_l": entropy(logits_l),
+        "ent_s": entropy(logits_s),
+        "ent_l": entropy(logits_l),
         "maxp_s": logp_s.max(-1).values.exp(),
         "nll_s": -logp_s.gather(-1, targets[:, None])[:, 0],
         "nll_l": -logp_l.gather(-1, targets[:, None])[:, 0],
@@ -223,8 +235,12 @@ class RouterData:
         return x
 
     def subset(self, mask: torch.Tensor) -> "RouterData":
-        return RouterData({k: v[mask] for k, v in self.fields.items()},
-                          {n: h[mask] for n, h in self.hidden.items()}, self.domains, self.pair)
+        return RouterData(
+            {k: v[mask] for k, v in self.fields.items()},
+            {n: h[mask] for n, h in self.hidden.items()},
+            self.domains,
+            self.pair,
+        )
 
     def split(self, val_fraction: float, seed: int) -> tuple["RouterData", "RouterData"]:
         """(train, val) by whole windows, so no window feeds both."""
@@ -269,8 +285,9 @@ def load(dirs: str | Path | list) -> RouterData:
                 hidden.setdefault(int(key.split(".")[1]), []).append(t[key])
         domains += [prefix + c for c in manifest["domains"]]
         window_base += manifest["windows"]
-    data = RouterData({k: torch.cat(v) for k, v in fields.items()}, {n: torch.cat(h) for n, h in hidden.items()},
-                      domains, pair or {})
+    data = RouterData(
+        {k: torch.cat(v) for k, v in fields.items()}, {n: torch.cat(h) for n, h in hidden.items()}, domains, pair or {}
+    )
     return _drop_repeated_windows(data) if len(dirs) > 1 else data
 
 

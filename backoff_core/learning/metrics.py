@@ -18,7 +18,9 @@ import torch
 RATES = torch.linspace(0.0, 1.0, 51)  # backoff rates of every curve
 
 
-def nll_curve(score: torch.Tensor, nll_s: torch.Tensor, nll_l: torch.Tensor, rates: torch.Tensor = RATES) -> torch.Tensor:
+def nll_curve(
+    score: torch.Tensor, nll_s: torch.Tensor, nll_l: torch.Tensor, rates: torch.Tensor = RATES
+) -> torch.Tensor:
     """[R] mixture NLL when the lowest-scoring share `rate` of positions stays on M_S."""
     n = len(score)
     order = torch.argsort(score.double(), stable=True)

@@ -98,7 +98,9 @@ def chat_prompts(name: str, split: str, samples: int, seed: int) -> list[str]:
     return prompts[:samples]
 
 
-def load_documents(spec: str, tokenizer, cache_dir: Path, large_model=None, chat: ChatGen = ChatGen()) -> list[Document]:
+def load_documents(
+    spec: str, tokenizer, cache_dir: Path, large_model=None, chat: ChatGen = ChatGen()
+) -> list[Document]:
     """Token documents for one spec. chat-* specs need `large_model` the first time."""
     name, split = parse_spec(spec)
     if name in TEXT_DOMAINS:
@@ -191,8 +193,13 @@ def generate_answers(prompts: list[str], path: Path, tokenizer, large_model, cha
             mask[i, width - len(e) :] = 1
         torch.manual_seed(chat.seed * 100003 + b)
         out = large_model.generate(
-            ids.to(device), attention_mask=mask.to(device), do_sample=True, temperature=chat.temperature,
-            top_p=chat.top_p, max_new_tokens=chat.max_tokens, pad_token_id=pad,
+            ids.to(device),
+            attention_mask=mask.to(device),
+            do_sample=True,
+            temperature=chat.temperature,
+            top_p=chat.top_p,
+            max_new_tokens=chat.max_tokens,
+            pad_token_id=pad,
         )
         with path.open("a", encoding="utf-8") as f:
             for prompt, row in zip(batch, out[:, width:].tolist()):

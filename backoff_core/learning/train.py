@@ -19,7 +19,6 @@ import copy
 import json
 import math
 import time
-import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -28,8 +27,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from backoff_core.learning.data import RouterData
-from backoff_core.routing.head import OBJECTIVES, HeadMeta, ClassifierHead
 from backoff_core.learning.metrics import quality
+from backoff_core.routing.head import OBJECTIVES, ClassifierHead, HeadMeta
 
 LOG_EPS = 1e-3  # regression target log(KL + ε): KL is clamped at 0
 
@@ -127,8 +126,9 @@ def _score(head: ClassifierHead, out: torch.Tensor) -> torch.Tensor:
     return (probs * torch.arange(out.shape[-1])).sum(-1)
 
 
-def _stage(head, data: RouterData, labels: Labels, cfg: TrainConfig, epochs: int, lr: float,
-           name: str, log: list) -> None:
+def _stage(
+    head, data: RouterData, labels: Labels, cfg: TrainConfig, epochs: int, lr: float, name: str, log: list
+) -> None:
     """Train on `data` (minus held-out windows); keep the epoch with the best held-out area."""
     train, val = data.split(cfg.val_fraction, cfg.seed)
     norm = lambda d: (d.inputs(head.meta.layer, cfg.features) - labels.mean) / labels.std  # noqa: E731
@@ -161,8 +161,9 @@ def _stage(head, data: RouterData, labels: Labels, cfg: TrainConfig, epochs: int
     head.load_state_dict(best_state)
 
 
-def train(cfg: TrainConfig, pretrain: RouterData, finetune: RouterData | None = None,
-          meta_extra: dict | None = None) -> tuple[ClassifierHead, list[dict]]:
+def train(
+    cfg: TrainConfig, pretrain: RouterData, finetune: RouterData | None = None, meta_extra: dict | None = None
+) -> tuple[ClassifierHead, list[dict]]:
     """-> (head with standardisation folded in, per-epoch log)."""
     torch.manual_seed(cfg.seed)
     num_layers = max(pretrain.hidden)
@@ -170,12 +171,23 @@ def train(cfg: TrainConfig, pretrain: RouterData, finetune: RouterData | None = 
     labels = make_labels(cfg, pretrain, layer)
     classes = {"binary": 2, "regression": 1, "buckets": len(labels.bucket_edges) + 1}[cfg.objective]
     extra = {
-        "t_kl": labels.t_kl, "percentile": cfg.percentile, "bucket_edges": list(labels.bucket_edges),
-        "log_eps": LOG_EPS, "train_config": _jsonable(asdict(cfg)), **(meta_extra or {}),
+        "t_kl": labels.t_kl,
+        "percentile": cfg.percentile,
+        "bucket_edges": list(labels.bucket_edges),
+        "log_eps": LOG_EPS,
+        "train_config": _jsonable(asdict(cfg)),
+        **(meta_extra or {}),
     }
-    meta = HeadMeta(hidden_size=pretrain.hidden[layer].shape[1], layer=layer, objective=cfg.objective,
-                    inner_size=cfg.inner_size, num_classes=max(2, classes), features=tuple(cfg.features),
-                    pair="+".join(pretrain.pair.get("names", [])), extra=extra)
+    meta = HeadMeta(
+        hidden_size=pretrain.hidden[layer].shape[1],
+        layer=layer,
+        objective=cfg.objective,
+        inner_size=cfg.inner_size,
+        num_classes=max(2, classes),
+        features=tuple(cfg.features),
+        pair="+".join(pretrain.pair.get("names", [])),
+        extra=extra,
+    )
     head = ClassifierHead(meta)
     log: list[dict] = []
     start = time.perf_counter()
@@ -184,8 +196,11 @@ def train(cfg: TrainConfig, pretrain: RouterData, finetune: RouterData | None = 
         _stage(head, finetune, labels, cfg, cfg.finetune_epochs, cfg.finetune_lr, "finetune", log)
     fold_standardisation(head, labels.mean, labels.std)
     stage = "finetune" if finetune is not None and cfg.finetune_epochs > 0 else "pretrain"
-    head.meta.extra.update(train_seconds=time.perf_counter() - start, val=_best(log, stage),
-                           small_fingerprint=pretrain.pair.get("small_fingerprint", ""))
+    head.meta.extra.update(
+        train_seconds=time.perf_counter() - start,
+        val=_best(log, stage),
+        small_fingerprint=pretrain.pair.get("small_fingerprint", ""),
+    )
     return head.eval(), log
 
 

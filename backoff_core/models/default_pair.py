@@ -76,9 +76,7 @@ def find_large_gguf() -> pathlib.Path:
 
 
 @functools.lru_cache(maxsize=4)
-def _load_large_cached(
-    device: str, dtype: torch.dtype
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def _load_large_cached(device: str, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     gguf = find_large_gguf()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # transformers dequantises every GGUF tensor to fp32 (~2 s); `dtype` casts afterwards.
@@ -211,11 +209,7 @@ def save_small(small: LlamaForCausalLM, out_dir: pathlib.Path, metadata: dict) -
     save_file(own, str(out_dir / STUDENT_WEIGHTS), metadata={"format": "pt"})
     config = small.config.to_dict()
     config["dtype"] = str(_STORED_DTYPE).removeprefix("torch.")
-    config["backoff_student"] = {
-        "shared_with_large": list(SHARED_PREFIXES),
-        "large_gguf": LARGE_GGUF_NAME,
-        **metadata,
-    }
+    config["backoff_student"] = {"shared_with_large": list(SHARED_PREFIXES), "large_gguf": LARGE_GGUF_NAME, **metadata}
     (out_dir / STUDENT_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return out_dir / STUDENT_WEIGHTS
 
@@ -232,6 +226,9 @@ def default_head_dir(chain) -> str | None:
 
     want = json.loads((DEFAULT_HEAD_DIR / "head.json").read_text()).get("extra", {}).get("small_fingerprint")
     if want and want != model_fingerprint(chain.models[0]):
-        warnings.warn(f"{DEFAULT_HEAD_DIR} was trained on another M_S than the loaded one; retrain it "
-                      "(scripts/router_pipeline.sh)", stacklevel=2)
+        warnings.warn(
+            f"{DEFAULT_HEAD_DIR} was trained on another M_S than the loaded one; retrain it "
+            "(scripts/router_pipeline.sh)",
+            stacklevel=2,
+        )
     return str(DEFAULT_HEAD_DIR)

@@ -16,9 +16,9 @@ converted once and every model that held it gets the same converted one.
 
 from __future__ import annotations
 
-import hashlib
 import ctypes
 import gc
+import hashlib
 import os
 import weakref
 
@@ -131,6 +131,7 @@ def _mkldnn_twin(linear: nn.Linear) -> RowBucketed:
         _converted[linear] = twin
         _biasless[twin.linear] = linear.bias is None
     return twin
+
 
 def model_fingerprint(model) -> str:
     """Short hash of a model's weights (a head trained on another M_S is detectable)."""

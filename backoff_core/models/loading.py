@@ -16,8 +16,14 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from backoff_core.models.default_pair import DEFAULT_PAIR_NAMES, load_default_large, load_default_pair
 from backoff_core.models.kernels import use_cpu_kernels
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 class TokenizerMismatch(ValueError):
@@ -118,16 +124,20 @@ def chain_names(small: str | None, large: str | None, medium: list[str] = ()) ->
 
 
 def _default_pair(spec: LoadSpec) -> tuple[PreTrainedModel, PreTrainedModel, object]:
-    s, l, tok = load_default_pair(device=spec.torch_device(), dtype=spec.torch_dtype())
-    return use_cpu_kernels(s, spec.cpu_kernels), use_cpu_kernels(l, spec.cpu_kernels), tok  # M_S keeps sharing M_L's head
+    small, large, tok = load_default_pair(device=spec.torch_device(), dtype=spec.torch_dtype())
+    return (
+        use_cpu_kernels(small, spec.cpu_kernels),
+        use_cpu_kernels(large, spec.cpu_kernels),
+        tok,
+    )  # M_S keeps sharing M_L's head
 
 
 def load_chain(small: str | None, large: str | None, medium: list[str] = (), spec: LoadSpec = LoadSpec()) -> Chain:
     """The models smallest first. small and large both None: the embedded default pair."""
     names = chain_names(small, large, medium)
     if names is None:
-        s, l, tok = _default_pair(spec)
-        return Chain((s, l), tok, DEFAULT_PAIR_NAMES)
+        small_model, large_model, tok = _default_pair(spec)
+        return Chain((small_model, large_model), tok, DEFAULT_PAIR_NAMES)
     loaded = [load_model(n, spec) for n in names]
     check_same_tokenizer(names, [t for _, t in loaded])
     widths = [m.get_output_embeddings().weight.shape[0] for m, _ in loaded]

@@ -36,9 +36,17 @@ LOWEST, HIGHEST = -sys.float_info.max, sys.float_info.max
 
 
 class RateController:
-    def __init__(self, target: float, initial: float, prior: torch.Tensor | None = None, *,
-                 horizon: int | None = None, gain: float = 0.05, prior_weight: float = 16.0,
-                 window: int = 1024) -> None:
+    def __init__(
+        self,
+        target: float,
+        initial: float,
+        prior: torch.Tensor | None = None,
+        *,
+        horizon: int | None = None,
+        gain: float = 0.05,
+        prior_weight: float = 16.0,
+        window: int = 1024,
+    ) -> None:
         if not 0.0 <= target <= 1.0:
             raise ValueError(f"target backoff rate must be in [0, 1], got {target}")
         self.target = target

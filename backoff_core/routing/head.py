@@ -57,7 +57,9 @@ class ClassifierHead(nn.Module):
         self.meta = meta
         out = 1 if meta.objective == "regression" else meta.num_classes
         self.mlp = nn.Sequential(
-            nn.Linear(meta.hidden_size + len(meta.features), meta.inner_size), nn.GELU(), nn.Linear(meta.inner_size, out)
+            nn.Linear(meta.hidden_size + len(meta.features), meta.inner_size),
+            nn.GELU(),
+            nn.Linear(meta.inner_size, out),
         )
 
     @property

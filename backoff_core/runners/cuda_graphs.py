@@ -76,9 +76,14 @@ class CudaGraphs:
     def _batch(self, key: GraphKey) -> Batch:
         n = key.rows * key.k
         return Batch(
-            input_ids=self.ids[:n].view(key.rows, key.k), positions=self.positions[:n].view(key.rows, key.k),
-            slots=self.slots[: key.rows], last_col=self.last_col[: key.rows], length=key.length,
-            dense=key.dense, last_only=key.last_only, hidden_layer=key.hidden_layer,
+            input_ids=self.ids[:n].view(key.rows, key.k),
+            positions=self.positions[:n].view(key.rows, key.k),
+            slots=self.slots[: key.rows],
+            last_col=self.last_col[: key.rows],
+            length=key.length,
+            dense=key.dense,
+            last_only=key.last_only,
+            hidden_layer=key.hidden_layer,
         )
 
     def _outputs(self, key: GraphKey) -> tuple[torch.Tensor, torch.Tensor]:

@@ -61,8 +61,9 @@ class _CachedSession(Session):
 class ModelRunner(SessionTable[_CachedSession]):
     """Holds one model and its sessions. Thread-safe: one forward at a time."""
 
-    def __init__(self, model: PreTrainedModel, name: str = "model", kv_budget_tokens: int | None = None,
-                 evict_idle: bool = True) -> None:
+    def __init__(
+        self, model: PreTrainedModel, name: str = "model", kv_budget_tokens: int | None = None, evict_idle: bool = True
+    ) -> None:
         super().__init__()
         self.model = model.eval()
         self.name = name
@@ -109,15 +110,24 @@ class ModelRunner(SessionTable[_CachedSession]):
         used = sum(s.length for s in self._sessions.values())
         if budget is None or used + need <= budget:
             return []
-        fresh = [request_id for request_id, _ in items if self._sessions[request_id].length == 0 and not self._sessions[request_id].refill]
+        fresh = [
+            request_id
+            for request_id, _ in items
+            if self._sessions[request_id].length == 0 and not self._sessions[request_id].refill
+        ]
         if fresh and (not self.evict_idle or not self.kv_fits([(request_id, len(ids)) for request_id, ids in items])):
             raise KVCapacityError(
                 f"{self.name}: no KV room for a new session: the live sessions alone would hold more than "
-                f"kv_budget_tokens={budget} positions; retry when a request ends")
+                f"kv_budget_tokens={budget} positions; retry when a request ends"
+            )
         if not self.evict_idle:
             return []
         extending = {request_id for request_id, _ in items}
-        idle = sorted((s.last_used, request_id) for request_id, s in self._sessions.items() if request_id not in extending and s.length)
+        idle = sorted(
+            (s.last_used, request_id)
+            for request_id, s in self._sessions.items()
+            if request_id not in extending and s.length
+        )
         evicted = []
         for _, request_id in idle:
             if used + need <= budget:
@@ -164,7 +174,9 @@ class ModelRunner(SessionTable[_CachedSession]):
             **kwargs,
         )
 
-    def _extend_one(self, s: _CachedSession, ids: list[int], hidden_layer: int | None, last_only: bool) -> list[Extension]:
+    def _extend_one(
+        self, s: _CachedSession, ids: list[int], hidden_layer: int | None, last_only: bool
+    ) -> list[Extension]:
         # Fast path: no padding, no mask, the session's own cache extended in place by HF.
         if s.cache is None:
             s.cache = DynamicCache()
@@ -201,7 +213,9 @@ class ModelRunner(SessionTable[_CachedSession]):
         for i, (s, p, k) in enumerate(zip(sessions, past_lens, new_lens)):
             lo, hi = p_max - p, p_max + k
             s.cache = DynamicCache(
-                ddp_cache_data=[(layer.keys[i : i + 1, :, lo:hi], layer.values[i : i + 1, :, lo:hi]) for layer in layers]
+                ddp_cache_data=[
+                    (layer.keys[i : i + 1, :, lo:hi], layer.values[i : i + 1, :, lo:hi]) for layer in layers
+                ]
             )
             s.length = p + k
             hidden = out.hidden_states[hidden_layer][i, :k] if hidden_layer is not None else None

@@ -12,7 +12,9 @@ from backoff_core.types import KVSpec
 log = logging.getLogger(__name__)
 
 
-def make_runner(model, name: str, kv: KVSpec | None, small: bool = False, classifier_path=None) -> ModelRunner | StaticRunner:
+def make_runner(
+    model, name: str, kv: KVSpec | None, small: bool = False, classifier_path=None
+) -> ModelRunner | StaticRunner:
     """A ModelRunner, or with `kv` a StaticRunner (static KV slots, CUDA graphs captured
     now, with a progress line) where the architecture allows; other models fall back to
     per-session caches, with a warning. small: M_S extends one token a step (its per-session
@@ -25,8 +27,9 @@ def make_runner(model, name: str, kv: KVSpec | None, small: bool = False, classi
     except ValueError as exc:
         log.warning("%s: no static KV storage (%s); per-session caches instead", name, exc)
         return ModelRunner(model, name, kv.budget_tokens, evict_idle=not small)
-    runner = StaticRunner(model, name, kv_budget_tokens=kv.budget_tokens, max_len=kv.max_len,
-                          cuda_graphs=kv.cuda_graphs)
+    runner = StaticRunner(
+        model, name, kv_budget_tokens=kv.budget_tokens, max_len=kv.max_len, cuda_graphs=kv.cuda_graphs
+    )
     if small:
         from backoff_core.routing.head import ClassifierHead
 

@@ -56,8 +56,14 @@ def auto_budget(model, gpu_share: float = 1.0) -> int:
     return max(1, int(memory // bytes_per_token(model)))
 
 
-def resolve_kv(model, budget: int | Literal["auto"], max_len: int, static: bool | Literal["auto"] = "auto",
-               cuda_graphs: bool = True, gpu_share: float = 1.0) -> KVSpec:
+def resolve_kv(
+    model,
+    budget: int | Literal["auto"],
+    max_len: int,
+    static: bool | Literal["auto"] = "auto",
+    cuda_graphs: bool = True,
+    gpu_share: float = 1.0,
+) -> KVSpec:
     """The KVSpec a replica runs with: `auto` resolved for this model on its device."""
     on_cuda = next(model.parameters()).device.type == "cuda"
     use_static = on_cuda if static == "auto" else bool(static)

@@ -106,8 +106,9 @@ class StaticRunner(SessionTable[_SlotSession]):
         self.kv.give_back(session.slot)
 
     # -- warm-up --------------------------------------------------------------------------
-    def warmup(self, hidden_layers=(None,), last_only=(True, False), ks: tuple[int, ...] = K_BUCKETS,
-               progress: bool = True) -> tuple[int, float]:
+    def warmup(
+        self, hidden_layers=(None,), last_only=(True, False), ks: tuple[int, ...] = K_BUCKETS, progress: bool = True
+    ) -> tuple[int, float]:
         """Capture the CUDA graphs of every bucket (rows x k x L x dense/gather x the given
         last_only and hidden_layer variants) now, at load; returns (graphs, seconds). A no-op
         without graphs (CPU). M_S only ever extends by one token per step: ks=(1,)."""
@@ -117,13 +118,18 @@ class StaticRunner(SessionTable[_SlotSession]):
         keys = [
             GraphKey(dense, rows, k, length, lo or k == 1, layer)
             for dense, rows in self._row_buckets()
-            for k in ks for length in self.length_buckets for lo in last_only for layer in layers
+            for k in ks
+            for length in self.length_buckets
+            for lo in last_only
+            for layer in layers
         ]
         with self._lock:
             seconds = self.graphs.capture(keys, progress)
         if progress:
-            print(f"{self.name}: {len(self.graphs)} CUDA graphs captured in {seconds:.1f} s "
-                  f"({self.kv.slots} slots x {self.kv.max_len} positions, {self.kv.nbytes() / 2**30:.2f} GiB KV)")
+            print(
+                f"{self.name}: {len(self.graphs)} CUDA graphs captured in {seconds:.1f} s "
+                f"({self.kv.slots} slots x {self.kv.max_len} positions, {self.kv.nbytes() / 2**30:.2f} GiB KV)"
+            )
         return len(self.graphs), seconds
 
     def _row_buckets(self) -> list[tuple[bool, int]]:
@@ -169,7 +175,9 @@ class StaticRunner(SessionTable[_SlotSession]):
             raise ValueError(f"{self.name}: hidden_layer must be in [{-count}, {count}), got {hidden_layer}")
         return hidden_layer % count
 
-    def _plan(self, sessions: list[_SlotSession], new_ids: list[list[int]], layer: int | None, last_only: bool) -> _Plan:
+    def _plan(
+        self, sessions: list[_SlotSession], new_ids: list[list[int]], layer: int | None, last_only: bool
+    ) -> _Plan:
         n, k_max = len(sessions), max(len(ids) for ids in new_ids)
         k = bucket(k_max, K_BUCKETS)  # k_max itself past 16: eager
         length = bucket(max(s.length + len(ids) for s, ids in zip(sessions, new_ids)), self.length_buckets)
@@ -191,8 +199,14 @@ class StaticRunner(SessionTable[_SlotSession]):
             last_col[r] = len(ids) - 1
         # one new token: its logits are the last ones either way
         key = GraphKey(dense, rows, k, length, last_only or k == 1, layer)
-        return _Plan(key, batch_rows, torch.tensor(input_ids), torch.tensor(positions), torch.tensor(slots),
-                     torch.tensor(last_col))
+        return _Plan(
+            key,
+            batch_rows,
+            torch.tensor(input_ids),
+            torch.tensor(positions),
+            torch.tensor(slots),
+            torch.tensor(last_col),
+        )
 
     def _run(self, plan: _Plan) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.graphs is not None and plan.key in self.graphs:
@@ -200,8 +214,13 @@ class StaticRunner(SessionTable[_SlotSession]):
         self.eager_passes += 1
         dev, key = self.device, plan.key
         batch = Batch(
-            input_ids=plan.input_ids.to(dev), positions=plan.positions.to(dev), slots=plan.slots.to(dev),
-            last_col=plan.last_col.to(dev), length=key.length, dense=key.dense, last_only=key.last_only,
+            input_ids=plan.input_ids.to(dev),
+            positions=plan.positions.to(dev),
+            slots=plan.slots.to(dev),
+            last_col=plan.last_col.to(dev),
+            length=key.length,
+            dense=key.dense,
+            last_only=key.last_only,
             hidden_layer=key.hidden_layer,
         )
         logits, hidden = self._forward(batch)

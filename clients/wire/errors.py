@@ -23,8 +23,6 @@ class AuthenticationError(BackoffError):
     """No API key, or a wrong one (HTTP 401, gRPC UNAUTHENTICATED)."""
 
 
-
-
 class NotFoundError(BackoffError):
     """Unknown route, model or method (HTTP 404, gRPC NOT_FOUND / UNIMPLEMENTED)."""
 
@@ -41,8 +39,13 @@ class OverloadedError(TransportError):
     """The server is at capacity and refused the request before starting it (HTTP 503,
     gRPC RESOURCE_EXHAUSTED): safe to send again, after `retry_after_s` when the server said."""
 
-    def __init__(self, message: str, status: int | str | None = None, param: str | None = None,
-                 retry_after_s: float | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        status: int | str | None = None,
+        param: str | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
         super().__init__(message, status, param)
         self.retry_after_s = retry_after_s
 
@@ -91,8 +94,7 @@ def from_grpc(error) -> BackoffError:
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
     message = (error.details() if hasattr(error, "details") else None) or str(error)
     name = code.name if code is not None else "UNKNOWN"
-    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE,
-                grpc.StatusCode.FAILED_PRECONDITION):
+    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.FAILED_PRECONDITION):
         return BadRequestError(message, name)
     if code == grpc.StatusCode.UNAUTHENTICATED:
         return AuthenticationError(message, name)
@@ -135,8 +137,9 @@ def describe_validation(errors: list[dict]) -> tuple[str | None, str]:
         param, message = _field_path(matched[0].get("loc", ())), matched[0].get("msg", "invalid")
     else:
         param = _field_path(errors[0].get("loc", ()))
-        message = " or ".join(dict.fromkeys(e.get("msg", "invalid") for e in same
-                                            if _field_path(e.get("loc", ())) == param))
+        message = " or ".join(
+            dict.fromkeys(e.get("msg", "invalid") for e in same if _field_path(e.get("loc", ())) == param)
+        )
     return param or None, f"{param}: {message}" if param else message
 
 

@@ -20,8 +20,7 @@ class TopLogprob(BaseModel):
     """One token of the source model's distribution."""
 
     token: str = Field(description="the token alone as text (bytes of a split character as \\xNN escapes)")
-    logprob: float = Field(description="log-probability under the source model's raw distribution (T = 1); "
-                                       ">= -9999.0")
+    logprob: float = Field(description="log-probability under the source model's raw distribution (T = 1); >= -9999.0")
     bytes: list[int] | None = Field(None, description="the token's exact bytes (HTTP completions do not carry them)")
     token_id: int | None = Field(None, description="the token id (gRPC only)")
 
@@ -44,8 +43,9 @@ class ChatTokenLogprob(ChatTopLogprob):
 
 
 class ChatLogprobs(BaseModel):
-    content: list[ChatTokenLogprob] | None = Field(None, description="one entry per generated token (a stream "
-                                                                     "chunk: its own token's)")
+    content: list[ChatTokenLogprob] | None = Field(
+        None, description="one entry per generated token (a stream chunk: its own token's)"
+    )
 
 
 # -- OpenAI completions: parallel lists ------------------------------------------------------
@@ -53,10 +53,13 @@ class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
     token_logprobs: list[float] = Field(default_factory=list)
     top_logprobs: list[dict[str, float]] = Field(
-        default_factory=list, description="per token: the top-n, then the sampled token if it is not among them "
-                                          "(up to n + 1 entries, as OpenAI)")
-    text_offset: list[int] = Field(default_factory=list, description="where each token's text starts in the "
-                                                                     "generated text")
+        default_factory=list,
+        description="per token: the top-n, then the sampled token if it is not among them "
+        "(up to n + 1 entries, as OpenAI)",
+    )
+    text_offset: list[int] = Field(
+        default_factory=list, description="where each token's text starts in the generated text"
+    )
 
 
 def from_chat(logprobs: dict | None) -> list[TokenLogprob] | None:
@@ -72,8 +75,11 @@ def from_completion(logprobs: dict | None, top_n: int | None = None) -> list[Tok
     out = []
     for token, value, top in zip(logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"]):
         alternatives = [TopLogprob(token=t, logprob=v) for t, v in (top or {}).items()]
-        out.append(TokenLogprob(token=token, logprob=value,
-                                top_logprobs=alternatives if top_n is None else alternatives[:top_n]))
+        out.append(
+            TokenLogprob(
+                token=token, logprob=value, top_logprobs=alternatives if top_n is None else alternatives[:top_n]
+            )
+        )
     return out
 
 

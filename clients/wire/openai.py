@@ -142,9 +142,12 @@ def generation_from_body(body: dict, top_n: int | None = None) -> Generation:
     text = choice["text"] if "text" in choice else choice["message"]["content"]
     trace = choice.get("backoff") or {}
     return Generation(
-        id=body["id"], text=text, finish_reason=choice.get("finish_reason") or "",
+        id=body["id"],
+        text=text,
+        finish_reason=choice.get("finish_reason") or "",
         usage=Usage(**body.get("usage") or {}),
-        token_ids=trace.get("token_ids", []), sources=trace.get("sources", []),
+        token_ids=trace.get("token_ids", []),
+        sources=trace.get("sources", []),
         logprobs=from_choice(choice, trace.get("token_ids", []), top_n),
     )
 
@@ -159,8 +162,14 @@ def delta_from_chunk(body: dict, top_n: int | None = None) -> Delta:
         text = (choice.get("delta") or {}).get("content") or ""
     trace = choice.get("backoff") or {}
     return Delta(
-        id=body["id"], text=text, token_id=trace.get("token_id"), source=trace.get("source"),
-        index=trace.get("index"), retracted=trace.get("retracted", 0),
-        retracted_text=trace.get("retracted_text", ""), finish_reason=choice.get("finish_reason"),
-        usage=usage, logprobs=next(iter(from_choice(choice, [trace["token_id"]] if trace else [], top_n) or []), None),
+        id=body["id"],
+        text=text,
+        token_id=trace.get("token_id"),
+        source=trace.get("source"),
+        index=trace.get("index"),
+        retracted=trace.get("retracted", 0),
+        retracted_text=trace.get("retracted_text", ""),
+        finish_reason=choice.get("finish_reason"),
+        usage=usage,
+        logprobs=next(iter(from_choice(choice, [trace["token_id"]] if trace else [], top_n) or []), None),
     )

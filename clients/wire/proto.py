@@ -9,10 +9,16 @@ from clients.wire.types import ChatMessage, Delta, GenerateParams, Generation, U
 _OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "seed", "router", "target_backoff", "logprobs")
 
 
-def request_to_pb(params: GenerateParams, *, prompt: str | list[int] | None = None,
-                  messages: list[ChatMessage] | None = None, model: str | None = None) -> pb.GenerateRequest:
-    msg = pb.GenerateRequest(model=model or "", ignore_eos=params.ignore_eos, stop=params.stop or [],
-                             thresholds=params.thresholds or [])
+def request_to_pb(
+    params: GenerateParams,
+    *,
+    prompt: str | list[int] | None = None,
+    messages: list[ChatMessage] | None = None,
+    model: str | None = None,
+) -> pb.GenerateRequest:
+    msg = pb.GenerateRequest(
+        model=model or "", ignore_eos=params.ignore_eos, stop=params.stop or [], thresholds=params.thresholds or []
+    )
     for name in _OPTIONAL:
         value = getattr(params, name)
         if value is not None:
@@ -30,8 +36,13 @@ def params_from_pb(msg: pb.GenerateRequest) -> GenerateParams:
     """Raises pydantic.ValidationError (a ValueError) on out-of-range values."""
     fields = {name: getattr(msg, name) for name in _OPTIONAL if msg.HasField(name)}
     # field 11 is the deprecated spelling of 16: GenerateParams reads either and refuses both
-    return GenerateParams(**fields, stop=list(msg.stop) or None, ignore_eos=msg.ignore_eos,
-                          thresholds=list(msg.thresholds) or None, backoff_threshold=list(msg.backoff_threshold) or None)
+    return GenerateParams(
+        **fields,
+        stop=list(msg.stop) or None,
+        ignore_eos=msg.ignore_eos,
+        thresholds=list(msg.thresholds) or None,
+        backoff_threshold=list(msg.backoff_threshold) or None,
+    )
 
 
 def prompt_from_pb(msg: pb.GenerateRequest) -> tuple[str | list[int] | None, list[ChatMessage] | None]:
@@ -49,10 +60,16 @@ def usage_to_pb(usage: Usage) -> pb.Usage:
 
 
 def usage_from_pb(msg: pb.Usage) -> Usage:
-    return Usage(prompt_tokens=msg.prompt_tokens, completion_tokens=msg.completion_tokens,
-                 total_tokens=msg.total_tokens, small_tokens=msg.small_tokens,
-                 large_tokens=msg.large_tokens, large_calls=msg.large_calls, degraded=msg.degraded,
-                 degraded_reason=msg.degraded_reason)
+    return Usage(
+        prompt_tokens=msg.prompt_tokens,
+        completion_tokens=msg.completion_tokens,
+        total_tokens=msg.total_tokens,
+        small_tokens=msg.small_tokens,
+        large_tokens=msg.large_tokens,
+        large_calls=msg.large_calls,
+        degraded=msg.degraded,
+        degraded_reason=msg.degraded_reason,
+    )
 
 
 def logprob_from_pb(msg: pb.TokenLogprobs) -> TokenLogprob:
@@ -64,9 +81,15 @@ def logprob_from_pb(msg: pb.TokenLogprobs) -> TokenLogprob:
 
 def generation_from_pb(msg: pb.GenerateResponse) -> Generation:
     # a request generates at least one token: no entries means none were asked for
-    return Generation(id=msg.id, text=msg.text, finish_reason=msg.finish_reason,
-                      usage=usage_from_pb(msg.usage), token_ids=list(msg.token_ids), sources=list(msg.sources),
-                      logprobs=[logprob_from_pb(e) for e in msg.logprobs] or None)
+    return Generation(
+        id=msg.id,
+        text=msg.text,
+        finish_reason=msg.finish_reason,
+        usage=usage_from_pb(msg.usage),
+        token_ids=list(msg.token_ids),
+        sources=list(msg.sources),
+        logprobs=[logprob_from_pb(e) for e in msg.logprobs] or None,
+    )
 
 
 def deltas_from_pb(msg: pb.GenerateChunk) -> list[Delta]:
@@ -78,6 +101,13 @@ def deltas_from_pb(msg: pb.GenerateChunk) -> list[Delta]:
 def delta_from_pb(msg: pb.GenerateChunk, rid: str | None = None) -> Delta:
     if msg.finish_reason:  # the last chunk: no token, the request's summary
         return Delta(id=msg.id, finish_reason=msg.finish_reason, usage=usage_from_pb(msg.usage))
-    return Delta(id=msg.id if rid is None else rid, text=msg.text, token_id=msg.token_id, source=msg.source, index=msg.index,
-                 retracted=msg.retracted, retracted_text=msg.retracted_text,
-                 logprobs=logprob_from_pb(msg.logprobs) if msg.HasField("logprobs") else None)
+    return Delta(
+        id=msg.id if rid is None else rid,
+        text=msg.text,
+        token_id=msg.token_id,
+        source=msg.source,
+        index=msg.index,
+        retracted=msg.retracted,
+        retracted_text=msg.retracted_text,
+        logprobs=logprob_from_pb(msg.logprobs) if msg.HasField("logprobs") else None,
+    )

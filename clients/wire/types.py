@@ -13,8 +13,16 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from pydantic import (
-    AfterValidator, AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo,
-    field_validator, model_validator,
+    AfterValidator,
+    AliasChoices,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
 )
 
 from clients.wire.errors import from_validation
@@ -100,12 +108,13 @@ def _text_parts(parts: list) -> str:
         if kind != "text":
             if isinstance(kind, str):
                 raise ValueError(f"content part {i} has type {kind!r}: only 'text' parts are supported")
-            raise ValueError(f"content part {i} must be an object with \"type\": \"text\"")
+            raise ValueError(f'content part {i} must be an object with "type": "text"')
         text = part.get("text")
         if not isinstance(text, str):
             raise ValueError(f"content part {i} (type 'text') needs a string 'text'")
         texts.append(text)
     return "".join(texts)
+
 
 # ----------------------------------------------------------------------------------------
 # transport-neutral
@@ -114,8 +123,10 @@ def _text_parts(parts: list) -> str:
 
 class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant"] = Field(description="who speaks")
-    content: Unicode = Field(description="the message text (may be empty), or OpenAI's list of content parts: "
-                                         "text parts are joined in order, other part types are refused")
+    content: Unicode = Field(
+        description="the message text (may be empty), or OpenAI's list of content parts: "
+        "text parts are joined in order, other part types are refused"
+    )
 
     @field_validator("content", mode="before")
     @classmethod
@@ -132,21 +143,28 @@ class GenerateParams(_NullIsDefault):
     temperature: Float | None = Field(None, ge=0.0, le=TEMPERATURE_MAX, description="0 = greedy; [0, 2] as in OpenAI")
     top_p: Float | None = Field(None, gt=0.0, le=1.0, description="nucleus sampling mass")
     top_k: Int | None = Field(None, ge=0, le=UINT32_MAX, description="keep the k most likely tokens (0 = off)")
-    seed: Int | None = Field(None, ge=-(2**63), lt=2**63, description="seed of this request's sampler "
-                                                                      "(reproducible output; an int64)")
+    seed: Int | None = Field(
+        None, ge=-(2**63), lt=2**63, description="seed of this request's sampler (reproducible output; an int64)"
+    )
     stop: list[Text] | None = Field(None, description="stop strings (the text is cut before them)")
     ignore_eos: Bool = Field(False, description="keep generating past the end-of-sequence token")
     router: Text | None = Field(None, description="decision function (router) for this request")
     thresholds: Thresholds | None = Field(
-        None, validation_alias=AliasChoices("thresholds", "backoff_threshold"),
+        None,
+        validation_alias=AliasChoices("thresholds", "backoff_threshold"),
         description="thresholds on the router's score: a number, or a list with one per boundary between models, "
-                    "ascending; |threshold| <= 1e38 (backoff_threshold, its deprecated spelling, is still accepted)")
+        "ascending; |threshold| <= 1e38 (backoff_threshold, its deprecated spelling, is still accepted)",
+    )
     target_backoff: Float | None = Field(
-        None, ge=0.0, le=1.0, description="ask for a backoff rate; a controller moves the threshold")
+        None, ge=0.0, le=1.0, description="ask for a backoff rate; a controller moves the threshold"
+    )
     logprobs: Int | None = Field(
-        None, ge=0, le=MAX_TOP_LOGPROBS,
+        None,
+        ge=0,
+        le=MAX_TOP_LOGPROBS,
         description="report each token's log-probability under its source model's raw distribution (log_softmax "
-                    "at temperature 1) with this many top alternatives (0..20); None: no log-probabilities")
+        "at temperature 1) with this many top alternatives (0..20); None: no log-probabilities",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -173,8 +191,11 @@ class Usage(BaseModel):
     small_tokens: int = Field(0, description="generated tokens whose source is the small model")
     large_tokens: int = Field(0, description="generated tokens whose source is the large model")
     large_calls: int = Field(0, description="catch-ups (forward passes) of the large model for this request")
-    degraded: bool = Field(False, description="a larger model failed (too slow or unavailable) during the request: "
-                                              "every token after that came from the small model alone")
+    degraded: bool = Field(
+        False,
+        description="a larger model failed (too slow or unavailable) during the request: "
+        "every token after that came from the small model alone",
+    )
     degraded_reason: str = Field("", description="why it was degraded (empty when it was not)")
 
     @property
@@ -192,8 +213,9 @@ class Generation(BaseModel):
     usage: Usage = Field(description="token counts, by source")
     token_ids: list[int] = Field(default_factory=list, description="generated token ids")
     sources: list[int] = Field(default_factory=list, description="per generated token: 0 = small ... large")
-    logprobs: list[TokenLogprob] | None = Field(None, description="per generated token, when asked (params.logprobs): "
-                                                                  "under the model in `sources`")
+    logprobs: list[TokenLogprob] | None = Field(
+        None, description="per generated token, when asked (params.logprobs): under the model in `sources`"
+    )
 
 
 class Delta(BaseModel):
@@ -208,8 +230,10 @@ class Delta(BaseModel):
     retracted_text: str = Field("", description="text those tokens had added")
     finish_reason: str | None = Field(None, description="set on the last delta")
     usage: Usage | None = Field(None, description="set on the last delta")
-    logprobs: TokenLogprob | None = Field(None, description="this token's, when asked (params.logprobs); "
-                                                            "`retracted` drops those of the retracted tokens too")
+    logprobs: TokenLogprob | None = Field(
+        None,
+        description="this token's, when asked (params.logprobs); `retracted` drops those of the retracted tokens too",
+    )
 
 
 # ----------------------------------------------------------------------------------------
@@ -266,8 +290,9 @@ class ChatCompletionRequest(_OpenAIRequest):
     max_completion_tokens: Int | None = Field(None, ge=1, description="newer name of max_tokens")
     # OpenAI's chat pair; GenerateParams.logprobs (a count) is their meaning for every transport
     logprobs: Bool | None = Field(None, description="return each generated token's log-probability")
-    top_logprobs: Int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="alternatives per token (0..20); "
-                                                                                  "needs logprobs: true")
+    top_logprobs: Int | None = Field(
+        None, ge=0, le=MAX_TOP_LOGPROBS, description="alternatives per token (0..20); needs logprobs: true"
+    )
 
     @field_validator("top_logprobs")
     @classmethod

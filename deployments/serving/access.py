@@ -21,7 +21,6 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from clients.wire.types import ChatMessage, GenerateParams
-
 from deployments.serving.config import AccessConfig, LimitsConfig
 from deployments.serving.formats import error_body
 
@@ -29,8 +28,15 @@ from deployments.serving.formats import error_body
 class ClientError(ValueError):
     """A request refused for something the client did (4xx, never 5xx)."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None,
-                 kind: str = "invalid_request_error", headers: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        status: int = 400,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.message, self.param, self.status, self.code = message, param, status, code
         self.kind, self.headers = kind, dict(headers or {})
@@ -63,8 +69,10 @@ class Access:
         if config.api_keys_env:
             value = environ.get(config.api_keys_env)
             if value is None:
-                raise ValueError(f"access.api_keys_env names {config.api_keys_env}, which is not set in the "
-                                 "Ingress replica's environment")
+                raise ValueError(
+                    f"access.api_keys_env names {config.api_keys_env}, which is not set in the "
+                    "Ingress replica's environment"
+                )
             keys += [k.strip() for k in value.split(",")]
         self._digests = [_digest(k) for k in keys if k]
         self.health_open = config.health_open
@@ -80,13 +88,18 @@ class Access:
             return f"peer:{peer_host(peer)}"
         scheme, _, key = (authorization or "").strip().partition(" ")
         if scheme.lower() != "bearer" or not key.strip():
-            raise ClientError("no API key: send the header 'Authorization: Bearer <key>'", status=401,
-                              code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            raise ClientError(
+                "no API key: send the header 'Authorization: Bearer <key>'",
+                status=401,
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
         digest = _digest(key.strip())
         # every key is compared, so the time taken does not tell which one came close
         if sum(hmac.compare_digest(digest, d) for d in self._digests) == 0:
-            raise ClientError("the API key is not valid", status=401, code="invalid_api_key",
-                              headers={"WWW-Authenticate": "Bearer"})
+            raise ClientError(
+                "the API key is not valid", status=401, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}
+            )
         return f"key:{digest[:12]}"
 
 
@@ -103,9 +116,12 @@ class ClientSlots:
         if self.limit is not None and self.open[client] >= self.limit:
             raise ClientError(
                 f"too many concurrent requests: this client has {self.open[client]} open, the limit is "
-                f"{self.limit} per ingress replica (limits.max_concurrent_per_client)", status=429,
-                kind="rate_limit_error", code="too_many_concurrent_requests",
-                headers={"Retry-After": str(self.retry_after_s)})
+                f"{self.limit} per ingress replica (limits.max_concurrent_per_client)",
+                status=429,
+                kind="rate_limit_error",
+                code="too_many_concurrent_requests",
+                headers={"Retry-After": str(self.retry_after_s)},
+            )
         self.open[client] += 1
         released = False
 
@@ -120,29 +136,42 @@ class ClientSlots:
         return release
 
 
-def check_limits(limits: LimitsConfig, params: GenerateParams, prompt: str | list[int] | None = None,
-                 messages: list[ChatMessage] | None = None) -> None:
+def check_limits(
+    limits: LimitsConfig,
+    params: GenerateParams,
+    prompt: str | list[int] | None = None,
+    messages: list[ChatMessage] | None = None,
+) -> None:
     """The configured caps a request must fit (ClientError naming the cap). The tokenized
     prompt length and the context window are the SmallModel's to check."""
     if params.max_tokens is not None and params.max_tokens > limits.max_tokens:
-        raise ClientError(f"max_tokens {params.max_tokens} exceeds the limit of {limits.max_tokens} "
-                          "(limits.max_tokens)", "max_tokens")
+        raise ClientError(
+            f"max_tokens {params.max_tokens} exceeds the limit of {limits.max_tokens} (limits.max_tokens)", "max_tokens"
+        )
     stop = params.stop or []
     if len(stop) > limits.max_stop:
         raise ClientError(f"{len(stop)} stop strings; at most {limits.max_stop} (limits.max_stop)", "stop")
     if any(len(s) > limits.max_stop_chars for s in stop):
-        raise ClientError(f"a stop string is longer than {limits.max_stop_chars} characters "
-                          "(limits.max_stop_chars)", "stop")
+        raise ClientError(
+            f"a stop string is longer than {limits.max_stop_chars} characters (limits.max_stop_chars)", "stop"
+        )
     if isinstance(prompt, str) and len(prompt) > limits.max_prompt_chars:
-        raise ClientError(f"the prompt has {len(prompt)} characters; the limit is {limits.max_prompt_chars} "
-                          "(limits.max_prompt_chars)", "prompt")
+        raise ClientError(
+            f"the prompt has {len(prompt)} characters; the limit is {limits.max_prompt_chars} "
+            "(limits.max_prompt_chars)",
+            "prompt",
+        )
     if isinstance(prompt, list) and limits.max_prompt_tokens is not None and len(prompt) > limits.max_prompt_tokens:
-        raise ClientError(f"the prompt has {len(prompt)} tokens; the limit is {limits.max_prompt_tokens} "
-                          "(limits.max_prompt_tokens)", "prompt")
+        raise ClientError(
+            f"the prompt has {len(prompt)} tokens; the limit is {limits.max_prompt_tokens} (limits.max_prompt_tokens)",
+            "prompt",
+        )
     chars = sum(len(m.content) for m in messages or [])
     if chars > limits.max_prompt_chars:
-        raise ClientError(f"the messages have {chars} characters; the limit is {limits.max_prompt_chars} "
-                          "(limits.max_prompt_chars)", "messages")
+        raise ClientError(
+            f"the messages have {chars} characters; the limit is {limits.max_prompt_chars} (limits.max_prompt_chars)",
+            "messages",
+        )
 
 
 @dataclass(frozen=True)
@@ -159,8 +188,9 @@ class Edge:
 
 
 def body_too_large(limit: int) -> ClientError:
-    return ClientError(f"the request body exceeds {limit} bytes (limits.max_body_bytes)", status=413,
-                       code="request_too_large")
+    return ClientError(
+        f"the request body exceeds {limit} bytes (limits.max_body_bytes)", status=413, code="request_too_large"
+    )
 
 
 class EdgeGate:
@@ -180,12 +210,18 @@ class EdgeGate:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         edge = self.edge()
-        path = scope["path"][len(scope.get("root_path", "")):] if scope["path"].startswith(
-            scope.get("root_path", "")) else scope["path"]
+        path = (
+            scope["path"][len(scope.get("root_path", "")) :]
+            if scope["path"].startswith(scope.get("root_path", ""))
+            else scope["path"]
+        )
         headers = Headers(scope=scope)
         try:
-            if (edge.access.health_open and path in self.OPEN_PATHS) or path == self.PAGE_PATH or \
-                    path.startswith(self.PAGE_PATH + "/"):
+            if (
+                (edge.access.health_open and path in self.OPEN_PATHS)
+                or path == self.PAGE_PATH
+                or path.startswith(self.PAGE_PATH + "/")
+            ):
                 client = f"peer:{peer_host(scope.get('client'))}"
             else:
                 client = edge.access.client(headers.get("authorization"), scope.get("client"))

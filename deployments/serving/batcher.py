@@ -300,7 +300,9 @@ class CatchUpBatcher:
             return CatchUpReply(None, f"{runner.name} holds no session {session_key!r}")
         held = runner.length(session_key)
         if held < call.past:
-            return CatchUpReply(None, f"{runner.name} holds {held} positions of {session_key!r}, the caller expects {call.past}")
+            return CatchUpReply(
+                None, f"{runner.name} holds {held} positions of {session_key!r}, the caller expects {call.past}"
+            )
         if held > call.past:
             runner.crop(session_key, call.past)  # the caller rolled back
         return None
@@ -321,8 +323,11 @@ class CatchUpBatcher:
             runner.close(calls[i].session_key)
             self._owners.pop(calls[i].session_key, None)
             self.stats.refused += 1
-            replies[i] = CatchUpReply(None, refused=(
-                f"{runner.name}: no KV room for a new session ({len(calls[i].ids)} positions): the live sessions "
-                f"alone fill kv_budget_tokens={runner.kv_budget_tokens}; retry when a request ends"))
+            replies[i] = CatchUpReply(
+                None,
+                refused=(
+                    f"{runner.name}: no KV room for a new session ({len(calls[i].ids)} positions): the live sessions "
+                    f"alone fill kv_budget_tokens={runner.kv_budget_tokens}; retry when a request ends"
+                ),
+            )
         return sorted(taken)
-

@@ -21,30 +21,40 @@ class _Config(BaseModel):
 
 
 class ModelsConfig(_Config):
-    small: str | None = Field(None, description="M_S: local dir, cached HF id or .gguf file; "
-                                                "none (with large none) = the embedded default pair")
+    small: str | None = Field(
+        None,
+        description="M_S: local dir, cached HF id or .gguf file; none (with large none) = the embedded default pair",
+    )
     large: str | None = Field(None, description="M_L: local dir, cached HF id or .gguf file")
-    medium: list[str] = Field(default_factory=list, description="intermediate models, smallest first; "
-                                                                "each deploys as one more LargeModel-like actor")
+    medium: list[str] = Field(
+        default_factory=list,
+        description="intermediate models, smallest first; each deploys as one more LargeModel-like actor",
+    )
     device: str = Field("auto", description="cpu, cuda, cuda:N or auto (cuda where the replica has a GPU)")
     dtype: str = Field("float32", description="float32, bfloat16 or float16")
     cpu_kernels: Literal["mkldnn", "default"] = Field(
-        "mkldnn", description="linear layers of float32 models on CPU: oneDNN (faster) or torch's default")
+        "mkldnn", description="linear layers of float32 models on CPU: oneDNN (faster) or torch's default"
+    )
     classifier: str | None = Field(None, description="router head directory for the classifier router")
     served_name: str = Field("backoff", description="model name that GET /v1/models reports")
     kv_budget_tokens: int | Literal["auto"] = Field(
-        "auto", description="KV positions each model replica may hold across its sessions (backoff_core/runners/kv_budget.py). "
-                            "auto: resolved at replica start, 80% of the GPU memory free after the weights (times "
-                            "the replica's GPU share), or 20% of the RAM available on a CPU; the replica logs it and "
-                            "info() / the kv metrics report it. Full: idle sessions are evicted LRU (re-prefilled "
-                            "at their next catch-up); new requests get 503 + Retry-After while live ones fill it")
+        "auto",
+        description="KV positions each model replica may hold across its sessions (backoff_core/runners/kv_budget.py). "
+        "auto: resolved at replica start, 80% of the GPU memory free after the weights (times "
+        "the replica's GPU share), or 20% of the RAM available on a CPU; the replica logs it and "
+        "info() / the kv metrics report it. Full: idle sessions are evicted LRU (re-prefilled "
+        "at their next catch-up); new requests get 503 + Retry-After while live ones fill it",
+    )
     static_kv: Literal["auto"] | bool = Field(
-        "auto", description="how the budget is stored: true = preallocated slots of kv_max_len (CUDA graphs on a "
-                            "GPU), false = per-session caches that count what they hold, auto = slots on CUDA, "
-                            "per-session caches on the CPU")
+        "auto",
+        description="how the budget is stored: true = preallocated slots of kv_max_len (CUDA graphs on a "
+        "GPU), false = per-session caches that count what they hold, auto = slots on CUDA, "
+        "per-session caches on the CPU",
+    )
     kv_max_len: int = Field(2048, ge=2, description="static KV: positions per slot (prompt + output of one request)")
-    cuda_graphs: bool = Field(True, description="static KV on a GPU: replay captured CUDA graphs for steps and "
-                                                "short catch-ups")
+    cuda_graphs: bool = Field(
+        True, description="static KV on a GPU: replay captured CUDA graphs for steps and short catch-ups"
+    )
 
     def kv_spec(self, model, gpu_share: float = 1.0) -> KVSpec:
         """The budget and storage a replica of `model` runs with (`auto` resolved on its device)."""
@@ -62,8 +72,9 @@ class ModelsConfig(_Config):
         if budget != "auto" and budget < 1:
             raise ValueError(f"kv_budget_tokens must be >= 1 or 'auto', got {budget}")
         if self.static_kv is True and budget != "auto" and budget < self.kv_max_len:
-            raise ValueError(f"kv_budget_tokens ({self.kv_budget_tokens}) holds no slot of kv_max_len "
-                             f"({self.kv_max_len}) positions")
+            raise ValueError(
+                f"kv_budget_tokens ({self.kv_budget_tokens}) holds no slot of kv_max_len ({self.kv_max_len}) positions"
+            )
         return self
 
     @property
@@ -76,23 +87,33 @@ class RoutingConfig(_Config):
 
     router: str = Field("entropy", description="decision function used when a request names none")
     thresholds: list[Threshold] | None = Field(
-        None, validation_alias=AliasChoices("thresholds", "threshold"),
+        None,
+        validation_alias=AliasChoices("thresholds", "threshold"),
         description="thresholds, one per boundary between models, ascending, each in [-1e38, 1e38] (the same "
-                    "range as a request's thresholds); none = the router's default. `threshold`, the deprecated "
-                    "spelling, is still accepted (not both)")
+        "range as a request's thresholds); none = the router's default. `threshold`, the deprecated "
+        "spelling, is still accepted (not both)",
+    )
     target_backoff: float | None = Field(
-        None, ge=0.0, le=1.0, description="ask for this backoff rate instead of a fixed threshold")
+        None, ge=0.0, le=1.0, description="ask for this backoff rate instead of a fixed threshold"
+    )
     rate: float | None = Field(None, ge=0.0, le=1.0, description="backoff rate of the random router")
     large_timeout_s: float = Field(
-        30.0, gt=0.0, description="a catch-up with no reply within this long (M_L slow, or no replica left) "
-                                  "counts as a failure of the larger model (the wait includes its queue)")
+        30.0,
+        gt=0.0,
+        description="a catch-up with no reply within this long (M_L slow, or no replica left) "
+        "counts as a failure of the larger model (the wait includes its queue)",
+    )
     on_large_failure: Literal["degrade", "fail"] = Field(
-        "degrade", description="after such a failure: degrade = the request goes on with M_S alone and its "
-                               "usage says degraded; fail = it ends with an error (HTTP 503 / gRPC UNAVAILABLE)")
+        "degrade",
+        description="after such a failure: degrade = the request goes on with M_S alone and its "
+        "usage says degraded; fail = it ends with an error (HTTP 503 / gRPC UNAVAILABLE)",
+    )
     inject_fault_seed: int | None = Field(
-        None, description="chaos / testing knob: a request with this seed fails inside the step loop (its M_S "
-                          "forwards raise from its third step on), beside the requests it shares steps with "
-                          "(deployments/serving/chaos.py); none in production")
+        None,
+        description="chaos / testing knob: a request with this seed fails inside the step loop (its M_S "
+        "forwards raise from its third step on), beside the requests it shares steps with "
+        "(deployments/serving/chaos.py); none in production",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -103,20 +124,35 @@ class RoutingConfig(_Config):
 class CatchUpConfig(_Config):
     """How a LargeModel replica turns concurrent catch-up calls into forwards (its user_config)."""
 
-    batching: bool = Field(True, description="merge concurrent catch-ups of many sessions into one forward; "
-                                             "false runs one forward per call (the benchmark's baseline)")
+    batching: bool = Field(
+        True,
+        description="merge concurrent catch-ups of many sessions into one forward; "
+        "false runs one forward per call (the benchmark's baseline)",
+    )
     max_batch_size: int = Field(64, ge=1, description="sessions in one forward at most")
-    batch_wait_ms: float = Field(20.0, ge=0.0, description="how long a forward may wait for the rest of a "
-                                                           "router step's calls once the first has arrived")
-    batch_gap_ms: float = Field(5.0, ge=0.0, description="stop waiting when no call of the step arrived for this "
-                                                         "long (the rest went to other replicas)")
+    batch_wait_ms: float = Field(
+        20.0,
+        ge=0.0,
+        description="how long a forward may wait for the rest of a router step's calls once the first has arrived",
+    )
+    batch_gap_ms: float = Field(
+        5.0,
+        ge=0.0,
+        description="stop waiting when no call of the step arrived for this long (the rest went to other replicas)",
+    )
     session_ttl_s: float = Field(600.0, gt=0.0, description="sessions idle this long are freed")
     lease_s: float = Field(
-        30.0, gt=0.0, description="a SmallModel replica renews the lease on its sessions every lease_s / 3; "
-                                  "the sessions of one that stopped renewing (it died) are freed after lease_s")
+        30.0,
+        gt=0.0,
+        description="a SmallModel replica renews the lease on its sessions every lease_s / 3; "
+        "the sessions of one that stopped renewing (it died) are freed after lease_s",
+    )
     inject_delay_ms: float = Field(
-        0.0, ge=0.0, description="chaos / testing knob: every catch-up call waits this long before it is served "
-                                 "(a slow M_L); 0 in production")
+        0.0,
+        ge=0.0,
+        description="chaos / testing knob: every catch-up call waits this long before it is served "
+        "(a slow M_L); 0 in production",
+    )
 
 
 class ReplicaConfig(_Config):
@@ -128,27 +164,38 @@ class ReplicaConfig(_Config):
     target_ongoing_requests: float = Field(8.0, gt=0, description="autoscaling target per replica")
     max_ongoing_requests: int = Field(256, ge=1, description="requests a replica accepts at once")
     max_queued_requests: int | None = Field(
-        None, ge=1, description="requests that may wait in each caller for a replica below max_ongoing_requests "
-                                "(Serve's max_queued_requests); more are refused: HTTP 503 + Retry-After, gRPC "
-                                "RESOURCE_EXHAUSTED. none = unbounded, right for LargeModel: its callers are "
-                                "requests already admitted, at most one catch-up each in flight")
+        None,
+        ge=1,
+        description="requests that may wait in each caller for a replica below max_ongoing_requests "
+        "(Serve's max_queued_requests); more are refused: HTTP 503 + Retry-After, gRPC "
+        "RESOURCE_EXHAUSTED. none = unbounded, right for LargeModel: its callers are "
+        "requests already admitted, at most one catch-up each in flight",
+    )
     num_cpus: float = Field(1.0, ge=0.0, description="CPUs reserved per replica")
     gpus: Literal["auto", "none"] | float = Field(
-        "auto", description="GPUs per replica: auto = 1 on its own node type (custom_resource), else a share "
-                            "of the cluster's GPUs (one per model deployment if enough), 0 without GPUs; "
-                            "none = 0; or a number")
+        "auto",
+        description="GPUs per replica: auto = 1 on its own node type (custom_resource), else a share "
+        "of the cluster's GPUs (one per model deployment if enough), 0 without GPUs; "
+        "none = 0; or a number",
+    )
     custom_resource: str | None = Field(
-        None, description="cluster.yaml resource the replica needs where the cluster has it (small_gpu / large_gpu)")
+        None, description="cluster.yaml resource the replica needs where the cluster has it (small_gpu / large_gpu)"
+    )
 
 
 class AdmissionConfig(_Config):
     """How much work one SmallModel replica takes on; the rest is refused at once (HTTP 503 +
     Retry-After, gRPC RESOURCE_EXHAUSTED), never queued without bound."""
 
-    max_live_requests: int = Field(48, ge=1, description="requests in a replica's step loop at once; each is in "
-                                                         "every batched step, so more make every request slower")
-    max_waiting_requests: int = Field(8, ge=0, description="requests more that wait in the replica, first come "
-                                                           "first served, for a live one to finish")
+    max_live_requests: int = Field(
+        48,
+        ge=1,
+        description="requests in a replica's step loop at once; each is in "
+        "every batched step, so more make every request slower",
+    )
+    max_waiting_requests: int = Field(
+        8, ge=0, description="requests more that wait in the replica, first come first served, for a live one to finish"
+    )
     retry_after_s: float = Field(1.0, ge=0.0, description="Retry-After of a refused request (seconds, rounded up)")
 
 
@@ -161,9 +208,13 @@ class StreamConfig(_Config):
 
     # a message costs ~3 ms of CPU across Ray, the Ingress, the proxy and the client on a loaded
     # 2-core box (benchmarks/serve_overhead.py): 250 a second are most of a core
-    max_messages_per_s: float = Field(250.0, gt=0.0, description="token messages per second one replica sends "
-                                                                 "across all its streams (more: less latency, "
-                                                                 "more CPU per token)")
+    max_messages_per_s: float = Field(
+        250.0,
+        gt=0.0,
+        description="token messages per second one replica sends "
+        "across all its streams (more: less latency, "
+        "more CPU per token)",
+    )
     max_delay_ms: float = Field(100.0, ge=0.0, description="the longest a committed token waits to be sent")
 
 
@@ -171,35 +222,54 @@ class AccessConfig(_Config):
     """Who may call. Without keys the service is open to whoever reaches its ports."""
 
     api_keys: list[SecretStr] = Field(
-        default_factory=list, description="accepted API keys (HTTP `Authorization: Bearer <key>`, gRPC metadata "
-                                          "`authorization: Bearer <key>`); prefer api_keys_env: a Serve config's "
-                                          "args are visible to whoever can read the cluster's config")
+        default_factory=list,
+        description="accepted API keys (HTTP `Authorization: Bearer <key>`, gRPC metadata "
+        "`authorization: Bearer <key>`); prefer api_keys_env: a Serve config's "
+        "args are visible to whoever can read the cluster's config",
+    )
     api_keys_env: str | None = Field(
-        None, description="name of an environment variable of the Ingress replicas holding more keys, "
-                          "comma-separated; the replica refuses to start when it is not set")
-    health_open: bool = Field(True, description="GET /health and the gRPC Health method need no key "
-                                                "(load balancers probe them)")
+        None,
+        description="name of an environment variable of the Ingress replicas holding more keys, "
+        "comma-separated; the replica refuses to start when it is not set",
+    )
+    health_open: bool = Field(
+        True, description="GET /health and the gRPC Health method need no key (load balancers probe them)"
+    )
 
 
 class LimitsConfig(_Config):
     """What one request may ask for, and how many requests one client may have open. A client
     is its API key where keys are set, else its peer address."""
 
-    max_body_bytes: int = Field(1 << 20, ge=1, description="HTTP request body size in bytes (413 above; on gRPC "
-                                                           "the encoded request size, INVALID_ARGUMENT above)")
-    max_prompt_chars: int = Field(100_000, ge=1, description="characters of a text prompt, or of all chat "
-                                                             "messages together")
+    max_body_bytes: int = Field(
+        1 << 20,
+        ge=1,
+        description="HTTP request body size in bytes (413 above; on gRPC "
+        "the encoded request size, INVALID_ARGUMENT above)",
+    )
+    max_prompt_chars: int = Field(
+        100_000, ge=1, description="characters of a text prompt, or of all chat messages together"
+    )
     max_prompt_tokens: int | None = Field(
-        None, ge=1, description="prompt tokens (token ids sent, or the tokenized text, counted by the "
-                                "SmallModel); none: only the models' context window bounds the prompt")
-    max_tokens: int = Field(4096, ge=1, description="largest max_tokens a request may ask for (prompt + "
-                                                    "max_tokens must also fit the context window)")
+        None,
+        ge=1,
+        description="prompt tokens (token ids sent, or the tokenized text, counted by the "
+        "SmallModel); none: only the models' context window bounds the prompt",
+    )
+    max_tokens: int = Field(
+        4096,
+        ge=1,
+        description="largest max_tokens a request may ask for (prompt + max_tokens must also fit the context window)",
+    )
     max_stop: int = Field(4, ge=0, description="stop strings per request (OpenAI allows 4)")
     max_stop_chars: int = Field(64, ge=1, description="characters of one stop string")
     max_concurrent_per_client: int | None = Field(
-        64, ge=1, description="requests one client may have open at once, counted in each Ingress replica "
-                              "(429 / RESOURCE_EXHAUSTED above; the default lets one client fill one "
-                              "SmallModel replica's admission, not more); none: unlimited")
+        64,
+        ge=1,
+        description="requests one client may have open at once, counted in each Ingress replica "
+        "(429 / RESOURCE_EXHAUSTED above; the default lets one client fill one "
+        "SmallModel replica's admission, not more); none: unlimited",
+    )
     retry_after_s: int = Field(1, ge=0, description="Retry-After (seconds) sent with a 429")
 
 
@@ -210,31 +280,46 @@ class AppArgs(_Config):
     routing: RoutingConfig = Field(default_factory=RoutingConfig, description="initial SmallModel user_config")
     catch_up: CatchUpConfig = Field(default_factory=CatchUpConfig, description="initial LargeModel user_config")
     small: ReplicaConfig = Field(
-        default_factory=lambda: ReplicaConfig(custom_resource="small_gpu", max_ongoing_requests=64,
-                                              max_queued_requests=32),
-        description="SmallModel replicas (M_S + decision function + step loop)")
+        default_factory=lambda: ReplicaConfig(
+            custom_resource="small_gpu", max_ongoing_requests=64, max_queued_requests=32
+        ),
+        description="SmallModel replicas (M_S + decision function + step loop)",
+    )
     large: ReplicaConfig = Field(
         default_factory=lambda: ReplicaConfig(custom_resource="large_gpu"),
-        description="LargeModel replicas (M_L); medium models use the same settings")
+        description="LargeModel replicas (M_L); medium models use the same settings",
+    )
     ingress: ReplicaConfig = Field(
-        default_factory=lambda: ReplicaConfig(num_cpus=0.25, gpus="none", max_replicas=4,
-                                              target_ongoing_requests=32, max_ongoing_requests=512,
-                                              max_queued_requests=256),
-        description="Ingress replicas (HTTP + gRPC, no GPU)")
-    admission: AdmissionConfig = Field(default_factory=AdmissionConfig,
-                                       description="per SmallModel replica: live and waiting requests at most")
-    stream: StreamConfig = Field(default_factory=StreamConfig,
-                                 description="per SmallModel replica: how tokens are coalesced into messages")
+        default_factory=lambda: ReplicaConfig(
+            num_cpus=0.25,
+            gpus="none",
+            max_replicas=4,
+            target_ongoing_requests=32,
+            max_ongoing_requests=512,
+            max_queued_requests=256,
+        ),
+        description="Ingress replicas (HTTP + gRPC, no GPU)",
+    )
+    admission: AdmissionConfig = Field(
+        default_factory=AdmissionConfig, description="per SmallModel replica: live and waiting requests at most"
+    )
+    stream: StreamConfig = Field(
+        default_factory=StreamConfig, description="per SmallModel replica: how tokens are coalesced into messages"
+    )
     default_max_tokens: int = Field(64, ge=1, description="max_tokens of a request that sets none")
     torch_threads: int | None = Field(None, ge=1, description="torch threads per model replica (none: Ray's default)")
     handle_transport: Literal["grpc", "actor"] = Field(
-        "grpc", description="how the per-step calls between deployments travel (catch-ups to LargeModel, token "
-                            "streams from SmallModel): 'grpc', Serve's direct replica-to-replica gRPC "
-                            "(`_by_reference=False`, pickled; about 1 ms less per call), or 'actor', Ray actor calls")
+        "grpc",
+        description="how the per-step calls between deployments travel (catch-ups to LargeModel, token "
+        "streams from SmallModel): 'grpc', Serve's direct replica-to-replica gRPC "
+        "(`_by_reference=False`, pickled; about 1 ms less per call), or 'actor', Ray actor calls",
+    )
     engine_factory: str | None = Field(
-        None, description="'module:callable' that builds the SmallModel's engine instead of BackoffEngine (same "
-                          "arguments); benchmarks of the serving path alone inject a stand-in through it "
-                          "(benchmarks/standin.py). None: the BackoffEngine")
+        None,
+        description="'module:callable' that builds the SmallModel's engine instead of BackoffEngine (same "
+        "arguments); benchmarks of the serving path alone inject a stand-in through it "
+        "(benchmarks/standin.py). None: the BackoffEngine",
+    )
     access: AccessConfig = Field(default_factory=AccessConfig, description="API keys (none: open)")
     limits: LimitsConfig = Field(default_factory=LimitsConfig, description="request size and per-client limits")
 
@@ -243,15 +328,18 @@ class AppArgs(_Config):
         # a refusal must reach the replica to be sent, and info() / health calls need a slot
         carried = self.admission.max_live_requests + self.admission.max_waiting_requests
         if carried >= self.small.max_ongoing_requests:
-            raise ValueError(f"admission.max_live_requests + max_waiting_requests ({carried}) must stay below "
-                             f"small.max_ongoing_requests ({self.small.max_ongoing_requests})")
+            raise ValueError(
+                f"admission.max_live_requests + max_waiting_requests ({carried}) must stay below "
+                f"small.max_ongoing_requests ({self.small.max_ongoing_requests})"
+            )
         return self
 
     @model_validator(mode="after")
     def _default_within_cap(self) -> "AppArgs":
         if self.default_max_tokens > self.limits.max_tokens:
-            raise ValueError(f"default_max_tokens {self.default_max_tokens} exceeds limits.max_tokens "
-                             f"{self.limits.max_tokens}")
+            raise ValueError(
+                f"default_max_tokens {self.default_max_tokens} exceeds limits.max_tokens {self.limits.max_tokens}"
+            )
         return self
 
 

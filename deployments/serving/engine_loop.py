@@ -190,8 +190,13 @@ class EngineLoop(Generic[Policy]):
                 self._fail(request_id, f"{type(exc).__name__}: {exc}")
             return
         self.steps += 1
-        _deliver([(sink, event) for request_id, event in events.items()  # 3.
-                  if (sink := self._sinks.get(request_id)) is not None and sink.tokens])
+        _deliver(
+            [
+                (sink, event)
+                for request_id, event in events.items()  # 3.
+                if (sink := self._sinks.get(request_id)) is not None and sink.tokens
+            ]
+        )
         for request_id in self.engine.finished_ids():
             self._finish(request_id)
         self.last_step_s = time.perf_counter() - start

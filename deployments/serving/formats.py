@@ -9,9 +9,24 @@ import sys
 from backoff_core.types import GenerationResult, Logprob, TokenEvent, TokenLogprobs
 from clients.wire import backoff_pb2 as pb
 from clients.wire.logprobs import ChatLogprobs, ChatTokenLogprob, ChatTopLogprob, CompletionLogprobs
+from clients.wire.openai import (
+    BackoffTrace,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatMessageOut,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionChunkChoice,
+    CompletionResponse,
+    ErrorBody,
+    ErrorDetail,
+    TokenTrace,
+)
 from clients.wire.proto import usage_to_pb
 from clients.wire.types import Usage
-from clients.wire.openai import BackoffTrace, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse, ChatDelta, ChatMessageOut, CompletionChoice, CompletionChunk, CompletionChunkChoice, CompletionResponse, ErrorBody, ErrorDetail, TokenTrace
 
 
 def json_safe(value):
@@ -34,14 +49,22 @@ def _finite(x: float) -> float:
 def usage_of(result: GenerationResult) -> Usage:
     by_source = result.tokens_by_source()
     n = len(result.token_ids)
-    return Usage(prompt_tokens=result.prompt_tokens, completion_tokens=n, total_tokens=result.prompt_tokens + n,
-                 small_tokens=by_source[0], large_tokens=by_source[-1], large_calls=result.large_calls,
-                 degraded=result.degraded, degraded_reason=result.degraded_reason)
+    return Usage(
+        prompt_tokens=result.prompt_tokens,
+        completion_tokens=n,
+        total_tokens=result.prompt_tokens + n,
+        small_tokens=by_source[0],
+        large_tokens=by_source[-1],
+        large_calls=result.large_calls,
+        degraded=result.degraded,
+        degraded_reason=result.degraded_reason,
+    )
 
 
 def _trace(result: GenerationResult) -> BackoffTrace:
-    return BackoffTrace(token_ids=list(result.token_ids), sources=list(result.sources),
-                        thresholds=list(result.thresholds))
+    return BackoffTrace(
+        token_ids=list(result.token_ids), sources=list(result.sources), thresholds=list(result.thresholds)
+    )
 
 
 def _chat_top(t: Logprob) -> ChatTopLogprob:
@@ -52,8 +75,12 @@ def chat_logprobs(entries: tuple[TokenLogprobs, ...] | None) -> ChatLogprobs | N
     """OpenAI chat's choice.logprobs; entry i's source is backoff.sources[i] (or the chunk's backoff.source)."""
     if entries is None:
         return None
-    return ChatLogprobs(content=[ChatTokenLogprob(**_chat_top(e.chosen).model_dump(),
-                                                  top_logprobs=[_chat_top(t) for t in e.top]) for e in entries])
+    return ChatLogprobs(
+        content=[
+            ChatTokenLogprob(**_chat_top(e.chosen).model_dump(), top_logprobs=[_chat_top(t) for t in e.top])
+            for e in entries
+        ]
+    )
 
 
 def completion_logprobs(entries: tuple[TokenLogprobs, ...] | None) -> CompletionLogprobs | None:
@@ -67,9 +94,12 @@ def completion_logprobs(entries: tuple[TokenLogprobs, ...] | None) -> Completion
         for t in (*e.top, e.chosen):  # a text shared by two ids keeps the likelier one
             top.setdefault(t.token, t.logprob)
         tops.append(top)
-    return CompletionLogprobs(tokens=[e.chosen.token for e in entries],
-                              token_logprobs=[e.chosen.logprob for e in entries],
-                              top_logprobs=tops, text_offset=[e.text_offset for e in entries])
+    return CompletionLogprobs(
+        tokens=[e.chosen.token for e in entries],
+        token_logprobs=[e.chosen.logprob for e in entries],
+        top_logprobs=tops,
+        text_offset=[e.text_offset for e in entries],
+    )
 
 
 def _event_logprobs(event: TokenEvent) -> tuple[TokenLogprobs, ...] | None:
@@ -79,23 +109,40 @@ def _event_logprobs(event: TokenEvent) -> tuple[TokenLogprobs, ...] | None:
 def response_body(request_id: str, model: str, created: int, result: GenerationResult, chat: bool) -> dict:
     reason = result.finish_reason.value
     if chat:
-        choice = ChatChoice(message=ChatMessageOut(content=result.text), finish_reason=reason, backoff=_trace(result),
-                            logprobs=chat_logprobs(result.logprobs))
-        body = ChatCompletionResponse(id=request_id, created=created, model=model, choices=[choice], usage=usage_of(result))
+        choice = ChatChoice(
+            message=ChatMessageOut(content=result.text),
+            finish_reason=reason,
+            backoff=_trace(result),
+            logprobs=chat_logprobs(result.logprobs),
+        )
+        body = ChatCompletionResponse(
+            id=request_id, created=created, model=model, choices=[choice], usage=usage_of(result)
+        )
     else:
-        choice = CompletionChoice(text=result.text, finish_reason=reason, backoff=_trace(result),
-                                  logprobs=completion_logprobs(result.logprobs))
+        choice = CompletionChoice(
+            text=result.text,
+            finish_reason=reason,
+            backoff=_trace(result),
+            logprobs=completion_logprobs(result.logprobs),
+        )
         body = CompletionResponse(id=request_id, created=created, model=model, choices=[choice], usage=usage_of(result))
     return json_safe(body.model_dump())
 
 
 def chunk_body(request_id: str, model: str, created: int, event: TokenEvent, chat: bool) -> dict:
-    trace = TokenTrace(token_id=event.token_id, source=event.source, index=event.index,
-                       retracted=event.retracted, retracted_text=event.retracted_text)
+    trace = TokenTrace(
+        token_id=event.token_id,
+        source=event.source,
+        index=event.index,
+        retracted=event.retracted,
+        retracted_text=event.retracted_text,
+    )
     if chat:
         delta = ChatDelta(role="assistant" if event.index == 0 else None, content=event.text)
         choice = ChatChunkChoice(delta=delta, backoff=trace, logprobs=chat_logprobs(_event_logprobs(event)))
-        return json_safe(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice]).model_dump())
+        return json_safe(
+            ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice]).model_dump()
+        )
     choice = CompletionChunkChoice(text=event.text, backoff=trace, logprobs=completion_logprobs(_event_logprobs(event)))
     return json_safe(CompletionChunk(id=request_id, created=created, model=model, choices=[choice]).model_dump())
 
@@ -120,9 +167,14 @@ class TokenChunks:
             choice["delta"] = {**choice["delta"], "content": event.text}
         else:
             choice["text"] = event.text
-        choice["backoff"] = {**choice["backoff"], "token_id": event.token_id, "source": event.source,
-                             "index": event.index, "retracted": event.retracted,
-                             "retracted_text": event.retracted_text}
+        choice["backoff"] = {
+            **choice["backoff"],
+            "token_id": event.token_id,
+            "source": event.source,
+            "index": event.index,
+            "retracted": event.retracted,
+            "retracted_text": event.retracted_text,
+        }
         return body
 
     def sse(self, events: tuple[TokenEvent, ...]) -> str:
@@ -134,21 +186,30 @@ def final_chunk_body(request_id: str, model: str, created: int, result: Generati
     reason, usage = result.finish_reason.value, usage_of(result)
     if chat:
         choice = ChatChunkChoice(delta=ChatDelta(), finish_reason=reason)
-        return json_safe(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice],
-                                             usage=usage).model_dump())
+        return json_safe(
+            ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice], usage=usage).model_dump()
+        )
     choice = CompletionChunkChoice(finish_reason=reason)
-    return json_safe(CompletionChunk(id=request_id, created=created, model=model, choices=[choice], usage=usage).model_dump())
+    return json_safe(
+        CompletionChunk(id=request_id, created=created, model=model, choices=[choice], usage=usage).model_dump()
+    )
 
 
-def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict:
+def error_body(
+    message: str, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> dict:
     return ErrorBody(error=ErrorDetail(message=message, type=kind, param=param, code=code)).model_dump()
 
 
 def pb_response(request_id: str, result: GenerationResult) -> pb.GenerateResponse:
     return pb.GenerateResponse(
-        id=request_id, text=result.text, finish_reason=result.finish_reason.value, usage=usage_to_pb(usage_of(result)),
-        token_ids=list(result.token_ids), sources=list(result.sources), num_levels=result.num_levels,
+        id=request_id,
+        text=result.text,
+        finish_reason=result.finish_reason.value,
+        usage=usage_to_pb(usage_of(result)),
+        token_ids=list(result.token_ids),
+        sources=list(result.sources),
+        num_levels=result.num_levels,
         thresholds=[_finite(t) for t in result.thresholds],  # JSON mappings of the reply stay finite
         logprobs=[pb_logprobs(e) for e in result.logprobs or ()],
     )
@@ -162,9 +223,16 @@ def pb_logprobs(entry: TokenLogprobs) -> pb.TokenLogprobs:
 
 
 def pb_chunk(request_id: str, event: TokenEvent) -> pb.GenerateChunk:
-    return pb.GenerateChunk(id=request_id, text=event.text, token_id=event.token_id, source=event.source,
-                            index=event.index, retracted=event.retracted, retracted_text=event.retracted_text,
-                            logprobs=None if event.logprobs is None else pb_logprobs(event.logprobs))
+    return pb.GenerateChunk(
+        id=request_id,
+        text=event.text,
+        token_id=event.token_id,
+        source=event.source,
+        index=event.index,
+        retracted=event.retracted,
+        retracted_text=event.retracted_text,
+        logprobs=None if event.logprobs is None else pb_logprobs(event.logprobs),
+    )
 
 
 def pb_chunks(request_id: str, events: tuple[TokenEvent, ...]) -> pb.GenerateChunk:
@@ -176,4 +244,6 @@ def pb_chunks(request_id: str, events: tuple[TokenEvent, ...]) -> pb.GenerateChu
 
 
 def pb_final_chunk(request_id: str, result: GenerationResult) -> pb.GenerateChunk:
-    return pb.GenerateChunk(id=request_id, finish_reason=result.finish_reason.value, usage=usage_to_pb(usage_of(result)))
+    return pb.GenerateChunk(
+        id=request_id, finish_reason=result.finish_reason.value, usage=usage_to_pb(usage_of(result))
+    )

@@ -26,9 +26,17 @@ from clients.wire import backoff_pb2 as pb
 SERVICE = "backoff.Backoff"
 SERVE_LOGGER = "ray.serve"  # ray.serve._private.constants.SERVE_LOGGER_NAME
 # the statuses of a refusal (the client's mistake, or a full server): not server errors
-REFUSALS = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAUTHENTICATED,
-                      grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.OUT_OF_RANGE,
-                      grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.PERMISSION_DENIED})
+REFUSALS = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.OUT_OF_RANGE,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.PERMISSION_DENIED,
+    }
+)
 
 
 class RefusalLog(logging.Filter):
@@ -83,16 +91,24 @@ def _lenient(message_type):
 def add_BackoffServicer_to_server(servicer, server) -> None:  # noqa: N802 - the name gRPC adders have
     methods = {
         "Generate": grpc.unary_unary_rpc_method_handler(
-            servicer.Generate, request_deserializer=_lenient(pb.GenerateRequest),
-            response_serializer=pb.GenerateResponse.SerializeToString),
+            servicer.Generate,
+            request_deserializer=_lenient(pb.GenerateRequest),
+            response_serializer=pb.GenerateResponse.SerializeToString,
+        ),
         "GenerateStream": grpc.unary_stream_rpc_method_handler(
-            servicer.GenerateStream, request_deserializer=_lenient(pb.GenerateRequest),
-            response_serializer=pb.GenerateChunk.SerializeToString),
+            servicer.GenerateStream,
+            request_deserializer=_lenient(pb.GenerateRequest),
+            response_serializer=pb.GenerateChunk.SerializeToString,
+        ),
         "Models": grpc.unary_unary_rpc_method_handler(
-            servicer.Models, request_deserializer=_lenient(pb.ModelsRequest),
-            response_serializer=pb.ModelsResponse.SerializeToString),
+            servicer.Models,
+            request_deserializer=_lenient(pb.ModelsRequest),
+            response_serializer=pb.ModelsResponse.SerializeToString,
+        ),
         "Health": grpc.unary_unary_rpc_method_handler(
-            servicer.Health, request_deserializer=_lenient(pb.HealthRequest),
-            response_serializer=pb.HealthResponse.SerializeToString),
+            servicer.Health,
+            request_deserializer=_lenient(pb.HealthRequest),
+            response_serializer=pb.HealthResponse.SerializeToString,
+        ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, methods),))

@@ -8,7 +8,6 @@ from transformers import PreTrainedModel
 
 from backoff_core.models import loading
 from backoff_core.models.loading import LoadSpec, SmallSide
-
 from deployments.serving.config import ModelsConfig
 
 

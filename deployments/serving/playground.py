@@ -18,9 +18,8 @@ from fastapi.responses import FileResponse, RedirectResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field
 
-from backoff_core.types import level_names
 from backoff_core.routing.routers import NAMES, build_router
-
+from backoff_core.types import level_names
 from deployments.serving.access import EdgeGate
 from deployments.serving.config import AppArgs, RoutingConfig
 
@@ -72,8 +71,14 @@ def routing_info(args: AppArgs, model: str, policy: RoutingConfig) -> RoutingInf
         routers.append(RouterChoice(name="classifier", thresholds=True, slider=(0.0, 1.0), defaults=[0.5] * (n - 1)))
     live = next((c for c in routers if c.name == policy.router), None)
     thresholds = list(policy.thresholds) if policy.thresholds is not None else (live.defaults if live else [])
-    return RoutingInfo(model=model, levels=level_names(n), routers=routers, router=policy.router,
-                       thresholds=thresholds, target_backoff=policy.target_backoff)
+    return RoutingInfo(
+        model=model,
+        levels=level_names(n),
+        routers=routers,
+        router=policy.router,
+        thresholds=thresholds,
+        target_backoff=policy.target_backoff,
+    )
 
 
 def mount_playground(app: FastAPI) -> None:

@@ -39,7 +39,6 @@ from backoff_core.engine.backends import LargeUnavailable, SessionLost
 from backoff_core.runners.dynamic import Extension
 from backoff_core.runners.sessions import Session, SessionTable
 from backoff_core.runners.static_kv import KVCapacityError
-
 from deployments.serving.batcher import CatchUpCall, CatchUpReply
 
 log = logging.getLogger(__name__)
@@ -71,8 +70,16 @@ _epochs = itertools.count()
 
 
 class RemoteLarge(SessionTable[_RemoteSession]):
-    def __init__(self, endpoint: LargeEndpoint, name: str, vocab_size: int, *,
-                 timeout_s: float = 30.0, create_retries: int = 5, owner: str = "") -> None:
+    def __init__(
+        self,
+        endpoint: LargeEndpoint,
+        name: str,
+        vocab_size: int,
+        *,
+        timeout_s: float = 30.0,
+        create_retries: int = 5,
+        owner: str = "",
+    ) -> None:
         super().__init__()
         self.endpoint = endpoint
         self.name = name
@@ -100,20 +107,36 @@ class RemoteLarge(SessionTable[_RemoteSession]):
             except Exception:  # noqa: BLE001 - a lost replica has nothing left to free
                 log.debug("close of %s failed", session.session_key, exc_info=True)
 
-    def extend(self, items: list[tuple[str, list[int]]], hidden_layer: int | None = None,
-               last_only: bool = False) -> list[Extension]:
+    def extend(
+        self, items: list[tuple[str, list[int]]], hidden_layer: int | None = None, last_only: bool = False
+    ) -> list[Extension]:
         if hidden_layer is not None:
             raise ValueError(f"{self.name}: a remote model returns no hidden states")
         group = f"{self._uid}-{next(self._steps)}"
-        calls = [CatchUpCall(self._get(request_id).session_key, self._get(request_id).length, tuple(ids), group, len(items), self.owner,
-                             last_only, refill=self._get(request_id).refill) for request_id, ids in items]
+        calls = [
+            CatchUpCall(
+                self._get(request_id).session_key,
+                self._get(request_id).length,
+                tuple(ids),
+                group,
+                len(items),
+                self.owner,
+                last_only,
+                refill=self._get(request_id).refill,
+            )
+            for request_id, ids in items
+        ]
         start, deadline = time.perf_counter(), time.monotonic() + self.timeout_s
         for request_id, _ in items:
             self._sessions[request_id].sent = True
         pending = [self.endpoint.extend(call) for call in calls]  # all in flight together
         out, lost, failed, refused = {}, [], [], []
         # the engine re-prefills the whole group after a loss: these are live, never refused then
-        live = [request_id for request_id, _ in items if self._sessions[request_id].length or self._sessions[request_id].refill]
+        live = [
+            request_id
+            for request_id, _ in items
+            if self._sessions[request_id].length or self._sessions[request_id].refill
+        ]
         for (request_id, ids), call, p in zip(items, calls, pending):
             try:
                 reply = self._receive(call, p, deadline)

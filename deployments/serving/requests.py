@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 from backoff_core.types import GenerationRequest, RoutingParams, SamplingParams
 from clients.wire.types import ChatMessage, GenerateParams
-
 from deployments.serving.config import RoutingConfig
 
 
@@ -96,5 +95,6 @@ def routing_params(overrides: RoutingOverrides, policy: RoutingConfig) -> Routin
 
 
 def generation_request(request: ServeRequest, prompt_ids: list[int], policy: RoutingConfig) -> GenerationRequest:
-    return GenerationRequest(tuple(prompt_ids), request.sampling, routing_params(request.overrides, policy),
-                             request.request_id)
+    return GenerationRequest(
+        tuple(prompt_ids), request.sampling, routing_params(request.overrides, policy), request.request_id
+    )

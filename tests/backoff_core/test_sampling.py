@@ -104,8 +104,12 @@ def test_extreme_finite_parameters_give_proper_distributions():
     """Finite values at their extremes never give inf/NaN: a tiny temperature is greedy,
     a tiny top_p keeps the top token, a huge temperature is (nearly) uniform."""
     logits = torch.tensor([[3.0, 1.0, 2.0, -1.0]] * 4)
-    params = [SamplingParams(temperature=1e-40), SamplingParams(temperature=1.0, top_p=1e-300),
-              SamplingParams(temperature=1e30), SamplingParams(temperature=5e-5, top_k=1)]
+    params = [
+        SamplingParams(temperature=1e-40),
+        SamplingParams(temperature=1.0, top_p=1e-300),
+        SamplingParams(temperature=1e30),
+        SamplingParams(temperature=5e-5, top_k=1),
+    ]
     p = distributions(logits, params)
     assert torch.isfinite(p).all()
     torch.testing.assert_close(p.sum(-1), torch.ones(4))
@@ -120,8 +124,11 @@ def test_extreme_finite_parameters_give_proper_distributions():
 
 def test_batched_rows_follow_their_own_parameters():
     logits = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]] * 3))
-    params = [SamplingParams(temperature=1.0, top_k=2), SamplingParams(temperature=1.0, top_p=0.8),
-              SamplingParams(temperature=0.5)]
+    params = [
+        SamplingParams(temperature=1.0, top_k=2),
+        SamplingParams(temperature=1.0, top_p=0.8),
+        SamplingParams(temperature=0.5),
+    ]
     p = distributions(logits, params)
     for i in range(3):
         torch.testing.assert_close(p[i], distribution(logits[i], params[i]))

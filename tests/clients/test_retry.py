@@ -12,16 +12,28 @@ from clients import retry as retry_module
 from clients.http_client import BackoffHTTPClient
 from clients.retry import NO_RETRY, Retry
 from clients.wire.errors import (
-    AuthenticationError, BadRequestError, NotFoundError, OverloadedError, RateLimitError, ServerError, TransportError,
+    AuthenticationError,
+    BadRequestError,
+    NotFoundError,
+    OverloadedError,
+    RateLimitError,
+    ServerError,
+    TransportError,
 )
 
 NO_JITTER = Retry(attempts=4, max_wait_s=30.0, jitter=0.0)
 
 
-@pytest.mark.parametrize("error", [
-    BadRequestError("bad", 400), AuthenticationError("key", 401), NotFoundError("gone", 404),
-    ServerError("boom", 500), TransportError("refused"),
-])
+@pytest.mark.parametrize(
+    "error",
+    [
+        BadRequestError("bad", 400),
+        AuthenticationError("key", 401),
+        NotFoundError("gone", 404),
+        ServerError("boom", 500),
+        TransportError("refused"),
+    ],
+)
 def test_only_overload_is_retried(error):
     """Anything but a refusal may have started the request (or will fail again): to the caller."""
     assert NO_JITTER.delay(error, 0) is None

@@ -49,15 +49,20 @@ def _edit(config: dict, dirs) -> None:
     chain["args"]["models"]["medium"] = [dirs["medium"]]
     chain["args"]["large"]["num_replicas"] = 1
     config["applications"].append(chain)
-    deployment_config(config, "SmallModel", app=1)["user_config"] = {"router": "random",
-                                                                     "threshold": list(CHAIN_THRESHOLDS)}
+    deployment_config(config, "SmallModel", app=1)["user_config"] = {
+        "router": "random",
+        "threshold": list(CHAIN_THRESHOLDS),
+    }
 
 
 @pytest.fixture(scope="module")
 def served(serve_app) -> ServedApp:
     """Ingress, SmallModel and two LargeModel replicas (`backoff`), the chain (`chain`)."""
-    ray_options = {"num_cpus": 4, "_metrics_export_port": harness.free_port(),
-                   "_system_config": {**serve_cli.RAY_SYSTEM_CONFIG, "metrics_report_interval_ms": 500}}
+    ray_options = {
+        "num_cpus": 4,
+        "_metrics_export_port": harness.free_port(),
+        "_system_config": {**serve_cli.RAY_SYSTEM_CONFIG, "metrics_report_interval_ms": 500},
+    }
     return serve_app("serve", MODELS, replicas={"large": 2}, edit=_edit, ray_options=ray_options)
 
 
@@ -69,9 +74,13 @@ def local(served):
 
 def _reference(local, prompt, max_tokens, router="entropy", thresholds=(THRESHOLD,), **sampling):
     sampling.setdefault("temperature", 0.0)
-    return local.generate(GenerationRequest(
-        tuple(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling),
-        RoutingParams(router=router, thresholds=thresholds)))
+    return local.generate(
+        GenerationRequest(
+            tuple(prompt),
+            SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling),
+            RoutingParams(router=router, thresholds=thresholds),
+        )
+    )
 
 
 def _large_infos() -> dict:
@@ -89,6 +98,7 @@ def _router_info():
 
 
 # -- end to end ---------------------------------------------------------------------------
+
 
 def test_http_unary_and_stream(served, local):
     with BackoffHTTPClient(served.url) as client:
@@ -108,6 +118,7 @@ def test_http_unary_and_stream(served, local):
 
 def test_a_local_ray_gives_serve_a_patient_proxy_ready_check(served):
     """Serve's processes (workers of the local Ray) see serve_cli.LOCAL_SERVE_ENV."""
+
     @ray.remote(num_cpus=0)
     def environment(keys):
         return {k: os.environ.get(k) for k in keys}
@@ -119,9 +130,11 @@ def test_served_output_equals_in_process(served, local):
     cases = [  # (prompt, fields, reference kwargs)
         ([5, 9, 13, 2], dict(temperature=0.9, seed=7), dict(temperature=0.9, seed=7)),
         ([7, 8], dict(temperature=0, backoff_threshold=0.8), dict(thresholds=(0.8,))),
-        ([11, 12, 13], dict(temperature=0.7, seed=3, router="always-large"), dict(temperature=0.7, seed=3,
-                                                                                  router="always-large",
-                                                                                  thresholds=None)),
+        (
+            [11, 12, 13],
+            dict(temperature=0.7, seed=3, router="always-large"),
+            dict(temperature=0.7, seed=3, router="always-large", thresholds=None),
+        ),
     ]
     with BackoffHTTPClient(served.url) as http, BackoffGrpcClient(served.grpc_target, application="backoff") as rpc:
         for prompt, fields, ref_kwargs in cases:
@@ -138,9 +151,14 @@ def test_concurrent_requests_share_steps_and_match_in_process(served, local):
 
     async def run():
         async with AsyncBackoffHTTPClient(served.url) as http:
-            return await asyncio.gather(*[http.complete(p, max_tokens=16, temperature=0, ignore_eos=True, seed=i,
-                                                        router="random", backoff_threshold=0.5)
-                                          for i, p in enumerate(prompts)])
+            return await asyncio.gather(
+                *[
+                    http.complete(
+                        p, max_tokens=16, temperature=0, ignore_eos=True, seed=i, router="random", backoff_threshold=0.5
+                    )
+                    for i, p in enumerate(prompts)
+                ]
+            )
 
     outs = asyncio.run(run())
     for i, (p, out) in enumerate(zip(prompts, outs)):
@@ -167,8 +185,11 @@ def test_grpc_unary_stream_and_invalid_argument(served):
     assert [d.token_id for d in asyncio.run(run())[:-1]] == unary.token_ids
     with grpc.insecure_channel(served.grpc_target) as channel:  # the raw status code
         stub = pb_grpc.BackoffStub(channel)
-        for bad_request in (pb.GenerateRequest(prompt="w3", top_p=2.0), pb.GenerateRequest(),
-                            pb.GenerateRequest(prompt_ids=[3] * 600, max_tokens=8)):
+        for bad_request in (
+            pb.GenerateRequest(prompt="w3", top_p=2.0),
+            pb.GenerateRequest(),
+            pb.GenerateRequest(prompt_ids=[3] * 600, max_tokens=8),
+        ):
             with pytest.raises(grpc.RpcError) as err:
                 stub.Generate(bad_request, metadata=APP)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
@@ -177,16 +198,19 @@ def test_grpc_unary_stream_and_invalid_argument(served):
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"prompt": "w3", "max_tokens": 0}, "max_tokens"),
-    ({"prompt": "w3", "n": 2}, "n"),
-    ({"prompt": "w3", "temperature": -1}, "temperature"),
-    ({"prompt": "w3", "router": "nope"}, None),
-    ({"prompt": [3] * 600, "max_tokens": 8}, None),  # over the context window
-    ({"prompt": [3, 4000]}, None),  # token id outside the vocabulary
-    ({"prompt": "w3", "backoff_threshold": [2.0, 1.0]}, None),  # not ascending
-    ({"max_tokens": 3}, "prompt"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"prompt": "w3", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "w3", "n": 2}, "n"),
+        ({"prompt": "w3", "temperature": -1}, "temperature"),
+        ({"prompt": "w3", "router": "nope"}, None),
+        ({"prompt": [3] * 600, "max_tokens": 8}, None),  # over the context window
+        ({"prompt": [3, 4000]}, None),  # token id outside the vocabulary
+        ({"prompt": "w3", "backoff_threshold": [2.0, 1.0]}, None),  # not ascending
+        ({"max_tokens": 3}, "prompt"),
+    ],
+)
 def test_bad_http_input_is_a_400_with_an_openai_error_body(served, body, param):
     for stream in (False, True):
         response = httpx.post(f"{served.url}/v1/completions", json={**body, "stream": stream}, timeout=30)
@@ -199,8 +223,12 @@ def test_bad_http_input_is_a_400_with_an_openai_error_body(served, body, param):
 def test_wrong_model_and_malformed_json(served):
     r = httpx.post(f"{served.url}/v1/completions", json={"prompt": "w3", "model": "gpt-9"}, timeout=30)
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
-    r = httpx.post(f"{served.url}/v1/chat/completions", content=b"{not json", timeout=30,
-                   headers={"content-type": "application/json"})
+    r = httpx.post(
+        f"{served.url}/v1/chat/completions",
+        content=b"{not json",
+        timeout=30,
+        headers={"content-type": "application/json"},
+    )
     assert r.status_code == 400 and "error" in r.json()
     with BackoffHTTPClient(served.url, model="gpt-9") as client, pytest.raises(NotFoundError):
         client.complete("w3")
@@ -214,15 +242,25 @@ def test_openai_package_works_unchanged(served):
     done = client.completions.create(model="backoff", prompt="w3 w4 w5", max_tokens=12, temperature=0, extra_body=extra)
     assert done.choices[0].finish_reason == "length" and done.usage.completion_tokens == 12
     assert done.usage.model_extra["small_tokens"] + done.usage.model_extra["large_tokens"] == 12
-    chunks = list(client.completions.create(model="backoff", prompt="w3 w4 w5", max_tokens=12, temperature=0,
-                                            stream=True, extra_body=extra))
+    chunks = list(
+        client.completions.create(
+            model="backoff", prompt="w3 w4 w5", max_tokens=12, temperature=0, stream=True, extra_body=extra
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == done.choices[0].text
-    chat = client.chat.completions.create(model="backoff", messages=[{"role": "user", "content": "w3 w4"}],
-                                          max_tokens=6, temperature=0, extra_body=extra)
+    chat = client.chat.completions.create(
+        model="backoff", messages=[{"role": "user", "content": "w3 w4"}], max_tokens=6, temperature=0, extra_body=extra
+    )
     assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 6
-    stream = client.chat.completions.create(model="backoff", messages=[{"role": "user", "content": "w3 w4"}],
-                                            max_tokens=6, temperature=0, stream=True,
-                                            stream_options={"include_usage": True}, extra_body=extra)
+    stream = client.chat.completions.create(
+        model="backoff",
+        messages=[{"role": "user", "content": "w3 w4"}],
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=extra,
+    )
     parts = list(stream)
     assert "".join(p.choices[0].delta.content or "" for p in parts if p.choices) == chat.choices[0].message.content
     assert parts[-1].usage.completion_tokens == 6
@@ -246,18 +284,35 @@ def test_logprobs_over_the_openai_package_our_clients_and_grpc(served, local):
     assert lp.token_logprobs == pytest.approx(want, abs=1e-4)
     assert [list(top)[:2] for top in lp.top_logprobs] == [[t.token for t in e.top[:2]] for e in ref.logprobs]
     assert done.choices[0].model_extra["backoff"]["sources"] == list(ref.sources)
-    chunks = [c.choices[0].logprobs for c in client.completions.create(**args, stream=True)
-              if c.choices and c.choices[0].logprobs]
+    chunks = [
+        c.choices[0].logprobs
+        for c in client.completions.create(**args, stream=True)
+        if c.choices and c.choices[0].logprobs
+    ]
     assert [c.token_logprobs[0] for c in chunks] == lp.token_logprobs and [c.tokens[0] for c in chunks] == lp.tokens
 
-    chat_args = dict(model="backoff", messages=[{"role": "user", "content": "w3 w4"}], max_tokens=6, temperature=0,
-                     logprobs=True, top_logprobs=3, extra_body=extra)
+    chat_args = dict(
+        model="backoff",
+        messages=[{"role": "user", "content": "w3 w4"}],
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body=extra,
+    )
     content = client.chat.completions.create(**chat_args).choices[0].logprobs.content
     assert len(content) == 6 and all(len(e.top_logprobs) == 3 and bytes(e.bytes) == e.token.encode() for e in content)
-    assert all([t.logprob for t in e.top_logprobs] == sorted((t.logprob for t in e.top_logprobs), reverse=True)
-               and e.logprob <= e.top_logprobs[0].logprob for e in content)
-    streamed = [e for part in client.chat.completions.create(**chat_args, stream=True)
-                if part.choices and part.choices[0].logprobs for e in part.choices[0].logprobs.content]
+    assert all(
+        [t.logprob for t in e.top_logprobs] == sorted((t.logprob for t in e.top_logprobs), reverse=True)
+        and e.logprob <= e.top_logprobs[0].logprob
+        for e in content
+    )
+    streamed = [
+        e
+        for part in client.chat.completions.create(**chat_args, stream=True)
+        if part.choices and part.choices[0].logprobs
+        for e in part.choices[0].logprobs.content
+    ]
     assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(**{**chat_args, "logprobs": False})  # top_logprobs needs logprobs
@@ -267,22 +322,32 @@ def test_logprobs_over_the_openai_package_our_clients_and_grpc(served, local):
         for c in (http, rpc):
             unary = c.complete(prompt, **fields)
             assert [e.logprob for e in unary.logprobs] == pytest.approx(want, abs=1e-4)
-            assert [[t.token for t in e.top_logprobs] for e in unary.logprobs] == \
-                [[t.token for t in e.top] for e in ref.logprobs]
+            assert [[t.token for t in e.top_logprobs] for e in unary.logprobs] == [
+                [t.token for t in e.top] for e in ref.logprobs
+            ]
             deltas = [d for d in c.stream(prompt, **fields) if d.logprobs is not None]
             assert [d.logprobs.token_id for d in deltas] == list(ref.token_ids)
             assert [d.source for d in deltas] == list(ref.sources)
-            assert [len(e.top_logprobs) for e in c.chat([{"role": "user", "content": "w3"}], max_tokens=4, ignore_eos=True,
-                                                         logprobs=1).logprobs] == [1] * 4
+            assert [
+                len(e.top_logprobs)
+                for e in c.chat([{"role": "user", "content": "w3"}], max_tokens=4, ignore_eos=True, logprobs=1).logprobs
+            ] == [1] * 4
             assert c.complete(prompt, max_tokens=2).logprobs is None
-        assert [t.token_id for t in rpc.complete(prompt, **fields).logprobs[0].top_logprobs] == \
-            [t.token_id for t in ref.logprobs[0].top]
+        assert [t.token_id for t in rpc.complete(prompt, **fields).logprobs[0].top_logprobs] == [
+            t.token_id for t in ref.logprobs[0].top
+        ]
 
     async def run_async():
-        async with AsyncBackoffHTTPClient(served.url) as http, \
-                AsyncBackoffGrpcClient(served.grpc_target, application="backoff") as rpc:
-            return (await http.complete(prompt, **fields), [d async for d in http.stream(prompt, **fields)],
-                    await rpc.complete(prompt, **fields), [d async for d in rpc.stream(prompt, **fields)])
+        async with (
+            AsyncBackoffHTTPClient(served.url) as http,
+            AsyncBackoffGrpcClient(served.grpc_target, application="backoff") as rpc,
+        ):
+            return (
+                await http.complete(prompt, **fields),
+                [d async for d in http.stream(prompt, **fields)],
+                await rpc.complete(prompt, **fields),
+                [d async for d in rpc.stream(prompt, **fields)],
+            )
 
     http_unary, http_deltas, rpc_unary, rpc_deltas = asyncio.run(run_async())
     for unary, deltas in ((http_unary, http_deltas), (rpc_unary, rpc_deltas)):
@@ -291,9 +356,19 @@ def test_logprobs_over_the_openai_package_our_clients_and_grpc(served, local):
 
 
 def test_disconnect_frees_the_sessions(served):
-    with httpx.stream("POST", f"{served.url}/v1/completions", timeout=60, json={
-            "prompt": [3, 4, 5], "max_tokens": 400, "temperature": 0, "ignore_eos": True, "router": "always-large",
-            "stream": True}) as response:
+    with httpx.stream(
+        "POST",
+        f"{served.url}/v1/completions",
+        timeout=60,
+        json={
+            "prompt": [3, 4, 5],
+            "max_tokens": 400,
+            "temperature": 0,
+            "ignore_eos": True,
+            "router": "always-large",
+            "stream": True,
+        },
+    ) as response:
         lines = response.iter_lines()
         seen = [line for _, line in zip(range(6), (x for x in lines if x.startswith("data:")))]
         assert len(seen) == 6 and any(_large_infos()[r].sessions for r in _large_infos())
@@ -314,10 +389,20 @@ def test_sessions_go_to_their_replica(served):
 
 
 def test_prometheus_metrics_are_exported(served):
-    wanted = ["ray_backoff_tokens_total", 'source="small"', 'source="large"', "ray_backoff_large_forward_passes_total",
-              "ray_backoff_large_sessions", "ray_backoff_time_to_first_token_s",
-              "ray_backoff_large_forward_batch_size", "ray_backoff_catch_up_length", "ray_backoff_threshold",
-              "ray_backoff_requests", "ray_backoff_request_latency_s", "ray_backoff_request_backoff_rate"]
+    wanted = [
+        "ray_backoff_tokens_total",
+        'source="small"',
+        'source="large"',
+        "ray_backoff_large_forward_passes_total",
+        "ray_backoff_large_sessions",
+        "ray_backoff_time_to_first_token_s",
+        "ray_backoff_large_forward_batch_size",
+        "ray_backoff_catch_up_length",
+        "ray_backoff_threshold",
+        "ray_backoff_requests",
+        "ray_backoff_request_latency_s",
+        "ray_backoff_request_backoff_rate",
+    ]
     deadline = time.monotonic() + 60  # the metrics agent lags on a loaded machine
     while True:
         text = httpx.get(f"{served.metrics_url}/metrics", timeout=10).text
@@ -331,12 +416,18 @@ def test_prometheus_metrics_are_exported(served):
 def test_a_chain_of_three_serves_through_one_more_deployment(served):
     engine = in_process_engine(*(served.model_dirs[name] for name in ("small", "medium", "large")))
     prompt = [6, 5, 4, 3]
-    ref = engine.generate(GenerationRequest(tuple(prompt), SamplingParams(max_tokens=24, ignore_eos=True, seed=5,
-                                                                          temperature=0),
-                                            RoutingParams(router="random", thresholds=CHAIN_THRESHOLDS)))
+    ref = engine.generate(
+        GenerationRequest(
+            tuple(prompt),
+            SamplingParams(max_tokens=24, ignore_eos=True, seed=5, temperature=0),
+            RoutingParams(router="random", thresholds=CHAIN_THRESHOLDS),
+        )
+    )
     assert set(ref.sources) == {0, 1, 2}
-    with BackoffHTTPClient(f"{served.url}/chain") as http, \
-            BackoffGrpcClient(served.grpc_target, application="chain") as rpc:
+    with (
+        BackoffHTTPClient(f"{served.url}/chain") as http,
+        BackoffGrpcClient(served.grpc_target, application="chain") as rpc,
+    ):
         for client in (http, rpc):
             out = client.complete(prompt, max_tokens=24, temperature=0, seed=5, ignore_eos=True)
             assert (out.token_ids, out.sources) == (list(ref.token_ids), list(ref.sources))
@@ -360,11 +451,13 @@ def test_the_playground_of_a_chain_colours_three_sources_under_its_route_prefix(
     assert set(reference.sources) == {0, 1, 2}
     with PlaygroundPage(f"{served.url}/chain") as page:
         page.ready()
-        legend = page.js("return [...document.querySelectorAll('#legend .swatch')]"
-                         ".map(s => s.className + ' ' + s.textContent)")
+        legend = page.js(
+            "return [...document.querySelectorAll('#legend .swatch')].map(s => s.className + ' ' + s.textContent)"
+        )
         assert legend == ["swatch s-small small", "swatch s-medium medium1", "swatch s-large large"]
-        assert page.js("return [...document.querySelectorAll('#panel-a input.threshold')].map(i => +i.value)") == \
-            list(CHAIN_THRESHOLDS)  # panel a starts from the live config
+        assert page.js("return [...document.querySelectorAll('#panel-a input.threshold')].map(i => +i.value)") == list(
+            CHAIN_THRESHOLDS
+        )  # panel a starts from the live config
         page.set(mode="plain", prompt=prompt, **fields)
         page.run()
         a = page.panel("a")
@@ -372,30 +465,39 @@ def test_the_playground_of_a_chain_colours_three_sources_under_its_route_prefix(
     assert a.status == "done (length)" and (a.text, a.sources) == (reference.text, reference.sources), a
     assert medium_spans == reference.sources.count(1) and a.counters["tokens"] == (
         f"24 ({reference.sources.count(0)} small / {reference.sources.count(1)} medium / "
-        f"{reference.sources.count(2)} large)")
+        f"{reference.sources.count(2)} large)"
+    )
 
 
 @pytest.mark.parametrize("target, max_tokens", [(0.0, 8), (1.0, 8), (0.01, 2), (0.99, 2)])
 def test_target_backoff_at_the_extremes_answers_finite_json(served, target, max_tokens):
     """The rate controller's "every step large / small" threshold was ±inf: a plain-text 500
     after the whole generation. Now a finite threshold, in JSON and in protobuf."""
-    body = {"prompt": [3, 4, 5], "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "target_backoff": target}
+    body = {
+        "prompt": [3, 4, 5],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "target_backoff": target,
+    }
     response = httpx.post(f"{served.url}/v1/completions", json=body, timeout=60)
     assert response.status_code == 200, response.text
-    thresholds = json.loads(response.text, parse_constant=lambda c: pytest.fail(f"{c} in JSON"))[
-        "choices"][0]["backoff"]["thresholds"]
+    thresholds = json.loads(response.text, parse_constant=lambda c: pytest.fail(f"{c} in JSON"))["choices"][0][
+        "backoff"
+    ]["thresholds"]
     assert len(thresholds) == 1 and math.isfinite(thresholds[0])
     if target in (0.0, 1.0):
         assert response.json()["usage"]["small_tokens"] == (max_tokens if target else 0)
     with grpc.insecure_channel(served.grpc_target) as channel:
         fields = {k: v for k, v in body.items() if k != "prompt"}
-        reply = pb_grpc.BackoffStub(channel).Generate(pb.GenerateRequest(prompt_ids=body["prompt"], **fields),
-                                                      metadata=APP, timeout=60)
+        reply = pb_grpc.BackoffStub(channel).Generate(
+            pb.GenerateRequest(prompt_ids=body["prompt"], **fields), metadata=APP, timeout=60
+        )
     assert len(reply.thresholds) == 1 and math.isfinite(reply.thresholds[0])
 
 
 # -- live config and failure (these change the app: they run last) --------------------------
+
 
 def _router_config(served: ServedApp, **changes) -> None:
     """`backoff serve` of the config with these SmallModel user_config changes (live)."""
@@ -418,8 +520,11 @@ def test_a_request_failing_in_the_step_loop_ends_alone_beside_live_streams(serve
     _router_config(served, inject_fault_seed=bad_seed)
 
     async def main():
-        async with AsyncBackoffHTTPClient(served.url) as http, httpx.AsyncClient(base_url=served.url, timeout=60) as \
-                raw, AsyncBackoffGrpcClient(served.grpc_target, application="backoff") as rpc:
+        async with (
+            AsyncBackoffHTTPClient(served.url) as http,
+            httpx.AsyncClient(base_url=served.url, timeout=60) as raw,
+            AsyncBackoffGrpcClient(served.grpc_target, application="backoff") as rpc,
+        ):
             started = [asyncio.Event(), asyncio.Event()]
 
             async def live(client, prompt, first):
@@ -439,8 +544,11 @@ def test_a_request_failing_in_the_step_loop_ends_alone_beside_live_streams(serve
                 except ServerError as exc:
                     return exc
 
-            failed = await asyncio.gather(raw.post("/v1/completions", json=bad),
-                                          raw.post("/v1/completions", json={**bad, "stream": True}), grpc_stream())
+            failed = await asyncio.gather(
+                raw.post("/v1/completions", json=bad),
+                raw.post("/v1/completions", json={**bad, "stream": True}),
+                grpc_stream(),
+            )
             alive = [not t.done() for t in streams]  # the failures happened beside them
             return await asyncio.gather(*streams), failed, alive
 
@@ -451,7 +559,7 @@ def test_a_request_failing_in_the_step_loop_ends_alone_beside_live_streams(serve
     says = "InjectedFault: injected fault"
     assert unary.status_code == 500 and unary.headers["content-type"] == "application/json", unary.text
     assert says in unary.json()["error"]["message"] and unary.json()["error"]["type"] == "server_error"
-    events = [line[len("data: "):] for line in sse.text.splitlines() if line.startswith("data: ")]
+    events = [line[len("data: ") :] for line in sse.text.splitlines() if line.startswith("data: ")]
     assert sse.status_code == 200 and events[-1] == "[DONE]" and says in json.loads(events[-2])["error"]["message"]
     assert isinstance(grpc_failure, ServerError) and grpc_failure.status == "INTERNAL" and says in grpc_failure.message
     assert alive == [True, True]
@@ -464,6 +572,7 @@ def test_a_request_failing_in_the_step_loop_ends_alone_beside_live_streams(serve
     while _router_info().live or any(i.sessions for i in _large_infos().values()):
         assert time.monotonic() < deadline, "sessions left behind"
         time.sleep(0.2)
+
 
 def _backoff_rate(url: str, n: int = 6) -> float:
     with BackoffHTTPClient(url) as client:

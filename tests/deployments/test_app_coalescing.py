@@ -101,12 +101,17 @@ def test_sse_batches_are_one_event_per_token_for_every_client(served):
         body = {"prompt": PROMPT, "max_tokens": n, "seed": 5, "ignore_eos": True, "stream": True}
         async with httpx.AsyncClient(base_url=f"{url}/standin", timeout=120) as http:
             async with http.stream("POST", "/v1/completions", json=body) as response:
-                return [json.loads(line[5:]) async for line in response.aiter_lines()
-                        if line.startswith("data:") and not line.endswith("[DONE]")]
+                return [
+                    json.loads(line[5:])
+                    async for line in response.aiter_lines()
+                    if line.startswith("data:") and not line.endswith("[DONE]")
+                ]
 
     expected = expected_stream(5, n)
-    for make in (lambda: AsyncBackoffHTTPClient(f"{url}/standin"),
-                 lambda: AsyncBackoffGrpcClient(target, application="standin")):
+    for make in (
+        lambda: AsyncBackoffHTTPClient(f"{url}/standin"),
+        lambda: AsyncBackoffGrpcClient(target, application="standin"),
+    ):
         deltas = asyncio.run(client_stream(make))
         assert [(d.token_id, d.source, d.text) for d in deltas if d.token_id is not None] == expected
         assert deltas[-1].usage.completion_tokens == n
@@ -132,8 +137,9 @@ def test_a_cancelled_stream_leaves_the_step_loop_while_another_finishes(served):
         return reads
 
     async def main():
-        whole = _raw_grpc(target, "standin", pb.GenerateRequest(prompt_ids=PROMPT, max_tokens=80, seed=8,
-                                                                 ignore_eos=True))
+        whole = _raw_grpc(
+            target, "standin", pb.GenerateRequest(prompt_ids=PROMPT, max_tokens=80, seed=8, ignore_eos=True)
+        )
         return await asyncio.gather(disconnected(), whole)
 
     reads, messages = asyncio.run(main())
@@ -153,19 +159,22 @@ def _logprobs(entry) -> tuple:
 
 def test_real_engine_batches_equal_the_unary_answer_with_stop_and_logprobs(served):
     url, target = served.url, served.grpc_target
-    params = dict(max_tokens=40, temperature=0.0, seed=3, ignore_eos=True, router="random",
-                  backoff_threshold=[0.5], logprobs=2)
+    params = dict(
+        max_tokens=40, temperature=0.0, seed=3, ignore_eos=True, router="random", backoff_threshold=[0.5], logprobs=2
+    )
 
     async def run(stop):
         extra = {"stop": [stop]} if stop else {}
-        async with AsyncBackoffHTTPClient(f"{url}/real") as http, \
-                AsyncBackoffGrpcClient(target, application="real") as rpc:
+        async with (
+            AsyncBackoffHTTPClient(f"{url}/real") as http,
+            AsyncBackoffGrpcClient(target, application="real") as rpc,
+        ):
             unary = await rpc.complete(PROMPT, **params, **extra)
             streams = [[d async for d in c.stream(PROMPT, **params, **extra)] for c in (http, rpc)]
         return unary, streams
 
     unary, _ = asyncio.run(run(None))
-    stop = unary.text[len(unary.text) // 2:][:3]  # cuts the text half way
+    stop = unary.text[len(unary.text) // 2 :][:3]  # cuts the text half way
     unary, streams = asyncio.run(run(stop))
     assert unary.finish_reason == "stop" and len(unary.token_ids) < 40
     for deltas in streams:
@@ -175,7 +184,14 @@ def test_real_engine_batches_equal_the_unary_answer_with_stop_and_logprobs(serve
         # (the OpenAI completions shape carries no bytes: compare what every transport has)
         assert [_logprobs(d.logprobs) for d in tokens] == [_logprobs(e) for e in unary.logprobs]
         assert deltas[-1].finish_reason == "stop" and deltas[-1].usage == unary.usage
-    request = pb.GenerateRequest(prompt_ids=PROMPT, max_tokens=40, temperature=0.0, seed=3, ignore_eos=True,
-                                 router="random", backoff_threshold=[0.5])
+    request = pb.GenerateRequest(
+        prompt_ids=PROMPT,
+        max_tokens=40,
+        temperature=0.0,
+        seed=3,
+        ignore_eos=True,
+        router="random",
+        backoff_threshold=[0.5],
+    )
     messages = asyncio.run(_raw_grpc(target, "real", request))
     assert max(len(m.tokens) for m in messages) >= 2, "the real engine's stream was not coalesced"

@@ -54,8 +54,11 @@ class Refused(Exception):
 def _edit(config: dict, dirs) -> None:
     # one test client opens hundreds of streams; the per-client cap is tests/deployments/test_app_input.py's
     config["applications"][0]["args"]["limits"] = {"max_concurrent_per_client": None}
-    deployment_config(config, "SmallModel")["user_config"] = {"router": "entropy", "threshold": [0.4],
-                                                              "large_timeout_s": 10.0}
+    deployment_config(config, "SmallModel")["user_config"] = {
+        "router": "entropy",
+        "threshold": [0.4],
+        "large_timeout_s": 10.0,
+    }
     deployment_config(config, "LargeModel")["user_config"].update(lease_s=LEASE_S, inject_delay_ms=DELAY_MS)
 
 
@@ -68,12 +71,18 @@ def served(serve_app) -> ServedApp:
 def reference(served):
     """The in-process engine's tokens for PROMPT under LONG (always-large, greedy)."""
     engine = in_process_engine(served.model_dirs["small"], served.model_dirs["large"])
-    result = engine.generate(GenerationRequest(tuple(PROMPT), SamplingParams(max_tokens=LONG["max_tokens"], ignore_eos=True),
-                                               RoutingParams(router="always-large")))
+    result = engine.generate(
+        GenerationRequest(
+            tuple(PROMPT),
+            SamplingParams(max_tokens=LONG["max_tokens"], ignore_eos=True),
+            RoutingParams(router="always-large"),
+        )
+    )
     return list(result.token_ids)
 
 
 # -- probes -----------------------------------------------------------------------------------
+
 
 async def _infos(deployment: str) -> dict:
     """info() of every live replica of a deployment, by replica id (Serve's broadcast)."""
@@ -118,8 +127,9 @@ def _deploy(served: ServedApp, router: dict | None = None, large: dict | None = 
 
     async def applied() -> bool:
         routers, larges = await _router_infos(), await _large_infos()
-        return (all(r.policy.model_dump().items() >= (router or {}).items() for r in routers.values())
-                and all(i.config.model_dump().items() >= (large or {}).items() for i in larges.values()))
+        return all(r.policy.model_dump().items() >= (router or {}).items() for r in routers.values()) and all(
+            i.config.model_dump().items() >= (large or {}).items() for i in larges.values()
+        )
 
     asyncio.run(_poll(applied, 60, "the live config"))
     harness.wait_until_running(APP)
@@ -163,8 +173,12 @@ async def _client_cancelled(client: AsyncBackoffHTTPClient) -> None:
 
 async def _grpc_cancelled(stub) -> None:
     """A gRPC stream cancelled after its first message."""
-    call = stub.GenerateStream(pb.GenerateRequest(prompt_ids=PROMPT, max_tokens=GRPC_CANCEL_TOKENS, temperature=0,
-                                                  ignore_eos=True, router="always-large"), metadata=METADATA)
+    call = stub.GenerateStream(
+        pb.GenerateRequest(
+            prompt_ids=PROMPT, max_tokens=GRPC_CANCEL_TOKENS, temperature=0, ignore_eos=True, router="always-large"
+        ),
+        metadata=METADATA,
+    )
     try:
         await call.read()
     except grpc.aio.AioRpcError as err:
@@ -196,11 +210,17 @@ async def _cancel_streams(served: ServedApp, n: int) -> dict[str, tuple[int, int
     the routers, seconds to send them, seconds until every M_L session was freed, refusals)."""
     report = {}
     gate = asyncio.Semaphore(48)
-    async with httpx.AsyncClient(base_url=served.url, timeout=120, limits=httpx.Limits(max_connections=64)) as http, \
-            AsyncBackoffHTTPClient(served.url) as client, grpc.aio.insecure_channel(served.grpc_target) as channel:
+    async with (
+        httpx.AsyncClient(base_url=served.url, timeout=120, limits=httpx.Limits(max_connections=64)) as http,
+        AsyncBackoffHTTPClient(served.url) as client,
+        grpc.aio.insecure_channel(served.grpc_target) as channel,
+    ):
         stub = pb_grpc.BackoffStub(channel)
-        ways = {"HTTP stream closed": lambda: _http_closed(http), "async client task cancelled":
-                lambda: _client_cancelled(client), "gRPC stream cancelled": lambda: _grpc_cancelled(stub)}
+        ways = {
+            "HTTP stream closed": lambda: _http_closed(http),
+            "async client task cancelled": lambda: _client_cancelled(client),
+            "gRPC stream cancelled": lambda: _grpc_cancelled(stub),
+        }
         for k, (name, way) in enumerate(ways.items()):
             count, before = n // 3 + (k < n % 3), await _cancelled_at_routers()
             start = time.monotonic()
@@ -222,8 +242,11 @@ def test_a_thousand_cancelled_streams_leave_no_session(served):
     n = 1000
     report = asyncio.run(_cancel_streams(served, n))
     for name, (count, ended, sent, freed, refused) in report.items():
-        print(f"\n{name}: {count} streams in {sent:.1f} s ({refused} refusals for capacity, sent again), {ended} "
-              f"of them cancelled at the router; every M_L session freed {freed:.1f} s later", end="")
+        print(
+            f"\n{name}: {count} streams in {sent:.1f} s ({refused} refusals for capacity, sent again), {ended} "
+            f"of them cancelled at the router; every M_L session freed {freed:.1f} s later",
+            end="",
+        )
     assert sum(count for count, *_ in report.values()) == n
     for name in ("HTTP stream closed", "async client task cancelled"):
         count, ended, *_ = report[name]
@@ -231,6 +254,7 @@ def test_a_thousand_cancelled_streams_leave_no_session(served):
 
 
 # -- 1. a LargeModel replica dies under a gRPC stream -----------------------------------------------
+
 
 def test_killed_large_replica_mid_grpc_stream_still_completes(served, reference):
     n = 300
@@ -249,6 +273,7 @@ def test_killed_large_replica_mid_grpc_stream_still_completes(served, reference)
 
 # -- 2. a SmallModel replica dies under several requests ---------------------------------------------
 
+
 @dataclass
 class Flight:
     kind: str  # http, grpc (streams) or unary (HTTP, not streamed)
@@ -265,9 +290,11 @@ async def _launch(kind: str, clients: tuple, known: set[str]) -> Flight:
     """Start one request and find the router that serves it (from the routers' live ids)."""
     http, client, grpc_client = clients
     first: asyncio.Future = asyncio.get_running_loop().create_future()
-    coro = {"http": lambda: stream_noting_first(client, first, PROMPT, **LONG),
-            "grpc": lambda: stream_noting_first(grpc_client, first, PROMPT, **LONG),
-            "unary": lambda: _unary(http)}[kind]()
+    coro = {
+        "http": lambda: stream_noting_first(client, first, PROMPT, **LONG),
+        "grpc": lambda: stream_noting_first(grpc_client, first, PROMPT, **LONG),
+        "unary": lambda: _unary(http),
+    }[kind]()
     flight = Flight(kind, asyncio.create_task(coro))
     request_id = await asyncio.wait_for(first, 30) if kind != "unary" else ""
     for _ in range(200):
@@ -347,17 +374,22 @@ def test_killed_router_fails_its_requests_clearly_and_frees_their_sessions(serve
     _settled()
 
     async def main():
-        async with httpx.AsyncClient(base_url=served.url, timeout=120) as http, AsyncBackoffHTTPClient(http=http) as \
-                client, AsyncBackoffGrpcClient(served.grpc_target, application=APP) as grpc_client:
+        async with (
+            httpx.AsyncClient(base_url=served.url, timeout=120) as http,
+            AsyncBackoffHTTPClient(http=http) as client,
+            AsyncBackoffGrpcClient(served.grpc_target, application=APP) as grpc_client,
+        ):
             flights = await _flights_on_both_routers((http, client, grpc_client))
             victim, failed_s, freed_s = await _kill_a_router_under(flights)
             outcomes = await asyncio.gather(*[f.task for f in flights], return_exceptions=True)
             return flights, outcomes, victim, failed_s, freed_s
 
     flights, outcomes, victim, failed_s, freed_s = asyncio.run(main())
-    print(f"\n{len(flights)} requests, {sum(f.router == victim for f in flights)} on the killed router: "
-          f"they failed {failed_s:.1f} s after the kill, their M_L sessions were freed {freed_s:.1f} s after "
-          f"it (lease_s = {LEASE_S}); the others finished")
+    print(
+        f"\n{len(flights)} requests, {sum(f.router == victim for f in flights)} on the killed router: "
+        f"they failed {failed_s:.1f} s after the kill, their M_L sessions were freed {freed_s:.1f} s after "
+        f"it (lease_s = {LEASE_S}); the others finished"
+    )
     for flight, out in zip(flights, outcomes):
         _check_outcome(flight, out, victim, reference)
     harness.wait_until_running(APP)
@@ -365,6 +397,7 @@ def test_killed_router_fails_its_requests_clearly_and_frees_their_sessions(serve
 
 
 # -- 4. a slow M_L: degrade (or fail), then recover, all by live config ---------------------------
+
 
 def test_slow_large_model_degrades_fails_and_recovers_live(served):
     prompt = [3, 7, 11]
@@ -389,15 +422,19 @@ def test_slow_large_model_degrades_fails_and_recovers_live(served):
 
     _deploy(served, router={"on_large_failure": "fail"})
     with BackoffHTTPClient(served.url) as client:
-        response = httpx.post(f"{served.url}/v1/completions", timeout=30, json={
-            "prompt": prompt, "max_tokens": 12, "router": "always-large"})
+        response = httpx.post(
+            f"{served.url}/v1/completions",
+            timeout=30,
+            json={"prompt": prompt, "max_tokens": 12, "router": "always-large"},
+        )
         assert response.status_code == 503 and response.json()["error"]["code"] == "large_unavailable"
         with pytest.raises(TransportError, match="no reply within"):
             list(client.stream(prompt, max_tokens=12, router="always-large"))
     with grpc.insecure_channel(served.grpc_target) as channel:
         with pytest.raises(grpc.RpcError) as err:
-            pb_grpc.BackoffStub(channel).Generate(pb.GenerateRequest(prompt_ids=prompt, max_tokens=12,
-                                                                     router="always-large"), metadata=METADATA)
+            pb_grpc.BackoffStub(channel).Generate(
+                pb.GenerateRequest(prompt_ids=prompt, max_tokens=12, router="always-large"), metadata=METADATA
+            )
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "no reply within" in err.value.details()
 
     _deploy(served, router={"on_large_failure": "degrade", "large_timeout_s": 10.0}, large={"inject_delay_ms": 0.0})

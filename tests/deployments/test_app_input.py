@@ -50,8 +50,16 @@ KEY = "test-key-a"  # in the config's access.api_keys
 ENV_KEY = "test-key-b"  # in the environment variable access.api_keys_env names
 KEY_ENV_VAR = "BACKOFF_TEST_API_KEYS"
 CONTEXT_WINDOW = 512  # tiny_model's max_position_embeddings
-LIMITS = dict(max_body_bytes=32_768, max_prompt_chars=2_000, max_prompt_tokens=300, max_tokens=480, max_stop=4,
-              max_stop_chars=16, max_concurrent_per_client=2, retry_after_s=3)
+LIMITS = dict(
+    max_body_bytes=32_768,
+    max_prompt_chars=2_000,
+    max_prompt_tokens=300,
+    max_tokens=480,
+    max_stop=4,
+    max_stop_chars=16,
+    max_concurrent_per_client=2,
+    retry_after_s=3,
+)
 ERROR_FIELDS = {"message", "type", "param", "code"}
 PLAYGROUND_ROUTER = ("random", 0.5)  # the playground test's: half the tokens small, drawn from the seed
 CLIENT_CODES = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND}
@@ -73,8 +81,12 @@ def _edit(config: dict, dirs) -> None:
 def served(serve_app) -> ServedApp:
     """With Ray's dashboard (what `serve status` / `serve deploy --address` talk to); the key
     in KEY_ENV_VAR reaches the replicas as the Ray workers inherit the environment."""
-    ray_options = {"num_cpus": 2, "include_dashboard": True, "dashboard_port": harness.free_port(),
-                   "_system_config": serve_cli.RAY_SYSTEM_CONFIG}
+    ray_options = {
+        "num_cpus": 2,
+        "include_dashboard": True,
+        "dashboard_port": harness.free_port(),
+        "_system_config": serve_cli.RAY_SYSTEM_CONFIG,
+    }
     return serve_app("serve-input", MODELS, edit=_edit, ray_options=ray_options, env={KEY_ENV_VAR: f" {ENV_KEY} ,"})
 
 
@@ -89,8 +101,13 @@ def _grpc_meta(key: str | None = KEY) -> tuple:
 def _post(served, body, path="/v1/completions", headers=None, **kwargs) -> httpx.Response:
     headers = _auth() if headers is None else headers
     if not isinstance(body, (dict, list)):  # bytes, or an iterator of them (sent chunked)
-        return httpx.post(f"{served.url}{path}", content=body, timeout=60,
-                          headers={"content-type": "application/json", **headers}, **kwargs)
+        return httpx.post(
+            f"{served.url}{path}",
+            content=body,
+            timeout=60,
+            headers={"content-type": "application/json", **headers},
+            **kwargs,
+        )
     return httpx.post(f"{served.url}{path}", json=body, timeout=60, headers=headers, **kwargs)
 
 
@@ -104,14 +121,18 @@ def _openai_error(response: httpx.Response) -> dict:
 
 def _infos() -> dict[str, tuple]:
     """(pid, replica id) of every deployment's replica: a restart changes them."""
+
     def call(name, method="info", **options):
         handle = serve.get_deployment_handle(name, "backoff").options(**options)
         return getattr(handle, method).remote().result(timeout_s=30)
 
     small, ingress = call("SmallModel"), call("Ingress")
     large = call("LargeModel", multiplexed_model_id="probe")
-    return {"SmallModel": (small.pid, small.replica), "Ingress": (ingress.pid, ingress.replica),
-            "LargeModel": (large.pid, large.replica)}
+    return {
+        "SmallModel": (small.pid, small.replica),
+        "Ingress": (ingress.pid, ingress.replica),
+        "LargeModel": (large.pid, large.replica),
+    }
 
 
 def _wait_idle(timeout_s: float = 30.0) -> None:
@@ -132,73 +153,76 @@ W = "w3 w4 w5"
 CHAT = "/v1/chat/completions"
 
 
-@pytest.mark.parametrize("body, path, status, param, says", [
-    # malformed / not JSON / not UTF-8
-    (b"{not json", CHAT, 400, None, "not valid JSON"),
-    (b'{"prompt": "w3",}', "/v1/completions", 400, None, "not valid JSON"),
-    (b"", "/v1/completions", 400, None, ""),
-    (b"[1, 2]", "/v1/completions", 400, None, "valid dictionary"),
-    (b"null", CHAT, 400, None, ""),
-    (b'{"prompt": "w3 \xff\xfe"}', "/v1/completions", 400, None, "UTF-8"),
-    # wrong types (strict: no "5" for 5, no 1 for true, no NaN / Infinity)
-    ({"prompt": W, "max_tokens": "5"}, "/v1/completions", 400, "max_tokens", "integer"),
-    ({"prompt": W, "max_tokens": 5.5}, "/v1/completions", 400, "max_tokens", "integer"),
-    ({"prompt": W, "ignore_eos": 1}, "/v1/completions", 400, "ignore_eos", "boolean"),
-    ({"prompt": W, "stream": "yes"}, "/v1/completions", 400, "stream", "boolean"),
-    ({"prompt": 5}, "/v1/completions", 400, "prompt", ""),
-    ({"prompt": [3, "w4"]}, "/v1/completions", 400, "prompt", ""),
-    ({"prompt": W, "stop": 3}, "/v1/completions", 400, "stop", ""),
-    ({"prompt": W, "seed": 2**64}, "/v1/completions", 400, "seed", ""),
-    ({"prompt": W, "router": 7}, "/v1/completions", 400, "router", ""),
-    ({"prompt": W, "backoff_threshold": "high"}, "/v1/completions", 400, "backoff_threshold", ""),
-    ({"prompt": W, "n": 2}, "/v1/completions", 400, "n", "n=1"),
-    ({"prompt": W, "presence_penalty": 0.5}, "/v1/completions", 400, "presence_penalty", ""),
-    # temperatures and top_p
-    ({"prompt": W, "temperature": -0.5}, "/v1/completions", 400, "temperature", ""),
-    (b'{"prompt": "w3", "temperature": NaN}', "/v1/completions", 400, "temperature", "finite"),
-    (b'{"prompt": "w3", "temperature": Infinity}', "/v1/completions", 400, "temperature", "finite"),
-    ({"prompt": W, "top_p": 0}, "/v1/completions", 400, "top_p", ""),
-    ({"prompt": W, "top_p": 1.5}, "/v1/completions", 400, "top_p", ""),
-    (b'{"prompt": "w3", "top_p": -Infinity}', "/v1/completions", 400, "top_p", "finite"),
-    ({"prompt": W, "top_k": -1}, "/v1/completions", 400, "top_k", ""),
-    # empty prompts and messages
-    ({"prompt": ""}, "/v1/completions", 400, "prompt", "at least 1"),
-    ({"prompt": []}, "/v1/completions", 400, "prompt", "at least 1"),
-    ({"prompt": "   "}, "/v1/completions", 400, None, "no tokens"),
-    ({"max_tokens": 3}, "/v1/completions", 400, "prompt", "required"),
-    ({"messages": []}, CHAT, 400, "messages", "at least 1"),
-    ({"messages": "hi"}, CHAT, 400, "messages", ""),
-    ({"messages": [{"role": "wizard", "content": "w3"}]}, CHAT, 400, "messages.0.role", "'user'"),
-    ({"messages": [{"role": "user"}]}, CHAT, 400, "messages.0.content", "required"),
-    ({"messages": [{"role": "user", "content": None}]}, CHAT, 400, "messages.0.content", ""),
-    ({"messages": [{"role": "user", "content": 5}]}, CHAT, 400, "messages.0.content", ""),
-    (b'{"messages": [{"role": "user", "content": "w3 \\ud800"}]}', CHAT, 400, "messages.0.content", "surrogate"),
-    (b'{"prompt": "\\udfff w3"}', "/v1/completions", 400, "prompt", "surrogate"),
-    # sizes: the configured caps and the context window, each named in the message
-    ({"prompt": W, "max_tokens": 0}, "/v1/completions", 400, "max_tokens", ""),
-    ({"prompt": W, "max_tokens": 10**9}, "/v1/completions", 400, "max_tokens", "limits.max_tokens"),
-    ({"prompt": [3] * 301}, "/v1/completions", 400, "prompt", "limits.max_prompt_tokens"),
-    ({"prompt": "w3 " * 700}, "/v1/completions", 400, "prompt", "limits.max_prompt_chars"),
-    ({"prompt": "w3 " * 400}, "/v1/completions", 400, None, "limits.max_prompt_tokens"),  # tokenized by the router
-    ({"messages": [{"role": "user", "content": "w3 " * 700}]}, CHAT, 400, "messages", "limits.max_prompt_chars"),
-    ({"prompt": [3] * 100, "max_tokens": 450}, "/v1/completions", 400, None, f"context window of {CONTEXT_WINDOW}"),
-    ({"prompt": [3, 4000]}, "/v1/completions", 400, None, "token ids"),
-    ({"prompt": W, "stop": ["a", "b", "c", "d", "e"]}, "/v1/completions", 400, "stop", "limits.max_stop"),
-    ({"prompt": W, "stop": ["x" * 17]}, "/v1/completions", 400, "stop", "limits.max_stop_chars"),
-    ({"prompt": W, "stop": [""]}, "/v1/completions", 400, "stop.0", ""),
-    # routers and thresholds
-    ({"prompt": W, "router": "nope"}, "/v1/completions", 400, None, "unknown router"),
-    ({"prompt": W, "router": "random", "backoff_threshold": 1.5}, "/v1/completions", 400, None, "[0.0, 1.0]"),
-    ({"prompt": W, "router": "max-prob", "backoff_threshold": -0.1}, "/v1/completions", 400, None, "[0.0, 1.0]"),
-    ({"prompt": W, "backoff_threshold": [2.0, 1.0]}, "/v1/completions", 400, None, "ascending"),
-    ({"prompt": W, "backoff_threshold": [1.0, 2.0]}, "/v1/completions", 400, None, "2 models need 1"),
-    ({"prompt": W, "backoff_threshold": []}, "/v1/completions", 400, "backoff_threshold", ""),
-    ({"prompt": W, "thresholds": [1.0, 2.0]}, "/v1/completions", 400, None, "2 models need 1"),
-    ({"prompt": W, "thresholds": [0.5], "backoff_threshold": [0.5]}, "/v1/completions", 400, None, "not both"),
-    ({"prompt": W, "target_backoff": 1.5}, "/v1/completions", 400, "target_backoff", ""),
-    # unknown model
-    ({"prompt": W, "model": "gpt-9"}, "/v1/completions", 404, "model", "not served"),
-])
+@pytest.mark.parametrize(
+    "body, path, status, param, says",
+    [
+        # malformed / not JSON / not UTF-8
+        (b"{not json", CHAT, 400, None, "not valid JSON"),
+        (b'{"prompt": "w3",}', "/v1/completions", 400, None, "not valid JSON"),
+        (b"", "/v1/completions", 400, None, ""),
+        (b"[1, 2]", "/v1/completions", 400, None, "valid dictionary"),
+        (b"null", CHAT, 400, None, ""),
+        (b'{"prompt": "w3 \xff\xfe"}', "/v1/completions", 400, None, "UTF-8"),
+        # wrong types (strict: no "5" for 5, no 1 for true, no NaN / Infinity)
+        ({"prompt": W, "max_tokens": "5"}, "/v1/completions", 400, "max_tokens", "integer"),
+        ({"prompt": W, "max_tokens": 5.5}, "/v1/completions", 400, "max_tokens", "integer"),
+        ({"prompt": W, "ignore_eos": 1}, "/v1/completions", 400, "ignore_eos", "boolean"),
+        ({"prompt": W, "stream": "yes"}, "/v1/completions", 400, "stream", "boolean"),
+        ({"prompt": 5}, "/v1/completions", 400, "prompt", ""),
+        ({"prompt": [3, "w4"]}, "/v1/completions", 400, "prompt", ""),
+        ({"prompt": W, "stop": 3}, "/v1/completions", 400, "stop", ""),
+        ({"prompt": W, "seed": 2**64}, "/v1/completions", 400, "seed", ""),
+        ({"prompt": W, "router": 7}, "/v1/completions", 400, "router", ""),
+        ({"prompt": W, "backoff_threshold": "high"}, "/v1/completions", 400, "backoff_threshold", ""),
+        ({"prompt": W, "n": 2}, "/v1/completions", 400, "n", "n=1"),
+        ({"prompt": W, "presence_penalty": 0.5}, "/v1/completions", 400, "presence_penalty", ""),
+        # temperatures and top_p
+        ({"prompt": W, "temperature": -0.5}, "/v1/completions", 400, "temperature", ""),
+        (b'{"prompt": "w3", "temperature": NaN}', "/v1/completions", 400, "temperature", "finite"),
+        (b'{"prompt": "w3", "temperature": Infinity}', "/v1/completions", 400, "temperature", "finite"),
+        ({"prompt": W, "top_p": 0}, "/v1/completions", 400, "top_p", ""),
+        ({"prompt": W, "top_p": 1.5}, "/v1/completions", 400, "top_p", ""),
+        (b'{"prompt": "w3", "top_p": -Infinity}', "/v1/completions", 400, "top_p", "finite"),
+        ({"prompt": W, "top_k": -1}, "/v1/completions", 400, "top_k", ""),
+        # empty prompts and messages
+        ({"prompt": ""}, "/v1/completions", 400, "prompt", "at least 1"),
+        ({"prompt": []}, "/v1/completions", 400, "prompt", "at least 1"),
+        ({"prompt": "   "}, "/v1/completions", 400, None, "no tokens"),
+        ({"max_tokens": 3}, "/v1/completions", 400, "prompt", "required"),
+        ({"messages": []}, CHAT, 400, "messages", "at least 1"),
+        ({"messages": "hi"}, CHAT, 400, "messages", ""),
+        ({"messages": [{"role": "wizard", "content": "w3"}]}, CHAT, 400, "messages.0.role", "'user'"),
+        ({"messages": [{"role": "user"}]}, CHAT, 400, "messages.0.content", "required"),
+        ({"messages": [{"role": "user", "content": None}]}, CHAT, 400, "messages.0.content", ""),
+        ({"messages": [{"role": "user", "content": 5}]}, CHAT, 400, "messages.0.content", ""),
+        (b'{"messages": [{"role": "user", "content": "w3 \\ud800"}]}', CHAT, 400, "messages.0.content", "surrogate"),
+        (b'{"prompt": "\\udfff w3"}', "/v1/completions", 400, "prompt", "surrogate"),
+        # sizes: the configured caps and the context window, each named in the message
+        ({"prompt": W, "max_tokens": 0}, "/v1/completions", 400, "max_tokens", ""),
+        ({"prompt": W, "max_tokens": 10**9}, "/v1/completions", 400, "max_tokens", "limits.max_tokens"),
+        ({"prompt": [3] * 301}, "/v1/completions", 400, "prompt", "limits.max_prompt_tokens"),
+        ({"prompt": "w3 " * 700}, "/v1/completions", 400, "prompt", "limits.max_prompt_chars"),
+        ({"prompt": "w3 " * 400}, "/v1/completions", 400, None, "limits.max_prompt_tokens"),  # tokenized by the router
+        ({"messages": [{"role": "user", "content": "w3 " * 700}]}, CHAT, 400, "messages", "limits.max_prompt_chars"),
+        ({"prompt": [3] * 100, "max_tokens": 450}, "/v1/completions", 400, None, f"context window of {CONTEXT_WINDOW}"),
+        ({"prompt": [3, 4000]}, "/v1/completions", 400, None, "token ids"),
+        ({"prompt": W, "stop": ["a", "b", "c", "d", "e"]}, "/v1/completions", 400, "stop", "limits.max_stop"),
+        ({"prompt": W, "stop": ["x" * 17]}, "/v1/completions", 400, "stop", "limits.max_stop_chars"),
+        ({"prompt": W, "stop": [""]}, "/v1/completions", 400, "stop.0", ""),
+        # routers and thresholds
+        ({"prompt": W, "router": "nope"}, "/v1/completions", 400, None, "unknown router"),
+        ({"prompt": W, "router": "random", "backoff_threshold": 1.5}, "/v1/completions", 400, None, "[0.0, 1.0]"),
+        ({"prompt": W, "router": "max-prob", "backoff_threshold": -0.1}, "/v1/completions", 400, None, "[0.0, 1.0]"),
+        ({"prompt": W, "backoff_threshold": [2.0, 1.0]}, "/v1/completions", 400, None, "ascending"),
+        ({"prompt": W, "backoff_threshold": [1.0, 2.0]}, "/v1/completions", 400, None, "2 models need 1"),
+        ({"prompt": W, "backoff_threshold": []}, "/v1/completions", 400, "backoff_threshold", ""),
+        ({"prompt": W, "thresholds": [1.0, 2.0]}, "/v1/completions", 400, None, "2 models need 1"),
+        ({"prompt": W, "thresholds": [0.5], "backoff_threshold": [0.5]}, "/v1/completions", 400, None, "not both"),
+        ({"prompt": W, "target_backoff": 1.5}, "/v1/completions", 400, "target_backoff", ""),
+        # unknown model
+        ({"prompt": W, "model": "gpt-9"}, "/v1/completions", 404, "model", "not served"),
+    ],
+)
 def test_bad_http_input_is_a_4xx_with_an_openai_error_body(served, body, path, status, param, says):
     response = _post(served, body, path)
     error = _openai_error(response)
@@ -208,7 +232,9 @@ def test_bad_http_input_is_a_4xx_with_an_openai_error_body(served, body, path, s
 
 
 def test_unknown_openai_fields_are_ignored_and_streams_refuse_like_unary(served):
-    ok = _post(served, {"prompt": W, "max_tokens": 2, "ignore_eos": True, "user": "u1", "logit_bias": {"3": 1}, "echo": False})
+    ok = _post(
+        served, {"prompt": W, "max_tokens": 2, "ignore_eos": True, "user": "u1", "logit_bias": {"3": 1}, "echo": False}
+    )
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
     stream = _post(served, {"prompt": W, "max_tokens": 10**9, "stream": True})
     assert "limits.max_tokens" in _openai_error(stream)["message"]
@@ -235,8 +261,12 @@ def test_huge_headers_never_fail_the_service(served):
     # of them (served, or refused in its own words) is not a 5xx, and serving goes on
     for size in (64_000, 1_000_000):
         try:
-            r = httpx.post(f"{served.url}/v1/completions", headers={**_auth(), "x-junk": "j" * size}, timeout=30,
-                           json={"prompt": W, "max_tokens": 2})
+            r = httpx.post(
+                f"{served.url}/v1/completions",
+                headers={**_auth(), "x-junk": "j" * size},
+                timeout=30,
+                json={"prompt": W, "max_tokens": 2},
+            )
             assert r.status_code < 500, r.status_code
         except httpx.RemoteProtocolError:  # or it closes the connection
             pass
@@ -259,35 +289,53 @@ def _raw_grpc(served, method: str, data: bytes, key: str | None = KEY, stream: b
             return exc.code(), exc.details()
 
 
-@pytest.mark.parametrize("request_, code, says", [
-    (pb.GenerateRequest(), grpc.StatusCode.INVALID_ARGUMENT, "exactly one"),
-    (pb.GenerateRequest(prompt="w3", prompt_ids=[3]), grpc.StatusCode.INVALID_ARGUMENT, "exactly one"),
-    (pb.GenerateRequest(prompt="w3", temperature=math.nan), grpc.StatusCode.INVALID_ARGUMENT, "finite"),
-    (pb.GenerateRequest(prompt="w3", temperature=-1), grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
-    (pb.GenerateRequest(prompt="w3", top_p=math.inf), grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
-    (pb.GenerateRequest(prompt="w3", max_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
-    (pb.GenerateRequest(prompt="w3", max_tokens=2**32 - 1), grpc.StatusCode.INVALID_ARGUMENT, "limits.max_tokens"),
-    (pb.GenerateRequest(prompt="w3 " * 700), grpc.StatusCode.INVALID_ARGUMENT, "limits.max_prompt_chars"),
-    (pb.GenerateRequest(prompt_ids=[3] * 100, max_tokens=450), grpc.StatusCode.INVALID_ARGUMENT, "context window"),
-    (pb.GenerateRequest(prompt="w3", stop=["a"] * 5), grpc.StatusCode.INVALID_ARGUMENT, "limits.max_stop"),
-    (pb.GenerateRequest(prompt="w3", stop=[""]), grpc.StatusCode.INVALID_ARGUMENT, "stop"),
-    (pb.GenerateRequest(prompt="w3", router="nope"), grpc.StatusCode.INVALID_ARGUMENT, "unknown router"),
-    (pb.GenerateRequest(prompt="w3", router="random", backoff_threshold=[2.0]), grpc.StatusCode.INVALID_ARGUMENT,
-     "[0.0, 1.0]"),
-    (pb.GenerateRequest(prompt="w3", backoff_threshold=[math.inf]), grpc.StatusCode.INVALID_ARGUMENT, "finite"),
-    (pb.GenerateRequest(prompt="w3", backoff_threshold=[1, 2]), grpc.StatusCode.INVALID_ARGUMENT, "2 models need 1"),
-    (pb.GenerateRequest(prompt="w3", thresholds=[1, 2]), grpc.StatusCode.INVALID_ARGUMENT, "2 models need 1"),
-    (pb.GenerateRequest(prompt="w3", thresholds=[0.5], backoff_threshold=[0.5]), grpc.StatusCode.INVALID_ARGUMENT,
-     "not both"),
-    (pb.GenerateRequest(messages=[pb.ChatMessage(role="bot", content="w3")]), grpc.StatusCode.INVALID_ARGUMENT,
-     "role"),
-    (pb.GenerateRequest(prompt="w3", model="gpt-9"), grpc.StatusCode.NOT_FOUND, "not served"),
-])
+@pytest.mark.parametrize(
+    "request_, code, says",
+    [
+        (pb.GenerateRequest(), grpc.StatusCode.INVALID_ARGUMENT, "exactly one"),
+        (pb.GenerateRequest(prompt="w3", prompt_ids=[3]), grpc.StatusCode.INVALID_ARGUMENT, "exactly one"),
+        (pb.GenerateRequest(prompt="w3", temperature=math.nan), grpc.StatusCode.INVALID_ARGUMENT, "finite"),
+        (pb.GenerateRequest(prompt="w3", temperature=-1), grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
+        (pb.GenerateRequest(prompt="w3", top_p=math.inf), grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
+        (pb.GenerateRequest(prompt="w3", max_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
+        (pb.GenerateRequest(prompt="w3", max_tokens=2**32 - 1), grpc.StatusCode.INVALID_ARGUMENT, "limits.max_tokens"),
+        (pb.GenerateRequest(prompt="w3 " * 700), grpc.StatusCode.INVALID_ARGUMENT, "limits.max_prompt_chars"),
+        (pb.GenerateRequest(prompt_ids=[3] * 100, max_tokens=450), grpc.StatusCode.INVALID_ARGUMENT, "context window"),
+        (pb.GenerateRequest(prompt="w3", stop=["a"] * 5), grpc.StatusCode.INVALID_ARGUMENT, "limits.max_stop"),
+        (pb.GenerateRequest(prompt="w3", stop=[""]), grpc.StatusCode.INVALID_ARGUMENT, "stop"),
+        (pb.GenerateRequest(prompt="w3", router="nope"), grpc.StatusCode.INVALID_ARGUMENT, "unknown router"),
+        (
+            pb.GenerateRequest(prompt="w3", router="random", backoff_threshold=[2.0]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "[0.0, 1.0]",
+        ),
+        (pb.GenerateRequest(prompt="w3", backoff_threshold=[math.inf]), grpc.StatusCode.INVALID_ARGUMENT, "finite"),
+        (
+            pb.GenerateRequest(prompt="w3", backoff_threshold=[1, 2]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "2 models need 1",
+        ),
+        (pb.GenerateRequest(prompt="w3", thresholds=[1, 2]), grpc.StatusCode.INVALID_ARGUMENT, "2 models need 1"),
+        (
+            pb.GenerateRequest(prompt="w3", thresholds=[0.5], backoff_threshold=[0.5]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "not both",
+        ),
+        (
+            pb.GenerateRequest(messages=[pb.ChatMessage(role="bot", content="w3")]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "role",
+        ),
+        (pb.GenerateRequest(prompt="w3", model="gpt-9"), grpc.StatusCode.NOT_FOUND, "not served"),
+    ],
+)
 def test_bad_grpc_input_is_invalid_argument_or_not_found(served, request_, code, says):
     with grpc.insecure_channel(served.grpc_target) as channel:
         stub = pb_grpc.BackoffStub(channel)
-        for call in (lambda: stub.Generate(request_, metadata=_grpc_meta(), timeout=60),
-                     lambda: list(stub.GenerateStream(request_, metadata=_grpc_meta(), timeout=60))):
+        for call in (
+            lambda: stub.Generate(request_, metadata=_grpc_meta(), timeout=60),
+            lambda: list(stub.GenerateStream(request_, metadata=_grpc_meta(), timeout=60)),
+        ):
             with pytest.raises(grpc.RpcError) as err:
                 call()
             assert err.value.code() == code and says in err.value.details(), err.value.details()
@@ -304,6 +352,7 @@ def test_grpc_bytes_that_do_not_parse_are_invalid_argument(served):
 
 
 # -- access: API keys ---------------------------------------------------------------------------
+
 
 def test_http_needs_an_api_key_except_for_health(served):
     body = {"prompt": W, "max_tokens": 2}
@@ -336,9 +385,11 @@ def test_grpc_needs_an_api_key_except_for_health(served):
     with grpc.insecure_channel(served.grpc_target) as channel:
         stub = pb_grpc.BackoffStub(channel)
         for meta in ((), _grpc_meta("wrong"), (("authorization", KEY),)):
-            for call in (lambda meta=meta: stub.Generate(request, metadata=meta, timeout=60),
-                         lambda meta=meta: list(stub.GenerateStream(request, metadata=meta, timeout=60)),
-                         lambda meta=meta: stub.Models(pb.ModelsRequest(), metadata=meta, timeout=60)):
+            for call in (
+                lambda meta=meta: stub.Generate(request, metadata=meta, timeout=60),
+                lambda meta=meta: list(stub.GenerateStream(request, metadata=meta, timeout=60)),
+                lambda meta=meta: stub.Models(pb.ModelsRequest(), metadata=meta, timeout=60),
+            ):
                 with pytest.raises(grpc.RpcError) as err:
                     call()
                 assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -373,9 +424,16 @@ def test_clients_send_the_key_from_the_argument_or_the_environment(served, monke
 
 # -- access: concurrent requests per client -------------------------------------------------------
 
+
 def test_concurrent_requests_per_client_are_capped(served):
-    long = {"prompt": [3, 4, 5], "max_tokens": 470, "ignore_eos": True, "router": "always-large",
-            "temperature": 0, "stream": True}
+    long = {
+        "prompt": [3, 4, 5],
+        "max_tokens": 470,
+        "ignore_eos": True,
+        "router": "always-large",
+        "temperature": 0,
+        "stream": True,
+    }
     with httpx.Client(base_url=served.url, timeout=60, headers=_auth()) as http, ExitStack() as open_streams:
         responses = [open_streams.enter_context(http.stream("POST", "/v1/completions", json=long)) for _ in range(2)]
         readers = [r.iter_lines() for r in responses]  # kept: dropping one would close its connection
@@ -393,8 +451,9 @@ def test_concurrent_requests_per_client_are_capped(served):
         assert limited.value.retry_after_s == LIMITS["retry_after_s"]
         with grpc.insecure_channel(served.grpc_target) as channel:  # the same client over gRPC
             with pytest.raises(grpc.RpcError) as err:
-                pb_grpc.BackoffStub(channel).Generate(pb.GenerateRequest(prompt=W, max_tokens=2),
-                                                      metadata=_grpc_meta(), timeout=60)
+                pb_grpc.BackoffStub(channel).Generate(
+                    pb.GenerateRequest(prompt=W, max_tokens=2), metadata=_grpc_meta(), timeout=60
+                )
             assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert dict(err.value.trailing_metadata())["retry-after"] == str(LIMITS["retry_after_s"])
         other = _post(served, {"prompt": W, "max_tokens": 2}, headers=_auth(ENV_KEY))  # another client
@@ -405,15 +464,42 @@ def test_concurrent_requests_per_client_are_capped(served):
 
 # -- fuzz: hundreds of generated requests, no 5xx, no restart ----------------------------------------
 
-FIELDS = ["prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed",
-          "stop", "ignore_eos", "router", "backoff_threshold", "target_backoff", "model", "stream", "n",
-          "presence_penalty", "stream_options", "user", "logit_bias"]
-_scalars = (st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.integers(0, 6)
-            | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=12)
-            | st.sampled_from(["entropy", "random", "always-large", "nope", "user", "assistant", "w3 w4", "",
-                               "w3 \ud800"]))  # a lone surrogate: JSON can spell it, UTF-8 cannot
-JSON_VALUES = st.recursive(_scalars, lambda inner: st.lists(inner, max_size=4)
-                           | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=8)
+FIELDS = [
+    "prompt",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "ignore_eos",
+    "router",
+    "backoff_threshold",
+    "target_backoff",
+    "model",
+    "stream",
+    "n",
+    "presence_penalty",
+    "stream_options",
+    "user",
+    "logit_bias",
+]
+_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.integers(0, 6)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=12)
+    | st.sampled_from(["entropy", "random", "always-large", "nope", "user", "assistant", "w3 w4", "", "w3 \ud800"])
+)  # a lone surrogate: JSON can spell it, UTF-8 cannot
+JSON_VALUES = st.recursive(
+    _scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=8,
+)
 
 
 @st.composite
@@ -421,7 +507,7 @@ def http_cases(draw) -> tuple[str, bytes, dict]:
     """(path, body bytes, headers): a valid request with a few fields broken, or junk."""
     chat = draw(st.booleans())
     text = draw(st.sampled_from(["w3 w4", "w3 w4", "w3 w4", "w3 \udfff", "\u00e9 \U0001f600"]))
-    body: dict = ({"messages": [{"role": "user", "content": text}]} if chat else {"prompt": text})
+    body: dict = {"messages": [{"role": "user", "content": text}]} if chat else {"prompt": text}
     body["max_tokens"] = draw(st.integers(1, 4))
     for _ in range(draw(st.integers(0, 3))):
         body[draw(st.sampled_from(FIELDS) | st.text(max_size=6))] = draw(JSON_VALUES)
@@ -461,13 +547,18 @@ def grpc_cases(draw) -> tuple[str, bytes, str | None]:
         msg.prompt_ids.extend(draw(st.lists(st.integers(0, 60) | st.integers(0, 2**32 - 1), max_size=8)))
     if form == "messages":
         for _ in range(draw(st.integers(0, 3))):
-            msg.messages.add(role=draw(st.sampled_from(["user", "system", "assistant", "", "bot"])),
-                             content=draw(_text))
-    for name, values in (("max_tokens", st.none() | st.integers(0, 6) | st.integers(0, 2**32 - 1)),
-                         ("temperature", _opt_float), ("top_p", _opt_float), ("target_backoff", _opt_float),
-                         ("top_k", st.none() | st.integers(0, 2**32 - 1)),
-                         ("seed", st.none() | st.integers(-(2**63), 2**63 - 1)),
-                         ("router", st.none() | st.sampled_from(["entropy", "random", "max-prob", "x"]) | _text)):
+            msg.messages.add(
+                role=draw(st.sampled_from(["user", "system", "assistant", "", "bot"])), content=draw(_text)
+            )
+    for name, values in (
+        ("max_tokens", st.none() | st.integers(0, 6) | st.integers(0, 2**32 - 1)),
+        ("temperature", _opt_float),
+        ("top_p", _opt_float),
+        ("target_backoff", _opt_float),
+        ("top_k", st.none() | st.integers(0, 2**32 - 1)),
+        ("seed", st.none() | st.integers(-(2**63), 2**63 - 1)),
+        ("router", st.none() | st.sampled_from(["entropy", "random", "max-prob", "x"]) | _text),
+    ):
         value = draw(values)
         if value is not None:
             setattr(msg, name, value)
@@ -495,11 +586,19 @@ def test_fuzz_hundreds_of_bad_requests_never_fail_the_service(served):
     before = _infos()
     statuses: Counter = Counter()
     codes: Counter = Counter()
+
     def relaxed(n: int) -> settings:  # reproducible (derandomized), as many examples as asked
-        return settings(max_examples=n, deadline=None, database=None, derandomize=True, print_blob=True,
-                        suppress_health_check=list(HealthCheck))
+        return settings(
+            max_examples=n,
+            deadline=None,
+            database=None,
+            derandomize=True,
+            print_blob=True,
+            suppress_health_check=list(HealthCheck),
+        )
 
     with httpx.Client(base_url=served.url, timeout=60) as http:
+
         @relaxed(400)
         @given(http_cases())
         def over_http(case):
@@ -511,6 +610,7 @@ def test_fuzz_hundreds_of_bad_requests_never_fail_the_service(served):
         over_http()
 
     with grpc.insecure_channel(served.grpc_target) as channel:
+
         @relaxed(250)
         @given(grpc_cases())
         def over_grpc(case):
@@ -541,20 +641,30 @@ def test_fuzz_hundreds_of_bad_requests_never_fail_the_service(served):
 
 # -- properties: any body the schema accepts is served JSON-safe, any other is a 400 naming its field ---------
 
+
 def _strict_json(text: str):
     """JSON as a strict parser reads it: NaN / Infinity (which Python writes) are not JSON."""
+
     def refuse(name):
         raise ValueError(f"not JSON: {name}")
+
     return json.loads(text, parse_constant=refuse)
 
 
 def _relaxed(n: int) -> settings:
-    return settings(max_examples=n, deadline=None, database=None, derandomize=True, print_blob=True,
-                    suppress_health_check=list(HealthCheck))
+    return settings(
+        max_examples=n,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        print_blob=True,
+        suppress_health_check=list(HealthCheck),
+    )
 
 
 def test_property_http_bodies_are_served_json_safe_or_refused_naming_the_field(served):
     with httpx.Client(base_url=served.url, timeout=60, headers=_auth()) as http:
+
         @_relaxed(90)
         @given(http_bodies())
         def check(case):
@@ -604,18 +714,21 @@ def test_property_grpc_requests_are_ok_or_invalid_argument(served):
             except grpc.RpcError as exc:
                 assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT, (exc.code(), exc.details(), request)
                 served_ok = False
-            in_range = ((not request.HasField("temperature") or 0 <= request.temperature <= 2)
-                        and (not request.HasField("top_p") or 0 < request.top_p <= 1)
-                        and (not request.HasField("target_backoff") or 0 <= request.target_backoff <= 1)
-                        and all(abs(t) <= 1e38 for t in request.backoff_threshold)
-                        and (not request.HasField("logprobs") or request.logprobs <= 20)
-                        and 1 <= request.max_tokens <= LIMITS["max_tokens"])
+            in_range = (
+                (not request.HasField("temperature") or 0 <= request.temperature <= 2)
+                and (not request.HasField("top_p") or 0 < request.top_p <= 1)
+                and (not request.HasField("target_backoff") or 0 <= request.target_backoff <= 1)
+                and all(abs(t) <= 1e38 for t in request.backoff_threshold)
+                and (not request.HasField("logprobs") or request.logprobs <= 20)
+                and 1 <= request.max_tokens <= LIMITS["max_tokens"]
+            )
             assert served_ok == in_range, (request, served_ok)
 
         check()
 
 
 # -- logs: a refused gRPC stream is one WARNING line, no traceback -----------------------------------
+
 
 def test_a_refused_grpc_stream_logs_one_warning_line(served):
     logs = Path(ray._private.worker.global_worker.node.get_logs_dir_path())  # this session's (no public API)
@@ -625,8 +738,10 @@ def test_a_refused_grpc_stream_logs_one_warning_line(served):
 
     before = sizes()
     marker = f"refused-{uuid.uuid4().hex[:12]}"
-    for request, code in ((pb.GenerateRequest(prompt=W, model=marker), grpc.StatusCode.NOT_FOUND),
-                          (pb.GenerateRequest(prompt=W, router=marker), grpc.StatusCode.INVALID_ARGUMENT)):
+    for request, code in (
+        (pb.GenerateRequest(prompt=W, model=marker), grpc.StatusCode.NOT_FOUND),
+        (pb.GenerateRequest(prompt=W, router=marker), grpc.StatusCode.INVALID_ARGUMENT),
+    ):
         assert _raw_grpc(served, "GenerateStream", request.SerializeToString(), stream=True)[0] == code
 
     def new_text() -> dict[Path, str]:
@@ -644,10 +759,13 @@ def test_a_refused_grpc_stream_logs_one_warning_line(served):
     text = new_text()
     lines = [line for t in text.values() for line in t.splitlines() if marker in line]
     assert len(lines) == 2 and all(line.startswith("WARNING") for line in lines), lines  # one per request
-    assert not any("Traceback" in t for t in text.values()), {str(p): t[-2000:] for p, t in text.items() if "Traceback" in t}
+    assert not any("Traceback" in t for t in text.values()), {
+        str(p): t[-2000:] for p, t in text.items() if "Traceback" in t
+    }
 
 
 # -- Ray's own CLI: `serve status` and `serve deploy` (a live threshold change), the threshold gauge -----
+
 
 def _gauge(metrics_url: str) -> dict[str, float]:
     """ray_backoff_threshold of the `backoff` app: boundary -> value."""
@@ -676,20 +794,28 @@ def test_serve_cli_status_and_deploy_change_the_live_threshold(served, tmp_path)
     deployment_config(edited, "SmallModel")["user_config"]["thresholds"] = [0.25]
     path = tmp_path / "edited.yaml"
     path.write_text(yaml.safe_dump(edited))
-    deploy = subprocess.run([cli_, "deploy", str(path), "--address", served.dashboard], env=env, capture_output=True,
-                            text=True, timeout=120)
+    deploy = subprocess.run(
+        [cli_, "deploy", str(path), "--address", served.dashboard], env=env, capture_output=True, text=True, timeout=120
+    )
     assert deploy.returncode == 0, deploy.stderr[-2000:]
-    status = subprocess.run([cli_, "status", "--address", served.dashboard], env=env, capture_output=True, text=True,
-                            timeout=120)
+    status = subprocess.run(
+        [cli_, "status", "--address", served.dashboard], env=env, capture_output=True, text=True, timeout=120
+    )
     assert status.returncode == 0 and "backoff" in status.stdout, status.stderr[-2000:]
-    _eventually(lambda: serve.get_deployment_handle("SmallModel", "backoff").info.remote().result(
-        timeout_s=30).policy.thresholds == [0.25], "the deploy did not reach the SmallModel")
+    _eventually(
+        lambda: (
+            serve.get_deployment_handle("SmallModel", "backoff").info.remote().result(timeout_s=30).policy.thresholds
+            == [0.25]
+        ),
+        "the deploy did not reach the SmallModel",
+    )
     reply = _post(served, {"prompt": W, "max_tokens": 2})
     assert reply.status_code == 200 and reply.json()["choices"][0]["backoff"]["thresholds"] == [0.25], reply.text
     _eventually(lambda: _gauge(metrics_url) == {"0": 0.25}, f"the gauge did not follow: {_gauge(metrics_url)}")
 
 
 # -- the playground page in a real browser (it sets its router and threshold: the live change above is no matter)
+
 
 def test_playground_asks_for_the_key_and_colours_each_token_by_its_source(served, tmp_path):
     """Headless Chromium on /playground: the page loads without a key, shows the server's 401
@@ -707,8 +833,9 @@ def test_playground_asks_for_the_key_and_colours_each_token_by_its_source(served
     prompt, fields = "w3 w5 w7 w11", dict(max_tokens=24, temperature=0, seed=5, ignore_eos=True)
     router, threshold = PLAYGROUND_ROUTER
     with BackoffHTTPClient(served.url, api_key=KEY) as client:
-        reference = client.chat([{"role": "user", "content": prompt}], router=router, backoff_threshold=threshold,
-                                **fields)
+        reference = client.chat(
+            [{"role": "user", "content": prompt}], router=router, backoff_threshold=threshold, **fields
+        )
     assert {0, 1} <= set(reference.sources)  # the threshold mixes sources
     with PlaygroundPage(served.url) as page:
         _playground_takes_the_key(page)
@@ -767,11 +894,13 @@ def _playground_shows_a_refusal(page: PlaygroundPage) -> None:
 def _playground_drops_retracted_spans(page: PlaygroundPage) -> None:
     """A verification rollback (not reachable from a request's fields): the page's own fetch
     answers with chunks in the server's shape; `retracted` drops the last spans."""
-    page.js("""const chunks = arguments[0].map(c => 'data: ' + JSON.stringify(c) + '\\n\\n').join('')
+    page.js(
+        """const chunks = arguments[0].map(c => 'data: ' + JSON.stringify(c) + '\\n\\n').join('')
                    + 'data: [DONE]\\n\\n';
                window.fetch = async () => new Response(chunks, {status: 200,
                                                                 headers: {'content-type': 'text/event-stream'}});""",
-            _rollback_chunks())
+        _rollback_chunks(),
+    )
     page.set(max_tokens=3)
     page.run()
     rolled = page.panel("a")
@@ -781,14 +910,43 @@ def _playground_drops_retracted_spans(page: PlaygroundPage) -> None:
 
 def _rollback_chunks() -> list[dict]:
     """a b c from small; the large model's B retracts b and c; d from small."""
+
     def token(index, source, text, retracted=0):
-        return {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "backoff",
-                "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None,
-                             "backoff": {"token_id": index, "source": source, "index": index, "retracted": retracted,
-                                         "retracted_text": ""}}]}
+        return {
+            "id": "x",
+            "object": "chat.completion.chunk",
+            "created": 0,
+            "model": "backoff",
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {"content": text},
+                    "finish_reason": None,
+                    "backoff": {
+                        "token_id": index,
+                        "source": source,
+                        "index": index,
+                        "retracted": retracted,
+                        "retracted_text": "",
+                    },
+                }
+            ],
+        }
 
     usage = Usage(prompt_tokens=1, completion_tokens=3, total_tokens=4, small_tokens=2, large_tokens=1, large_calls=1)
-    final = {"id": "x", "object": "chat.completion.chunk", "created": 0, "model": "backoff",
-             "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}], "usage": usage.model_dump()}
-    return [token(0, 0, "a"), token(1, 0, "b"), token(2, 0, "c"), token(1, 1, "B", retracted=2), token(2, 0, "d"),
-            final]
+    final = {
+        "id": "x",
+        "object": "chat.completion.chunk",
+        "created": 0,
+        "model": "backoff",
+        "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}],
+        "usage": usage.model_dump(),
+    }
+    return [
+        token(0, 0, "a"),
+        token(1, 0, "b"),
+        token(2, 0, "c"),
+        token(1, 1, "B", retracted=2),
+        token(2, 0, "d"),
+        final,
+    ]

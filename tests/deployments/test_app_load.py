@@ -74,11 +74,18 @@ def _wait_idle(app: str, timeout_s: float = 30.0) -> None:
 
 # -- backpressure ----------------------------------------------------------------------------
 
+
 async def _http_burst(url: str, n: int) -> list[httpx.Response]:
     async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+
         async def one(i: int) -> httpx.Response:
-            body = {"prompt": [3 + i, 7, 11], "max_tokens": 64, "temperature": 0, "ignore_eos": True,
-                    "stream": i % 2 == 1}
+            body = {
+                "prompt": [3 + i, 7, 11],
+                "max_tokens": 64,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": i % 2 == 1,
+            }
             response = await http.post("/v1/completions", json=body)
             await response.aread()
             return response
@@ -127,8 +134,9 @@ def test_a_full_app_refuses_with_503_and_retry_after_then_recovers(served):
             assert r.json()["usage"]["completion_tokens"] == 64
         elif r.status_code == 200:
             assert r.text.rstrip().endswith("data: [DONE]") and '"finish_reason": "length"' in r.text
-    assert {code for code, _, _ in rpcs} <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, \
-        [(code, why) for code, _, why in rpcs]
+    assert {code for code, _, _ in rpcs} <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}, [
+        (code, why) for code, _, why in rpcs
+    ]
     assert any(code == grpc.StatusCode.RESOURCE_EXHAUSTED for code, _, _ in rpcs)
     for code, trailing, why in rpcs:
         # Serve's gRPC proxy keeps a streaming method's trailing metadata only with a message
@@ -147,8 +155,9 @@ def test_a_full_app_refuses_with_503_and_retry_after_then_recovers(served):
     async def patient():  # a client that retries gets through a burst, bounded
         retry = Retry(attempts=40, max_wait_s=0.25)
         async with AsyncBackoffHTTPClient(tight, retry=retry) as client:
-            return await asyncio.gather(*[client.complete([3 + i, 4], max_tokens=16, ignore_eos=True)
-                                          for i in range(10)])
+            return await asyncio.gather(
+                *[client.complete([3 + i, 4], max_tokens=16, ignore_eos=True) for i in range(10)]
+            )
 
     assert all(len(out.token_ids) == 16 for out in asyncio.run(patient()))
 
@@ -177,8 +186,10 @@ async def _stream_loop(i: int, served: ServedApp, records: list[Record], stop: t
         while not stop.is_set():
             start = time.monotonic()
             try:
-                deltas = [d async for d in client.stream([3 + i, 7, 11 + n % 20], max_tokens=24, temperature=0,
-                                                         ignore_eos=True)]
+                deltas = [
+                    d
+                    async for d in client.stream([3 + i, 7, 11 + n % 20], max_tokens=24, temperature=0, ignore_eos=True)
+                ]
                 usage = deltas[-1].usage
                 assert usage.completion_tokens == 24, usage
                 records.append(Record(start, time.monotonic(), usage.backoff_rate))
@@ -217,10 +228,12 @@ def test_32_streams_through_a_live_threshold_change(served):
         deployment_config(edited, "SmallModel")["user_config"]["threshold"] = [ALL_SMALL]
         deployed = time.monotonic()
         deploy(edited, served.config_path.with_name("edited.yaml"))
-        applied = wait_until(lambda: _info("SmallModel").policy.thresholds == [ALL_SMALL],
-                             "reconfigure did not arrive", 120.0)
-        wait_until(lambda: sum(r.start > applied for r in records) >= 2 * STREAMS, "no requests after the deploy",
-                   120.0)
+        applied = wait_until(
+            lambda: _info("SmallModel").policy.thresholds == [ALL_SMALL], "reconfigure did not arrive", 120.0
+        )
+        wait_until(
+            lambda: sum(r.start > applied for r in records) >= 2 * STREAMS, "no requests after the deploy", 120.0
+        )
     finally:
         stop.set()
         load.join(timeout=120)

@@ -47,8 +47,7 @@ def _until(condition, timeout_s: float = 20.0) -> bool:
 
 
 def test_reconfigure_reaches_the_batcher_and_the_lease(large, lt):
-    large.reconfigure({"batching": False, "max_batch_size": 3, "batch_wait_ms": 40, "batch_gap_ms": 2,
-                       "lease_s": 12.0})
+    large.reconfigure({"batching": False, "max_batch_size": 3, "batch_wait_ms": 40, "batch_gap_ms": 2, "lease_s": 12.0})
     b = large.batcher
     assert (b.batching, b.max_batch_size, b.batch_wait_s, b.batch_gap_s) == (False, 3, 0.04, 0.002)
     assert lt.run(large.renew("small-1")) == 12.0
@@ -78,8 +77,10 @@ def test_one_step_of_many_sessions_is_one_forward(large, lt):
     handle = FakeHandle([large], lt)
     large.reconfigure({"batch_wait_ms": 5000})  # the step's calls, not a timer, end the wait
     prompts = {"a#1": (3, 4, 5), "b#1": (6, 7), "c#1": (8,)}
-    pending = [_extend(handle, CatchUpCall(key, 0, ids, "step-0", len(prompts), owner="small-1"))
-               for key, ids in prompts.items()]
+    pending = [
+        _extend(handle, CatchUpCall(key, 0, ids, "step-0", len(prompts), owner="small-1"))
+        for key, ids in prompts.items()
+    ]
     replies = [p.result(30) for p in pending]
     assert [r.logits.shape[0] for r in replies] == [3, 2, 1]
     info = large.info()

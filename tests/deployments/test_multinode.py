@@ -45,8 +45,14 @@ APP = "backoff"
 PROMPT = [4, 5, 6]
 THRESHOLD = 0.4  # entropy: a mix of small and large steps on the tiny pair
 LONG = dict(max_tokens=300, temperature=0, ignore_eos=True, router="always-large")  # >= 7.5 s (25 ms a catch-up)
-AUTOSCALE = dict(min_replicas=1, max_replicas=2, target_ongoing_requests=2, upscale_delay_s=0.5,
-                 downscale_delay_s=8.0, look_back_period_s=3.0)  # shorter flaps when a new replica joins
+AUTOSCALE = dict(
+    min_replicas=1,
+    max_replicas=2,
+    target_ongoing_requests=2,
+    upscale_delay_s=0.5,
+    downscale_delay_s=8.0,
+    look_back_period_s=3.0,
+)  # shorter flaps when a new replica joins
 
 
 def _edit(config: dict, dirs) -> None:
@@ -80,14 +86,21 @@ def engine(served):
 
 
 def _reference(engine, router: str, max_tokens: int, thresholds=None):
-    return engine.generate(GenerationRequest(tuple(PROMPT), SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                                             RoutingParams(router=router, thresholds=thresholds)))
+    return engine.generate(
+        GenerationRequest(
+            tuple(PROMPT),
+            SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+            RoutingParams(router=router, thresholds=thresholds),
+        )
+    )
 
 
 # -- probes -----------------------------------------------------------------------------------
 
+
 def _infos(deployment: str) -> dict:
     """info() of every live replica of a deployment, by replica id."""
+
     async def call():
         handle = serve.get_deployment_handle(deployment, APP)
         return await handle.broadcast("info").results_async(timeout_s=30, return_exceptions=True)
@@ -120,6 +133,7 @@ def _placed(local: LocalCluster, deployment: str, kind: str, n: int) -> bool:
 
 # -- 1. placement and a generation across nodes -------------------------------------------------
 
+
 def test_model_replicas_land_on_their_own_node_types(served):
     local = served.cluster
     assert _placed(local, "SmallModel", "small_gpu", 2)  # one per small_gpu node
@@ -148,6 +162,7 @@ def test_a_generation_catches_up_across_nodes(served, engine):
 
 # -- 2. losing nodes ------------------------------------------------------------------------------
 
+
 def test_losing_the_large_models_node_mid_stream(served, engine):
     """The node holding the request's M_L session dies: the router re-prefills the session
     on the other LargeModel replica and the stream completes with the same tokens; Serve
@@ -169,10 +184,17 @@ def test_losing_the_large_models_node_mid_stream(served, engine):
     lost = sum(i.sessions_lost for i in _infos("SmallModel").values())
     assert lost >= 1
     new_node = local.add("large_gpu").node_id  # the cluster's autoscaler would start one
-    up_s = _wait(lambda: _placed(local, "LargeModel", "large_gpu", 2)
-                 and new_node in {i.node for i in _infos("LargeModel").values()}, 120, "a LargeModel replica")
-    print(f"\nlarge node killed: the stream finished {finished_s:.1f} s later; a new replica was up on the "
-          f"replacement node {up_s:.1f} s after it joined")
+    up_s = _wait(
+        lambda: (
+            _placed(local, "LargeModel", "large_gpu", 2) and new_node in {i.node for i in _infos("LargeModel").values()}
+        ),
+        120,
+        "a LargeModel replica",
+    )
+    print(
+        f"\nlarge node killed: the stream finished {finished_s:.1f} s later; a new replica was up on the "
+        f"replacement node {up_s:.1f} s after it joined"
+    )
 
 
 def test_losing_a_small_routers_node(served, engine):
@@ -189,7 +211,9 @@ def test_losing_a_small_routers_node(served, engine):
                 first = asyncio.get_running_loop().create_future()
                 task = asyncio.create_task(stream_noting_first(client, first, PROMPT, **LONG))
                 request_id = await asyncio.wait_for(first, 60)
-                where = {r: i.node for i in (await asyncio.to_thread(_infos, "SmallModel")).values() for r in i.requests}
+                where = {
+                    r: i.node for i in (await asyncio.to_thread(_infos, "SmallModel")).values() for r in i.requests
+                }
                 flights[request_id] = (task, where[request_id])
                 if len({node for _, node in flights.values()}) == 2 and len(flights) >= 4:
                     break
@@ -219,6 +243,7 @@ def test_losing_a_small_routers_node(served, engine):
 
 
 # -- 3. autoscaling ---------------------------------------------------------------------------------
+
 
 class Recorder:
     """Replica counts per deployment every `period_s`, from Serve's controller."""
@@ -276,8 +301,11 @@ class Recorder:
                 if ax is axes[0]:
                     ax.text(at, 2.5, f" {mark}", fontsize=8, va="top")
         axes[-1].set_xlabel("seconds")
-        axes[0].set_title(f"RUNNING replicas under a burst of {meta.get('streams')} concurrent requests "
-                          f"(multi-node Ray cluster on one machine)", fontsize=10)
+        axes[0].set_title(
+            f"RUNNING replicas under a burst of {meta.get('streams')} concurrent requests "
+            f"(multi-node Ray cluster on one machine)",
+            fontsize=10,
+        )
         fig.tight_layout()
         path_png = directory / "autoscaling.png"
         fig.savefig(path_png, dpi=110)
@@ -306,12 +334,20 @@ def test_autoscaling_follows_a_burst(served, tmp_path):
             done = 0
             deadline = time.monotonic() + burst_s
             async with httpx.AsyncClient(base_url=served.url, timeout=120) as http:
+
                 async def worker(i: int) -> None:
                     nonlocal done, refused
                     while time.monotonic() < deadline:
-                        r = await http.post("/v1/completions", json={"prompt": [3 + i % 7, 4], "max_tokens": 80,
-                                                                     "temperature": 0, "ignore_eos": True,
-                                                                     "router": "always-large"})
+                        r = await http.post(
+                            "/v1/completions",
+                            json={
+                                "prompt": [3 + i % 7, 4],
+                                "max_tokens": 80,
+                                "temperature": 0,
+                                "ignore_eos": True,
+                                "router": "always-large",
+                            },
+                        )
                         assert r.status_code in (200, 503), r.text
                         done += r.status_code == 200
                         refused += r.status_code == 503
@@ -325,9 +361,15 @@ def test_autoscaling_follows_a_burst(served, tmp_path):
         time.sleep(1.0)
         rec.mark("scaled down")
     during = [s for s in rec.samples if rec.marks["burst"] <= s["t"] <= rec.marks["end of burst"]]
-    meta = {"streams": streams, "burst_s": burst_s, "completed": completed, "refused": refused,
-            "request": "80 tokens, always-large, 25 ms delay per catch-up", "autoscaling_config": AUTOSCALE,
-            "nodes": {"head": "2 CPUs", "small_gpu": 2, "large_gpu": 2}}
+    meta = {
+        "streams": streams,
+        "burst_s": burst_s,
+        "completed": completed,
+        "refused": refused,
+        "request": "80 tokens, always-large, 25 ms delay per catch-up",
+        "autoscaling_config": AUTOSCALE,
+        "nodes": {"head": "2 CPUs", "small_gpu": 2, "large_gpu": 2},
+    }
     out = Path(os.environ.get("BACKOFF_RESULTS", tmp_path))
     paths = rec.save(out, meta)
     print(f"\nautoscaling: {completed} requests in the burst ({refused} refused); saved {paths[0]} and {paths[1]}")
@@ -337,6 +379,7 @@ def test_autoscaling_follows_a_burst(served, tmp_path):
 
 
 # -- 4. the KV budget over Serve ------------------------------------------------------------------
+
 
 def test_a_small_kv_budget_refuses_with_retry_after_and_every_request_completes(served, engine):
     """Every model replica with a 120-token KV budget (per-session caches), 20 always-large
@@ -348,19 +391,39 @@ def test_a_small_kv_budget_refuses_with_retry_after_and_every_request_completes(
     args = served.config["applications"][0]["args"]
     args["models"].update(kv_budget_tokens=budget, static_kv=False)  # args: the replicas restart
     deploy(served.config, served.config_path.with_name("kv.yaml"), APP)
-    _wait(lambda: len(_infos("LargeModel")) == 2 and all(i.kv_budget_tokens == budget
-                                                         for i in _infos("LargeModel").values()), 120, "the budget")
+    _wait(
+        lambda: (
+            len(_infos("LargeModel")) == 2 and all(i.kv_budget_tokens == budget for i in _infos("LargeModel").values())
+        ),
+        120,
+        "the budget",
+    )
     prompts = [[3 + i % 7, 4 + i % 3, 5] for i in range(n)]
-    expected = {tuple(p): list(engine.generate(GenerationRequest(
-        tuple(p), SamplingParams(max_tokens=tokens, ignore_eos=True), RoutingParams(router="always-large"))).token_ids)
-        for p in prompts}
+    expected = {
+        tuple(p): list(
+            engine.generate(
+                GenerationRequest(
+                    tuple(p), SamplingParams(max_tokens=tokens, ignore_eos=True), RoutingParams(router="always-large")
+                )
+            ).token_ids
+        )
+        for p in prompts
+    }
     refusals: list[httpx.Response] = []
 
     async def one(http: httpx.AsyncClient, i: int, prompt: list[int]) -> list[int]:
         await asyncio.sleep(0.25 * i)  # arrivals while earlier requests grow
         for _ in range(120):
-            r = await http.post("/v1/completions", json={"prompt": prompt, "max_tokens": tokens, "temperature": 0,
-                                                         "ignore_eos": True, "router": "always-large"})
+            r = await http.post(
+                "/v1/completions",
+                json={
+                    "prompt": prompt,
+                    "max_tokens": tokens,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "router": "always-large",
+                },
+            )
             if r.status_code != 503:
                 assert r.status_code == 200, r.text
                 return r.json()["choices"][0]["backoff"]["token_ids"]
@@ -379,6 +442,8 @@ def test_a_small_kv_budget_refuses_with_retry_after_and_every_request_completes(
         assert r.headers["Retry-After"] == "1" and r.json()["error"]["code"] == "kv_capacity", r.text
     infos = _infos("LargeModel")
     _wait(lambda: all(i.kv_tokens == 0 for i in _infos("LargeModel").values()), 30, "KV freed")
-    print(f"\nKV budget {budget}: {n} requests completed after {len(refusals)} refusals (503 + Retry-After); "
-          f"LargeModel refused {sum(i.kv_refused for i in infos.values())} new sessions, "
-          f"evicted {sum(i.kv_evictions for i in infos.values())}")
+    print(
+        f"\nKV budget {budget}: {n} requests completed after {len(refusals)} refusals (503 + Retry-After); "
+        f"LargeModel refused {sum(i.kv_refused for i in infos.values())} new sessions, "
+        f"evicted {sum(i.kv_evictions for i in infos.values())}"
+    )

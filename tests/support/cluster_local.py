@@ -21,10 +21,16 @@ from ray.cluster_utils import Cluster
 
 from deployments.serve_cli import RAY_SYSTEM_CONFIG, local_serve_env
 
-FAST_HEALTH = {"health_check_initial_delay_ms": 0, "health_check_period_ms": 1000,
-               "health_check_timeout_ms": 1000, "health_check_failure_threshold": 3}
-SERVE_ENV = {"RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1",
-             "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1"}
+FAST_HEALTH = {
+    "health_check_initial_delay_ms": 0,
+    "health_check_period_ms": 1000,
+    "health_check_timeout_ms": 1000,
+    "health_check_failure_threshold": 3,
+}
+SERVE_ENV = {
+    "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1",
+    "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1",
+}
 NODE_TYPES = {  # cluster.yaml's node types, scaled down: one logical GPU per model node
     "small_gpu": {"num_cpus": 0, "num_gpus": 1, "resources": {"small_gpu": 1}},
     "large_gpu": {"num_cpus": 0, "num_gpus": 1, "resources": {"large_gpu": 1}},
@@ -74,9 +80,14 @@ def start_cluster(head_cpus: int = 2, **counts: int) -> LocalCluster:
     os.environ.update(SERVE_ENV)  # the nodes' processes inherit it
     if ray.is_initialized():
         ray.shutdown()
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": head_cpus, "include_dashboard": False,
-        "_system_config": {**RAY_SYSTEM_CONFIG, **FAST_HEALTH}})
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": head_cpus,
+            "include_dashboard": False,
+            "_system_config": {**RAY_SYSTEM_CONFIG, **FAST_HEALTH},
+        },
+    )
     local = LocalCluster(cluster, _env=saved)
     try:
         for kind, n in counts.items():

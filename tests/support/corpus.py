@@ -21,6 +21,10 @@ def write_corpus(root: Path, seed: int = 0, docs: int = 3, chats: int = 4) -> tu
         (root / "texts" / f"d{i}.txt").write_text(words(rng.randrange(90, 200)))
     with (root / "chat.jsonl").open("w") as f:
         for _ in range(chats):
-            f.write(json.dumps({"messages": [{"role": "user", "content": words(8)},
-                                             {"role": "assistant", "content": words(30)}]}) + "\n")
+            f.write(
+                json.dumps(
+                    {"messages": [{"role": "user", "content": words(8)}, {"role": "assistant", "content": words(30)}]}
+                )
+                + "\n"
+            )
     return str(root / "texts"), str(root / "chat.jsonl")

@@ -10,40 +10,114 @@ GAPS = {"random": 0.0, "oracle": 1.0, "classifier": 0.65, "entropy": 0.5, "max-p
 
 
 def _curves() -> dict:
-    return {"rates": RATES, "nll_small": 4.0, "nll_large": 2.0, "positions": 100,
-            "routers": {n: {"curve": [2.0, 3.0 - GAPS[n] / 2, 4.0], "area": 3.0 - GAPS[n] / 2, "gap_closed": GAPS[n]}
-                        for n in ROUTERS}}
+    return {
+        "rates": RATES,
+        "nll_small": 4.0,
+        "nll_large": 2.0,
+        "positions": 100,
+        "routers": {
+            n: {"curve": [2.0, 3.0 - GAPS[n] / 2, 4.0], "area": 3.0 - GAPS[n] / 2, "gap_closed": GAPS[n]}
+            for n in ROUTERS
+        },
+    }
 
 
 def _speed() -> dict:
     # always-small's decision step 0.2 ms; the classifier's median 0.6 ms over c_S's median 11 ms
-    runs = [{"label": "always-large", "tokens_per_s": 20.0, "backoff_rate": 0.0, "c_r_engine_s": 0.0, "c_S_engine_s": 0.0},
-            {"label": "always-small", "tokens_per_s": 80.0, "backoff_rate": 1.0, "c_r_engine_s": 0.0002,
-             "c_S_engine_s": 0.010}]
-    runs += [{"label": f"classifier@{t}", "tokens_per_s": 20.0 + 60 * t, "backoff_rate": t, "c_r_engine_s": c_r,
-              "c_S_engine_s": c_s} for t, c_r, c_s in ((0.5, 0.0007, 0.012), (0.7, 0.0005, 0.010), (0.9, 0.0006, 0.011))]
+    runs = [
+        {"label": "always-large", "tokens_per_s": 20.0, "backoff_rate": 0.0, "c_r_engine_s": 0.0, "c_S_engine_s": 0.0},
+        {
+            "label": "always-small",
+            "tokens_per_s": 80.0,
+            "backoff_rate": 1.0,
+            "c_r_engine_s": 0.0002,
+            "c_S_engine_s": 0.010,
+        },
+    ]
+    runs += [
+        {
+            "label": f"classifier@{t}",
+            "tokens_per_s": 20.0 + 60 * t,
+            "backoff_rate": t,
+            "c_r_engine_s": c_r,
+            "c_S_engine_s": c_s,
+        }
+        for t, c_r, c_s in ((0.5, 0.0007, 0.012), (0.7, 0.0005, 0.010), (0.9, 0.0006, 0.011))
+    ]
     return {"c_S_s": 0.010, "c_head_s": 0.0001, "P_L_s": {"1": 0.04, "4": 0.06}, "runs": runs}
 
 
 def _generation() -> dict:
-    runs = [{"label": "M_L", "router": "always-large", "target": None, "backoff_rate": 0.0, "large_nll": 0.7, "agreement": 1.0},
-            {"label": "M_S", "router": "always-small", "target": None, "backoff_rate": 1.0, "large_nll": 2.2, "agreement": 0.5}]
-    runs += [{"label": f"{r}@{t}", "router": r, "target": t, "backoff_rate": t, "large_nll": 0.7 + t, "agreement": 1.0 - t / 2}
-             for r in ("oracle", "classifier", "entropy", "random") for t in (0.5, 0.9)]
-    runs.append({"label": "oracle KL<1", "router": "oracle", "target": None, "backoff_rate": 0.3, "large_nll": 0.8,
-                 "agreement": 0.9})
+    runs = [
+        {
+            "label": "M_L",
+            "router": "always-large",
+            "target": None,
+            "backoff_rate": 0.0,
+            "large_nll": 0.7,
+            "agreement": 1.0,
+        },
+        {
+            "label": "M_S",
+            "router": "always-small",
+            "target": None,
+            "backoff_rate": 1.0,
+            "large_nll": 2.2,
+            "agreement": 0.5,
+        },
+    ]
+    runs += [
+        {
+            "label": f"{r}@{t}",
+            "router": r,
+            "target": t,
+            "backoff_rate": t,
+            "large_nll": 0.7 + t,
+            "agreement": 1.0 - t / 2,
+        }
+        for r in ("oracle", "classifier", "entropy", "random")
+        for t in (0.5, 0.9)
+    ]
+    runs.append(
+        {
+            "label": "oracle KL<1",
+            "router": "oracle",
+            "target": None,
+            "backoff_rate": 0.3,
+            "large_nll": 0.8,
+            "agreement": 0.9,
+        }
+    )
     return {"prompts": 4, "max_tokens": 16, "runs": runs}
 
 
 def _high_kl() -> dict:
-    return {"rates": [0.5, 0.7, 0.9], "groups": {"KL>=1": {"count": 40, "accuracy": [0.8, 0.6, 0.3]},
-                                                 "KL>=5": {"count": 12, "accuracy": [0.9, 0.8, 0.5]}}}
+    return {
+        "rates": [0.5, 0.7, 0.9],
+        "groups": {
+            "KL>=1": {"count": 40, "accuracy": [0.8, 0.6, 0.3]},
+            "KL>=5": {"count": 12, "accuracy": [0.9, 0.8, 0.5]},
+        },
+    }
 
 
 def _compare() -> list[dict]:
-    return [{"head": f"runs/heads/{o}-L{layer}", "objective": o, "layer": layer, "features": [], "inner_size": 64,
-             "gap_closed": 0.5 + 0.05 * layer, "area": 3.0, "val_gap_closed": 0.5, "val_auc_high_kl": 0.8,
-             "high_kl": _high_kl()} for o in ("buckets", "regression") for layer in (1, 2)]
+    return [
+        {
+            "head": f"runs/heads/{o}-L{layer}",
+            "objective": o,
+            "layer": layer,
+            "features": [],
+            "inner_size": 64,
+            "gap_closed": 0.5 + 0.05 * layer,
+            "area": 3.0,
+            "val_gap_closed": 0.5,
+            "val_auc_high_kl": 0.8,
+            "high_kl": _high_kl(),
+        }
+        for o in ("buckets", "regression")
+        for layer in (1, 2)
+    ]
 
 
 def _control(errors: dict[float, float]) -> list[dict]:
@@ -52,9 +126,19 @@ def _control(errors: dict[float, float]) -> list[dict]:
         for target, error in errors.items():
             for mode in ("controller", "fixed"):
                 e = error if mode == "controller" else 2 * error
-                rows.append({"domain": domain, "target": target, "mode": mode, "pooled": target + e, "error": e,
-                             "per_request": [target + e] * 3, "tokens": [32, 32, 32], "mean_abs_request_error": 0.02,
-                             "trajectories": [[1.0, 0.5, target + e]] * 3})
+                rows.append(
+                    {
+                        "domain": domain,
+                        "target": target,
+                        "mode": mode,
+                        "pooled": target + e,
+                        "error": e,
+                        "per_request": [target + e] * 3,
+                        "tokens": [32, 32, 32],
+                        "mean_abs_request_error": 0.02,
+                        "trajectories": [[1.0, 0.5, target + e]] * 3,
+                    }
+                )
     return rows
 
 
@@ -65,16 +149,30 @@ def results(gap: float = 0.65, control_errors: dict[float, float] | None = None)
     domain = {n: GAPS[n] for n in ROUTERS} | {"nll_small": 4.0, "nll_large": 2.0, "positions": 50}
     return {
         "config": {"run_dir": "runs/eval"},
-        "head": {"path": "runs/heads/buckets-L2", "objective": "buckets", "layer": 2, "inner_size": 64,
-                 "features": ["entropy", "max_prob"], "extra": {}},
+        "head": {
+            "path": "runs/heads/buckets-L2",
+            "objective": "buckets",
+            "layer": 2,
+            "inner_size": 64,
+            "features": ["entropy", "max_prob"],
+            "extra": {},
+        },
         "curves": curves,
         "curves_by_domain": {"stdlib:heldout": domain},
         "curves_unseen": {"recipes": domain},
-        "kl_table": {"stdlib:heldout": {"buckets": {"0-1": 0.4, "1-5": 0.5, ">=5": 0.1}, "mean_kl": 1.5,
-                                        "median_kl": 1.0, "argmax_agree": 0.4, "positions": 50}},
-        "oracle_table": [{"model": "M_S", "rule": "-", "backoff_rate": 1.0, "nll": 4.0, "top1_agree_with_large": 0.4},
-                         {"model": "oracle", "rule": "KL < 1", "backoff_rate": 0.4, "nll": 2.5,
-                          "top1_agree_with_large": 0.8}],
+        "kl_table": {
+            "stdlib:heldout": {
+                "buckets": {"0-1": 0.4, "1-5": 0.5, ">=5": 0.1},
+                "mean_kl": 1.5,
+                "median_kl": 1.0,
+                "argmax_agree": 0.4,
+                "positions": 50,
+            }
+        },
+        "oracle_table": [
+            {"model": "M_S", "rule": "-", "backoff_rate": 1.0, "nll": 4.0, "top1_agree_with_large": 0.4},
+            {"model": "oracle", "rule": "KL < 1", "backoff_rate": 0.4, "nll": 2.5, "top1_agree_with_large": 0.8},
+        ],
         "high_kl": _high_kl(),
         "compare": _compare(),
         "generation": _generation(),

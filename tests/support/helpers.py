@@ -23,9 +23,10 @@ def request(prompt, max_tokens=16, router="always-small", seed=None, temperature
 
 
 def hf_greedy(model, prompt, n) -> tuple[int, ...]:
-    out = model.generate(torch.tensor([list(prompt)]), max_new_tokens=n, do_sample=False,
-                         eos_token_id=None, pad_token_id=0)
-    return tuple(out[0, len(prompt):].tolist())
+    out = model.generate(
+        torch.tensor([list(prompt)]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    return tuple(out[0, len(prompt) :].tolist())
 
 
 class Recording(ModelRunner):

@@ -44,8 +44,15 @@ class PlaygroundPage:
 
         options = webdriver.ChromeOptions()
         options.binary_location = next(shutil.which(c) for c in CHROMIUM if shutil.which(c))
-        for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                    f"--window-size={width},{height}", "--no-first-run", "--disable-extensions"):
+        for arg in (
+            "--headless=new",
+            "--no-sandbox",
+            "--disable-dev-shm-usage",
+            "--disable-gpu",
+            f"--window-size={width},{height}",
+            "--no-first-run",
+            "--disable-extensions",
+        ):
             options.add_argument(arg)
         # the packaged driver: Selenium Manager would otherwise try to download one
         self.driver = webdriver.Chrome(service=Service(executable_path=shutil.which(CHROMEDRIVER)), options=options)
@@ -83,12 +90,15 @@ class PlaygroundPage:
 
     def key_dialog(self) -> tuple[bool, str]:
         """(shown, the message under it)."""
-        return self.js("return [!document.getElementById('key-dialog').hidden,"
-                       " document.getElementById('key-error').textContent]")
+        return self.js(
+            "return [!document.getElementById('key-dialog').hidden, document.getElementById('key-error').textContent]"
+        )
 
     def enter_key(self, key: str) -> None:
-        self.js("document.getElementById('key-input').value = arguments[0];"
-                "document.getElementById('key-submit').click();", key)
+        self.js(
+            "document.getElementById('key-input').value = arguments[0];document.getElementById('key-submit').click();",
+            key,
+        )
 
     def ready(self, timeout_s: float = 30.0) -> None:
         """Wait until the routing info is in (the Run button is enabled)."""
@@ -97,15 +107,21 @@ class PlaygroundPage:
     def set(self, **fields) -> None:
         """Common fields by element id (prompt, mode, temperature, max-tokens, seed, ignore-eos, compare)."""
         for name, value in fields.items():
-            self.js("""const el = document.getElementById(arguments[0]);
+            self.js(
+                """const el = document.getElementById(arguments[0]);
                        if (el.type === 'checkbox') el.checked = arguments[1]; else el.value = arguments[1];
                        el.dispatchEvent(new Event(el.type === 'checkbox' ? 'change' : 'input'));
-                       el.dispatchEvent(new Event('change'));""", name.replace("_", "-"), value)
+                       el.dispatchEvent(new Event('change'));""",
+                name.replace("_", "-"),
+                value,
+            )
 
-    def set_panel(self, panel: str, router: str, thresholds: list[float] | None = None,
-                  target: float | None = None) -> None:
+    def set_panel(
+        self, panel: str, router: str, thresholds: list[float] | None = None, target: float | None = None
+    ) -> None:
         """Panel 'a' or 'b': router, then its thresholds (one per boundary) or a target backoff rate."""
-        self.js("""const p = document.getElementById('panel-' + arguments[0]);
+        self.js(
+            """const p = document.getElementById('panel-' + arguments[0]);
                    const r = p.querySelector('.router'); r.value = arguments[1]; r.dispatchEvent(new Event('change'));
                    const c = p.querySelector('.control');
                    c.value = arguments[3] === null ? 'threshold' : 'target'; c.dispatchEvent(new Event('change'));
@@ -113,7 +129,11 @@ class PlaygroundPage:
                                                 t.dispatchEvent(new Event('input')); }
                    (arguments[2] || []).forEach((v, i) => { const n = p.querySelectorAll('input.threshold')[i];
                                                             n.value = v; n.dispatchEvent(new Event('input')); });""",
-                panel, router, thresholds, target)
+            panel,
+            router,
+            thresholds,
+            target,
+        )
 
     def run(self, timeout_s: float = 120.0) -> None:
         """Click Run and wait until every visible panel has finished (done, error or stopped)."""
@@ -121,14 +141,17 @@ class PlaygroundPage:
         self.wait("return !document.getElementById('run').disabled", timeout_s)
 
     def panel(self, name: str) -> PanelState:
-        raw = self.js("""const p = document.getElementById('panel-' + arguments[0]);
+        raw = self.js(
+            """const p = document.getElementById('panel-' + arguments[0]);
             const t = (c) => p.querySelector('.' + c).textContent;
             return {status: t('status'), error: t('problem'),
                     text: [...p.querySelectorAll('.output .tok')].map(s => s.textContent).join(''),
                     sources: [...p.querySelectorAll('.output .tok')].map(s => +s.dataset.source),
                     counters: {rate: t('c-rate'), 'large-calls': t('c-large-calls'), tokens: t('c-tokens'),
                                tps: t('c-tps'), ttft: t('c-ttft')},
-                    usage: p.dataset.usage || null};""", name)
+                    usage: p.dataset.usage || null};""",
+            name,
+        )
         usage = raw.pop("usage")
         return PanelState(usage=json.loads(usage) if usage else None, **raw)
 

@@ -19,8 +19,30 @@ from clients.wire.errors import describe_validation
 from clients.wire.types import ChatCompletionRequest, CompletionRequest
 
 # finite floats where float32 arithmetic breaks: subnormals, 1/T overflow, beyond float32's max
-EXTREME_FLOATS = st.sampled_from([0.0, -0.0, 5e-324, -5e-324, 1e-300, 1e-45, 1e-30, 1e-7, 0.5, 1.0, 2.0,
-                                  2.0000001, 1e30, 1e38, -1e38, 3.4e38, 3.5e38, 1e308, -1e308, 1.7976931348623157e308])
+EXTREME_FLOATS = st.sampled_from(
+    [
+        0.0,
+        -0.0,
+        5e-324,
+        -5e-324,
+        1e-300,
+        1e-45,
+        1e-30,
+        1e-7,
+        0.5,
+        1.0,
+        2.0,
+        2.0000001,
+        1e30,
+        1e38,
+        -1e38,
+        3.4e38,
+        3.5e38,
+        1e308,
+        -1e308,
+        1.7976931348623157e308,
+    ]
+)
 HUGE_INTS = st.sampled_from([0, 1, -1, 2**31, 2**32 - 1, 2**32, 2**63 - 1, 2**63, -(2**63), -(2**63) - 1, 2**70])
 WRONG_TYPES = st.sampled_from(["1", "", True, False, [], {}, [1.0], {"a": 1}, [None]])
 UNICODE = st.text(st.characters(exclude_categories=("Cs",)), max_size=8)
@@ -37,23 +59,33 @@ def _int_field():
 ROUTERS = ["entropy", "always-large", "always-small"]
 # every optional field with its own values; the generation stays short (max_tokens <= 3, or refused)
 FIELDS = {
-    "temperature": _float_field(), "top_p": _float_field(), "target_backoff": _float_field(),
-    "presence_penalty": _float_field(), "frequency_penalty": _float_field(),
+    "temperature": _float_field(),
+    "top_p": _float_field(),
+    "target_backoff": _float_field(),
+    "presence_penalty": _float_field(),
+    "frequency_penalty": _float_field(),
     "backoff_threshold": _float_field() | st.lists(EXTREME_FLOATS, min_size=0, max_size=2),
-    "top_k": _int_field(), "seed": _int_field(), "n": _int_field(),
+    "top_k": _int_field(),
+    "seed": _int_field(),
+    "n": _int_field(),
     "max_tokens": st.none() | st.sampled_from([1, 2, 3, 0, -1, 481, 2**32, 2**70, 2.0, "2", True]),
-    "stream": st.none() | st.booleans() | WRONG_TYPES, "ignore_eos": st.none() | st.booleans() | WRONG_TYPES,
+    "stream": st.none() | st.booleans() | WRONG_TYPES,
+    "ignore_eos": st.none() | st.booleans() | WRONG_TYPES,
     "router": st.none() | st.sampled_from(ROUTERS) | WRONG_TYPES,
     "stop": st.none() | st.lists(UNICODE.filter(lambda s: 0 < len(s) <= 16), max_size=2) | WRONG_TYPES,
     "stream_options": st.none() | st.fixed_dictionaries({"include_usage": st.none() | st.booleans()}),
-    "model": st.none() | st.just("backoff"), "user": st.none() | UNICODE | WRONG_TYPES,
+    "model": st.none() | st.just("backoff"),
+    "user": st.none() | UNICODE | WRONG_TYPES,
     # chat: a boolean (+ top_logprobs, which needs it true); completions: a count
     "logprobs": st.sampled_from([True, 0, 2, 20]) | st.booleans() | _int_field() | st.just(21),
     "top_logprobs": st.none() | st.integers(0, 20) | _int_field(),
 }
 # text parts are never blank: the tiny tokenizer makes no token of whitespace (a 400 of its own)
-_PART = st.fixed_dictionaries({"type": st.just("text"), "text": st.sampled_from(["w3 ", "w4", "\u00e9 \U0001f600"])}) | st.sampled_from(
-    [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}, {"type": "input_audio"}, {"text": "w3"}, "w3"])
+_PART = st.fixed_dictionaries(
+    {"type": st.just("text"), "text": st.sampled_from(["w3 ", "w4", "\u00e9 \U0001f600"])}
+) | st.sampled_from(
+    [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}, {"type": "input_audio"}, {"text": "w3"}, "w3"]
+)
 
 
 @st.composite
@@ -98,8 +130,10 @@ def grpc_requests(draw) -> pb.GenerateRequest:
         value = draw(doubles)
         if value is not None:
             setattr(msg, name, value)
-    for name, values in (("top_k", st.sampled_from([0, 1, 2**31, 2**32 - 1])),
-                         ("seed", st.sampled_from([0, -1, 2**63 - 1, -(2**63)]))):
+    for name, values in (
+        ("top_k", st.sampled_from([0, 1, 2**31, 2**32 - 1])),
+        ("seed", st.sampled_from([0, -1, 2**63 - 1, -(2**63)])),
+    ):
         if draw(st.booleans()):
             setattr(msg, name, draw(values))
     msg.backoff_threshold.extend(draw(st.lists(EXTREME_FLOATS, max_size=1)))

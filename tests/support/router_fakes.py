@@ -21,13 +21,24 @@ def synthetic(n: int = 4000, d: int = 16, seed: int = 0, signal: bool = True, la
     nll_s = nll_l + kl * (0.5 + torch.rand(n, generator=g))  # a high-KL step costs M_S more
     window = torch.arange(n, dtype=torch.int32) // 20  # "windows" of 20 positions
     fields = {
-        "kl": kl, "ent_s": torch.rand(n, generator=g) * 3, "ent_l": torch.rand(n, generator=g) * 3,
-        "maxp_s": torch.rand(n, generator=g), "nll_s": nll_s, "nll_l": nll_l,
-        "agree": (kl < 0.5).to(torch.uint8), "window": window, "pos": torch.arange(n, dtype=torch.int32) % 20,
-        "domain": (window % 2).int(), "token": torch.zeros(n, dtype=torch.int32),
+        "kl": kl,
+        "ent_s": torch.rand(n, generator=g) * 3,
+        "ent_l": torch.rand(n, generator=g) * 3,
+        "maxp_s": torch.rand(n, generator=g),
+        "nll_s": nll_s,
+        "nll_l": nll_l,
+        "agree": (kl < 0.5).to(torch.uint8),
+        "window": window,
+        "pos": torch.arange(n, dtype=torch.int32) % 20,
+        "domain": (window % 2).int(),
+        "token": torch.zeros(n, dtype=torch.int32),
     }
-    return RouterData(fields, {k: v.half() for k, v in hidden.items()}, ["a", "b"], {"names": ["s", "l"],
-                      "small_fingerprint": "synthetic"})
+    return RouterData(
+        fields,
+        {k: v.half() for k, v in hidden.items()},
+        ["a", "b"],
+        {"names": ["s", "l"], "small_fingerprint": "synthetic"},
+    )
 
 
 @pytest.fixture(autouse=True)

@@ -26,8 +26,9 @@ from tests.support.remote_fakes import LoopThread
 
 def replica_context(monkeypatch, replica: str = "small-replica-0", node: str = "node-0") -> None:
     """What a replica asks Serve and Ray about itself, answered without a cluster."""
-    context = types.SimpleNamespace(replica_id=types.SimpleNamespace(unique_id=replica), deployment="test",
-                                    app_name="test")
+    context = types.SimpleNamespace(
+        replica_id=types.SimpleNamespace(unique_id=replica), deployment="test", app_name="test"
+    )
     runtime = types.SimpleNamespace(get_node_id=lambda: node, get_assigned_resources=lambda: {})
     monkeypatch.setattr(serve, "get_replica_context", lambda: context)
     monkeypatch.setattr(ray, "get_runtime_context", lambda: runtime)
@@ -96,8 +97,10 @@ class _Broadcast:
         self.handle, self.name, self.args = handle, name, args
 
     async def results_async(self, timeout_s: float | None = None, return_exceptions: bool = False) -> list:
-        futures = [asyncio.run_coroutine_threadsafe(getattr(r, self.name)(*self.args), self.handle.lt.loop)
-                   for r in self.handle.replicas]
+        futures = [
+            asyncio.run_coroutine_threadsafe(getattr(r, self.name)(*self.args), self.handle.lt.loop)
+            for r in self.handle.replicas
+        ]
 
         def results() -> list:
             out = []

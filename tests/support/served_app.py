@@ -116,9 +116,15 @@ def running_app(
         try:
             deploy(config, root / "config.yaml", *apps)
             yield ServedApp(
-                f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", config, root / "config.yaml", dirs,
+                f"http://127.0.0.1:{http_port}",
+                f"127.0.0.1:{grpc_port}",
+                config,
+                root / "config.yaml",
+                dirs,
                 metrics_url=_local_url(ray_options, "_metrics_export_port"),
-                dashboard=_local_url(ray_options, "dashboard_port"), cluster=local)
+                dashboard=_local_url(ray_options, "dashboard_port"),
+                cluster=local,
+            )
         finally:
             serve.shutdown()
             _shutdown(local)

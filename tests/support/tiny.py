@@ -17,13 +17,23 @@ def tiny_tokenizer(vocab: int = VOCAB) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>", pad_token="<eos>")
 
 
-def tiny_model(seed: int, hidden: int = 32, layers: int = 2, sharpness: float = 1.0, vocab: int = VOCAB) -> LlamaForCausalLM:
+def tiny_model(
+    seed: int, hidden: int = 32, layers: int = 2, sharpness: float = 1.0, vocab: int = VOCAB
+) -> LlamaForCausalLM:
     """sharpness scales the LM head: > 1 makes distributions peaky (models disagree more)."""
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        bos_token_id=None, eos_token_id=EOS, pad_token_id=EOS, tie_word_embeddings=False,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=None,
+        eos_token_id=EOS,
+        pad_token_id=EOS,
+        tie_word_embeddings=False,
     )
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():

@@ -24,27 +24,91 @@ def models(tmp_path_factory, pair, tokenizer):
 def test_pipeline_end_to_end(tmp_path, models, capsys):
     texts, chat = write_corpus(tmp_path / "a", seed=0, docs=6, chats=6)
     other, _ = write_corpus(tmp_path / "b", seed=1, docs=3)
-    data = lambda name, *corpora: main(["router-data", *models, "--out", str(tmp_path / name), "--seq-len", "64",  # noqa: E731
-                                        "--max-positions", "500", *[x for c in corpora for x in ("--corpus", c)]])
+    data = lambda name, *corpora: main(
+        [
+            "router-data",
+            *models,
+            "--out",
+            str(tmp_path / name),
+            "--seq-len",
+            "64",  # noqa: E731
+            "--max-positions",
+            "500",
+            *[x for c in corpora for x in ("--corpus", c)],
+        ]
+    )
     assert data("train", texts) == 0
     assert data("fine", chat) == 0
     assert data("calib", texts, chat) == 0
     assert data("heldout", texts, chat) == 0
     assert data("unseen", other) == 0
     head = str(tmp_path / "head")
-    assert main(["router-train", "--data", str(tmp_path / "train"), "--finetune", str(tmp_path / "fine"),
-                 "--out", head, "--objective", "regression", "--inner-size", "16", "--epochs", "2",
-                 "--finetune-epochs", "1", "--threads", "1"]) == 0
+    assert (
+        main(
+            [
+                "router-train",
+                "--data",
+                str(tmp_path / "train"),
+                "--finetune",
+                str(tmp_path / "fine"),
+                "--out",
+                head,
+                "--objective",
+                "regression",
+                "--inner-size",
+                "16",
+                "--epochs",
+                "2",
+                "--finetune-epochs",
+                "1",
+                "--threads",
+                "1",
+            ]
+        )
+        == 0
+    )
     assert main(["router-calibrate", "--head", head, "--data", str(tmp_path / "calib"), "--threads", "1"]) == 0
     meta = json.loads((tmp_path / "head" / "head.json").read_text())
     assert meta["objective"] == "regression" and len(meta["calibration"]) == 51
     run = tmp_path / "run"
-    assert main(["evaluate", *models, "--run-dir", str(run), "--head", head, "--heldout", str(tmp_path / "heldout"),
-                 "--calib", str(tmp_path / "calib"), "--unseen", str(tmp_path / "unseen"), "--compare", head,
-                 "--prompts", "2", "--max-tokens", "6", "--control-requests", "2", "--control-tokens", "10"]) == 0
+    assert (
+        main(
+            [
+                "evaluate",
+                *models,
+                "--run-dir",
+                str(run),
+                "--head",
+                head,
+                "--heldout",
+                str(tmp_path / "heldout"),
+                "--calib",
+                str(tmp_path / "calib"),
+                "--unseen",
+                str(tmp_path / "unseen"),
+                "--compare",
+                head,
+                "--prompts",
+                "2",
+                "--max-tokens",
+                "6",
+                "--control-requests",
+                "2",
+                "--control-tokens",
+                "10",
+            ]
+        )
+        == 0
+    )
     report = (run / "report.md").read_text()
-    for section in ("## Goals", "paper Table 1", "paper Table 2", "paper Figure 3", "Online rate control",
-                    "Measured speed"):
+    for section in (
+        "## Goals",
+        "paper Table 1",
+        "paper Table 2",
+        "paper Figure 3",
+        "Online rate control",
+        "Measured speed",
+    ):
         assert section in report
     for png in ("quality_vs_backoff", "quality_vs_speed", "generation", "high_kl_accuracy", "control"):
         assert (run / f"{png}.png").stat().st_size > 5000

@@ -5,12 +5,12 @@ purpose. Tiny models, no Ray."""
 from __future__ import annotations
 
 import pytest
-from tests.support.helpers import hf_greedy, request
 
 from backoff_core.engine.backends import LargeUnavailable
 from backoff_core.engine.engine import BackoffEngine
 from backoff_core.runners.dynamic import ModelRunner
 from backoff_core.types import GenerationRequest, RoutingParams, SamplingParams, Verification
+from tests.support.helpers import hf_greedy, request
 
 
 class Failing(ModelRunner):
@@ -26,8 +26,14 @@ class Failing(ModelRunner):
         self.calls.append([request_id for request_id, _ in items])
         if len(self.calls) <= self.after:
             return super().extend(items, hidden_layer, last_only)
-        alive = [(request_id, ids) for request_id, ids in items if self.dead is not None and request_id not in self.dead]
-        done = dict(zip([request_id for request_id, _ in alive], super().extend(alive, last_only=last_only))) if alive else {}
+        alive = [
+            (request_id, ids) for request_id, ids in items if self.dead is not None and request_id not in self.dead
+        ]
+        done = (
+            dict(zip([request_id for request_id, _ in alive], super().extend(alive, last_only=last_only)))
+            if alive
+            else {}
+        )
         raise LargeUnavailable("large: no reply within 0.1 s", done)
 
 
@@ -36,8 +42,12 @@ def _engine(pair, tokenizer, large: Failing) -> BackoffEngine:
 
 
 def _always_large(prompt, n, on_large_failure="degrade", request_id=""):
-    return GenerationRequest(tuple(prompt), SamplingParams(max_tokens=n, ignore_eos=True),
-                             RoutingParams(router="always-large", on_large_failure=on_large_failure), request_id)
+    return GenerationRequest(
+        tuple(prompt),
+        SamplingParams(max_tokens=n, ignore_eos=True),
+        RoutingParams(router="always-large", on_large_failure=on_large_failure),
+        request_id,
+    )
 
 
 def test_a_failed_catch_up_degrades_the_rest_to_the_small_model(pair, tokenizer):
@@ -67,17 +77,22 @@ def test_fail_policy_ends_the_request_with_the_error(pair, tokenizer):
 def test_only_the_sessions_without_a_reply_degrade(pair, tokenizer):
     large = Failing(pair[1], after=3, dead={"b"})
     engine = _engine(pair, tokenizer, large)
-    a, b = engine.generate_many([_always_large([3, 4, 5], 10, request_id="a"), _always_large([6, 7], 10, request_id="b")])
+    a, b = engine.generate_many(
+        [_always_large([3, 4, 5], 10, request_id="a"), _always_large([6, 7], 10, request_id="b")]
+    )
     assert not a.degraded and a.sources == (1,) * 10
     assert b.degraded and b.sources == (1,) * 3 + (0,) * 7
     assert large.request_ids() == []
 
 
-@pytest.mark.parametrize("routing", [
-    dict(router="entropy", thresholds=(0.3,)),
-    dict(router="oracle", thresholds=(0.0,)),  # needs M_L's logits before it decides
-    dict(router="draft", draft_tokens=3, verification=Verification.EXACT),  # speculative: verify steps
-])
+@pytest.mark.parametrize(
+    "routing",
+    [
+        dict(router="entropy", thresholds=(0.3,)),
+        dict(router="oracle", thresholds=(0.0,)),  # needs M_L's logits before it decides
+        dict(router="draft", draft_tokens=3, verification=Verification.EXACT),  # speculative: verify steps
+    ],
+)
 def test_every_router_degrades_without_hanging(pair, tokenizer, routing):
     large = Failing(pair[1], after=2)
     engine = _engine(pair, tokenizer, large)
@@ -86,7 +101,7 @@ def test_every_router_degrades_without_hanging(pair, tokenizer, routing):
     assert result.degraded and len(result.token_ids) == 20 and 0 in result.sources
     assert len(large.calls) == 3 and engine.live_ids() == [] and large.request_ids() == []
     last_large = max((i for i, s in enumerate(result.sources) if s == 1), default=-1)
-    assert all(s == 0 for s in result.sources[last_large + 1:])
+    assert all(s == 0 for s in result.sources[last_large + 1 :])
 
 
 def test_a_healthy_large_model_is_not_degraded(pair, tokenizer):

@@ -80,8 +80,10 @@ def test_logits_after_catch_up_equal_full_recompute(pair, tokenizer, batched, ve
     runners = [ModelRunner(small, "small"), Recording(large, "large")]
     engine = BackoffEngine(runners, tokenizer)
     prompts = [PROMPT, (7,), (9, 9, 9, 9, 9, 9, 9, 1)]
-    reqs = [request(p, 24, "random", rate=0.7, seed=i, verification=verification, tolerance=float("inf"))
-            for i, p in enumerate(prompts)]
+    reqs = [
+        request(p, 24, "random", rate=0.7, seed=i, verification=verification, tolerance=float("inf"))
+        for i, p in enumerate(prompts)
+    ]
     results = engine.generate_many(reqs) if batched else [engine.generate(r) for r in reqs]
     full = {}
     for r, res in zip(reqs, results):
@@ -129,7 +131,9 @@ def test_lost_large_session_is_rebuilt_by_re_prefill(pair, tokenizer):
 
 def test_runner_lengths_track_fed_through_rollbacks(pair, tokenizer):
     engine = engine_for(pair, tokenizer)
-    request_id = engine.submit(request(PROMPT, 30, "random", rate=0.7, seed=2, verification=Verification.KL, tolerance=0.5))
+    request_id = engine.submit(
+        request(PROMPT, 30, "random", rate=0.7, seed=2, verification=Verification.KL, tolerance=0.5)
+    )
     rollbacks = 0
     while engine.has_work():
         event = engine.step().get(request_id)
@@ -162,14 +166,18 @@ def test_last_only_is_the_last_row_of_every_row(pair, keeps):
     large = pair[1]
     full, last = ModelRunner(large, "full"), ModelRunner(large, "last")
     last._keeps_logits = keeps
-    steps = [[("a", [5, 6, 7, 8])], [("a", [9])], [("a", [3, 4]), ("b", [1, 2, 3, 4, 5, 6]), ("c", [7])],
-             [("b", [2]), ("c", [8, 9, 10]), ("a", [11, 12, 13, 14])]]
+    steps = [
+        [("a", [5, 6, 7, 8])],
+        [("a", [9])],
+        [("a", [3, 4]), ("b", [1, 2, 3, 4, 5, 6]), ("c", [7])],
+        [("b", [2]), ("c", [8, 9, 10]), ("a", [11, 12, 13, 14])],
+    ]
     for runner in (full, last):
         for request_id in "abc":
             runner.open(request_id)
     for items in steps:
         every = full.extend(items)
         ends = last.extend(items, last_only=True)
-        for (request_id, ids), e, l in zip(items, every, ends):
-            assert e.logits.shape[0] == len(ids) and l.logits.shape[0] == 1
-            torch.testing.assert_close(l.logits, e.logits[-1:], atol=1e-5, rtol=1e-5)
+        for (_, ids), every_row, last_row in zip(items, every, ends):
+            assert every_row.logits.shape[0] == len(ids) and last_row.logits.shape[0] == 1
+            torch.testing.assert_close(last_row.logits, every_row.logits[-1:], atol=1e-5, rtol=1e-5)

@@ -47,8 +47,14 @@ def test_small_and_large_really_differ(pair, tokenizer):
 def test_speculative_greedy_is_large_alone(pair, tokenizer, prompt, draft_tokens, max_tokens, schedule):
     _, large = pair
     result = engine_for(pair, tokenizer).generate(
-        request(prompt, max_tokens, "draft", draft_tokens=draft_tokens, draft_schedule=schedule,
-                verification=Verification.EXACT)
+        request(
+            prompt,
+            max_tokens,
+            "draft",
+            draft_tokens=draft_tokens,
+            draft_schedule=schedule,
+            verification=Verification.EXACT,
+        )
     )
     assert result.token_ids == hf_greedy(large, prompt, max_tokens)
 
@@ -63,14 +69,14 @@ def test_draft_schedule_shrinks_after_rejections_and_constant_stays(pair, tokeni
     assert constant.thresholds == (4.0,)
     # each verification of the constant schedule reads 4 drafts + the large model's own token
     assert [c.length for c in constant.catch_ups][1:] and all(
-        c.length == 5 for c in constant.catch_ups[1:] if c.rolled_back == 0)
+        c.length == 5 for c in constant.catch_ups[1:] if c.rolled_back == 0
+    )
 
 
 def test_kl_verification_tolerance_zero_is_large_alone(pair, tokenizer):
     _, large = pair
     result = engine_for(pair, tokenizer).generate(
-        request(PROMPTS[0], 20, "entropy", thresholds=(1e9,), verification=Verification.KL, tolerance=0.0,
-                )
+        request(PROMPTS[0], 20, "entropy", thresholds=(1e9,), verification=Verification.KL, tolerance=0.0)
     )
     assert result.token_ids == hf_greedy(large, PROMPTS[0], 20)
     assert result.rollbacks > 0
@@ -79,9 +85,7 @@ def test_kl_verification_tolerance_zero_is_large_alone(pair, tokenizer):
 def test_kl_verification_infinite_tolerance_is_pure_backoff(pair, tokenizer):
     engine = engine_for(pair, tokenizer)
     plain = engine.generate(request(PROMPTS[0], 20, "random", rate=0.6, seed=3))
-    verified = engine.generate(
-        request(PROMPTS[0], 20, "random", rate=0.6, seed=3, verification=Verification.KL)
-    )
+    verified = engine.generate(request(PROMPTS[0], 20, "random", rate=0.6, seed=3, verification=Verification.KL))
     assert verified.token_ids == plain.token_ids and verified.rollbacks == 0
 
 
@@ -103,8 +107,11 @@ def test_batched_steps_equal_each_request_alone(pair, tokenizer, temperature):
     engine = engine_for(pair, tokenizer)
     routers = [
         dict(router="draft", draft_tokens=3, verification=Verification.EXACT),
-        dict(router="random", rate=0.5), dict(router="always-small"), dict(router="always-large"),
-        dict(router="oracle", thresholds=(0.5,)), dict(router="entropy", thresholds=(1.0,)),
+        dict(router="random", rate=0.5),
+        dict(router="always-small"),
+        dict(router="always-large"),
+        dict(router="oracle", thresholds=(0.5,)),
+        dict(router="entropy", thresholds=(1.0,)),
         dict(router="max-prob"),
     ]
     reqs = [request(p, 12, seed=5, temperature=temperature, **r) for p in PROMPTS for r in routers]

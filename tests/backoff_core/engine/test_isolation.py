@@ -35,9 +35,17 @@ class FakeBackend:
 
 
 def live(request_id: str, tokens=(3, 4, 5)) -> Live:
-    return Live(request=request(tokens), request_id=request_id, router=AlwaysSmall(),
-                thresholds=torch.tensor([0.5], dtype=torch.float64), seed=0, num_levels=2,
-                tokens=list(tokens), fed=[2, 2], opened={0, 1})
+    return Live(
+        request=request(tokens),
+        request_id=request_id,
+        router=AlwaysSmall(),
+        thresholds=torch.tensor([0.5], dtype=torch.float64),
+        seed=0,
+        num_levels=2,
+        tokens=list(tokens),
+        fed=[2, 2],
+        opened={0, 1},
+    )
 
 
 def closed(models: list[FakeBackend]) -> list[str]:

@@ -50,11 +50,10 @@ def _check_against(models, prompt, result, top_n: int) -> None:
                 assert t.logprob == entry.chosen.logprob
 
 
-@pytest.mark.parametrize("router, kwargs, sources", [
-    ("always-small", {}, {0}),
-    ("always-large", {}, {1}),
-    ("entropy", {"thresholds": (0.4,)}, {0, 1}),
-])
+@pytest.mark.parametrize(
+    "router, kwargs, sources",
+    [("always-small", {}, {0}), ("always-large", {}, {1}), ("entropy", {"thresholds": (0.4,)}, {0, 1})],
+)
 def test_logprob_is_the_source_models_raw_distribution(pair, tokenizer, router, kwargs, sources):
     result = engine_for(pair, tokenizer).generate(_asking(request(PROMPT, 20, router, **kwargs), 3))
     assert set(result.sources) == sources  # the mixed run really mixes
@@ -63,7 +62,8 @@ def test_logprob_is_the_source_models_raw_distribution(pair, tokenizer, router, 
 
 def test_a_chain_of_three_reports_each_level(chain3, tokenizer):
     result = engine_for(chain3, tokenizer).generate(
-        _asking(request(PROMPT, 24, "random", seed=5, thresholds=(0.4, 0.7)), 2))
+        _asking(request(PROMPT, 24, "random", seed=5, thresholds=(0.4, 0.7)), 2)
+    )
     assert set(result.sources) == {0, 1, 2}
     _check_against(chain3, PROMPT, result, 2)
 
@@ -83,7 +83,7 @@ def test_rollback_retracts_the_entries_of_the_dropped_tokens(pair, tokenizer):
     seen = []  # what a streaming client keeps: entries, minus the retracted ones
     for event in engine.stream(req):
         if event.retracted:
-            del seen[-event.retracted:]
+            del seen[-event.retracted :]
         seen.append(event.logprobs)
     result = engine.generate(req)
     assert result.rollbacks > 0 and set(result.sources) == {0, 1}
@@ -106,7 +106,7 @@ def test_text_offsets_follow_the_generated_text(pair, tokenizer):
     offsets = [e.text_offset for e in result.logprobs]
     assert offsets[0] == 0 and offsets == sorted(offsets)
     for e, nxt in zip(result.logprobs, offsets[1:] + [len(result.text)]):
-        assert result.text[e.text_offset:nxt].strip() == e.chosen.token  # the tiny tokenizer joins words with spaces
+        assert result.text[e.text_offset : nxt].strip() == e.chosen.token  # the tiny tokenizer joins words with spaces
 
 
 def test_minus_infinity_is_clamped_to_a_finite_floor(tokenizer):

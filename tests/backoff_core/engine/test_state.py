@@ -21,9 +21,17 @@ def live(num_levels: int = 2, generated=(), sources=(), fed=None, thresholds=(0.
     req = request(PROMPT, max_tokens=8)
     if sampling:
         req = type(req)(req.prompt_ids, SamplingParams(max_tokens=8, **sampling), req.routing)
-    return Live(request=req, request_id="r1", router=AlwaysSmall(),
-                thresholds=torch.tensor(thresholds, dtype=torch.float64), seed=0, num_levels=num_levels,
-                tokens=[*PROMPT, *generated], sources=list(sources), fed=list(fed or [0] * num_levels))
+    return Live(
+        request=req,
+        request_id="r1",
+        router=AlwaysSmall(),
+        thresholds=torch.tensor(thresholds, dtype=torch.float64),
+        seed=0,
+        num_levels=num_levels,
+        tokens=[*PROMPT, *generated],
+        sources=list(sources),
+        fed=list(fed or [0] * num_levels),
+    )
 
 
 def logprob(token: int) -> TokenLogprobs:

@@ -39,8 +39,10 @@ def test_max_tokens_finishes_with_length(pair, tokenizer):
     assert len(result.token_ids) == 7 and result.finish_reason == FinishReason.LENGTH
 
 
-@pytest.mark.parametrize("routing", [dict(router="random", rate=0.5),
-                                     dict(router="random", rate=0.6, verification=Verification.KL, tolerance=0.3)])
+@pytest.mark.parametrize(
+    "routing",
+    [dict(router="random", rate=0.5), dict(router="random", rate=0.6, verification=Verification.KL, tolerance=0.3)],
+)
 def test_stream_reassembles_to_the_result(pair, tokenizer, routing):
     engine = engine_for(pair, tokenizer)
     req = request(PROMPT, 20, seed=4, **routing)

@@ -10,9 +10,14 @@ from backoff_core.evaluation import plots
 from tests.support.eval_results import results
 
 PNG = b"\x89PNG\r\n\x1a\n"
-DRAW = {"quality_vs_backoff": plots.plot_quality_vs_backoff, "quality_vs_speed": plots.plot_quality_vs_speed,
-        "generation": plots.plot_generation, "high_kl_accuracy": plots.plot_high_kl, "layers": plots.plot_layers,
-        "control": plots.plot_control}
+DRAW = {
+    "quality_vs_backoff": plots.plot_quality_vs_backoff,
+    "quality_vs_speed": plots.plot_quality_vs_speed,
+    "generation": plots.plot_generation,
+    "high_kl_accuracy": plots.plot_high_kl,
+    "layers": plots.plot_layers,
+    "control": plots.plot_control,
+}
 
 
 def is_png(path) -> bool:
@@ -26,8 +31,10 @@ def test_every_plot_writes_a_png_and_closes_its_figure(tmp_path, name):
     assert plt.get_fignums() == []  # a long evaluation must not keep every figure open
 
 
-@pytest.mark.parametrize("name, section", [("quality_vs_speed", "speed"), ("generation", "generation"),
-                                           ("layers", "compare"), ("control", "control")])
+@pytest.mark.parametrize(
+    "name, section",
+    [("quality_vs_speed", "speed"), ("generation", "generation"), ("layers", "compare"), ("control", "control")],
+)
 def test_a_section_not_measured_draws_nothing(tmp_path, name, section):
     res = results()
     del res[section]

@@ -43,8 +43,9 @@ def test_the_gap_goal_verdict(gap, verdict):
     assert f"**{gap:.3f}**" in line and line.endswith(f"(goal ≥ 0.60: {verdict}).")
 
 
-@pytest.mark.parametrize("errors, worst, verdict", [({0.5: 0.01, 0.9: -0.02}, "2.0 points", "met"),
-                                                    ({0.5: 0.04}, "4.0 points", "MISSED")])
+@pytest.mark.parametrize(
+    "errors, worst, verdict", [({0.5: 0.01, 0.9: -0.02}, "2.0 points", "met"), ({0.5: 0.04}, "4.0 points", "MISSED")]
+)
 def test_the_control_goal_takes_the_worst_controller_error(errors, worst, verdict):
     line = next(x for x in goals(results(control_errors=errors)) if "Online control" in x)
     assert f"**{worst}**" in line and f"(goal ≤ 3: {verdict})" in line  # `fixed` rows (2x the error) ignored
@@ -69,8 +70,14 @@ def test_optional_sections_are_left_out_when_not_measured(tmp_path):
         del res[key]
     text = report(res, {}, tmp_path)
     assert "## Quality vs backoff rate" in text and "## KL(M_L ‖ M_S) buckets" in text
-    for gone in ("Measured speed", "Online rate control", "Heads by objective", "Generated text",
-                 "never saw", "Router head cost"):
+    for gone in (
+        "Measured speed",
+        "Online rate control",
+        "Heads by objective",
+        "Generated text",
+        "never saw",
+        "Router head cost",
+    ):
         assert gone not in text
 
 

@@ -88,8 +88,12 @@ def test_a_head_scores_stored_positions_as_the_engine_does(built):
 
     chain, cfg, out = built
     data = load(out)
-    head, _ = train(TrainConfig(layer=2, objective="buckets", inner_size=8, epochs=1, finetune_epochs=0,
-                                features=("entropy", "max_prob")), data)
+    head, _ = train(
+        TrainConfig(
+            layer=2, objective="buckets", inner_size=8, epochs=1, finetune_epochs=0, features=("entropy", "max_prob")
+        ),
+        data,
+    )
     w = make_windows([load_documents(s, chain.tokenizer, out) for s in cfg.corpora], cfg)[0]
     with torch.no_grad():
         o = chain.models[0](torch.tensor([w.ids]), output_hidden_states=True)

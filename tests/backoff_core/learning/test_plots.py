@@ -12,8 +12,14 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def epoch(stage: str, loss: float, train_loss: float | None) -> dict:
-    return {"stage": stage, "epoch": 0, "loss": loss, "train_loss": train_loss, "gap_closed": 1 - loss,
-            "auc_high_kl": 0.5 + loss / 4}
+    return {
+        "stage": stage,
+        "epoch": 0,
+        "loss": loss,
+        "train_loss": train_loss,
+        "gap_closed": 1 - loss,
+        "auc_high_kl": 0.5 + loss / 4,
+    }
 
 
 def test_training_curves_become_a_png(tmp_path):

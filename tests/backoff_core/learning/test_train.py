@@ -8,9 +8,9 @@ import itertools
 import pytest
 import torch
 
-from backoff_core.routing.head import ClassifierHead
 from backoff_core.learning.metrics import area, gap_closed, nll_curve, random_curve, roc_auc, thresholds_for_rates
 from backoff_core.learning.train import TrainConfig, fold_standardisation, save, train
+from backoff_core.routing.head import ClassifierHead
 from tests.support.router_fakes import one_thread, synthetic  # noqa: F401 (autouse fixture)
 
 

@@ -121,9 +121,7 @@ def test_small_exposes_hidden_states(pair):
 def test_large_answers_a_chat_prompt(pair):
     _, large, tokenizer = pair
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    enc = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
-    )
+    enc = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     with torch.inference_mode():
         out = large.generate(**enc, max_new_tokens=20, do_sample=False)
     answer = tokenizer.decode(out[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)

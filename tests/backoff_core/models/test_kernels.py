@@ -11,8 +11,7 @@ import torch
 from torch import nn
 from torch.utils.mkldnn import MkldnnLinear
 
-from backoff_core.models.kernels import use_cpu_kernels
-from backoff_core.models.kernels import model_fingerprint
+from backoff_core.models.kernels import model_fingerprint, use_cpu_kernels
 from backoff_core.runners.dynamic import ModelRunner
 from tests.support.helpers import engine_for, hf_greedy, request
 from tests.support.tiny import tiny_model
@@ -44,7 +43,10 @@ def test_converted_model_gives_the_same_logits_after_a_cache(new_tokens):
 
 
 def test_converted_pair_decodes_like_transformers(tokenizer):
-    pair = [use_cpu_kernels(tiny_model(1, sharpness=30)), use_cpu_kernels(tiny_model(2, hidden=64, layers=4, sharpness=30))]
+    pair = [
+        use_cpu_kernels(tiny_model(1, sharpness=30)),
+        use_cpu_kernels(tiny_model(2, hidden=64, layers=4, sharpness=30)),
+    ]
     dense_large = tiny_model(2, hidden=64, layers=4, sharpness=30)
     prompt = (3, 4, 5, 6)
     result = engine_for(pair, tokenizer).generate(request(prompt, 20, "always-large"))

@@ -49,13 +49,27 @@ def model_dirs(tmp_path_factory, pair, tokenizer):
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "backoff_core.cli.main", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "backoff_core.cli.main", *args], capture_output=True, text=True, timeout=300
+    )
 
 
 def test_generate_json(model_dirs, pair):
     _, large = pair
-    out = _cli("generate", "--small", model_dirs["small"], "--large", model_dirs["large"], "--prompt", "w3 w4 w5",
-               "--max-tokens", "10", "--router", "always-large", "--json")
+    out = _cli(
+        "generate",
+        "--small",
+        model_dirs["small"],
+        "--large",
+        model_dirs["large"],
+        "--prompt",
+        "w3 w4 w5",
+        "--max-tokens",
+        "10",
+        "--router",
+        "always-large",
+        "--json",
+    )
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
     prompt_ids = [5, 6, 7]  # w3 w4 w5 in the tiny vocabulary (2 specials first)
@@ -66,15 +80,37 @@ def test_generate_json(model_dirs, pair):
 
 
 def test_generate_speculative_and_human_view(model_dirs):
-    out = _cli("generate", "--small", model_dirs["small"], "--large", model_dirs["large"], "--prompt", "w3 w4",
-               "--max-tokens", "8", "--mode", "speculative", "--draft-tokens", "3")
+    out = _cli(
+        "generate",
+        "--small",
+        model_dirs["small"],
+        "--large",
+        model_dirs["large"],
+        "--prompt",
+        "w3 w4",
+        "--max-tokens",
+        "8",
+        "--mode",
+        "speculative",
+        "--draft-tokens",
+        "3",
+    )
     assert out.returncode == 0, out.stderr
     assert "backoff rate" in out.stdout and "\033[" in out.stdout
 
 
 def test_bad_arguments_give_a_clear_error(model_dirs):
-    out = _cli("generate", "--small", model_dirs["small"], "--large", model_dirs["large"], "--prompt", "w3",
-               "--router", "nonsense")
+    out = _cli(
+        "generate",
+        "--small",
+        model_dirs["small"],
+        "--large",
+        model_dirs["large"],
+        "--prompt",
+        "w3",
+        "--router",
+        "nonsense",
+    )
     assert out.returncode == 2 and "unknown router 'nonsense'" in out.stderr
     out = _cli("generate", "--small", model_dirs["small"], "--prompt", "w3")
     assert out.returncode == 2 and "name both --small and --large" in out.stderr

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from backoff_core.learning.calibrate import achieved_rates, calibrate, calibrate_dir, head_scores
+from backoff_core.learning.train import TrainConfig, save, train
 from backoff_core.routing.control import RateController, rate_prior
 from backoff_core.routing.head import ClassifierHead
-from backoff_core.learning.train import TrainConfig, save, train
 from backoff_core.routing.routers import Classifier
 from tests.support.helpers import engine_for, request
 from tests.support.router_fakes import one_thread, synthetic  # noqa: F401 (autouse fixture)
@@ -69,11 +69,15 @@ PRIOR = torch.randn(200, generator=torch.Generator().manual_seed(99))  # calibra
 @pytest.mark.parametrize("target", [0.5, 0.7, 0.9])
 def test_controller_tracks_the_target_on_score_streams(kind, target):
     # horizon known (the engine passes max_tokens): the deficit is paid back by the end
-    errors = [_simulate(RateController(target, 0.0, prior=PRIOR, horizon=128), _stream(kind, 128, seed)) - target
-              for seed in range(8)]
+    errors = [
+        _simulate(RateController(target, 0.0, prior=PRIOR, horizon=128), _stream(kind, 128, seed)) - target
+        for seed in range(8)
+    ]
     assert max(abs(e) for e in errors) <= 0.01, errors
     # horizon unknown: the deficit feedback alone still keeps the rate close
-    errors = [_simulate(RateController(target, 0.0, prior=PRIOR), _stream(kind, 256, seed)) - target for seed in range(8)]
+    errors = [
+        _simulate(RateController(target, 0.0, prior=PRIOR), _stream(kind, 256, seed)) - target for seed in range(8)
+    ]
     assert max(abs(e) for e in errors) <= 0.04, errors
 
 
@@ -118,8 +122,10 @@ def test_controller_in_the_engine(pair, tokenizer):
     """Each request asks for a rate; the engine steers its threshold as it generates."""
     engine = engine_for(pair, tokenizer)
     targets = [0.5, 0.7, 0.9] * 2
-    reqs = [request([3 + i, 9, 17, 4], max_tokens=50, router="entropy", target_backoff=t, temperature=1.0, seed=i)
-            for i, t in enumerate(targets)]
+    reqs = [
+        request([3 + i, 9, 17, 4], max_tokens=50, router="entropy", target_backoff=t, temperature=1.0, seed=i)
+        for i, t in enumerate(targets)
+    ]
     results = engine.generate_many(reqs)
     rates = [r.backoff_rate for r in results]
     assert all(abs(r - t) <= 0.03 for r, t in zip(rates, targets)), rates
@@ -127,8 +133,8 @@ def test_controller_in_the_engine(pair, tokenizer):
 
 
 def test_the_default_pair_gets_the_committed_head(pair, tokenizer):
-    from backoff_core.models.loading import Chain
     from backoff_core.models.default_pair import DEFAULT_HEAD_DIR, default_head_dir
+    from backoff_core.models.loading import Chain
 
     assert default_head_dir(Chain(tuple(pair), tokenizer, ("a", "b"))) is None
     if not (DEFAULT_HEAD_DIR / "head.json").exists():
@@ -136,4 +142,6 @@ def test_the_default_pair_gets_the_committed_head(pair, tokenizer):
     head = ClassifierHead.load(DEFAULT_HEAD_DIR)
     assert head.meta.calibration and head.meta.hidden_size == 576
     with pytest.warns(UserWarning, match="another M_S"):  # tiny M_S: not the one the head was trained on
-        assert default_head_dir(Chain(tuple(pair), tokenizer, ("default-small", "default-large"))) == str(DEFAULT_HEAD_DIR)
+        assert default_head_dir(Chain(tuple(pair), tokenizer, ("default-small", "default-large"))) == str(
+            DEFAULT_HEAD_DIR
+        )

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from backoff_core.routing.head import HeadMeta, ClassifierHead
+from backoff_core.routing.head import ClassifierHead, HeadMeta
 from backoff_core.routing.routers import NAMES, StepContext, build_router
 from tests.support.helpers import engine_for, request
 
@@ -38,8 +38,16 @@ def test_scores_on_hand_written_logits():
 def test_unknown_router_names_the_choices():
     with pytest.raises(ValueError, match="choose one of .*entropy"):
         build_router("bogus")
-    assert {"oracle", "flipped-oracle", "classifier", "entropy", "max-prob", "random",
-            "always-small", "always-large"} <= set(NAMES)
+    assert {
+        "oracle",
+        "flipped-oracle",
+        "classifier",
+        "entropy",
+        "max-prob",
+        "random",
+        "always-small",
+        "always-large",
+    } <= set(NAMES)
 
 
 def test_router_head_round_trip_and_calibration(tmp_path):
@@ -78,7 +86,10 @@ def test_chain_levels_follow_thresholds(chain3, tokenizer):
 def test_classifier_and_other_routers_share_a_step(pair, tokenizer):
     small, _ = pair
     engine = engine_for(pair, tokenizer, hidden_size=small.config.hidden_size)
-    reqs = [request(PROMPT, 8, "classifier", thresholds=(0.5,)), request(PROMPT, 8, "entropy"),
-            request(PROMPT, 8, "random", seed=1, rate=0.5)]
+    reqs = [
+        request(PROMPT, 8, "classifier", thresholds=(0.5,)),
+        request(PROMPT, 8, "entropy"),
+        request(PROMPT, 8, "random", seed=1, rate=0.5),
+    ]
     together = engine.generate_many(reqs)
     assert [r.token_ids for r in together] == [engine.generate(r).token_ids for r in reqs]

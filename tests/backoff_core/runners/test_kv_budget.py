@@ -17,11 +17,23 @@ from tests.support.tiny import tiny_model
 GiB = 2**30
 
 
-def fake_model(device: str = "cpu", element: int = 2, layers: int = 4, heads: int = 8, kv_heads: int | None = 2,
-               hidden: int = 256, head_dim: int | None = None):
+def fake_model(
+    device: str = "cpu",
+    element: int = 2,
+    layers: int = 4,
+    heads: int = 8,
+    kv_heads: int | None = 2,
+    hidden: int = 256,
+    head_dim: int | None = None,
+):
     """Just what kv_budget reads: the config and the first parameter's device and size."""
-    config = SimpleNamespace(num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                             hidden_size=hidden, head_dim=head_dim)
+    config = SimpleNamespace(
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        hidden_size=hidden,
+        head_dim=head_dim,
+    )
     param = SimpleNamespace(device=torch.device(device), element_size=lambda: element)
     return SimpleNamespace(config=config, parameters=lambda: iter([param]))
 
@@ -70,7 +82,10 @@ def test_resolve_auto_on_the_cpu_takes_per_session_caches_unrounded(monkeypatch)
 def test_describe_names_the_budget_its_memory_and_storage():
     model = fake_model()  # 1024 bytes per token
     assert describe(KVSpec(2**20, 64, static=True), model) == "KV budget 1048576 tokens (1.00 GiB, static slots of 64)"
-    assert describe(KVSpec(3 * 2**19, 64, static=False), model) == "KV budget 1572864 tokens (1.50 GiB, per-session caches)"
+    assert (
+        describe(KVSpec(3 * 2**19, 64, static=False), model)
+        == "KV budget 1572864 tokens (1.50 GiB, per-session caches)"
+    )
 
 
 def test_a_runner_counts_whole_static_slots_or_its_own_positions():

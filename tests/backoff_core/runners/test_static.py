@@ -8,11 +8,21 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import (GemmaConfig, GemmaForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                          MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+from transformers import (
+    GemmaConfig,
+    GemmaForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
-from backoff_core.runners.cuda_graphs import CudaGraphs
 from backoff_core.engine.engine import BackoffEngine
+from backoff_core.runners.cuda_graphs import CudaGraphs
 from backoff_core.runners.dynamic import ModelRunner
 from backoff_core.runners.static import KVCapacityError, StaticRunner
 from backoff_core.types import Verification
@@ -20,15 +30,29 @@ from tests.support.helpers import engine_for, hf_greedy, request
 from tests.support.tiny import VOCAB, tiny_model
 
 TOL = dict(atol=1e-4, rtol=1e-4)
-SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False)
+SMALL = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
 
 
 def llama3_model() -> LlamaForCausalLM:
     """Llama-3 rope scaling (frequencies rescaled past 16 positions) and 4 query heads per kv head."""
     torch.manual_seed(5)
-    rope = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                original_max_position_embeddings=16)
+    rope = dict(
+        rope_type="llama3",
+        rope_theta=500000.0,
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=16,
+    )
     config = LlamaConfig(**{**SMALL, "num_key_value_heads": 1}, rope_parameters=rope)
     return LlamaForCausalLM(config).eval()
 
@@ -207,11 +231,15 @@ def test_session_errors_match_model_runner(model):
     assert run.extend([]) == [] and run.length("a") == 0 and run.kv.free_slots == 1
 
 
-@pytest.mark.parametrize("make", [
-    lambda: Qwen3ForCausalLM(Qwen3Config(**SMALL)),  # q_norm / k_norm
-    lambda: GemmaForCausalLM(GemmaConfig(**SMALL, head_dim=8)),  # Llama's modules, scaled embeddings
-    lambda: MistralForCausalLM(MistralConfig(**SMALL, sliding_window=32)),  # a window that binds
-], ids=["qwen3", "gemma", "mistral-window"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: Qwen3ForCausalLM(Qwen3Config(**SMALL)),  # q_norm / k_norm
+        lambda: GemmaForCausalLM(GemmaConfig(**SMALL, head_dim=8)),  # Llama's modules, scaled embeddings
+        lambda: MistralForCausalLM(MistralConfig(**SMALL, sliding_window=32)),  # a window that binds
+    ],
+    ids=["qwen3", "gemma", "mistral-window"],
+)
 def test_unsupported_architectures_raise_value_error(make):
     with pytest.raises(ValueError, match="model_type"):
         StaticRunner(make(), kv_budget_tokens=1024, max_len=128)

@@ -12,10 +12,7 @@ from backoff_core.types import Verification
 from tests.support.helpers import request
 from tests.support.tiny import tiny_model
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-]
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 PROMPTS = [(3, 4, 5, 6), (7,), (9, 9, 9, 9, 9, 9, 9, 1)]
 LONG = tuple((5 * i + 1) % 48 for i in range(40))  # k = 40 > 16: an eager prefill
 
@@ -29,8 +26,7 @@ def runner(model, name, slots=8, max_len=128) -> StaticRunner:
 
 @pytest.fixture(scope="module")
 def gpu_pair():
-    return (tiny_model(1, sharpness=30).cuda().float(),
-            tiny_model(2, hidden=64, layers=4, sharpness=30).cuda().float())
+    return (tiny_model(1, sharpness=30).cuda().float(), tiny_model(2, hidden=64, layers=4, sharpness=30).cuda().float())
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +36,14 @@ def engine(gpu_pair, tokenizer):
 
 @torch.inference_mode()
 def greedy(model, prompt, n) -> tuple[int, ...]:
-    out = model.generate(torch.tensor([list(prompt)], device="cuda"), max_new_tokens=n, do_sample=False,
-                         eos_token_id=None, pad_token_id=0)
-    return tuple(out[0, len(prompt):].tolist())
+    out = model.generate(
+        torch.tensor([list(prompt)], device="cuda"),
+        max_new_tokens=n,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return tuple(out[0, len(prompt) :].tolist())
 
 
 @torch.inference_mode()
@@ -94,8 +95,9 @@ def test_rollback_equals_recomputation(gpu_pair):
     run.extend([("a", list(range(1, 30))), ("b", [2, 3])])
     run.crop("a", 12)
     got = run.extend([("a", [40, 41, 42]), ("b", [4])])  # ragged k = 3 and 1: a k=4 graph
-    torch.testing.assert_close(got[0].logits, full_logits(model, list(range(1, 13)) + [40, 41, 42])[-3:],
-                               atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        got[0].logits, full_logits(model, list(range(1, 13)) + [40, 41, 42])[-3:], atol=1e-4, rtol=1e-4
+    )
     torch.testing.assert_close(got[1].logits, full_logits(model, [2, 3, 4])[-1:], atol=1e-4, rtol=1e-4)
 
 

@@ -16,10 +16,10 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from backoff_core.engine.engine import BackoffEngine
-from backoff_core.runners.factory import make_runner
 from backoff_core.runners.dynamic import ModelRunner
-from backoff_core.runners.static_kv import KVCapacityError
+from backoff_core.runners.factory import make_runner
 from backoff_core.runners.static import StaticRunner
+from backoff_core.runners.static_kv import KVCapacityError
 from backoff_core.types import GenerationRequest, KVSpec, RoutingParams, SamplingParams
 from tests.support.tiny import VOCAB
 
@@ -32,8 +32,11 @@ def _engine(pair, tokenizer, kv: KVSpec | None) -> BackoffEngine:
 
 
 def _request(seed: int, max_tokens: int = 12, router: str = "random", **sampling) -> GenerationRequest:
-    return GenerationRequest(PROMPT, SamplingParams(max_tokens=max_tokens, seed=seed, ignore_eos=True, **sampling),
-                             RoutingParams(router=router, rate=0.6))
+    return GenerationRequest(
+        PROMPT,
+        SamplingParams(max_tokens=max_tokens, seed=seed, ignore_eos=True, **sampling),
+        RoutingParams(router=router, rate=0.6),
+    )
 
 
 def test_no_free_slot_refuses_with_a_retriable_error_and_leaks_nothing(pair, tokenizer):
@@ -78,8 +81,16 @@ def test_seeded_sampling_equals_the_dynamic_engine_batched_or_alone(pair, tokeni
 
 def test_a_model_the_static_forward_cannot_run_keeps_per_session_caches(caplog):
     torch.manual_seed(0)
-    config = Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128)
+    config = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=128,
+    )
     model = Qwen3ForCausalLM(config).eval()
     with caplog.at_level(logging.WARNING, logger="backoff_core.engine.engine"):
         runner = make_runner(model, "large", KVSpec(budget_tokens=256, max_len=64))

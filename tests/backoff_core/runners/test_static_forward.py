@@ -16,8 +16,15 @@ from tests.support.tiny import VOCAB, tiny_model
 TOL = dict(atol=1e-4, rtol=1e-4)
 MAX_LEN = 64
 IDS = [3, 17, 4, 29, 5, 11, 40, 2, 8, 31, 7, 19]
-SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=512)
+SMALL = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
 
 
 @pytest.fixture(scope="module")
@@ -29,14 +36,23 @@ def forward(model, slots: int = 2) -> StaticForward:
     return StaticForward(model, StaticKV(model, slots * MAX_LEN, MAX_LEN))
 
 
-def batch(rows: list[list[int]], starts: list[int], slots: list[int], length: int, last_only=False,
-          hidden_layer=None) -> Batch:
+def batch(
+    rows: list[list[int]], starts: list[int], slots: list[int], length: int, last_only=False, hidden_layer=None
+) -> Batch:
     """Rows right-padded to the longest; padding goes to the scratch column (MAX_LEN - 1)."""
     k = max(map(len, rows))
     ids = torch.tensor([r + [0] * (k - len(r)) for r in rows])  # [B, K]
     pos = torch.tensor([[s + j if j < len(r) else MAX_LEN - 1 for j in range(k)] for r, s in zip(rows, starts)])
-    return Batch(input_ids=ids, positions=pos, slots=torch.tensor(slots), last_col=torch.tensor([len(r) - 1 for r in rows]),
-                 length=length, dense=slots == list(range(len(slots))), last_only=last_only, hidden_layer=hidden_layer)
+    return Batch(
+        input_ids=ids,
+        positions=pos,
+        slots=torch.tensor(slots),
+        last_col=torch.tensor([len(r) - 1 for r in rows]),
+        length=length,
+        dense=slots == list(range(len(slots))),
+        last_only=last_only,
+        hidden_layer=hidden_layer,
+    )
 
 
 def hf_logits(model, ids: list[int]) -> torch.Tensor:  # -> [len(ids), V]
@@ -88,11 +104,19 @@ def test_check_supported_accepts_llama_and_a_window_that_never_binds(model):
         check_supported(mistral, MAX_LEN + 1)
 
 
-@pytest.mark.parametrize("make, says", [
-    (lambda: GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4)), "model_type='gpt2'"),
-    (lambda: LlamaForCausalLM(LlamaConfig(**SMALL, rope_parameters=dict(rope_type="dynamic", rope_theta=1e4,
-                                                                        factor=2.0))), "rope type 'dynamic'"),
-], ids=["gpt2", "dynamic-rope"])
+@pytest.mark.parametrize(
+    "make, says",
+    [
+        (lambda: GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4)), "model_type='gpt2'"),
+        (
+            lambda: LlamaForCausalLM(
+                LlamaConfig(**SMALL, rope_parameters=dict(rope_type="dynamic", rope_theta=1e4, factor=2.0))
+            ),
+            "rope type 'dynamic'",
+        ),
+    ],
+    ids=["gpt2", "dynamic-rope"],
+)
 def test_check_supported_raises_value_error_naming_the_reason(make, says):
     with pytest.raises(ValueError, match=says):
         check_supported(make(), MAX_LEN)

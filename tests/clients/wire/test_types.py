@@ -17,15 +17,28 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
+from clients.grpc_client import AsyncBackoffGrpcClient, BackoffGrpcClient
+from clients.http_client import AsyncBackoffHTTPClient, BackoffHTTPClient
 from clients.wire import backoff_pb2 as pb
 from clients.wire import backoff_pb2_grpc as pb_grpc
 from clients.wire.errors import (
-    BadRequestError, NotFoundError, ServerError, TransportError, describe_validation, from_grpc, from_http,
+    BadRequestError,
+    NotFoundError,
+    ServerError,
+    TransportError,
+    describe_validation,
+    from_grpc,
+    from_http,
 )
-from clients.grpc_client import AsyncBackoffGrpcClient, BackoffGrpcClient
-from clients.http_client import AsyncBackoffHTTPClient, BackoffHTTPClient
 from clients.wire.proto import delta_from_pb, params_from_pb, prompt_from_pb, request_to_pb
-from clients.wire.types import ChatCompletionRequest, ChatMessage, CompletionRequest, GenerateParams, Usage, merge_params
+from clients.wire.types import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    GenerateParams,
+    Usage,
+    merge_params,
+)
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -34,16 +47,30 @@ def test_committed_stubs_match_the_proto(tmp_path):
     wire = Path("clients") / "wire"
     (tmp_path / wire).mkdir(parents=True)
     (tmp_path / wire / "backoff.proto").write_bytes((ROOT / wire / "backoff.proto").read_bytes())
-    subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-I.", "--python_out=.", "--grpc_python_out=.",
-                    str(wire / "backoff.proto")], cwd=tmp_path, check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "grpc_tools.protoc",
+            "-I.",
+            "--python_out=.",
+            "--grpc_python_out=.",
+            str(wire / "backoff.proto"),
+        ],
+        cwd=tmp_path,
+        check=True,
+    )
     for name in ("backoff_pb2.py", "backoff_pb2_grpc.py"):
-        assert (tmp_path / wire / name).read_text() == (ROOT / wire / name).read_text(), \
+        assert (tmp_path / wire / name).read_text() == (ROOT / wire / name).read_text(), (
             f"clients/wire/{name} is stale: regenerate it (see clients/wire/backoff.proto)"
+        )
 
 
 def test_clients_import_neither_ray_nor_torch():
-    code = ("import sys, clients.http_client, clients.grpc_client, clients.cli; "
-            "bad = [m for m in ('ray', 'torch') if m in sys.modules]; assert not bad, bad")
+    code = (
+        "import sys, clients.http_client, clients.grpc_client, clients.cli; "
+        "bad = [m for m in ('ray', 'torch') if m in sys.modules]; assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
@@ -52,14 +79,22 @@ def test_clients_import_neither_ray_nor_torch():
     max_tokens=st.none() | st.integers(1, 4096),
     temperature=st.none() | st.floats(0, 2),
     top_p=st.none() | st.floats(0.01, 1.0),
-    seed=st.none() | st.integers(-2**63, 2**63 - 1),
+    seed=st.none() | st.integers(-(2**63), 2**63 - 1),
     thresholds=st.none() | st.lists(st.floats(-1e38, 1e38), min_size=1, max_size=3),
     router=st.none() | st.sampled_from(["entropy", "max-prob", "random"]),
     target=st.none() | st.floats(0, 1),
 )
 def test_params_survive_the_protobuf_round_trip(max_tokens, temperature, top_p, seed, thresholds, router, target):
-    params = GenerateParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed,
-                            thresholds=thresholds, router=router, target_backoff=target, stop=["\n"])
+    params = GenerateParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        thresholds=thresholds,
+        router=router,
+        target_backoff=target,
+        stop=["\n"],
+    )
     back = params_from_pb(request_to_pb(params, prompt="hi"))
     assert back.model_dump() == params.model_dump()
 
@@ -93,19 +128,22 @@ def _param(body: dict) -> str:
     return describe_validation(err.value.errors())[0]
 
 
-@pytest.mark.parametrize("field, bad, good", [
-    ("temperature", [-1e-300, 2.0000001, 1e308, "1", True], [0, -0.0, 5e-324, 2]),
-    ("top_p", [0, -0.0, 1.0000001, 1e308], [5e-324, 1]),
-    ("top_k", [-1, 2**32, 2**70, 1.0, True], [0, 2**32 - 1]),
-    ("max_tokens", [0, -5, 1.5, "3", False], [1, 2**70]),  # the configured cap refuses 2**70 in the Ingress
-    ("seed", [2**63, -(2**63) - 1, 1.0], [2**63 - 1, -(2**63)]),
-    ("thresholds", [1.0000001e38, -1e39, 1e308, [0.5, 1e300], [], "high", True], [1e38, -1e38, -0.0, [0.1, 0.2]]),
-    ("backoff_threshold", [1.0000001e38, -1e39, 1e308, [0.5, 1e300], [], "high"], [1e38, -1e38, -0.0, [0.1, 0.2]]),
-    ("target_backoff", [-1e-9, 1.0000001, 1e308], [0, 1, -0.0]),
-    ("n", [2, 0, 1.0, True], [1]),
-    ("presence_penalty", [0.5, -2, 1e308], [0, -0.0]),
-    ("frequency_penalty", [0.5, -2], [0]),
-])
+@pytest.mark.parametrize(
+    "field, bad, good",
+    [
+        ("temperature", [-1e-300, 2.0000001, 1e308, "1", True], [0, -0.0, 5e-324, 2]),
+        ("top_p", [0, -0.0, 1.0000001, 1e308], [5e-324, 1]),
+        ("top_k", [-1, 2**32, 2**70, 1.0, True], [0, 2**32 - 1]),
+        ("max_tokens", [0, -5, 1.5, "3", False], [1, 2**70]),  # the configured cap refuses 2**70 in the Ingress
+        ("seed", [2**63, -(2**63) - 1, 1.0], [2**63 - 1, -(2**63)]),
+        ("thresholds", [1.0000001e38, -1e39, 1e308, [0.5, 1e300], [], "high", True], [1e38, -1e38, -0.0, [0.1, 0.2]]),
+        ("backoff_threshold", [1.0000001e38, -1e39, 1e308, [0.5, 1e300], [], "high"], [1e38, -1e38, -0.0, [0.1, 0.2]]),
+        ("target_backoff", [-1e-9, 1.0000001, 1e308], [0, 1, -0.0]),
+        ("n", [2, 0, 1.0, True], [1]),
+        ("presence_penalty", [0.5, -2, 1e308], [0, -0.0]),
+        ("frequency_penalty", [0.5, -2], [0]),
+    ],
+)
 def test_every_numeric_field_has_a_range_and_refusals_name_it(field, bad, good):
     for value in bad:
         assert _param({"prompt": "x", field: value}).split(".")[0] == field, value
@@ -114,14 +152,37 @@ def test_every_numeric_field_has_a_range_and_refusals_name_it(field, bad, good):
 
 
 def test_an_explicit_null_is_the_default():
-    optional = ["max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos", "router",
-                "thresholds", "backoff_threshold", "target_backoff", "model", "stream", "stream_options", "n", "presence_penalty",
-                "frequency_penalty", "user"]
+    optional = [
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "stop",
+        "ignore_eos",
+        "router",
+        "thresholds",
+        "backoff_threshold",
+        "target_backoff",
+        "model",
+        "stream",
+        "stream_options",
+        "n",
+        "presence_penalty",
+        "frequency_penalty",
+        "user",
+    ]
     body = CompletionRequest.model_validate_json(json.dumps({"prompt": "x", **dict.fromkeys(optional)}))
     assert body == CompletionRequest(prompt="x")
-    chat = ChatCompletionRequest.model_validate_json(json.dumps(
-        {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": None,
-         "stream_options": {"include_usage": None}}))
+    chat = ChatCompletionRequest.model_validate_json(
+        json.dumps(
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "max_completion_tokens": None,
+                "stream_options": {"include_usage": None},
+            }
+        )
+    )
     assert chat.max_completion_tokens is None and chat.stream_options.include_usage is False
     assert _param({"prompt": None}) == "prompt"  # a required field's null stays an error
     assert GenerateParams(ignore_eos=None, temperature=None) == GenerateParams()
@@ -129,14 +190,21 @@ def test_an_explicit_null_is_the_default():
 
 def test_content_parts_are_joined_and_other_part_types_are_named():
     def chat(content):
-        return ChatCompletionRequest.model_validate_json(json.dumps({"messages": [{"role": "user", "content": content}]}))
+        return ChatCompletionRequest.model_validate_json(
+            json.dumps({"messages": [{"role": "user", "content": content}]})
+        )
 
     parts = [{"type": "text", "text": "Why is "}, {"type": "text", "text": "the sky blue?", "cache_control": {}}]
     assert chat(parts).messages[0].content == "Why is the sky blue?"
     assert chat([]).messages[0].content == ""
-    for content, says in (([{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}}],
-                           "'image_url'"), ([{"type": "input_audio"}], "'input_audio'"), ([{"text": "a"}], "type"),
-                          (["a"], "type"), ([{"type": "text", "text": 5}], "string"), ([{"type": "text"}], "string")):
+    for content, says in (
+        ([{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}}], "'image_url'"),
+        ([{"type": "input_audio"}], "'input_audio'"),
+        ([{"text": "a"}], "type"),
+        (["a"], "type"),
+        ([{"type": "text", "text": 5}], "string"),
+        ([{"type": "text"}], "string"),
+    ):
         with pytest.raises(ValidationError) as err:
             chat(content)
         param, message = describe_validation(err.value.errors())
@@ -171,8 +239,14 @@ def test_grpc_errors_map_by_code():
 
 # -- HTTP client against a mock transport -------------------------------------------------
 
-USAGE = {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4, "small_tokens": 1, "large_tokens": 1,
-         "large_calls": 1}
+USAGE = {
+    "prompt_tokens": 2,
+    "completion_tokens": 2,
+    "total_tokens": 4,
+    "small_tokens": 1,
+    "large_tokens": 1,
+    "large_calls": 1,
+}
 
 
 def _handler(request: httpx.Request) -> httpx.Response:
@@ -184,8 +258,10 @@ def _handler(request: httpx.Request) -> httpx.Response:
     if body.get("top_k") == 99:
         return httpx.Response(400, json={"error": {"message": "top_k too large", "param": "top_k"}})
     if body.get("stream"):
-        chunks = [{"id": "c", "choices": [{"text": t, "backoff": {"token_id": i, "source": i, "index": i}}]}
-                  for i, t in enumerate(["a", " b"])]
+        chunks = [
+            {"id": "c", "choices": [{"text": t, "backoff": {"token_id": i, "source": i, "index": i}}]}
+            for i, t in enumerate(["a", " b"])
+        ]
         chunks.append({"id": "c", "choices": [{"text": "", "finish_reason": "length"}], "usage": USAGE})
         text = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
         return httpx.Response(200, text=text, headers={"content-type": "text/event-stream"})
@@ -234,12 +310,19 @@ def test_http_client_maps_connection_errors():
 
 # -- gRPC client against an in-process server ---------------------------------------------
 
+
 class FakeService(pb_grpc.BackoffServicer):
     def Generate(self, request, context):
         if request.router == "nope":
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "unknown router 'nope'")
-        return pb.GenerateResponse(id="g", text=request.prompt.upper(), finish_reason="stop",
-                                   usage=pb.Usage(completion_tokens=1), token_ids=[4], sources=[1])
+        return pb.GenerateResponse(
+            id="g",
+            text=request.prompt.upper(),
+            finish_reason="stop",
+            usage=pb.Usage(completion_tokens=1),
+            token_ids=[4],
+            sources=[1],
+        )
 
     def GenerateStream(self, request, context):
         for i, ch in enumerate(request.prompt):
@@ -305,17 +388,48 @@ def test_bad_params_are_refused_before_sending_and_the_cli_reports_them(capsys):
 def test_cli_flags_become_the_request_params():
     from clients.cli import _params, _parser
 
-    args = _parser().parse_args(["generate", "x", "--max-tokens", "7", "--temperature", "0", "--top-k", "5",
-                                 "--seed", "3", "--stop", "a", "--stop", "b", "--ignore-eos", "--router", "entropy",
-                                 "--threshold", "1.5,4", "--target-backoff", "0.8"])
-    assert _params(args) == GenerateParams(max_tokens=7, temperature=0.0, top_k=5, seed=3, stop=["a", "b"],
-                                           ignore_eos=True, router="entropy", thresholds=[1.5, 4.0],
-                                           target_backoff=0.8)
+    args = _parser().parse_args(
+        [
+            "generate",
+            "x",
+            "--max-tokens",
+            "7",
+            "--temperature",
+            "0",
+            "--top-k",
+            "5",
+            "--seed",
+            "3",
+            "--stop",
+            "a",
+            "--stop",
+            "b",
+            "--ignore-eos",
+            "--router",
+            "entropy",
+            "--threshold",
+            "1.5,4",
+            "--target-backoff",
+            "0.8",
+        ]
+    )
+    assert _params(args) == GenerateParams(
+        max_tokens=7,
+        temperature=0.0,
+        top_k=5,
+        seed=3,
+        stop=["a", "b"],
+        ignore_eos=True,
+        router="entropy",
+        thresholds=[1.5, 4.0],
+        target_backoff=0.8,
+    )
     assert _params(_parser().parse_args(["generate", "x"])) == GenerateParams()
     assert _params(_parser().parse_args(["generate", "x", "--thresholds", "2"])).thresholds == [2.0]
 
 
 # -- thresholds: the one name on the wire; backoff_threshold (JSON) and field 11 (protobuf) still read --
+
 
 @pytest.mark.parametrize("model", [CompletionRequest, ChatCompletionRequest])
 def test_http_bodies_take_thresholds_or_the_old_backoff_threshold(model):

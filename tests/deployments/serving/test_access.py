@@ -11,7 +11,7 @@ from backoff_core.models.prompts import encode_chat
 from clients.wire import backoff_pb2 as pb
 from clients.wire.errors import describe_validation
 from clients.wire.types import ChatCompletionRequest, ChatMessage, CompletionRequest, GenerateParams
-from deployments.serving.access import Access, ClientError, ClientSlots, check_limits, peer_host
+from deployments.serving.access import Access, ClientError, ClientSlots, check_limits
 from deployments.serving.config import AccessConfig, AppArgs, LimitsConfig
 from deployments.serving.grpc_service import Undecodable, _lenient
 from tests.support.helpers import engine_for, request
@@ -70,14 +70,17 @@ def test_slots_per_client_refuse_with_retry_after_and_release_once():
     assert ClientSlots(limit=None, retry_after_s=1).take("x") is not None
 
 
-@pytest.mark.parametrize("params, content, param, says", [
-    (dict(max_tokens=101), {}, "max_tokens", "limits.max_tokens"),
-    (dict(stop=["a", "b", "c"]), {}, "stop", "limits.max_stop"),
-    (dict(stop=["abcdef"]), {}, "stop", "limits.max_stop_chars"),
-    ({}, dict(prompt="x" * 51), "prompt", "limits.max_prompt_chars"),
-    ({}, dict(prompt=[1] * 11), "prompt", "limits.max_prompt_tokens"),
-    ({}, dict(messages=[ChatMessage(role="user", content="x" * 30)] * 2), "messages", "limits.max_prompt_chars"),
-])
+@pytest.mark.parametrize(
+    "params, content, param, says",
+    [
+        (dict(max_tokens=101), {}, "max_tokens", "limits.max_tokens"),
+        (dict(stop=["a", "b", "c"]), {}, "stop", "limits.max_stop"),
+        (dict(stop=["abcdef"]), {}, "stop", "limits.max_stop_chars"),
+        ({}, dict(prompt="x" * 51), "prompt", "limits.max_prompt_chars"),
+        ({}, dict(prompt=[1] * 11), "prompt", "limits.max_prompt_tokens"),
+        ({}, dict(messages=[ChatMessage(role="user", content="x" * 30)] * 2), "messages", "limits.max_prompt_chars"),
+    ],
+)
 def test_limits_name_the_cap_that_was_passed(params, content, param, says):
     limits = LimitsConfig(max_tokens=100, max_stop=2, max_stop_chars=5, max_prompt_chars=50, max_prompt_tokens=10)
     with pytest.raises(ClientError) as refused:
@@ -92,11 +95,15 @@ def test_validation_messages_name_the_field_and_the_matching_union_branch():
             model.model_validate(body)
         return describe_validation(err.value.errors())
 
-    assert problem(CompletionRequest, {"prompt": []}) == ("prompt", "prompt: List should have at least 1 item "
-                                                                    "after validation, not 0")
+    assert problem(CompletionRequest, {"prompt": []}) == (
+        "prompt",
+        "prompt: List should have at least 1 item after validation, not 0",
+    )
     assert problem(CompletionRequest, {"prompt": [1, -1]})[0] == "prompt.1"
     assert problem(CompletionRequest, {"prompt": "a", "backoff_threshold": [1, float("nan")]}) == (
-        "backoff_threshold.1", "backoff_threshold.1: Input should be a finite number")
+        "backoff_threshold.1",
+        "backoff_threshold.1: Input should be a finite number",
+    )
     assert "valid string or" in problem(CompletionRequest, {"prompt": 5})[1]
     assert problem(ChatCompletionRequest, {"messages": [{"role": "user", "content": None}]})[0] == "messages.0.content"
     assert problem(CompletionRequest, {"prompt": "a", "max_tokens": "5"})[0] == "max_tokens"  # strict: no "5"
@@ -118,10 +125,18 @@ def test_a_chat_template_that_raises_is_a_value_error():
         encode_chat(tok, [{"role": "assistant", "content": "hi"}])
 
 
-@pytest.mark.parametrize("router, thresholds, ok", [
-    ("random", (0.5,), True), ("random", (1.5,), False), ("random", (-0.1,), False),
-    ("max-prob", (1.0,), True), ("max-prob", (2.0,), False), ("entropy", (-3.0,), True), ("entropy", (1e9,), True),
-])
+@pytest.mark.parametrize(
+    "router, thresholds, ok",
+    [
+        ("random", (0.5,), True),
+        ("random", (1.5,), False),
+        ("random", (-0.1,), False),
+        ("max-prob", (1.0,), True),
+        ("max-prob", (2.0,), False),
+        ("entropy", (-3.0,), True),
+        ("entropy", (1e9,), True),
+    ],
+)
 def test_thresholds_out_of_the_routers_range_are_refused(pair, tokenizer, router, thresholds, ok):
     engine = engine_for(pair, tokenizer)
     req = request([3, 4], 2, router=router, thresholds=thresholds)

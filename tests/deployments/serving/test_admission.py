@@ -14,11 +14,11 @@ import pytest
 from pydantic import ValidationError
 
 from clients import OverloadedError, Retry, TransportError
+from clients.grpc_client import AsyncBackoffGrpcClient, BackoffGrpcClient
+from clients.http_client import AsyncBackoffHTTPClient, BackoffHTTPClient
 from clients.wire import backoff_pb2 as pb
 from clients.wire import backoff_pb2_grpc as pb_grpc
 from clients.wire.errors import from_grpc, from_http
-from clients.grpc_client import AsyncBackoffGrpcClient, BackoffGrpcClient
-from clients.http_client import AsyncBackoffHTTPClient, BackoffHTTPClient
 from deployments.serving.admission import AdmissionGate
 from deployments.serving.config import AdmissionConfig, AppArgs, ReplicaConfig
 
@@ -26,6 +26,7 @@ FAST = Retry(attempts=2, max_wait_s=0.01)  # retries honour Retry-After, capped 
 
 
 # -- admission gate ---------------------------------------------------------------------------
+
 
 def test_gate_admits_live_then_queues_then_refuses_and_hands_slots_over_in_order():
     async def run():
@@ -86,12 +87,15 @@ def test_a_waiter_cancelled_as_its_slot_arrives_passes_it_on():
 
 # -- config -----------------------------------------------------------------------------------
 
+
 def test_admission_must_leave_room_below_the_serve_limit():
     AppArgs()  # the defaults are consistent
     with pytest.raises(ValidationError, match="max_ongoing_requests"):
         AppArgs(admission=AdmissionConfig(max_live_requests=60, max_waiting_requests=4))
-    AppArgs(admission=AdmissionConfig(max_live_requests=2, max_waiting_requests=1),
-            small=ReplicaConfig(max_ongoing_requests=4, max_queued_requests=2))
+    AppArgs(
+        admission=AdmissionConfig(max_live_requests=2, max_waiting_requests=1),
+        small=ReplicaConfig(max_ongoing_requests=4, max_queued_requests=2),
+    )
 
 
 def test_queues_are_bounded_where_a_refusal_is_safe():
@@ -108,6 +112,7 @@ def test_queues_are_bounded_where_a_refusal_is_safe():
 
 # -- clients: one error type for "at capacity" --------------------------------------------------
 
+
 class _Err(grpc.RpcError):
     def __init__(self, code, trailing=()):
         self._code, self._trailing = code, trailing
@@ -123,8 +128,9 @@ class _Err(grpc.RpcError):
 
 
 def test_503_429_and_resource_exhausted_are_overloaded_errors():
-    body = json.dumps({"error": {"message": "at capacity", "type": "server_error", "param": None,
-                                 "code": "overloaded"}})
+    body = json.dumps(
+        {"error": {"message": "at capacity", "type": "server_error", "param": None, "code": "overloaded"}}
+    )
     err = from_http(503, body, "2")
     assert isinstance(err, OverloadedError) and isinstance(err, TransportError)
     assert (err.message, err.retry_after_s, err.status) == ("at capacity", 2.0, 503)
@@ -154,10 +160,18 @@ def _refusing(refusals: int):
             body = {"error": {"message": "at capacity", "type": "server_error", "param": None, "code": "overloaded"}}
             return httpx.Response(503, json=body, headers={"Retry-After": "1"})
         if json.loads(request.content).get("stream"):
-            usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2, "small_tokens": 1,
-                     "large_tokens": 0, "large_calls": 0}
-            chunks = [{"id": "c", "choices": [{"text": "a", "backoff": {"token_id": 5, "source": 0, "index": 0}}]},
-                      {"id": "c", "choices": [{"text": "", "finish_reason": "length"}], "usage": usage}]
+            usage = {
+                "prompt_tokens": 1,
+                "completion_tokens": 1,
+                "total_tokens": 2,
+                "small_tokens": 1,
+                "large_tokens": 0,
+                "large_calls": 0,
+            }
+            chunks = [
+                {"id": "c", "choices": [{"text": "a", "backoff": {"token_id": 5, "source": 0, "index": 0}}]},
+                {"id": "c", "choices": [{"text": "", "finish_reason": "length"}], "usage": usage},
+            ]
             return httpx.Response(200, text="".join(f"data: {json.dumps(c)}\n\n" for c in chunks))
         return httpx.Response(200, json={"id": "c", "choices": [{"text": "a", "finish_reason": "length"}]})
 

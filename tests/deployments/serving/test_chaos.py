@@ -127,8 +127,13 @@ class _FirstItemRouter:
         return items()
 
 
-@pytest.mark.parametrize("first, status, code", [(Failed("RuntimeError: no tokenizer"), 500, None),
-                                                 (Failed("M_L is down", unavailable=True), 503, "large_unavailable")])
+@pytest.mark.parametrize(
+    "first, status, code",
+    [
+        (Failed("RuntimeError: no tokenizer"), 500, None),
+        (Failed("M_L is down", unavailable=True), 503, "large_unavailable"),
+    ],
+)
 def test_a_request_the_step_loop_fails_at_admission_is_a_server_failure(first, status, code):
     ingress = object.__new__(_BareIngress)
     ingress.args = AppArgs()
@@ -141,6 +146,7 @@ def test_a_request_the_step_loop_fails_at_admission_is_a_server_failure(first, s
 
 
 # -- unexpected errors: the OpenAI body / INTERNAL with a message, never plain text -------------
+
 
 def test_an_unhandled_http_error_is_a_500_with_the_openai_body():
     app = FastAPI()

@@ -14,8 +14,8 @@ import pytest
 
 from backoff_core.types import Logprob, TokenEvent, TokenLogprobs
 from clients.wire import backoff_pb2 as pb
-from clients.wire.proto import delta_from_pb, deltas_from_pb
 from clients.wire.openai import delta_from_chunk
+from clients.wire.proto import delta_from_pb, deltas_from_pb
 from deployments.serving.engine_loop import _deliver, _Sink
 from deployments.serving.formats import TokenChunks, chunk_body, pb_chunk, pb_chunks
 
@@ -41,20 +41,20 @@ EVENTS = (
 
 
 def _one_per_message(events, chat: bool) -> str:
-    return "".join(f"data: {json.dumps(chunk_body(RID, MODEL, CREATED, e, chat), allow_nan=False)}\n\n"
-                   for e in events)
+    return "".join(f"data: {json.dumps(chunk_body(RID, MODEL, CREATED, e, chat), allow_nan=False)}\n\n" for e in events)
 
 
 @pytest.mark.parametrize("chat", [False, True])
 @pytest.mark.parametrize("split", [1, 2, 3, len(EVENTS)])
 def test_sse_of_a_batch_is_one_chunk_per_token_as_before(chat, split):
     chunks = TokenChunks(RID, MODEL, CREATED, chat)
-    batches = [EVENTS[i:i + split] for i in range(0, len(EVENTS), split)]
+    batches = [EVENTS[i : i + split] for i in range(0, len(EVENTS), split)]
     text = "".join(chunks.sse(b) for b in batches)
     assert text == _one_per_message(EVENTS, chat)  # byte for byte, whatever the batching
     deltas = [delta_from_chunk(json.loads(line[6:])) for line in text.split("\n\n") if line]
     assert [(d.token_id, d.source, d.index, d.text, d.retracted, d.retracted_text) for d in deltas] == [
-        (e.token_id, e.source, e.index, e.text, e.retracted, e.retracted_text) for e in EVENTS]
+        (e.token_id, e.source, e.index, e.text, e.retracted, e.retracted_text) for e in EVENTS
+    ]
     assert deltas[4].logprobs is not None and deltas[4].logprobs.logprob == -0.25
 
 
@@ -70,9 +70,9 @@ def test_a_protobuf_chunk_of_several_tokens_decodes_like_one_per_message(split):
     one_each = [delta_from_pb(pb_chunk(RID, e)) for e in EVENTS]
     got = []
     for i in range(0, len(EVENTS), split):
-        wire = pb_chunks(RID, EVENTS[i:i + split]).SerializeToString()
+        wire = pb_chunks(RID, EVENTS[i : i + split]).SerializeToString()
         msg = pb.GenerateChunk.FromString(wire)
-        batch = EVENTS[i:i + split]
+        batch = EVENTS[i : i + split]
         assert len(msg.tokens) == (0 if len(batch) == 1 else len(batch))
         got += deltas_from_pb(msg)
     assert got == one_each  # ids, text, sources, indices, retractions, logprobs

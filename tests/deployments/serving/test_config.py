@@ -12,13 +12,13 @@ from pydantic import ValidationError
 from ray.serve.schema import ServeDeploySchema
 
 from backoff_core.types import CatchUp, FinishReason, GenerationResult, Timings
+from clients.wire.types import ChatMessage, GenerateParams
 from deployments.affinity import rendezvous
 from deployments.app import build_app, replica_options
+from deployments.serve_cli import DEFAULT_CONFIG, _parser, apply_overrides
 from deployments.serving.config import AppArgs, ModelsConfig, ReplicaConfig, RoutingConfig
 from deployments.serving.formats import response_body, usage_of
 from deployments.serving.requests import RoutingOverrides, routing_params, serve_request
-from deployments.serve_cli import DEFAULT_CONFIG, _parser, apply_overrides
-from clients.wire.types import ChatMessage, GenerateParams
 
 
 def test_packaged_config_is_a_valid_serve_config():
@@ -29,23 +29,45 @@ def test_packaged_config_is_a_valid_serve_config():
     AppArgs.model_validate(app.args)
     users = {d.name: d.user_config for d in app.deployments}
     RoutingConfig.model_validate(users["SmallModel"])
-    assert "deployments.serving.grpc_service.add_BackoffServicer_to_server" in schema.grpc_options.grpc_servicer_functions
+    assert (
+        "deployments.serving.grpc_service.add_BackoffServicer_to_server" in schema.grpc_options.grpc_servicer_functions
+    )
     assert schema.http_options.host == "127.0.0.1"  # loopback unless exposed on purpose
 
 
 def test_every_config_field_is_described():
     from deployments.serving import config
 
-    for model in (config.ModelsConfig, config.RoutingConfig, config.CatchUpConfig, config.ReplicaConfig,
-                  config.AccessConfig, config.LimitsConfig, config.AppArgs):
+    for model in (
+        config.ModelsConfig,
+        config.RoutingConfig,
+        config.CatchUpConfig,
+        config.ReplicaConfig,
+        config.AccessConfig,
+        config.LimitsConfig,
+        config.AppArgs,
+    ):
         missing = [name for name, f in model.model_fields.items() if not f.description]
         assert not missing, f"{model.__name__}: {missing}"
 
 
 def test_cli_overrides_land_in_args_and_user_config():
     base = yaml.safe_load(DEFAULT_CONFIG.read_text())
-    args = _parser().parse_args(["--small", "s", "--large", "l", "--medium", "m", "--router", "max-prob",
-                                 "--http-port", "8123", "--no-batching"])
+    args = _parser().parse_args(
+        [
+            "--small",
+            "s",
+            "--large",
+            "l",
+            "--medium",
+            "m",
+            "--router",
+            "max-prob",
+            "--http-port",
+            "8123",
+            "--no-batching",
+        ]
+    )
     out = apply_overrides(base, args)
     app = out["applications"][0]
     assert app["args"]["models"]["medium"] == ["m"] and out["http_options"]["port"] == 8123
@@ -54,14 +76,17 @@ def test_cli_overrides_land_in_args_and_user_config():
     assert users["LargeModel"]["batching"] is False
     assert base["applications"][0]["args"]["models"]["small"] is None  # a copy was changed
     out = apply_overrides(base, _parser().parse_args(["--threshold", "1.5,2.5"]))
-    assert {d["name"]: d for d in out["applications"][0]["deployments"]}["SmallModel"]["user_config"][
-        "thresholds"] == [1.5, 2.5]
+    assert {d["name"]: d for d in out["applications"][0]["deployments"]}["SmallModel"]["user_config"]["thresholds"] == [
+        1.5,
+        2.5,
+    ]
 
 
 def test_static_kv_settings_reach_the_models_config():
     base = yaml.safe_load(DEFAULT_CONFIG.read_text())
-    args = _parser().parse_args(["--device", "cuda", "--dtype", "bfloat16", "--kv-budget", "65536",
-                                 "--kv-max-len", "1024"])
+    args = _parser().parse_args(
+        ["--device", "cuda", "--dtype", "bfloat16", "--kv-budget", "65536", "--kv-max-len", "1024"]
+    )
     models = ModelsConfig.model_validate(apply_overrides(base, args)["applications"][0]["args"]["models"])
     assert models.kv_budget_tokens == 65536 and models.kv_max_len == 1024
     assert models.cuda_graphs and models.dtype == "bfloat16"
@@ -82,9 +107,17 @@ def test_models_config_refuses_half_a_pair():
     "overrides, policy, expected",
     [
         (RoutingOverrides(), RoutingConfig(router="entropy", thresholds=[2.0]), ("entropy", (2.0,), None)),
-        (RoutingOverrides(thresholds=(3.0,)), RoutingConfig(router="entropy", thresholds=[2.0]), ("entropy", (3.0,), None)),
+        (
+            RoutingOverrides(thresholds=(3.0,)),
+            RoutingConfig(router="entropy", thresholds=[2.0]),
+            ("entropy", (3.0,), None),
+        ),
         # another router: the config's threshold belongs to the config's router
-        (RoutingOverrides(router="max-prob"), RoutingConfig(router="entropy", thresholds=[2.0]), ("max-prob", None, None)),
+        (
+            RoutingOverrides(router="max-prob"),
+            RoutingConfig(router="entropy", thresholds=[2.0]),
+            ("max-prob", None, None),
+        ),
         (RoutingOverrides(), RoutingConfig(router="entropy", target_backoff=0.7), ("entropy", None, 0.7)),
         # a request's own threshold switches the config's target rate off
         (RoutingOverrides(thresholds=(1.0,)), RoutingConfig(target_backoff=0.7), ("entropy", (1.0,), None)),
@@ -97,8 +130,11 @@ def test_request_fields_override_the_live_config(overrides, policy, expected):
 
 
 def test_edge_params_become_core_records():
-    req = serve_request("id", GenerateParams(max_tokens=5, temperature=0, stop=["x"], thresholds=[1, 2]),
-                        messages=[ChatMessage(role="user", content="hi")])
+    req = serve_request(
+        "id",
+        GenerateParams(max_tokens=5, temperature=0, stop=["x"], thresholds=[1, 2]),
+        messages=[ChatMessage(role="user", content="hi")],
+    )
     assert req.messages == (("user", "hi"),) and req.sampling.max_tokens == 5 and req.sampling.greedy
     assert req.overrides.thresholds == (1.0, 2.0) and req.sampling.stop == ("x",)
     assert serve_request("id", GenerateParams(), prompt="p", default_max_tokens=7).sampling.max_tokens == 7
@@ -152,8 +188,15 @@ def test_rendezvous_moves_only_the_lost_replicas_sessions():
 
 def test_usage_counts_tokens_by_source():
     result = GenerationResult(
-        request_id="r", text="a b c", token_ids=(5, 6, 7), sources=(0, 1, 0), num_levels=2,
-        finish_reason=FinishReason.LENGTH, prompt_tokens=4, catch_ups=(CatchUp(1, 3, 0.1),), rollbacks=0,
+        request_id="r",
+        text="a b c",
+        token_ids=(5, 6, 7),
+        sources=(0, 1, 0),
+        num_levels=2,
+        finish_reason=FinishReason.LENGTH,
+        prompt_tokens=4,
+        catch_ups=(CatchUp(1, 3, 0.1),),
+        rollbacks=0,
         timings=Timings(0, (), (), 0, 0),
     )
     usage = usage_of(result)

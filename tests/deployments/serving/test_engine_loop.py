@@ -21,6 +21,7 @@ from tests.support.remote_fakes import Dead, FakeEndpoint, remote_engine
 
 # -- the batcher ----------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("last_only", [(False,) * 4, (True,) * 4, (True, False, True, False)])
 def test_one_forward_for_a_step_of_ragged_catch_ups(pair, loop_thread, last_only):
     """Ragged catch-ups merge into one forward; a call that asks for the last row only gets
@@ -31,8 +32,10 @@ def test_one_forward_for_a_step_of_ragged_catch_ups(pair, loop_thread, last_only
     prompts = [[3, 4, 5, 6, 7], [8, 9], [10, 11, 12], [13]]
 
     async def step():
-        calls = [CatchUpCall(f"s{i}", 0, tuple(p), "g0", len(prompts), last_only=last)
-                 for i, (p, last) in enumerate(zip(prompts, last_only))]
+        calls = [
+            CatchUpCall(f"s{i}", 0, tuple(p), "g0", len(prompts), last_only=last)
+            for i, (p, last) in enumerate(zip(prompts, last_only))
+        ]
         tasks = []
         for call in calls:  # arriving one by one, as from a router
             tasks.append(asyncio.ensure_future(batcher.extend(call)))
@@ -83,7 +86,9 @@ def test_past_creates_crops_or_loses_a_session(pair, loop_thread):
     rolled = run(batcher.extend(CatchUpCall("k", 2, (9,))))
     fresh = ModelRunner(pair[1], "fresh")
     fresh.open("f")
-    torch.testing.assert_close(torch.from_numpy(rolled.logits), fresh.extend([("f", [3, 4, 9])])[0].logits[-1:], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        torch.from_numpy(rolled.logits), fresh.extend([("f", [3, 4, 9])])[0].logits[-1:], rtol=1e-4, atol=1e-4
+    )
     assert batcher.stats.lost == 2
 
 
@@ -140,15 +145,18 @@ def test_lost_replica_is_re_prefilled_and_the_output_is_unchanged(pair, tokenize
     result = engine.finish(request_id)
     assert remote.lost_sessions >= 1 and victim in endpoint.noticed
     assert result.token_ids == engine_for(pair, tokenizer).generate(req).token_ids
-    assert endpoint.calls[-1].past > 0 and any(c.past == 0 and c.session_key.split("#")[1] != endpoint.calls[0].session_key.split("#")[1]
-                                               for c in endpoint.calls)
+    assert endpoint.calls[-1].past > 0 and any(
+        c.past == 0 and c.session_key.split("#")[1] != endpoint.calls[0].session_key.split("#")[1]
+        for c in endpoint.calls
+    )
 
 
 def test_rollbacks_reach_the_replica_as_a_shorter_past(pair, tokenizer, loop_thread):
     endpoint = FakeEndpoint(pair[1], loop_thread, replicas=1)
     engine, _ = remote_engine(pair, tokenizer, endpoint)
-    req = request([3, 4, 5], max_tokens=24, router="random", rate=0.7, seed=3,
-                  verification=Verification.KL, tolerance=0.0)
+    req = request(
+        [3, 4, 5], max_tokens=24, router="random", rate=0.7, seed=3, verification=Verification.KL, tolerance=0.0
+    )
     served = engine.generate(req)
     local = engine_for(pair, tokenizer).generate(req)
     assert served.rollbacks > 0 and (served.token_ids, served.sources) == (local.token_ids, local.sources)
@@ -166,6 +174,7 @@ def test_fresh_session_on_a_dead_replica_is_retried(pair, tokenizer, loop_thread
             class Gone:
                 def result(self, timeout_s=None):
                     raise Dead("gone before it answered")
+
             return Gone()
         return original(call)
 
@@ -177,9 +186,11 @@ def test_fresh_session_on_a_dead_replica_is_retried(pair, tokenizer, loop_thread
 
 # -- the engine thread ------------------------------------------------------------------------
 
+
 def _serve_request(request_id, prompt, max_tokens=8, **overrides) -> ServeRequest:
-    return ServeRequest(request_id, request(prompt, max_tokens).sampling, RoutingOverrides(**overrides),
-                        prompt_ids=tuple(prompt))
+    return ServeRequest(
+        request_id, request(prompt, max_tokens).sampling, RoutingOverrides(**overrides), prompt_ids=tuple(prompt)
+    )
 
 
 def test_engine_loop_streams_batches_and_reads_the_policy_per_step(pair, tokenizer):

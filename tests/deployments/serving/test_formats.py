@@ -13,9 +13,9 @@ from pydantic import ValidationError
 from backoff_core.engine.logprobs import LOGPROB_FLOOR
 from backoff_core.types import Logprob, TokenEvent, TokenLogprobs
 from clients.http_client import _body
+from clients.wire.openai import delta_from_chunk, generation_from_body
 from clients.wire.proto import delta_from_pb, generation_from_pb, params_from_pb, request_to_pb
 from clients.wire.types import ChatCompletionRequest, CompletionRequest, GenerateParams
-from clients.wire.openai import delta_from_chunk, generation_from_body
 from deployments.serving.formats import chunk_body, pb_chunk, pb_response, response_body
 from deployments.serving.requests import serve_request
 from tests.support.helpers import engine_for, request
@@ -44,8 +44,11 @@ def test_chat_body_is_openais_shape_with_sources_beside(run):
     parsed = ChatCompletion.model_validate(body).choices[0].logprobs.content
     assert len(parsed) == len(result.token_ids) == len(body["choices"][0]["backoff"]["sources"])
     for got, want in zip(parsed, result.logprobs):
-        assert (got.token, got.logprob, bytes(got.bytes)) == (want.chosen.token, want.chosen.logprob,
-                                                             want.chosen.token_bytes)
+        assert (got.token, got.logprob, bytes(got.bytes)) == (
+            want.chosen.token,
+            want.chosen.logprob,
+            want.chosen.token_bytes,
+        )
         assert [t.token for t in got.top_logprobs] == [t.token for t in want.top] and len(got.top_logprobs) == 3
     entry = body["choices"][0]["logprobs"]["content"][0]
     assert set(entry) == {"token", "logprob", "bytes", "top_logprobs"}
@@ -102,8 +105,9 @@ def test_protobuf_round_trip(run):
     result, events = run
     back = generation_from_pb(pb_response("id", result))
     assert [e.logprob for e in back.logprobs] == pytest.approx([e.chosen.logprob for e in result.logprobs])
-    assert [[t.token_id for t in e.top_logprobs] for e in back.logprobs] == \
-        [[t.token_id for t in e.top] for e in result.logprobs]
+    assert [[t.token_id for t in e.top_logprobs] for e in back.logprobs] == [
+        [t.token_id for t in e.top] for e in result.logprobs
+    ]
     assert [bytes(e.bytes) for e in back.logprobs] == [e.chosen.token_bytes for e in result.logprobs]
     deltas = [delta_from_pb(pb_chunk("id", e)) for e in events]
     assert [d.logprobs.token_id for d in deltas] == list(result.token_ids)
@@ -118,8 +122,12 @@ def test_the_edge_maps_both_openai_spellings_to_one_count():
     assert ChatCompletionRequest(messages=msgs, logprobs=False).generate_params().logprobs is None
     assert ChatCompletionRequest(messages=msgs, logprobs=None, top_logprobs=None).generate_params().logprobs is None
     assert CompletionRequest(prompt="x", logprobs=2).generate_params().logprobs == 2
-    for bad in (dict(top_logprobs=2), dict(logprobs=False, top_logprobs=2), dict(logprobs=True, top_logprobs=21),
-                dict(logprobs=1)):
+    for bad in (
+        dict(top_logprobs=2),
+        dict(logprobs=False, top_logprobs=2),
+        dict(logprobs=True, top_logprobs=21),
+        dict(logprobs=1),
+    ):
         with pytest.raises(ValidationError):
             ChatCompletionRequest(messages=msgs, **bad)
     for bad in (21, -1, True, 1.0):
@@ -146,10 +154,14 @@ def test_cli_asks_for_logprobs_and_prints_what_a_rollback_leaves(capsys):
 
     class Client:  # a stream whose third token retracts the second (a verification rollback)
         def stream(self, prompt, params):
-            return iter([Delta(id="i", text="a", source=0, logprobs=entry("a")),
-                         Delta(id="i", text="b", source=0, logprobs=entry("b")),
-                         Delta(id="i", text="c", source=1, retracted=1, retracted_text="b", logprobs=entry("c")),
-                         Delta(id="i", finish_reason="length")])
+            return iter(
+                [
+                    Delta(id="i", text="a", source=0, logprobs=entry("a")),
+                    Delta(id="i", text="b", source=0, logprobs=entry("b")),
+                    Delta(id="i", text="c", source=1, retracted=1, retracted_text="b", logprobs=entry("c")),
+                    Delta(id="i", finish_reason="length"),
+                ]
+            )
 
     _generate(Client(), args)
     lines = capsys.readouterr().err.splitlines()

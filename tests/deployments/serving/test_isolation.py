@@ -13,19 +13,19 @@ import sys
 
 import pytest
 import torch
-from tests.support.helpers import engine_for, request
 
 import backoff_core.sampling
-from backoff_core.routing.control import HIGHEST, LOWEST, RateController
 from backoff_core.engine.engine import BackoffEngine
+from backoff_core.engine.state import Detokenizer
+from backoff_core.routing.control import HIGHEST, LOWEST, RateController
 from backoff_core.routing.routers import Entropy
 from backoff_core.runners.dynamic import ModelRunner
 from backoff_core.sampling import Stream, request_seed, uniform
-from backoff_core.engine.state import Detokenizer
 from backoff_core.types import FinishReason, GenerationResult, TokenEvent
 from deployments.serving.config import RoutingConfig
 from deployments.serving.engine_loop import Admitted, EngineLoop, Failed
 from deployments.serving.formats import chunk_body, final_chunk_body, json_safe, pb_response, response_body
+from tests.support.helpers import engine_for, request
 
 CULPRIT = "culprit"
 BAD_SEED = 666
@@ -56,8 +56,12 @@ class Flaky(ModelRunner):
 
 def _requests(router: str, seeded: bool = False, **routing) -> dict:
     """rid -> 12 greedy tokens of PROMPTS[rid] (seeds 0, 1, 2 if `seeded`)."""
-    return {request_id: dataclasses.replace(request(p, 12, router, seed=i if seeded else None, **routing), request_id=request_id)
-            for i, (request_id, p) in enumerate(PROMPTS.items())}
+    return {
+        request_id: dataclasses.replace(
+            request(p, 12, router, seed=i if seeded else None, **routing), request_id=request_id
+        )
+        for i, (request_id, p) in enumerate(PROMPTS.items())
+    }
 
 
 def _alone(pair, tokenizer, req, router=None) -> GenerationResult:
@@ -212,8 +216,10 @@ def test_the_engine_loop_fails_one_stream_and_completes_the_others(pair, tokeniz
 
 # -- finite values ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("target, horizon", [(0.0, None), (1.0, None), (0.0, 3), (1.0, 3), (0.01, 2), (0.99, 2),
-                                             (0.5, 1)])
+
+@pytest.mark.parametrize(
+    "target, horizon", [(0.0, None), (1.0, None), (0.0, 3), (1.0, 3), (0.01, 2), (0.99, 2), (0.5, 1)]
+)
 @pytest.mark.parametrize("prior", [None, torch.linspace(0.01, 0.99, 50, dtype=torch.float64)])
 def test_rate_controller_thresholds_stay_finite(target, horizon, prior):
     controller = RateController(target, 0.5, prior=prior, horizon=horizon)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from backoff_core.runners.factory import make_runner
 from backoff_core.runners.dynamic import ModelRunner
+from backoff_core.runners.factory import make_runner
 from backoff_core.runners.kv_budget import bytes_per_token, kv_tokens, resolve_kv
 from backoff_core.runners.static_kv import KVCapacityError
 from backoff_core.types import KVSpec
@@ -44,8 +44,7 @@ def test_runner_evicts_idle_sessions_lru_and_refuses_a_new_one_the_live_ones_lea
 def test_eviction_costs_a_re_prefill_not_the_output(pair, tokenizer):
     """In process: M_L's sessions evicted between catch-ups are rebuilt from the token ids the
     request keeps; every request ends with the tokens of an unbounded run."""
-    reqs = [request([3 + i, 4, 5], max_tokens=24, router="random", rate=0.6, seed=i, temperature=0.7)
-            for i in range(6)]
+    reqs = [request([3 + i, 4, 5], max_tokens=24, router="random", rate=0.6, seed=i, temperature=0.7) for i in range(6)]
     unbounded = engine_for(pair, tokenizer).generate_many(reqs)
     bounded = engine_for(pair, tokenizer)
     bounded.models[1].kv_budget_tokens = 90  # 6 requests x up to 27 positions: half of them at most
@@ -74,8 +73,10 @@ def test_twenty_long_requests_with_a_small_budget_all_complete_and_memory_stays_
 
     runner.extend = recording
     engine, remote = remote_engine(pair, tokenizer, endpoint)
-    reqs = [request([3 + i % 7, 4, 5], max_tokens=tokens, router="random", rate=0.85, seed=i, temperature=0.8)
-            for i in range(n)]
+    reqs = [
+        request([3 + i % 7, 4, 5], max_tokens=tokens, router="random", rate=0.85, seed=i, temperature=0.8)
+        for i in range(n)
+    ]
     served = engine.generate_many(reqs)
     unbounded = engine_for(pair, tokenizer).generate_many(reqs)
     assert [r.token_ids for r in served] == [r.token_ids for r in unbounded]  # all complete, unchanged

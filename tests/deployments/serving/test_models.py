@@ -26,8 +26,9 @@ def chain_dirs(tmp_path_factory, tokenizer):
 
 
 def _config(dirs, **extra) -> ModelsConfig:
-    return ModelsConfig(small=dirs["small"], large=dirs["large"], medium=[dirs["medium"]], device="cpu",
-                        cpu_kernels="default", **extra)
+    return ModelsConfig(
+        small=dirs["small"], large=dirs["large"], medium=[dirs["medium"]], device="cpu", cpu_kernels="default", **extra
+    )
 
 
 @pytest.fixture

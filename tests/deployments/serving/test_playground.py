@@ -27,8 +27,9 @@ def test_routers_offered_and_their_controls():
     assert "classifier" not in routers  # no trained head configured: its scores would mean nothing
     assert not routers["always-small"].thresholds and routers["entropy"].thresholds
     assert routers["entropy"].slider == (0.0, 11.0)
-    assert all(math.isfinite(low) and math.isfinite(high) and low <= high for low, high in
-               (r.slider for r in routers.values()))
+    assert all(
+        math.isfinite(low) and math.isfinite(high) and low <= high for low, high in (r.slider for r in routers.values())
+    )
 
 
 def test_classifier_is_offered_with_a_head():
