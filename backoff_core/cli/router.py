@@ -4,6 +4,7 @@ router-data       teacher-forced M_S/M_L pass over a corpus -> shards + manifest
 router-train      fit a ClassifierHead (binary / regression / buckets; pretrain + finetune)
 router-calibrate  backoff rate -> threshold table on a calibration set, into head.json
 evaluate          the paper's analyses + our goals -> report.md and PNGs under a run dir
+evaluate-report   every PNG and report.md of a run dir again, from its results.json alone
 """
 
 from __future__ import annotations
@@ -146,6 +147,14 @@ def _evaluate(args) -> int:
     return 0
 
 
+def _evaluate_report(args) -> int:
+    from backoff_core.evaluation.evaluate import rewrite
+
+    report = rewrite(args.run_dir)
+    print(f"wrote {report} and its plots")
+    return 0
+
+
 def register(sub) -> None:
 
     p = sub.add_parser("router-data", help="teacher-forced router data (hidden states, KL, entropies) -> shards")
@@ -220,3 +229,7 @@ def register(sub) -> None:
     p.add_argument("--skip", action="append", default=[], help="skip a section: layers, generation, speed, control")
     _common(p)
     p.set_defaults(run=_evaluate)
+
+    p = sub.add_parser("evaluate-report", help="redraw every plot and report.md of a run dir from its results.json")
+    p.add_argument("--run-dir", required=True, help="a directory holding an evaluate run's results.json")
+    p.set_defaults(run=_evaluate_report)

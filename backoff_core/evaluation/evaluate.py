@@ -296,10 +296,14 @@ def _json_default(o):
 
 
 def rewrite(run_dir: str | Path) -> Path:
-    """Plots and report again from run_dir/results.json (no model is run)."""
-    from backoff_core.evaluation.plots import plot_all
+    """Plots and report again from run_dir/results.json (no model is run). PNGs of an earlier
+    run that this results.json no longer draws are removed, so none is left stale."""
+    from backoff_core.evaluation.plots import PLOTS, plot_all
     from backoff_core.evaluation.report import write_report
 
     run_dir = Path(run_dir)
     res = json.loads((run_dir / "results.json").read_text())
-    return write_report(res, plot_all(res, run_dir), run_dir)
+    plots = plot_all(res, run_dir)
+    for name in set(PLOTS) - set(plots):
+        (run_dir / f"{name}.png").unlink(missing_ok=True)
+    return write_report(res, plots, run_dir)

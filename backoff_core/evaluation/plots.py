@@ -180,16 +180,20 @@ def plot_control(res: dict, path: Path) -> Path | None:
     return save_figure(fig, path)
 
 
+# every figure of a run: its file stem -> the function that draws it (None: not measured)
+PLOTS = {
+    "quality_vs_backoff": plot_quality_vs_backoff,
+    "quality_vs_speed": plot_quality_vs_speed,
+    "generation": plot_generation,
+    "high_kl_accuracy": plot_high_kl,
+    "layers": plot_layers,
+    "control": plot_control,
+}
+
+
 def plot_all(res: dict, run_dir: Path) -> dict[str, Path]:
     out = {}
-    for name, fn in (
-        ("quality_vs_backoff", plot_quality_vs_backoff),
-        ("quality_vs_speed", plot_quality_vs_speed),
-        ("generation", plot_generation),
-        ("high_kl_accuracy", plot_high_kl),
-        ("layers", plot_layers),
-        ("control", plot_control),
-    ):
+    for name, fn in PLOTS.items():
         p = fn(res, Path(run_dir) / f"{name}.png")
         if p is not None:
             out[name] = p

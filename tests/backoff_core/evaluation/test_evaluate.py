@@ -1,0 +1,56 @@
+"""`backoff evaluate-report`: every plot and the report of a run again from its results.json
+alone (evaluate.rewrite), checked against the committed evaluation of the default pair."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+COMMITTED = Path(__file__).resolve().parents[3] / "benchmarks" / "results" / "router_eval"
+
+
+def _report_images(report: Path) -> set[str]:
+    return set(re.findall(r"!\[[^\]]*\]\(([^)]+\.png)\)", report.read_text()))
+
+
+@pytest.fixture(scope="module")
+def redrawn(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("router_eval")
+    shutil.copy(COMMITTED / "results.json", run_dir / "results.json")
+    out = subprocess.run(
+        [sys.executable, "-m", "backoff_core.cli.main", "evaluate-report", "--run-dir", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    return run_dir
+
+
+def test_one_command_redraws_every_figure_the_report_shows(redrawn):
+    drawn = {p.name for p in redrawn.glob("*.png")}
+    assert drawn == _report_images(redrawn / "report.md") and len(drawn) == 6
+
+
+def test_the_committed_evaluation_is_what_its_results_json_draws(redrawn):
+    # a committed PNG no figure draws any more (a stale plot) or a report edited by hand fails here
+    assert {p.name for p in COMMITTED.glob("*.png")} == {p.name for p in redrawn.glob("*.png")}
+    assert (COMMITTED / "report.md").read_text() == (redrawn / "report.md").read_text()
+
+
+def test_a_figure_no_longer_measured_leaves_no_stale_png(tmp_path):
+    from backoff_core.evaluation.evaluate import rewrite
+
+    res = json.loads((COMMITTED / "results.json").read_text())
+    res.pop("control")  # a run that skipped the control section
+    (tmp_path / "results.json").write_text(json.dumps(res))
+    (tmp_path / "control.png").write_bytes(b"an earlier run's figure")
+    rewrite(tmp_path)
+    assert not (tmp_path / "control.png").exists()
+    assert "control.png" not in _report_images(tmp_path / "report.md")
