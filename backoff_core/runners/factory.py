@@ -18,8 +18,9 @@ def make_runner(
     """A ModelRunner, or with `kv` a StaticRunner (static KV slots, CUDA graphs captured
     now, with a progress line) where the architecture allows; other models fall back to
     per-session caches, with a warning. small: M_S extends one token a step (its per-session
-    caches never evict: the step loop cannot rebuild an M_S session; static: graphs for
-    k = 1, last row only, and the hidden layer a classifier head reads)."""
+    caches and slots never evict: the step loop cannot rebuild an M_S session; static: graphs
+    for k = 1, last row only, and the hidden layer a classifier head reads). Larger models
+    evict idle sessions LRU when a new one needs room (per-session budget or slots)."""
     if kv is None or not kv.static:  # per-session caches, within the budget where one is given
         return ModelRunner(model, name, None if kv is None else kv.budget_tokens, evict_idle=not small)
     try:
@@ -28,7 +29,12 @@ def make_runner(
         log.warning("%s: no static KV storage (%s); per-session caches instead", name, exc)
         return ModelRunner(model, name, kv.budget_tokens, evict_idle=not small)
     runner = StaticRunner(
-        model, name, kv_budget_tokens=kv.budget_tokens, max_len=kv.max_len, cuda_graphs=kv.cuda_graphs
+        model,
+        name,
+        kv_budget_tokens=kv.budget_tokens,
+        max_len=kv.max_len,
+        cuda_graphs=kv.cuda_graphs,
+        evict_idle=not small,  # M_L: evict idle sessions LRU for a new one (re-prefilled later)
     )
     if small:
         from backoff_core.routing.head import ClassifierHead

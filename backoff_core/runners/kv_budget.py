@@ -90,5 +90,5 @@ def kv_tokens(runner) -> int:
 
 
 def kv_evictions(runner) -> int:
-    """Idle sessions a runner evicted to make room (static storage never evicts)."""
+    """Idle sessions a runner evicted to make room (M_L: per-session caches or static slots)."""
     return int(getattr(runner, "evictions", 0))

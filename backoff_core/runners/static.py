@@ -7,8 +7,12 @@ forward runs:
   - storage (static_kv.py): per layer K/V [slots, kv_heads, max_len, head_dim] allocated
     once; slots = kv_budget_tokens // max_len (at least 1); a session owns the lowest free
     slot; extend writes in place at each row's own positions; crop only moves a length.
-    No free slot, or a session passing max_len - 1 positions: KVCapacityError (retriable),
-    raised before anything changes.
+    With evict_idle (M_L), a session takes its slot at its first extend, and when none is
+    free the least recently used sessions outside that extend are evicted (their requests
+    re-prefill at their next catch-up, as with ModelRunner's budget); without it (M_S, whose
+    sessions the step loop cannot rebuild) the slot is taken at open. No slot to be had, or a
+    session passing max_len - 1 positions: KVCapacityError (retriable), raised before
+    anything changes.
   - rows: a batch's rows are its sessions' slots. When the extending slots are dense
     (2 * sessions >= nb, nb = the power of two above the highest slot) the forward reads
     storage[:nb] as a view, idle rows riding along as padding; otherwise it gathers the
@@ -46,7 +50,7 @@ MIN_LENGTH_BUCKET = 64
 
 @dataclass(kw_only=True)
 class _SlotSession(Session):
-    slot: int  # its row of the static storage
+    slot: int | None  # its row of the static storage; None until its first extend (evict_idle)
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,7 @@ class StaticRunner(SessionTable[_SlotSession]):
         max_len: int,
         cuda_graphs: bool = True,
         graph_max_rows: int = 64,
+        evict_idle: bool = False,
     ) -> None:
         check_supported(model, max_len)  # before allocating anything
         super().__init__()
@@ -84,6 +89,8 @@ class StaticRunner(SessionTable[_SlotSession]):
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.num_layers = int(model.config.num_hidden_layers)
         self.forward_passes = 0
+        self.evict_idle = evict_idle
+        self.evictions = 0  # sessions evicted to give their slot to another (evict_idle)
         self.eager_passes = 0  # forwards that ran without a graph (all of them on the CPU)
         self.kv = StaticKV(model, kv_budget_tokens, max_len, name)
         self._forward = StaticForward(model, self.kv)
@@ -99,11 +106,47 @@ class StaticRunner(SessionTable[_SlotSession]):
 
     # -- sessions (sessions.SessionTable; a crop only moves the length) -------------------
     def _new_session(self, request_id: str, refill: bool) -> _SlotSession:
-        # refill changes nothing here: a session needs a free slot either way
-        return _SlotSession(slot=self.kv.take(), refill=refill)
+        # refill changes nothing here: a session needs a slot either way
+        return _SlotSession(slot=None if self.evict_idle else self.kv.take(), refill=refill)
 
     def _release(self, session: _SlotSession) -> None:
-        self.kv.give_back(session.slot)
+        if session.slot is not None:
+            self.kv.give_back(session.slot)
+
+    def kv_fits(self, items: list[tuple[str, int]]) -> bool:
+        """Whether these sessions, each grown by its count of new positions, can extend
+        together: each within a slot, and a slot for each that has none (every other session
+        evicted if need be)."""
+        with self._lock:
+            sessions = [self._get(request_id) for request_id, _ in items]
+            if any(s.length + n > self.kv.capacity for s, (_, n) in zip(sessions, items)):
+                return False
+            return sum(s.slot is None for s in sessions) <= self._obtainable_slots({r for r, _ in items})
+
+    def _obtainable_slots(self, extending: set[str]) -> int:
+        held = sum(s.slot is not None for r, s in self._sessions.items() if r not in extending)
+        return self.kv.free_slots + (held if self.evict_idle else 0)
+
+    def _reserve(self, items: list[tuple[str, list[int]]], sessions: list[_SlotSession]) -> None:
+        """A slot for every session of this extend (under the lock): evict the least recently
+        used sessions outside it while none is free; refuse, changing nothing, if even that
+        leaves too few."""
+        needing = [s for s in sessions if s.slot is None]
+        if not needing:
+            return
+        extending = {request_id for request_id, _ in items}
+        if len(needing) > self._obtainable_slots(extending):
+            raise KVCapacityError(
+                f"{self.name}: no KV slot for a new session: the sessions of this extend need "
+                f"{sum(s.slot is not None for s in sessions) + len(needing)} of {self.kv.slots} slots "
+                f"(kv_budget_tokens={self.kv.budget}); retry when a request ends"
+            )
+        idle = sorted((s.last_used, r) for r, s in self._sessions.items() if r not in extending and s.slot is not None)
+        for _, request_id in idle[: max(0, len(needing) - self.kv.free_slots)]:
+            self._release(self._sessions.pop(request_id))
+            self.evictions += 1
+        for s in needing:
+            s.slot = self.kv.take()
 
     # -- warm-up --------------------------------------------------------------------------
     def warmup(
@@ -145,13 +188,14 @@ class StaticRunner(SessionTable[_SlotSession]):
     ) -> list[Extension]:
         """Append tokens to sessions in one forward; returns one Extension per item (its
         logits at every new position, or at the last one only). Raises KVCapacityError,
-        changing nothing, if a session would pass max_len - 1 positions."""
+        changing nothing, if a session would pass max_len - 1 positions or no slot can be had."""
         if not items:
             return []
         with self._lock:
             sessions = self._extending(items)
             for (request_id, ids), s in zip(items, sessions):
                 self.kv.check_room(request_id, s.length, len(ids))
+            self._reserve(items, sessions)
             new_ids = [list(ids) for _, ids in items]
             plan = self._plan(sessions, new_ids, self._layer(hidden_layer), last_only)
             logits, hidden = self._run(plan)  # [B, K or 1, V], [B, K, d] | None

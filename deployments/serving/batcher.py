@@ -308,14 +308,22 @@ class CatchUpBatcher:
         return None
 
     def _fit(self, calls: list[CatchUpCall], ready: list[int], replies: list) -> list[int]:
-        """The ready calls that fit the KV budget: held sessions and refills always; a new
-        session only while it fits beside them and the new ones taken before it (in order)."""
+        """The ready calls that fit the KV room: held sessions always, and refills on
+        per-session caches (which may grow past the budget); a new session (on static slots, a
+        refill too: it needs a slot as much) only while it fits beside them and the ones taken
+        before it (in order)."""
         runner = self.runner
-        if not isinstance(runner, ModelRunner) or runner.kv_budget_tokens is None:
+        if not hasattr(runner, "kv_fits") or getattr(runner, "kv_budget_tokens", 0) is None:
             return ready
-        taken = [i for i in ready if calls[i].past > 0 or calls[i].refill]
+        dynamic = isinstance(runner, ModelRunner)
+        budget = runner.kv_budget_tokens if dynamic else runner.kv.budget
+
+        def held(c: CatchUpCall) -> bool:
+            return c.past > 0 or (c.refill and dynamic)
+
+        taken = [i for i in ready if held(calls[i])]
         for i in ready:
-            if calls[i].past > 0 or calls[i].refill:
+            if held(calls[i]):
                 continue
             if runner.kv_fits([(calls[j].session_key, len(calls[j].ids)) for j in (*taken, i)]):
                 taken.append(i)
@@ -326,8 +334,8 @@ class CatchUpBatcher:
             replies[i] = CatchUpReply(
                 None,
                 refused=(
-                    f"{runner.name}: no KV room for a new session ({len(calls[i].ids)} positions): the live sessions "
-                    f"alone fill kv_budget_tokens={runner.kv_budget_tokens}; retry when a request ends"
+                    f"{runner.name}: no KV room for a new session ({len(calls[i].ids)} positions) beside the "
+                    f"live ones (kv_budget_tokens={budget}); retry when a request ends"
                 ),
             )
         return sorted(taken)

@@ -207,6 +207,44 @@ def test_slot_budget_and_max_len_errors_change_nothing(model):
     assert run._sessions["c"].slot == 1
 
 
+def test_evict_idle_gives_a_new_session_the_least_recently_used_slot(model):
+    ref = ModelRunner(model, "ref")
+    run = StaticRunner(model, "static", kv_budget_tokens=2 * 64, max_len=64, evict_idle=True)
+    for request_id in ("a", "b"):
+        ref.open(request_id)
+        run.open(request_id)
+    assert run.kv.free_slots == 2  # a slot is taken at the first extend, not at open
+    assert_same(ref, run, [("a", [1, 2, 3]), ("b", [4, 5])])
+    assert_same(ref, run, [("a", [6])])  # b is now the least recently used
+    ref.open("c")
+    run.open("c")
+    slot_of_b = run._sessions["b"].slot
+    assert_same(ref, run, [("c", [7, 8])])
+    assert not run.has("b") and run.evictions == 1 and run._sessions["c"].slot == slot_of_b
+    assert_same(ref, run, [("a", [9]), ("c", [10])])  # the survivors' keys are untouched
+
+
+def test_evict_idle_refuses_what_no_eviction_can_seat_and_changes_nothing(model):
+    run = StaticRunner(model, "static", kv_budget_tokens=2 * 64, max_len=64, evict_idle=True)
+    for request_id in ("a", "b", "c"):
+        run.open(request_id)
+    run.extend([("a", [1, 2])])
+    assert not run.kv_fits([("a", 1), ("b", 1), ("c", 1)]) and run.kv_fits([("b", 1), ("c", 1)])
+    with pytest.raises(KVCapacityError, match="need 3 of 2 slots"):
+        run.extend([("a", [3]), ("b", [4]), ("c", [5])])
+    assert run.length("a") == 2 and run.evictions == 0 and run.kv.free_slots == 1
+    run.extend([("b", [4]), ("c", [5])])  # a, outside this extend, makes room
+    assert not run.has("a") and run.evictions == 1
+
+
+def test_without_evict_idle_a_full_runner_refuses_at_open(model):
+    run = StaticRunner(model, "static", kv_budget_tokens=64, max_len=64)  # M_S: never evicts
+    run.open("a")
+    with pytest.raises(KVCapacityError, match="no free KV slot"):
+        run.open("b")
+    assert run.request_ids() == ["a"] and run.evictions == 0
+
+
 def test_state_after_a_refused_extend_is_intact(model):
     ref, run = both(model, ["a"], slots=1, max_len=64)
     assert_same(ref, run, [("a", list(range(1, 40)))])

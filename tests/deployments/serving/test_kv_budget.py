@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from backoff_core.engine.engine import BackoffEngine
 from backoff_core.runners.dynamic import ModelRunner
 from backoff_core.runners.factory import make_runner
 from backoff_core.runners.kv_budget import bytes_per_token, kv_tokens, resolve_kv
@@ -51,6 +52,19 @@ def test_eviction_costs_a_re_prefill_not_the_output(pair, tokenizer):
     served = bounded.generate_many(reqs)
     assert [r.token_ids for r in served] == [r.token_ids for r in unbounded]
     assert bounded.models[1].evictions > 0
+
+
+def test_static_slots_evict_idle_sessions_and_the_output_stays_that_of_an_unbounded_run(pair, tokenizer):
+    """The same with M_L on static KV slots (make_runner, as on a GPU): 6 requests, 3 slots;
+    M_L's idle sessions give up their slot to a new one and are re-prefilled later."""
+    reqs = [request([3 + i, 4, 5], max_tokens=24, router="random", rate=0.6, seed=i, temperature=0.7) for i in range(6)]
+    unbounded = engine_for(pair, tokenizer).generate_many(reqs)
+    small = make_runner(pair[0], "small", KVSpec(budget_tokens=8 * 64, max_len=64), small=True)
+    large = make_runner(pair[1], "large", KVSpec(budget_tokens=3 * 64, max_len=64))
+    bounded = BackoffEngine([small, large], tokenizer)
+    served = bounded.generate_many(reqs)
+    assert [r.token_ids for r in served] == [r.token_ids for r in unbounded]
+    assert large.evictions > 0 and small.evictions == 0
 
 
 def test_twenty_long_requests_with_a_small_budget_all_complete_and_memory_stays_bounded(pair, tokenizer, loop_thread):
