@@ -18,7 +18,9 @@ COLOURS = {
     "max-prob": "tab:green",
     "random": "tab:gray",
     "flipped-oracle": "tab:red",
+    "nll_oracle": "tab:purple",
 }
+DASHES = {"flipped-oracle": "--", "nll_oracle": "-."}  # hindsight rules, not routers one could run
 
 
 def plot_quality_vs_backoff(res: dict, path: Path) -> Path:
@@ -30,7 +32,7 @@ def plot_quality_vs_backoff(res: dict, path: Path) -> Path:
             r["curve"],
             label=f"{name} (gap closed {r['gap_closed']:.2f})",
             color=COLOURS.get(name),
-            ls="--" if name == "flipped-oracle" else "-",
+            ls=DASHES.get(name, "-"),
         )
     ax.axhline(c["nll_large"], color="gray", ls=":", lw=0.8)
     ax.axhline(c["nll_small"], color="gray", ls=":", lw=0.8)

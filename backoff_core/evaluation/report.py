@@ -29,7 +29,7 @@ def goals(res: dict) -> list[str]:
     h = res["head"]
     lines.append(
         f"- **Gap closed** (area under NLL vs backoff, random → oracle, held-out text): "
-        f"**{gap:.3f}** with the {h['objective']} head on layer {h['layer']} "
+        f"**{gap:.3f}**{_ci(res['curves'], 'classifier')} with the {h['objective']} head on layer {h['layer']} "
         f"(goal ≥ {GAP_GOAL:.2f}: {'met' if gap >= GAP_GOAL else 'MISSED'})."
     )
     ctrl = [r for r in res.get("control", []) if r["mode"] == "controller"]
@@ -60,6 +60,44 @@ def goals(res: dict) -> list[str]:
     return lines + [""]
 
 
+def _ci(c: dict, router: str) -> str:
+    """' (95% CI lo–hi, bootstrap over N windows)' where results.json holds the interval."""
+    ci = c["routers"][router].get("ci95")
+    return f" (95% CI {ci[0]:.3f}–{ci[1]:.3f}, bootstrap over {c['windows']} windows)" if ci else ""
+
+
+def _with_ci(gap: float, ci: list | None) -> str:
+    return f"{gap:.3f} ({ci[0]:.3f}–{ci[1]:.3f})" if ci else _f(gap)
+
+
+def nll_oracle_at(c: dict, rate: float = 0.8) -> dict | None:
+    """NLL of the NLL oracle (and the KL oracle) at the curve's rate nearest `rate`, and how far
+    the NLL oracle stays above M_L alone: what no router can beat on this pair."""
+    if "nll_oracle" not in c["routers"]:
+        return None
+    i = min(range(len(c["rates"])), key=lambda j: abs(c["rates"][j] - rate))
+    best = c["routers"]["nll_oracle"]["curve"][i]
+    return {
+        "rate": c["rates"][i],
+        "nll_oracle": best,
+        "kl_oracle": c["routers"]["oracle"]["curve"][i],
+        "over_large": best / c["nll_large"] - 1,
+    }
+
+
+def _nll_oracle_line(c: dict) -> list[str]:
+    at = nll_oracle_at(c)
+    if at is None:
+        return []
+    return [
+        f"At {100 * at['rate']:.0f}% backoff even the NLL oracle reaches NLL {at['nll_oracle']:.3f} "
+        f"(KL oracle {at['kl_oracle']:.3f}, M_L alone {c['nll_large']:.3f}): "
+        f"**{100 * at['over_large']:+.0f}% NLL over M_L**"
+        + (", so no router on this pair can match M_L there." if at["over_large"] > 0 else "."),
+        "",
+    ]
+
+
 def head_cost(sp: dict) -> dict:
     """In-engine cost of the head: median decision-step time of the classifier runs minus that
     of always-small (which pays the same step bookkeeping but no head), over the engine's c_S."""
@@ -81,9 +119,22 @@ def curves_section(res: dict, plots: dict) -> list[str]:
         "",
     ]
     names = list(c["routers"])
+    if "nll_oracle" in c["routers"]:
+        lines += [
+            "`nll_oracle` sends to M_L the positions where M_L's NLL of the actual next token gains most "
+            "(known only in hindsight): the true upper bound on teacher-forced quality at every backoff rate. "
+            "The KL `oracle` is not; gap closed stays measured random → KL oracle, so the NLL oracle's exceeds 1.",
+            "",
+            *_nll_oracle_line(c),
+        ]
+    cis = [c["routers"][n].get("ci95") for n in names]
     lines += _table(
-        ["router", "area under NLL(b)", "gap closed"],
-        [[n, c["routers"][n]["area"], c["routers"][n]["gap_closed"]] for n in names],
+        ["router", "area under NLL(b)", "gap closed"] + ([f"95% CI ({c['windows']} windows)"] if any(cis) else []),
+        [
+            [n, c["routers"][n]["area"], c["routers"][n]["gap_closed"]]
+            + ([f"{ci[0]:.3f}–{ci[1]:.3f}" if ci else "–"] if any(cis) else [])
+            for n, ci in zip(names, cis)
+        ],
     )
     for key, title in (
         ("curves_by_domain", "Gap closed per held-out domain"),
@@ -91,12 +142,20 @@ def curves_section(res: dict, plots: dict) -> list[str]:
     ):
         if res.get(key):
             doms = res[key]
-            routers = [n for n in ("classifier", "entropy", "max-prob", "oracle") if n in next(iter(doms.values()))]
-            lines += [f"**{title}**", ""]
+            first = next(iter(doms.values()))
+            routers = [n for n in ("classifier", "entropy", "max-prob", "oracle", "nll_oracle") if n in first]
+            note = " (95% CI: bootstrap over the domain's windows)" if "ci95" in first else ""
+            lines += [f"**{title}**{note}", ""]
             lines += _table(
                 ["domain", "positions", "NLL M_S", "NLL M_L", *routers],
                 [
-                    [d, v["positions"], v["nll_small"], v["nll_large"], *[v[r] for r in routers]]
+                    [
+                        d,
+                        v["positions"],
+                        v["nll_small"],
+                        v["nll_large"],
+                        *[_with_ci(v[r], v.get("ci95", {}).get(r)) for r in routers],
+                    ]
                     for d, v in doms.items()
                 ],
             )
@@ -133,6 +192,7 @@ def oracle_section(res: dict) -> list[str]:
             for r in res["oracle_table"]
         ],
     )
+    lines += _nll_oracle_line(res["curves"])
     g = res.get("generation")
     if g:
         rows = [r for r in g["runs"] if r["label"] in ("M_L", "M_S") or "KL" in r["label"]]

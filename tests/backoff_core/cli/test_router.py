@@ -114,6 +114,10 @@ def test_pipeline_end_to_end(tmp_path, models, capsys):
         assert (run / f"{png}.png").stat().st_size > 5000
     results = json.loads((run / "results.json").read_text())
     assert results["curves"]["routers"]["oracle"]["gap_closed"] == pytest.approx(1.0)
+    lo, hi = results["curves"]["routers"]["classifier"]["ci95"]  # bootstrap over windows (tiny models: any width)
+    assert lo <= hi and results["curves_unseen"] and all("ci95" in v for v in results["curves_unseen"].values())
+    areas = {name: r["area"] for name, r in results["curves"]["routers"].items()}
+    assert areas["nll_oracle"] == pytest.approx(min(areas.values())) and "NLL over M_L**" in report
     assert {r["target"] for r in results["control"]} == {0.5, 0.7, 0.9}
 
 

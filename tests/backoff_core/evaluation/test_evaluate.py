@@ -54,3 +54,37 @@ def test_a_figure_no_longer_measured_leaves_no_stale_png(tmp_path):
     rewrite(tmp_path)
     assert not (tmp_path / "control.png").exists()
     assert "control.png" not in _report_images(tmp_path / "report.md")
+
+
+@pytest.fixture
+def synthetic_curves(monkeypatch) -> dict:
+    import torch
+
+    from backoff_core.evaluation import evaluate
+    from tests.support.router_fakes import synthetic
+
+    data = synthetic(n=1200, seed=1)  # 60 windows of 20 positions
+    noise = torch.randn(len(data), generator=torch.Generator().manual_seed(0))
+    monkeypatch.setattr(evaluate, "head_scores", lambda head, d: d.kl + noise[: len(d)])  # a fake head
+    return evaluate.curves(head=None, data=data, n_boot=200)
+
+
+def test_curves_hold_the_nll_oracle_below_every_router(synthetic_curves):
+    routers = synthetic_curves["routers"]
+    best = routers["nll_oracle"]["curve"]
+    for name, r in routers.items():
+        assert all(b <= x + 1e-5 for b, x in zip(best, r["curve"])), name
+    assert routers["oracle"]["gap_closed"] == pytest.approx(1.0) and routers["nll_oracle"]["gap_closed"] >= 1.0
+
+
+def test_curves_store_a_bootstrap_interval_beside_each_gap_closed(synthetic_curves):
+    from backoff_core.evaluation.evaluate import _gaps
+
+    assert synthetic_curves["windows"] == 60
+    for name, r in synthetic_curves["routers"].items():
+        lo, hi = r["ci95"]
+        assert lo <= r["gap_closed"] <= hi, name
+    assert synthetic_curves["routers"]["oracle"]["ci95"] == pytest.approx([1.0, 1.0])  # the reference itself
+    assert synthetic_curves["routers"]["classifier"]["ci95"][1] > synthetic_curves["routers"]["classifier"]["ci95"][0]
+    gaps = _gaps(synthetic_curves)
+    assert gaps["ci95"]["classifier"] == synthetic_curves["routers"]["classifier"]["ci95"] and gaps["windows"] == 60

@@ -7,7 +7,7 @@ import matplotlib.pyplot as plt
 import pytest
 
 from backoff_core.evaluation import plots
-from tests.support.eval_results import results
+from tests.support.eval_results import results, with_intervals
 
 PNG = b"\x89PNG\r\n\x1a\n"
 DRAW = {
@@ -60,3 +60,12 @@ def test_plot_all_returns_the_pngs_it_wrote(tmp_path):
     del res["control"], res["speed"]
     (tmp_path / "partial").mkdir()
     assert sorted(plots.plot_all(res, tmp_path / "partial")) == sorted(set(DRAW) - {"control", "quality_vs_speed"})
+
+
+def test_the_nll_oracle_is_a_line_of_the_quality_plot(tmp_path, monkeypatch):
+    drawn = {}
+    monkeypatch.setattr(plots, "save_figure", lambda fig, path: drawn.setdefault("fig", fig) and path)
+    plots.plot_quality_vs_backoff(with_intervals(results()), tmp_path / "q.png")
+    lines = {line.get_label(): line for line in drawn["fig"].axes[0].get_lines()}
+    assert lines["nll_oracle (gap closed 1.20)"].get_ydata().tolist() == [2.0, 2.6, 4.0]
+    plt.close(drawn["fig"])

@@ -8,7 +8,7 @@ import pytest
 
 from backoff_core.evaluation.plots import plot_all
 from backoff_core.evaluation.report import goals, head_cost, write_report
-from tests.support.eval_results import results
+from tests.support.eval_results import results, with_intervals
 
 FIGURES = ("quality_vs_backoff", "quality_vs_speed", "generation", "high_kl_accuracy", "layers", "control")
 
@@ -88,3 +88,27 @@ def test_tables_hold_the_measured_numbers(tmp_path):
     assert "| oracle | KL < 1 | 40.000 | 2.500 | 0.800 |" in text  # backoff in %
     assert "| KL>=5 | 12 | 0.900 | 0.800 | 0.500 |" in text  # high-KL accuracy at b = 0.5, 0.7, 0.9
     assert "| M_L | – | 0.000 |" in text  # None (M_L's target) prints as a dash
+
+
+def test_gap_closed_lines_carry_their_bootstrap_interval(tmp_path):
+    res = with_intervals(results())
+    goal = next(x for x in goals(res) if "Gap closed" in x)
+    assert "**0.650** (95% CI 0.600–0.700, bootstrap over 30 windows)" in goal
+    text = report(res, {}, tmp_path)
+    assert "| router | area under NLL(b) | gap closed | 95% CI (30 windows) |" in text
+    assert "| classifier | 2.675 | 0.650 | 0.600–0.700 |" in text
+    assert "| stdlib:heldout | 50 | 4.000 | 2.000 | 0.650 (0.550–0.750) |" in text  # per domain, classifier first
+
+
+def test_the_nll_oracle_is_named_the_bound_and_its_distance_from_m_l_stated(tmp_path):
+    text = report(with_intervals(results()), {}, tmp_path)
+    assert "the true upper bound on teacher-forced quality" in text
+    line = "At 80% backoff even the NLL oracle reaches NLL 2.600 (KL oracle 2.500, M_L alone 2.000): "
+    line += "**+30% NLL over M_L**"
+    assert text.count(line) == 2  # in the curves section and beside the paper's Table 2
+    assert "| nll_oracle | 2.400 | 1.200 | 1.150–1.250 |" in text
+
+
+def test_results_without_the_new_keys_report_as_before(tmp_path):
+    text = report(results(), {}, tmp_path)
+    assert "95% CI" not in text and "nll_oracle" not in text and "over M_L" not in text
