@@ -27,15 +27,12 @@ from dataclasses import dataclass
 
 import grpc
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 from ray import serve
 from ray.serve.exceptions import BackPressureError
 from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
-from starlette.exceptions import HTTPException
-from starlette.middleware.body_limit import MAX_BODY_SIZE_SCOPE_KEY
 
 from backoff_core.types import GenerationResult, TokenEvent
 from clients.wire import backoff_pb2 as pb
@@ -43,7 +40,8 @@ from clients.wire.errors import describe_validation
 from clients.wire.openai import ModelCard, ModelList
 from clients.wire.proto import params_from_pb, prompt_from_pb
 from clients.wire.types import ChatCompletionRequest, CompletionRequest, GenerateParams
-from deployments.serving.access import ClientError, Edge, EdgeGate, body_too_large, check_limits, peer_host
+from deployments.http_errors import error_response, install_http_errors
+from deployments.serving.access import ClientError, Edge, EdgeGate, check_limits, peer_host
 from deployments.serving.admission import Overloaded
 from deployments.serving.config import AppArgs, handle_options
 from deployments.serving.engine_loop import Admitted, Failed, Rejected
@@ -74,36 +72,7 @@ def _replica_edge() -> Edge:
 app.add_middleware(EdgeGate, edge=_replica_edge)
 
 
-class InternalErrors:
-    """An exception no handler took becomes a 500 with the OpenAI error body, never
-    Starlette's plain-text `Internal Server Error` (outermost of our middlewares; a
-    response already started cannot be changed, and an SSE stream reports in-band)."""
-
-    def __init__(self, app) -> None:
-        self.app = app
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        started = False
-
-        async def watch(message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, receive, watch)
-        except Exception as exc:  # noqa: BLE001 - answered in the OpenAI shape
-            log.exception("unhandled error in %s", scope.get("path"))
-            if started:
-                raise
-            await _error_response(
-                500, f"internal error: {type(exc).__name__}: {exc}", "server_error", code="internal_error"
-            )(scope, receive, send)
-
-
-app.add_middleware(InternalErrors)
+install_http_errors(app)  # outermost: an unhandled error is a 500 with the OpenAI body
 mount_playground(app)  # GET /playground: the page (static files, no key needed to load it)
 
 # HTTP status of a client error -> its gRPC status (anything else 4xx: INVALID_ARGUMENT)
@@ -119,55 +88,6 @@ class IngressInfo:
     pid: int
     replica: str
     open_by_client: dict[str, int]  # requests open per client id (key digest prefix or peer host)
-
-
-def _error_response(
-    status: int, message: str, kind: str, param: str | None = None, code: str | None = None, headers: dict | None = None
-):
-    # a message may quote client text with lone surrogates, which UTF-8 cannot encode
-    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
-    return JSONResponse(error_body(message, kind, param, code), status_code=status, headers=headers)
-
-
-@app.exception_handler(RequestValidationError)
-async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-    errors = exc.errors()
-    if errors and errors[0].get("type") == "json_invalid":
-        error = errors[0]
-        message = f"the body is not valid JSON: {error.get('ctx', {}).get('error', 'decode error')}"
-        return _error_response(400, f"{message} at position {error['loc'][-1]}", "invalid_request_error")
-    param, message = describe_validation(errors)
-    return _error_response(400, message, "invalid_request_error", param)
-
-
-@app.exception_handler(HTTPException)
-async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
-    """Starlette's and FastAPI's own refusals (unknown route, wrong method, a body that is not
-    UTF-8 or too large) in the OpenAI error shape."""
-    message, code = str(exc.detail), None
-    if exc.status_code == 413:  # a streamed body went past the limit
-        too_large = body_too_large(request.scope.get(MAX_BODY_SIZE_SCOPE_KEY))
-        message, code = too_large.message, too_large.code
-    elif exc.status_code == 400 and message == "There was an error parsing the body":
-        message = "the body could not be read as JSON (is it UTF-8?)"
-    return _error_response(exc.status_code, message, "invalid_request_error", None, code, exc.headers)
-
-
-@app.exception_handler(ClientError)
-async def _client_error(request: Request, exc: ClientError) -> JSONResponse:
-    return _error_response(exc.status, exc.message, exc.kind, exc.param, exc.code, exc.headers)
-
-
-@app.exception_handler(OverloadedError)
-async def _overload(request: Request, exc: OverloadedError) -> JSONResponse:
-    return _error_response(
-        exc.status, exc.message, "server_error", code=exc.code, headers={"Retry-After": exc.retry_after}
-    )
-
-
-@app.exception_handler(ServerFailure)
-async def _server_failure(request: Request, exc: ServerFailure) -> JSONResponse:
-    return _error_response(exc.status, exc.message, "server_error", code=exc.code)
 
 
 def _sse(body: dict) -> str:
@@ -240,7 +160,7 @@ class Ingress:
     async def health(self):
         problem = await self._chain_ok()
         if problem:
-            return _error_response(503, problem, "server_error")
+            return error_response(503, problem, "server_error")
         return {"status": "ok"}
 
     @app.get("/v1/models")

@@ -19,7 +19,8 @@ from backoff_core.engine.backends import LargeUnavailable
 from backoff_core.runners.dynamic import ModelRunner
 from clients.wire import backoff_pb2 as pb
 from clients.wire.types import GenerateParams
-from deployments.ingress import Ingress, InternalErrors
+from deployments.http_errors import InternalErrors
+from deployments.ingress import Ingress
 from deployments.serving.access import Edge
 from deployments.serving.batcher import CatchUpBatcher, CatchUpCall
 from deployments.serving.chaos import FaultInjector, InjectedFault
