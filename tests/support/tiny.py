@@ -8,6 +8,17 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 VOCAB = 48
 EOS = 0
+# tiny_model's shape, for tests that build other architectures (Qwen2, Mistral, ...) at it
+TINY_SHAPE = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
 
 
 def tiny_tokenizer(vocab: int = VOCAB) -> PreTrainedTokenizerFast:

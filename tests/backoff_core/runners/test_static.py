@@ -27,19 +27,9 @@ from backoff_core.runners.dynamic import ModelRunner
 from backoff_core.runners.static import KVCapacityError, StaticRunner
 from backoff_core.types import Verification
 from tests.support.helpers import engine_for, hf_greedy, request
-from tests.support.tiny import VOCAB, tiny_model
+from tests.support.tiny import TINY_SHAPE, VOCAB, tiny_model
 
 TOL = dict(atol=1e-4, rtol=1e-4)
-SMALL = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    tie_word_embeddings=False,
-)
 
 
 def llama3_model() -> LlamaForCausalLM:
@@ -53,14 +43,14 @@ def llama3_model() -> LlamaForCausalLM:
         high_freq_factor=4.0,
         original_max_position_embeddings=16,
     )
-    config = LlamaConfig(**{**SMALL, "num_key_value_heads": 1}, rope_parameters=rope)
+    config = LlamaConfig(**{**TINY_SHAPE, "num_key_value_heads": 1}, rope_parameters=rope)
     return LlamaForCausalLM(config).eval()
 
 
 def qwen2_model() -> Qwen2ForCausalLM:
     """Biases on q/k/v: the same structure, another model file."""
     torch.manual_seed(6)
-    return Qwen2ForCausalLM(Qwen2Config(**SMALL)).eval()
+    return Qwen2ForCausalLM(Qwen2Config(**TINY_SHAPE)).eval()
 
 
 MODELS = {
@@ -272,9 +262,9 @@ def test_session_errors_match_model_runner(model):
 @pytest.mark.parametrize(
     "make",
     [
-        lambda: Qwen3ForCausalLM(Qwen3Config(**SMALL)),  # q_norm / k_norm
-        lambda: GemmaForCausalLM(GemmaConfig(**SMALL, head_dim=8)),  # Llama's modules, scaled embeddings
-        lambda: MistralForCausalLM(MistralConfig(**SMALL, sliding_window=32)),  # a window that binds
+        lambda: Qwen3ForCausalLM(Qwen3Config(**TINY_SHAPE)),  # q_norm / k_norm
+        lambda: GemmaForCausalLM(GemmaConfig(**TINY_SHAPE, head_dim=8)),  # Llama's modules, scaled embeddings
+        lambda: MistralForCausalLM(MistralConfig(**TINY_SHAPE, sliding_window=32)),  # a window that binds
     ],
     ids=["qwen3", "gemma", "mistral-window"],
 )

@@ -11,20 +11,11 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 from backoff_core.runners.static_forward import Batch, StaticForward, check_supported
 from backoff_core.runners.static_kv import StaticKV
-from tests.support.tiny import VOCAB, tiny_model
+from tests.support.tiny import TINY_SHAPE, VOCAB, tiny_model
 
 TOL = dict(atol=1e-4, rtol=1e-4)
 MAX_LEN = 64
 IDS = [3, 17, 4, 29, 5, 11, 40, 2, 8, 31, 7, 19]
-SMALL = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-)
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +89,7 @@ def test_hidden_layer_is_hfs_hidden_state(model, layer):
 def test_check_supported_accepts_llama_and_a_window_that_never_binds(model):
     check_supported(model, MAX_LEN)
     torch.manual_seed(0)
-    mistral = MistralForCausalLM(MistralConfig(**SMALL, sliding_window=MAX_LEN))
+    mistral = MistralForCausalLM(MistralConfig(**TINY_SHAPE, sliding_window=MAX_LEN))
     check_supported(mistral, MAX_LEN)
     with pytest.raises(ValueError, match="sliding window 64 < max_len 65"):
         check_supported(mistral, MAX_LEN + 1)
@@ -110,7 +101,7 @@ def test_check_supported_accepts_llama_and_a_window_that_never_binds(model):
         (lambda: GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4)), "model_type='gpt2'"),
         (
             lambda: LlamaForCausalLM(
-                LlamaConfig(**SMALL, rope_parameters=dict(rope_type="dynamic", rope_theta=1e4, factor=2.0))
+                LlamaConfig(**TINY_SHAPE, rope_parameters=dict(rope_type="dynamic", rope_theta=1e4, factor=2.0))
             ),
             "rope type 'dynamic'",
         ),
