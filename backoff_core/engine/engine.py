@@ -119,9 +119,15 @@ class BackoffEngine:
         if routing.target_backoff is not None:
             if self.num_levels != 2:
                 raise ValueError("target_backoff needs exactly two models")
-            # a calibrated router starts from its calibration table, then the controller steers
+            # a calibrated router starts from its calibration table, then the controller steers;
+            # it is told the horizon only where the request cannot end before max_tokens
+            sampling = request.sampling
+            known = sampling.ignore_eos and not sampling.stop
             controller = RateController(
-                routing.target_backoff, thresholds[0], prior=rate_prior(router), horizon=request.sampling.max_tokens
+                routing.target_backoff,
+                thresholds[0],
+                prior=rate_prior(router),
+                horizon=sampling.max_tokens if known else None,
             )
             thresholds = (controller.threshold,)
         live = Live(

@@ -15,9 +15,11 @@ threshold is steered during generation instead:
   error. Feeding it back as a quantile offset makes D a mean-reverting walk
   (E[ΔD] = −k·D), so the achieved rate converges to b* whatever the scores do, with
   |D| of a few steps: the error in rate is O(1/t).
-- k = 1 / min(1/gain, steps left): when the request's horizon (max_tokens) is known, the
-  deficit is paid back by the last step, so a request that runs to max_tokens lands on
-  b* within a token. A small gain keeps the routing by score early on (on correlated
+- k = 1 / min(1/gain, steps left): when the request's horizon is known (the engine passes
+  max_tokens only for a request that cannot end earlier: `ignore_eos` and no stop strings),
+  the deficit is paid back by the last step, so the request lands on b* within a token. A
+  request that may end at EOS has an open horizon: the feedback alone keeps |D| to a few
+  steps, so a short answer can end a few points off. A small gain keeps the routing by score early on (on correlated
   synthetic scores, gain 0.05 kept ~70-90% precision on the truly hard steps where 0.2
   kept ~50-75%); the horizon then makes the tracking exact anyway.
 """

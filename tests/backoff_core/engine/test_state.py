@@ -4,8 +4,10 @@ the Detokenizer streams. No model runs here except for the controller test."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
+import pytest
 import torch
 
 from backoff_core.engine.state import Detokenizer, Live
@@ -105,6 +107,19 @@ def test_the_rate_controller_sees_every_step_and_its_threshold_reaches_the_resul
     assert r.controller.steps == len(r.generated) == 10
     assert r.controller.small_steps == r.sources.count(0)
     assert engine.finish(request_id).thresholds == (r.controller.threshold,)
+
+
+@pytest.mark.parametrize(
+    "ignore_eos, stop, horizon", [(True, (), 10), (False, (), None), (True, ("\n",), None), (False, ("x",), None)]
+)
+def test_the_controller_knows_the_horizon_only_when_the_request_cannot_end_earlier(
+    pair, tokenizer, ignore_eos, stop, horizon
+):
+    engine = engine_for(pair, tokenizer)
+    base = request([3, 4, 5], 10, "entropy", target_backoff=0.5)
+    sampling = dataclasses.replace(base.sampling, ignore_eos=ignore_eos, stop=stop)
+    request_id = engine.submit(dataclasses.replace(base, sampling=sampling))
+    assert engine._live[request_id].controller.horizon == horizon
 
 
 def test_target_backoff_zero_starts_at_the_lowest_threshold(pair, tokenizer):
