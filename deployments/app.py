@@ -17,6 +17,11 @@ from deployments.large import LargeModel
 from deployments.serving.config import AppArgs, ReplicaConfig
 from deployments.small import SmallModel
 
+# serve_cli.SERVE_PATH_ENV runs a replica's handle router on its main event loop; the
+# SmallModel's step thread waits on its catch-up calls with a blocking `.result()`, which
+# Serve refuses unless that router has a loop of its own: its replicas keep one.
+SMALL_MODEL_ENV = {"RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1"}
+
 
 def level_deployment_name(level: int, num_levels: int) -> str:
     return "LargeModel" if level == num_levels - 1 else f"MediumModel{level}"
@@ -71,7 +76,7 @@ def build_app(args: dict | AppArgs | None = None) -> Application:
         for level in range(1, n)
     ]
     retry = cfg.admission.retry_after_s
-    router = SmallModel.options(
-        user_config=cfg.routing.model_dump(), **replica_options(cfg.small, cluster, n, retry)
-    ).bind(cfg.model_dump(), *levels)
+    small = replica_options(cfg.small, cluster, n, retry)
+    small["ray_actor_options"]["runtime_env"] = {"env_vars": SMALL_MODEL_ENV}
+    router = SmallModel.options(user_config=cfg.routing.model_dump(), **small).bind(cfg.model_dump(), *levels)
     return Ingress.options(**replica_options(cfg.ingress, cluster, retry_after_s=retry)).bind(router, cfg.model_dump())

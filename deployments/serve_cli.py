@@ -22,10 +22,26 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent / "serve_config.yaml"
 # object store, which saves ~3 ms per catch-up on a CPU box. cluster.yaml sets the same.
 RAY_SYSTEM_CONFIG = {"max_direct_call_object_size": 4 * 1024 * 1024}
 
+# Ray Serve's own throughput settings (what RAY_SERVE_THROUGHPUT_OPTIMIZED turns on, less
+# direct ingress, which would move the client-facing ports): the proxy sends requests to the
+# Ingress over gRPC instead of Ray actor calls, and a replica runs its user code and its
+# handles' router on its main event loop instead of two more threads that hand every request
+# and message across with call_soon_threadsafe (the SmallModel keeps its router's own loop:
+# app.SMALL_MODEL_ENV). Read by every Serve process at import, so they
+# belong in the environment of the Ray nodes (LOCAL_SERVE_ENV below; cluster.yaml's `ray
+# start`). benchmarks/serve_overhead.py, 16 streams at a 2 ms step: the proxy's CPU per
+# request 15 -> 7 ms, the Ingress's 19 -> 13 ms (README, "serve_overhead").
+SERVE_PATH_ENV = {
+    "RAY_SERVE_PROXY_USE_GRPC": "1",
+    "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+    "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1000",  # access-log lines flushed in batches (errors at once)
+}
+
 # Serve's controller gives a new proxy 5 s to report ready, then kills it, and `serve run`
 # fails with the proxy's ActorDiedError: a loaded 2-core machine can take longer than that
 # to import a proxy. A local Ray started here passes its environment to those processes.
-LOCAL_SERVE_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60"}
+LOCAL_SERVE_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", **SERVE_PATH_ENV}
 
 
 def local_serve_env() -> None:

@@ -59,3 +59,12 @@ def test_node_types_carry_what_the_model_deployments_ask_for(cluster):
         assert types[kind]["min_workers"] >= 1  # a model replica can always be placed
     head = types[cluster["head_node_type"]]["resources"]
     assert head.get("GPU", 0) == 0 and head.get("CPU", 0) >= 1  # the Ingress and Serve's proxy
+
+
+def test_every_node_starts_ray_with_serves_fast_path_env(cluster):
+    from deployments.serve_cli import SERVE_PATH_ENV
+
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        start = next(c for c in cluster[key] if "ray start" in c)
+        assignments = start.split("ray start")[0].split()
+        assert dict(a.split("=", 1) for a in assignments) == SERVE_PATH_ENV, key

@@ -163,6 +163,9 @@ def test_a_chain_of_three_adds_one_large_like_deployment():
 
     names = sorted(d.name for d in materialize(app, name="x").deployments)
     assert names == ["Ingress", "LargeModel", "MediumModel1", "SmallModel"]
+    small = next(d for d in materialize(app, name="x").deployments if d.name == "SmallModel")
+    # its step thread's blocking catch-up calls need the handle router on a loop of its own
+    assert small.ray_actor_options["runtime_env"]["env_vars"] == {"RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1"}
 
 
 @dataclass(frozen=True)
