@@ -58,6 +58,15 @@ def test_sse_of_a_batch_is_one_chunk_per_token_as_before(chat, split):
     assert deltas[4].logprobs is not None and deltas[4].logprobs.logprob == -0.25
 
 
+@pytest.mark.parametrize("chat", [False, True])
+def test_sse_escapes_any_text_as_json_dumps_does(chat):
+    texts = ['"quoted"', "back\\slash", "new\nline\ttab", "\x00\x1f", "日本語", "emoji 🙂", "</script>", ""]
+    events = tuple(
+        TokenEvent(20 + i, i % 3, t, i + 1, retracted=i % 2, retracted_text=t[::-1]) for i, t in enumerate(texts)
+    )
+    assert TokenChunks(RID, MODEL, CREATED, chat).sse(events) == _one_per_message(events, chat)
+
+
 def test_a_batch_body_is_not_shared_between_tokens():
     chunks = TokenChunks(RID, MODEL, CREATED, chat=True)
     a, b = chunks.body(EVENTS[1]), chunks.body(EVENTS[2])
