@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
-# The router pipeline on the embedded default pair, as run for issue 4 (CPU, ~40 min on 1
-# shared core). Every step is resumable: rerunning skips finished shards / answers.
+# The router pipeline on the embedded default pair (CPU, ~95 min on 1 shared core: data ~25,
+# heads ~20, evaluation ~50). Every step is resumable: rerunning skips finished shards / answers.
 #
 #   scripts/router_pipeline.sh            # everything
 #   STEPS="train evaluate" scripts/router_pipeline.sh
 #
 # Domains: the router is (pre)trained on stdlib code and finetuned on the large model's
 # answers to Python questions; calibrated on a disjoint 10% bucket of both (the calibration set
-# also picks which head ships); evaluated on
-# their held-out splits. pydoc (reference docs), notes (the stdlib's release notes /
-# READMEs / licence) and chat-general (everyday chat answers) are never used for
-# training or calibration: the rate-control test runs there.
+# also picks which head ships); evaluated on their held-out splits. Never used to train or
+# calibrate a router ("unseen"): pydoc (reference docs) and chat-general (everyday chat
+# answers), both seen by M_S's distillation; notes (the stdlib's release notes / READMEs /
+# licence), manpages (the machine's Unix man pages) and chat-unix (answers about those
+# commands), which neither model nor router was trained on. Evaluation data takes one window
+# per document where documents are plenty, so the bootstrap over documents has many.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 R=${R:-runs/router}
@@ -24,11 +26,16 @@ if [[ $STEPS == *data* ]]; then
   backoff router-data --out $R/finetune-b --corpus chat-python:train --chat-samples 144 --max-positions 16384 --threads $T
   backoff router-data --out $R/calib --corpus stdlib:calib --corpus chat-python:calib --chat-samples 16 \
     --max-positions 4096 --threads $T
-  backoff router-data --out $R/heldout --corpus stdlib:heldout --corpus chat-python:heldout --chat-samples 16 \
-    --max-positions 6144 --threads $T
-  backoff router-data --out $R/unseen-pydoc --corpus pydoc:train --max-positions 2048 --threads $T
-  backoff router-data --out $R/unseen-notes --corpus notes:train --max-positions 2048 --threads $T
-  backoff router-data --out $R/unseen-chat --corpus chat-general:train --chat-samples 16 --max-positions 2048 --threads $T
+  backoff router-data --out $R/heldout --corpus stdlib:heldout --corpus chat-python:heldout --chat-samples 96 \
+    --max-positions 16384 --windows-per-doc 1 --threads $T
+  backoff router-data --out $R/unseen-pydoc --corpus pydoc:train --max-positions 8192 --windows-per-doc 1 --threads $T
+  backoff router-data --out $R/unseen-notes --corpus notes:train --max-positions 6144 --threads $T  # 11 documents
+  backoff router-data --out $R/unseen-chat --corpus chat-general:train --chat-samples 64 --max-positions 8192 \
+    --threads $T
+  backoff router-data --out $R/unseen-man --corpus manpages:train --max-positions 16384 --windows-per-doc 1 \
+    --threads $T
+  backoff router-data --out $R/unseen-chat-unix --corpus chat-unix:train --chat-samples 96 --max-positions 8192 \
+    --threads $T
 fi
 
 PRE="--data $R/pretrain --data $R/pretrain-b --finetune $R/finetune-b"
@@ -61,6 +68,7 @@ fi
 if [[ $STEPS == *evaluate* ]]; then
   HEAD=${HEAD:-$R/heads/buckets-L2-feat-joint-i64}
   backoff evaluate --run-dir $R/eval --head $HEAD --heldout $R/heldout --calib $R/calib \
-    --unseen $R/unseen-pydoc --unseen $R/unseen-notes --unseen $R/unseen-chat \
+    --unseen $R/unseen-pydoc --unseen $R/unseen-notes --unseen $R/unseen-chat --unseen $R/unseen-man \
+    --unseen $R/unseen-chat-unix \
     $(for h in $R/heads/*; do echo --compare $h; done) --threads $T
 fi

@@ -138,6 +138,8 @@ def _evaluate(args) -> int:
         max_tokens=args.max_tokens,
         control_requests=args.control_requests,
         control_tokens=args.control_tokens,
+        open_requests=args.open_requests,
+        open_tokens=args.open_tokens,
         targets=tuple(float(x) for x in args.targets.split(",")),
         skip=tuple(args.skip),
         seed=args.seed,
@@ -221,12 +223,18 @@ def register(sub) -> None:
         default=[],
         help="router-data dir(s) of domains the router never saw (KL table, control prompts)",
     )
-    p.add_argument("--prompts", type=int, default=8, help="fixed prompt set size for generation quality")
+    p.add_argument("--prompts", type=int, default=64, help="fixed prompt set size for generation quality")
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--control-requests", type=int, default=6, help="requests per domain and target")
     p.add_argument("--control-tokens", type=int, default=128)
+    p.add_argument(
+        "--open-requests", type=int, default=32, help="open-horizon control: chat requests per unseen chat domain"
+    )
+    p.add_argument("--open-tokens", type=int, default=192, help="open-horizon control: their max_tokens (a cap)")
     p.add_argument("--targets", default="0.5,0.7,0.9")
-    p.add_argument("--skip", action="append", default=[], help="skip a section: layers, generation, speed, control")
+    p.add_argument(
+        "--skip", action="append", default=[], help="skip a section: layers, generation, speed, control, open_horizon"
+    )
     _common(p)
     p.set_defaults(run=_evaluate)
 

@@ -7,9 +7,12 @@ Teacher-forced, on held-out router data (no external data set needed):
   - KL bucket table per domain (Table 1); oracle vs flipped oracle at KL thresholds (Table 2);
   - the head's accuracy on high-KL positions vs backoff rate (Figure 3);
   - every compared head (objective × layer): held-out gap closed (Figure 4: quality per layer).
-With the engine (eval_generate): generation quality on a fixed prompt set, measured speed,
-and online rate control on domains the router never saw. Everything lands in
-run_dir/results.json, run_dir/report.md and run_dir/*.png.
+With the engine (evaluation.generate / evaluation.control): generation quality on a fixed
+prompt set, each router interpolated to the same achieved rates; measured speed; online rate
+control on domains the router never saw, with the horizon known (requests run to max_tokens)
+and open (chat requests end at EOS). Intervals are bootstrap 95% intervals over documents
+(teacher-forced) or prompts (generation). Everything lands in run_dir/results.json,
+run_dir/report.md and run_dir/*.png.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from backoff_core.evaluation import control as ctl
 from backoff_core.evaluation import generate as gen
 from backoff_core.learning import data as router_data
 from backoff_core.learning.calibrate import head_scores
@@ -42,7 +46,8 @@ KL_BUCKETS = (0.0, 0.5, 1.0, 2.0, 5.0, float("inf"))  # the paper's Table 1 edge
 TABLE2_THRESHOLDS = (1.0, 2.0, 5.0, 10.0)
 FLIPPED_THRESHOLDS = (5.0, 10.0)
 HIGH_KL_GROUPS = (1.0, 2.0, 5.0)
-SECTIONS = ("layers", "generation", "speed", "control")
+SECTIONS = ("layers", "generation", "speed", "control", "open_horizon")
+RATE_GRID = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)  # calibrated rates each router generates at
 
 
 @dataclass(frozen=True)
@@ -53,10 +58,12 @@ class EvalConfig:
     calib: tuple[str, ...] = ()
     compare: tuple[str, ...] = ()  # more heads (objectives × layers) scored on the held-out data
     unseen: tuple[str, ...] = ()
-    prompts: int = 8
+    prompts: int = 64
     max_tokens: int = 48
     control_requests: int = 6
     control_tokens: int = 128
+    open_requests: int = 32  # chat requests per unseen chat domain and target, ending at EOS
+    open_tokens: int = 192  # their cap
     targets: tuple[float, ...] = (0.5, 0.7, 0.9)
     skip: tuple[str, ...] = ()
     seed: int = 0
@@ -79,13 +86,15 @@ def router_scores(head: ClassifierHead, data: RouterData) -> dict[str, torch.Ten
 
 def curves(head: ClassifierHead, data: RouterData, n_boot: int = 1000, seed: int = 0) -> dict:
     """NLL(b) per router, each router's area and gap closed (Figure 2, teacher-forced), and a
-    95% interval of each gap closed from a bootstrap over windows (n_boot resamples)."""
+    95% interval of each gap closed from a bootstrap over documents (n_boot resamples; all the
+    windows of a document are drawn together)."""
     out = {
         "rates": RATES.tolist(),
         "nll_small": float(data.nll_s.mean()),
         "nll_large": float(data.nll_l.mean()),
         "positions": len(data),
         "windows": len(torch.unique(data.window)),
+        "documents": len(torch.unique(data.doc)),
         "routers": {},
     }
     rand = random_curve(data.nll_s, data.nll_l)
@@ -100,7 +109,7 @@ def curves(head: ClassifierHead, data: RouterData, n_boot: int = 1000, seed: int
     ci = bootstrap_ci(
         lambda kl, nll_s, nll_l, *s: gap_closed_all(dict(zip(names, s)), kl, nll_s, nll_l),
         (data.kl, data.nll_s, data.nll_l, *scores.values()),
-        data.window,
+        data.doc,
         n_boot=n_boot,
         seed=seed,
     )
@@ -259,20 +268,23 @@ def _engine_sections(cfg: EvalConfig, chain, head, heldout, calib, res: dict) ->
         prompts = gen.chat_prompt_ids(chain.tokenizer, Path(cfg.heldout[-1]), cfg.prompts, cfg.seed)
         if not prompts:
             raise ValueError(f"{cfg.heldout[-1]} holds no chat records to take generation prompts from")
-        th = fixed_thresholds(head, calib, cfg.targets)
+        grid = sorted(set(RATE_GRID) | set(cfg.targets))
+        th = fixed_thresholds(head, calib, grid)
         runs = [gen.Run("M_L", "always-large"), gen.Run("M_S", "always-small")]
         runs += [
             gen.Run(f"{r}@{t}", r, thresholds=(th[r][t],), nominal=t)
             for r in ("oracle", "classifier", "entropy", "random")
             if r in th
-            for t in cfg.targets
+            for t in grid
         ]
         runs += [gen.Run(f"oracle KL<{t:g}", "oracle", thresholds=(t,)) for t in TABLE2_THRESHOLDS]
         runs += [gen.Run(f"flipped KL>={t:g}", "flipped-oracle", thresholds=(-t,)) for t in FLIPPED_THRESHOLDS]
+        rows = gen.quality_runs(engine, large, prompts, runs, cfg.max_tokens)
         res["generation"] = {
             "prompts": len(prompts),
             "max_tokens": cfg.max_tokens,
-            "runs": gen.quality_runs(engine, large, prompts, runs, cfg.max_tokens),
+            "runs": rows,
+            "matched": gen.matched(rows, cfg.targets, seed=cfg.seed),
         }
     if "speed" not in cfg.skip:
         prompt = gen.chat_prompt_ids(chain.tokenizer, Path(cfg.heldout[-1]), 1, cfg.seed + 1)[0]
@@ -284,8 +296,19 @@ def _engine_sections(cfg: EvalConfig, chain, head, heldout, calib, res: dict) ->
             domains[manifest["config"]["corpora"][0]] = gen.domain_prompt_ids(
                 chain.tokenizer, Path(d), cfg.control_requests, cfg.seed
             )
-        res["control"] = gen.control_runs(
+        res["control"] = ctl.control_runs(
             engine, domains, head.threshold_for_rate, cfg.targets, cfg.control_tokens, cfg.seed
+        )
+    chats = [d for d in cfg.unseen if gen.chat_files(Path(d))]
+    if "open_horizon" not in cfg.skip and chats:
+        domains = {
+            json.loads((Path(d) / "manifest.json").read_text())["config"]["corpora"][0]: gen.chat_prompt_ids(
+                chain.tokenizer, Path(d), cfg.open_requests, cfg.seed
+            )
+            for d in chats
+        }
+        res["open_horizon"] = ctl.open_horizon_runs(
+            engine, large, domains, head.threshold_for_rate, cfg.targets, cfg.open_tokens, cfg.seed
         )
 
 
@@ -296,6 +319,7 @@ def _gaps(c: dict) -> dict:
         "nll_large": c["nll_large"],
         "positions": c["positions"],
         "windows": c["windows"],
+        "documents": c["documents"],
     }
 
 

@@ -86,6 +86,11 @@ def plot_generation(res: dict, path: Path) -> Path | None:
                 ax.plot(
                     [r["backoff_rate"] for r in rows], [r[key] for r in rows], "o-", label=name, color=COLOURS[name]
                 )
+        for t, e in ((g.get("matched") or {}).get("routers", {}).get(name) or {}).items():
+            if e is not None:  # the matched-rate point with its 95% interval over prompts
+                for ax, key in zip(axes, ("large_nll", "agreement")):
+                    lo, hi = e[f"ci95_{'nll' if key == 'large_nll' else key}"] or (e[key], e[key])
+                    ax.errorbar(float(t), e[key], yerr=[[e[key] - lo], [hi - e[key]]], color=COLOURS[name], capsize=3)
     for ax, key, label in zip(
         axes, ("large_nll", "agreement"), ("M_L NLL of generated text", "greedy agreement with M_L")
     ):

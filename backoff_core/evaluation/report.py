@@ -2,25 +2,26 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
+from backoff_core.evaluation.claims import paper_section
+from backoff_core.evaluation.report_engine import (
+    CONTROL_GOAL,
+    control_section,
+    generation_section,
+    matched_goal,
+    open_horizon_goal,
+    open_horizon_section,
+    speed_section,
+)
+from backoff_core.evaluation.tables import img as _img
+from backoff_core.evaluation.tables import table as _table
+from backoff_core.evaluation.tables import with_ci as _with_ci
+
 GAP_GOAL = 0.60
-CONTROL_GOAL = 0.03
 HEAD_COST_GOAL = 0.05
-
-
-def _f(x, digits: int = 3) -> str:
-    if x is None:
-        return "–"
-    if isinstance(x, float):
-        return f"{x:.{digits}f}"
-    return str(x)
-
-
-def _table(header: list[str], rows: list[list]) -> list[str]:
-    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    out += ["| " + " | ".join(_f(c) for c in row) + " |" for row in rows]
-    return out + [""]
+DISTILLED = frozenset({"stdlib", "docstrings", "pydoc", "chat-general", "chat-python"})  # M_S's distillation corpora
 
 
 def goals(res: dict) -> list[str]:
@@ -32,6 +33,7 @@ def goals(res: dict) -> list[str]:
         f"**{gap:.3f}**{_ci(res['curves'], 'classifier')} with the {h['objective']} head on layer {h['layer']} "
         f"(goal ≥ {GAP_GOAL:.2f}: {'met' if gap >= GAP_GOAL else 'MISSED'})."
     )
+    lines += _gap_goal_table(res)
     ctrl = [r for r in res.get("control", []) if r["mode"] == "controller"]
     if ctrl:
         worst = max(ctrl, key=lambda r: abs(r["error"]))
@@ -42,7 +44,13 @@ def goals(res: dict) -> list[str]:
             f"**{abs(worst['error']) * 100:.1f} points** ({worst['domain']}, target {worst['target']}) "
             f"(goal ≤ {CONTROL_GOAL * 100:.0f}: {'met' if ok else 'MISSED'}); mean per-request |error| "
             f"{100 * sum(r['mean_abs_request_error'] for r in ctrl) / len(ctrl):.1f} points."
+            + (
+                " The requests run to max_tokens, so the controller knows their horizon."
+                if "open_horizon" in res
+                else ""
+            )
         )
+    lines += open_horizon_goal(res) + matched_goal(res)
     sp = res.get("speed")
     if sp:
         cost = head_cost(sp)
@@ -60,14 +68,58 @@ def goals(res: dict) -> list[str]:
     return lines + [""]
 
 
+def distilled(domain: str) -> str:
+    """Whether M_S's distillation read this domain: 'yes' / 'no' for a built-in spec (its train
+    and calibration splits are distillation text), '–' for a user's path."""
+    m = re.search(r"(?:^|/)([a-z-]+):(train|calib|heldout)$", domain)
+    if not m:
+        return "–"
+    return "yes" if m.group(1) in DISTILLED and m.group(2) != "heldout" else "no"
+
+
+def _gap_goal_table(res: dict) -> list[str]:
+    """The gap goal per held-out domain and per unseen domain, with intervals, where measured."""
+    rows = []
+    for kind, key in (("held out", "curves_by_domain"), ("unseen", "curves_unseen")):
+        for d, v in (res.get(key) or {}).items():
+            ci = v.get("ci95", {})
+            verdict = "met" if v["classifier"] >= GAP_GOAL else "MISSED"
+            if ci.get("classifier") and ci["classifier"][0] < GAP_GOAL <= ci["classifier"][1]:
+                verdict += " (interval spans the goal)"
+            rows.append(
+                [
+                    d,
+                    kind,
+                    distilled(d),
+                    v.get("documents", v.get("windows", "–")),
+                    v["positions"],
+                    _with_ci(v["classifier"], ci.get("classifier")),
+                    _with_ci(v["entropy"], ci.get("entropy")) if "entropy" in v else "–",
+                    verdict,
+                ]
+            )
+    if not rows:
+        return []
+    return [
+        "",
+        f'  Per domain (95% intervals: bootstrap over documents; goal ≥ {GAP_GOAL:.2f}; "M_S distilled on it": '
+        "the small model's distillation read this domain's training split: it is new to the router alone):",
+        "",
+        *_table(
+            ["domain", "split", "M_S distilled on it", "documents", "positions", "classifier", "entropy", "goal"], rows
+        ),
+    ]
+
+
 def _ci(c: dict, router: str) -> str:
-    """' (95% CI lo–hi, bootstrap over N windows)' where results.json holds the interval."""
+    """' (95% CI lo–hi, bootstrap over N documents)' where results.json holds the interval
+    (runs before documents were stored resampled windows)."""
     ci = c["routers"][router].get("ci95")
-    return f" (95% CI {ci[0]:.3f}–{ci[1]:.3f}, bootstrap over {c['windows']} windows)" if ci else ""
+    return f" (95% CI {ci[0]:.3f}–{ci[1]:.3f}, bootstrap over {_unit(c)})" if ci else ""
 
 
-def _with_ci(gap: float, ci: list | None) -> str:
-    return f"{gap:.3f} ({ci[0]:.3f}–{ci[1]:.3f})" if ci else _f(gap)
+def _unit(c: dict) -> str:
+    return f"{c['documents']} documents" if "documents" in c else f"{c['windows']} windows"
 
 
 def nll_oracle_at(c: dict, rate: float = 0.8) -> dict | None:
@@ -129,7 +181,7 @@ def curves_section(res: dict, plots: dict) -> list[str]:
         ]
     cis = [c["routers"][n].get("ci95") for n in names]
     lines += _table(
-        ["router", "area under NLL(b)", "gap closed"] + ([f"95% CI ({c['windows']} windows)"] if any(cis) else []),
+        ["router", "area under NLL(b)", "gap closed"] + ([f"95% CI ({_unit(c)})"] if any(cis) else []),
         [
             [n, c["routers"][n]["area"], c["routers"][n]["gap_closed"]]
             + ([f"{ci[0]:.3f}–{ci[1]:.3f}" if ci else "–"] if any(cis) else [])
@@ -144,13 +196,15 @@ def curves_section(res: dict, plots: dict) -> list[str]:
             doms = res[key]
             first = next(iter(doms.values()))
             routers = [n for n in ("classifier", "entropy", "max-prob", "oracle", "nll_oracle") if n in first]
-            note = " (95% CI: bootstrap over the domain's windows)" if "ci95" in first else ""
+            unit = "documents" if "documents" in first else "windows"
+            note = f" (95% CI: bootstrap over the domain's {unit})" if "ci95" in first else ""
             lines += [f"**{title}**{note}", ""]
             lines += _table(
-                ["domain", "positions", "NLL M_S", "NLL M_L", *routers],
+                ["domain", "M_S distilled on it", "positions", "NLL M_S", "NLL M_L", *routers],
                 [
                     [
                         d,
+                        distilled(d),
                         v["positions"],
                         v["nll_small"],
                         v["nll_large"],
@@ -204,24 +258,6 @@ def oracle_section(res: dict) -> list[str]:
     return lines
 
 
-def generation_section(res: dict, plots: dict) -> list[str]:
-    g = res.get("generation")
-    if not g:
-        return []
-    rows = [r for r in g["runs"] if "@" in r["label"] or r["label"] in ("M_L", "M_S")]
-    lines = [
-        "## Generated text: M_L's NLL and greedy agreement with M_L",
-        "",
-        "Thresholds fixed from the calibration set for each router's target rate.",
-        "",
-    ]
-    lines += _table(
-        ["run", "target", "achieved backoff %", "M_L NLL of text", "greedy agreement"],
-        [[r["label"], r["target"], 100 * r["backoff_rate"], r["large_nll"], r["agreement"]] for r in rows],
-    )
-    return lines + _img(plots, "generation")
-
-
 def high_kl_section(res: dict, plots: dict) -> list[str]:
     hk = res["high_kl"]
     want = [0.5, 0.7, 0.9]
@@ -263,61 +299,6 @@ def compare_section(res: dict, plots: dict) -> list[str]:
     return lines + _img(plots, "layers")
 
 
-def speed_section(res: dict) -> list[str]:
-    sp = res.get("speed")
-    if not sp:
-        return []
-    lines = [
-        "## Measured speed (this machine, shared CPU)",
-        "",
-        f"c_S (M_S step with hidden state) {sp['c_S_s'] * 1e3:.2f} ms; router head alone "
-        f"{sp['c_head_s'] * 1e3:.3f} ms; P_L(k): "
-        + ", ".join(f"k={k}: {v * 1e3:.1f} ms" for k, v in sp["P_L_s"].items()),
-        "",
-    ]
-    lines += _table(
-        ["run", "achieved backoff %", "decode tokens/s", "c_r in engine (ms)", "c_S in engine (ms)"],
-        [
-            [r["label"], 100 * r["backoff_rate"], r["tokens_per_s"], r["c_r_engine_s"] * 1e3, r["c_S_engine_s"] * 1e3]
-            for r in sp["runs"]
-        ],
-    )
-    return lines
-
-
-def control_section(res: dict, plots: dict) -> list[str]:
-    rows = res.get("control")
-    if not rows:
-        return []
-    lines = [
-        "## Online rate control on unseen domains",
-        "",
-        "`controller`: the request asks for `target_backoff`; `fixed`: the calibrated threshold for that rate "
-        "held fixed (a lookup). Pooled = small tokens / all tokens over the domain's requests.",
-        "",
-    ]
-    lines += _table(
-        ["domain", "target", "mode", "pooled achieved", "error (points)", "mean |request error| (points)", "tokens"],
-        [
-            [
-                r["domain"],
-                r["target"],
-                r["mode"],
-                r["pooled"],
-                100 * r["error"],
-                100 * r["mean_abs_request_error"],
-                sum(r["tokens"]),
-            ]
-            for r in rows
-        ],
-    )
-    return lines + _img(plots, "control")
-
-
-def _img(plots: dict, name: str) -> list[str]:
-    return [f"![{name}]({Path(plots[name]).name})", ""] if name in plots else []
-
-
 def write_report(res: dict, plots: dict, run_dir: Path) -> Path:
     h = res["head"]
     lines = [
@@ -330,6 +311,7 @@ def write_report(res: dict, plots: dict, run_dir: Path) -> Path:
     ]
     lines += goals(res)
     for part in (
+        paper_section(res),
         curves_section(res, plots),
         kl_section(res),
         oracle_section(res),
@@ -338,6 +320,7 @@ def write_report(res: dict, plots: dict, run_dir: Path) -> Path:
         compare_section(res, plots),
         speed_section(res),
         control_section(res, plots),
+        open_horizon_section(res),
     ):
         lines += part
     path = Path(run_dir) / "report.md"

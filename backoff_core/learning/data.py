@@ -8,6 +8,9 @@ position t (the step that picks token t+1) a shard stores:
   nll_s/nll_l [N]          -log p(token t+1) under each model (the quality of a routing)
   agree       [N] uint8    argmax_S == argmax_L
   window/pos/domain/token  [N] int32  where the position comes from, and the next token
+  doc         [N] int32    the document the window was cut from (windows of one document are
+                           resampled together by the evaluation's bootstrap; older data has
+                           none and reads as one document per window)
 Shards are safetensors files listed in manifest.json; a rerun skips finished shards.
 """
 
@@ -27,7 +30,7 @@ from backoff_core.learning.sources import ChatGen, Document, load_documents
 from backoff_core.models.kernels import model_fingerprint
 from backoff_core.sampling import entropy, kl_divergence
 
-FIELDS = ("kl", "ent_s", "ent_l", "maxp_s", "nll_s", "nll_l", "agree", "window", "pos", "domain", "token")
+FIELDS = ("kl", "ent_s", "ent_l", "maxp_s", "nll_s", "nll_l", "agree", "window", "pos", "domain", "token", "doc")
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,7 @@ class Window:
     ids: tuple[int, ...]
     start: int  # first router position
     domain: int  # index into DataConfig.corpora
+    doc: int = 0  # the document it was cut from (numbered over all corpora)
 
     @property
     def positions(self) -> int:
@@ -78,9 +82,15 @@ def make_windows(docs: list[list[Document]], cfg: DataConfig) -> list[Window]:
     """Seeded choice of windows, max_positions / len(corpora) positions per corpus."""
     budget = cfg.max_positions // len(docs)
     windows: list[Window] = []
+    first_doc = 0
     for domain, corpus_docs in enumerate(docs):
         rng = random.Random(f"{cfg.seed}:{cfg.corpora[domain]}")
-        pool = [Window(ids, start, domain) for d in corpus_docs for ids, start in _doc_windows(d, cfg, rng)]
+        pool = [
+            Window(ids, start, domain, first_doc + i)
+            for i, d in enumerate(corpus_docs)
+            for ids, start in _doc_windows(d, cfg, rng)
+        ]
+        first_doc += len(corpus_docs)
         rng.shuffle(pool)
         taken = 0
         for w in pool:
@@ -123,6 +133,7 @@ def teacher_forced(
                 window=torch.full((len(p),), first_window + i, dtype=torch.int32),
                 pos=p.int().cpu(),
                 domain=torch.full((len(p),), w.domain, dtype=torch.int32),
+                doc=torch.full((len(p),), w.doc, dtype=torch.int32),
             )
     keys = parts[0].keys() if parts else ()
     return {k: torch.cat([parts[i][k] for i in range(len(windows))]) for k in keys}
@@ -258,7 +269,7 @@ def load(dirs: str | Path | list) -> RouterData:
     hidden: dict[int, list] = {}
     domains: list[str] = []
     pair = None
-    window_base = 0
+    window_base, doc_base = 0, 0
     for d in dirs:
         path = d / "manifest.json"
         if not path.exists():
@@ -274,17 +285,21 @@ def load(dirs: str | Path | list) -> RouterData:
         prefix = f"{d.name}/" if len(dirs) > 1 else ""
         for shard in manifest["shards"]:
             t = load_file(str(d / shard["file"]))
+            docs = t["doc"] if "doc" in t else t["window"]  # older data: a document per window
             for k in FIELDS:
-                v = t[k]
+                v = docs if k == "doc" else t[k]
                 if k == "domain":
                     v = v + len(domains)
                 elif k == "window":
                     v = v + window_base
+                elif k == "doc":
+                    v = v + doc_base
                 fields[k].append(v)
             for key in (k for k in t if k.startswith("hidden.")):
                 hidden.setdefault(int(key.split(".")[1]), []).append(t[key])
         domains += [prefix + c for c in manifest["domains"]]
         window_base += manifest["windows"]
+        doc_base = int(torch.cat(fields["doc"]).max()) + 1 if fields["doc"] else doc_base
     data = RouterData(
         {k: torch.cat(v) for k, v in fields.items()}, {n: torch.cat(h) for n, h in hidden.items()}, domains, pair or {}
     )

@@ -3,8 +3,10 @@
 A spec names one text domain:
 - built-in, present on every machine: `stdlib` (code), `docstrings`, `pydoc` (reference
   docs), `notes` (the stdlib's release notes / READMEs / licence), each as `NAME[:SPLIT]`;
-- `chat-general[:SPLIT]` / `chat-python[:SPLIT]`: the large model's own answers to the
-  templated chat prompts of `backoff_core.learning.corpus`, generated once and cached as JSONL;
+  `manpages` (the machine's Unix man pages, sections 1/5/7/8) where /usr/share/man has them;
+- `chat-general[:SPLIT]` / `chat-python[:SPLIT]` / `chat-unix[:SPLIT]` (questions about the
+  commands of those man pages): the large model's own answers to the templated chat prompts
+  of `backoff_core.learning.corpus`, generated once and cached as JSONL;
 - a path: a `.jsonl` file of chat records (`{"messages": [...]}`, `{"prompt", "response"}`
   or `{"text"}`), or a text file, or a directory of `.txt/.md/.rst/.py` files.
 
@@ -33,8 +35,9 @@ TEXT_DOMAINS = {
     "docstrings": corpus.stdlib_docstring_texts,
     "pydoc": corpus.pydoc_topics_texts,
     "notes": corpus.stdlib_notes_texts,
+    "manpages": corpus.man_texts,
 }
-CHAT_DOMAINS = {"chat-general": "general", "chat-python": "python"}
+CHAT_DOMAINS = {"chat-general": "general", "chat-python": "python", "chat-unix": "unix"}
 CALIB_BUCKETS = 10  # 1 train document in 10 is the calibration set
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py")
 

@@ -196,3 +196,53 @@ def with_intervals(res: dict) -> dict:
             v["ci95"] = {n: [v[n] - 0.1, v[n] + 0.1] for n in (*ROUTERS, "nll_oracle")}
             v["windows"] = 12
     return res
+
+
+def with_engine_intervals(res: dict) -> dict:
+    """`res` as a run with matched-rate generation and open-horizon control writes it: the
+    classifier 0.1 below random at 0.5 (0.05–0.15 below); on one chat domain, the controller
+    lands 4 points above 0.5 and 1 below 0.9, at 0.02 / 0.05 more NLL than the fixed threshold
+    and 0.1 / 0.2 less than random."""
+    entry = lambda nll, d: {  # noqa: E731
+        "large_nll": nll,
+        "agreement": 0.8,
+        "ci95_nll": [nll - 0.1, nll + 0.1],
+        "ci95_agreement": [0.75, 0.85],
+        **({"minus_random_nll": d, "ci95_minus_random_nll": [d - 0.05, d + 0.05]} if d is not None else {}),
+    }
+    res["generation"]["matched"] = {
+        "prompts": 64,
+        "targets": [0.5, 0.9],
+        "routers": {
+            "classifier": {"0.5": entry(1.2, -0.1), "0.9": None},
+            "random": {"0.5": entry(1.3, None), "0.9": entry(1.8, None)},
+        },
+    }
+    rows = []
+    for target, error, cost in ((0.5, 0.04, (0.02, -0.1)), (0.9, -0.01, (0.05, -0.2))):
+        for mode in ("controller", "fixed", "random"):
+            row = {
+                "domain": "chat-unix:train",
+                "target": target,
+                "mode": mode,
+                "pooled": target + error,
+                "error": error,
+                "ci95_error": [error - 0.02, error + 0.02],
+                "per_request": [target + error] * 4,
+                "tokens": [40, 50, 60, 70],
+                "ended_at_eos": 0.75,
+                "mean_abs_request_error": 0.06,
+                "large_nll": 2.0,
+                "agreement": 0.7,
+                "ci95_nll": [1.9, 2.1],
+            }
+            if mode == "controller":
+                row["quality_cost"] = {
+                    "vs_fixed": cost[0],
+                    "ci95_vs_fixed": [cost[0] - 0.01, cost[0] + 0.01],
+                    "vs_random": cost[1],
+                    "ci95_vs_random": [cost[1] - 0.01, cost[1] + 0.01],
+                }
+            rows.append(row)
+    res["open_horizon"] = rows
+    return res

@@ -32,6 +32,7 @@ def synthetic(n: int = 4000, d: int = 16, seed: int = 0, signal: bool = True, la
         "pos": torch.arange(n, dtype=torch.int32) % 20,
         "domain": (window % 2).int(),
         "token": torch.zeros(n, dtype=torch.int32),
+        "doc": window // 2,  # two windows a document
     }
     return RouterData(
         fields,

@@ -23,7 +23,7 @@ def models(tmp_path_factory, pair, tokenizer):
 
 def test_pipeline_end_to_end(tmp_path, models, capsys):
     texts, chat = write_corpus(tmp_path / "a", seed=0, docs=6, chats=6)
-    other, _ = write_corpus(tmp_path / "b", seed=1, docs=3)
+    other, other_chat = write_corpus(tmp_path / "b", seed=1, docs=3, chats=3)
     data = lambda name, *corpora: main(
         [
             "router-data",
@@ -42,6 +42,7 @@ def test_pipeline_end_to_end(tmp_path, models, capsys):
     assert data("calib", texts, chat) == 0
     assert data("heldout", texts, chat) == 0
     assert data("unseen", other) == 0
+    assert data("unseen-chat", other_chat) == 0
     head = str(tmp_path / "head")
     assert (
         main(
@@ -86,6 +87,8 @@ def test_pipeline_end_to_end(tmp_path, models, capsys):
                 str(tmp_path / "calib"),
                 "--unseen",
                 str(tmp_path / "unseen"),
+                "--unseen",
+                str(tmp_path / "unseen-chat"),
                 "--compare",
                 head,
                 "--prompts",
@@ -96,6 +99,10 @@ def test_pipeline_end_to_end(tmp_path, models, capsys):
                 "2",
                 "--control-tokens",
                 "10",
+                "--open-requests",
+                "3",
+                "--open-tokens",
+                "8",
             ]
         )
         == 0
@@ -119,6 +126,32 @@ def test_pipeline_end_to_end(tmp_path, models, capsys):
     areas = {name: r["area"] for name, r in results["curves"]["routers"].items()}
     assert areas["nll_oracle"] == pytest.approx(min(areas.values())) and "NLL over M_L**" in report
     assert {r["target"] for r in results["control"]} == {0.5, 0.7, 0.9}
+    _check_generation_and_open_horizon(results, report, other_chat)
+
+
+def _check_generation_and_open_horizon(results: dict, report: str, chat_domain: str) -> None:
+    g = results["generation"]
+    assert g["prompts"] == 2 and set(g["matched"]["routers"]) == {"oracle", "classifier", "entropy", "random"}
+    for r in g["runs"]:  # every pooled figure is its per-prompt counts pooled
+        p = r["per_prompt"]
+        assert r["backoff_rate"] == pytest.approx(sum(p["small"]) / sum(p["tokens"]))
+        assert r["large_nll"] == pytest.approx(sum(p["nll"]) / sum(p["tokens"]))
+    assert [r for r in g["runs"] if r["label"] == "classifier@0.3"]  # the rate grid, not just the targets
+    oh = results["open_horizon"]
+    assert {r["mode"] for r in oh} == {"controller", "fixed", "random"}
+    assert {r["domain"] for r in oh} == {chat_domain}  # only the unseen dir of chat records
+    for ctrl in (r for r in oh if r["mode"] == "controller"):
+        rand = next(
+            r for r in oh if r["mode"] == "random" and (r["domain"], r["target"]) == (ctrl["domain"], ctrl["target"])
+        )
+        fixed = next(
+            r for r in oh if r["mode"] == "fixed" and (r["domain"], r["target"]) == (ctrl["domain"], ctrl["target"])
+        )
+        cost = ctrl["quality_cost"]
+        assert cost["vs_random"] == pytest.approx(ctrl["large_nll"] - rand["large_nll"])
+        assert cost["vs_fixed"] == pytest.approx(ctrl["large_nll"] - fixed["large_nll"])
+        assert max(ctrl["tokens"]) <= 8
+    assert "Open-horizon control" in report and "matched" in report
 
 
 def test_user_errors_exit_2(tmp_path, capsys):

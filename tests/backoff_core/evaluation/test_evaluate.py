@@ -80,11 +80,11 @@ def test_curves_hold_the_nll_oracle_below_every_router(synthetic_curves):
 def test_curves_store_a_bootstrap_interval_beside_each_gap_closed(synthetic_curves):
     from backoff_core.evaluation.evaluate import _gaps
 
-    assert synthetic_curves["windows"] == 60
+    assert synthetic_curves["windows"] == 60 and synthetic_curves["documents"] == 30  # two windows a document
     for name, r in synthetic_curves["routers"].items():
         lo, hi = r["ci95"]
         assert lo <= r["gap_closed"] <= hi, name
     assert synthetic_curves["routers"]["oracle"]["ci95"] == pytest.approx([1.0, 1.0])  # the reference itself
     assert synthetic_curves["routers"]["classifier"]["ci95"][1] > synthetic_curves["routers"]["classifier"]["ci95"][0]
     gaps = _gaps(synthetic_curves)
-    assert gaps["ci95"]["classifier"] == synthetic_curves["routers"]["classifier"]["ci95"] and gaps["windows"] == 60
+    assert gaps["ci95"]["classifier"] == synthetic_curves["routers"]["classifier"]["ci95"] and gaps["documents"] == 30

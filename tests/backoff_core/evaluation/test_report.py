@@ -8,7 +8,7 @@ import pytest
 
 from backoff_core.evaluation.plots import plot_all
 from backoff_core.evaluation.report import goals, head_cost, write_report
-from tests.support.eval_results import results, with_intervals
+from tests.support.eval_results import results, with_engine_intervals, with_intervals
 
 FIGURES = ("quality_vs_backoff", "quality_vs_speed", "generation", "high_kl_accuracy", "layers", "control")
 
@@ -97,7 +97,7 @@ def test_gap_closed_lines_carry_their_bootstrap_interval(tmp_path):
     text = report(res, {}, tmp_path)
     assert "| router | area under NLL(b) | gap closed | 95% CI (30 windows) |" in text
     assert "| classifier | 2.675 | 0.650 | 0.600–0.700 |" in text
-    assert "| stdlib:heldout | 50 | 4.000 | 2.000 | 0.650 (0.550–0.750) |" in text  # per domain, classifier first
+    assert "| stdlib:heldout | no | 50 | 4.000 | 2.000 | 0.650 (0.550–0.750) |" in text  # per domain, classifier first
 
 
 def test_the_nll_oracle_is_named_the_bound_and_its_distance_from_m_l_stated(tmp_path):
@@ -112,3 +112,44 @@ def test_the_nll_oracle_is_named_the_bound_and_its_distance_from_m_l_stated(tmp_
 def test_results_without_the_new_keys_report_as_before(tmp_path):
     text = report(results(), {}, tmp_path)
     assert "95% CI" not in text and "nll_oracle" not in text and "over M_L" not in text
+
+
+def test_open_horizon_control_is_a_goal_line_with_its_quality_cost(tmp_path):
+    res = with_engine_intervals(results())
+    line = next(x for x in goals(res) if "Open-horizon control" in x)
+    assert "worst pooled |achieved − target| **4.0 points** (chat-unix:train, target 0.5) (goal ≤ 3: MISSED)" in line
+    assert (
+        "fixed calibrated threshold +0.020 to +0.050" in line
+        and "random at the controller's rate -0.200 to -0.100" in line
+    )
+    ctrl = next(x for x in goals(res) if "Online control" in x)
+    assert ctrl.endswith("so the controller knows their horizon.")
+    text = report(res, {}, tmp_path)
+    assert "## Open-horizon control on unseen chat domains" in text
+    assert (
+        "| chat-unix:train | 0.500 | controller | 0.540 | 4.0 (2.0–6.0) | 6.000 | 0.750 | 220 | 2.000 (1.900–2.100) | 0.020 (0.010–0.030) | -0.100 (-0.110–-0.090) |"
+        in text
+    )
+
+
+def test_matched_rates_are_a_goal_line_and_a_table(tmp_path):
+    res = with_engine_intervals(results())
+    line = next(x for x in goals(res) if "matched rates" in x)
+    assert "0.5: -0.100 (-0.150–-0.050)" in line and "0.9" not in line.split("rate:")[1]
+    text = report(res, {}, tmp_path)
+    assert "| classifier | 0.500 | 1.200 (1.100–1.300) | 0.800 (0.750–0.850) | -0.100 (-0.150–-0.050) |" in text
+    assert "| classifier | 0.900 | outside the measured rates | – | – |" in text
+
+
+def test_the_goal_table_gives_every_domain_with_its_interval_and_whether_m_s_saw_it(tmp_path):
+    res = with_intervals(results())
+    res["curves_unseen"]["unseen-pydoc/pydoc:train"] = res["curves_unseen"].pop("recipes")
+    table = [x for x in goals(res) if x.startswith("| ")]
+    assert (
+        "| stdlib:heldout | held out | no | 12 | 50 | 0.650 (0.550–0.750) | 0.500 (0.400–0.600) | met (interval spans the goal) |"
+        in table
+    )
+    assert (
+        "| unseen-pydoc/pydoc:train | unseen | yes | 12 | 50 | 0.650 (0.550–0.750) | 0.500 (0.400–0.600) | met (interval spans the goal) |"
+        in table
+    )

@@ -112,3 +112,27 @@ def test_loading_several_dirs_drops_repeated_windows(built):
     shutil.copytree(out, out.parent / "copy")
     twice = load([out, out.parent / "copy"])
     assert len(twice) == len(once) and twice.domains[0].startswith("data/")
+
+
+def test_every_position_names_its_document_and_windows_of_one_document_share_it(built):
+    chain, cfg, out = built
+    data = load(out)
+    windows = make_windows([load_documents(s, chain.tokenizer, out) for s in cfg.corpora], cfg)
+    for i, w in enumerate(windows):
+        assert set(data.doc[data.window == i].tolist()) == {w.doc}
+    texts = load_documents(cfg.corpora[0], chain.tokenizer, out)
+    assert max(w.doc for w in windows if w.domain == 0) < len(texts) <= min(w.doc for w in windows if w.domain == 1)
+    two = [d for d in {w.doc for w in windows} if sum(w.doc == d for w in windows) == 2]
+    assert two  # windows_per_doc = 2 cut some document twice: one id for both
+
+
+def test_data_without_document_ids_reads_as_one_document_a_window(built):
+    from safetensors.torch import load_file, save_file
+
+    chain, cfg, out = built
+    for shard in out.glob("shard-*.safetensors"):  # as router-data wrote shards before `doc`
+        tensors = load_file(str(shard))
+        del tensors["doc"]
+        save_file(tensors, str(shard))
+    data = load([out, out])  # two dirs: ids stay distinct across them
+    assert torch.equal(data.doc, data.window)
