@@ -117,17 +117,27 @@ def open_horizon_section(res: dict) -> list[str]:
         "mode; quality = M_L's NLL per token of the sampled text (95% intervals: bootstrap over requests).",
         "",
     ]
+    return lines + control_table(rows, open_horizon=True)
+
+
+def control_table(rows: list[dict], open_horizon: bool) -> list[str]:
+    """One row per (domain, target, mode); the open-horizon table adds EOS share and quality."""
+    header = ["domain", "target", "mode", "pooled achieved", "error (points)", "mean |request error| (points)"]
+    header += (
+        ["ended at EOS", "tokens", "M_L NLL", "controller − fixed", "controller − random"]
+        if open_horizon
+        else ["tokens"]
+    )
     table = []
     for r in rows:
+        row = [r["domain"], r["target"], r["mode"], r["pooled"], error_points(r), 100 * r["mean_abs_request_error"]]
+        if not open_horizon:
+            table.append([*row, sum(r["tokens"])])
+            continue
         cost = r.get("quality_cost")
         table.append(
             [
-                r["domain"],
-                r["target"],
-                r["mode"],
-                r["pooled"],
-                error_points(r),
-                100 * r["mean_abs_request_error"],
+                *row,
                 r["ended_at_eos"],
                 sum(r["tokens"]),
                 with_ci(r["large_nll"], r.get("ci95_nll")),
@@ -135,23 +145,7 @@ def open_horizon_section(res: dict) -> list[str]:
                 with_ci(cost["vs_random"], cost["ci95_vs_random"]) if cost else "",
             ]
         )
-    lines += _table(
-        [
-            "domain",
-            "target",
-            "mode",
-            "pooled achieved",
-            "error (points)",
-            "mean |request error| (points)",
-            "ended at EOS",
-            "tokens",
-            "M_L NLL",
-            "controller − fixed",
-            "controller − random",
-        ],
-        table,
-    )
-    return lines
+    return _table(header, table)
 
 
 def speed_section(res: dict) -> list[str]:
@@ -188,19 +182,5 @@ def control_section(res: dict, plots: dict) -> list[str]:
         "to max_tokens, so the controller knows their horizon and repays any shortfall by the last step.",
         "",
     ]
-    lines += _table(
-        ["domain", "target", "mode", "pooled achieved", "error (points)", "mean |request error| (points)", "tokens"],
-        [
-            [
-                r["domain"],
-                r["target"],
-                r["mode"],
-                r["pooled"],
-                error_points(r),
-                100 * r["mean_abs_request_error"],
-                sum(r["tokens"]),
-            ]
-            for r in rows
-        ],
-    )
+    lines += control_table(rows, open_horizon=False)
     return lines + _img(plots, "control")
