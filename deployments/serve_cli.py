@@ -35,8 +35,7 @@ SERVE_PATH_ENV = {
     "RAY_SERVE_PROXY_USE_GRPC": "1",
     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
-    "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1000",  # access-log lines flushed in batches (errors at once)
-}
+}  # not RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE: it would hold a replica's WARNING lines back until 1000 wait
 
 # Serve's controller gives a new proxy 5 s to report ready, then kills it, and `serve run`
 # fails with the proxy's ActorDiedError: a loaded 2-core machine can take longer than that
