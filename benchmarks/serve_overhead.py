@@ -291,6 +291,7 @@ def main() -> None:
     from deployments import harness, serve_cli
     from tests.support.ray_local import start_local_ray
 
+    load_at_start = os.getloadavg()
     small, large = prepare_pair("tiny", Path(args.models_dir))
     http_port, grpc_port = harness.free_port(), harness.free_port()
     start_local_ray(_system_config=serve_cli.RAY_SYSTEM_CONFIG)
@@ -334,7 +335,9 @@ def main() -> None:
         "request_floor_ms": {t: statistics.median(v) for t, v in floors.items()},
         "args": vars(args),
         "cpu_cores": psutil.cpu_count(),
+        "load_avg_at_start": load_at_start,
         "load_avg_at_end": os.getloadavg(),
+        "serve_env": {k: os.environ.get(k) for k in serve_cli.SERVE_PATH_ENV},  # what Serve's processes ran with
         "rows": rows,
     }
     out = Path(args.out)
