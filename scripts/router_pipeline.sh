@@ -66,9 +66,15 @@ if [[ $STEPS == *calibrate* ]]; then
 fi
 
 if [[ $STEPS == *evaluate* ]]; then
-  HEAD=${HEAD:-$R/heads/buckets-L2-feat-joint-i64}
-  backoff evaluate --run-dir $R/eval --head $HEAD --heldout $R/heldout --calib $R/calib \
-    --unseen $R/unseen-pydoc --unseen $R/unseen-notes --unseen $R/unseen-chat --unseen $R/unseen-man \
-    --unseen $R/unseen-chat-unix \
-    $(for h in $R/heads/*; do echo --compare $h; done) --threads $T
+  HEAD=${HEAD:-$R/heads/buckets-L2-feat-joint-i64}  # the committed run: HEAD=backoff_core/assets/router
+  ARGS="--head $HEAD --heldout $R/heldout --calib $R/calib --unseen $R/unseen-pydoc --unseen $R/unseen-notes
+    --unseen $R/unseen-chat --unseen $R/unseen-man --unseen $R/unseen-chat-unix --control-requests 16 --threads $T"
+  # three parts side by side (a core each; the teacher-forced part is computed by each), then one run
+  pids=()
+  backoff evaluate --run-dir $R/eval-a $ARGS $(for h in $R/heads/*; do echo --compare $h; done) \
+    --skip control --skip open_horizon --skip speed & pids+=($!)
+  backoff evaluate --run-dir $R/eval-b $ARGS --skip generation --skip layers --skip open_horizon & pids+=($!)
+  backoff evaluate --run-dir $R/eval-c $ARGS --skip generation --skip layers --skip control --skip speed & pids+=($!)
+  for pid in "${pids[@]}"; do wait "$pid"; done  # set -e: a failed part stops here
+  backoff evaluate-merge --part $R/eval-a --part $R/eval-b --part $R/eval-c --run-dir $R/eval
 fi

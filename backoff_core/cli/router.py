@@ -157,6 +157,14 @@ def _evaluate_report(args) -> int:
     return 0
 
 
+def _evaluate_merge(args) -> int:
+    from backoff_core.evaluation.evaluate import merge
+
+    report = merge(args.part, args.run_dir)
+    print(f"wrote {report} and its plots from {len(args.part)} parts")
+    return 0
+
+
 def register(sub) -> None:
 
     p = sub.add_parser("router-data", help="teacher-forced router data (hidden states, KL, entropies) -> shards")
@@ -241,3 +249,10 @@ def register(sub) -> None:
     p = sub.add_parser("evaluate-report", help="redraw every plot and report.md of a run dir from its results.json")
     p.add_argument("--run-dir", required=True, help="a directory holding an evaluate run's results.json")
     p.set_defaults(run=_evaluate_report)
+
+    p = sub.add_parser(
+        "evaluate-merge", help="one evaluation from evaluate runs that each skipped some sections (run side by side)"
+    )
+    p.add_argument("--part", action="append", required=True, help="an evaluate run dir (in order of preference)")
+    p.add_argument("--run-dir", required=True, help="where the merged results.json, plots and report.md go")
+    p.set_defaults(run=_evaluate_merge)

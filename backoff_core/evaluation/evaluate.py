@@ -352,3 +352,31 @@ def rewrite(run_dir: str | Path) -> Path:
     for name in set(PLOTS) - set(plots):
         (run_dir / f"{name}.png").unlink(missing_ok=True)
     return write_report(res, plots, run_dir)
+
+
+# each engine section and the results.json key it writes
+SECTION_KEYS = {s: s for s in SECTIONS} | {"layers": "compare"}
+
+
+def merge(parts: list[str | Path], run_dir: str | Path) -> Path:
+    """One run from evaluate runs that each skipped some engine sections (run side by side on
+    a machine with cores to spare): each section comes from the first part that ran it. The
+    teacher-forced results must be the same in every part (same data, head, seed), else it
+    refuses. Writes run_dir/results.json (config.parts: each part's config), plots, report."""
+    runs = [json.loads((Path(d) / "results.json").read_text()) for d in parts]
+    base = runs[0]
+    for d, r in zip(parts[1:], runs[1:]):
+        if r["curves"] != base["curves"] or r["head"] != base["head"]:
+            raise ValueError(f"{d} holds another evaluation than {parts[0]} (curves or head differ)")
+    out = dict(base)
+    for section, key in SECTION_KEYS.items():
+        ran = [r for r in runs if section not in r["config"].get("skip", ())]
+        out.pop(key, None)
+        if ran and key in ran[0]:
+            out[key] = ran[0][key]
+    out["config"] = dict(base["config"], skip=sorted(set.intersection(*(set(r["config"]["skip"]) for r in runs))))
+    out["config"]["parts"] = [r["config"] for r in runs]
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "results.json").write_text(json.dumps(out, indent=1, default=_json_default))
+    return rewrite(run_dir)

@@ -88,3 +88,42 @@ def test_curves_store_a_bootstrap_interval_beside_each_gap_closed(synthetic_curv
     assert synthetic_curves["routers"]["classifier"]["ci95"][1] > synthetic_curves["routers"]["classifier"]["ci95"][0]
     gaps = _gaps(synthetic_curves)
     assert gaps["ci95"]["classifier"] == synthetic_curves["routers"]["classifier"]["ci95"] and gaps["documents"] == 30
+
+
+def _part(tmp_path, name: str, skip: list[str], mark: str) -> str:
+    from tests.support.eval_results import results
+
+    res = results()
+    res["config"] = {"run_dir": name, "skip": skip}
+    res["open_horizon"] = []
+    for key in ("generation", "control", "speed", "compare", "open_horizon"):
+        res[key] = {"from": mark} if key not in ("compare", "control", "open_horizon") else res[key]
+    res["control"] = [dict(r, domain=mark) for r in res["control"]]
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "results.json").write_text(json.dumps(res))
+    return str(tmp_path / name)
+
+
+def test_merge_takes_each_section_from_the_part_that_ran_it(tmp_path, monkeypatch):
+    from backoff_core.evaluation import evaluate
+
+    monkeypatch.setattr(evaluate, "rewrite", lambda run_dir: Path(run_dir) / "report.md")
+    a = _part(tmp_path, "a", ["control", "open_horizon", "speed"], "a")
+    b = _part(tmp_path, "b", ["generation", "layers", "open_horizon"], "b")
+    evaluate.merge([a, b], tmp_path / "m")
+    m = json.loads((tmp_path / "m" / "results.json").read_text())
+    assert m["generation"] == {"from": "a"} and m["speed"] == {"from": "b"}
+    assert {r["domain"] for r in m["control"]} == {"b"} and "open_horizon" not in m  # no part ran it
+    assert m["config"]["skip"] == ["open_horizon"] and [p["run_dir"] for p in m["config"]["parts"]] == ["a", "b"]
+
+
+def test_merge_refuses_parts_of_different_evaluations(tmp_path):
+    from backoff_core.evaluation.evaluate import merge
+
+    a = _part(tmp_path, "a", [], "a")
+    b = _part(tmp_path, "b", [], "b")
+    res = json.loads((Path(b) / "results.json").read_text())
+    res["curves"]["routers"]["classifier"]["gap_closed"] = 0.1
+    (Path(b) / "results.json").write_text(json.dumps(res))
+    with pytest.raises(ValueError, match="another evaluation"):
+        merge([a, b], tmp_path / "m")
