@@ -72,9 +72,11 @@ if [[ $STEPS == *evaluate* ]]; then
   # three parts side by side (a core each; the teacher-forced part is computed by each), then one run
   pids=()
   backoff evaluate --run-dir $R/eval-a $ARGS $(for h in $R/heads/*; do echo --compare $h; done) \
-    --skip control --skip open_horizon --skip speed & pids+=($!)
+    --skip control --skip open_horizon --skip speed --max-tokens 24 --rate-grid 0.3,0.5,0.7,0.9,0.95 \
+    --grid-routers classifier,entropy,random & pids+=($!)
   backoff evaluate --run-dir $R/eval-b $ARGS --skip generation --skip layers --skip open_horizon & pids+=($!)
-  backoff evaluate --run-dir $R/eval-c $ARGS --skip generation --skip layers --skip control --skip speed & pids+=($!)
+  backoff evaluate --run-dir $R/eval-c $ARGS --skip generation --skip layers --skip control --skip speed \
+    --open-requests 16 --open-tokens 128 & pids+=($!)
   for pid in "${pids[@]}"; do wait "$pid"; done  # set -e: a failed part stops here
   backoff evaluate-merge --part $R/eval-a --part $R/eval-b --part $R/eval-c --run-dir $R/eval
 fi

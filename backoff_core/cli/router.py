@@ -140,6 +140,8 @@ def _evaluate(args) -> int:
         control_tokens=args.control_tokens,
         open_requests=args.open_requests,
         open_tokens=args.open_tokens,
+        **({"rate_grid": tuple(float(x) for x in args.rate_grid.split(","))} if args.rate_grid else {}),
+        grid_routers=tuple(args.grid_routers.split(",")),
         targets=tuple(float(x) for x in args.targets.split(",")),
         skip=tuple(args.skip),
         seed=args.seed,
@@ -240,6 +242,13 @@ def register(sub) -> None:
     )
     p.add_argument("--open-tokens", type=int, default=192, help="open-horizon control: their max_tokens (a cap)")
     p.add_argument("--targets", default="0.5,0.7,0.9")
+    p.add_argument(
+        "--rate-grid",
+        default=None,
+        help="generation: calibrated rates each router runs at (with --targets; default 0.3,0.4,...,0.9,0.95), "
+        "interpolated to matched achieved rates",
+    )
+    p.add_argument("--grid-routers", default="oracle,classifier,entropy,random", help="generation: routers on the grid")
     p.add_argument(
         "--skip", action="append", default=[], help="skip a section: layers, generation, speed, control, open_horizon"
     )

@@ -64,6 +64,8 @@ class EvalConfig:
     control_tokens: int = 128
     open_requests: int = 32  # chat requests per unseen chat domain and target, ending at EOS
     open_tokens: int = 192  # their cap
+    rate_grid: tuple[float, ...] = RATE_GRID  # with `targets`: the calibrated rates generation runs at
+    grid_routers: tuple[str, ...] = ("oracle", "classifier", "entropy", "random")
     targets: tuple[float, ...] = (0.5, 0.7, 0.9)
     skip: tuple[str, ...] = ()
     seed: int = 0
@@ -268,17 +270,15 @@ def _engine_sections(cfg: EvalConfig, chain, head, heldout, calib, res: dict) ->
         prompts = gen.chat_prompt_ids(chain.tokenizer, Path(cfg.heldout[-1]), cfg.prompts, cfg.seed)
         if not prompts:
             raise ValueError(f"{cfg.heldout[-1]} holds no chat records to take generation prompts from")
-        grid = sorted(set(RATE_GRID) | set(cfg.targets))
+        grid = sorted(set(cfg.rate_grid) | set(cfg.targets))
         th = fixed_thresholds(head, calib, grid)
         runs = [gen.Run("M_L", "always-large"), gen.Run("M_S", "always-small")]
         runs += [
-            gen.Run(f"{r}@{t}", r, thresholds=(th[r][t],), nominal=t)
-            for r in ("oracle", "classifier", "entropy", "random")
-            if r in th
-            for t in grid
+            gen.Run(f"{r}@{t}", r, thresholds=(th[r][t],), nominal=t) for r in cfg.grid_routers if r in th for t in grid
         ]
-        runs += [gen.Run(f"oracle KL<{t:g}", "oracle", thresholds=(t,)) for t in TABLE2_THRESHOLDS]
-        runs += [gen.Run(f"flipped KL>={t:g}", "flipped-oracle", thresholds=(-t,)) for t in FLIPPED_THRESHOLDS]
+        if "oracle" in cfg.grid_routers:  # the oracle's runs (M_L every step) are the dear ones
+            runs += [gen.Run(f"oracle KL<{t:g}", "oracle", thresholds=(t,)) for t in TABLE2_THRESHOLDS]
+            runs += [gen.Run(f"flipped KL>={t:g}", "flipped-oracle", thresholds=(-t,)) for t in FLIPPED_THRESHOLDS]
         rows = gen.quality_runs(engine, large, prompts, runs, cfg.max_tokens)
         res["generation"] = {
             "prompts": len(prompts),
