@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from backoff_core.learning import corpus
+from backoff_core.learning import corpus, manpages
 
 SPLITS = ("train", "calib", "heldout")
 TEXT_DOMAINS = {
@@ -35,7 +35,7 @@ TEXT_DOMAINS = {
     "docstrings": corpus.stdlib_docstring_texts,
     "pydoc": corpus.pydoc_topics_texts,
     "notes": corpus.stdlib_notes_texts,
-    "manpages": corpus.man_texts,
+    "manpages": manpages.man_texts,
 }
 CHAT_DOMAINS = {"chat-general": "general", "chat-python": "python", "chat-unix": "unix"}
 CALIB_BUCKETS = 10  # 1 train document in 10 is the calibration set
@@ -95,7 +95,8 @@ def domain_texts(name: str, split: str) -> list[str]:
 
 
 def chat_prompts(name: str, split: str, samples: int, seed: int) -> list[str]:
-    prompts = corpus.chat_prompts("heldout" if split == "heldout" else "train", CHAT_DOMAINS[name])
+    kind, part = CHAT_DOMAINS[name], "heldout" if split == "heldout" else "train"
+    prompts = manpages.unix_prompts(part) if kind == "unix" else corpus.chat_prompts(part, kind)
     prompts = _select(prompts, split, key=lambda s: s)
     random.Random(seed).shuffle(prompts)
     return prompts[:samples]
