@@ -121,13 +121,10 @@ class BackoffEngine:
                 raise ValueError("target_backoff needs exactly two models")
             # a calibrated router starts from its calibration table, then the controller steers;
             # it is told the horizon only where the request cannot end before max_tokens
-            sampling = request.sampling
-            known = sampling.ignore_eos and not sampling.stop
+            s = request.sampling
+            horizon = s.max_tokens if s.ignore_eos and not s.stop else None
             controller = RateController(
-                routing.target_backoff,
-                thresholds[0],
-                prior=rate_prior(router),
-                horizon=sampling.max_tokens if known else None,
+                routing.target_backoff, thresholds[0], prior=rate_prior(router), horizon=horizon
             )
             thresholds = (controller.threshold,)
         live = Live(

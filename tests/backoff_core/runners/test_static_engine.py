@@ -21,7 +21,7 @@ from backoff_core.runners.factory import make_runner
 from backoff_core.runners.static import StaticRunner
 from backoff_core.runners.static_kv import KVCapacityError
 from backoff_core.types import GenerationRequest, KVSpec, RoutingParams, SamplingParams
-from tests.support.tiny import VOCAB
+from tests.support.tiny import TINY_SHAPE
 
 PROMPT = (3, 4, 5, 6)
 
@@ -81,16 +81,7 @@ def test_seeded_sampling_equals_the_dynamic_engine_batched_or_alone(pair, tokeni
 
 def test_a_model_the_static_forward_cannot_run_keeps_per_session_caches(caplog):
     torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=128,
-    )
+    config = Qwen3Config(**{**TINY_SHAPE, "head_dim": 8, "max_position_embeddings": 128})
     model = Qwen3ForCausalLM(config).eval()
     with caplog.at_level(logging.WARNING, logger="backoff_core.engine.engine"):
         runner = make_runner(model, "large", KVSpec(budget_tokens=256, max_len=64))
