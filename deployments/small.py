@@ -58,6 +58,14 @@ StreamItem = Admitted | TokenEvent | tuple[TokenEvent, ...] | GenerationResult |
 STEP_THREAD_SWITCH_S = 0.0005  # sys.setswitchinterval in a SmallModel replica
 
 
+async def _until(event: asyncio.Event, timeout_s: float) -> None:
+    """Wait until `event` is set or `timeout_s` has passed (cancellable)."""
+    if not event.is_set():
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await event.wait()
+
+
 def _import(path: str):
     """'module:attribute' -> the attribute (AppArgs.engine_factory)."""
     module, _, name = path.partition(":")
@@ -198,7 +206,7 @@ class SmallModel:
                 item = held.pop() if held else await items.get()
                 if isinstance(item, TokenEvent):
                     if sent is not None and (wait := self._token_gap() - (clock() - sent)) > 0:
-                        await asyncio.sleep(wait)  # the message budget (StreamConfig); cancellable
+                        await _until(items.ended, wait)  # the message budget (StreamConfig), unless it ended
                     batch = [item]
                     while not items.empty() and not held:
                         nxt = items.get_nowait()

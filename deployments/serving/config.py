@@ -204,7 +204,8 @@ class StreamConfig(_Config):
     the path (Ray's stream, the Ingress, the proxy) about as much whatever it carries, so a
     replica spends a budget of messages: a stream's next message waits until live streams /
     max_messages_per_s has passed since its last one, and the tokens committed meanwhile ride
-    together. A stream's first token goes at once (and one stream alone may send every 4 ms)."""
+    together. A stream's first token goes at once (and one stream alone may send every 4 ms),
+    and so do its last tokens with the result: the wait ends when the request does."""
 
     # a message costs ~3 ms of CPU across Ray, the Ingress, the proxy and the client on a loaded
     # 2-core box (benchmarks/serve_overhead.py): 250 a second are most of a core

@@ -52,10 +52,24 @@ class Failed:
     code: str = "large_unavailable"  # with unavailable: what is missing (kv_capacity: no free KV slot)
 
 
-class _Sink:
-    """Thread-safe handle on one stream's asyncio.Queue."""
+class Items(asyncio.Queue):
+    """One stream's items, in order; `ended` is set once its last one (the result, Rejected or
+    Failed) is queued, so a reader holding tokens back (the message budget) can send at once."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, q: asyncio.Queue, tokens: bool) -> None:
+    def __init__(self) -> None:
+        super().__init__()
+        self.ended = asyncio.Event()
+
+    def put_nowait(self, item) -> None:
+        super().put_nowait(item)
+        if isinstance(item, (GenerationResult, Rejected, Failed)):
+            self.ended.set()
+
+
+class _Sink:
+    """Thread-safe handle on one stream's Items."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, q: Items, tokens: bool) -> None:
         self.loop, self.queue = loop, q
         self.tokens = tokens  # False: only Admitted and the result (a unary request)
 
@@ -116,10 +130,10 @@ class EngineLoop(Generic[Policy]):
         self._commands.put(("wake", None, None))
         self._thread.join(timeout_s)
 
-    def submit(self, request, tokens: bool = True) -> asyncio.Queue:
+    def submit(self, request, tokens: bool = True) -> Items:
         """Queue a request; returns the queue its stream items arrive on (TokenEvents only
         if `tokens`: a unary request needs none, and each one costs the event loop)."""
-        q: asyncio.Queue = asyncio.Queue()
+        q = Items()
         self._commands.put(("submit", request, _Sink(asyncio.get_running_loop(), q, tokens)))
         return q
 

@@ -2,21 +2,26 @@
 
 A router message of several TokenEvents becomes one SSE write (still one `data:` event per
 token) or one protobuf GenerateChunk with `tokens`; both must decode to exactly what one
-message per token decodes to -- text, sources, indices, retractions, logprobs -- and the
-step loop hands a step's tokens over in one wake-up without reordering a stream.
+message per token decodes to -- text, sources, indices, retractions, logprobs -- the
+step loop hands a step's tokens over in one wake-up without reordering a stream, and a
+stream held back by the message budget ends without waiting it out.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
+from types import SimpleNamespace
 
 import pytest
 
-from backoff_core.types import Logprob, TokenEvent, TokenLogprobs
+from backoff_core.types import FinishReason, GenerationResult, Logprob, Timings, TokenEvent, TokenLogprobs
 from clients.wire import backoff_pb2 as pb
 from clients.wire.openai import delta_from_chunk
 from clients.wire.proto import delta_from_pb, deltas_from_pb
-from deployments.serving.engine_loop import _deliver, _Sink
+from deployments.serving.config import StreamConfig
+from deployments.serving.engine_loop import Items, _deliver, _Sink
 from deployments.serving.formats import TokenChunks, chunk_body, pb_chunk, pb_chunks
 
 RID, MODEL, CREATED = "cmpl-1", "backoff", 1700000000
@@ -126,3 +131,52 @@ def test_a_step_wakes_each_event_loop_once_and_keeps_each_stream_in_order():
         loop.run()
     assert sinks[0].queue == [(0, 0), (1, 0), (2, 0), "result"]
     assert all(s.queue[:3] == [(step, k) for step in range(3)] for k, s in enumerate(sinks))
+
+
+def _result(n: int) -> GenerationResult:
+    return GenerationResult(
+        "r", "", tuple(range(n)), (0,) * n, 2, FinishReason.LENGTH, 3, (), 0, Timings(0, (), (), 0, 0)
+    )
+
+
+def test_a_stream_held_by_the_message_budget_is_sent_as_soon_as_it_ends():
+    """A stream waiting out its message budget (here 16 s between messages) sends its last
+    tokens and the result the moment the result is queued, not when the wait is over."""
+    pytest.importorskip("ray")
+    from deployments.small import SmallModel
+
+    class Loop:
+        def __init__(self) -> None:
+            self.items = Items()
+
+        def submit(self, request, tokens):
+            return self.items
+
+        def live(self) -> int:
+            return 16
+
+        def stop(self) -> None:  # SmallModel.__del__
+            pass
+
+    router = object.__new__(SmallModel.func_or_class)  # the stream alone: no models, no Ray
+    router.loop = Loop()
+    router.args = SimpleNamespace(stream=StreamConfig(max_messages_per_s=1.0, max_delay_ms=60_000))
+
+    async def main():
+        stream = router._stream(SimpleNamespace(request_id="r"), True)
+        router.loop.items.put_nowait(EVENTS[0])
+        first = await asyncio.wait_for(anext(stream), 1.0)  # the first token goes at once
+        nxt = asyncio.ensure_future(anext(stream))
+        router.loop.items.put_nowait(EVENTS[1])
+        await asyncio.sleep(0.2)
+        assert not nxt.done()  # held: the budget's wait has begun
+        started = time.perf_counter()
+        router.loop.items.put_nowait(EVENTS[2])
+        router.loop.items.put_nowait(_result(3))
+        batch = await asyncio.wait_for(nxt, 1.0)
+        last = await asyncio.wait_for(anext(stream), 1.0)
+        return first, batch, last, time.perf_counter() - started
+
+    first, batch, last, waited = asyncio.run(main())
+    assert first == EVENTS[0] and batch == EVENTS[1:3] and last == _result(3)
+    assert waited < 0.5
