@@ -55,3 +55,20 @@ def wait_until_running(app: str = "backoff", timeout_s: float = 300.0) -> None:
             raise RuntimeError(f"application {app!r} failed to deploy: {status.message}")
         time.sleep(0.5)
     raise TimeoutError(f"application {app!r} not running after {timeout_s:.0f} s")
+
+
+def direct_endpoints(app: str = "backoff") -> dict[str, list[str]]:
+    """Under Serve's direct ingress (serve_cli.direct_ingress_env), the loopback endpoints of
+    `app`'s Ingress replicas: {"http": ["http://127.0.0.1:PORT", ...], "grpc": ["127.0.0.1:PORT",
+    ...]}, from the controller's target groups (no lists without direct ingress)."""
+    from ray.serve.context import _get_global_client
+
+    found: dict[str, list[str]] = {}
+    for group in _get_global_client().get_serve_details().get("target_groups", []):
+        if group.get("app_name") != app:
+            continue
+        protocol = "http" if str(group["protocol"]).upper().endswith("HTTP") else "grpc"
+        for target in group["targets"]:
+            address = f"127.0.0.1:{target['port']}"
+            found.setdefault(protocol, []).append(f"http://{address}" if protocol == "http" else address)
+    return found

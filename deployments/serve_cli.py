@@ -43,6 +43,25 @@ SERVE_PATH_ENV = {
 LOCAL_SERVE_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", **SERVE_PATH_ENV}
 
 
+# Serve's direct ingress (`backoff serve --direct-ingress`): each Ingress replica also serves
+# HTTP and gRPC on ports of its own, skipping the proxy hop and the proxy's per-request work
+# (an HTTP body is otherwise fetched from the proxy by one more call); the proxy keeps the
+# usual ports on the head node only. A node's first Ingress replica takes the port after the
+# proxy's (8001 / 9001 by default), the next one the port after that, up to DIRECT_PORTS of
+# each. benchmarks/serve_overhead.py, 2 ms step: time to first token +8-11 -> +4 ms over
+# HTTP; 16 streams 0.77 -> 0.84 of the in-process rate (README, "serve_overhead").
+DIRECT_PORTS = 100
+
+
+def direct_ingress_env(http_port: int, grpc_port: int) -> dict[str, str]:
+    """The environment of Serve's processes for direct ingress next to proxies on these ports."""
+    env = {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"}
+    for protocol, port in (("HTTP", http_port), ("GRPC", grpc_port)):
+        env[f"RAY_SERVE_DIRECT_INGRESS_MIN_{protocol}_PORT"] = str(port + 1)
+        env[f"RAY_SERVE_DIRECT_INGRESS_MAX_{protocol}_PORT"] = str(port + 1 + DIRECT_PORTS)
+    return env
+
+
 def local_serve_env() -> None:
     """Put LOCAL_SERVE_ENV into this process's environment (values already set win): call it
     before a local Ray starts."""
@@ -113,6 +132,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--host", help="HTTP host (default 127.0.0.1; 0.0.0.0 exposes it: set access.api_keys)")
     p.add_argument("--http-port", type=int, help="HTTP port (default 8000)")
     p.add_argument("--grpc-port", type=int, help="gRPC port (default 9000)")
+    p.add_argument(
+        "--direct-ingress",
+        action="store_true",
+        help="each Ingress replica also serves on ports of its own (the first: HTTP port + 1, gRPC "
+        "port + 1), without the proxy hop: the fast path for clients that can reach a replica's "
+        "port; the proxy's ports keep working. Local Ray only: a cluster sets it when its nodes start",
+    )
     p.add_argument("--address", help="Ray cluster to deploy to (default: start a local one)")
     p.add_argument("--metrics-port", type=int, help="Prometheus port of the local Ray (default: a free one, printed)")
     p.add_argument("--print-config", action="store_true", help="print the resulting config and exit")
@@ -196,6 +222,29 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(yaml.safe_dump(config, sort_keys=False), end="")
         return 0
+    if args.direct_ingress:
+        if args.address or ray_is_running():
+            print(
+                "backoff serve: --direct-ingress is set when Ray starts (the environment of Serve's "
+                "processes), so it needs the local Ray this command starts; for a cluster, put "
+                "deployments.serve_cli.direct_ingress_env(...) in its nodes' `ray start` environment",
+                file=sys.stderr,
+            )
+            return 2
+        http = config.get("http_options", {}).get("port", 8000)
+        grpc = config.get("grpc_options", {}).get("port", 9000)
+        os.environ.update(direct_ingress_env(http, grpc))
+        print(
+            f"backoff serve: direct ingress: the Ingress replica serves HTTP on port {http + 1} and gRPC "
+            f"on port {grpc + 1} (more replicas: the next ports); {http} and {grpc} go through the proxy",
+            file=sys.stderr,
+        )
     start_ray(args.address, args.metrics_port)
     run_config(config, blocking=not args.non_blocking)
     return 0
+
+
+def ray_is_running() -> bool:
+    import ray
+
+    return ray.is_initialized()

@@ -91,13 +91,15 @@ def running_app(
     ray_options: Mapping[str, Any] = LOCAL_RAY,
     env: Mapping[str, str] | None = None,
     cluster: Callable[[], LocalCluster] | None = None,
+    direct_ingress: bool = False,
 ) -> Iterator[ServedApp]:
     """Deploy the app (models saved under `root`); Serve and Ray are shut down on exit.
 
     replicas: the loopback config's fixed counts (default one each); edit(config, model_dirs):
     the module's overrides; ray_options: ray.init's, for a local Ray (its `_metrics_export_port`
     and `dashboard_port` become the record's URLs); env: set before Ray starts (its processes
-    inherit it), restored after; cluster: starts a multi-node cluster instead of a local Ray.
+    inherit it), restored after; cluster: starts a multi-node cluster instead of a local Ray;
+    direct_ingress: Serve's direct ingress next to the proxies (serve_cli.direct_ingress_env).
     """
     from ray import serve
 
@@ -107,6 +109,8 @@ def running_app(
     if edit is not None:
         edit(config, dirs)
     apps = [app["name"] for app in config["applications"]]
+    if direct_ingress:
+        env = {**(env or {}), **serve_cli.direct_ingress_env(http_port, grpc_port)}
     with pytest.MonkeyPatch.context() as patch:
         for key, value in (env or {}).items():
             patch.setenv(key, value)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import dataclass
 
@@ -13,6 +14,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from backoff_core.types import CatchUp, FinishReason, GenerationResult, Timings
 from clients.wire.types import ChatMessage, GenerateParams
+from deployments import serve_cli
 from deployments.affinity import rendezvous
 from deployments.app import build_app, replica_options
 from deployments.serve_cli import DEFAULT_CONFIG, _parser, apply_overrides
@@ -257,3 +259,21 @@ def test_a_config_naming_the_old_small_deployment_still_applies(capsys):
     small = {d["name"]: d for d in out["applications"][0]["deployments"]}["SmallModel"]
     assert small["user_config"]["router"] == "entropy" and "inject_fault_seed" in small["user_config"]  # the old entry
     assert "'SmallRouter' is now called 'SmallModel'" in capsys.readouterr().err
+
+
+def test_direct_ingress_ports_follow_the_proxys():
+    env = serve_cli.direct_ingress_env(8000, 9000)
+    assert env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
+    assert (env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"], env["RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT"]) == (
+        "8001",
+        "9001",
+    )
+    span = int(env["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"]) - int(env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"])
+    assert span == serve_cli.DIRECT_PORTS
+
+
+def test_direct_ingress_on_a_cluster_is_refused_with_the_way_to_set_it(capsys, monkeypatch):
+    monkeypatch.delenv("RAY_SERVE_ENABLE_DIRECT_INGRESS", raising=False)
+    assert serve_cli.main(["--direct-ingress", "--address", "ray://head:10001"]) == 2
+    assert "direct_ingress_env" in capsys.readouterr().err
+    assert "RAY_SERVE_ENABLE_DIRECT_INGRESS" not in os.environ  # nothing was started or set
