@@ -23,7 +23,7 @@ DEFAULT_CONFIG = Path(__file__).resolve().parent / "serve_config.yaml"
 RAY_SYSTEM_CONFIG = {"max_direct_call_object_size": 4 * 1024 * 1024}
 
 # Ray Serve's own throughput settings (what RAY_SERVE_THROUGHPUT_OPTIMIZED turns on, less
-# direct ingress, which would move the client-facing ports): the proxy sends requests to the
+# direct ingress, which adds client-facing ports: --direct-ingress below): the proxy sends requests to the
 # Ingress over gRPC instead of Ray actor calls, and a replica runs its user code and its
 # handles' router on its main event loop instead of two more threads that hand every request
 # and message across with call_soon_threadsafe (the SmallModel keeps its router's own loop:

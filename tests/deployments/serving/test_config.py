@@ -277,3 +277,18 @@ def test_direct_ingress_on_a_cluster_is_refused_with_the_way_to_set_it(capsys, m
     assert serve_cli.main(["--direct-ingress", "--address", "ray://head:10001"]) == 2
     assert "direct_ingress_env" in capsys.readouterr().err
     assert "RAY_SERVE_ENABLE_DIRECT_INGRESS" not in os.environ  # nothing was started or set
+
+
+def test_direct_ingress_puts_its_ports_in_the_environment_ray_starts_with(capsys, monkeypatch):
+    started = {}
+    for key in serve_cli.direct_ingress_env(0, 0):
+        monkeypatch.setenv(key, "unset")  # whatever main() sets is undone after the test
+    monkeypatch.setattr(serve_cli, "start_ray", lambda *args: started.update(os.environ))
+    monkeypatch.setattr(serve_cli, "run_config", lambda config, blocking: None)
+    assert serve_cli.main(["--direct-ingress", "--http-port", "8100", "--grpc-port", "9100", "--non-blocking"]) == 0
+    assert started["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
+    assert (started["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"], started["RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT"]) == (
+        "8101",
+        "9101",
+    )
+    assert "HTTP on port 8101 and gRPC on port 9101" in capsys.readouterr().err
