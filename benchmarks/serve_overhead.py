@@ -1,23 +1,30 @@
 """The serving path's own cost at GPU step times: the real app around a stand-in engine.
 
     python benchmarks/serve_overhead.py                      # 2 and 5 ms; 1, 4, 16, 64 streams
-    python benchmarks/serve_overhead.py --steps-ms 2 --streams 1 16 --repeats 3
+    python benchmarks/serve_overhead.py --steps-ms 2 --streams 1 16 --repeats 3 --paths direct
 
 The real deployments (proxy, Ingress, SmallModel with its step-loop thread, LargeModel) and
 the real clients (HTTP/SSE and gRPC, clients/), with the SmallModel's engine replaced by
 benchmarks/standin.py (`engine_factory`): a step sleeps its step time and commits one token
 per stream, no model runs. In-process = the same stand-in stepped in this process. Per
-(step time, streams, transport): served / in-process tokens/s (the in-process run just
+(path, step time, streams, transport): served / in-process tokens/s (the in-process run just
 before each served one: the pair shares the machine's load), the time a token spends in
 the path (µs per token of one stream), time to first token, and the CPU each Ray process
 used (ps-style, per wall second). Every served stream is checked token by token against
 the stand-in's script. Saves benchmarks/results/serve_overhead.{json,png}.
+
+Two paths, each on a Ray of its own: `proxy` (the default: clients call Serve's proxy on a
+node's HTTP / gRPC port) and `direct` (`backoff serve --direct-ingress`: clients call the
+Ingress replica's own ports). A client per (path, application, transport) stays open for
+the whole run, as a service's clients and load balancers keep their connections: a run
+measures requests, not connects (the warm-up opens the connections of the most streams).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import statistics
@@ -47,6 +54,7 @@ PROMPT = [3, 7, 11, 13]
 
 @dataclass(frozen=True)
 class Run:
+    path: str  # proxy, direct (in-process runs: the path they are paired with)
     step_ms: float
     streams: int
     transport: str  # http, grpc, in-process
@@ -60,7 +68,7 @@ class Run:
 # -- in process -------------------------------------------------------------------------------
 
 
-def run_in_process(step_ms: float, streams: int, tokens: int) -> Run:
+def run_in_process(path: str, step_ms: float, streams: int, tokens: int) -> Run:
     engine = StandInEngine([None, None], None, step_s=step_ms / 1e3)
     start = time.perf_counter()
     rids = [
@@ -75,7 +83,7 @@ def run_in_process(step_ms: float, streams: int, tokens: int) -> Run:
             first.setdefault(request_id, now - start)
     seconds = time.perf_counter() - start
     n = sum(len(engine.finish(request_id).token_ids) for request_id in rids)
-    return Run(step_ms, streams, "in-process", n, seconds, n / seconds, statistics.median(first.values()), {})
+    return Run(path, step_ms, streams, "in-process", n, seconds, n / seconds, statistics.median(first.values()), {})
 
 
 # -- served -----------------------------------------------------------------------------------
@@ -94,36 +102,58 @@ async def _one(client, seed: int, tokens: int, t0: float) -> tuple[float, int]:
     return ttft, len(got)
 
 
-async def _served(transport: str, target: str, app: str, streams: int, tokens: int):
-    if transport == "http":
-        client = AsyncBackoffHTTPClient(f"{target}/{app}", timeout=600)
-    else:
-        client = AsyncBackoffGrpcClient(target, application=app, timeout=600)
-    async with client:
-        start = time.perf_counter()
-        outs = await asyncio.gather(*[_one(client, i, tokens, start) for i in range(streams)])
-        return outs, time.perf_counter() - start
+class Clients:
+    """One open client per (application, transport) on one event loop (an asyncio.Runner):
+    `run(coro)` runs a coroutine there; `get(app, transport)` the client."""
+
+    def __init__(self, targets: dict[tuple[str, str], str]) -> None:
+        self.targets = targets  # (app, transport) -> base URL / host:port
+        self.runner = asyncio.Runner()
+        self.clients: dict[tuple[str, str], object] = {}
+
+    def get(self, app: str, transport: str):
+        key = (app, transport)
+        if key not in self.clients:  # made on the runner's loop: a gRPC channel binds to it
+            target = self.targets[key]
+            self.clients[key] = (
+                AsyncBackoffHTTPClient(f"{target}/{app}", timeout=600)
+                if transport == "http"
+                else AsyncBackoffGrpcClient(target, application=app, timeout=600)
+            )
+        return self.clients[key]
+
+    def run(self, coro):
+        return self.runner.run(coro)
+
+    def close(self) -> None:
+        async def close_all():
+            for client in self.clients.values():
+                await client.__aexit__(None, None, None)
+
+        self.runner.run(close_all())
+        self.runner.close()
 
 
-def request_floor_ms(transport: str, target: str, app: str, calls: int = 10) -> float:
+async def _served(client, streams: int, tokens: int):
+    start = time.perf_counter()
+    outs = await asyncio.gather(*[_one(client, i, tokens, start) for i in range(streams)])
+    return outs, time.perf_counter() - start
+
+
+def request_floor_ms(clients: Clients, app: str, transport: str, calls: int = 10) -> float:
     """Median latency of a request that does no work (list the models: proxy and Ingress, no
     SmallModel): what Serve's request path costs before any token, the floor under TTFT."""
 
     async def main() -> float:
-        client = (
-            AsyncBackoffHTTPClient(f"{target}/{app}")
-            if transport == "http"
-            else AsyncBackoffGrpcClient(target, application=app)
-        )
-        async with client:
-            times = []
-            for _ in range(calls):
-                start = time.perf_counter()
-                await client.models()
-                times.append(time.perf_counter() - start)
-            return 1e3 * statistics.median(times)
+        client = clients.get(app, transport)
+        times = []
+        for _ in range(calls):
+            start = time.perf_counter()
+            await client.models()
+            times.append(time.perf_counter() - start)
+        return 1e3 * statistics.median(times)
 
-    return asyncio.run(main())
+    return clients.run(main())
 
 
 class CpuMeter:
@@ -163,24 +193,28 @@ class CpuMeter:
 
 
 def run_served(
-    transport: str, target: str, app: str, step_ms: float, streams: int, tokens: int, meter: CpuMeter
+    clients: Clients, path: str, transport: str, step_ms: float, streams: int, tokens: int, meter: CpuMeter
 ) -> Run:
     meter.start()
-    outs, seconds = asyncio.run(_served(transport, target, app, streams, tokens))
+    outs, seconds = clients.run(_served(clients.get(app_name(step_ms), transport), streams, tokens))
     cpu = meter.stop()
     n = sum(k for _, k in outs)
-    return Run(step_ms, streams, transport, n, seconds, n / seconds, statistics.median(t for t, _ in outs), cpu)
+    ttft = statistics.median(t for t, _ in outs)
+    return Run(path, step_ms, streams, transport, n, seconds, n / seconds, ttft, cpu)
 
 
 def serve_config(small: str, large: str, http_port: int, grpc_port: int, steps_ms: list[float]) -> dict:
     """One application per step time (`standin2` at /standin2 ...), the packaged config's
-    deployments, admission wide enough for the most streams."""
+    deployments, admission and queues wide enough for the most streams."""
     from deployments import harness
 
     config = harness.loopback_config(small, large, http_port, grpc_port)
     base = config["applications"][0]
     base["args"]["admission"] = {"max_live_requests": 64, "max_waiting_requests": 8}
     base["args"]["small"]["max_ongoing_requests"] = 96
+    # 64 requests at once wait in the Ingress's router for their replica slots; the packaged 32
+    # refused part of such a burst over direct ingress (503, Retry-After)
+    base["args"]["small"]["max_queued_requests"] = 96
     base["args"]["limits"] = {**base["args"].get("limits", {}), "max_concurrent_per_client": None}
     apps = []
     for ms in steps_ms:
@@ -200,9 +234,9 @@ def app_name(step_ms: float) -> str:
 
 
 def summarise(pairs: dict) -> list[dict]:
-    """Per (step, streams, transport): median run, and the paired served / in-process ratios."""
+    """Per (path, step, streams, transport): median run, and the paired served / in-process ratios."""
     rows = []
-    for (ms, n, transport), served in sorted(pairs.items()):
+    for (path, ms, n, transport), served in sorted(pairs.items()):
         ratios = sorted(s.tokens_per_s / i.tokens_per_s for s, i in served)
         ttft_extra = sorted(s.ttft_p50_s - i.ttft_p50_s for s, i in served)
         # the time one token of one stream spends in the serving path beyond its step
@@ -212,6 +246,7 @@ def summarise(pairs: dict) -> list[dict]:
         cpu_keys = {k for s, _ in served for k in s.cpu}
         rows.append(
             {
+                "path": path,
                 "step_ms": ms,
                 "streams": n,
                 "transport": transport,
@@ -234,7 +269,7 @@ def summarise(pairs: dict) -> list[dict]:
 
 def print_table(rows: list[dict]) -> None:
     print(
-        f"\n{'step':>5} {'streams':>7} {'transport':>9} {'served/s':>9} {'inproc/s':>9} {'ratio':>6} "
+        f"\n{'path':>6} {'step':>5} {'streams':>7} {'transport':>9} {'served/s':>9} {'inproc/s':>9} {'ratio':>6} "
         f"{'µs/token':>8} {'TTFT':>7} {'+TTFT':>6}  CPU (cores)"
     )
     for r in rows:
@@ -242,26 +277,28 @@ def print_table(rows: list[dict]) -> None:
             f"{k.replace('ray::', '').replace('ServeReplica:', '')}={v:.2f}" for k, v in r["cpu"].items() if v >= 0.02
         )
         print(
-            f"{r['step_ms']:4g}ms {r['streams']:7d} {r['transport']:>9} {r['served_tokens_per_s']:9.0f} "
+            f"{r['path']:>6} {r['step_ms']:4g}ms {r['streams']:7d} {r['transport']:>9} {r['served_tokens_per_s']:9.0f} "
             f"{r['in_process_tokens_per_s']:9.0f} {r['ratio']:6.2f} {r['overhead_us_per_token']:8.0f} "
             f"{r['ttft_served_ms']:5.1f}ms {r['ttft_extra_ms']:5.1f}  {cpu}"
         )
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], png: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    for ms in sorted({r["step_ms"] for r in rows}):
-        for transport, style in (("http", "o-"), ("grpc", "s--")):
+    for path, marker in (("proxy", "o"), ("direct", "s")):
+        for ms, transport in itertools.product(sorted({r["step_ms"] for r in rows}), ("http", "grpc")):
+            style = marker + ("-" if transport == "http" else "--")
             rs = sorted(
-                (r for r in rows if r["step_ms"] == ms and r["transport"] == transport), key=lambda r: r["streams"]
+                (r for r in rows if (r["path"], r["step_ms"], r["transport"]) == (path, ms, transport)),
+                key=lambda r: r["streams"],
             )
             if rs:
-                label = f"{ms:g} ms step, {transport}"
+                label = f"{path}, {ms:g} ms step, {transport}"
                 a.plot([r["streams"] for r in rs], [r["ratio"] for r in rs], style, label=label)
                 b.plot([r["streams"] for r in rs], [r["overhead_us_per_token"] for r in rs], style, label=label)
     a.axhline(1.0, color="grey", lw=0.5)
@@ -271,7 +308,89 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set_title(title)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(png, dpi=120)
+
+
+def serve_path(path: str, args, small: str, large: str) -> tuple[dict, dict]:
+    """One path on a Ray of its own: deploy, warm up, the interleaved repeats. Returns the
+    (path, step, streams, transport) -> [(served, in-process)] pairs and the request floors."""
+    from ray import serve
+
+    from deployments import harness, serve_cli
+    from tests.support.ray_local import start_local_ray
+
+    http_port, grpc_port = harness.free_port(), harness.free_port()
+    direct_env = serve_cli.direct_ingress_env(http_port, grpc_port) if path == "direct" else {}
+    saved = {k: os.environ.get(k) for k in direct_env}
+    os.environ.update(direct_env)  # Serve's processes inherit it when Ray starts
+    start_local_ray(_system_config=serve_cli.RAY_SYSTEM_CONFIG)
+    pairs: dict[tuple, list[tuple[Run, Run]]] = {}
+    floors: dict[str, list[float]] = {}
+    clients = None
+    try:
+        config = serve_config(small, large, http_port, grpc_port, args.steps_ms)
+        config_path = Path(args.models_dir) / "serve_overhead.yaml"
+        config_path.write_text(yaml.safe_dump(config))
+        assert serve_cli.main(["--config", str(config_path), "--non-blocking"]) == 0
+        targets = {}
+        for ms in args.steps_ms:
+            harness.wait_until_running(app_name(ms))
+            targets.update(app_targets(path, app_name(ms), http_port, grpc_port))
+        clients = Clients(targets)
+        meter = CpuMeter()
+        for ms, transport in itertools.product(args.steps_ms, args.transports):  # warm-up: imports, connections
+            run_served(clients, path, transport, ms, max(args.streams), 16, meter)
+        points = [(ms, n, t) for ms in args.steps_ms for n in args.streams for t in args.transports]
+        for _ in tqdm(range(args.repeats), desc=f"{path}: repeats"):  # interleaved: the box's load drifts
+            for transport in args.transports:
+                floors.setdefault(transport, []).append(
+                    request_floor_ms(clients, app_name(args.steps_ms[0]), transport)
+                )
+            for ms, n, transport in points:
+                inproc = run_in_process(path, ms, n, args.tokens)
+                served = run_served(clients, path, transport, ms, n, args.tokens, meter)
+                pairs.setdefault((path, ms, n, transport), []).append((served, inproc))
+    finally:
+        if clients is not None:
+            clients.close()
+        serve.shutdown()
+        import ray
+
+        ray.shutdown()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    return pairs, {t: statistics.median(v) for t, v in floors.items()}
+
+
+def app_targets(path: str, app: str, http_port: int, grpc_port: int) -> dict[tuple[str, str], str]:
+    """(app, transport) -> where its clients connect: the proxy's ports, or the app's Ingress
+    replica's own (as the controller publishes them)."""
+    from deployments import harness
+
+    if path == "proxy":
+        return {(app, "http"): f"http://127.0.0.1:{http_port}", (app, "grpc"): f"127.0.0.1:{grpc_port}"}
+    deadline = time.monotonic() + 60
+    while not ((found := harness.direct_endpoints(app)).get("http") and found.get("grpc")):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"application {app!r} published no direct endpoints: {found}")
+        time.sleep(0.5)
+    return {(app, "http"): found["http"][0], (app, "grpc"): found["grpc"][0]}
+
+
+def headline(by: dict, path: str) -> dict:
+    """The issue's figures for one path: served / in-process at a 2 ms step, 1 and 16 streams,
+    and the time to first token over in-process (1 stream, 2 ms)."""
+    out = {}
+    for transport in ("http", "grpc"):
+        suffix = "" if transport == "http" else "_grpc"
+        one, sixteen = by.get((path, 2.0, 1, transport), {}), by.get((path, 2.0, 16, transport), {})
+        out[f"single_stream_ratio_2ms{suffix}"] = one.get("ratio")
+        out[f"streams16_ratio_2ms{suffix}"] = sixteen.get("ratio")
+        out[f"ttft_extra_ms_2ms{suffix}"] = one.get("ttft_extra_ms")
+    return out
 
 
 def main() -> None:
@@ -279,6 +398,7 @@ def main() -> None:
     ap.add_argument("--steps-ms", type=float, nargs="+", default=[2.0, 5.0])
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--transports", nargs="+", default=["http", "grpc"], choices=["http", "grpc"])
+    ap.add_argument("--paths", nargs="+", default=["proxy", "direct"], choices=["proxy", "direct"])
     ap.add_argument("--tokens", type=int, default=256, help="tokens per stream")
     ap.add_argument("--repeats", type=int, default=5, help="(in-process, served) pairs per point; medians kept")
     ap.add_argument("--models-dir", default="runs/serve_load", help="where the tiny pair (idle here) is saved")
@@ -286,53 +406,23 @@ def main() -> None:
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
 
-    from ray import serve
-
-    from deployments import harness, serve_cli
-    from tests.support.ray_local import start_local_ray
+    from deployments import serve_cli
 
     load_at_start = os.getloadavg()
     small, large = prepare_pair("tiny", Path(args.models_dir))
-    http_port, grpc_port = harness.free_port(), harness.free_port()
-    start_local_ray(_system_config=serve_cli.RAY_SYSTEM_CONFIG)
     pairs: dict[tuple, list[tuple[Run, Run]]] = {}
-    try:
-        config = serve_config(small, large, http_port, grpc_port, args.steps_ms)
-        path = Path(args.models_dir) / "serve_overhead.yaml"
-        path.write_text(yaml.safe_dump(config))
-        assert serve_cli.main(["--config", str(path), "--non-blocking"]) == 0
-        for ms in args.steps_ms:
-            harness.wait_until_running(app_name(ms))
-        meter = CpuMeter()
-        targets = {"http": f"http://127.0.0.1:{http_port}", "grpc": f"127.0.0.1:{grpc_port}"}
-        for ms in args.steps_ms:  # warm-up: every process imports and connects once
-            for transport in args.transports:
-                run_served(transport, targets[transport], app_name(ms), ms, 4, 16, meter)
-        points = [(ms, n, t) for ms in args.steps_ms for n in args.streams for t in args.transports]
-        floors: dict[str, list[float]] = {}
-        for _ in tqdm(range(args.repeats), desc="repeats"):  # interleaved: the box's load drifts
-            for transport in args.transports:
-                floors.setdefault(transport, []).append(
-                    request_floor_ms(transport, targets[transport], app_name(args.steps_ms[0]))
-                )
-            for ms, n, transport in points:
-                inproc = run_in_process(ms, n, args.tokens)
-                served = run_served(transport, targets[transport], app_name(ms), ms, n, args.tokens, meter)
-                pairs.setdefault((ms, n, transport), []).append((served, inproc))
-    finally:
-        serve.shutdown()
-        import ray
-
-        ray.shutdown()
+    floors: dict[str, dict[str, float]] = {}
+    for path in args.paths:
+        path_pairs, floors[path] = serve_path(path, args, small, large)
+        pairs.update(path_pairs)
     rows = summarise(pairs)
     print_table(rows)
-    by = {(r["step_ms"], r["streams"], r["transport"]): r for r in rows}
+    by = {(r["path"], r["step_ms"], r["streams"], r["transport"]): r for r in rows}
     result = {
-        "single_stream_ratio_2ms": by.get((2.0, 1, "http"), {}).get("ratio"),
-        "streams16_ratio_2ms": by.get((2.0, 16, "http"), {}).get("ratio"),
-        "single_stream_ratio_2ms_grpc": by.get((2.0, 1, "grpc"), {}).get("ratio"),
-        "streams16_ratio_2ms_grpc": by.get((2.0, 16, "grpc"), {}).get("ratio"),
-        "request_floor_ms": {t: statistics.median(v) for t, v in floors.items()},
+        # the default path (Serve's proxy) over HTTP, as the issue names them; then every figure per path
+        **headline(by, "proxy"),
+        "paths": {path: headline(by, path) for path in args.paths},
+        "request_floor_ms": floors,
         "args": vars(args),
         "cpu_cores": psutil.cpu_count(),
         "load_avg_at_start": load_at_start,
@@ -345,7 +435,7 @@ def main() -> None:
     stem = "serve_overhead" + (f"-{args.tag}" if args.tag else "")
     (out / f"{stem}.json").write_text(json.dumps(result, indent=2))
     plot(rows, out / f"{stem}.png")
-    print(json.dumps({k: v for k, v in result.items() if "ratio" in k or k == "request_floor_ms"}, indent=2))
+    print(json.dumps({k: result[k] for k in ("paths", "request_floor_ms")}, indent=2))
     print(f"saved {out / stem}.json and .png")
 
 
