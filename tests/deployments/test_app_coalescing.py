@@ -32,7 +32,7 @@ from clients.wire.proto import deltas_from_pb  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 from benchmarks.standin import expected_stream  # noqa: E402
-from tests.support.served_app import TINY_PAIR, ServedApp  # noqa: E402
+from tests.support.served_app import TINY_PAIR, ServedApp, sse_then_disconnect  # noqa: E402
 from tests.support.tiny import tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -127,14 +127,7 @@ def test_a_cancelled_stream_leaves_the_step_loop_while_another_finishes(served):
     async def disconnected() -> int:
         """An SSE client that goes away after the first token and one batch (4000 tokens: 8 s)."""
         body = {"prompt": PROMPT, "max_tokens": 4000, "seed": 7, "ignore_eos": True, "stream": True}
-        async with httpx.AsyncClient(base_url=f"{url}/standin", timeout=60) as http:
-            async with http.stream("POST", "/v1/completions", json=body) as response:
-                reads = 0
-                async for _ in response.aiter_raw():
-                    reads += 1
-                    if reads == 2:
-                        return reads
-        return reads
+        return await sse_then_disconnect(f"{url}/standin", body)
 
     async def main():
         whole = _raw_grpc(

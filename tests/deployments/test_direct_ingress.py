@@ -26,7 +26,7 @@ from clients.http_client import AsyncBackoffHTTPClient  # noqa: E402
 from clients.wire import backoff_pb2 as pb  # noqa: E402
 from clients.wire import backoff_pb2_grpc as pb_grpc  # noqa: E402
 from deployments import harness  # noqa: E402
-from tests.support.served_app import ServedApp  # noqa: E402
+from tests.support.served_app import ServedApp, sse_then_disconnect  # noqa: E402
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -97,19 +97,8 @@ def test_a_client_gone_from_a_direct_stream_leaves_the_step_loop(direct):
     router = serve.get_deployment_handle("SmallModel", "backoff")
     before = router.info.remote().result(timeout_s=30).cancelled
 
-    async def disconnected() -> int:
-        """An SSE client that goes away after two reads of a 4000-token stream (8 s)."""
-        body = {"prompt": PROMPT, "max_tokens": 4000, "seed": 7, "ignore_eos": True, "stream": True}
-        async with httpx.AsyncClient(base_url=direct["http"], timeout=60) as http:
-            async with http.stream("POST", "/v1/completions", json=body) as response:
-                reads = 0
-                async for _ in response.aiter_raw():
-                    reads += 1
-                    if reads == 2:
-                        return reads
-        return reads
-
-    assert asyncio.run(disconnected()) == 2
+    body = {"prompt": PROMPT, "max_tokens": 4000, "seed": 7, "ignore_eos": True, "stream": True}  # 8 s
+    assert asyncio.run(sse_then_disconnect(direct["http"], body)) == 2
     deadline = time.monotonic() + 6  # well before the stream would have ended
     while (info := router.info.remote().result(timeout_s=30)).live or info.admitted:
         assert time.monotonic() < deadline, f"the abandoned stream is still in the step loop: {info}"

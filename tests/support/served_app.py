@@ -174,3 +174,18 @@ def in_process_engine(*model_dirs: str) -> BackoffEngine:
     loaded = [load_model(d, LoadSpec()) for d in model_dirs]
     models, tokenizer = [model for model, _ in loaded], loaded[0][1]
     return engine_for(models, tokenizer, context_window=512, hidden_size=models[0].config.hidden_size)
+
+
+async def sse_then_disconnect(base_url: str, body: dict, reads: int = 2) -> int:
+    """POST a streamed completion and go away after `reads` reads of its SSE body (a client
+    that disconnects mid-stream); the reads made."""
+    import httpx
+
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
+        async with http.stream("POST", "/v1/completions", json=body) as response:
+            done = 0
+            async for _ in response.aiter_raw():
+                done += 1
+                if done == reads:
+                    break
+    return done
