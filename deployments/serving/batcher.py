@@ -103,6 +103,8 @@ class CatchUpBatcher:
         self._pending: collections.deque[tuple[CatchUpCall, asyncio.Future]] = collections.deque()
         self._arrived: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the replica's, once a call came
+        self._unclosed: collections.deque[str] = collections.deque()  # close_soon before any call
         self._forward_thread = ThreadPoolExecutor(1, thread_name_prefix="catch-up")
         # calls of each recent caller step already taken into a forward (bounded)
         self._taken: collections.OrderedDict[str, int] = collections.OrderedDict()
@@ -126,7 +128,20 @@ class CatchUpBatcher:
         await asyncio.get_running_loop().run_in_executor(self._forward_thread, self._close, session_key)
 
     def close_soon(self, session_key: str) -> None:
-        """From any thread: free a session after the forwards already queued."""
+        """From any thread, a __del__ included: free a session after the forwards already
+        queued. It takes no lock: a __del__ can run inside any ThreadPoolExecutor.submit of
+        its thread (a collection there), which holds concurrent.futures' global lock, so a
+        submit here would wait for itself forever. The event loop submits the close."""
+        loop = self._loop
+        if loop is None:  # no call yet: _start submits it
+            self._unclosed.append(session_key)
+            return
+        try:
+            loop.call_soon_threadsafe(self._submit_close, session_key)
+        except RuntimeError:  # the loop is closed: the sessions go with the replica
+            pass
+
+    def _submit_close(self, session_key: str) -> None:
         try:
             self._forward_thread.submit(self._close, session_key)
         except RuntimeError:  # shut down: the sessions go with the replica
@@ -164,6 +179,10 @@ class CatchUpBatcher:
 
     # -- the loop ---------------------------------------------------------------------------
     def _start(self) -> None:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+            while self._unclosed:
+                self._submit_close(self._unclosed.popleft())
         if self._loop_task is None or self._loop_task.done():
             self._arrived = asyncio.Event()
             self._loop_task = asyncio.get_running_loop().create_task(self._run_forever())

@@ -253,3 +253,43 @@ def test_engine_loop_cancel_frees_the_request(pair, tokenizer):
         assert asyncio.run(main())
     finally:
         loop.stop()
+
+
+def test_close_soon_takes_no_lock_so_a_del_inside_a_submit_cannot_hang(pair, loop_thread, monkeypatch):
+    """A session's registration is freed by its __del__, which a collection can run inside
+    any ThreadPoolExecutor.submit of that thread, while submit holds concurrent.futures'
+    global lock: close_soon must not take it (a submit there waited for itself forever)."""
+    import concurrent.futures.thread as futures_thread
+    import threading
+
+    runner = ModelRunner(pair[1], "large")
+    batcher = CatchUpBatcher(runner)
+    loop_thread.run(batcher.extend(CatchUpCall("k", 0, (3, 4))))
+    held = threading.Lock()  # stands in for the global lock, so a failure strands no real one
+    monkeypatch.setattr(futures_thread, "_global_shutdown_lock", held)
+
+    def inside_a_submit():
+        with held:  # as ThreadPoolExecutor.submit holds it when a collection runs the __del__
+            batcher.close_soon("k")
+
+    thread = threading.Thread(target=inside_a_submit, daemon=True)
+    thread.start()
+    thread.join(5.0)
+    assert not thread.is_alive(), "close_soon waited for a lock its own thread holds"
+    deadline = time.monotonic() + 5.0
+    while runner.has("k"):  # the event loop then frees the session on the forward thread
+        assert time.monotonic() < deadline, "the session was never freed"
+        time.sleep(0.01)
+
+
+def test_a_session_closed_before_any_call_is_freed_once_calls_come(pair, loop_thread):
+    runner = ModelRunner(pair[1], "large")
+    batcher = CatchUpBatcher(runner)
+    runner.open("early")
+    batcher.close_soon("early")  # no event loop known yet
+    assert runner.has("early")
+    loop_thread.run(batcher.extend(CatchUpCall("k", 0, (3, 4))))
+    deadline = time.monotonic() + 5.0
+    while runner.has("early"):
+        assert time.monotonic() < deadline, "the early close was never carried out"
+        time.sleep(0.01)
