@@ -48,8 +48,9 @@ LOCAL_SERVE_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", **SERVE_PATH_E
 # (an HTTP body is otherwise fetched from the proxy by one more call); the proxy keeps the
 # usual ports on the head node only. A node's first Ingress replica takes the port after the
 # proxy's (8001 / 9001 by default), the next one the port after that, up to DIRECT_PORTS of
-# each. benchmarks/serve_overhead.py, 2 ms step: time to first token +8-11 -> +4 ms over
-# HTTP; 16 streams 0.77 -> 0.84 of the in-process rate (README, "serve_overhead").
+# each. benchmarks/serve_overhead.py, 2 ms step, proxy -> direct: time to first token over
+# in-process +13.4 -> +5-7 ms HTTP, +6.9 -> +4.3 gRPC; 16 streams 0.78 -> 0.85 (HTTP), 0.84 ->
+# 0.90 (gRPC) of the in-process rate (README, "serve_overhead").
 DIRECT_PORTS = 100
 
 
