@@ -30,8 +30,9 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import psutil
 import yaml
@@ -45,6 +46,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 
 from backoff_core.types import GenerationRequest, SamplingParams  # noqa: E402
 from benchmarks.serve_load import prepare_pair  # noqa: E402
+from benchmarks.serve_overhead_report import headline, plot, print_table, summarise  # noqa: E402
 from benchmarks.standin import StandInEngine, expected_stream  # noqa: E402
 from clients.grpc_client import AsyncBackoffGrpcClient  # noqa: E402
 from clients.http_client import AsyncBackoffHTTPClient  # noqa: E402
@@ -230,90 +232,9 @@ def app_name(step_ms: float) -> str:
     return f"standin{step_ms:g}"
 
 
-# -- report -----------------------------------------------------------------------------------
-
-
-def summarise(pairs: dict) -> list[dict]:
-    """Per (path, step, streams, transport): median run, and the paired served / in-process ratios."""
-    rows = []
-    for (path, ms, n, transport), served in sorted(pairs.items()):
-        ratios = sorted(s.tokens_per_s / i.tokens_per_s for s, i in served)
-        ttft_extra = sorted(s.ttft_p50_s - i.ttft_p50_s for s, i in served)
-        # the time one token of one stream spends in the serving path beyond its step
-        extra_us = sorted(1e6 * n * (1 / s.tokens_per_s - 1 / i.tokens_per_s) for s, i in served)
-        mid = sorted((s for s, _ in served), key=lambda r: r.tokens_per_s)[len(served) // 2]
-        inproc = statistics.median(i.tokens_per_s for _, i in served)
-        cpu_keys = {k for s, _ in served for k in s.cpu}
-        rows.append(
-            {
-                "path": path,
-                "step_ms": ms,
-                "streams": n,
-                "transport": transport,
-                "repeats": len(served),
-                "served_tokens_per_s": statistics.median(s.tokens_per_s for s, _ in served),
-                "in_process_tokens_per_s": inproc,
-                "ratio": statistics.median(ratios),
-                "ratio_min": ratios[0],
-                "ratio_max": ratios[-1],
-                "overhead_us_per_token": statistics.median(extra_us),
-                "ttft_served_ms": 1e3 * statistics.median(s.ttft_p50_s for s, _ in served),
-                "ttft_in_process_ms": 1e3 * statistics.median(i.ttft_p50_s for _, i in served),
-                "ttft_extra_ms": 1e3 * statistics.median(ttft_extra),
-                "cpu": {k: statistics.median(s.cpu.get(k, 0.0) for s, _ in served) for k in sorted(cpu_keys)},
-                "median_run": asdict(mid),
-            }
-        )
-    return rows
-
-
-def print_table(rows: list[dict]) -> None:
-    print(
-        f"\n{'path':>6} {'step':>5} {'streams':>7} {'transport':>9} {'served/s':>9} {'inproc/s':>9} {'ratio':>6} "
-        f"{'µs/token':>8} {'TTFT':>7} {'+TTFT':>6}  CPU (cores)"
-    )
-    for r in rows:
-        cpu = ", ".join(
-            f"{k.replace('ray::', '').replace('ServeReplica:', '')}={v:.2f}" for k, v in r["cpu"].items() if v >= 0.02
-        )
-        print(
-            f"{r['path']:>6} {r['step_ms']:4g}ms {r['streams']:7d} {r['transport']:>9} {r['served_tokens_per_s']:9.0f} "
-            f"{r['in_process_tokens_per_s']:9.0f} {r['ratio']:6.2f} {r['overhead_us_per_token']:8.0f} "
-            f"{r['ttft_served_ms']:5.1f}ms {r['ttft_extra_ms']:5.1f}  {cpu}"
-        )
-
-
-def plot(rows: list[dict], png: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    for path, marker in (("proxy", "o"), ("direct", "s")):
-        for ms, transport in itertools.product(sorted({r["step_ms"] for r in rows}), ("http", "grpc")):
-            style = marker + ("-" if transport == "http" else "--")
-            rs = sorted(
-                (r for r in rows if (r["path"], r["step_ms"], r["transport"]) == (path, ms, transport)),
-                key=lambda r: r["streams"],
-            )
-            if rs:
-                label = f"{path}, {ms:g} ms step, {transport}"
-                a.plot([r["streams"] for r in rs], [r["ratio"] for r in rs], style, label=label)
-                b.plot([r["streams"] for r in rs], [r["overhead_us_per_token"] for r in rs], style, label=label)
-    a.axhline(1.0, color="grey", lw=0.5)
-    for ax, title in ((a, "served / in-process tokens/s"), (b, "µs per token of a stream in the serving path")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrent streams")
-        ax.set_title(title)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
-
-
 def serve_path(path: str, args, small: str, large: str) -> tuple[dict, dict]:
-    """One path on a Ray of its own: deploy, warm up, the interleaved repeats. Returns the
-    (path, step, streams, transport) -> [(served, in-process)] pairs and the request floors."""
+    """One path on a Ray of its own: deploy, then `measure`. Returns the (path, step, streams,
+    transport) -> [(served, in-process)] pairs and the request floors."""
     from ray import serve
 
     from deployments import harness, serve_cli
@@ -321,47 +242,45 @@ def serve_path(path: str, args, small: str, large: str) -> tuple[dict, dict]:
 
     http_port, grpc_port = harness.free_port(), harness.free_port()
     direct_env = serve_cli.direct_ingress_env(http_port, grpc_port) if path == "direct" else {}
-    saved = {k: os.environ.get(k) for k in direct_env}
-    os.environ.update(direct_env)  # Serve's processes inherit it when Ray starts
-    start_local_ray(_system_config=serve_cli.RAY_SYSTEM_CONFIG)
+    with mock.patch.dict(os.environ, direct_env):  # Serve's processes inherit it; restored after
+        start_local_ray(_system_config=serve_cli.RAY_SYSTEM_CONFIG)
+        clients = None
+        try:
+            config = serve_config(small, large, http_port, grpc_port, args.steps_ms)
+            config_path = Path(args.models_dir) / "serve_overhead.yaml"
+            config_path.write_text(yaml.safe_dump(config))
+            assert serve_cli.main(["--config", str(config_path), "--non-blocking"]) == 0
+            targets = {}
+            for ms in args.steps_ms:
+                harness.wait_until_running(app_name(ms))
+                targets.update(app_targets(path, app_name(ms), http_port, grpc_port))
+            clients = Clients(targets)
+            return measure(clients, path, args)
+        finally:
+            if clients is not None:
+                clients.close()
+            serve.shutdown()
+            import ray
+
+            ray.shutdown()
+
+
+def measure(clients: Clients, path: str, args) -> tuple[dict, dict]:
+    """Warm up, then the repeats, interleaved (the box's load drifts): per repeat the request
+    floors, then every (step, streams, transport) point as an (in-process, served) pair."""
     pairs: dict[tuple, list[tuple[Run, Run]]] = {}
     floors: dict[str, list[float]] = {}
-    clients = None
-    try:
-        config = serve_config(small, large, http_port, grpc_port, args.steps_ms)
-        config_path = Path(args.models_dir) / "serve_overhead.yaml"
-        config_path.write_text(yaml.safe_dump(config))
-        assert serve_cli.main(["--config", str(config_path), "--non-blocking"]) == 0
-        targets = {}
-        for ms in args.steps_ms:
-            harness.wait_until_running(app_name(ms))
-            targets.update(app_targets(path, app_name(ms), http_port, grpc_port))
-        clients = Clients(targets)
-        meter = CpuMeter()
-        for ms, transport in itertools.product(args.steps_ms, args.transports):  # warm-up: imports, connections
-            run_served(clients, path, transport, ms, max(args.streams), 16, meter)
-        points = [(ms, n, t) for ms in args.steps_ms for n in args.streams for t in args.transports]
-        for _ in tqdm(range(args.repeats), desc=f"{path}: repeats"):  # interleaved: the box's load drifts
-            for transport in args.transports:
-                floors.setdefault(transport, []).append(
-                    request_floor_ms(clients, app_name(args.steps_ms[0]), transport)
-                )
-            for ms, n, transport in points:
-                inproc = run_in_process(path, ms, n, args.tokens)
-                served = run_served(clients, path, transport, ms, n, args.tokens, meter)
-                pairs.setdefault((path, ms, n, transport), []).append((served, inproc))
-    finally:
-        if clients is not None:
-            clients.close()
-        serve.shutdown()
-        import ray
-
-        ray.shutdown()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    meter = CpuMeter()
+    for ms, transport in itertools.product(args.steps_ms, args.transports):  # imports, connections
+        run_served(clients, path, transport, ms, max(args.streams), 16, meter)
+    points = [(ms, n, t) for ms in args.steps_ms for n in args.streams for t in args.transports]
+    for _ in tqdm(range(args.repeats), desc=f"{path}: repeats"):
+        for transport in args.transports:
+            floors.setdefault(transport, []).append(request_floor_ms(clients, app_name(args.steps_ms[0]), transport))
+        for ms, n, transport in points:
+            inproc = run_in_process(path, ms, n, args.tokens)
+            served = run_served(clients, path, transport, ms, n, args.tokens, meter)
+            pairs.setdefault((path, ms, n, transport), []).append((served, inproc))
     return pairs, {t: statistics.median(v) for t, v in floors.items()}
 
 
@@ -372,25 +291,8 @@ def app_targets(path: str, app: str, http_port: int, grpc_port: int) -> dict[tup
 
     if path == "proxy":
         return {(app, "http"): f"http://127.0.0.1:{http_port}", (app, "grpc"): f"127.0.0.1:{grpc_port}"}
-    deadline = time.monotonic() + 60
-    while not ((found := harness.direct_endpoints(app)).get("http") and found.get("grpc")):
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"application {app!r} published no direct endpoints: {found}")
-        time.sleep(0.5)
-    return {(app, "http"): found["http"][0], (app, "grpc"): found["grpc"][0]}
-
-
-def headline(by: dict, path: str) -> dict:
-    """The issue's figures for one path: served / in-process at a 2 ms step, 1 and 16 streams,
-    and the time to first token over in-process (1 stream, 2 ms)."""
-    out = {}
-    for transport in ("http", "grpc"):
-        suffix = "" if transport == "http" else "_grpc"
-        one, sixteen = by.get((path, 2.0, 1, transport), {}), by.get((path, 2.0, 16, transport), {})
-        out[f"single_stream_ratio_2ms{suffix}"] = one.get("ratio")
-        out[f"streams16_ratio_2ms{suffix}"] = sixteen.get("ratio")
-        out[f"ttft_extra_ms_2ms{suffix}"] = one.get("ttft_extra_ms")
-    return out
+    found = harness.wait_for_direct_endpoints(app)
+    return {(app, "http"): found["http"], (app, "grpc"): found["grpc"]}
 
 
 def main() -> None:

@@ -72,3 +72,14 @@ def direct_endpoints(app: str = "backoff") -> dict[str, list[str]]:
             address = f"127.0.0.1:{target['port']}"
             found.setdefault(protocol, []).append(f"http://{address}" if protocol == "http" else address)
     return found
+
+
+def wait_for_direct_endpoints(app: str = "backoff", timeout_s: float = 60.0) -> dict[str, str]:
+    """{"http": URL, "grpc": host:port} of `app`'s first Ingress replica under direct ingress,
+    once the controller publishes both (a TimeoutError after timeout_s)."""
+    deadline = time.monotonic() + timeout_s
+    while not ((found := direct_endpoints(app)).get("http") and found.get("grpc")):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"application {app!r} published no direct endpoints in {timeout_s:.0f} s: {found}")
+        time.sleep(0.5)
+    return {"http": found["http"][0], "grpc": found["grpc"][0]}

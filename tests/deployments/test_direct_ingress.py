@@ -46,11 +46,7 @@ def served(serve_app) -> ServedApp:
 @pytest.fixture(scope="module")
 def direct(served) -> dict[str, str]:
     """The Ingress replica's own endpoints, as the controller publishes them."""
-    deadline = time.monotonic() + 60
-    while not (found := harness.direct_endpoints("backoff")).get("grpc") or not found.get("http"):
-        assert time.monotonic() < deadline, f"no direct endpoints published: {found}"
-        time.sleep(0.5)
-    return {"http": found["http"][0], "grpc": found["grpc"][0]}
+    return harness.wait_for_direct_endpoints("backoff")
 
 
 def _port(address: str) -> int:
