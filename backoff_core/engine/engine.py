@@ -15,7 +15,6 @@ is routed nowhere but M_S, and a step whose catch-up failed takes M_S's token in
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
@@ -286,7 +285,7 @@ class BackoffEngine:
         if r.controller is not None and r.request_id in scores:
             r.thresholds[0] = r.controller.update(scores[r.request_id], source == 0)
         if outcome is not None and source == self.num_levels - 1:
-            _schedule_drafts(r, rejected=retracted > 0)
+            r.schedule_drafts(rejected=retracted > 0)
         if r.finish_after_verify and not retracted:
             r.finished = r.finish_after_verify  # all drafts held: the extra token is not wanted
             return None
@@ -319,7 +318,7 @@ class BackoffEngine:
             group,
             self.models,
             lambda g: router.scores(ctx).double().tolist(),
-            lambda r: float(router.scores(_row(ctx, index[r.request_id]))[0]),
+            lambda r: float(router.scores(ctx.row(index[r.request_id]))[0]),
         )
         group = [r for r in group if r.request_id in rows]
         if not group:
@@ -380,20 +379,6 @@ class BackoffEngine:
                 self.finish(request_id)  # raises its error
         finally:
             self.cancel(request_id)
-
-
-def _schedule_drafts(r: Live, rejected: bool) -> None:
-    """HF assisted generation's heuristic: more drafts while they hold, fewer once they fail."""
-    routing = r.request.routing
-    if routing.router == "draft" and routing.draft_schedule == "heuristic":
-        r.thresholds = (r.thresholds - 1 if rejected else r.thresholds + 2).clamp(1, 64)
-
-
-def _row(ctx: StepContext, i: int) -> StepContext:
-    """Row i of a step's context, as a batch of one."""
-    return StepContext(
-        **{f.name: None if (v := getattr(ctx, f.name)) is None else v[i : i + 1] for f in dataclasses.fields(ctx)}
-    )
 
 
 def _by_router(group: list[Live]) -> dict[DecisionFunction, list[Live]]:

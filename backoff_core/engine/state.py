@@ -85,6 +85,12 @@ class Live:
                 del table[j]
         return dropped
 
+    def schedule_drafts(self, rejected: bool) -> None:
+        """HF assisted generation's heuristic: more drafts while they hold, fewer once they fail."""
+        routing = self.request.routing
+        if routing.router == "draft" and routing.draft_schedule == "heuristic":
+            self.thresholds = (self.thresholds - 1 if rejected else self.thresholds + 2).clamp(1, 64)
+
     def prune(self) -> None:
         """Forget logits no catch-up can still verify (positions every level has read)."""
         horizon = min(self.fed[1:], default=len(self.tokens))

@@ -8,7 +8,7 @@ models). Higher score = harder step = bigger model. The threshold is the live kn
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Callable, ClassVar
 
@@ -26,6 +26,12 @@ class StepContext:
     large_logits: torch.Tensor | None  # [B, V] largest model's logits (oracles only)
     drafts: torch.Tensor  # [B] tokens committed since the largest model last ran
     uniforms: torch.Tensor  # [B] one U(0,1) per sequence from its own seeded generator
+
+    def row(self, i: int) -> StepContext:
+        """Row i, as a batch of one."""
+        return StepContext(
+            **{f.name: None if (v := getattr(self, f.name)) is None else v[i : i + 1] for f in fields(self)}
+        )
 
 
 class DecisionFunction:
