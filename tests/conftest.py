@@ -6,11 +6,20 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 
 import pytest
 import torch
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+# The converted-model cache (backoff_core/models/gguf_cache.py) of test runs: never the
+# user's, and one per machine so that every run (and the CLI / Ray processes it starts,
+# which inherit the environment) reads the default pair warm after the first. Tests of the
+# cache itself pass their own tmp_path root. BACKOFF_TEST_CACHE_DIR picks another folder.
+os.environ["BACKOFF_CACHE_DIR"] = os.environ.get("BACKOFF_TEST_CACHE_DIR") or os.path.join(
+    tempfile.gettempdir(), f"backoff-serve-test-cache-{os.getuid()}"
+)
 
 from tests.support.tiny import tiny_model, tiny_tokenizer  # noqa: E402
 

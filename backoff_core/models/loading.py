@@ -14,6 +14,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from backoff_core.models.default_pair import DEFAULT_PAIR_NAMES, load_default_large, load_default_pair
+from backoff_core.models.gguf_cache import load_gguf
 from backoff_core.models.kernels import use_cpu_kernels
 
 DTYPES = {
@@ -75,8 +76,16 @@ def _context_window(configs) -> int | None:
 
 
 def load_model(name: str, spec: LoadSpec = LoadSpec()) -> tuple[PreTrainedModel, object]:
-    """(model in eval mode, tokenizer) from a directory, a cached hub id or a .gguf file."""
+    """(model in eval mode, tokenizer) from a directory, a cached hub id or a .gguf file.
+
+    A .gguf file is converted once and then read from the disk cache (gguf_cache.py),
+    unless a device map asks transformers to place it.
+    """
     where, extra = _where(name)
+    if "gguf_file" in extra and not spec.device_map:
+        model, tokenizer = load_gguf(Path(name))
+        model = model.to(device=spec.torch_device(), dtype=spec.torch_dtype())
+        return use_cpu_kernels(model.eval(), spec.cpu_kernels), tokenizer
     tokenizer = AutoTokenizer.from_pretrained(where, **extra)
     kwargs = dict(extra, dtype=spec.torch_dtype())
     if spec.device_map:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pathlib
+
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -50,3 +52,23 @@ def tiny_model(
     with torch.no_grad():
         model.lm_head.weight.mul_(sharpness)
     return model
+
+
+def tied_tiny() -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
+    """The tiny model with M_L's layout (LM head tied to the embedding) and its tokenizer:
+    what the converted-model cache tests store and read back."""
+    model = tiny_model(3)
+    model.config.tie_word_embeddings = True
+    model.lm_head.weight = model.model.embed_tokens.weight
+    return model, tiny_tokenizer()
+
+
+def slow_tied_tiny(marks: pathlib.Path) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
+    """tied_tiny as a slow conversion that leaves one file in `marks` per call: two processes
+    started together overlap in it, and the files count the conversions."""
+    import os
+    import time
+
+    (marks / str(os.getpid())).touch()
+    time.sleep(3)
+    return tied_tiny()
