@@ -4,14 +4,18 @@ exactly the model's: only the attention's cache handling is ours.
 
 Per layer: norm -> q/k/v projections -> HF's own `apply_rotary_pos_emb` with cos/sin from
 `model.model.rotary_emb` -> write the new k/v in place at [row's slot, row's positions]
--> SDPA over the stored keys [0, L) with a boolean mask (key j visible to the query at
-position p iff j <= p) -> o_proj, residual, post-norm, MLP, residual. Then the final norm
+-> SDPA over the stored keys [0, L) with an additive mask (0 where key j is visible to the
+query at position p, i.e. j <= p, -inf elsewhere), built once per forward -> o_proj, residual, post-norm, MLP, residual. Then the final norm
 and the LM head (on every new position, or on each row's last one).
 
 GQA without copies: the G = heads / kv_heads query heads that share one kv head are folded
 into the query-length axis (q: [B, kv_heads, G*K, D]), so SDPA sees equal head counts and
 may use its fused masked kernels; no repeat_kv copy of the stored keys, and no
-`enable_gqa` (which falls back to the math kernel when a mask is given).
+`enable_gqa` (which falls back to the math kernel when a mask is given). The mask is
+additive in the model's dtype, not boolean: on CUDA that lets SDPA pick its memory-efficient
+kernel (cutlass, attn_bias), where a bool mask is first converted in every call; flash
+attention takes no mask at all, and per-row lengths need one (test_static_cuda checks
+that the efficient kernel runs).
 
 Every shape and Python value here is fixed by the `Batch` key (rows, k, L, dense,
 last_only, hidden_layer), and nothing reads a device value back to the host, so a CUDA
@@ -101,9 +105,7 @@ class StaticForward:
         rows, k = b.input_ids.shape
         h = base.embed_tokens(b.input_ids)  # [B, K, d]
         cos, sin = base.rotary_emb(h, b.positions)  # [B, K, D] each
-        # mask: [B, 1, G*K, L], query rows ordered (g, k) to match the folded q below
-        visible = self.key_index[None, None, : b.length] <= b.positions[:, :, None]  # [B, K, L]
-        mask = visible[:, None].expand(rows, self.groups, k, b.length).reshape(rows, 1, self.groups * k, b.length)
+        mask = self.mask(b.positions, b.length, h.dtype)  # [B, 1, G*K, L], shared by every layer
         hidden = h if b.hidden_layer == 0 else None
         for i, layer in enumerate(base.layers):
             h = h + self._attention(i, layer.self_attn, layer.input_layernorm(h), cos, sin, mask, b)
@@ -116,6 +118,15 @@ class StaticForward:
         if b.last_only:
             h = h[torch.arange(rows, device=h.device), b.last_col][:, None]  # [B, 1, d]
         return self.model.lm_head(h), hidden
+
+    def mask(self, positions: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
+        """positions [B, K] -> additive mask [B, 1, G*K, L] (0 visible, -inf hidden), query
+        rows ordered (g, k) to match the folded q. Every query sees key 0 at least, so no row
+        is all -inf (no NaN)."""
+        rows, k = positions.shape
+        hidden = self.key_index[None, None, :length] > positions[:, :, None]  # [B, K, L]
+        bias = torch.zeros(hidden.shape, dtype=dtype, device=positions.device).masked_fill(hidden, float("-inf"))
+        return bias[:, None].expand(rows, self.groups, k, length).reshape(rows, 1, self.groups * k, length)
 
     def _attention(self, i: int, attn, x: torch.Tensor, cos, sin, mask, b: Batch) -> torch.Tensor:
         rows, k, _ = x.shape
