@@ -6,8 +6,10 @@ Loads the pair (bf16), builds each runner as the engine does (factory.make_runne
 KV slots, graphs captured now) and measures what benchmarks/gpu_plan.py predicts: graphs,
 capture seconds, KV bytes and the memory the capture added (pool + static buffers). Then
 checks the real shapes: M_L's logits after a chunked prompt catch-up against HF's own bf16
-forward, and a few generations per routing with no forward run eagerly. Writes
-DIR/gpu_check.json and prints a short table.
+forward, and a few generations per routing with no forward run eagerly. Last, where the
+time of one step goes: a captured step's GPU time alone (CUDA events around the replay) and
+its kernel count, against the whole runner.extend (plan, upload, replay, float copy), for
+M_S with fused and with HF's own RMSNorm modules, and for M_L. Writes DIR/gpu_check.json.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from backoff_core.engine.engine import BackoffEngine
 from backoff_core.models.loading import LoadSpec, load_chain
 from backoff_core.models.prompts import encode_prompt
 from backoff_core.runners.factory import make_runner
+from backoff_core.runners.graph_plan import GraphKey
+from backoff_core.runners.static import StaticRunner
 from backoff_core.types import GenerationRequest, KVSpec, RoutingParams, SamplingParams, Verification
 from benchmarks.gpu_plan import plan
 
@@ -66,6 +70,72 @@ def logits_error(chain, runner, prompt_ids) -> float:
     runner.close("check")
     ref = chain.models[-1](torch.tensor([prompt_ids], device="cuda")).logits[0].float()
     return float((got - ref).norm() / ref.norm())
+
+
+def median_ms(fn, repeats: int = 50) -> float:
+    """Median wall time of fn() with the device synchronised around it."""
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2] * 1e3
+
+
+@torch.inference_mode()
+def step_anatomy(run: StaticRunner, rows: int, prompt_ids: list[int]) -> dict:
+    """One decode step of `rows` sessions holding the prompt: the whole extend, the graph's
+    replay alone (events), and the kernels one replay launches."""
+    ids = [f"anatomy{i}" for i in range(rows)]
+    for r in ids:
+        run.open(r)
+        run.extend([(r, prompt_ids)], last_only=True)
+    length = len(prompt_ids)
+
+    def step():
+        run.extend([(r, [5]) for r in ids], last_only=True)
+        for r in ids:
+            run.crop(r, length)
+
+    extend_ms = median_ms(step)
+    step()  # leaves the step's inputs in the static buffers
+    key = GraphKey(True, rows, 1, run.length_buckets[0], True, None)
+    graph = run.graphs._graphs[key]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    replay = []
+    for _ in range(50):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        replay.append(start.elapsed_time(end))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    for r in ids:
+        run.close(r)
+    return {
+        "rows": rows,
+        "extend_ms": round(extend_ms, 3),
+        "graph_replay_ms": round(sorted(replay)[25], 3),
+        "kernels_per_replay": len(kernels),
+    }
+
+
+def anatomy(chain, runners, prompt_ids) -> dict:
+    out = {}
+    for fused in (True, False):
+        probe = StaticRunner(chain.models[0], "probe", kv_budget_tokens=64 * 1024, max_len=1024)
+        probe._forward.fused_norms = fused
+        probe.warmup(last_only=(True,), ks=(1,), progress=False)
+        label = "M_S fused norms" if fused else "M_S HF norm modules"
+        out[label] = [step_anatomy(probe, rows, prompt_ids) for rows in (1, 64)]
+        del probe
+    out["M_L"] = [step_anatomy(runners[-1], rows, prompt_ids) for rows in (1, 16)]
+    return out
 
 
 def main() -> None:
@@ -119,6 +189,10 @@ def main() -> None:
         "forward_passes": [r.forward_passes for r in runners],
         "generate_many_4x": runs,
     }
+    try:
+        report["step_anatomy"] = anatomy(chain, runners, prompt)
+    except Exception as exc:  # noqa: BLE001 - a diagnostic: keep the checks above either way
+        report["step_anatomy"] = f"failed: {exc!r}"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -13,7 +13,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from backoff_core.engine.engine import BackoffEngine
-from backoff_core.runners.static import StaticRunner
+from backoff_core.runners.static import KVCapacityError, StaticRunner
 from backoff_core.runners.static_forward import Batch
 from backoff_core.sampling import Stream, sample_rows, uniforms
 from backoff_core.types import Verification
@@ -85,6 +85,64 @@ def test_every_forward_of_a_step_replays_a_graph(engine, routing):
         engine.step()
     assert all(len(engine.finish(r).token_ids) == 24 for r in request_ids)
     assert [m.eager_passes for m in engine.models] == eager
+
+
+def test_mixed_routing_takes_each_token_from_its_source(engine, gpu_pair):
+    for seed in (1, 2):
+        result = engine.generate(request(PROMPTS[0], 24, "random", rate=0.5, seed=seed))
+        assert 0 < sum(result.sources) < 24
+        seq = list(PROMPTS[0])
+        for token, source in zip(result.token_ids, result.sources):
+            assert token == int(full_logits(gpu_pair[source], seq)[-1].argmax())
+            seq.append(token)
+
+
+@pytest.mark.parametrize("draft_tokens", [1, 3])
+def test_speculative_greedy_is_large_alone(engine, gpu_pair, draft_tokens):
+    reqs = [request(p, 20, "draft", draft_tokens=draft_tokens, verification=Verification.EXACT) for p in PROMPTS]
+    results = engine.generate_many(reqs)
+    assert [r.token_ids for r in results] == [greedy(gpu_pair[1], p, 20) for p in PROMPTS]
+    assert sum(r.rollbacks for r in results) > 0
+
+
+def test_batched_equals_alone(engine):
+    reqs = [request(p, 12, r, rate=0.5, seed=4) for p in PROMPTS for r in ("random", "always-small", "always-large")]
+    alone = [engine.generate(r) for r in reqs]
+    together = engine.generate_many(reqs)
+    assert [a.token_ids for a in alone] == [t.token_ids for t in together]
+    assert [a.sources for a in alone] == [t.sources for t in together]
+    assert [m.request_ids() for m in engine.models] == [[], []]
+
+
+def test_rollback_equals_recomputation(gpu_pair):
+    model = gpu_pair[1]
+    run = runner(model, "large")
+    run.open("a")
+    run.open("b")
+    run.extend([("a", list(range(1, 30))), ("b", [2, 3])])
+    run.crop("a", 12)
+    got = run.extend([("a", [40, 41, 42]), ("b", [4])])  # ragged k = 3 and 1: a k=4 graph
+    torch.testing.assert_close(
+        got[0].logits, full_logits(model, list(range(1, 13)) + [40, 41, 42])[-3:], atol=1e-4, rtol=1e-4
+    )
+    torch.testing.assert_close(got[1].logits, full_logits(model, [2, 3, 4])[-1:], atol=1e-4, rtol=1e-4)
+
+
+def test_kv_budget_and_slot_reuse(gpu_pair):
+    model = gpu_pair[0]
+    run = runner(model, "small", slots=2, max_len=64)
+    run.open("a")
+    run.open("b")
+    with pytest.raises(KVCapacityError, match="kv_budget_tokens=128"):
+        run.open("c")
+    run.extend([("a", [5] * 40), ("b", [6])])
+    with pytest.raises(KVCapacityError, match="limit of 63"):
+        run.extend([("a", [1] * 24)])
+    assert run.length("a") == 40
+    run.close("a")
+    run.open("c")  # a's slot, a's 40 keys still in it
+    got = run.extend([("c", [1, 2, 3])])[0].logits
+    torch.testing.assert_close(got, full_logits(model, [1, 2, 3]), atol=1e-4, rtol=1e-4)
 
 
 # -- bf16 at the real attention shapes ------------------------------------------------------
@@ -164,15 +222,6 @@ def test_attention_runs_on_the_memory_efficient_kernel(shape, dense):
         with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION]):
             got, _ = run._forward(batch)
         torch.testing.assert_close(got, expected)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            run._forward(batch)
-        names = {e.name for e in prof.events()}
-        print(
-            shape,
-            "dense" if dense else "gather",
-            f"k={k}",
-            sorted(n for n in names if "fmha" in n.lower() or "attention" in n.lower())[:3],
-        )
 
 
 # -- the counter hash on CUDA and on the CPU ----------------------------------------------------
