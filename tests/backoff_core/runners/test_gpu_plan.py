@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from backoff_core.runners.graph_plan import GRAPH_BUDGET
+from backoff_core.runners.graph_plan import GRAPH_BUDGET, K_BUCKETS, kinds, length_buckets, plan_keys, row_buckets
 from benchmarks.gpu_plan import KV_BUDGET, MAX_LEN, plan
 
 RESULTS = Path(__file__).parents[3] / "benchmarks" / "results" / "gpu"
@@ -47,3 +47,20 @@ def test_plan_matches_the_gpu_bench_defaults_and_the_measured_run(computed):
         assert got["graphs"] == figures["graphs"]
         assert got["kv_gib"] == figures["kv_gib"] and got["weights_gib"] == pytest.approx(figures["weights_gib"], 1e-3)
         assert 0.5 <= got["pool_gib"] / figures["pool_gib"] <= 1.5  # an estimate, within 50%
+
+
+def test_graph_budget_takes_whole_kinds_in_priority_order():
+    wanted = kinds((None,), (True, False), K_BUCKETS)
+    assert [(k.k, k.last_only) for k in wanted] == [(1, True), (2, True), (4, True), (8, True), (16, True)] + [
+        (4, False),
+        (8, False),
+        (2, False),
+        (16, False),
+    ]
+    # 64 slots: dense rows 1..64 (7) and gathered 1..32 (6); L 256, 1024
+    assert row_buckets(64, 64) == [(True, 2**i) for i in range(7)] + [(False, 2**i) for i in range(6)]
+    assert length_buckets(1024) == (256, 1024) and length_buckets(80) == (80,) and length_buckets(2048)[-1] == 2048
+    keys = plan_keys(64, 1024, 64, wanted, budget=200)
+    assert len(keys) == 7 * 13 * 2  # 7 whole kinds of 26; the 8th would pass 200
+    assert {(k.k, k.last_only) for k in keys} == {(k.k, k.last_only) for k in wanted[:7]}
+    assert len(plan_keys(64, 1024, 64, wanted, budget=10**6)) == 9 * 26
