@@ -1,24 +1,53 @@
 #!/usr/bin/env bash
-# The whole GPU measurement in one call (issue 11's figures): build the random-weight pair with
-# real shapes (../shared/gpu/make_pair.py, copied to gpu_pair/ beside this checkout and carried),
-# run the CUDA test suite, the cost curve and the batch scaling, and leave every result in $OUT.
+# The GPU measurement in three stages, each one call of under 8 minutes on one H100 (docs/gpu.md):
 #
-#   bash scripts/gpu_bench.sh [TAG]        # TAG names the GPU in the file names (default: h100)
+#   bash scripts/gpu_bench.sh tests [TAG]   # pytest -m cuda (bf16 at G=3/4, hash vs CPU, SDPA kernel)
+#                                           # + the pair checked against the plan (gpu_check.json)
+#   bash scripts/gpu_bench.sh cost  [TAG]   # benchmarks/cost_curve.py: c_S, P_L(k), C(b), baselines
+#   bash scripts/gpu_bench.sh batch [TAG]   # benchmarks/batch_scaling.py: n = 1, 4, 16, 64
 #
-# Needs: a CUDA GPU with ~40 GB free, torch + transformers + tqdm + matplotlib (no Ray, no gguf).
-# Takes ~8 minutes on one H100 (pair ~30 s, CUDA tests ~1 min, graph capture at load, benchmarks).
+# TAG names the GPU in the file names (default h100). Every stage builds the random-weight
+# 135M/8B-shaped pair in /tmp/pair itself (unless a warm machine kept it) from a copy of
+# ../shared/gpu/ placed at gpu_pair/ beside this checkout's files (PAIR_SRC overrides), loads it
+# once, and writes at most 6 files to $OUT (default benchmarks/results/gpu). Needs python3 with
+# torch, transformers, tqdm and matplotlib (no Ray, no gguf) and ~30 GB of free GPU memory
+# (benchmarks/results/gpu/plan.json: 24 GiB at these defaults).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-tag=${1:-h100}
+stage=${1:?usage: scripts/gpu_bench.sh tests|cost|batch [TAG]}
+tag=${2:-h100}
 out=${OUT:-benchmarks/results/gpu}
 pair_src=${PAIR_SRC:-gpu_pair}
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-mkdir -p "$out" /tmp/pair
-nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee "$out/gpu.txt"
-[ -d /tmp/pair/large ] || python "$pair_src/make_pair.py" /tmp/pair
-python -m pytest -q -m cuda --tb=short -p no:cacheprovider tests/backoff_core/runners/test_static_cuda.py 2>&1 | tee "$out/cuda_tests.txt" | tail -5
-common=(--small /tmp/pair/small --large /tmp/pair/large --device cuda --dtype bfloat16 --max-len 1024)
-python benchmarks/cost_curve.py "${common[@]}" --kv-budget 65536 --max-tokens 64 --repeats 3 \
-    --tag "$tag" --out "$out" 2>&1 | grep -v '%|' | tee "$out/cost_curve.txt" | tail -30
-python benchmarks/batch_scaling.py "${common[@]}" --kv-budget 131072 --tokens 64 --repeats 2 \
-    --tag "$tag" --out "$out" 2>&1 | grep -v '%|' | tee "$out/batch_scaling.txt" | tail -8
+pair=/tmp/pair
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+mkdir -p "$out"
+if [ ! -f "$pair/large/config.json" ]; then
+    [ -f "$pair_src/make_pair.py" ] || { echo "no $pair_src/make_pair.py: copy ../shared/gpu/ there" >&2; exit 2; }
+    python3 "$pair_src/make_pair.py" "$pair"
+fi
+common=(--small "$pair/small" --large "$pair/large" --device cuda --dtype bfloat16 --kv-budget 65536 --max-len 1024)
+start=$SECONDS
+case "$stage" in
+tests)
+    nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version --format=csv >"$out/gpu.txt"
+    rc=0
+    python3 -m pytest -q -s -m cuda --tb=short -p no:cacheprovider tests/backoff_core/runners/test_static_cuda.py \
+        >"$out/cuda_tests.txt" 2>&1 || rc=$?
+    tail -25 "$out/cuda_tests.txt"
+    python3 benchmarks/gpu_check.py "${common[@]}" --out "$out" 2>&1 | grep -v '%|' | tee "$out/gpu_check.txt" | tail -60
+    [ "$rc" = 0 ] || { echo "CUDA tests failed (rc $rc)"; exit "$rc"; }
+    ;;
+cost)
+    python3 benchmarks/cost_curve.py "${common[@]}" --max-tokens 64 --repeats 3 --tag "$tag" --out "$out" 2>&1 |
+        grep -v '%|' | tee "$out/cost_curve-$tag.txt" | tail -30
+    ;;
+batch)
+    python3 benchmarks/batch_scaling.py "${common[@]}" --tokens 64 --repeats 2 --tag "$tag" --out "$out" 2>&1 |
+        grep -v '%|' | tee "$out/batch_scaling-$tag.txt" | tail -12
+    ;;
+*)
+    echo "unknown stage $stage: tests, cost or batch" >&2
+    exit 2
+    ;;
+esac
+echo "stage $stage: $((SECONDS - start)) s after the pair was ready"

@@ -8,6 +8,12 @@ makes the graphs' own memory pure scratch, so all of them share one memory pool
 intermediates; captures go largest first so smaller graphs reuse its blocks (the vLLM
 recipe). Replay = copy the inputs in, `graph.replay()`, copy the outputs out.
 
+Uploads: the four inputs are laid out in ONE device buffer `inputs` (ids | positions |
+slots | last_col), mirrored by one pinned host buffer; a step writes its inputs into the
+pinned mirror and moves them with one asynchronous copy. Before the host writes the mirror
+again it waits on the event of the last copy (which has long finished by then: the step
+read its tokens back in between), so a copy in flight is never overwritten.
+
 The forward writes K/V into the storage inside the graph (index_put at [slot, position]),
 so a replay extends the sessions in place, as the eager forward does. Capture runs every
 token at the scratch column, so capturing never disturbs a live session.
@@ -16,28 +22,14 @@ token at the scratch column, so capturing never disturbs a live session.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
 
+from backoff_core.runners.graph_plan import GraphKey
 from backoff_core.runners.static_forward import Batch, StaticForward
 
-
-@dataclass(frozen=True)
-class GraphKey:
-    """Everything that fixes a forward's shapes and Python branches."""
-
-    dense: bool  # storage[:rows] view, or rows gathered by slot
-    rows: int  # B: a power of two
-    k: int  # new tokens per row (right-padded), a k bucket
-    length: int  # L: keys read, a length bucket
-    last_only: bool
-    hidden_layer: int | None
-
-    @property
-    def size(self) -> int:
-        return self.rows * self.k * self.length
+__all__ = ["CudaGraphs", "GraphKey"]
 
 
 class CudaGraphs:
@@ -52,10 +44,15 @@ class CudaGraphs:
         self.vocab = int(model.get_output_embeddings().weight.shape[0])
         self.width = int(model.config.hidden_size)
         n = max_rows * max_k
-        self.ids = torch.zeros(n, dtype=torch.long, device=dev)
-        self.positions = torch.full((n,), kv.scratch, dtype=torch.long, device=dev)
-        self.slots = torch.zeros(max_rows, dtype=torch.long, device=dev)
-        self.last_col = torch.zeros(max_rows, dtype=torch.long, device=dev)
+        self.n = n
+        # ids [n] | positions [n] | slots [max_rows] | last_col [max_rows], one upload
+        self.inputs = torch.zeros(2 * n + 2 * max_rows, dtype=torch.long, device=dev)
+        self.ids, self.positions = self.inputs[:n], self.inputs[n : 2 * n]
+        self.slots, self.last_col = self.inputs[2 * n : 2 * n + max_rows], self.inputs[2 * n + max_rows :]
+        self.positions.fill_(kv.scratch)
+        self.staging = torch.zeros(self.inputs.shape, dtype=torch.long, pin_memory=dev.type == "cuda")
+        self._uploaded = torch.cuda.Event() if dev.type == "cuda" else None
+        self.uploads = 0  # host-to-device input copies (one per forward that fits the buffers)
         dtype = kv.keys[0].dtype
         self.logits = torch.zeros(n * self.vocab, dtype=dtype, device=dev)
         self.hidden = torch.zeros(n * self.width, dtype=dtype, device=dev)
@@ -116,6 +113,7 @@ class CudaGraphs:
             self._graphs[key] = self._record(key)
         if self.ids.is_cuda:
             torch.cuda.synchronize()
+        self.positions.fill_(self.forward.kv.scratch)  # the graphs' padding stays harmless
         return time.perf_counter() - start
 
     def _record(self, key: GraphKey) -> torch.cuda.CUDAGraph:
@@ -131,15 +129,38 @@ class CudaGraphs:
             self._body(key)
         return graph
 
+    def upload(self, ids, positions, slots, last_col) -> Batch:
+        """Host inputs (ids, positions: [rows, k]; slots, last_col: [rows]) -> the static
+        device buffers viewed at those shapes, in one copy from the pinned mirror."""
+        rows, k = ids.shape
+        n, m = self.n, self.max_rows
+        if self._uploaded is not None:
+            self._uploaded.synchronize()  # the previous copy out of the mirror is done
+        host = self.staging
+        host[: rows * k].copy_(ids.reshape(-1))
+        host[n : n + rows * k].copy_(positions.reshape(-1))
+        host[2 * n : 2 * n + rows].copy_(slots)
+        host[2 * n + m : 2 * n + m + rows].copy_(last_col)
+        self.inputs.copy_(host, non_blocking=True)
+        if self._uploaded is not None:
+            self._uploaded.record()
+        self.uploads += 1
+        return Batch(
+            input_ids=self.ids[: rows * k].view(rows, k),
+            positions=self.positions[: rows * k].view(rows, k),
+            slots=self.slots[:rows],
+            last_col=self.last_col[:rows],
+            length=0,
+            dense=False,
+            last_only=False,
+            hidden_layer=None,
+        )
+
     def replay(self, key: GraphKey, ids, positions, slots, last_col) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """ids, positions: [rows, k] and slots, last_col: [rows] (host or device tensors).
-        Returns copies (float32 logits; hidden in the model's dtype) that the next replay
-        cannot overwrite."""
-        n = key.rows * key.k
-        self.ids[:n].copy_(ids.reshape(-1), non_blocking=True)
-        self.positions[:n].copy_(positions.reshape(-1), non_blocking=True)
-        self.slots[: key.rows].copy_(slots, non_blocking=True)
-        self.last_col[: key.rows].copy_(last_col, non_blocking=True)
+        """ids, positions: [rows, k] and slots, last_col: [rows] (host tensors). Returns
+        copies (float32 logits; hidden in the model's dtype) that the next replay cannot
+        overwrite."""
+        self.upload(ids, positions, slots, last_col)
         self._graphs[key].replay()
         logits, hidden = self._outputs(key)
         logits = logits.to(torch.float32, copy=True)

@@ -19,7 +19,8 @@ def make_runner(
     now, with a progress line) where the architecture allows; other models fall back to
     per-session caches, with a warning. small: M_S extends one token a step (its per-session
     caches and slots never evict: the step loop cannot rebuild an M_S session; static: graphs
-    for k = 1, last row only, and the hidden layer a classifier head reads). Larger models
+    for k = 1 and 2 (a fully accepted draft feeds its last draft and the bonus token), last row
+    only, and the hidden layer a classifier head reads). Larger models
     evict idle sessions LRU when a new one needs room (per-session budget or slots)."""
     if kv is None or not kv.static:  # per-session caches, within the budget where one is given
         return ModelRunner(model, name, None if kv is None else kv.budget_tokens, evict_idle=not small)
@@ -40,7 +41,7 @@ def make_runner(
         from backoff_core.routing.head import ClassifierHead
 
         layers = (None,) if classifier_path is None else (None, ClassifierHead.load(classifier_path).layer)
-        runner.warmup(hidden_layers=layers, last_only=(True,), ks=(1,))
+        runner.warmup(hidden_layers=layers, last_only=(True,), ks=(1, 2))
     else:
         runner.warmup()
     return runner

@@ -17,35 +17,39 @@ forward runs:
     (2 * sessions >= nb, nb = the power of two above the highest slot) the forward reads
     storage[:nb] as a view, idle rows riding along as padding; otherwise it gathers the
     sessions' rows (a copy of [n, kv_heads, L, head_dim] per layer).
-  - buckets: rows are powers of two, new tokens per row k in {1, 2, 4, 8, 16} (ragged
-    rows right-padded), keys read L in powers of two from 64 up to max_len. Padding tokens
-    write to the scratch column max_len - 1 that no real query sees.
-  - CUDA graphs (device cuda, cuda_graphs=True): `warmup()` captures one graph per bucket
-    at load; extends inside the buckets replay one, others (a long prompt prefill: k > 16,
-    or more rows than graph_max_rows) run the same forward eagerly. On the CPU everything
-    runs eagerly.
+  - buckets (graph_plan.py): rows are powers of two, new tokens per row k in {1, 2, 4, 8,
+    16} (ragged rows right-padded), keys read L in 256, 1024, ... up to max_len. Padding
+    tokens write to the scratch column max_len - 1 that no real query sees.
+  - CUDA graphs (device cuda, cuda_graphs=True): `warmup()` captures the planned graphs at
+    load (at most GRAPH_BUDGET); an extend runs in the smallest captured k at or above its
+    longest row, or, past the largest, in up to MAX_CHUNKS forwards of the largest (a
+    catch-up of 40 tokens: 16 + 16 + 8, each a replay); longer prompt prefills and more rows
+    than graph_max_rows run the same forward eagerly. On the CPU everything runs eagerly.
 The static forward supports Llama-structured models only (static_forward.check_supported);
 others raise ValueError here, and the caller keeps ModelRunner for them.
 """
 
 from __future__ import annotations
 
+import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import PreTrainedModel
 
-from backoff_core.runners.cuda_graphs import CudaGraphs, GraphKey
+from backoff_core.runners.cuda_graphs import CudaGraphs
 from backoff_core.runners.dynamic import Extension
+from backoff_core.runners.graph_plan import GRAPH_BUDGET, K_BUCKETS, GraphKey, kinds, length_buckets, plan_keys
 from backoff_core.runners.sessions import Session, SessionTable
 from backoff_core.runners.static_forward import Batch, StaticForward, check_supported
-from backoff_core.runners.static_kv import KVCapacityError, StaticKV, bucket, next_power_of_two, powers_of_two
+from backoff_core.runners.static_kv import KVCapacityError, StaticKV, bucket, next_power_of_two
 
 __all__ = ["KVCapacityError", "StaticRunner"]
 
-K_BUCKETS = (1, 2, 4, 8, 16)  # new tokens per row that graphs cover: M_S steps and short catch-ups
-MIN_LENGTH_BUCKET = 64
+# a catch-up longer than the largest captured k runs as up to this many replays; longer ones
+# (prompt prefills) as one eager forward, which is compute-bound there anyway
+MAX_CHUNKS = 4
 
 
 @dataclass(kw_only=True)
@@ -94,10 +98,12 @@ class StaticRunner(SessionTable[_SlotSession]):
         self.eager_passes = 0  # forwards that ran without a graph (all of them on the CPU)
         self.kv = StaticKV(model, kv_budget_tokens, max_len, name)
         self._forward = StaticForward(model, self.kv)
-        self.length_buckets = powers_of_two(min(MIN_LENGTH_BUCKET, max_len), max_len)
+        self.length_buckets = length_buckets(max_len)
         use_graphs = cuda_graphs and self.device.type == "cuda"
         self.graph_max_rows = min(graph_max_rows, next_power_of_two(self.kv.slots))  # more rows never occur
         self.graphs = CudaGraphs(self._forward, self.graph_max_rows, K_BUCKETS[-1]) if use_graphs else None
+        # (last_only, hidden_layer) -> the k captured for it, ascending (warmup)
+        self._captured_ks: dict[tuple[bool, int | None], tuple[int, ...]] = {}
 
     @property
     def max_positions(self) -> int:
@@ -150,24 +156,27 @@ class StaticRunner(SessionTable[_SlotSession]):
 
     # -- warm-up --------------------------------------------------------------------------
     def warmup(
-        self, hidden_layers=(None,), last_only=(True, False), ks: tuple[int, ...] = K_BUCKETS, progress: bool = True
+        self,
+        hidden_layers=(None,),
+        last_only=(True, False),
+        ks: tuple[int, ...] = K_BUCKETS,
+        progress: bool = True,
+        budget: int = GRAPH_BUDGET,
     ) -> tuple[int, float]:
-        """Capture the CUDA graphs of every bucket (rows x k x L x dense/gather x the given
-        last_only and hidden_layer variants) now, at load; returns (graphs, seconds). A no-op
-        without graphs (CPU). M_S only ever extends by one token per step: ks=(1,)."""
+        """Capture the planned CUDA graphs (graph_plan.plan_keys: rows x L x the kinds of
+        the given k, last_only and hidden_layer variants, whole kinds within `budget`) now,
+        at load; returns (graphs, seconds). A no-op without graphs (CPU). M_S extends by one
+        token a step, or two after a fully accepted draft: ks=(1, 2), last_only=(True,)."""
         if self.graphs is None:
             return 0, 0.0
-        layers = [self._layer(n) for n in hidden_layers]
-        keys = [
-            GraphKey(dense, rows, k, length, lo or k == 1, layer)
-            for dense, rows in self._row_buckets()
-            for k in ks
-            for length in self.length_buckets
-            for lo in last_only
-            for layer in layers
-        ]
+        wanted = kinds([self._layer(n) for n in hidden_layers], last_only, ks)
+        keys = plan_keys(self.kv.slots, self.kv.max_len, self.graph_max_rows, wanted, budget)
         with self._lock:
             seconds = self.graphs.capture(keys, progress)
+            captured: dict[tuple[bool, int | None], set[int]] = {}
+            for key in keys:
+                captured.setdefault((key.last_only, key.hidden_layer), set()).add(key.k)
+            self._captured_ks = {v: tuple(sorted(ks)) for v, ks in captured.items()}
         if progress:
             print(
                 f"{self.name}: {len(self.graphs)} CUDA graphs captured in {seconds:.1f} s "
@@ -175,20 +184,25 @@ class StaticRunner(SessionTable[_SlotSession]):
             )
         return len(self.graphs), seconds
 
-    def _row_buckets(self) -> list[tuple[bool, int]]:
-        cap = min(self.graph_max_rows, self.kv.slots)
-        dense = [r for r in powers_of_two(1, next_power_of_two(cap)) if r <= cap]
-        gather = [r for r in powers_of_two(1, next_power_of_two(cap)) if r <= self.graph_max_rows]
-        return [(True, r) for r in dense] + [(False, r) for r in gather]
+    def _ks(self, last_only: bool, layer: int | None) -> tuple[int, ...]:
+        """The k an extend may be bucketed to: those captured for its variant (k = 1's logits
+        are the last ones either way), or every k bucket without graphs."""
+        if self.graphs is None:
+            return K_BUCKETS
+        ks = set(self._captured_ks.get((last_only, layer), ()))
+        if 1 in self._captured_ks.get((True, layer), ()):
+            ks.add(1)
+        return tuple(sorted(ks))
 
     # -- forward --------------------------------------------------------------------------
     @torch.inference_mode()
     def extend(
         self, items: list[tuple[str, list[int]]], hidden_layer: int | None = None, last_only: bool = False
     ) -> list[Extension]:
-        """Append tokens to sessions in one forward; returns one Extension per item (its
-        logits at every new position, or at the last one only). Raises KVCapacityError,
-        changing nothing, if a session would pass max_len - 1 positions or no slot can be had."""
+        """Append tokens to sessions in one forward (or a few chunks of captured size);
+        returns one Extension per item (its logits at every new position, or at the last one
+        only). Raises KVCapacityError, changing nothing, if a session would pass max_len - 1
+        positions or no slot can be had."""
         if not items:
             return []
         with self._lock:
@@ -197,18 +211,36 @@ class StaticRunner(SessionTable[_SlotSession]):
                 self.kv.check_room(request_id, s.length, len(ids))
             self._reserve(items, sessions)
             new_ids = [list(ids) for _, ids in items]
-            plan = self._plan(sessions, new_ids, self._layer(hidden_layer), last_only)
-            logits, hidden = self._run(plan)  # [B, K or 1, V], [B, K, d] | None
-            self.forward_passes += 1
+            layer = self._layer(hidden_layer)
+            chunk = self._chunk(len(sessions), max(len(ids) for ids in new_ids), last_only, layer)
+            logits: list[list[torch.Tensor]] = [[] for _ in items]  # per item: [k_c or 1, V] per chunk
+            hidden: list[list[torch.Tensor]] = [[] for _ in items]
             now = time.monotonic()
-            results = []
-            for s, ids, row in zip(sessions, new_ids, plan.rows):
-                k = len(ids)
-                s.length += k
-                s.last_used = now
-                h = hidden[row, :k] if hidden is not None else None
-                results.append(Extension(logits[row, :1] if plan.key.last_only else logits[row, :k], h))
-            return results
+            for start in range(0, max(len(ids) for ids in new_ids), chunk):
+                part = [(i, ids[start : start + chunk]) for i, ids in enumerate(new_ids) if len(ids) > start]
+                part_sessions = [sessions[i] for i, _ in part]
+                plan = self._plan(part_sessions, [ids for _, ids in part], layer, last_only)
+                out, out_hidden = self._run(plan)  # [B, K or 1, V], [B, K, d] | None
+                self.forward_passes += 1
+                for (i, ids), s, row in zip(part, part_sessions, plan.rows):
+                    k = len(ids)
+                    s.length += k
+                    s.last_used = now
+                    logits[i] = [out[row, :1]] if plan.key.last_only else [*logits[i], out[row, :k]]
+                    if out_hidden is not None:
+                        hidden[i].append(out_hidden[row, :k])
+            return [
+                Extension(torch.cat(lg) if len(lg) > 1 else lg[0], torch.cat(h) if h else None)
+                for lg, h in zip(logits, hidden)
+            ]
+
+    def _chunk(self, n: int, k_max: int, last_only: bool, layer: int | None) -> int:
+        """New tokens per row of each forward of an extend: all of them, or the largest
+        captured k when up to MAX_CHUNKS of them cover the longest row."""
+        ks = self._ks(last_only, layer)
+        if self.graphs is None or not ks or k_max <= ks[-1] or next_power_of_two(n) > self.graph_max_rows:
+            return k_max
+        return ks[-1] if math.ceil(k_max / ks[-1]) <= MAX_CHUNKS else k_max
 
     def _layer(self, hidden_layer: int | None) -> int | None:
         """HF's hidden_states index (negative ones too) -> 0..num_layers."""
@@ -223,7 +255,7 @@ class StaticRunner(SessionTable[_SlotSession]):
         self, sessions: list[_SlotSession], new_ids: list[list[int]], layer: int | None, last_only: bool
     ) -> _Plan:
         n, k_max = len(sessions), max(len(ids) for ids in new_ids)
-        k = bucket(k_max, K_BUCKETS)  # k_max itself past 16: eager
+        k = bucket(k_max, self._ks(last_only, layer) or (k_max,))  # k_max itself past them all: eager
         length = bucket(max(s.length + len(ids) for s, ids in zip(sessions, new_ids)), self.length_buckets)
         top = next_power_of_two(max(s.slot for s in sessions) + 1)
         dense = top <= self.kv.slots and 2 * n >= top
@@ -256,16 +288,23 @@ class StaticRunner(SessionTable[_SlotSession]):
         if self.graphs is not None and plan.key in self.graphs:
             return self.graphs.replay(plan.key, plan.input_ids, plan.positions, plan.slots, plan.last_col)
         self.eager_passes += 1
-        dev, key = self.device, plan.key
-        batch = Batch(
-            input_ids=plan.input_ids.to(dev),
-            positions=plan.positions.to(dev),
-            slots=plan.slots.to(dev),
-            last_col=plan.last_col.to(dev),
-            length=key.length,
-            dense=key.dense,
-            last_only=key.last_only,
-            hidden_layer=key.hidden_layer,
+        key = plan.key
+        if self.graphs is not None and self.graphs.fits(key):  # the same one upload as a replay
+            inputs = self.graphs.upload(plan.input_ids, plan.positions, plan.slots, plan.last_col)
+        else:
+            dev = self.device
+            inputs = Batch(
+                plan.input_ids.to(dev),
+                plan.positions.to(dev),
+                plan.slots.to(dev),
+                plan.last_col.to(dev),
+                0,
+                False,
+                False,
+                None,
+            )
+        batch = replace(
+            inputs, length=key.length, dense=key.dense, last_only=key.last_only, hidden_layer=key.hidden_layer
         )
         logits, hidden = self._forward(batch)
         return logits.float(), hidden

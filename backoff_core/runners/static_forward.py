@@ -4,14 +4,23 @@ exactly the model's: only the attention's cache handling is ours.
 
 Per layer: norm -> q/k/v projections -> HF's own `apply_rotary_pos_emb` with cos/sin from
 `model.model.rotary_emb` -> write the new k/v in place at [row's slot, row's positions]
--> SDPA over the stored keys [0, L) with a boolean mask (key j visible to the query at
-position p iff j <= p) -> o_proj, residual, post-norm, MLP, residual. Then the final norm
+-> SDPA over the stored keys [0, L) with an additive mask (0 where key j is visible to the
+query at position p, i.e. j <= p, -inf elsewhere), built once per forward -> o_proj, residual, post-norm, MLP, residual. Then the final norm
 and the LM head (on every new position, or on each row's last one).
+
+Norms: the RMSNorm modules' own weight and epsilon through one fused `F.rms_norm` in float32,
+then the same cast and weight product as HF's LlamaRMSNorm (fused_norms=True; False calls the
+modules). HF's version is seven elementwise kernels, sixty-one times a forward at 30 layers:
+in a graph of tiny kernels their count, not their bytes, sets c_S.
 
 GQA without copies: the G = heads / kv_heads query heads that share one kv head are folded
 into the query-length axis (q: [B, kv_heads, G*K, D]), so SDPA sees equal head counts and
 may use its fused masked kernels; no repeat_kv copy of the stored keys, and no
-`enable_gqa` (which falls back to the math kernel when a mask is given).
+`enable_gqa` (which falls back to the math kernel when a mask is given). The mask is
+additive in the model's dtype, not boolean: on CUDA that lets SDPA pick its memory-efficient
+kernel (cutlass, attn_bias), where a bool mask is first converted in every call; flash
+attention takes no mask at all, and per-row lengths need one (test_static_cuda checks
+that the efficient kernel runs).
 
 Every shape and Python value here is fixed by the `Batch` key (rows, k, L, dense,
 last_only, hidden_layer), and nothing reads a device value back to the host, so a CUDA
@@ -81,11 +90,21 @@ class Batch:
     hidden_layer: int | None  # in 0..num_layers (HF hidden_states index), or None
 
 
+def _is_llama_rms_norm(norm) -> bool:
+    """HF's Llama-family RMSNorm: a weight, variance_epsilon, and nothing else to compute."""
+    return type(norm).__name__.endswith("RMSNorm") and hasattr(norm, "variance_epsilon") and hasattr(norm, "weight")
+
+
 class StaticForward:
     """model + its StaticKV: `__call__(batch) -> (logits [B, K or 1, V], hidden [B, K, d] | None)`."""
 
-    def __init__(self, model, kv: StaticKV) -> None:
+    def __init__(self, model, kv: StaticKV, fused_norms: bool = True) -> None:
         check_supported(model, kv.max_len)
+        base = model.model
+        norms = [base.norm] + [
+            n for layer in base.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)
+        ]
+        self.fused_norms = fused_norms and all(_is_llama_rms_norm(n) for n in norms)
         self.model = model
         self.kv = kv
         self.num_layers = len(model.model.layers)
@@ -101,21 +120,35 @@ class StaticForward:
         rows, k = b.input_ids.shape
         h = base.embed_tokens(b.input_ids)  # [B, K, d]
         cos, sin = base.rotary_emb(h, b.positions)  # [B, K, D] each
-        # mask: [B, 1, G*K, L], query rows ordered (g, k) to match the folded q below
-        visible = self.key_index[None, None, : b.length] <= b.positions[:, :, None]  # [B, K, L]
-        mask = visible[:, None].expand(rows, self.groups, k, b.length).reshape(rows, 1, self.groups * k, b.length)
+        mask = self.mask(b.positions, b.length, h.dtype)  # [B, 1, G*K, L], shared by every layer
         hidden = h if b.hidden_layer == 0 else None
         for i, layer in enumerate(base.layers):
-            h = h + self._attention(i, layer.self_attn, layer.input_layernorm(h), cos, sin, mask, b)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = h + self._attention(i, layer.self_attn, self.norm(layer.input_layernorm, h), cos, sin, mask, b)
+            h = h + layer.mlp(self.norm(layer.post_attention_layernorm, h))
             if b.hidden_layer == i + 1 and i + 1 < self.num_layers:
                 hidden = h
-        h = base.norm(h)
+        h = self.norm(base.norm, h)
         if b.hidden_layer == self.num_layers:  # HF ties hidden_states[-1] to the normed output
             hidden = h
         if b.last_only:
             h = h[torch.arange(rows, device=h.device), b.last_col][:, None]  # [B, 1, d]
         return self.model.lm_head(h), hidden
+
+    def norm(self, module, x: torch.Tensor) -> torch.Tensor:
+        """module(x) for an HF Llama RMSNorm: float32 normalisation, cast back, times weight."""
+        if not self.fused_norms:
+            return module(x)
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=module.variance_epsilon)
+        return module.weight * normed.to(x.dtype)
+
+    def mask(self, positions: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
+        """positions [B, K] -> additive mask [B, 1, G*K, L] (0 visible, -inf hidden), query
+        rows ordered (g, k) to match the folded q. Every query sees key 0 at least, so no row
+        is all -inf (no NaN)."""
+        rows, k = positions.shape
+        hidden = self.key_index[None, None, :length] > positions[:, :, None]  # [B, K, L]
+        bias = torch.zeros(hidden.shape, dtype=dtype, device=positions.device).masked_fill(hidden, float("-inf"))
+        return bias[:, None].expand(rows, self.groups, k, length).reshape(rows, 1, self.groups * k, length)
 
     def _attention(self, i: int, attn, x: torch.Tensor, cos, sin, mask, b: Batch) -> torch.Tensor:
         rows, k, _ = x.shape

@@ -45,12 +45,12 @@ def bucket(n: int, buckets: tuple[int, ...]) -> int:
     return n
 
 
-def powers_of_two(low: int, high: int) -> tuple[int, ...]:
-    """low, 2*low, ... below high, then high itself: [64, 128, ..., max_len]."""
+def powers_of_two(low: int, high: int, factor: int = 2) -> tuple[int, ...]:
+    """low, factor*low, ... below high, then high itself: [64, 128, ..., max_len]."""
     out, b = [], low
     while b < high:
         out.append(b)
-        b *= 2
+        b *= factor
     return (*out, high)
 
 

@@ -172,7 +172,7 @@ def test_full_session_reads_past_the_scratch_column(model):
     """max_len - 1 positions fit; the last length bucket includes the scratch column that
     the padding of a ragged batch writes, and the mask keeps it out of every real query."""
     ref, run = both(model, ["a", "b"], slots=2, max_len=80)
-    assert run.length_buckets == (64, 80)
+    assert run.length_buckets == (80,)
     assert_same(ref, run, [("a", [i % VOCAB for i in range(1, 70)]), ("b", [3])])
     assert_same(ref, run, [("a", list(range(9, 19))), ("b", [4])])  # a: 79 = max_len - 1 positions
     with pytest.raises(KVCapacityError, match="limit of 79"):
@@ -327,20 +327,22 @@ def test_graph_replay_bookkeeping_equals_model_runner(model):
     assert_same(ref, run, [("s0", [1, 2, 3]), ("s4", [4, 5])])  # live sessions before the capture
     run.graphs = EagerGraphs(run._forward, max_rows=4, max_k=16)
     graphs, _ = run.warmup(hidden_layers=(None, 1), progress=False)
-    # dense rows 1, 2, 4 and gather rows 1, 2, 4 (max_rows 4); k 1 once, k 2..16 twice; L 64, 128; 2 layers
-    assert graphs == 6 * (1 + 4 * 2) * 2 * 2
+    # dense rows 1, 2, 4 and gather rows 1, 2, 4 (max_rows 4); k 1 once, k 2..16 twice; L 128; 2 layers
+    assert graphs == 6 * (1 + 4 * 2) * 1 * 2
     assert_same(ref, run, [("s0", [7]), ("s4", [8])])  # the capture wrote scratch columns only
-    eager = run.eager_passes
+    eager, passes = run.eager_passes, run.forward_passes
     steps = [
         ([("s0", [9])], {}),  # dense 1 row
         ([("s4", [1, 2, 3])], dict(last_only=True)),  # gather 1 row, k bucket 4
         ([("s0", [3]), ("s1", [4, 5]), ("s2", [6] * 7)], dict(hidden_layer=1)),  # dense 4 rows, k 8
         ([("s5", [2] * 9), ("s2", [3])], dict(last_only=True, hidden_layer=1)),  # gather 2 rows, k 16
-        ([("s1", [1] * 40)], {}),  # k = 40 > 16: eager
+        ([("s1", [1] * 40), ("s2", [5])], {}),  # k = 40 > 16: chunks 16 + 16 + 8, replayed
         ([(request_id, [4]) for request_id in sids], {}),  # 6 rows > max_rows: eager
-        ([("s0", [5] * 60)], dict(last_only=True)),  # L 128, eager (k 60)
-        ([("s0", [6]), ("s3", [7])], dict(hidden_layer=1)),  # gather 2 rows at L 128
+        ([("s0", [5] * 60)], dict(last_only=True)),  # k 60: four chunks of 16
+        ([("s0", [6]), ("s3", [7])], dict(hidden_layer=1)),  # gather 2 rows
+        ([("s3", [2] * 70)], dict(hidden_layer=1)),  # k 70: five chunks would be too many, eager
     ]
     for items, kwargs in steps:
         assert_same(ref, run, items, **kwargs)
-    assert run.eager_passes - eager == 3
+    assert run.eager_passes - eager == 2
+    assert run.forward_passes - passes == 4 + 3 + 1 + 4 + 1 + 1

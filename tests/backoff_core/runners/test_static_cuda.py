@@ -1,25 +1,33 @@
-"""StaticRunner on a GPU with captured CUDA graphs (float32): equal to plain transformers
-greedy decoding. Skipped where no GPU is present (`pytest -m cuda` selects these)."""
+"""StaticRunner on a GPU with captured CUDA graphs: equal to plain transformers greedy
+decoding (float32, tiny G=2 pair), close to a float32 reference in bf16 at the real
+attention shapes (G=3: the 135M shape's 9/3 heads of 64; G=4: the 8B shape's 32/8 heads of
+128), on the memory-efficient SDPA kernel, with every forward of a step replayed from a
+graph; and the counter hash gives the same numbers on CUDA as on the CPU. Skipped where no
+GPU is present (`pytest -m cuda` selects these; scripts/gpu_bench.sh tests runs them)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from backoff_core.engine.engine import BackoffEngine
 from backoff_core.runners.static import KVCapacityError, StaticRunner
+from backoff_core.runners.static_forward import Batch
+from backoff_core.sampling import Stream, sample_rows, uniforms
 from backoff_core.types import Verification
 from tests.support.helpers import request
-from tests.support.tiny import tiny_model
+from tests.support.tiny import VOCAB, tiny_model
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 PROMPTS = [(3, 4, 5, 6), (7,), (9, 9, 9, 9, 9, 9, 9, 1)]
 LONG = tuple((5 * i + 1) % 48 for i in range(40))  # k = 40 > 16: an eager prefill
 
 
-def runner(model, name, slots=8, max_len=128) -> StaticRunner:
+def runner(model, name, slots=8, max_len=128, **warmup) -> StaticRunner:
     run = StaticRunner(model, name, kv_budget_tokens=slots * max_len, max_len=max_len, cuda_graphs=True)
-    graphs, _ = run.warmup(progress=False)
+    graphs, _ = run.warmup(progress=False, **warmup)
     assert graphs > 0 and run.graphs is not None
     return run
 
@@ -31,7 +39,10 @@ def gpu_pair():
 
 @pytest.fixture(scope="module")
 def engine(gpu_pair, tokenizer):
-    return BackoffEngine([runner(gpu_pair[0], "small"), runner(gpu_pair[1], "large")], tokenizer)
+    """16 slots each: test_batched_equals_alone holds 9 requests at once, and M_S takes its
+    slot when a request opens. M_S captures what factory.make_runner captures for it."""
+    small = runner(gpu_pair[0], "small", slots=16, last_only=(True,), ks=(1, 2))
+    return BackoffEngine([small, runner(gpu_pair[1], "large", slots=16)], tokenizer)
 
 
 @torch.inference_mode()
@@ -58,6 +69,22 @@ def test_always_small_and_always_large_are_greedy(engine, gpu_pair, prompt):
     for router, model in (("always-small", gpu_pair[0]), ("always-large", gpu_pair[1])):
         assert engine.generate(request(prompt, 20, router)).token_ids == greedy(model, prompt, 20)
     assert all(m.forward_passes - m.eager_passes > r for m, r in zip(engine.models, replays))  # graphs ran
+
+
+@pytest.mark.parametrize(
+    "routing", [dict(router="draft", draft_tokens=4, verification=Verification.EXACT), dict(router="random", rate=0.8)]
+)
+def test_every_forward_of_a_step_replays_a_graph(engine, routing):
+    """Drafts of 4 fully accepted feed M_S two tokens (a k=2 graph); the 40-token prompt's
+    first catch-up runs as chunks of captured size; no forward of a step runs eagerly (M_S's
+    prompt prefill at admission may: it has graphs for k = 1 and 2 only)."""
+    reqs = [request(p, 24, seed=3, **routing) for p in [*PROMPTS, LONG]]
+    request_ids = [engine.submit(r) for r in reqs]
+    eager = [m.eager_passes for m in engine.models]
+    while engine.has_work():
+        engine.step()
+    assert all(len(engine.finish(r).token_ids) == 24 for r in request_ids)
+    assert [m.eager_passes for m in engine.models] == eager
 
 
 def test_mixed_routing_takes_each_token_from_its_source(engine, gpu_pair):
@@ -116,3 +143,97 @@ def test_kv_budget_and_slot_reuse(gpu_pair):
     run.open("c")  # a's slot, a's 40 keys still in it
     got = run.extend([("c", [1, 2, 3])])[0].logits
     torch.testing.assert_close(got, full_logits(model, [1, 2, 3]), atol=1e-4, rtol=1e-4)
+
+
+# -- bf16 at the real attention shapes ------------------------------------------------------
+SHAPES = {  # G = heads / kv_heads; head_dim = hidden / heads
+    "G3-135M": dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536),
+    "G4-8B": dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=2048),
+}
+
+
+def shaped_model(shape: str) -> LlamaForCausalLM:
+    """Two layers with the attention of a real model (rope theta and all), random weights."""
+    torch.manual_seed(11)
+    config = LlamaConfig(
+        vocab_size=VOCAB, num_hidden_layers=2, max_position_embeddings=2048, tie_word_embeddings=False, **SHAPES[shape]
+    )
+    with torch.device("cuda"):
+        return LlamaForCausalLM(config).eval()
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((got.float() - ref).norm() / ref.norm())
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@torch.inference_mode()
+def test_bf16_real_shapes_match_a_float32_reference(shape):
+    """Every kind of extend the engine makes (steps, ragged catch-ups, verification's full
+    logits, a chunked 40-token catch-up), replayed from bf16 graphs: as close to the float32
+    model as HF's own bf16 forward is, and no forward eager."""
+    model32 = shaped_model(shape).float()
+    model16 = shaped_model(shape).to(torch.bfloat16)
+    run = runner(model16, shape, slots=4, max_len=256)
+    seqs = {"a": list(PROMPTS[2]), "b": [7], "c": list(PROMPTS[0])}
+    for request_id in seqs:
+        run.open(request_id)
+    eager = run.eager_passes
+    steps = [
+        ({r: ids for r, ids in seqs.items()}, True),  # prompts: ragged k 8, 1, 4
+        ({"a": [3], "b": [4], "c": [5]}, True),  # a step of every row
+        ({"a": [6, 7], "c": [8]}, True),  # k = 2 (M_S after an accepted draft)
+        ({"b": [9, 10, 11, 12, 13]}, False),  # verification: full logits, k 5 -> 8
+        ({"c": LONG}, True),  # 40 tokens: chunks 16 + 16 + 8
+    ]
+    done = {r: [] for r in seqs}
+    for items, last_only in steps:
+        out = run.extend(list(items.items()), last_only=last_only)
+        for (request_id, ids), ext in zip(items.items(), out):
+            done[request_id] += ids
+            full = torch.tensor([done[request_id]], device="cuda")
+            ref = model32(full).logits[0, -len(ext.logits) :]
+            hf16 = model16(full).logits[0, -len(ext.logits) :]
+            assert ext.logits.dtype == torch.float32 and ext.logits.shape == ref.shape
+            assert rel_err(ext.logits, ref) <= 2 * rel_err(hf16, ref) + 2e-3, (shape, request_id, len(ids))
+    assert run.eager_passes == eager
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("dense", [True, False])
+@torch.inference_mode()
+def test_attention_runs_on_the_memory_efficient_kernel(shape, dense):
+    """The additive mask keeps SDPA off its math fallback: with only the efficient (and
+    flash) kernels allowed, the static forward still runs, in bf16 at the real shapes."""
+    model = shaped_model(shape).to(torch.bfloat16)
+    run = StaticRunner(model, shape, kv_budget_tokens=4 * 256, max_len=256, cuda_graphs=False)
+    for k in (1, 4):
+        batch = Batch(
+            input_ids=torch.full((2, k), 5, device="cuda"),
+            positions=torch.arange(k, device="cuda").repeat(2, 1),
+            slots=torch.tensor([0, 1] if dense else [3, 1], device="cuda"),
+            last_col=torch.full((2,), k - 1, device="cuda"),
+            length=256,
+            dense=dense,
+            last_only=True,
+            hidden_layer=None,
+        )
+        expected, _ = run._forward(batch)
+        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION]):
+            got, _ = run._forward(batch)
+        torch.testing.assert_close(got, expected)
+
+
+# -- the counter hash on CUDA and on the CPU ----------------------------------------------------
+def test_counter_hash_gives_the_same_numbers_on_cuda_and_cpu():
+    gen = torch.Generator().manual_seed(0)
+    seeds = [int(x) for x in torch.randint(0, 2**62, (4096,), generator=gen)] + [0, 1, 2**32 - 1, 2**63 - 1]
+    positions = [int(x) for x in torch.randint(0, 2**20, (len(seeds),), generator=gen)]
+    for stream in Stream:
+        cpu = uniforms(seeds, positions, stream, 2, "cpu")
+        gpu = uniforms(seeds, positions, stream, 2, "cuda")
+        assert torch.equal(gpu.cpu(), cpu), stream
+    probs = torch.softmax(torch.randn(len(seeds), 49152, generator=gen) * 3, dim=-1)
+    tokens_cpu = sample_rows(probs, seeds, positions)
+    tokens_gpu = sample_rows(probs.cuda(), seeds, positions)
+    assert torch.equal(tokens_gpu.cpu(), tokens_cpu)

@@ -1,0 +1,120 @@
+"""The GPU memory and graph plan of the benchmark pair at real shapes, without weights.
+
+    python benchmarks/gpu_plan.py            # -> benchmarks/results/gpu/plan.json
+
+Builds the 135M- and 8B-shaped models of ../shared/gpu/make_pair.py on the meta device (no
+memory, no weights) and a StaticRunner's storage and graph plan for each at the defaults
+of scripts/gpu_bench.sh (KV_BUDGET tokens per model in slots of MAX_LEN, bf16), exactly as
+factory.make_runner would: M_S graphs for k = 1, 2 (last logits only), M_L every catch-up
+kind within graph_plan.GRAPH_BUDGET. Writes
+    {"models": {name: {"graphs", "kv_gib", "weights_gib", "pool_gib"}}, "total_gib"}
+pool_gib estimates what capturing adds beside the KV storage: the graphs' static output
+buffers, their shared memory pool (captured largest first, every intermediate dying inside
+its graph: about the peak activations of the largest bucket, estimate_pool below) and as
+much again cached by the allocator from the warm-up run before each capture. Measured on
+an H100 (gpu_check.json): 0.19 GiB (M_S) and 0.43 GiB (M_L) against 0.16 and 0.56 here.
+tests/backoff_core/runners/test_gpu_plan.py holds these figures (<= 200 graphs per model,
+the pair within 70 GiB); scripts/gpu_bench.sh tests measures them on the GPU.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from backoff_core.runners.graph_plan import K_BUCKETS, GraphKey, kinds, plan_keys
+from backoff_core.runners.static_kv import StaticKV
+
+# make_pair.py's shapes (SmolLM2-135M, Llama-3-8B) with the SmolLM2 tokenizer's vocabulary
+VOCAB = 49152
+SHAPES = {
+    "small": dict(
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        tie_word_embeddings=True,
+    ),
+    "large": dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        tie_word_embeddings=False,
+    ),
+}
+KV_BUDGET = 65536  # scripts/gpu_bench.sh: --kv-budget
+MAX_LEN = 1024  # scripts/gpu_bench.sh: --max-len
+GRAPH_MAX_ROWS = 64  # StaticRunner's default
+GIB = 2**30
+
+
+def meta_model(name: str) -> LlamaForCausalLM:
+    config = LlamaConfig(vocab_size=VOCAB, max_position_embeddings=8192, **SHAPES[name])
+    with torch.device("meta"):
+        return LlamaForCausalLM(config).to(torch.bfloat16)
+
+
+def estimate_pool(config, key: GraphKey, element: int) -> int:
+    """Bytes alive at the peak of one forward of this bucket (static_forward.py), an upper
+    estimate: the residual stream and a normed copy, q/k/v/attention output, the MLP's gate,
+    up and product, the additive mask, cos/sin, a gathered batch's K and V, and the logits
+    with their float32 copy (made outside the graph, from the pool's neighbour)."""
+    d, inner = config.hidden_size, config.intermediate_size
+    heads, kvh = config.num_attention_heads, config.num_key_value_heads
+    head_dim = d // heads
+    tokens = key.rows * key.k
+    out = key.rows * (1 if key.last_only else key.k)
+    per_token = 2 * d + (heads + 2 * kvh) * head_dim + d + 3 * inner + 2 * head_dim
+    mask = key.rows * heads // kvh * key.k * key.length
+    gather = 0 if key.dense else 2 * key.rows * kvh * key.length * head_dim
+    return (tokens * per_token + mask + gather + out * VOCAB) * element + out * VOCAB * 4
+
+
+def plan_model(name: str, kv_budget: int = KV_BUDGET, max_len: int = MAX_LEN) -> dict:
+    model = meta_model(name)
+    kv = StaticKV(model, kv_budget, max_len, name)
+    element = 2  # bf16
+    small = name == "small"
+    wanted = kinds((None,), (True,), (1, 2)) if small else kinds((None,), (True, False), K_BUCKETS)
+    rows = min(GRAPH_MAX_ROWS, 1 << max(0, kv.slots - 1).bit_length())
+    keys = plan_keys(kv.slots, max_len, rows, wanted)
+    buffers = rows * K_BUCKETS[-1] * (VOCAB + model.config.hidden_size) * element  # CudaGraphs' outputs
+    pool = 2 * max(estimate_pool(model.config, k, element) for k in keys) + buffers
+    weights = sum(p.numel() for p in model.parameters()) * element
+    return {
+        "graphs": len(keys),
+        "slots": kv.slots,
+        "kv_gib": round(kv.nbytes() / GIB, 3),
+        "weights_gib": round(weights / GIB, 3),
+        "pool_gib": round(pool / GIB, 3),
+    }
+
+
+def plan(kv_budget: int = KV_BUDGET, max_len: int = MAX_LEN) -> dict:
+    models = {name: plan_model(name, kv_budget, max_len) for name in SHAPES}
+    total = sum(m["kv_gib"] + m["weights_gib"] + m["pool_gib"] for m in models.values())
+    return {
+        "models": models,
+        "total_gib": round(total, 3),
+        "kv_budget_tokens": kv_budget,
+        "max_len": max_len,
+        "dtype": "bfloat16",
+    }
+
+
+def main() -> None:
+    out = Path("benchmarks/results/gpu/plan.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result = plan()
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

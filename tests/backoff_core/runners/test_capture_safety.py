@@ -1,0 +1,127 @@
+"""Capture safety, proven on the CPU: for every kind of bucket the runners capture (M_S steps
+of k = 1 and 2 with and without a classifier's hidden layer, M_L catch-ups of every k with
+last or full logits, each on the dense and the gathered read path), the exact function a
+CUDA graph captures (CudaGraphs._body) traces under torch.compile(fullgraph=True) with no
+graph break, and a dispatch trace of it holds no op that syncs with the host (reads a
+value back, sizes an output by data, indexes with a bool mask, copies across devices).
+Either would break a capture on the GPU or silently bake one step's values into it."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from backoff_core.runners.cuda_graphs import CudaGraphs
+from backoff_core.runners.graph_plan import K_BUCKETS, GraphKey, kinds, plan_keys
+from backoff_core.runners.static import StaticRunner
+from tests.support.tiny import tiny_model
+
+SLOTS, MAX_LEN, ROWS = 4, 64, 2
+# ops that wait for the device or size their output by its data
+SYNC_OPS = {"_local_scalar_dense", "item", "nonzero", "nonzero_static", "masked_select", "is_nonzero", "equal"}
+SYNC_PREFIXES = ("unique", "_unique")
+INDEX_OPS = {"index", "index_put", "index_put_", "_index_put_impl_"}
+
+
+class HostSyncs(TorchDispatchMode):
+    """Records every aten op a function dispatches, and which of them would sync."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+        self.syncs: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        self.ops.append(name)
+        if name in SYNC_OPS or name.startswith(SYNC_PREFIXES):
+            self.syncs.append(name)
+        if name in INDEX_OPS and any(
+            isinstance(t, torch.Tensor) and t.dtype == torch.bool for t in (args[1] if len(args) > 1 else ()) or ()
+        ):
+            self.syncs.append(f"{name} with a bool index")
+        if name == "_to_copy" and "device" in kwargs and kwargs["device"] != args[0].device:
+            self.syncs.append(f"_to_copy to {kwargs['device']}")
+        if name == "copy_" and args[0].device != args[1].device:
+            self.syncs.append(f"copy_ {args[1].device} -> {args[0].device}")
+        return func(*args, **kwargs)
+
+
+def bucket_kinds(num_layers: int) -> list[GraphKey]:
+    """One key (ROWS rows, the first L bucket) per distinct kind x read path that the runners
+    capture: factory.make_runner's M_S kinds (with a classifier layer in the middle and at
+    the top) and M_L's (every kind, last_only both ways)."""
+    small = kinds((None, 1, num_layers), (True,), (1, 2))
+    large = kinds((None,), (True, False), K_BUCKETS)
+    keys = plan_keys(SLOTS, MAX_LEN, SLOTS, list(dict.fromkeys(small + large)), budget=10**6)
+    chosen = {(k.dense, k.k, k.last_only, k.hidden_layer): k for k in keys if k.rows == ROWS}
+    return list(chosen.values())
+
+
+@pytest.fixture(scope="module")
+def graphs() -> CudaGraphs:
+    run = StaticRunner(tiny_model(3), "capture", kv_budget_tokens=SLOTS * MAX_LEN, max_len=MAX_LEN)
+    return CudaGraphs(run._forward, max_rows=SLOTS, max_k=K_BUCKETS[-1])
+
+
+def harmless_inputs(graphs: CudaGraphs, key: GraphKey) -> None:
+    """What CudaGraphs.capture writes before a capture: every token at the scratch column."""
+    graphs.positions.fill_(graphs.forward.kv.scratch)
+    graphs.slots.copy_(torch.arange(graphs.max_rows) if key.dense else torch.zeros(graphs.max_rows))
+    graphs.last_col.zero_()
+
+
+KEYS = bucket_kinds(2)
+
+
+def test_every_kind_is_covered():
+    """k 1..16 last-logits and 2..16 full-logits catch-ups, M_S's hidden layers, both paths."""
+    assert {(k.k, k.last_only) for k in KEYS} == {(1, True)} | {(k, lo) for k in K_BUCKETS[1:] for lo in (True, False)}
+    assert {k.hidden_layer for k in KEYS} == {None, 1, 2} and {k.dense for k in KEYS} == {True, False}
+    assert len(KEYS) == 2 * (9 + 2 * 2)  # (M_L's 9 kinds + M_S's k 1, 2 at 2 layers) x 2 paths
+
+
+@pytest.mark.parametrize("key", KEYS, ids=str)
+@torch.inference_mode()
+def test_captured_body_traces_whole_and_never_syncs(graphs, key):
+    harmless_inputs(graphs, key)
+    with HostSyncs() as trace:
+        graphs._body(key)
+    assert trace.syncs == [], (key, trace.syncs)
+    assert "scaled_dot_product_attention" in trace.ops or "_scaled_dot_product_flash_attention_for_cpu" in trace.ops
+    eager = graphs.logits.clone()
+    graphs.logits.zero_()
+    torch._dynamo.reset()
+    compiled = torch.compile(functools.partial(graphs._body, key), backend="eager", fullgraph=True)
+    compiled()  # fullgraph: any graph break raises here
+    torch.testing.assert_close(graphs.logits, eager, atol=0, rtol=0)
+
+
+@torch.inference_mode()
+def test_the_checks_can_fail(graphs):
+    """A body that reads a value back or masks by data is caught by the dispatch trace, and
+    one that branches on a device value by the fullgraph compile."""
+    key = KEYS[0]
+    harmless_inputs(graphs, key)
+
+    def leaky():
+        graphs._body(key)
+        n = int(graphs.positions.max())  # a host read
+        return graphs.logits[graphs.logits > 0][:n]  # a data-sized output
+
+    with HostSyncs() as trace:
+        leaky()
+    assert {"item", "_local_scalar_dense"} & set(trace.syncs) and any("bool index" in s for s in trace.syncs)
+    torch._dynamo.reset()
+
+    def branchy():  # a Python branch on a device value: a graph break
+        graphs._body(key)
+        if graphs.positions.max() > 0:
+            graphs.logits.zero_()
+
+    with pytest.raises(Exception):  # noqa: B017 - dynamo's error type varies by version
+        torch.compile(branchy, backend="eager", fullgraph=True)()

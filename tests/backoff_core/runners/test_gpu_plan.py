@@ -1,0 +1,66 @@
+"""The meta-device plan of the benchmark pair (benchmarks/gpu_plan.py): the committed
+plan.json is what the code computes now, it keeps every model within the graph budget and
+the 8B pair within 70 GiB at scripts/gpu_bench.sh's defaults, and it agrees with what the
+first H100 run measured (gpu_check.json)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from backoff_core.runners.graph_plan import GRAPH_BUDGET, K_BUCKETS, kinds, length_buckets, plan_keys, row_buckets
+from benchmarks.gpu_plan import KV_BUDGET, MAX_LEN, plan
+
+RESULTS = Path(__file__).parents[3] / "benchmarks" / "results" / "gpu"
+
+
+@pytest.fixture(scope="module")
+def computed() -> dict:
+    return plan()
+
+
+def test_committed_plan_is_current(computed):
+    assert json.loads((RESULTS / "plan.json").read_text()) == computed
+
+
+def test_plan_fits_the_budgets(computed):
+    assert set(computed["models"]) == {"small", "large"}
+    for figures in computed["models"].values():
+        assert set(figures) >= {"graphs", "kv_gib", "weights_gib", "pool_gib"}
+        assert 0 < figures["graphs"] <= GRAPH_BUDGET == 200
+    total = sum(m["kv_gib"] + m["weights_gib"] + m["pool_gib"] for m in computed["models"].values())
+    assert computed["total_gib"] == pytest.approx(total, abs=1e-3) and total <= 70
+    # 64 slots of 1024 positions: 64 streams fit; 8B KV 128 KiB a position -> 8 GiB
+    assert computed["models"]["large"]["slots"] == 64 and computed["models"]["large"]["kv_gib"] == 8.0
+    assert computed["models"]["large"]["weights_gib"] == pytest.approx(13.75, abs=0.01)
+
+
+def test_plan_matches_the_gpu_bench_defaults_and_the_measured_run(computed):
+    script = (Path(__file__).parents[3] / "scripts" / "gpu_bench.sh").read_text()
+    assert re.search(rf"--kv-budget {KV_BUDGET}\b", script) and re.search(rf"--max-len {MAX_LEN}\b", script)
+    measured = json.loads((RESULTS / "gpu_check.json").read_text())["measured"]
+    for name, figures in computed["models"].items():
+        got = measured[name]
+        assert got["graphs"] == figures["graphs"]
+        assert got["kv_gib"] == figures["kv_gib"] and got["weights_gib"] == pytest.approx(figures["weights_gib"], 1e-3)
+        assert 0.5 <= got["pool_gib"] / figures["pool_gib"] <= 1.5  # an estimate, within 50%
+
+
+def test_graph_budget_takes_whole_kinds_in_priority_order():
+    wanted = kinds((None,), (True, False), K_BUCKETS)
+    assert [(k.k, k.last_only) for k in wanted] == [(1, True), (2, True), (4, True), (8, True), (16, True)] + [
+        (4, False),
+        (8, False),
+        (2, False),
+        (16, False),
+    ]
+    # 64 slots: dense rows 1..64 (7) and gathered 1..32 (6); L 256, 1024
+    assert row_buckets(64, 64) == [(True, 2**i) for i in range(7)] + [(False, 2**i) for i in range(6)]
+    assert length_buckets(1024) == (256, 1024) and length_buckets(80) == (80,) and length_buckets(2048)[-1] == 2048
+    keys = plan_keys(64, 1024, 64, wanted, budget=200)
+    assert len(keys) == 7 * 13 * 2  # 7 whole kinds of 26; the 8th would pass 200
+    assert {(k.k, k.last_only) for k in keys} == {(k.k, k.last_only) for k in wanted[:7]}
+    assert len(plan_keys(64, 1024, 64, wanted, budget=10**6)) == 9 * 26
