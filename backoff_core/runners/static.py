@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -41,6 +42,7 @@ from transformers import PreTrainedModel
 from backoff_core.runners.cuda_graphs import CudaGraphs
 from backoff_core.runners.dynamic import Extension
 from backoff_core.runners.graph_plan import GRAPH_BUDGET, K_BUCKETS, GraphKey, kinds, length_buckets, plan_keys
+from backoff_core.runners.scoring import Scoring, score_rows
 from backoff_core.runners.sessions import Session, SessionTable
 from backoff_core.runners.static_forward import Batch, StaticForward, check_supported
 from backoff_core.runners.static_kv import KVCapacityError, StaticKV, bucket, next_power_of_two
@@ -197,14 +199,27 @@ class StaticRunner(SessionTable[_SlotSession]):
     # -- forward --------------------------------------------------------------------------
     @torch.inference_mode()
     def extend(
-        self, items: list[tuple[str, list[int]]], hidden_layer: int | None = None, last_only: bool = False
+        self,
+        items: list[tuple[str, list[int]]],
+        hidden_layer: int | None = None,
+        last_only: bool = False,
+        scoring: Sequence[Scoring | None] | None = None,
     ) -> list[Extension]:
         """Append tokens to sessions in one forward (or a few chunks of captured size);
         returns one Extension per item (its logits at every new position, or at the last one
-        only). Raises KVCapacityError, changing nothing, if a session would pass max_len - 1
+        only). scoring: per item, rows to score (scoring.py; one eager forward, whose LM head
+        with last_only runs on those rows and the last only). Raises KVCapacityError,
+        changing nothing, if a session would pass max_len - 1
         positions or no slot can be had."""
         if not items:
             return []
+        scoring = list(scoring) if scoring is not None else [None] * len(items)
+        if len(scoring) != len(items):
+            raise ValueError(f"{self.name}: one scoring (or None) per item")
+        for (_, ids), sc in zip(items, scoring):
+            if sc is not None:
+                sc.check(len(ids), self.vocab_size)
+        scores = any(sc is not None for sc in scoring)
         with self._lock:
             sessions = self._extending(items)
             for (request_id, ids), s in zip(items, sessions):
@@ -212,6 +227,8 @@ class StaticRunner(SessionTable[_SlotSession]):
             self._reserve(items, sessions)
             new_ids = [list(ids) for _, ids in items]
             layer = self._layer(hidden_layer)
+            if scores:
+                return self._extend_scored(sessions, new_ids, layer, last_only, scoring)
             chunk = self._chunk(len(sessions), max(len(ids) for ids in new_ids), last_only, layer)
             logits: list[list[torch.Tensor]] = [[] for _ in items]  # per item: [k_c or 1, V] per chunk
             hidden: list[list[torch.Tensor]] = [[] for _ in items]
@@ -241,6 +258,38 @@ class StaticRunner(SessionTable[_SlotSession]):
         if self.graphs is None or not ks or k_max <= ks[-1] or next_power_of_two(n) > self.graph_max_rows:
             return k_max
         return ks[-1] if math.ceil(k_max / ks[-1]) <= MAX_CHUNKS else k_max
+
+    def _extend_scored(
+        self,
+        sessions: list[_SlotSession],
+        new_ids: list[list[int]],
+        layer: int | None,
+        last_only: bool,
+        scoring: list[Scoring | None],
+    ) -> list[Extension]:
+        """One eager forward for an extend with scored rows (prompt scoring, scoring.py)."""
+        plan = self._plan(sessions, new_ids, layer, False)
+        # scored rows of a last_only extend: the LM head on those columns (and the last) only
+        columns = _columns(new_ids, scoring) if last_only else None
+        logits, hidden = self._run(plan, columns)  # [B, K or C, V], [B, K, d] | None
+        self.forward_passes += 1
+        now = time.monotonic()
+        results = []
+        for i, (s, ids, row, sc) in enumerate(zip(sessions, new_ids, plan.rows, scoring)):
+            k = len(ids)
+            s.length += k
+            s.last_used = now
+            h = hidden[row, :k] if hidden is not None else None
+            where = {c: n for n, c in enumerate(columns[i])} if columns is not None else {j: j for j in range(k)}
+            if plan.key.last_only:
+                out = logits[row, :1]
+            else:
+                out = logits[row, where[k - 1] : where[k - 1] + 1] if last_only else logits[row, :k]
+            scored = None
+            if sc is not None:
+                scored = score_rows(logits[row, [where[j] for j in sc.rows]], sc.targets, sc.top_n)
+            results.append(Extension(out, h, scored))
+        return results
 
     def _layer(self, hidden_layer: int | None) -> int | None:
         """HF's hidden_states index (negative ones too) -> 0..num_layers."""
@@ -284,11 +333,19 @@ class StaticRunner(SessionTable[_SlotSession]):
             torch.tensor(last_col),
         )
 
-    def _run(self, plan: _Plan) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if self.graphs is not None and plan.key in self.graphs:
+    def _run(self, plan: _Plan, columns: list[list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """columns: per item, the new-id columns whose logits to compute (eager); None: the plan's."""
+        if columns is None and self.graphs is not None and plan.key in self.graphs:
             return self.graphs.replay(plan.key, plan.input_ids, plan.positions, plan.slots, plan.last_col)
         self.eager_passes += 1
         key = plan.key
+        keep = None
+        if columns is not None:  # [rows, C], padded with each row's last column (idle rows: 0)
+            width = max(len(c) for c in columns)
+            table = [[0] * width for _ in range(key.rows)]
+            for r, cols in zip(plan.rows, columns):
+                table[r] = cols + [cols[-1]] * (width - len(cols))
+            keep = torch.tensor(table, device=self.device)
         if self.graphs is not None and self.graphs.fits(key):  # the same one upload as a replay
             inputs = self.graphs.upload(plan.input_ids, plan.positions, plan.slots, plan.last_col)
         else:
@@ -304,7 +361,17 @@ class StaticRunner(SessionTable[_SlotSession]):
                 None,
             )
         batch = replace(
-            inputs, length=key.length, dense=key.dense, last_only=key.last_only, hidden_layer=key.hidden_layer
+            inputs,
+            length=key.length,
+            dense=key.dense,
+            last_only=key.last_only,
+            hidden_layer=key.hidden_layer,
+            keep=keep,
         )
         logits, hidden = self._forward(batch)
         return logits.float(), hidden
+
+
+def _columns(new_ids: list[list[int]], scoring: list[Scoring | None]) -> list[list[int]]:
+    """Per item: its scored rows and its last new id, ascending (the columns a forward keeps)."""
+    return [sorted({len(ids) - 1, *(sc.rows if sc is not None else ())}) for ids, sc in zip(new_ids, scoring)]

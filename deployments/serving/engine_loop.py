@@ -152,6 +152,8 @@ class EngineLoop(Generic[Policy]):
             self._drain(block=not self.engine.has_work())
             if self.engine.has_work():
                 self._step()
+            for request_id in self.engine.finished_ids():  # done at admission (max_tokens 0: a scored prompt)
+                self._finish(request_id)
         for request_id in list(self._sinks):
             self._fail(request_id, "the server is shutting down")
 
@@ -182,6 +184,9 @@ class EngineLoop(Generic[Policy]):
         except KVCapacityError as exc:  # every KV slot is taken: retry once a request ends
             log.warning("request refused: %s", exc)
             sink.put(Failed(str(exc), unavailable=True, code="kv_capacity"))
+            return
+        except LargeUnavailable as exc:  # a larger model scoring the prompt (prompt logprobs) did not answer
+            sink.put(Failed(str(exc), unavailable=True))
             return
         except Exception as exc:  # noqa: BLE001 - reported to the caller, the loop goes on
             log.exception("admission failed")
