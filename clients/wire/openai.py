@@ -18,6 +18,12 @@ class BackoffTrace(BaseModel):
     token_ids: list[int] = Field(default_factory=list, description="generated token ids")
     sources: list[int] = Field(default_factory=list, description="per token: 0 = small ... large")
     thresholds: list[float] = Field(default_factory=list, description="thresholds in force at the end")
+    prompt_token_ids: list[int] | None = Field(None, description="echo: the prompt's token ids")
+    prompt_sources: list[int | None] | None = Field(
+        None,
+        description="echo with logprobs: per prompt token, the level whose distribution scored it "
+        "(null for the first); logprobs lists the prompt's tokens first",
+    )
 
 
 class CompletionChoice(BaseModel):
@@ -69,12 +75,19 @@ class TokenTrace(BaseModel):
     retracted_text: str = ""
 
 
+class PromptTrace(BaseModel):
+    """Extension field of a stream's echo chunk (the first of its choice): the prompt."""
+
+    prompt_token_ids: list[int]
+    prompt_sources: list[int | None] | None = Field(None, description="with logprobs: as BackoffTrace's")
+
+
 class CompletionChunkChoice(BaseModel):
     index: int = 0
     text: str = ""
     finish_reason: str | None = None
     logprobs: CompletionLogprobs | None = Field(None, description="this chunk's token's; source in `backoff`")
-    backoff: TokenTrace | None = None
+    backoff: TokenTrace | PromptTrace | None = None
 
 
 class ChatDelta(BaseModel):

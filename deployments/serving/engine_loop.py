@@ -34,6 +34,8 @@ Policy = TypeVar("Policy")
 class Admitted:
     request_id: str
     prompt_tokens: int
+    prompt_ids: tuple[int, ...] | None = None  # an echo request's (ServeRequest.echo)
+    prompt_text: str | None = None  # their text, added by the SmallModel
 
 
 @dataclass(frozen=True)
@@ -188,7 +190,8 @@ class EngineLoop(Generic[Policy]):
             sink.put(Failed(f"{type(exc).__name__}: {exc}"))
             return
         self._sinks[request_id] = sink
-        sink.put(Admitted(request_id, len(generation.prompt_ids)))
+        echo = generation.prompt_ids if getattr(request, "echo", False) else None
+        sink.put(Admitted(request_id, len(generation.prompt_ids), echo))
 
     def _cancel(self, request_id: str) -> None:
         if self._sinks.pop(request_id, None) is not None:
