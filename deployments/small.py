@@ -215,7 +215,8 @@ class SmallModel:
                     item = batch[0] if len(batch) == 1 else tuple(batch)
                     sent = clock()
                 if isinstance(item, Admitted) and item.prompt_ids is not None:  # echo: the prompt as text
-                    item = dataclasses.replace(item, prompt_text=self.tokenizer.decode(list(item.prompt_ids)))
+                    text = self.tokenizer.decode(list(item.prompt_ids), skip_special_tokens=True)  # as the core's
+                    item = dataclasses.replace(item, prompt_text=text)
                 ended = isinstance(item, (GenerationResult, Rejected, Failed))
                 if isinstance(item, (Rejected, Failed)):
                     self.metrics.request("rejected" if isinstance(item, Rejected) else "failed")

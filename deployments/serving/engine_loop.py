@@ -163,20 +163,53 @@ class EngineLoop(Generic[Policy]):
         except queue.Empty:
             return
         policy = self.policy  # 1. read once, after any wait: a reconfigure never tears a step
+        arrived: list[tuple[object, _Sink]] = []  # submits waiting together: admitted in one prefill
         while True:
             kind, arg, sink = command
             if kind == "submit":
-                self._admit(arg, sink, policy)
+                arrived.append((arg, sink))
             elif kind == "cancel":
+                self._admit_all(arrived, policy)  # a cancel may name one of them
+                arrived = []
                 self._cancel(arg)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
+                self._admit_all(arrived, policy)
                 return
 
-    def _admit(self, request, sink: _Sink, policy) -> None:
+    def _admit_all(self, arrived: list[tuple[object, _Sink]], policy) -> None:
+        """Requests that arrived together (a batch's prompts, concurrent clients) admitted
+        together: one prefill (and prompt scoring) forward per model (engine.submit_many).
+        That is all or none, so when it refuses, each is admitted alone and gets its own answer."""
+        ready = []
+        for request, sink in arrived:
+            try:
+                ready.append((request, sink, self.admit(request, policy)))
+            except ValueError as exc:  # its prompt or settings: this one alone is refused
+                sink.put(Rejected(str(exc)))
+            except Exception as exc:  # noqa: BLE001 - reported to the caller, the loop goes on
+                log.exception("admission failed")
+                sink.put(Failed(f"{type(exc).__name__}: {exc}"))
+        if len(ready) > 1:
+            try:
+                ids = self.engine.submit_many([g for _, _, g in ready])
+            except Exception:  # noqa: BLE001 - one of them is refused: find out which, one by one
+                pass
+            else:
+                for (request, sink, generation), request_id in zip(ready, ids):
+                    self._admitted(request, sink, generation, request_id)
+                return
+        for request, sink, generation in ready:
+            self._admit(request, sink, generation)
+
+    def _admitted(self, request, sink: _Sink, generation: GenerationRequest, request_id: str) -> None:
+        self._sinks[request_id] = sink
+        echo = generation.prompt_ids if getattr(request, "echo", False) else None
+        sink.put(Admitted(request_id, len(generation.prompt_ids), echo))
+
+    def _admit(self, request, sink: _Sink, generation: GenerationRequest) -> None:
         try:
-            generation = self.admit(request, policy)
             request_id = self.engine.submit(generation)
         except ValueError as exc:
             sink.put(Rejected(str(exc)))
@@ -189,9 +222,7 @@ class EngineLoop(Generic[Policy]):
             log.exception("admission failed")
             sink.put(Failed(f"{type(exc).__name__}: {exc}"))
             return
-        self._sinks[request_id] = sink
-        echo = generation.prompt_ids if getattr(request, "echo", False) else None
-        sink.put(Admitted(request_id, len(generation.prompt_ids), echo))
+        self._admitted(request, sink, generation, request_id)
 
     def _cancel(self, request_id: str) -> None:
         if self._sinks.pop(request_id, None) is not None:

@@ -64,7 +64,7 @@ def serve_request(
         stop=tuple(params.stop or ()),
         ignore_eos=params.ignore_eos,
         logprobs=params.logprobs,
-        **({"prompt_logprobs": prompt_logprobs} if prompt_logprobs is not None else {}),  # TEMP until eval-core
+        prompt_logprobs=prompt_logprobs,
     )
     thresholds = params.thresholds
     overrides = RoutingOverrides(

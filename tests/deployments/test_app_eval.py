@@ -31,7 +31,8 @@ from tests.support.served_app import TINY_PAIR, ServedApp, deployment_config  # 
 pytestmark = pytest.mark.slow
 LIMITS = dict(max_batch_prompts=4, max_batch_prompt_tokens=1200)
 CONTEXT_WINDOW = 512  # tiny_model's
-GREEDY = dict(temperature=0, ignore_eos=True)
+GREEDY = dict(temperature=0, ignore_eos=True)  # a raw body's, or our clients' keywords
+OA = dict(temperature=0, extra_body={"ignore_eos": True})  # the openai package's
 
 
 def _edit(config: dict, dirs) -> None:
@@ -72,23 +73,23 @@ def _large_logprobs(model_dir: str, ids: list[int]) -> list[float]:
 def test_a_batch_answers_one_choice_per_prompt_as_the_single_prompts_do(served, openai_client):
     texts, ids = ["w3 w4", "w5 w6 w7", "w8"], [[5, 6], [7, 8, 9], [10]]
     for batch in (texts, ids):
-        done = openai_client.completions.create(model="backoff", prompt=batch, max_tokens=5, **GREEDY)
+        done = openai_client.completions.create(model="backoff", prompt=batch, max_tokens=5, **OA)
         assert [c.index for c in done.choices] == [0, 1, 2]
-        singles = [openai_client.completions.create(model="backoff", prompt=p, max_tokens=5, **GREEDY) for p in batch]
+        singles = [openai_client.completions.create(model="backoff", prompt=p, max_tokens=5, **OA) for p in batch]
         assert [c.text for c in done.choices] == [s.choices[0].text for s in singles]
         assert done.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles) == 6
         assert done.usage.completion_tokens == 15 and done.usage.total_tokens == 21
     # the token-id batch is the same prompts as the text one (w3 is id 5 in the tiny vocabulary)
-    by_text = openai_client.completions.create(model="backoff", prompt=texts, max_tokens=5, **GREEDY)
+    by_text = openai_client.completions.create(model="backoff", prompt=texts, max_tokens=5, **OA)
     assert [c.text for c in by_text.choices] == [c.text for c in done.choices]
 
 
 def test_a_streamed_batch_tags_each_chunk_with_its_choice_and_sums_usage(served, openai_client):
     batch = [[5, 6], [7, 8, 9], [10]]
-    unary = openai_client.completions.create(model="backoff", prompt=batch, max_tokens=6, **GREEDY)
+    unary = openai_client.completions.create(model="backoff", prompt=batch, max_tokens=6, **OA)
     chunks = list(
         openai_client.completions.create(
-            model="backoff", prompt=batch, max_tokens=6, stream=True, stream_options={"include_usage": True}, **GREEDY
+            model="backoff", prompt=batch, max_tokens=6, stream=True, stream_options={"include_usage": True}, **OA
         )
     )
     text = {i: "" for i in range(3)}
@@ -134,22 +135,20 @@ def test_echo_with_max_tokens_0_is_the_prompt_scored_by_m_l(served, openai_clien
 
 def test_echo_with_generation_lists_the_prompt_then_the_tokens(served, openai_client):
     ids = [5, 6, 7]
-    plain = openai_client.completions.create(model="backoff", prompt=ids, max_tokens=4, logprobs=1, **GREEDY)
-    done = openai_client.completions.create(model="backoff", prompt=ids, max_tokens=4, logprobs=1, echo=True, **GREEDY)
+    plain = openai_client.completions.create(model="backoff", prompt=ids, max_tokens=4, logprobs=1, **OA)
+    done = openai_client.completions.create(model="backoff", prompt=ids, max_tokens=4, logprobs=1, echo=True, **OA)
     choice, base = done.choices[0], plain.choices[0]
     assert choice.text == "w3 w4 w5" + base.text
     assert choice.logprobs.tokens == ["w3", "w4", "w5", *base.logprobs.tokens]
     assert choice.logprobs.token_logprobs[3:] == base.logprobs.token_logprobs
     assert choice.logprobs.text_offset[3:] == [o + len("w3 w4 w5") for o in base.logprobs.text_offset]
-    no_logprobs = openai_client.completions.create(
-        model="backoff", prompt="w3 w4 w5", max_tokens=4, echo=True, **GREEDY
-    )
+    no_logprobs = openai_client.completions.create(model="backoff", prompt="w3 w4 w5", max_tokens=4, echo=True, **OA)
     assert no_logprobs.choices[0].text == choice.text and no_logprobs.choices[0].logprobs is None
     # a streamed echo starts with the prompt (with logprobs: once they are known), then the tokens
     for logprobs in (None, 1):
         chunks = list(
             openai_client.completions.create(
-                model="backoff", prompt=ids, max_tokens=4, echo=True, logprobs=logprobs, stream=True, **GREEDY
+                model="backoff", prompt=ids, max_tokens=4, echo=True, logprobs=logprobs, stream=True, **OA
             )
         )
         assert chunks[0].choices[0].text == "w3 w4 w5"
