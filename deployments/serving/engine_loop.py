@@ -154,6 +154,8 @@ class EngineLoop(Generic[Policy]):
             self._drain(block=not self.engine.has_work())
             if self.engine.has_work():
                 self._step()
+            for request_id in self.engine.finished_ids():  # done at admission (max_tokens 0: a scored prompt)
+                self._finish(request_id)
         for request_id in list(self._sinks):
             self._fail(request_id, "the server is shutting down")
 

@@ -1,7 +1,8 @@
 """Prompt logprobs over the SmallModel -> LargeModel catch-up path (no Ray): a catch-up call
 may name rows to score, and the replica answers their target log-probabilities and top-n
 (ScoredRows) instead of full logits; an ordinary catch-up in the same forward is answered
-as before. Through RemoteLarge the engine's prompt logprobs equal the in-process engine's."""
+as before. Through RemoteLarge the engine's prompt logprobs equal the in-process engine's;
+the engine thread answers a request that is done at admission (max_tokens 0)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ import torch
 
 from backoff_core.runners.dynamic import ModelRunner
 from backoff_core.runners.scoring import Scoring
-from backoff_core.types import GenerationRequest, RoutingParams, SamplingParams
+from backoff_core.types import GenerationRequest, GenerationResult, RoutingParams, SamplingParams
 from deployments.serving.batcher import CatchUpBatcher, CatchUpCall
+from deployments.serving.config import RoutingConfig
+from deployments.serving.engine_loop import Admitted, EngineLoop
 from tests.support.helpers import engine_for
 from tests.support.remote_fakes import FakeEndpoint, remote_engine
 
@@ -127,3 +130,32 @@ def test_remote_prompt_logprobs_equal_in_process(pair, tokenizer, loop_thread):
         assert list(c.scoring.rows) == routed and list(c.scoring.targets) == [prompt[j + 1] for j in routed]
     assert remote.lost_sessions == 0
     assert not any(b.runner.request_ids() for b in endpoint.replicas)  # freed on finish
+
+
+def test_the_engine_thread_answers_a_request_done_at_admission(pair, tokenizer):
+    """max_tokens 0 (a scored prompt) finishes at admission: its result comes, nothing hangs."""
+    engine = engine_for(pair, tokenizer)
+    loop = EngineLoop(engine, lambda request, policy: request, RoutingConfig())
+    loop.start()
+
+    async def consume(request):
+        q = loop.submit(request)
+        items = [await asyncio.wait_for(q.get(), 20)]
+        while not isinstance(items[-1], GenerationResult):
+            items.append(await asyncio.wait_for(q.get(), 20))
+        return items
+
+    async def main():  # the scored one alone first: no other request's step collects it
+        return await consume(_req(PROMPT, "always-large")), await consume(_req(PROMPT[:5], "always-large", 3))
+
+    try:
+        scored, generating = asyncio.run(main())
+    finally:
+        loop.stop()
+    assert isinstance(scored[0], Admitted) and scored[-1].token_ids == () and len(scored) == 2
+    assert len(generating[-1].token_ids) == 3 and generating[-1].prompt_sources == (None, 1, 1, 1, 1)
+    expected = engine_for(pair, tokenizer).generate(_req(PROMPT, "always-large"))
+    assert [e and e.chosen.logprob for e in scored[-1].prompt_logprobs] == pytest.approx(
+        [e and e.chosen.logprob for e in expected.prompt_logprobs]
+    )
+    assert engine.live_ids() == []
