@@ -305,11 +305,16 @@ def test_lm_eval_runs_against_the_server_and_scores_what_hf_scores_on_m_l(served
         log_samples=True,
     )
     hf_run = lm_eval.simple_evaluate(
-        model="hf", model_args=f"pretrained={large}", tasks=["tiny_mc"], task_manager=tasks, log_samples=True
+        model="hf",
+        model_args=f"pretrained={large},device=cpu,dtype=float32",
+        tasks=["tiny_mc"],
+        task_manager=tasks,
+        log_samples=True,
     )
     assert served_run["results"]["tiny_mc"]["acc,none"] == hf_run["results"]["tiny_mc"]["acc,none"]
     got, want = _loglikelihoods(served_run, "tiny_mc"), _loglikelihoods(hf_run, "tiny_mc")
     assert len(got) == len(MC_ITEMS) and got == [pytest.approx(w, abs=1e-4) for w in want]
+    assert len({round(x, 3) for x in got[0]}) == 4  # the choices' scores differ: a real comparison
     assert "exact_match,none" in served_run["results"]["tiny_gen"]
     generated = [s["filtered_resps"][0] for s in served_run["samples"]["tiny_gen"]]
     assert len(generated) == len(GEN_ITEMS) and any(generated)
