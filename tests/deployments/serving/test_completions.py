@@ -12,12 +12,15 @@ import pytest
 from pydantic import ValidationError
 
 from clients.wire.errors import describe_validation
+from clients.wire.openai import delta_from_chunk, generation_from_body
 from clients.wire.prompts import is_batch, prompts_of
+from clients.wire.proto import generation_from_pb
 from clients.wire.types import ChatCompletionRequest, CompletionRequest
 from deployments.serving.access import ClientError
-from deployments.serving.completions import CompletionStream, check_batch, completion_body, summed_usage, tagged
+from deployments.serving.completions import CompletionStream, Echo, check_batch, completion_body, summed_usage, tagged
 from deployments.serving.config import LimitsConfig
 from deployments.serving.engine_loop import Admitted
+from deployments.serving.formats import pb_response
 from tests.support.helpers import engine_for, request
 
 pytest.importorskip("openai")
@@ -185,3 +188,77 @@ def test_a_text_echo_streams_the_prompt_first():
     first = _chunks(out.start())
     assert first[0]["choices"][0]["text"] == "w3 w4"
     assert first[0]["choices"][0]["backoff"]["prompt_token_ids"] == [5, 6]
+
+
+# -- echo --------------------------------------------------------------------------------------
+PROMPT = (5, 9, 14, 3, 22)
+
+
+@pytest.fixture(scope="module")
+def echoed(pair, tokenizer):
+    """(scored run generating 4 tokens, scored run generating none, its Admitted): entropy
+    routing over the prompt, 2 alternatives per token."""
+    engine = engine_for(pair, tokenizer)
+
+    def run(max_tokens: int):
+        req = request(PROMPT, 1, "entropy", thresholds=(0.4,))
+        sampling = dataclasses.replace(req.sampling, max_tokens=max_tokens, logprobs=2, prompt_logprobs=2)
+        return engine.generate(dataclasses.replace(req, sampling=sampling))
+
+    text = tokenizer.decode(list(PROMPT), skip_special_tokens=True)
+    return run(4), run(0), dataclasses.replace(Admitted("r", len(PROMPT), PROMPT), prompt_text=text)
+
+
+def test_an_echo_body_lists_the_prompt_then_the_tokens(echoed):
+    result, _, admitted = echoed
+    echo = Echo.of(admitted, result)
+    assert echo.text == result.prompt_text == "w3 w7 w12 w1 w20"
+    body = completion_body("cmpl-1", "m", 0, [(result, echo)])
+    # (the openai package's strict models refuse the null first entry its client reads fine)
+    choice = body["choices"][0]
+    assert choice["text"] == echo.text + result.text
+    lp, n = choice["logprobs"], len(PROMPT)
+    assert lp["tokens"][:n] == ["w3", *(e.chosen.token for e in result.prompt_logprobs[1:])]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:n] == [e.chosen.logprob for e in result.prompt_logprobs[1:]]
+    assert lp["token_logprobs"][n:] == [e.chosen.logprob for e in result.logprobs]
+    assert lp["text_offset"][:n] == [0, *(e.text_offset for e in result.prompt_logprobs[1:])]
+    assert lp["text_offset"][n:] == [len(echo.text) + e.text_offset for e in result.logprobs]
+    trace = body["choices"][0]["backoff"]
+    assert trace["prompt_token_ids"] == list(PROMPT) and trace["prompt_sources"] == list(result.prompt_sources)
+    assert trace["prompt_sources"][0] is None and set(trace["prompt_sources"][1:]) == {0, 1}  # routed: both
+
+
+def test_max_tokens_0_echoes_only_the_prompt_and_our_clients_read_it_back(echoed):
+    _, result, admitted = echoed
+    echo = Echo.of(admitted, result)
+    body = completion_body("cmpl-1", "m", 0, [(result, echo)])
+    assert body["choices"][0]["text"] == echo.text and body["usage"]["completion_tokens"] == 0
+    http = generation_from_body(body, top_n=2)
+    rpc = generation_from_pb(pb_response("cmpl-1", result, (echo.token_ids, echo.text)))
+    for got in (http, rpc):
+        assert got.text == echo.text and got.token_ids == [] and got.prompt_token_ids == list(PROMPT)
+        assert got.prompt_logprobs[0] is None and got.prompt_sources == list(result.prompt_sources)
+        assert [e.logprob for e in got.prompt_logprobs[1:]] == pytest.approx(
+            [e.chosen.logprob for e in result.prompt_logprobs[1:]]
+        )
+        assert [[t.token for t in e.top_logprobs] for e in got.prompt_logprobs[1:]] == [
+            [t.token for t in e.top] for e in result.prompt_logprobs[1:]
+        ]
+    assert rpc.prompt_logprobs[1].token_id == PROMPT[1] and http.prompt_logprobs[1].token_id == PROMPT[1]
+
+
+def test_a_streamed_echo_with_logprobs_holds_the_tokens_until_the_prompts_scores(echoed, pair, tokenizer):
+    result, _, admitted = echoed
+    out = CompletionStream("cmpl-1", "m", 0, [admitted], prompt_logprobs=True)
+    assert out.start() == ""  # the prompt's scores come with the result
+    events = tuple(engine_for(pair, tokenizer).stream(request(PROMPT, 4, "entropy", thresholds=(0.4,))))
+    assert out.tokens(0, events) == ""
+    chunks = _chunks(out.finished(0, result))
+    first = chunks[0]["choices"][0]
+    assert first["text"] == "w3 w7 w12 w1 w20" and first["logprobs"]["token_logprobs"][0] is None
+    assert chunks[0]["choices"][0]["backoff"]["prompt_sources"] == list(result.prompt_sources)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == first["text"] + result.text
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length" and chunks[-1]["usage"]["completion_tokens"] == 4
+    delta = delta_from_chunk(chunks[0], top_n=2)
+    assert delta.prompt_token_ids == list(PROMPT) and delta.prompt_logprobs[0] is None and delta.token_id is None
