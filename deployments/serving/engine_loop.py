@@ -193,9 +193,10 @@ class EngineLoop(Generic[Policy]):
             except Exception as exc:  # noqa: BLE001 - reported to the caller, the loop goes on
                 log.exception("admission failed")
                 sink.put(Failed(f"{type(exc).__name__}: {exc}"))
-        if len(ready) > 1:
+        submit_many = getattr(self.engine, "submit_many", None)  # a stand-in engine may have submit alone
+        if len(ready) > 1 and submit_many is not None:
             try:
-                ids = self.engine.submit_many([g for _, _, g in ready])
+                ids = submit_many([g for _, _, g in ready])
             except Exception:  # noqa: BLE001 - one of them is refused: find out which, one by one
                 pass
             else:
