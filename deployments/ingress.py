@@ -44,18 +44,10 @@ from clients.wire.types import ChatCompletionRequest, CompletionRequest, Generat
 from deployments.http_errors import error_response, install_http_errors
 from deployments.serving.access import ClientError, Edge, EdgeGate, check_limits, peer_host
 from deployments.serving.admission import Overloaded
-from deployments.serving.completions import CompletionStream, Echo, check_batch, completion_body, tagged
+from deployments.serving.completions import CompletionStream, Echo, PbStream, check_batch, completion_body, tagged
 from deployments.serving.config import AppArgs, handle_options
 from deployments.serving.engine_loop import Admitted, Failed, Rejected
-from deployments.serving.formats import (
-    ChatStream,
-    error_body,
-    pb_chunks,
-    pb_echo_chunk,
-    pb_final_chunk,
-    pb_response,
-    response_body,
-)
+from deployments.serving.formats import ChatStream, error_body, pb_response, response_body
 from deployments.serving.grpc_service import Undecodable
 from deployments.serving.playground import mount_playground, routing_info
 from deployments.serving.requests import ServeRequest, serve_request
@@ -269,23 +261,17 @@ class Ingress:
         except Exception as exc:  # noqa: BLE001 - as in Generate
             _set_status(grpc_context, exc)
             raise  # nothing was streamed: Serve sends the status set above only with an exception
-        # echo: the prompt first; with logprobs they come with the result, and the tokens wait
-        hold = admitted.prompt_ids is not None and request.HasField("logprobs")
-        held: list[TokenEvent] = []
+        out = PbStream(request_id, admitted, prompt_logprobs=request.HasField("logprobs"))
         try:
-            if admitted.prompt_ids is not None and not hold:
-                yield pb_echo_chunk(request_id, admitted, None)
+            for message in out.start():  # echo: the prompt first
+                yield message
             async for item in stream:
-                if isinstance(item, (TokenEvent, tuple)) and hold:
-                    held.extend(_events(item))
-                elif isinstance(item, (TokenEvent, tuple)):
-                    yield pb_chunks(request_id, _events(item))  # one message, as it came from the router
+                if isinstance(item, (TokenEvent, tuple)):
+                    for message in out.tokens(_events(item)):  # one message, as it came from the router
+                        yield message
                 elif isinstance(item, GenerationResult):
-                    if hold:
-                        yield pb_echo_chunk(request_id, admitted, item)
-                        if held:
-                            yield pb_chunks(request_id, tuple(held))
-                    yield pb_final_chunk(request_id, item)
+                    for message in out.finished(item):
+                        yield message
                 elif isinstance(item, (Rejected, Failed)):
                     raise failure(item)
         except Exception as exc:  # noqa: BLE001 - a ServerFailure, or a bug: INTERNAL with a message
@@ -362,7 +348,15 @@ class Ingress:
         except ValueError as exc:
             raise ClientError(str(exc)) from None
         release = self.edge.slots.take(client)
-        outcomes = await asyncio.gather(*(self._admit(r, tokens) for r in requests), return_exceptions=True)
+        tasks = [asyncio.ensure_future(self._admit(r, tokens)) for r in requests]
+        try:
+            outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+        except BaseException:  # cancelled (the client went away) while waiting for admission
+            release()
+            for task in tasks:
+                if task.done() and not task.cancelled() and task.exception() is None:
+                    await task.result()[1].aclose()
+            raise
         opened = [o for o in outcomes if not isinstance(o, BaseException)]
         refused = [o for o in outcomes if isinstance(o, BaseException)]
         if refused and len(outcomes) > 1 and isinstance(refused[0], ClientError):  # say which prompt

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from backoff_core.types import GenerationResult, TokenEvent, TokenLogprobs
+from clients.wire import backoff_pb2 as pb
 from clients.wire.logprobs import CompletionLogprobs
 from clients.wire.openai import (
     BackoffTrace,
@@ -27,7 +28,16 @@ from clients.wire.types import Usage
 from deployments.serving.access import ClientError
 from deployments.serving.config import LimitsConfig
 from deployments.serving.engine_loop import Admitted
-from deployments.serving.formats import TokenChunks, completion_logprobs, final_chunk_body, json_safe, usage_of
+from deployments.serving.formats import (
+    TokenChunks,
+    completion_logprobs,
+    final_chunk_body,
+    json_safe,
+    pb_chunks,
+    pb_echo_chunk,
+    pb_final_chunk,
+    usage_of,
+)
 
 
 def check_batch(limits: LimitsConfig, prompts: Sequence[str | list[int]]) -> None:
@@ -248,3 +258,33 @@ class CompletionStream:
         usage = summed_usage([r for r in self.results if r is not None])
         chunk = CompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=[], usage=usage)
         return _sse(json_safe(chunk.model_dump()))
+
+
+class PbStream:
+    """A gRPC GenerateStream's messages: the router's tokens as they come, the final chunk;
+    with echo the prompt's chunk first (with logprobs it waits for their scores, which come
+    with the result, and the tokens wait behind it)."""
+
+    def __init__(self, request_id: str, admitted: Admitted, prompt_logprobs: bool) -> None:
+        self.request_id, self.admitted = request_id, admitted
+        self.hold = admitted.prompt_ids is not None and prompt_logprobs
+        self.held: list[TokenEvent] = []
+
+    def start(self) -> list[pb.GenerateChunk]:
+        if self.admitted.prompt_ids is None or self.hold:
+            return []
+        return [pb_echo_chunk(self.request_id, self.admitted, None)]
+
+    def tokens(self, events: tuple[TokenEvent, ...]) -> list[pb.GenerateChunk]:
+        if self.hold:
+            self.held.extend(events)
+            return []
+        return [pb_chunks(self.request_id, events)]
+
+    def finished(self, result: GenerationResult) -> list[pb.GenerateChunk]:
+        out = []
+        if self.hold:
+            out.append(pb_echo_chunk(self.request_id, self.admitted, result))
+            if self.held:
+                out.append(pb_chunks(self.request_id, tuple(self.held)))
+        return [*out, pb_final_chunk(self.request_id, result)]

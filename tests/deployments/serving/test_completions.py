@@ -14,10 +14,18 @@ from pydantic import ValidationError
 from clients.wire.errors import describe_validation
 from clients.wire.openai import delta_from_chunk, generation_from_body
 from clients.wire.prompts import is_batch, prompts_of
-from clients.wire.proto import generation_from_pb
+from clients.wire.proto import deltas_from_pb, generation_from_pb
 from clients.wire.types import ChatCompletionRequest, CompletionRequest
 from deployments.serving.access import ClientError
-from deployments.serving.completions import CompletionStream, Echo, check_batch, completion_body, summed_usage, tagged
+from deployments.serving.completions import (
+    CompletionStream,
+    Echo,
+    PbStream,
+    check_batch,
+    completion_body,
+    summed_usage,
+    tagged,
+)
 from deployments.serving.config import LimitsConfig
 from deployments.serving.engine_loop import Admitted
 from deployments.serving.formats import pb_response
@@ -262,3 +270,20 @@ def test_a_streamed_echo_with_logprobs_holds_the_tokens_until_the_prompts_scores
     assert chunks[-1]["choices"][0]["finish_reason"] == "length" and chunks[-1]["usage"]["completion_tokens"] == 4
     delta = delta_from_chunk(chunks[0], top_n=2)
     assert delta.prompt_token_ids == list(PROMPT) and delta.prompt_logprobs[0] is None and delta.token_id is None
+
+
+def test_a_grpc_echo_stream_sends_the_prompt_first(echoed, pair, tokenizer):
+    result, _, admitted = echoed
+    events = tuple(engine_for(pair, tokenizer).stream(request(PROMPT, 4, "entropy", thresholds=(0.4,))))
+    text_only = PbStream("cmpl-1", admitted, prompt_logprobs=False)
+    first = text_only.start()
+    assert len(first) == 1 and deltas_from_pb(first[0])[0].text == "w3 w7 w12 w1 w20"
+    assert deltas_from_pb(first[0])[0].prompt_token_ids == list(PROMPT) and len(text_only.tokens(events)) == 1
+    scored = PbStream("cmpl-1", admitted, prompt_logprobs=True)
+    assert scored.start() == [] and scored.tokens(events) == []  # held until the prompt's scores
+    deltas = [d for m in scored.finished(result) for d in deltas_from_pb(m)]
+    assert deltas[0].prompt_logprobs[0] is None and deltas[0].prompt_sources == list(result.prompt_sources)
+    assert [d.token_id for d in deltas[1:-1]] == [e.token_id for e in events]
+    assert deltas[-1].finish_reason == "length"
+    plain = PbStream("cmpl-1", Admitted("r", 5), prompt_logprobs=True)  # no echo: nothing held
+    assert plain.start() == [] and len(plain.tokens(events)) == 1
