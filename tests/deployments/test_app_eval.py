@@ -22,6 +22,7 @@ import torch
 ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 
+from clients import cli  # noqa: E402
 from clients.grpc_client import BackoffGrpcClient  # noqa: E402
 from clients.http_client import BackoffHTTPClient  # noqa: E402
 from clients.wire import backoff_pb2 as pb  # noqa: E402
@@ -160,7 +161,7 @@ def test_echo_with_generation_lists_the_prompt_then_the_tokens(served, openai_cl
             assert streamed[0] is None and streamed[1:] == pytest.approx(choice.logprobs.token_logprobs[1:3], abs=1e-4)
 
 
-def test_our_clients_and_grpc_carry_echo(served, openai_client):
+def test_our_clients_and_grpc_carry_echo(served, openai_client, capsys):
     ids = [5, 9, 14, 3]
     want = _large_logprobs(served.model_dirs["large"], ids)
     with BackoffHTTPClient(served.url) as http, BackoffGrpcClient(served.grpc_target, application="backoff") as rpc:
@@ -175,6 +176,12 @@ def test_our_clients_and_grpc_carry_echo(served, openai_client):
             first = next(iter(c.stream(ids, max_tokens=3, echo=True, logprobs=1, **GREEDY)))
             assert first.text == "w3 w7 w12 w1" and first.prompt_token_ids == ids
             assert [e.logprob for e in first.prompt_logprobs[1:]] == pytest.approx(want, abs=1e-4)
+    command = ["generate", "w3 w7 w12 w1", "--echo", "--logprobs", "1", "--max-tokens", "0", "--temperature", "0"]
+    for where in (["--url", served.url], ["--grpc", served.grpc_target]):
+        capsys.readouterr()
+        assert cli.main([*command, *where]) == 0
+        out, err = capsys.readouterr()
+        assert out == "w3 w7 w12 w1\n" and err.startswith("prompt:\n") and err.count("level 1") == 3
 
 
 # -- refused fields and bad input --------------------------------------------------------------
