@@ -194,8 +194,8 @@ class StaticRunner(SessionTable[_SlotSession]):
     ) -> list[Extension]:
         """Append tokens to sessions in one forward; returns one Extension per item (its
         logits at every new position, or at the last one only). scoring: per item, rows to
-        score (scoring.py; such a forward computes every row's logits and keeps what is
-        asked). Raises KVCapacityError, changing nothing, if a session would pass max_len - 1
+        score (scoring.py; with last_only the LM head runs on those rows and the last only,
+        eagerly). Raises KVCapacityError, changing nothing, if a session would pass max_len - 1
         positions or no slot can be had."""
         if not items:
             return []
@@ -213,20 +213,25 @@ class StaticRunner(SessionTable[_SlotSession]):
             self._reserve(items, sessions)
             new_ids = [list(ids) for _, ids in items]
             plan = self._plan(sessions, new_ids, self._layer(hidden_layer), last_only and not scores)
-            logits, hidden = self._run(plan)  # [B, K or 1, V], [B, K, d] | None
+            # scored rows of a last_only extend: the LM head on those columns (and the last) only
+            columns = _columns(new_ids, scoring) if scores and last_only else None
+            logits, hidden = self._run(plan, columns)  # [B, K or 1 or C, V], [B, K, d] | None
             self.forward_passes += 1
             now = time.monotonic()
             results = []
-            for s, ids, row, sc in zip(sessions, new_ids, plan.rows, scoring):
+            for i, (s, ids, row, sc) in enumerate(zip(sessions, new_ids, plan.rows, scoring)):
                 k = len(ids)
                 s.length += k
                 s.last_used = now
                 h = hidden[row, :k] if hidden is not None else None
+                where = {c: n for n, c in enumerate(columns[i])} if columns is not None else {j: j for j in range(k)}
                 if plan.key.last_only:
                     out = logits[row, :1]
                 else:
-                    out = logits[row, k - 1 : k] if last_only else logits[row, :k]
-                scored = score_rows(logits[row, list(sc.rows)], sc.targets, sc.top_n) if sc is not None else None
+                    out = logits[row, where[k - 1] : where[k - 1] + 1] if last_only else logits[row, :k]
+                scored = None
+                if sc is not None:
+                    scored = score_rows(logits[row, [where[j] for j in sc.rows]], sc.targets, sc.top_n)
                 results.append(Extension(out, h, scored))
             return results
 
@@ -272,11 +277,19 @@ class StaticRunner(SessionTable[_SlotSession]):
             torch.tensor(last_col),
         )
 
-    def _run(self, plan: _Plan) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if self.graphs is not None and plan.key in self.graphs:
+    def _run(self, plan: _Plan, columns: list[list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """columns: per item, the new-id columns whose logits to compute (eager); None: the plan's."""
+        if columns is None and self.graphs is not None and plan.key in self.graphs:
             return self.graphs.replay(plan.key, plan.input_ids, plan.positions, plan.slots, plan.last_col)
         self.eager_passes += 1
         dev, key = self.device, plan.key
+        keep = None
+        if columns is not None:  # [rows, C], padded with each row's last column (idle rows: 0)
+            width = max(len(c) for c in columns)
+            table = [[0] * width for _ in range(key.rows)]
+            for r, cols in zip(plan.rows, columns):
+                table[r] = cols + [cols[-1]] * (width - len(cols))
+            keep = torch.tensor(table, device=dev)
         batch = Batch(
             input_ids=plan.input_ids.to(dev),
             positions=plan.positions.to(dev),
@@ -286,6 +299,12 @@ class StaticRunner(SessionTable[_SlotSession]):
             dense=key.dense,
             last_only=key.last_only,
             hidden_layer=key.hidden_layer,
+            keep=keep,
         )
         logits, hidden = self._forward(batch)
         return logits.float(), hidden
+
+
+def _columns(new_ids: list[list[int]], scoring: list[Scoring | None]) -> list[list[int]]:
+    """Per item: its scored rows and its last new id, ascending (the columns a forward keeps)."""
+    return [sorted({len(ids) - 1, *(sc.rows if sc is not None else ())}) for ids, sc in zip(new_ids, scoring)]

@@ -79,10 +79,13 @@ class Batch:
     dense: bool  # read storage[:B] as a view (slots == arange(B)) instead of gathering rows
     last_only: bool
     hidden_layer: int | None  # in 0..num_layers (HF hidden_states index), or None
+    # [B, C] long: the columns whose logits are computed (scored rows; eager only, never in a
+    # graph key); None: every column, or each row's last with last_only
+    keep: torch.Tensor | None = None
 
 
 class StaticForward:
-    """model + its StaticKV: `__call__(batch) -> (logits [B, K or 1, V], hidden [B, K, d] | None)`."""
+    """model + its StaticKV: `__call__(batch) -> (logits [B, K or 1 or C, V], hidden [B, K, d] | None)`."""
 
     def __init__(self, model, kv: StaticKV) -> None:
         check_supported(model, kv.max_len)
@@ -113,7 +116,9 @@ class StaticForward:
         h = base.norm(h)
         if b.hidden_layer == self.num_layers:  # HF ties hidden_states[-1] to the normed output
             hidden = h
-        if b.last_only:
+        if b.keep is not None:
+            h = h[torch.arange(rows, device=h.device)[:, None], b.keep]  # [B, C, d]
+        elif b.last_only:
             h = h[torch.arange(rows, device=h.device), b.last_col][:, None]  # [B, 1, d]
         return self.model.lm_head(h), hidden
 

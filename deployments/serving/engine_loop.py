@@ -221,6 +221,9 @@ class EngineLoop(Generic[Policy]):
             log.warning("request refused: %s", exc)
             sink.put(Failed(str(exc), unavailable=True, code="kv_capacity"))
             return
+        except LargeUnavailable as exc:  # a larger model scoring the prompt (prompt logprobs) did not answer
+            sink.put(Failed(str(exc), unavailable=True))
+            return
         except Exception as exc:  # noqa: BLE001 - reported to the caller, the loop goes on
             log.exception("admission failed")
             sink.put(Failed(f"{type(exc).__name__}: {exc}"))

@@ -293,3 +293,42 @@ def test_scoring_rows_are_checked(pair):
     with pytest.raises(ValueError, match="ascending"):
         Scoring((2, 1), (4, 5))
     assert runner.length("a") == 0  # nothing ran
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_a_runner_runs_its_lm_head_on_the_scored_rows_only(pair, kind):
+    """Two ragged sessions, one scored and one not, in one forward: the scored rows equal
+    transformers' log_softmax, the other session's last logits are unchanged, and the LM head
+    saw the scored rows and each session's last row only."""
+    large = pair[1]
+    if kind == "dynamic":
+        runner = ModelRunner(large, "large")
+    else:
+        runner = make_runner(large, "large", KVSpec(budget_tokens=4 * 64, max_len=64, cuda_graphs=False))
+    heads = []
+    hook = large.lm_head.register_forward_hook(lambda m, args, out: heads.append(tuple(args[0].shape)))
+    try:
+        prompt, other = tuple(range(3, 23)), (5, 6, 7, 8)
+        for key in ("a", "b"):
+            runner.open(key)
+        scoring = Scoring((1, 6, 12), tuple(prompt[j + 1] for j in (1, 6, 12)), top_n=4)
+        scored, plain = runner.extend(
+            [("a", list(prompt[:-1])), ("b", list(other))], last_only=True, scoring=[scoring, None]
+        )
+    finally:
+        hook.remove()
+    expected = _log_softmax(large, prompt)
+    assert scored.scored.target.tolist() == pytest.approx(
+        [float(expected[j, prompt[j + 1]]) for j in (1, 6, 12)], abs=1e-4
+    )
+    want = torch.topk(expected[[1, 6, 12]], 4)
+    assert scored.scored.top_ids.tolist() == want.indices.tolist()
+    torch.testing.assert_close(scored.scored.top, want.values, atol=1e-4, rtol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(plain.logits[0], large(torch.tensor([list(other)])).logits[0, -1], atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            scored.logits[0], large(torch.tensor([list(prompt[:-1])])).logits[0, -1], atol=1e-4, rtol=0
+        )
+    assert scored.logits.shape[0] == plain.logits.shape[0] == 1 and plain.scored is None
+    (shape,) = heads
+    assert shape[1] <= 5  # 3 scored rows and the last of each session, not 19 positions a row

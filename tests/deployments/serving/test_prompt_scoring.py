@@ -12,12 +12,13 @@ import pickle
 import pytest
 import torch
 
+from backoff_core.engine.backends import LargeUnavailable
 from backoff_core.runners.dynamic import ModelRunner
 from backoff_core.runners.scoring import Scoring
 from backoff_core.types import GenerationRequest, GenerationResult, RoutingParams, SamplingParams
 from deployments.serving.batcher import CatchUpBatcher, CatchUpCall
 from deployments.serving.config import RoutingConfig
-from deployments.serving.engine_loop import Admitted, EngineLoop
+from deployments.serving.engine_loop import Admitted, EngineLoop, Failed
 from tests.support.helpers import engine_for
 from tests.support.remote_fakes import FakeEndpoint, remote_engine
 
@@ -159,3 +160,39 @@ def test_the_engine_thread_answers_a_request_done_at_admission(pair, tokenizer):
         [e and e.chosen.logprob for e in expected.prompt_logprobs]
     )
     assert engine.live_ids() == []
+
+
+class _Silent:
+    """A LargeModel that never answers in time."""
+
+    transport_errors = ()
+
+    class _Pending:
+        def result(self, timeout_s=None):
+            raise TimeoutError
+
+    def extend(self, call):
+        return self._Pending()
+
+    def close(self, session_key):
+        pass
+
+
+def test_a_large_model_that_cannot_score_the_prompt_fails_the_request_as_unavailable(pair, tokenizer):
+    engine, _ = remote_engine(pair, tokenizer, _Silent())
+    with pytest.raises(LargeUnavailable):
+        engine.submit(_req(PROMPT, "always-large"))
+    assert engine.live_ids() == [] and engine.models[0].request_ids() == []
+    engine.generate(_req(PROMPT, "always-small"))  # M_L is not needed: it is not called
+    loop = EngineLoop(engine, lambda request, policy: request, RoutingConfig())
+    loop.start()
+
+    async def main():
+        q = loop.submit(_req(PROMPT, "always-large"))
+        return await asyncio.wait_for(q.get(), 20)
+
+    try:
+        failed = asyncio.run(main())
+    finally:
+        loop.stop()
+    assert isinstance(failed, Failed) and failed.unavailable
