@@ -197,8 +197,12 @@ class EngineLoop(Generic[Policy]):
         if len(ready) > 1 and submit_many is not None:
             try:
                 ids = submit_many([g for _, _, g in ready])
-            except Exception:  # noqa: BLE001 - one of them is refused: find out which, one by one
+            except ValueError:  # one of them is refused: find out which, one by one
                 pass
+            except Exception as exc:  # noqa: BLE001 - no request's fault (a model down, KV full): all alike
+                for _, sink, _ in ready:
+                    sink.put(self._refusal(exc))
+                return
             else:
                 for (request, sink, generation), request_id in zip(ready, ids):
                     self._admitted(request, sink, generation, request_id)
@@ -214,21 +218,23 @@ class EngineLoop(Generic[Policy]):
     def _admit(self, request, sink: _Sink, generation: GenerationRequest) -> None:
         try:
             request_id = self.engine.submit(generation)
-        except ValueError as exc:
-            sink.put(Rejected(str(exc)))
-            return
-        except KVCapacityError as exc:  # every KV slot is taken: retry once a request ends
-            log.warning("request refused: %s", exc)
-            sink.put(Failed(str(exc), unavailable=True, code="kv_capacity"))
-            return
-        except LargeUnavailable as exc:  # a larger model scoring the prompt (prompt logprobs) did not answer
-            sink.put(Failed(str(exc), unavailable=True))
-            return
         except Exception as exc:  # noqa: BLE001 - reported to the caller, the loop goes on
-            log.exception("admission failed")
-            sink.put(Failed(f"{type(exc).__name__}: {exc}"))
+            sink.put(self._refusal(exc))
             return
         self._admitted(request, sink, generation, request_id)
+
+    @staticmethod
+    def _refusal(exc: Exception) -> Rejected | Failed:
+        """What the caller of a request the engine did not admit is told."""
+        if isinstance(exc, ValueError):
+            return Rejected(str(exc))
+        if isinstance(exc, KVCapacityError):  # every KV slot is taken: retry once a request ends
+            log.warning("request refused: %s", exc)
+            return Failed(str(exc), unavailable=True, code="kv_capacity")
+        if isinstance(exc, LargeUnavailable):  # a larger model scoring the prompt (prompt logprobs) did not answer
+            return Failed(str(exc), unavailable=True)
+        log.error("admission failed", exc_info=exc)
+        return Failed(f"{type(exc).__name__}: {exc}")
 
     def _cancel(self, request_id: str) -> None:
         if self._sinks.pop(request_id, None) is not None:

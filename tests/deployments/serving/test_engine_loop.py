@@ -11,11 +11,12 @@ import time
 import pytest
 import torch
 
+from backoff_core.engine.backends import LargeUnavailable
 from backoff_core.runners.dynamic import ModelRunner
 from backoff_core.types import GenerationResult, TokenEvent, Verification
 from deployments.serving.batcher import CatchUpBatcher, CatchUpCall
 from deployments.serving.config import RoutingConfig
-from deployments.serving.engine_loop import Admitted, EngineLoop, Rejected
+from deployments.serving.engine_loop import Admitted, EngineLoop, Failed, Rejected
 from deployments.serving.requests import RoutingOverrides, ServeRequest, generation_request
 from tests.support.helpers import engine_for, request
 from tests.support.remote_fakes import Dead, FakeEndpoint, remote_engine
@@ -253,7 +254,7 @@ def test_requests_that_arrive_together_are_admitted_together_and_refused_one_by_
             out = []
             for q in queues:
                 items = [await q.get()]
-                while not isinstance(items[-1], (GenerationResult, Rejected)):
+                while not isinstance(items[-1], (GenerationResult, Rejected, Failed)):
                     items.append(await q.get())
                 out.append(items)
             return out
@@ -270,6 +271,16 @@ def test_requests_that_arrive_together_are_admitted_together_and_refused_one_by_
         assert isinstance(items[0], Admitted) and isinstance(items[-1], GenerationResult)
     assert mixed[0][0].prompt_ids is None  # no echo asked
     assert [r[-1].token_ids for r in (mixed[0], mixed[2])] == [good[0][-1].token_ids, good[2][-1].token_ids]
+
+    def down(requests, *a):  # a larger model scoring the prompts did not answer: no request's fault
+        calls.append(len(requests))
+        raise LargeUnavailable("large did not answer in 1 s")
+
+    engine.submit_many = down
+    failed = asyncio.run(main([[3, 4], [5, 6]], echo=True))
+    assert calls[-1:] == [2] and len(calls) == 6  # not retried one by one (a timeout each)
+    assert all(isinstance(items[0], Failed) and items[0].unavailable for items in failed)
+    assert engine.live_ids() == []
 
 
 def test_engine_loop_cancel_frees_the_request(pair, tokenizer):
