@@ -179,7 +179,7 @@ def test_our_clients_and_grpc_carry_echo(served, openai_client, capsys):
     command = ["generate", "w3 w7 w12 w1", "--echo", "--logprobs", "1", "--max-tokens", "0", "--temperature", "0"]
     for where in (["--url", served.url], ["--grpc", served.grpc_target]):
         capsys.readouterr()
-        assert cli.main([*command, *where]) == 0
+        assert cli.main([*where, *command]) == 0
         out, err = capsys.readouterr()
         assert out == "w3 w7 w12 w1\n" and err.startswith("prompt:\n") and err.count("level 1") == 3
 
