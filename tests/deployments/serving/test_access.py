@@ -95,7 +95,10 @@ def test_validation_messages_name_the_field_and_the_matching_union_branch():
             model.model_validate(body)
         return describe_validation(err.value.errors())
 
-    assert problem(CompletionRequest, {"prompt": []}) == ("prompt", "prompt: the batch is empty: give at least one prompt")
+    assert problem(CompletionRequest, {"prompt": []}) == (
+        "prompt",
+        "prompt: the batch is empty: give at least one prompt",
+    )
     assert problem(CompletionRequest, {"prompt": [1, -1]}) == (
         "prompt",
         "prompt: the prompt[1] is -1; token ids are integers >= 0",
