@@ -56,6 +56,12 @@ def _parser() -> argparse.ArgumentParser:
         metavar="N",
         help="print each token's log-probability under its source model, with N alternatives (0..20)",
     )
+    gen.add_argument(
+        "--echo",
+        action="store_true",
+        help="print the prompt before the completion; with --logprobs also each prompt token's, under the "
+        "request's routed teacher-forced distribution (--max-tokens 0: score the prompt only)",
+    )
     sub.add_parser("models", help="list the served model names")
     sub.add_parser("health", help="exit 0 when the server answers")
     return p
@@ -87,6 +93,7 @@ def _params(args) -> GenerateParams:
             logprobs=args.logprobs,
             thresholds=thresholds,
             target_backoff=args.target_backoff,
+            echo=args.echo,
         ),
     )
 
@@ -139,6 +146,11 @@ def _generate(client, args) -> None:
         print(json.dumps(result.model_dump()))
         return
     print(result.text)
+    if result.prompt_logprobs:  # echo: the prompt's first (nothing scores its first token)
+        scored = [(e, s) for e, s in zip(result.prompt_logprobs, result.prompt_sources or []) if e is not None]
+        print("prompt:", file=sys.stderr)
+        _print_logprobs([e for e, _ in scored], [s for _, s in scored])
+        print("completion:", file=sys.stderr)
     _print_logprobs(result.logprobs or [], result.sources)
     print(_summary(result.usage), file=sys.stderr)
 

@@ -38,26 +38,20 @@ from backoff_core.types import GenerationResult, TokenEvent
 from clients.wire import backoff_pb2 as pb
 from clients.wire.errors import describe_validation
 from clients.wire.openai import ModelCard, ModelList
+from clients.wire.prompts import prompts_of
 from clients.wire.proto import params_from_pb, prompt_from_pb
 from clients.wire.types import ChatCompletionRequest, CompletionRequest, GenerateParams
 from deployments.http_errors import error_response, install_http_errors
 from deployments.serving.access import ClientError, Edge, EdgeGate, check_limits, peer_host
 from deployments.serving.admission import Overloaded
+from deployments.serving.completions import CompletionStream, Echo, PbStream, check_batch, completion_body, tagged
 from deployments.serving.config import AppArgs, handle_options
 from deployments.serving.engine_loop import Admitted, Failed, Rejected
-from deployments.serving.formats import (
-    TokenChunks,
-    error_body,
-    final_chunk_body,
-    pb_chunks,
-    pb_final_chunk,
-    pb_response,
-    response_body,
-)
+from deployments.serving.formats import ChatStream, error_body, pb_response, response_body
 from deployments.serving.grpc_service import Undecodable
 from deployments.serving.playground import mount_playground, routing_info
-from deployments.serving.requests import serve_request
-from deployments.streams import OverloadedError, ServerFailure, collect, failure, guarded, holding
+from deployments.serving.requests import ServeRequest, serve_request
+from deployments.streams import OverloadedError, ServerFailure, collect, collect_all, failure, guarded, holding, shared
 
 app = FastAPI(title="Backoff Serve", description="Backoff decoding: a small and a large LM, one live threshold.")
 log = logging.getLogger(__name__)
@@ -176,15 +170,17 @@ class Ingress:
 
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request):
-        return await self._http(body, request, chat=False, prompt=body.prompt)
+        prompts = prompts_of(body.prompt)  # one, or a batch: one choice each
+        check_batch(self.edge.limits, prompts)
+        return await self._http(body, request, chat=False, contents=[{"prompt": p} for p in prompts])
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         if body.max_completion_tokens is not None and body.max_tokens is None:
             body = body.model_copy(update={"max_tokens": body.max_completion_tokens})
-        return await self._http(body, request, chat=True, messages=body.messages)
+        return await self._http(body, request, chat=True, contents=[{"messages": body.messages}])
 
-    async def _http(self, body, request: Request, chat: bool, **content):
+    async def _http(self, body, request: Request, chat: bool, contents: list[dict]):
         if body.model and body.model != self.model_name:
             raise ClientError(
                 f"model {body.model!r} is not served here; GET /v1/models lists {self.model_name!r}",
@@ -195,23 +191,38 @@ class Ingress:
         params = body.generate_params()  # chat's (logprobs, top_logprobs) become one count
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         client = getattr(request.state, "client", None) or f"peer:{peer_host(request.client)}"  # set by EdgeGate
-        stream = await self._open(request_id, params, client, tokens=body.stream, **content)
+        opened = await self._open(request_id, params, client, body.stream, contents)
         created = int(time.time())
         if not body.stream:
-            result = await collect(stream)
-            return response_body(request_id, self.model_name, created, result, chat)
-        return StreamingResponse(self._sse(request_id, created, stream, chat), media_type="text/event-stream")
+            results = await collect_all([s for _, s in opened])
+            if chat:
+                return response_body(request_id, self.model_name, created, results[0], chat)
+            echoes = [Echo.of(a, r) for (a, _), r in zip(opened, results)]
+            return completion_body(request_id, self.model_name, created, list(zip(results, echoes)))
+        if chat:
+            out = ChatStream(request_id, self.model_name, created)
+        else:
+            echo_logprobs = params.echo and params.logprobs is not None
+            out = CompletionStream(request_id, self.model_name, created, [a for a, _ in opened], echo_logprobs)
+        streams = [s for _, s in opened]
+        return StreamingResponse(self._sse(streams, out), media_type="text/event-stream")
 
-    async def _sse(self, request_id: str, created: int, stream: AsyncIterator, chat: bool) -> AsyncIterator[str]:
-        chunks = TokenChunks(request_id, self.model_name, created, chat)
+    async def _sse(self, streams: list[AsyncIterator], out: ChatStream | CompletionStream) -> AsyncIterator[str]:
+        """The SSE text of one stream or of a batch's (merged as their items come)."""
+        merged = tagged(streams)
         try:
-            async for item in stream:
+            if text := out.start():
+                yield text
+            async for i, item in merged:
                 if isinstance(item, (TokenEvent, tuple)):
-                    yield chunks.sse(_events(item))  # one write for the tokens of one router message
+                    if text := out.tokens(i, _events(item)):  # one write for the tokens of one router message
+                        yield text
                 elif isinstance(item, GenerationResult):
-                    yield _sse(final_chunk_body(request_id, self.model_name, created, item, chat))
+                    yield out.finished(i, item)
                 elif isinstance(item, (Rejected, Failed)):
                     raise failure(item)
+            if text := out.end():
+                yield text
         except ServerFailure as exc:  # after admission (the 200 is out): report in-band, as OpenAI does
             yield _sse(error_body(exc.message, "server_error", code=exc.code))
         except Exception as exc:  # noqa: BLE001 - a bug here still ends the stream in the OpenAI shape
@@ -220,7 +231,9 @@ class Ingress:
                 error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error", code="internal_error")
             )
         finally:
-            await stream.aclose()  # closed early (a disconnect while a chunk was sent): cancels the router's request
+            await merged.aclose()
+            for stream in streams:  # closed early (a disconnect while a chunk was sent): cancels their requests
+                await stream.aclose()
         yield "data: [DONE]\n\n"
 
     # -- gRPC -------------------------------------------------------------------------------
@@ -229,8 +242,10 @@ class Ingress:
     ) -> pb.GenerateResponse:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         try:
-            stream = await self._open_pb(request_id, request, grpc_context, tokens=False)
-            return pb_response(request_id, await collect(stream))
+            admitted, stream = await self._open_pb(request_id, request, grpc_context, tokens=False)
+            result = await collect(stream)
+            echo = Echo.of(admitted, result)
+            return pb_response(request_id, result, None if echo is None else (echo.token_ids, echo.text))
         except Exception as exc:  # noqa: BLE001 - client errors, failures, and a bug as INTERNAL with a message
             if not isinstance(exc, (ClientError, ServerFailure)):
                 log.exception("Generate failed")
@@ -242,16 +257,21 @@ class Ingress:
     ) -> AsyncIterator[pb.GenerateChunk]:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         try:
-            stream = await self._open_pb(request_id, request, grpc_context)
+            admitted, stream = await self._open_pb(request_id, request, grpc_context)
         except Exception as exc:  # noqa: BLE001 - as in Generate
             _set_status(grpc_context, exc)
             raise  # nothing was streamed: Serve sends the status set above only with an exception
+        out = PbStream(request_id, admitted, prompt_logprobs=request.HasField("logprobs"))
         try:
+            for message in out.start():  # echo: the prompt first
+                yield message
             async for item in stream:
                 if isinstance(item, (TokenEvent, tuple)):
-                    yield pb_chunks(request_id, _events(item))  # one message, as it came from the router
+                    for message in out.tokens(_events(item)):  # one message, as it came from the router
+                        yield message
                 elif isinstance(item, GenerationResult):
-                    yield pb_final_chunk(request_id, item)
+                    for message in out.finished(item):
+                        yield message
                 elif isinstance(item, (Rejected, Failed)):
                     raise failure(item)
         except Exception as exc:  # noqa: BLE001 - a ServerFailure, or a bug: INTERNAL with a message
@@ -290,7 +310,7 @@ class Ingress:
         request: pb.GenerateRequest | Undecodable,
         context: RayServegRPCContext,
         tokens: bool = True,
-    ) -> AsyncIterator:
+    ) -> tuple[Admitted, AsyncIterator]:
         client = _grpc_client(self.edge, context)  # first: an unknown caller learns nothing else
         if isinstance(request, Undecodable):
             raise ClientError(request.describe())
@@ -307,33 +327,58 @@ class Ingress:
             prompt, messages = prompt_from_pb(request)
         except (ValidationError, ValueError) as exc:
             raise ClientError(_first_error(exc)) from None
-        return await self._open(request_id, params, client, tokens=tokens, prompt=prompt, messages=messages)
+        content = {"messages": messages} if messages is not None else {"prompt": prompt}
+        return (await self._open(request_id, params, client, tokens, [content]))[0]
 
     # -- both -------------------------------------------------------------------------------
     async def _open(
-        self, request_id: str, params: GenerateParams, client: str, tokens: bool, **content
-    ) -> AsyncIterator:
-        """Check the limits, take one of the client's slots and send the request to a
-        SmallModel; returns its stream once it is admitted (the slot is freed when the
-        stream ends or is closed). tokens=False (unary): no TokenEvents, only the result."""
-        check_limits(self.edge.limits, params, **content)
+        self, request_id: str, params: GenerateParams, client: str, tokens: bool, contents: list[dict]
+    ) -> list[tuple[Admitted, AsyncIterator]]:
+        """Check the limits, take one of the client's slots and send one request per prompt
+        (`contents`: a batch's, all at once) to the SmallModels; returns their streams once
+        every one is admitted, else closes them and raises the first prompt's refusal. The
+        slot is freed when the last stream ends or is closed. tokens=False (unary): no
+        TokenEvents, only the result."""
+        for content in contents:
+            check_limits(self.edge.limits, params, **content)
+        ids = [request_id] if len(contents) == 1 else [f"{request_id}-{i}" for i in range(len(contents))]
         try:
-            request = serve_request(request_id, params, default_max_tokens=self.args.default_max_tokens, **content)
+            default = self.args.default_max_tokens
+            requests = [serve_request(r, params, default_max_tokens=default, **c) for r, c in zip(ids, contents)]
         except ValueError as exc:
             raise ClientError(str(exc)) from None
         release = self.edge.slots.take(client)
+        tasks = [asyncio.ensure_future(self._admit(r, tokens)) for r in requests]
+        try:
+            outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+        except BaseException:  # cancelled (the client went away) while waiting for admission
+            release()
+            for task in tasks:
+                if task.done() and not task.cancelled() and task.exception() is None:
+                    await task.result()[1].aclose()
+            raise
+        opened = [o for o in outcomes if not isinstance(o, BaseException)]
+        refused = [o for o in outcomes if isinstance(o, BaseException)]
+        if refused and len(outcomes) > 1 and isinstance(refused[0], ClientError):  # say which prompt
+            i = next(i for i, o in enumerate(outcomes) if o is refused[0])
+            refused[0] = ClientError(f"prompt {i}: {refused[0].message}", "prompt")
+        if refused:
+            release()
+            for _, stream in opened:
+                await stream.aclose()
+            raise refused[0]
+        release = shared(release, len(opened))
+        return [(admitted, holding(stream, release)) for admitted, stream in opened]
+
+    async def _admit(self, request: ServeRequest, tokens: bool) -> tuple[Admitted, AsyncIterator]:
+        """One request sent to a SmallModel: (Admitted, its stream), or the refusal raised."""
         stream = guarded(self.router.generate.remote(request, tokens))
         try:
             first = await stream.__anext__()
         except BackPressureError as exc:  # Serve's queue for a SmallModel replica is full
-            release()
             retry = self.args.admission.retry_after_s if exc.retry_after_s is None else exc.retry_after_s
             raise OverloadedError(exc.message, retry) from None
-        except BaseException:
-            release()
-            raise
         if not isinstance(first, Admitted):
-            release()
             await stream.aclose()
         if isinstance(first, Overloaded):  # the SmallModel replica is full
             raise OverloadedError(first.message, first.retry_after_s)
@@ -342,4 +387,4 @@ class Ingress:
         if isinstance(first, Failed):
             raise failure(first)
         assert isinstance(first, Admitted), first
-        return holding(stream, release)
+        return first, stream

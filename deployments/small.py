@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import importlib
 import logging
 import os
@@ -213,6 +214,9 @@ class SmallModel:
                         (batch if isinstance(nxt, TokenEvent) else held).append(nxt)
                     item = batch[0] if len(batch) == 1 else tuple(batch)
                     sent = clock()
+                if isinstance(item, Admitted) and item.prompt_ids is not None:  # echo: the prompt as text
+                    text = self.tokenizer.decode(list(item.prompt_ids), skip_special_tokens=True)  # as the core's
+                    item = dataclasses.replace(item, prompt_text=text)
                 ended = isinstance(item, (GenerationResult, Rejected, Failed))
                 if isinstance(item, (Rejected, Failed)):
                     self.metrics.request("rejected" if isinstance(item, Rejected) else "failed")

@@ -6,6 +6,7 @@ holds one of the client's slots). REPLICA_LOST, what a call to a lost replica ra
 the SmallModel's calls to the LargeModels too.
 """
 
+import asyncio
 import math
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
@@ -104,3 +105,30 @@ async def holding(stream: AsyncIterator, release: Callable[[], None]) -> AsyncIt
                 yield item
     finally:
         release()
+
+
+async def collect_all(streams: list[AsyncIterator]) -> list[GenerationResult]:
+    """Every stream's result, in order; the first failure cancels the others (closing them)."""
+    if len(streams) == 1:
+        return [await collect(streams[0])]
+    tasks = [asyncio.ensure_future(collect(s)) for s in streams]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def shared(release: Callable[[], None], holders: int) -> Callable[[], None]:
+    """`release` called once `holders` holders have each called theirs once (a batch's
+    streams share the client's one slot). Each holder calls at most once (holding does)."""
+    left = holders
+
+    def one() -> None:
+        nonlocal left
+        left -= 1
+        if left == 0:
+            release()
+
+    return one

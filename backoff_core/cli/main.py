@@ -42,6 +42,14 @@ def _parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="the embedded default pair at a few thresholds, coloured by source")
     demo.add_argument("--prompt", default="Explain in two sentences why the sky is blue.")
     demo.add_argument("--max-tokens", type=int, default=48)
+    tok = sub.add_parser(
+        "export-tokenizer",
+        help="save the chain's tokenizer as a plain directory (what lm-eval's tokenizer= and other tools load)",
+    )
+    tok.add_argument("out", help="directory to write (tokenizer.json, tokenizer_config.json, ...)")
+    tok.add_argument(
+        "--model", default=None, help="a model directory, cached hub id or .gguf file (default: the default pair's)"
+    )
     for name, entry in _plugins().items():
         sub.add_parser(name, help=f"(from {entry.module}; `backoff {name} --help`)", add_help=False)
     try:
@@ -173,6 +181,19 @@ def _demo(args) -> int:
     return 0
 
 
+def _export_tokenizer(args) -> int:
+    """The default pair's tokenizer lives inside a GGUF file, which tools that take a tokenizer
+    directory (lm-eval's `tokenizer=`, vLLM's, transformers' AutoTokenizer without gguf_file)
+    cannot read: write it out once. Both models of the pair share it."""
+    from backoff_core.models.default_pair import find_large_gguf
+    from backoff_core.models.loading import load_tokenizer
+
+    tokenizer = load_tokenizer(args.model or str(find_large_gguf()))
+    written = tokenizer.save_pretrained(args.out)
+    print(f"wrote {len(written)} files to {args.out} (vocab {len(tokenizer)})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     plugins = _plugins()
@@ -187,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
             return _generate(args)
         if args.command == "demo":
             return _demo(args)
+        if args.command == "export-tokenizer":
+            return _export_tokenizer(args)
         return args.run(args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"backoff: error: {exc}", file=sys.stderr)

@@ -51,14 +51,17 @@ class ChatLogprobs(BaseModel):
 # -- OpenAI completions: parallel lists ------------------------------------------------------
 class CompletionLogprobs(BaseModel):
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(
+    token_logprobs: list[float | None] = Field(
+        default_factory=list, description="null only for the first prompt token of an echo (nothing predicts it)"
+    )
+    top_logprobs: list[dict[str, float] | None] = Field(
         default_factory=list,
         description="per token: the top-n, then the sampled token if it is not among them "
-        "(up to n + 1 entries, as OpenAI)",
+        "(up to n + 1 entries, as OpenAI); null where token_logprobs is",
     )
     text_offset: list[int] = Field(
-        default_factory=list, description="where each token's text starts in the generated text"
+        default_factory=list,
+        description="where each token's text starts in the choice's text (with echo: the prompt's, then the generated)",
     )
 
 
@@ -68,12 +71,16 @@ def from_chat(logprobs: dict | None) -> list[TokenLogprob] | None:
     return [TokenLogprob(**entry) for entry in logprobs["content"]]
 
 
-def from_completion(logprobs: dict | None, top_n: int | None = None) -> list[TokenLogprob] | None:
-    """top_n: the count asked for, to drop the sampled token where it follows the top-n."""
+def from_completion(logprobs: dict | None, top_n: int | None = None) -> list[TokenLogprob | None] | None:
+    """top_n: the count asked for, to drop the sampled token where it follows the top-n. An
+    entry without a log-probability (an echoed prompt's first token) is None."""
     if not logprobs:
         return None
-    out = []
+    out: list[TokenLogprob | None] = []
     for token, value, top in zip(logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"]):
+        if value is None:
+            out.append(None)
+            continue
         alternatives = [TopLogprob(token=t, logprob=v) for t, v in (top or {}).items()]
         out.append(
             TokenLogprob(
@@ -88,5 +95,5 @@ def from_choice(choice: dict, token_ids: list[int], top_n: int | None) -> list[T
     tokens' ids from our `backoff` trace (OpenAI's shapes carry no ids)."""
     entries = from_completion(choice.get("logprobs"), top_n) if "text" in choice else from_chat(choice.get("logprobs"))
     if entries is not None and len(entries) == len(token_ids):
-        entries = [e.model_copy(update={"token_id": t}) for e, t in zip(entries, token_ids)]
+        entries = [None if e is None else e.model_copy(update={"token_id": t}) for e, t in zip(entries, token_ids)]
     return entries

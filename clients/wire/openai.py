@@ -18,6 +18,12 @@ class BackoffTrace(BaseModel):
     token_ids: list[int] = Field(default_factory=list, description="generated token ids")
     sources: list[int] = Field(default_factory=list, description="per token: 0 = small ... large")
     thresholds: list[float] = Field(default_factory=list, description="thresholds in force at the end")
+    prompt_token_ids: list[int] | None = Field(None, description="echo: the prompt's token ids")
+    prompt_sources: list[int | None] | None = Field(
+        None,
+        description="echo with logprobs: per prompt token, the level whose distribution scored it "
+        "(null for the first); logprobs lists the prompt's tokens first",
+    )
 
 
 class CompletionChoice(BaseModel):
@@ -69,12 +75,19 @@ class TokenTrace(BaseModel):
     retracted_text: str = ""
 
 
+class PromptTrace(BaseModel):
+    """Extension field of a stream's echo chunk (the first of its choice): the prompt."""
+
+    prompt_token_ids: list[int]
+    prompt_sources: list[int | None] | None = Field(None, description="with logprobs: as BackoffTrace's")
+
+
 class CompletionChunkChoice(BaseModel):
     index: int = 0
     text: str = ""
     finish_reason: str | None = None
     logprobs: CompletionLogprobs | None = Field(None, description="this chunk's token's; source in `backoff`")
-    backoff: TokenTrace | None = None
+    backoff: TokenTrace | PromptTrace | None = None
 
 
 class ChatDelta(BaseModel):
@@ -141,14 +154,23 @@ def generation_from_body(body: dict, top_n: int | None = None) -> Generation:
     choice = body["choices"][0]
     text = choice["text"] if "text" in choice else choice["message"]["content"]
     trace = choice.get("backoff") or {}
+    token_ids, prompt_ids = trace.get("token_ids", []), trace.get("prompt_token_ids")
+    scored = prompt_ids is not None and trace.get("prompt_sources") is not None  # echo with logprobs
+    logprobs = from_choice(choice, (prompt_ids if scored else []) + token_ids, top_n)
+    prompt_logprobs = None
+    if scored and logprobs is not None:  # the prompt's entries come first
+        prompt_logprobs, logprobs = logprobs[: len(prompt_ids)], logprobs[len(prompt_ids) :]
     return Generation(
         id=body["id"],
         text=text,
         finish_reason=choice.get("finish_reason") or "",
         usage=Usage(**body.get("usage") or {}),
-        token_ids=trace.get("token_ids", []),
+        token_ids=token_ids,
         sources=trace.get("sources", []),
-        logprobs=from_choice(choice, trace.get("token_ids", []), top_n),
+        logprobs=logprobs,
+        prompt_token_ids=prompt_ids,
+        prompt_logprobs=prompt_logprobs,
+        prompt_sources=trace.get("prompt_sources") if scored else None,
     )
 
 
@@ -161,6 +183,15 @@ def delta_from_chunk(body: dict, top_n: int | None = None) -> Delta:
     if text is None:
         text = (choice.get("delta") or {}).get("content") or ""
     trace = choice.get("backoff") or {}
+    if "prompt_token_ids" in trace:  # echo: the prompt, first
+        prompt_ids = trace["prompt_token_ids"]
+        return Delta(
+            id=body["id"],
+            text=text,
+            prompt_token_ids=prompt_ids,
+            prompt_logprobs=from_choice(choice, prompt_ids, top_n),
+            prompt_sources=trace.get("prompt_sources"),
+        )
     return Delta(
         id=body["id"],
         text=text,

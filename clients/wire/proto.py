@@ -17,7 +17,11 @@ def request_to_pb(
     model: str | None = None,
 ) -> pb.GenerateRequest:
     msg = pb.GenerateRequest(
-        model=model or "", ignore_eos=params.ignore_eos, stop=params.stop or [], thresholds=params.thresholds or []
+        model=model or "",
+        ignore_eos=params.ignore_eos,
+        stop=params.stop or [],
+        thresholds=params.thresholds or [],
+        echo=params.echo,
     )
     for name in _OPTIONAL:
         value = getattr(params, name)
@@ -42,6 +46,7 @@ def params_from_pb(msg: pb.GenerateRequest) -> GenerateParams:
         ignore_eos=msg.ignore_eos,
         thresholds=list(msg.thresholds) or None,
         backoff_threshold=list(msg.backoff_threshold) or None,
+        echo=msg.echo,
     )
 
 
@@ -79,8 +84,20 @@ def logprob_from_pb(msg: pb.TokenLogprobs) -> TokenLogprob:
     return TokenLogprob(**one(msg.chosen), top_logprobs=[TopLogprob(**one(t)) for t in msg.top])
 
 
+def _prompt_fields(msg: pb.GenerateResponse | pb.GenerateChunk) -> dict:
+    """echo's prompt fields (the first prompt entry has no `chosen`; its source is -1)."""
+    if not msg.prompt_token_ids:
+        return {}
+    entries = [logprob_from_pb(e) if e.HasField("chosen") else None for e in msg.prompt_logprobs]
+    return dict(
+        prompt_token_ids=list(msg.prompt_token_ids),
+        prompt_logprobs=entries or None,
+        prompt_sources=[None if s < 0 else s for s in msg.prompt_sources] or None,
+    )
+
+
 def generation_from_pb(msg: pb.GenerateResponse) -> Generation:
-    # a request generates at least one token: no entries means none were asked for
+    # a request generates at least one token (but with echo): no entries means none were asked for
     return Generation(
         id=msg.id,
         text=msg.text,
@@ -89,6 +106,7 @@ def generation_from_pb(msg: pb.GenerateResponse) -> Generation:
         token_ids=list(msg.token_ids),
         sources=list(msg.sources),
         logprobs=[logprob_from_pb(e) for e in msg.logprobs] or None,
+        **_prompt_fields(msg),
     )
 
 
@@ -101,6 +119,8 @@ def deltas_from_pb(msg: pb.GenerateChunk) -> list[Delta]:
 def delta_from_pb(msg: pb.GenerateChunk, rid: str | None = None) -> Delta:
     if msg.finish_reason:  # the last chunk: no token, the request's summary
         return Delta(id=msg.id, finish_reason=msg.finish_reason, usage=usage_from_pb(msg.usage))
+    if msg.prompt_token_ids:  # echo: the prompt, no token
+        return Delta(id=msg.id if rid is None else rid, text=msg.text, **_prompt_fields(msg))
     return Delta(
         id=msg.id if rid is None else rid,
         text=msg.text,

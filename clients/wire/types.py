@@ -10,7 +10,7 @@ Names follow DESIGN.md §6: small/large, source, threshold, backoff rate.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 from pydantic import (
     AfterValidator,
@@ -24,9 +24,18 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from clients.wire.errors import from_validation
 from clients.wire.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
+from clients.wire.prompts import (
+    REFUSED_CHAT,
+    REFUSED_COMPLETIONS,
+    PromptValue,
+    field_error,
+    parse_prompt,
+    refuse_unsupported,
+)
 
 
 def _unicode(text: str) -> str:
@@ -46,7 +55,6 @@ Float = Annotated[float, Field(strict=True, allow_inf_nan=False)]
 Bool = Annotated[bool, Field(strict=True)]
 Unicode = Annotated[str, Field(strict=True), AfterValidator(_unicode)]
 Text = Annotated[Unicode, Field(min_length=1)]
-TokenIds = Annotated[list[Annotated[int, Field(strict=True, ge=0)]], Field(min_length=1)]
 
 # Numeric ranges are decided here, at the edge, so that every accepted value is computed
 # finitely inside (logits are float32: 1/T, or a threshold of 1e308, would overflow there).
@@ -139,7 +147,9 @@ class GenerateParams(_NullIsDefault):
 
     model_config = ConfigDict(extra="forbid")
 
-    max_tokens: Int | None = Field(None, ge=1, description="tokens to generate at most")
+    max_tokens: Int | None = Field(
+        None, ge=0, description="tokens to generate at most (0: none, only with echo: score the prompt)"
+    )
     temperature: Float | None = Field(None, ge=0.0, le=TEMPERATURE_MAX, description="0 = greedy; [0, 2] as in OpenAI")
     top_p: Float | None = Field(None, gt=0.0, le=1.0, description="nucleus sampling mass")
     top_k: Int | None = Field(None, ge=0, le=UINT32_MAX, description="keep the k most likely tokens (0 = off)")
@@ -166,10 +176,24 @@ class GenerateParams(_NullIsDefault):
         "at temperature 1) with this many top alternatives (0..20); None: no log-probabilities",
     )
 
+    echo: Bool = Field(
+        False,
+        description="return the prompt before the completion; with logprobs, each prompt token's log-probability "
+        "under this request's routed, teacher-forced distribution (the first token's is null)",
+    )
+
     @model_validator(mode="before")
     @classmethod
     def _one_thresholds_spelling(cls, data):
         return refuse_both_spellings(data, "thresholds", "backoff_threshold")
+
+    @model_validator(mode="after")
+    def _zero_tokens_echo(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise field_error(
+                type(self).__name__, "max_tokens", 0, "max_tokens 0 generates nothing: it needs echo: true"
+            )
+        return self
 
 
 def merge_params(params: GenerateParams | None, fields: dict) -> GenerateParams:
@@ -216,6 +240,13 @@ class Generation(BaseModel):
     logprobs: list[TokenLogprob] | None = Field(
         None, description="per generated token, when asked (params.logprobs): under the model in `sources`"
     )
+    prompt_token_ids: list[int] | None = Field(None, description="echo: the prompt (`text` starts with it)")
+    prompt_logprobs: list[TokenLogprob | None] | None = Field(
+        None,
+        description="echo with logprobs: per prompt token under the request's routed teacher-forced "
+        "distribution (the first is None); the level of each in `prompt_sources`",
+    )
+    prompt_sources: list[int | None] | None = Field(None, description="echo with logprobs: per prompt token")
 
 
 class Delta(BaseModel):
@@ -234,6 +265,9 @@ class Delta(BaseModel):
         None,
         description="this token's, when asked (params.logprobs); `retracted` drops those of the retracted tokens too",
     )
+    prompt_token_ids: list[int] | None = Field(None, description="echo: set on the first delta, the prompt's")
+    prompt_logprobs: list[TokenLogprob | None] | None = Field(None, description="echo: as Generation's")
+    prompt_sources: list[int | None] | None = Field(None, description="echo: as Generation's")
 
 
 # ----------------------------------------------------------------------------------------
@@ -246,9 +280,16 @@ class StreamOptions(_NullIsDefault):
 
 
 class _OpenAIRequest(GenerateParams):
-    # unknown OpenAI fields (user, logit_bias, ...) are accepted and ignored; the ones that
-    # would change the output and are not supported are rejected below
+    # unknown fields (user, metadata, ...) are accepted and ignored; the OpenAI / vLLM ones
+    # that would change the output and are not implemented are refused by name (prompts.py)
     model_config = ConfigDict(extra="ignore")
+    _refused: ClassVar[dict] = REFUSED_COMPLETIONS
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data):
+        refuse_unsupported(cls.__name__, data, cls._refused)
+        return data
 
     model: Unicode | None = Field(None, description="served model name (see GET /v1/models)")
     stream: Bool = Field(False, description="stream tokens as server-sent events")
@@ -282,10 +323,22 @@ class _OpenAIRequest(GenerateParams):
 
 
 class CompletionRequest(_OpenAIRequest):
-    prompt: Text | TokenIds = Field(description="prompt text, or its token ids")
+    prompt: PromptValue = Field(
+        description="a string, a list of token ids, or a batch: a list of strings or of token-id lists "
+        "(one choice per prompt, `index` in order)"
+    )
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_forms(cls, v):
+        try:
+            return parse_prompt(v)
+        except ValueError as exc:  # its message says which item: no "Value error, " before it
+            raise PydanticCustomError("value_error", str(exc)) from None
 
 
 class ChatCompletionRequest(_OpenAIRequest):
+    _refused: ClassVar[dict] = REFUSED_CHAT
     messages: list[ChatMessage] = Field(min_length=1, description="the conversation so far")
     max_completion_tokens: Int | None = Field(None, ge=1, description="newer name of max_tokens")
     # OpenAI's chat pair; GenerateParams.logprobs (a count) is their meaning for every transport

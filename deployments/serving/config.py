@@ -262,6 +262,18 @@ class LimitsConfig(_Config):
         ge=1,
         description="largest max_tokens a request may ask for (prompt + max_tokens must also fit the context window)",
     )
+    max_batch_prompts: int = Field(
+        32,
+        ge=1,
+        description="prompts in one /v1/completions batch (a list of strings or of token-id lists); each is a "
+        "request in the step loop, so the default stays within one SmallModel replica's admission",
+    )
+    max_batch_prompt_tokens: int = Field(
+        32_768,
+        ge=1,
+        description="token ids of all the prompts of one /v1/completions request together (a batch of text "
+        "prompts is bounded by max_prompt_chars for all of them together)",
+    )
     max_stop: int = Field(4, ge=0, description="stop strings per request (OpenAI allows 4)")
     max_stop_chars: int = Field(64, ge=1, description="characters of one stop string")
     max_concurrent_per_client: int | None = Field(

@@ -34,6 +34,8 @@ Policy = TypeVar("Policy")
 class Admitted:
     request_id: str
     prompt_tokens: int
+    prompt_ids: tuple[int, ...] | None = None  # an echo request's (ServeRequest.echo)
+    prompt_text: str | None = None  # their text, added by the SmallModel
 
 
 @dataclass(frozen=True)
@@ -163,37 +165,76 @@ class EngineLoop(Generic[Policy]):
         except queue.Empty:
             return
         policy = self.policy  # 1. read once, after any wait: a reconfigure never tears a step
+        arrived: list[tuple[object, _Sink]] = []  # submits waiting together: admitted in one prefill
         while True:
             kind, arg, sink = command
             if kind == "submit":
-                self._admit(arg, sink, policy)
+                arrived.append((arg, sink))
             elif kind == "cancel":
+                self._admit_all(arrived, policy)  # a cancel may name one of them
+                arrived = []
                 self._cancel(arg)
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
+                self._admit_all(arrived, policy)
                 return
 
-    def _admit(self, request, sink: _Sink, policy) -> None:
-        try:
-            generation = self.admit(request, policy)
-            request_id = self.engine.submit(generation)
-        except ValueError as exc:
-            sink.put(Rejected(str(exc)))
-            return
-        except KVCapacityError as exc:  # every KV slot is taken: retry once a request ends
-            log.warning("request refused: %s", exc)
-            sink.put(Failed(str(exc), unavailable=True, code="kv_capacity"))
-            return
-        except LargeUnavailable as exc:  # a larger model scoring the prompt (prompt logprobs) did not answer
-            sink.put(Failed(str(exc), unavailable=True))
-            return
-        except Exception as exc:  # noqa: BLE001 - reported to the caller, the loop goes on
-            log.exception("admission failed")
-            sink.put(Failed(f"{type(exc).__name__}: {exc}"))
-            return
+    def _admit_all(self, arrived: list[tuple[object, _Sink]], policy) -> None:
+        """Requests that arrived together (a batch's prompts, concurrent clients) admitted
+        together: one prefill (and prompt scoring) forward per model (engine.submit_many).
+        That is all or none, so when it refuses, each is admitted alone and gets its own answer."""
+        ready = []
+        for request, sink in arrived:
+            try:
+                ready.append((request, sink, self.admit(request, policy)))
+            except ValueError as exc:  # its prompt or settings: this one alone is refused
+                sink.put(Rejected(str(exc)))
+            except Exception as exc:  # noqa: BLE001 - reported to the caller, the loop goes on
+                log.exception("admission failed")
+                sink.put(Failed(f"{type(exc).__name__}: {exc}"))
+        submit_many = getattr(self.engine, "submit_many", None)  # a stand-in engine may have submit alone
+        if len(ready) > 1 and submit_many is not None:
+            try:
+                ids = submit_many([g for _, _, g in ready])
+            except ValueError:  # one of them is refused: find out which, one by one
+                pass
+            except Exception as exc:  # noqa: BLE001 - no request's fault (a model down, KV full): all alike
+                for _, sink, _ in ready:
+                    sink.put(self._refusal(exc))
+                return
+            else:
+                for (request, sink, generation), request_id in zip(ready, ids):
+                    self._admitted(request, sink, generation, request_id)
+                return
+        for request, sink, generation in ready:
+            self._admit(request, sink, generation)
+
+    def _admitted(self, request, sink: _Sink, generation: GenerationRequest, request_id: str) -> None:
         self._sinks[request_id] = sink
-        sink.put(Admitted(request_id, len(generation.prompt_ids)))
+        echo = generation.prompt_ids if getattr(request, "echo", False) else None
+        sink.put(Admitted(request_id, len(generation.prompt_ids), echo))
+
+    def _admit(self, request, sink: _Sink, generation: GenerationRequest) -> None:
+        try:
+            request_id = self.engine.submit(generation)
+        except Exception as exc:  # noqa: BLE001 - reported to the caller, the loop goes on
+            sink.put(self._refusal(exc))
+            return
+        self._admitted(request, sink, generation, request_id)
+
+    @staticmethod
+    def _refusal(exc: Exception) -> Rejected | Failed:
+        """What the caller of a request the engine did not admit is told."""
+        if isinstance(exc, ValueError):
+            return Rejected(str(exc))
+        if isinstance(exc, KVCapacityError):  # every KV slot is taken: retry once a request ends
+            log.warning("request refused: %s", exc)
+            return Failed(str(exc), unavailable=True, code="kv_capacity")
+        if isinstance(exc, LargeUnavailable):  # a larger model scoring the prompt (prompt logprobs) did not answer
+            return Failed(str(exc), unavailable=True)
+        log.error("admission failed", exc_info=exc)
+        return Failed(f"{type(exc).__name__}: {exc}")
 
     def _cancel(self, request_id: str) -> None:
         if self._sinks.pop(request_id, None) is not None:

@@ -130,7 +130,7 @@ def response_body(request_id: str, model: str, created: int, result: GenerationR
     return json_safe(body.model_dump())
 
 
-def chunk_body(request_id: str, model: str, created: int, event: TokenEvent, chat: bool) -> dict:
+def chunk_body(request_id: str, model: str, created: int, event: TokenEvent, chat: bool, choice: int = 0) -> dict:
     trace = TokenTrace(
         token_id=event.token_id,
         source=event.source,
@@ -144,8 +144,10 @@ def chunk_body(request_id: str, model: str, created: int, event: TokenEvent, cha
         return json_safe(
             ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice]).model_dump()
         )
-    choice = CompletionChunkChoice(text=event.text, backoff=trace, logprobs=completion_logprobs(_event_logprobs(event)))
-    return json_safe(CompletionChunk(id=request_id, created=created, model=model, choices=[choice]).model_dump())
+    one = CompletionChunkChoice(
+        index=choice, text=event.text, backoff=trace, logprobs=completion_logprobs(_event_logprobs(event))
+    )
+    return json_safe(CompletionChunk(id=request_id, created=created, model=model, choices=[one]).model_dump())
 
 
 class TokenChunks:
@@ -158,9 +160,10 @@ class TokenChunks:
 
     FIELDS = ("text", "token_id", "source", "index", "retracted", "retracted_text")  # a token's own
 
-    def __init__(self, request_id: str, model: str, created: int, chat: bool) -> None:
+    def __init__(self, request_id: str, model: str, created: int, chat: bool, choice: int = 0) -> None:
         self.request_id, self.model, self.created, self.chat = request_id, model, created, chat
-        self.template = chunk_body(request_id, model, created, TokenEvent(0, 0, "", 1), chat)
+        self.choice = choice  # the choice's index (a batch's prompt)
+        self.template = chunk_body(request_id, model, created, TokenEvent(0, 0, "", 1), chat, choice)
         marks = {f: json.dumps(f"\x00{f}\x00") for f in self.FIELDS}  # "\u0000text\u0000": in no envelope
         text = self._sse_one(self._fill(**{f: f"\x00{f}\x00" for f in self.FIELDS}))
         at = sorted((text.index(m), f) for f, m in marks.items())
@@ -188,7 +191,7 @@ class TokenChunks:
 
     def body(self, event: TokenEvent) -> dict:
         if event.index == 0 or event.logprobs is not None:
-            return chunk_body(self.request_id, self.model, self.created, event, self.chat)
+            return chunk_body(self.request_id, self.model, self.created, event, self.chat, self.choice)
         return self._fill(**{f: getattr(event, f) for f in self.FIELDS})
 
     def sse(self, events: tuple[TokenEvent, ...]) -> str:
@@ -203,6 +206,28 @@ class TokenChunks:
         return "".join(out)
 
 
+class ChatStream:
+    """A streamed chat completion's SSE text (one choice), in the interface of
+    completions.CompletionStream that the Ingress drives."""
+
+    def __init__(self, request_id: str, model: str, created: int) -> None:
+        self.request_id, self.model, self.created = request_id, model, created
+        self.chunks = TokenChunks(request_id, model, created, chat=True)
+
+    def start(self) -> str:
+        return ""
+
+    def tokens(self, i: int, events: tuple[TokenEvent, ...]) -> str:
+        return self.chunks.sse(events)
+
+    def finished(self, i: int, result: GenerationResult) -> str:
+        body = final_chunk_body(self.request_id, self.model, self.created, result, chat=True)
+        return f"data: {json.dumps(body, allow_nan=False)}\n\n"
+
+    def end(self) -> str:
+        return ""
+
+
 def _scalar(value) -> str:
     """A str or int as json.dumps writes it (ASCII, escaped); anything else through json.dumps."""
     if type(value) is int:
@@ -212,17 +237,21 @@ def _scalar(value) -> str:
     return json.dumps(value, allow_nan=False)
 
 
-def final_chunk_body(request_id: str, model: str, created: int, result: GenerationResult, chat: bool) -> dict:
+def final_chunk_body(
+    request_id: str, model: str, created: int, result: GenerationResult, chat: bool, choice: int = 0
+) -> dict:
     """The last chunk: no token, finish_reason and usage (whatever stream_options say)."""
     reason, usage = result.finish_reason.value, usage_of(result)
     if chat:
-        choice = ChatChunkChoice(delta=ChatDelta(), finish_reason=reason)
+        last_chat = ChatChunkChoice(delta=ChatDelta(), finish_reason=reason)
         return json_safe(
-            ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice], usage=usage).model_dump()
+            ChatCompletionChunk(
+                id=request_id, created=created, model=model, choices=[last_chat], usage=usage
+            ).model_dump()
         )
-    choice = CompletionChunkChoice(finish_reason=reason)
+    last = CompletionChunkChoice(index=choice, finish_reason=reason)
     return json_safe(
-        CompletionChunk(id=request_id, created=created, model=model, choices=[choice], usage=usage).model_dump()
+        CompletionChunk(id=request_id, created=created, model=model, choices=[last], usage=usage).model_dump()
     )
 
 
@@ -232,10 +261,24 @@ def error_body(
     return ErrorBody(error=ErrorDetail(message=message, type=kind, param=param, code=code)).model_dump()
 
 
-def pb_response(request_id: str, result: GenerationResult) -> pb.GenerateResponse:
+def pb_prompt(result: GenerationResult | None, prompt_ids: tuple[int, ...]) -> dict:
+    """echo's prompt fields of a GenerateResponse / GenerateChunk (the result: its logprobs)."""
+    entries = (result.prompt_logprobs if result is not None else None) or ()
+    sources = (result.prompt_sources if result is not None else None) or ()
+    return dict(
+        prompt_token_ids=list(prompt_ids),
+        prompt_logprobs=[pb.TokenLogprobs() if e is None else pb_logprobs(e) for e in entries],
+        prompt_sources=[-1 if s is None else s for s in sources],
+    )
+
+
+def pb_response(
+    request_id: str, result: GenerationResult, echo: tuple[tuple[int, ...], str] | None = None
+) -> pb.GenerateResponse:
+    """echo: the prompt's (ids, text): the text starts with it."""
     return pb.GenerateResponse(
         id=request_id,
-        text=result.text,
+        text=(echo[1] if echo else "") + result.text,
         finish_reason=result.finish_reason.value,
         usage=usage_to_pb(usage_of(result)),
         token_ids=list(result.token_ids),
@@ -243,6 +286,7 @@ def pb_response(request_id: str, result: GenerationResult) -> pb.GenerateRespons
         num_levels=result.num_levels,
         thresholds=[_finite(t) for t in result.thresholds],  # JSON mappings of the reply stay finite
         logprobs=[pb_logprobs(e) for e in result.logprobs or ()],
+        **(pb_prompt(result, echo[0]) if echo else {}),
     )
 
 
@@ -272,6 +316,13 @@ def pb_chunks(request_id: str, events: tuple[TokenEvent, ...]) -> pb.GenerateChu
     if len(events) == 1:
         return pb_chunk(request_id, events[0])
     return pb.GenerateChunk(id=request_id, tokens=[pb_chunk("", e) for e in events])
+
+
+def pb_echo_chunk(request_id: str, admitted, result: GenerationResult | None) -> pb.GenerateChunk:
+    """An echo stream's first chunk: the prompt (its logprobs with the result, when asked).
+    admitted: the request's engine_loop.Admitted (its prompt ids and text)."""
+    text = (result.prompt_text if result is not None else None) or admitted.prompt_text or ""
+    return pb.GenerateChunk(id=request_id, text=text, **pb_prompt(result, admitted.prompt_ids))
 
 
 def pb_final_chunk(request_id: str, result: GenerationResult) -> pb.GenerateChunk:

@@ -33,6 +33,7 @@ class ServeRequest:
     prompt: str | None = None
     prompt_ids: tuple[int, ...] | None = None
     messages: tuple[tuple[str, str], ...] | None = None  # (role, content)
+    echo: bool = False  # Admitted carries the prompt's ids (the SmallModel adds their text)
 
     def __post_init__(self) -> None:
         if sum(x is not None for x in (self.prompt, self.prompt_ids, self.messages)) != 1:
@@ -48,8 +49,14 @@ def serve_request(
     default_max_tokens: int = 64,
 ) -> ServeRequest:
     """Edge params -> ServeRequest. Raises ValueError on values the core refuses."""
+    max_tokens = default_max_tokens if params.max_tokens is None else params.max_tokens
+    # echo with logprobs: the prompt's routed teacher-forced logprobs; max_tokens 0 (echo alone
+    # is the prompt, scored or not) has the core score it, as the core generates nothing else
+    prompt_logprobs = params.logprobs if params.echo else None
+    if max_tokens == 0 and prompt_logprobs is None:
+        prompt_logprobs = 0
     sampling = SamplingParams(
-        max_tokens=params.max_tokens or default_max_tokens,
+        max_tokens=max_tokens,
         temperature=1.0 if params.temperature is None else params.temperature,
         top_k=params.top_k or 0,
         top_p=1.0 if params.top_p is None else params.top_p,
@@ -57,6 +64,7 @@ def serve_request(
         stop=tuple(params.stop or ()),
         ignore_eos=params.ignore_eos,
         logprobs=params.logprobs,
+        prompt_logprobs=prompt_logprobs,
     )
     thresholds = params.thresholds
     overrides = RoutingOverrides(
@@ -65,12 +73,14 @@ def serve_request(
         target_backoff=params.target_backoff,
     )
     if messages is not None:
-        return ServeRequest(request_id, sampling, overrides, messages=tuple((m.role, m.content) for m in messages))
+        chat = tuple((m.role, m.content) for m in messages)
+        return ServeRequest(request_id, sampling, overrides, messages=chat, echo=params.echo)
     if isinstance(prompt, str):
-        return ServeRequest(request_id, sampling, overrides, prompt=prompt)
+        return ServeRequest(request_id, sampling, overrides, prompt=prompt, echo=params.echo)
     if prompt is None:
         raise ValueError("the request has no prompt")
-    return ServeRequest(request_id, sampling, overrides, prompt_ids=tuple(int(t) for t in prompt))
+    ids = tuple(int(t) for t in prompt)
+    return ServeRequest(request_id, sampling, overrides, prompt_ids=ids, echo=params.echo)
 
 
 def routing_params(overrides: RoutingOverrides, policy: RoutingConfig) -> RoutingParams:

@@ -97,14 +97,17 @@ def test_validation_messages_name_the_field_and_the_matching_union_branch():
 
     assert problem(CompletionRequest, {"prompt": []}) == (
         "prompt",
-        "prompt: List should have at least 1 item after validation, not 0",
+        "prompt: the batch is empty: give at least one prompt",
     )
-    assert problem(CompletionRequest, {"prompt": [1, -1]})[0] == "prompt.1"
+    assert problem(CompletionRequest, {"prompt": [1, -1]}) == (
+        "prompt",
+        "prompt: the prompt[1] is -1; token ids are integers >= 0",
+    )
     assert problem(CompletionRequest, {"prompt": "a", "backoff_threshold": [1, float("nan")]}) == (
         "backoff_threshold.1",
         "backoff_threshold.1: Input should be a finite number",
     )
-    assert "valid string or" in problem(CompletionRequest, {"prompt": 5})[1]
+    assert "a string, a list of strings, a list of token ids" in problem(CompletionRequest, {"prompt": 5})[1]
     assert problem(ChatCompletionRequest, {"messages": [{"role": "user", "content": None}]})[0] == "messages.0.content"
     assert problem(CompletionRequest, {"prompt": "a", "max_tokens": "5"})[0] == "max_tokens"  # strict: no "5"
     assert problem(CompletionRequest, {"prompt": "a", "ignore_eos": 1})[0] == "ignore_eos"

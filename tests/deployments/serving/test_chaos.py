@@ -141,7 +141,7 @@ def test_a_request_the_step_loop_fails_at_admission_is_a_server_failure(first, s
     ingress.edge = Edge.from_config(ingress.args.access, ingress.args.limits)
     ingress.router = _FirstItemRouter(first)
     with pytest.raises(ServerFailure) as err:
-        asyncio.run(ingress._open("cmpl-1", GenerateParams(max_tokens=2), "peer:test", tokens=True, prompt="hi"))
+        asyncio.run(ingress._open("cmpl-1", GenerateParams(max_tokens=2), "peer:test", True, [{"prompt": "hi"}]))
     assert (err.value.status, err.value.code, err.value.message) == (status, code, first.message)
     assert not ingress.edge.slots.open  # the client's slot is given back
 

@@ -5,16 +5,18 @@ thread. Tiny models, no Ray."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
 import torch
 
+from backoff_core.engine.backends import LargeUnavailable
 from backoff_core.runners.dynamic import ModelRunner
 from backoff_core.types import GenerationResult, TokenEvent, Verification
 from deployments.serving.batcher import CatchUpBatcher, CatchUpCall
 from deployments.serving.config import RoutingConfig
-from deployments.serving.engine_loop import Admitted, EngineLoop, Rejected
+from deployments.serving.engine_loop import Admitted, EngineLoop, Failed, Rejected
 from deployments.serving.requests import RoutingOverrides, ServeRequest, generation_request
 from tests.support.helpers import engine_for, request
 from tests.support.remote_fakes import Dead, FakeEndpoint, remote_engine
@@ -231,6 +233,54 @@ def test_engine_loop_streams_batches_and_reads_the_policy_per_step(pair, tokeniz
     assert a[-1].token_ids == expected.token_ids
     assert c[-1].backoff_rate == 1.0 and a[-1].backoff_rate < 1.0  # the new policy, for the new request
     assert loop.steps < 8 + 8 + 8  # a and b shared steps
+
+
+def test_requests_that_arrive_together_are_admitted_together_and_refused_one_by_one(pair, tokenizer):
+    """A batch's prompts queue up together: one engine.submit_many (one prefill); when the
+    engine refuses it (a token id outside the vocabulary), each is admitted alone and only
+    the bad one is refused. An echo request's Admitted carries its prompt ids."""
+    engine = engine_for(pair, tokenizer)
+    calls = []
+    submit_many = engine.submit_many
+    engine.submit_many = lambda requests, *a: calls.append(len(requests)) or submit_many(requests, *a)
+
+    async def main(prompts, echo=False):
+        loop = EngineLoop(engine, lambda r, p: generation_request(r, list(r.prompt_ids), p), RoutingConfig())
+        queues = [
+            loop.submit(dataclasses.replace(_serve_request(f"r{i}", p), echo=echo)) for i, p in enumerate(prompts)
+        ]
+        loop.start()  # they were all queued before the engine thread looked
+        try:
+            out = []
+            for q in queues:
+                items = [await q.get()]
+                while not isinstance(items[-1], (GenerationResult, Rejected, Failed)):
+                    items.append(await q.get())
+                out.append(items)
+            return out
+        finally:
+            loop.stop()
+
+    good = asyncio.run(main([[3, 4], [5, 6, 7], [8]], echo=True))
+    assert calls == [3]
+    assert [items[0].prompt_ids for items in good] == [(3, 4), (5, 6, 7), (8,)]
+    mixed = asyncio.run(main([[3, 4], [3, 999], [8]]))
+    assert calls == [3, 3, 1, 1, 1]  # refused whole: then one by one (submit is submit_many of one)
+    assert isinstance(mixed[1][0], Rejected) and "must be in [0, 48)" in mixed[1][0].message
+    for items in (*good, mixed[0], mixed[2]):
+        assert isinstance(items[0], Admitted) and isinstance(items[-1], GenerationResult)
+    assert mixed[0][0].prompt_ids is None  # no echo asked
+    assert [r[-1].token_ids for r in (mixed[0], mixed[2])] == [good[0][-1].token_ids, good[2][-1].token_ids]
+
+    def down(requests, *a):  # a larger model scoring the prompts did not answer: no request's fault
+        calls.append(len(requests))
+        raise LargeUnavailable("large did not answer in 1 s")
+
+    engine.submit_many = down
+    failed = asyncio.run(main([[3, 4], [5, 6]], echo=True))
+    assert calls[-1:] == [2] and len(calls) == 6  # not retried one by one (a timeout each)
+    assert all(isinstance(items[0], Failed) and items[0].unavailable for items in failed)
+    assert engine.live_ids() == []
 
 
 def test_engine_loop_cancel_frees_the_request(pair, tokenizer):
