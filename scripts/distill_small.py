@@ -262,6 +262,11 @@ def main() -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop)
+    if start == 0:  # the starting point's figures: a grown student's are those of the one it grows from
+        small.eval()
+        log["heldout"].append({"step": 0, **heldout_kl(small, large, val)})
+        small.train()
+        tqdm.write(f"step 0: held-out {log['heldout'][-1]}")
     step = start
     bar = tqdm(range(start, args.steps), desc="distil", unit="step", initial=start, total=args.steps)
     try:
