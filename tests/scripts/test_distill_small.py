@@ -1,0 +1,84 @@
+"""The distillation script of the default small model (scripts/distill_small.py): evenly
+spaced initial layers, a grown student that starts as the student it grows from, and a run
+stopped and resumed from its checkpoint that ends on the weights of an uninterrupted one."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+from distill_small import evenly_spaced, init_student  # noqa: E402
+
+
+def test_evenly_spaced_layers_include_both_ends():
+    assert evenly_spaced(2, 30) == [0, 29]
+    assert evenly_spaced(6, 30) == [0, 6, 12, 17, 23, 29]
+    assert evenly_spaced(1, 30) == [0]
+    assert evenly_spaced(30, 30) == list(range(30))
+
+
+@pytest.mark.slow
+def test_a_grown_student_starts_as_the_student_it_grows_from():
+    from backoff_core.models.default_pair import STUDENT_DIR, load_default_large, load_default_small
+
+    large, tokenizer = load_default_large()
+    shipped = load_default_small(large)
+    args = argparse.Namespace(layers=6, layers_init=None, grow_from=STUDENT_DIR)
+    grown, layers_init, init = init_student(large, args)
+    assert len(grown.model.layers) == 6 and layers_init == [0, 6, 12, 17, 23, 29]
+    assert "slots [0, 5]" in init
+    # the new slots are M_L's layers, their residual branches silenced
+    torch.testing.assert_close(
+        grown.model.layers[2].self_attn.q_proj.weight, large.model.layers[12].self_attn.q_proj.weight
+    )
+    assert not grown.model.layers[2].mlp.down_proj.weight.any()
+    ids = tokenizer("def add(a, b):\n    return a + b  # the sum", return_tensors="pt").input_ids  # [1, T]
+    with torch.inference_mode():
+        torch.testing.assert_close(grown.eval()(ids).logits, shipped(ids).logits, rtol=0, atol=1e-5)
+
+
+def _distill(run_dir: Path, *extra: str) -> None:
+    tiny_run = ["--steps", "4", "--teacher-windows", "6", "--chat-samples", "0", "--seq-len", "32", "--batch-size", "2"]
+    tiny_run += [
+        "--eval-every",
+        "2",
+        "--ckpt-every",
+        "2",
+        "--eval-windows",
+        "1",
+        "--kl-positions",
+        "16",
+        "--layers",
+        "2",
+    ]
+    tiny_run += ["--keep-weight", "1", "--threads", "1", "--device", "cpu"]
+    cmd = [sys.executable, str(SCRIPTS / "distill_small.py"), *tiny_run, "--run-dir", str(run_dir)]
+    cmd += ["--out", str(run_dir / "final"), *extra]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_a_stopped_and_resumed_run_ends_where_an_uninterrupted_one_does(tmp_path):
+    _distill(tmp_path / "straight")
+    _distill(tmp_path / "stopped", "--stop-after-minutes", "1e-9")  # stops after its first step
+    assert not (tmp_path / "stopped" / "final").exists()
+    assert torch.load(tmp_path / "stopped" / "ckpt.pt", weights_only=False)["step"] == 1
+    _distill(tmp_path / "stopped", "--resume")
+    a = load_file(tmp_path / "straight" / "final" / "model.safetensors")
+    b = load_file(tmp_path / "stopped" / "final" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    assert (tmp_path / "stopped" / "best" / "model.safetensors").is_file()
