@@ -20,19 +20,17 @@ import logging
 import time
 from collections.abc import Iterator, Sequence
 
-import torch
-
 from backoff_core.engine.backends import Backend
 from backoff_core.engine.catchup import CatchUpper, Outcome
-from backoff_core.engine.commit import CommitContext, commit
-from backoff_core.engine.isolation import batched, each
+from backoff_core.engine.commit import Commit, CommitContext, commit_many
+from backoff_core.engine.isolation import each
 from backoff_core.engine.logprobs import TokenTexts
-from backoff_core.engine.propose import draw_small, small_step
+from backoff_core.engine.propose import propose, small_step
 from backoff_core.engine.state import Detokenizer, Live
 from backoff_core.routing.control import HIGHEST, LOWEST, RateController, rate_prior
-from backoff_core.routing.routers import DecisionFunction, StepContext, build_router
+from backoff_core.routing.routers import DecisionFunction, build_router
 from backoff_core.runners.factory import make_runner
-from backoff_core.sampling import Stream, request_seed, uniforms
+from backoff_core.sampling import request_seed
 from backoff_core.types import GenerationRequest, GenerationResult, KVSpec, TokenEvent, level_names
 
 log = logging.getLogger(__name__)
@@ -130,7 +128,7 @@ class BackoffEngine:
             request=request,
             request_id=request_id,
             router=router,
-            thresholds=torch.tensor(thresholds, dtype=torch.float64),
+            thresholds=thresholds,
             seed=request_seed(request.sampling.seed),
             num_levels=self.num_levels,
             controller=controller,
@@ -209,12 +207,19 @@ class BackoffEngine:
         stepping = [r for r in live if forced[r.request_id] < 0]
         # 2. M_S, batched
         small = small_step(self.models, stepping)
-        # 3+4. decide (oracles catch the largest model up first)
+        # 3. oracle routers: the largest model catches up first, to know KL(M_L||M_S)
         levels: dict[str, int] = {request_id: f for request_id, f in forced.items() if f >= 0}
         outcomes: dict[str, Outcome] = {}
-        scores: dict[str, float] = {}
-        for router, group in _by_router([r for r in stepping if not r.degraded and r.request_id in small]).items():
-            self._decide(router, group, small, levels, outcomes, scores)
+        routed = [r for r in stepping if not r.degraded and r.request_id in small]
+        for router, group in _by_router(routed).items():
+            if router.needs_large_logits:
+                outcomes.update(self.catch_up.run(self.num_levels - 1, group))
+        # a degraded request stays small
+        routed = [r for r in routed if not r.router.needs_large_logits or r.request_id in outcomes]
+        # 4. decide: M_S's tokens and the routers' scores, one host copy; levels on the host
+        large = {request_id: outcome.logits for request_id, outcome in outcomes.items()}
+        proposal = propose(self.models, [r for r in stepping if r.request_id in small], routed, small, large)
+        self._decide([r for r in routed if r.request_id in proposal.scores], proposal.scores, levels, outcomes)
         # 5. catch-ups, one batched forward per level
         for level in range(1, self.num_levels):
             group = [
@@ -227,35 +232,25 @@ class BackoffEngine:
             ]
             outcomes.update(self.catch_up.run(level, group))
         # a catch-up failed (degraded): M_S's token instead, for those that skipped M_S
-        small.update(
-            small_step(
-                self.models,
-                [
-                    r
-                    for r in live
-                    if r.degraded and r.failure is None and r.request_id not in small and not r.finish_after_verify
-                ],
-            )
-        )
-        # 6. commit (the tokens of the steps that stay small are drawn together: one sync)
-        drawn = draw_small(
-            self.models,
-            [
-                r
-                for r in live
-                if r.failure is None
-                and r.request_id in small
-                and r.request_id not in outcomes
-                and not r.finish_after_verify
-            ],
-            small,
-        )
+        late = [
+            r
+            for r in live
+            if r.degraded and r.failure is None and r.request_id not in small and not r.finish_after_verify
+        ]
+        if late:
+            small.update(small_step(self.models, late))
+            late = [r for r in late if r.request_id in small]
+            proposal.tokens.update(propose(self.models, late, [], small, {}).tokens)
+        # 6. commit
         settled = each(
             [r for r in live if r.failure is None],
             self.models,
-            lambda r: self._settle(r, outcomes.get(r.request_id), small, drawn.get(r.request_id), scores),
+            lambda r: self._settle(
+                r, outcomes.get(r.request_id), small, proposal.tokens.get(r.request_id), proposal.scores
+            ),
         )
-        return {request_id: event for request_id, event in settled.items() if event is not None}
+        ctx = CommitContext(self.detok, self.token_texts, self.eos_ids, self.collect_kl)
+        return commit_many([c for c in settled.values() if c is not None], ctx, self.models)
 
     def _forced_level(self, r: Live) -> int:
         """The level of r's step if it is known before M_S runs, else -1."""
@@ -265,14 +260,11 @@ class BackoffEngine:
             return self.num_levels - 1
         if not r.router.forces_levels:
             return -1
-        f = r.router.levels_before_small_step(torch.tensor([r.drafts()]), r.thresholds[None], self.num_levels)
-        return int(f[0]) if f is not None else -1
+        f = r.router.levels_before_small_step([r.drafts()], [r.thresholds], self.num_levels)
+        return f[0] if f is not None else -1
 
-    def _settle(
-        self, r: Live, outcome: Outcome | None, small: dict, drawn: int | None, scores: dict
-    ) -> TokenEvent | None:
-        """Commit r's token of this step (None: nothing to stream). drawn: its token, if it
-        stays small."""
+    def _settle(self, r: Live, outcome: Outcome | None, small: dict, drawn: int | None, scores: dict) -> Commit | None:
+        """r's token of this step (None: nothing to commit). drawn: its M_S token."""
         if outcome is None and r.finish_after_verify:  # the verification failed: the drafts stand
             r.finished = r.finish_after_verify
             return None
@@ -283,7 +275,7 @@ class BackoffEngine:
         else:
             logits, token, retracted, source = outcome.logits, outcome.token, outcome.rolled_back, outcome.level
         if r.controller is not None and r.request_id in scores:
-            r.thresholds[0] = r.controller.update(scores[r.request_id], source == 0)
+            r.thresholds = (r.controller.update(scores[r.request_id], source == 0),)
         if outcome is not None and source == self.num_levels - 1:
             r.schedule_drafts(rejected=retracted > 0)
         if r.finish_after_verify and not retracted:
@@ -291,50 +283,18 @@ class BackoffEngine:
             return None
         r.finish_after_verify = None
         r.cut_at = None
-        ctx = CommitContext(self.detok, self.token_texts, self.eos_ids, self.collect_kl)
-        return commit(r, token, source, logits, small.get(r.request_id), retracted, ctx)
+        return Commit(r, token, source, logits, small.get(r.request_id), retracted)
 
-    def _decide(self, router, group, small, levels, outcomes, scores) -> None:
+    def _decide(self, group: list[Live], scores: dict[str, float], levels: dict, outcomes: dict) -> None:
+        """level = how many of r's thresholds its score reaches (host floats, float64)."""
         top = self.num_levels - 1
-        large_logits = None
-        if router.needs_large_logits:
-            outcomes.update(self.catch_up.run(top, group))
-            group = [r for r in group if r.request_id in outcomes]  # a degraded request stays small
-            if not group:
-                return
-            large_logits = torch.stack([outcomes[r.request_id].logits for r in group])
-        start = time.perf_counter()
-        ctx = StepContext(
-            small_logits=torch.stack([small[r.request_id][0] for r in group]),
-            hidden=torch.stack([small[r.request_id][1] for r in group]) if router.hidden_layer is not None else None,
-            large_logits=large_logits,
-            drafts=torch.tensor([r.drafts() for r in group] if router.reads_drafts else [0] * len(group)),
-            uniforms=uniforms([r.seed for r in group], [len(r.tokens) for r in group], Stream.ROUTER)[:, 0],
-        )
-        # one call for the group (one host copy of its scores); if it raises, one per
-        # request finds whose row it was
-        index = {r.request_id: i for i, r in enumerate(group)}
-        rows = batched(
-            group,
-            self.models,
-            lambda g: router.scores(ctx).double().tolist(),
-            lambda r: float(router.scores(ctx.row(index[r.request_id]))[0]),
-        )
-        group = [r for r in group if r.request_id in rows]
-        if not group:
-            return
-        s = torch.tensor([rows[r.request_id] for r in group], dtype=torch.float64)  # [B]
-        thresholds = torch.stack([r.thresholds for r in group])  # [B, N-1] float64, host
-        chosen = (s[:, None] >= thresholds).sum(-1).tolist()
-        seconds = time.perf_counter() - start
-        for i, r in enumerate(group):
-            r.router_times.append(seconds)
-            scores[r.request_id] = rows[r.request_id]
+        for r in group:
+            s = scores[r.request_id]
             outcome = outcomes.get(r.request_id)
             if outcome is not None and outcome.rolled_back:
                 levels[r.request_id] = top  # verification already replaced the step's token
             else:
-                levels[r.request_id] = chosen[i]
+                levels[r.request_id] = sum(s >= t for t in r.thresholds)
                 if outcome is not None and levels[r.request_id] != top:
                     del outcomes[r.request_id]  # the oracle looked, but the step is not the large model's
 
