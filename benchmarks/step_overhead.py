@@ -11,8 +11,13 @@ timed apart: the forward itself (`StaticForward.__call__`, what a CUDA graph cap
 the HF model's forward for per-session caches) is clocked in every step and subtracted.
 The uploads, bucketing and read-backs around it stay in the host time.
 
+Time is the step thread's CPU time (`time.thread_time`, torch on one thread): what the host
+spends on a step, which a shared, loaded machine does not inflate the way it does wall time
+(the wall-clock figures are saved too; on a quiet machine the two agree).
+
 Saves benchmarks/results/step_overhead.json: `ms_per_step` (host time: step minus forward,
-median over repeats), `total_ms_per_step` (the whole step) and `forward_ms_per_step`.
+median over repeats), `total_ms_per_step` (the whole step), `forward_ms_per_step`, and the
+same three measured by the wall clock under `wall`.
 """
 
 from __future__ import annotations
@@ -59,11 +64,15 @@ def tiny_pair():
     return pair, tokenizer
 
 
+def _now() -> tuple[float, float]:
+    return time.thread_time(), time.perf_counter()
+
+
 class ForwardClock:
-    """Seconds spent inside the models' forwards (see the module's docstring)."""
+    """CPU and wall seconds spent inside the models' forwards (see the module's docstring)."""
 
     def __init__(self) -> None:
-        self.seconds = 0.0
+        self.seconds = (0.0, 0.0)
 
     def wrap(self, runner) -> None:
         forward = getattr(runner, "_forward", None)
@@ -74,19 +83,21 @@ class ForwardClock:
 
     def _timed(self, fn):
         def timed(*args, **kwargs):
-            start = time.perf_counter()
+            start = _now()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.seconds += time.perf_counter() - start
+                end = _now()
+                self.seconds = tuple(s + e - b for s, b, e in zip(self.seconds, start, end))
 
         return timed
 
 
 def ms_per_step(engine, n, tokens, routing, repeats, clock: ForwardClock | None = None) -> dict[str, float]:
-    """Medians over repeats of ms per step: total, forward, host (= total - forward)."""
+    """Medians over repeats of ms per step: total, forward, host (= total - forward), by
+    the thread's CPU clock and (wall_*) by the wall clock."""
     clock = clock or ForwardClock()
-    totals, forwards = [], []
+    totals, forwards = [], []  # (cpu, wall) pairs
     for rep in range(repeats):
         rids = [
             engine.submit(
@@ -96,16 +107,22 @@ def ms_per_step(engine, n, tokens, routing, repeats, clock: ForwardClock | None 
             )
             for i in range(n)
         ]
-        steps, start, forward = 0, time.perf_counter(), clock.seconds
+        steps, start, forward = 0, _now(), clock.seconds
         while engine.has_work():
             engine.step()
             steps += 1
-        totals.append((time.perf_counter() - start) / steps * 1e3)
-        forwards.append((clock.seconds - forward) / steps * 1e3)
+        end = _now()
+        totals.append([(e - b) / steps * 1e3 for b, e in zip(start, end)])
+        forwards.append([(e - b) / steps * 1e3 for b, e in zip(forward, clock.seconds)])
         for request_id in rids:
             engine.finish(request_id)
-    host = [t - f for t, f in zip(totals, forwards)]
-    return {"host": statistics.median(host), "total": statistics.median(totals), "forward": statistics.median(forwards)}
+    out = {}
+    for i, prefix in enumerate(("", "wall_")):
+        host = [t[i] - f[i] for t, f in zip(totals, forwards)]
+        out[prefix + "host"] = statistics.median(host)
+        out[prefix + "total"] = statistics.median(t[i] for t in totals)
+        out[prefix + "forward"] = statistics.median(f[i] for f in forwards)
+    return out
 
 
 def main() -> None:
@@ -137,24 +154,35 @@ def main() -> None:
                 str(n): ms_per_step(engine, n, args.tokens, routing, args.repeats, clock) for n in streams
             }
     header = " ".join(f"{'n=' + str(n):>9s}" for n in streams)
-    print(f"\n{'host ms per step (total / forward)':36s} {header}   host us/request-step at n max")
+    print(f"\n{'host ms per step (CPU)':36s} {header}   at n max: us/request-step, total/forward, wall host")
     for name, row in table.items():
         cells = " ".join(f"{row[str(n)]['host']:9.2f}" for n in streams)
         top = row[str(streams[-1])]
         print(
-            f"{name:36s} {cells}   {top['host'] * 1e3 / streams[-1]:.0f}  ({top['total']:.2f} / {top['forward']:.2f})"
+            f"{name:36s} {cells}   {top['host'] * 1e3 / streams[-1]:.0f}  "
+            f"{top['total']:.2f}/{top['forward']:.2f}  {top['wall_host']:.2f}"
         )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    pick = {key: lambda row, key=key: {n: v[key] for n, v in row.items()} for key in ("host", "total", "forward")}
+
+    def pick(key: str) -> dict:
+        return {name: {n: v[key] for n, v in row.items()} for name, row in table.items()}
+
     report = {
         "tokens": args.tokens,
         "repeats": args.repeats,
         "threads": args.threads,
         "load_average_at_start": load,
-        "ms_per_step": {name: pick["host"](row) for name, row in table.items()},  # host time: step - forward
-        "total_ms_per_step": {name: pick["total"](row) for name, row in table.items()},
-        "forward_ms_per_step": {name: pick["forward"](row) for name, row in table.items()},
+        "clock": "thread CPU time (time.thread_time); wall-clock figures under 'wall'",
+        "ms_per_step": pick("host"),  # host time: step - forward
+        "total_ms_per_step": pick("total"),
+        "forward_ms_per_step": pick("forward"),
+        "wall": {
+            "ms_per_step": pick("wall_host"),
+            "total_ms_per_step": pick("wall_total"),
+            "forward_ms_per_step": pick("wall_forward"),
+        },
+        "load_average_at_end": os.getloadavg()[0],
     }
     (out / "step_overhead.json").write_text(json.dumps(report, indent=2))
     print(f"saved {out / 'step_overhead.json'}")

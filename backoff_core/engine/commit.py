@@ -41,10 +41,9 @@ class Commit:
 
 
 def commit_many(commits: Sequence[Commit], ctx: CommitContext, models: Sequence[Backend]) -> dict[str, TokenEvent]:
-    """sid -> the streamed event of each commit; a request whose commit raises fails alone."""
+    """commits: appended already (`append`) -> sid -> the streamed event of each; a request
+    whose commit raises fails alone."""
     by_id = {c.r.request_id: c for c in commits}
-    appended = each([c.r for c in commits], models, lambda r: append(by_id[r.request_id], ctx))
-    commits = [by_id[request_id] for request_id in appended]
     asking = [c for c in commits if c.r.request.sampling.logprobs is not None]
     try:  # one host copy for all of them; if it raises, each reads its own below
         values = logprob_values(
@@ -53,15 +52,16 @@ def commit_many(commits: Sequence[Commit], ctx: CommitContext, models: Sequence[
         values = {c.r.request_id: v for c, v in zip(asking, values)}
     except Exception:  # noqa: BLE001 - the culprit fails alone in finish()
         values = {}
-    try:  # one call into the tokenizer for every text; if it raises, each decodes its own
-        texts = dict(zip(appended, ctx.detok.decode_many([c.r.generated for c in commits])))
+    try:  # every text decoded in one pass; if it raises, each decodes its own
+        ctx.detok.prime([c.r for c in commits])
     except Exception:  # noqa: BLE001
-        texts = {}
-    return each(
-        [c.r for c in commits],
-        models,
-        lambda r: finish(by_id[r.request_id], ctx, texts.get(r.request_id), values.get(r.request_id)),
-    )
+        ctx.detok.forget()
+    try:
+        return each(
+            [c.r for c in commits], models, lambda r: finish(by_id[r.request_id], ctx, values.get(r.request_id))
+        )
+    finally:
+        ctx.detok.forget()
 
 
 def append(c: Commit, ctx: CommitContext) -> None:
@@ -79,14 +79,12 @@ def append(c: Commit, ctx: CommitContext) -> None:
         r.first_token_s = time.perf_counter() - r.started
 
 
-def finish(c: Commit, ctx: CommitContext, decoded: str | None, values) -> TokenEvent:
-    """The stop check and the streamed event with its text and logprobs. decoded: the
-    decode of r's generated ids (None: decoded here)."""
+def finish(c: Commit, ctx: CommitContext, values) -> TokenEvent:
+    """The stop check and the streamed event with its text and logprobs (values: what
+    logprob_values read for it, None: read here)."""
     r = c.r
-    if decoded is None and r.request.sampling.stop:
-        decoded = ctx.detok.decode(r.generated)
-    check_stop(r, c.token, ctx, decoded)
-    event = ctx.detok.event(r, c.source, c.retracted, decoded)
+    check_stop(r, c.token, ctx)
+    event = ctx.detok.event(r, c.source, c.retracted)
     if r.request.sampling.logprobs is None:
         return event
     # under the source level's raw distribution: `logits` are the ones the token was drawn
@@ -103,21 +101,20 @@ def finish(c: Commit, ctx: CommitContext, decoded: str | None, values) -> TokenE
     return dataclasses.replace(event, logprobs=entry)
 
 
-def check_stop(r: Live, token: int, ctx: CommitContext, decoded: str | None = None) -> None:
+def check_stop(r: Live, token: int, ctx: CommitContext) -> None:
     """Set r.finished (or finish_after_verify while drafts await verification) at EOS, a stop
-    string or max_tokens. decoded: decode(r.generated), if the caller has it. Stop strings
-    are looked for only in requests that have them."""
+    string or max_tokens. Only a request with stop strings reads its text."""
     params = r.request.sampling
     reason = None
     if token in ctx.eos_ids and not params.ignore_eos:
         reason = FinishReason.STOP
     elif params.stop:
-        text = ctx.detok.decode(r.generated) if decoded is None else decoded
+        text = ctx.detok.decoded(r)
         hits = [text.find(s) for s in params.stop if s in text]
         if hits:
             r.cut_at = min(hits)
             reason = FinishReason.STOP
-    if reason is None and len(r.generated) >= params.max_tokens:
+    if reason is None and len(r.tokens) - r.prompt_len >= params.max_tokens:
         reason = FinishReason.LENGTH
     verified = r.request.routing.verification != Verification.NONE and not r.degraded
     if reason is not None and verified and r.drafts():

@@ -22,10 +22,10 @@ from collections.abc import Iterator, Sequence
 
 from backoff_core.engine.backends import Backend
 from backoff_core.engine.catchup import CatchUpper, Outcome
-from backoff_core.engine.commit import Commit, CommitContext, commit_many
+from backoff_core.engine.commit import Commit, CommitContext, append, commit_many
 from backoff_core.engine.isolation import each
 from backoff_core.engine.logprobs import TokenTexts
-from backoff_core.engine.propose import propose, small_step
+from backoff_core.engine.propose import Proposal, propose, small_step
 from backoff_core.engine.state import Detokenizer, Live
 from backoff_core.routing.control import HIGHEST, LOWEST, RateController, rate_prior
 from backoff_core.routing.routers import DecisionFunction, build_router
@@ -202,7 +202,9 @@ class BackoffEngine:
             return {}
         # 1. levels decided without M_S (a degraded request has M_S only). From here on, an
         # exception while handling one request ends that request alone (isolation.py).
-        forced = each(live, self.models, self._forced_level)
+        plain = [r for r in live if not (r.degraded or r.finish_after_verify or r.router.forces_levels)]
+        forced = dict.fromkeys((r.request_id for r in plain), -1)  # the common case, without a call each
+        forced.update(each([r for r in live if r.request_id not in forced], self.models, self._forced_level))
         live = [r for r in live if r.request_id in forced]
         stepping = [r for r in live if forced[r.request_id] < 0]
         # 2. M_S, batched
@@ -242,14 +244,12 @@ class BackoffEngine:
             late = [r for r in late if r.request_id in small]
             proposal.tokens.update(propose(self.models, late, [], small, {}).tokens)
         # 6. commit
+        ctx = CommitContext(self.detok, self.token_texts, self.eos_ids, self.collect_kl)
         settled = each(
             [r for r in live if r.failure is None],
             self.models,
-            lambda r: self._settle(
-                r, outcomes.get(r.request_id), small, proposal.tokens.get(r.request_id), proposal.scores
-            ),
+            lambda r: self._settle(r, outcomes.get(r.request_id), small, proposal, ctx),
         )
-        ctx = CommitContext(self.detok, self.token_texts, self.eos_ids, self.collect_kl)
         return commit_many([c for c in settled.values() if c is not None], ctx, self.models)
 
     def _forced_level(self, r: Live) -> int:
@@ -263,8 +263,11 @@ class BackoffEngine:
         f = r.router.levels_before_small_step([r.drafts()], [r.thresholds], self.num_levels)
         return f[0] if f is not None else -1
 
-    def _settle(self, r: Live, outcome: Outcome | None, small: dict, drawn: int | None, scores: dict) -> Commit | None:
-        """r's token of this step (None: nothing to commit). drawn: its M_S token."""
+    def _settle(
+        self, r: Live, outcome: Outcome | None, small: dict, proposal: Proposal, ctx: CommitContext
+    ) -> Commit | None:
+        """Append r's token of this step (None: nothing to commit; commit.py streams it)."""
+        drawn, scores = proposal.tokens.get(r.request_id), proposal.scores
         if outcome is None and r.finish_after_verify:  # the verification failed: the drafts stand
             r.finished = r.finish_after_verify
             return None
@@ -283,7 +286,9 @@ class BackoffEngine:
             return None
         r.finish_after_verify = None
         r.cut_at = None
-        return Commit(r, token, source, logits, small.get(r.request_id), retracted)
+        c = Commit(r, token, source, logits, small.get(r.request_id), retracted)
+        append(c, ctx)
+        return c
 
     def _decide(self, group: list[Live], scores: dict[str, float], levels: dict, outcomes: dict) -> None:
         """level = how many of r's thresholds its score reaches (host floats, float64)."""

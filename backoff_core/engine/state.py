@@ -58,14 +58,14 @@ class Live:
     # the error that ends this request alone (finish() raises it): LargeUnavailable with
     # on_large_failure = "fail", or whatever handling this one request raised (isolation.py)
     failure: Exception | None = None
+    prompt_len: int = field(init=False)  # len(request.prompt_ids), read several times a step
+
+    def __post_init__(self) -> None:
+        self.prompt_len = len(self.request.prompt_ids)
 
     @property
     def done(self) -> bool:
         return self.finished is not None or self.failure is not None
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.request.prompt_ids)
 
     @property
     def generated(self) -> list[int]:
@@ -95,6 +95,8 @@ class Live:
 
     def prune(self) -> None:
         """Forget logits no catch-up can still verify (positions every level has read)."""
+        if not (self.source_logits or self.small_logits):
+            return  # the common case (no verification, no KL record): no work per step
         horizon = min(self.fed[1:], default=len(self.tokens))
         for table in (self.source_logits, self.small_logits):
             for j in [j for j in table if j < horizon]:
@@ -132,6 +134,7 @@ class Detokenizer:
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
+        self._primed: dict[str, tuple[int, str]] = {}  # sid -> (tokens held, decoded text)
         # A fast tokenizer's decode is its Rust backend's plus an optional clean-up; calling
         # the backend directly skips transformers' per-id Python checks (most of the cost of
         # decoding the whole text at every step).
@@ -142,32 +145,40 @@ class Detokenizer:
             self.decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
 
     def decode_many(self, batch: list[list[int]]) -> list[str]:
-        """decode() of each id list: the step's texts in one place. Not the backend's
-        decode_batch: its thread pool costs no less for a step's short texts and, on a busy
-        machine, waits for its threads to be scheduled (8 ms a step at 64 streams, measured)."""
+        """decode() of each id list. Not the backend's decode_batch: its thread pool costs no
+        less for a step's short texts and, on a busy machine, waits for its threads to be
+        scheduled (8 ms a step at 64 streams, measured)."""
         decode = self.decode
         return [decode(ids) for ids in batch]
 
-    def full_text(self, live: Live, decoded: str | None = None) -> str:
-        """decoded: decode(live.generated) if the caller has it (decode_many)."""
-        text = self.decode(live.generated) if decoded is None else decoded
+    def prime(self, lives: list[Live]) -> None:
+        """Decode the generated ids of every request committing this step, in one pass
+        (commit.py); `decoded` and `full_text` read these until `forget`."""
+        texts = self.decode_many([live.generated for live in lives])
+        self._primed = {live.request_id: (len(live.tokens), text) for live, text in zip(lives, texts)}
+
+    def forget(self) -> None:
+        self._primed = {}
+
+    def decoded(self, live: Live) -> str:
+        """decode(live.generated), primed or fresh."""
+        hit = self._primed.get(live.request_id)
+        return hit[1] if hit is not None and hit[0] == len(live.tokens) else self.decode(live.generated)
+
+    def full_text(self, live: Live) -> str:
+        text = self.decoded(live)
         return text if live.cut_at is None else text[: live.cut_at]
 
-    def event(self, live: Live, source: int, retracted: int, decoded: str | None = None) -> TokenEvent:
-        text = self.full_text(live, decoded)
+    def event(self, live: Live, source: int, retracted: int) -> TokenEvent:
+        text = self.full_text(live)
         if not live.finished:
             text = text.rstrip("\ufffd")  # an incomplete multi-byte character: wait for more
-        common = _common_prefix(live.text, text)
-        event = TokenEvent(
-            token_id=live.tokens[-1],
-            source=source,
-            text=text[common:],
-            index=len(live.tokens) - live.prompt_len - 1,
-            retracted=retracted,
-            retracted_text=live.text[common:],
-        )
+        old = live.text
+        common = len(old) if text.startswith(old) else _common_prefix(old, text)
         live.text = text
-        return event
+        return TokenEvent(
+            live.tokens[-1], source, text[common:], len(live.tokens) - live.prompt_len - 1, retracted, old[common:]
+        )
 
 
 def _common_prefix(a: str, b: str) -> int:
