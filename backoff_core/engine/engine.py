@@ -3,12 +3,15 @@
 One `step()` advances every live request by one committed token (or one rollback):
   1. levels known before M_S runs (speculative verify steps, always-large) skip M_S
   2. M_S forward for the others, batched: next-token logits (+ hidden state for the router)
-     (propose.py, which also draws the tokens of the steps that stay small)
   3. oracle routers: the largest model catches up first, to know KL(M_L||M_S)
-  4. decide: score -> level per request (thresholds read once per step)
+  4. decide (propose.py): every stepped request's M_S token is drawn and the routers score,
+     on the device, then ONE host copy reads both; score -> level on the host (thresholds
+     read once per step)
   5. catch-up per level, batched over requests: ONE forward over each request's pending
-     tokens; verification may roll back; the step's token comes from that level
-  6. commit: append, stream, stop (commit.py)
+     tokens and one host copy; verification may roll back; the step's token comes from
+     that level
+  6. commit: append, stream, stop (commit.py; one copy for the logprobs asked for)
+Every device-to-host read goes through host.to_host: once per stage, whatever the batch.
 A request whose larger model could not answer (catchup.py) is `degraded`: from then on it
 is routed nowhere but M_S, and a step whose catch-up failed takes M_S's token instead.
 """
