@@ -5,10 +5,12 @@ distributions compared by a decision function or a verification are the ones tok
 actually sampled from. Greedy decoding is a one-hot distribution on the argmax, which makes
 exact rejection sampling reduce to "accept iff the large model's argmax agrees".
 
-Randomness is counter-based, on the logits' own device: the noise of a draw is a hash of
-(request seed, position, stream), so a request gives the same tokens batched or alone, on
-any device, with no generator state to carry and no host round trip per request: a row's
-CDF is inverted at its hashed uniform, all rows in one op. Streams keep the draws
+Randomness is counter-based: the noise of a draw is a hash of (request seed, position,
+stream), so a request gives the same tokens batched or alone, on any device, with no
+generator state to carry. The hash runs on the host over host data and reaches the device
+in the same upload as the rows' parameters; a row's CDF is inverted at its uniform on the
+logits' device, all rows in one op, and nothing here reads the device back (the step loop
+does, once per stage: engine/host.py). Streams keep the draws
 of one position independent: the token itself, the router's coin, the rejection test and
 the replacement after a rejection.
 """
@@ -16,9 +18,11 @@ the replacement after a rejection.
 from __future__ import annotations
 
 import enum
+import functools
 import secrets
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from backoff_core.types import SamplingParams
@@ -41,28 +45,48 @@ def distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return distributions(flat, [params] * flat.shape[0]).reshape(logits.shape)
 
 
-def distributions(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+@functools.lru_cache(maxsize=4096)
+def _row(params: SamplingParams, vocab: int) -> tuple[float, float, float, float]:
+    """One row of a batch's parameter upload: (greedy, temperature, top_k, top_p)."""
+    top_k = params.top_k if 0 < params.top_k < vocab else vocab
+    return (float(params.greedy), 1.0 if params.greedy else params.temperature, float(top_k), params.top_p)
+
+
+def distributions(
+    logits: torch.Tensor, params: Sequence[SamplingParams], noise: Sequence[float] | None = None
+) -> torch.Tensor:
     """logits: [B, V], one SamplingParams per row -> probabilities [B, V] (float32).
 
     Every row is a proper distribution whatever finite parameters it has: a temperature
     under the floor is greedy, top-p always keeps the most likely token, and a row whose
     logits are not finite falls back to its argmax over the finite ones.
+    The rows' parameters reach the device in one upload (with `noise`, one more float per
+    row that `draw` rides along), and which ops run is decided from them on the host:
+    nothing here waits for the device.
     """
-    logits = logits.float()
+    probs, _ = _distributions(logits, params, noise)
+    return probs
+
+
+def _distributions(logits, params, noise=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """-> (probabilities [B, V] float32, the uploaded noise column [B] float64 or None)."""
+    logits = torch.nan_to_num(logits.float(), nan=float("-inf"))
     b, v = logits.shape
-    dev = logits.device
-    greedy = torch.tensor([p.greedy for p in params], device=dev)  # [B]
-    temperature = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=dev)  # [B]
-    top_k = torch.tensor([p.top_k if 0 < p.top_k < v else v for p in params], device=dev)  # [B]
-    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float64, device=dev)  # [B]
-    logits = torch.nan_to_num(logits, nan=float("-inf"))
-    scaled = logits / temperature[:, None]
-    if bool((top_k < v).any()) or bool((top_p < 1.0).any()):
-        scaled = _truncate(scaled, top_k, top_p)
+    # [B, V]; not F.one_hot, which checks its input's range with a host read on a CPU
+    one_hot = torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    rows = [_row(p, v) for p in params]
+    if all(r[0] for r in rows) and noise is None:  # greedy everywhere: nothing to upload
+        return one_hot, None
+    table = [r + (u,) for r, u in zip(rows, noise)] if noise is not None else rows
+    # [B, 4 or 5] float64: greedy, temperature, top_k, top_p (, noise); exact for every field
+    col = torch.tensor(table, dtype=torch.float64).to(logits.device, non_blocking=True)
+    greedy = col[:, 0] != 0  # [B]
+    scaled = logits / col[:, 1, None].float()  # float32 temperature, as the parameters round it
+    if any(r[2] < v or r[3] < 1.0 for r in rows):
+        scaled = _truncate(scaled, col[:, 2].long(), col[:, 3])
     probs = torch.softmax(scaled, dim=-1)
-    one_hot = torch.nn.functional.one_hot(logits.argmax(-1), v).float()
     bad = ~torch.isfinite(probs).all(-1)  # e.g. every logit -inf
-    return torch.where((greedy | bad)[:, None], one_hot, probs)
+    return torch.where((greedy | bad)[:, None], one_hot, probs), (col[:, 4] if noise is not None else None)
 
 
 def _truncate(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -79,9 +103,11 @@ def _truncate(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) ->
 
 
 # -- counter-based randomness --------------------------------------------------------------
-def _mix(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (lowbias32) on int64 tensors holding values in [0, 2^32).
-    Products wrap in int64; masking keeps their low 32 bits, which is all the hash uses."""
+# The hash runs on the host (numpy, uint64 holding 32-bit values): its inputs (seeds,
+# positions) are host data, so a row's noise rides to the device in the same upload as its
+# parameters instead of some 40 tiny device ops per draw.
+def _mix(x: np.ndarray) -> np.ndarray:
+    """A 32-bit integer hash (lowbias32) on uint64 arrays holding values in [0, 2^32)."""
     x = x ^ (x >> 16)
     x = (x * 0x7FEB352D) & _MASK32
     x = x ^ (x >> 15)
@@ -89,23 +115,46 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def _keys(seeds: Sequence[int], positions: Sequence[int], stream: Stream, device) -> torch.Tensor:
-    """One 32-bit key per row from (seed, position, stream): [B] int64."""
-    lo = torch.tensor([s & _MASK32 for s in seeds], dtype=torch.int64, device=device)
-    hi = torch.tensor([(s >> 32) & _MASK32 for s in seeds], dtype=torch.int64, device=device)
-    pos = torch.tensor([p & _MASK32 for p in positions], dtype=torch.int64, device=device)
-    key = _mix(lo ^ _mix(hi ^ _mix(pos ^ _mix(torch.full_like(pos, int(stream) + 0x9E3779B9)))))
-    return key
+_STREAM = {s: _mix(np.array([int(s) + 0x9E3779B9], dtype=np.uint64))[0] for s in Stream}
+_INDEX = _mix(np.arange(8, dtype=np.uint64) * np.uint64(0x9E3779B1) & np.uint64(_MASK32))  # index < 8
+
+
+def _bits(seeds: Sequence[int], positions: Sequence[int], stream: Stream, width: int) -> np.ndarray:
+    """[B, width] uint64 hash values of (seed, position, stream, index)."""
+    lo = np.array([s & _MASK32 for s in seeds], dtype=np.uint64)
+    hi = np.array([(s >> 32) & _MASK32 for s in seeds], dtype=np.uint64)
+    pos = np.array([p & _MASK32 for p in positions], dtype=np.uint64)
+    key = _mix(lo ^ _mix(hi ^ _mix(pos ^ _STREAM[stream])))  # [B]
+    index = _INDEX[:width] if width <= len(_INDEX) else _mix(np.arange(width, dtype=np.uint64) * 0x9E3779B1 & _MASK32)
+    return _mix(key[:, None] ^ index[None])
+
+
+def host_uniforms(seeds: Sequence[int], positions: Sequence[int], stream: Stream, width: int = 1) -> np.ndarray:
+    """U(0, 1) noise [B, width] (float32 values, never 0 or 1), a pure function of its arguments."""
+    bits = (_bits(seeds, positions, stream, width) >> 8).astype(np.float32)
+    return (bits + np.float32(0.5)) / np.float32(1 << 24)
 
 
 def uniforms(
     seeds: Sequence[int], positions: Sequence[int], stream: Stream, width: int = 1, device: torch.device | str = "cpu"
 ) -> torch.Tensor:
-    """U(0, 1) noise [B, width] (float32, never 0 or 1), a pure function of its arguments."""
-    keys = _keys(seeds, positions, stream, device)  # [B]
-    index = torch.arange(width, dtype=torch.int64, device=device)[None]  # [1, W]
-    bits = _mix(keys[:, None] ^ _mix(index * 0x9E3779B1 & _MASK32))  # [B, W]
-    return ((bits >> 8).float() + 0.5) / float(1 << 24)
+    """host_uniforms as a tensor [B, width] float32 on `device`."""
+    return torch.from_numpy(host_uniforms(seeds, positions, stream, width)).to(device)
+
+
+def draw_noise(seeds: Sequence[int], positions: Sequence[int], stream: Stream = Stream.TOKEN) -> list[float]:
+    """The float64 uniform in (0, 1) that a row's CDF is inverted at: two 24-bit uniforms,
+    48 bits of resolution."""
+    u = host_uniforms(seeds, positions, stream, 2).astype(np.float64)  # [B, 2]
+    return (u[:, 0] + (u[:, 1] - 0.5 / (1 << 24)) / (1 << 24)).tolist()
+
+
+def _invert(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """probs: [B, V], u: [B] float64 -> token ids [B]: the first token whose CDF reaches
+    u·total (a zero-probability token never does first)."""
+    cdf = probs.double().cumsum(-1)  # [B, V]
+    token = torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=False)[:, 0]
+    return token.clamp_max(probs.shape[-1] - 1)
 
 
 def sample_rows(
@@ -113,29 +162,34 @@ def sample_rows(
 ) -> torch.Tensor:
     """probs: [B, V] -> token ids [B] (on probs' device), row i drawn by inverting its CDF
     at the uniform of (seeds[i], positions[i], stream): one hash per row, one cumsum."""
-    u = uniforms(seeds, positions, stream, 2, probs.device).double()  # [B, 2]: 48 bits of resolution
-    u = (u[:, 0] + (u[:, 1] - 0.5 / (1 << 24)) / (1 << 24))[:, None]  # [B, 1] in (0, 1)
-    cdf = probs.double().cumsum(-1)  # [B, V]
-    # the first token whose CDF reaches u·total: a zero-probability token never does first
-    token = torch.searchsorted(cdf, u * cdf[:, -1:], right=False)[:, 0]
-    return token.clamp_max(probs.shape[-1] - 1)
+    u = torch.tensor(draw_noise(seeds, positions, stream), dtype=torch.float64).to(probs.device)
+    return _invert(probs, u)
 
 
 def draw(
-    logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int], positions: Sequence[int]
-) -> list[int]:
-    """logits: [B, V] -> the token of each row, drawn from its own distribution at its own
-    (seed, position): the whole batch in one pass and one host copy."""
-    return sample_rows(distributions(logits, params), seeds, positions).tolist()
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    seeds: Sequence[int],
+    positions: Sequence[int],
+    stream: Stream = Stream.TOKEN,
+) -> torch.Tensor:
+    """logits: [B, V] -> the token of each row [B] (on the logits' device, not read back:
+    the caller reads it with the rest of its stage, engine/host.py), drawn from its own
+    distribution at its own (seed, position). One upload (parameters and noise together);
+    greedy rows need neither."""
+    if all(p.greedy for p in params):  # the one-hot's draw is its argmax
+        return torch.nan_to_num(logits.float(), nan=float("-inf")).argmax(-1)
+    probs, u = _distributions(logits, params, draw_noise(seeds, positions, stream))
+    return _invert(probs, u)
 
 
 def sample(probs: torch.Tensor, seed: int, position: int, stream: Stream = Stream.TOKEN) -> int:
-    """probs: [V] -> one token id (one host sync)."""
+    """probs: [V] -> one token id (one host sync; not for the step loop)."""
     return int(sample_rows(probs[None], [seed], [position], stream)[0])
 
 
 def uniform(seed: int, position: int, stream: Stream) -> float:
-    return float(uniforms([seed], [position], stream)[0, 0])
+    return float(host_uniforms([seed], [position], stream)[0, 0])
 
 
 def request_seed(seed: int | None) -> int:
@@ -156,7 +210,7 @@ def entropy(logits: torch.Tensor) -> torch.Tensor:
 
 
 def residual(p_large: torch.Tensor, p_small: torch.Tensor) -> torch.Tensor:
-    """norm(max(0, p_L - p_S)): what speculative sampling draws from after a rejection."""
-    r = (p_large - p_small).clamp_min(0.0)
-    total = r.sum()
-    return r / total if total > 0 else p_large
+    """norm(max(0, p_L - p_S)) over the last dim: what speculative sampling draws from after a rejection."""
+    r = (p_large - p_small).clamp_min(0.0)  # [..., V]
+    total = r.sum(-1, keepdim=True)
+    return torch.where(total > 0, r / total, p_large)  # decided on the device: no host sync

@@ -11,18 +11,19 @@ loop takes M_S's token now and routes them nowhere else; or, with on_large_failu
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
 
 from backoff_core.engine.backends import Backend, LargeUnavailable, SessionLost
-from backoff_core.engine.isolation import batched, fail, reopen
+from backoff_core.engine.host import to_host
+from backoff_core.engine.isolation import batched, each, fail, reopen
 from backoff_core.engine.state import Live
 from backoff_core.runners.dynamic import Extension
 from backoff_core.runners.sessions import SessionError
 from backoff_core.runners.static_kv import KVCapacityError
-from backoff_core.sampling import Stream, distribution, draw, kl_divergence, residual, sample, uniform
+from backoff_core.sampling import Stream, distributions, draw, kl_divergence, residual, sample_rows, uniform
 from backoff_core.types import CatchUp, Verification
 
 
@@ -34,6 +35,15 @@ class Outcome:
     logits: torch.Tensor  # [V] raw logits the step's token was drawn from
     token: int
     rolled_back: int  # committed tokens verification discarded (0: none)
+
+
+@dataclass
+class _Verdict:
+    """What one request's catch-up decided, before it is applied."""
+
+    token: int  # drawn from the newest logits: the step's token if every pending token stands
+    kl: list[float] = field(default_factory=list)  # KL(M_L || M_S) at the positions recorded
+    rejected: tuple[int, torch.Tensor, int] | None = None  # (position, p_level [V], replacement)
 
 
 class CatchUpper:
@@ -69,26 +79,24 @@ class CatchUpper:
             group = [r for r in group if r.request_id in replies]
             exts = [replies[r.request_id] for r in group]
         seconds = time.perf_counter() - start
-        before = [r.fed[level] for r in group]  # after _extend: a re-prefill starts at 0
-        outcomes, kept = {}, {}  # kept: sid -> logits [V] of the requests whose drafts all stand
+        before = {r.request_id: r.fed[level] for r in group}  # after _extend: a re-prefill starts at 0
         lengths = {}  # sid -> (pending positions this forward read, positions fed before it)
-        for r, b, ext in zip(group, before, exts):
-            lengths[r.request_id] = (len(r.tokens) - b, b)
+        for r in group:
+            lengths[r.request_id] = (len(r.tokens) - before[r.request_id], before[r.request_id])
             r.fed[level] = len(r.tokens)
-            try:
-                outcome = self._verify(level, r, b, ext)
-            except Exception as exc:  # noqa: BLE001 - its verification: this request alone
-                fail(r, exc, self.models)
-                continue
-            if outcome is None:
-                kept[r.request_id] = ext.logits[-1]
-            else:
-                outcomes[r.request_id] = outcome
-        # the step's token of every request that kept its drafts: one batched draw, one host copy
-        waiting = [r for r in group if r.request_id in kept]
-        tokens = batched(waiting, self.models, lambda g: self._draw(g, kept), lambda r: self._draw([r], kept)[0])
-        outcomes.update(
-            (request_id, Outcome(level, kept[request_id], token, 0)) for request_id, token in tokens.items()
+        rows = {r.request_id: (r, before[r.request_id], ext) for r, ext in zip(group, exts)}
+        # every request's verification and the step's token: one batched pass, one host copy;
+        # if it raises, each request alone finds the culprit (isolation.py)
+        verdicts = batched(
+            group,
+            self.models,
+            lambda g: self._judge(level, [rows[r.request_id] for r in g]),
+            lambda r: self._judge(level, [rows[r.request_id]])[0],
+        )
+        outcomes = each(
+            [r for r in group if r.request_id in verdicts],
+            self.models,
+            lambda r: self._apply(level, r, rows[r.request_id][2], verdicts[r.request_id]),
         )
         for r in group:
             if r.request_id in outcomes:
@@ -100,14 +108,89 @@ class CatchUpper:
                 )
         return outcomes
 
+    def _judge(self, level: int, rows: list[tuple[Live, int, Extension]]) -> list[_Verdict]:
+        """rows: (request, positions fed before this forward, its extension) -> what each
+        request's step is: the first pending token verification rejects (and its
+        replacement), else the token drawn from its newest logits. Every test, replacement
+        and draw of the batch is computed on the device and read in one copy; the decisions
+        are then taken on the host, in the order the positions were committed. Changes nothing."""
+        checks = [c for r, b, ext in rows for c in self._checks(level, r, b, ext.logits)]
+        kls = [(r, ext.logits[j - b - 1], r.small_logits[j]) for r, b, ext in rows for j in self._kl_at(level, r, b)]
+        token = draw(
+            torch.stack([ext.logits[-1] for _, _, ext in rows]),
+            [r.request.sampling for r, _, _ in rows],
+            [r.seed for r, _, _ in rows],
+            [len(r.tokens) for r, _, _ in rows],
+        )  # [B]
+        recorded = kl_divergence(torch.stack([c[1] for c in kls]), torch.stack([c[2] for c in kls])) if kls else None
+        read = to_host(token, *([recorded] if kls else []), *self._tests(checks))
+        verdicts = {r.request_id: _Verdict(t) for (r, _, _), t in zip(rows, read[0])}
+        for (r, _, _), value in zip(kls, read[1] if kls else []):
+            verdicts[r.request_id].kl.append(value)
+        kl_test, p_x, q_x, replacement = read[-4:] if checks else ([], [], [], [])
+        for i, (r, j, p_level, _) in enumerate(checks):
+            verdict = verdicts[r.request_id]
+            if verdict.rejected is not None:
+                continue  # a later position of a request that already rolls back
+            routing = r.request.routing
+            if routing.verification == Verification.KL:
+                accept = not kl_test[i] > routing.tolerance
+            else:  # exact rejection sampling: accept x with probability min(1, q(x) / p(x))
+                accept = uniform(r.seed, j, Stream.ACCEPT) * p_x[i] < q_x[i]
+            if not accept:
+                verdict.rejected = (j, p_level, replacement[i])
+        return [verdicts[r.request_id] for r, _, _ in rows]
+
+    def _apply(self, level: int, r: Live, ext: Extension, verdict: _Verdict) -> Outcome:
+        r.kl_at_catch_up.extend(verdict.kl)
+        if verdict.rejected is not None:
+            return self._roll_back(level, r, *verdict.rejected)
+        r.last_logits[level] = ext.logits[-1]
+        return Outcome(level, ext.logits[-1], verdict.token, 0)
+
+    def _kl_at(self, level: int, r: Live, before: int) -> list[int]:
+        """Positions whose KL(M_L || M_S) this catch-up records (collect_kl, largest model)."""
+        if not (self.collect_kl and level == r.num_levels - 1):
+            return []
+        first = max(before, r.prompt_len)
+        return [j for j in range(max(first, before + 1), len(r.tokens)) if j in r.small_logits]
+
     @staticmethod
-    def _draw(group: Sequence[Live], logits: dict[str, torch.Tensor]) -> list[int]:
-        return draw(
-            torch.stack([logits[r.request_id] for r in group]),
-            [r.request.sampling for r in group],
-            [r.seed for r in group],
-            [len(r.tokens) for r in group],
-        )
+    def _checks(level: int, r: Live, before: int, preds: torch.Tensor) -> list[tuple]:
+        """(r, position j, p_level [V], p_source [V]) of every pending token of r that
+        verification tests, in order. preds: [k, V]; preds[i] predicts position before + i + 1."""
+        if r.request.routing.verification == Verification.NONE:
+            return []
+        out = []
+        for j in range(max(before, r.prompt_len), len(r.tokens)):
+            if r.sources[j - r.prompt_len] >= level:
+                continue
+            p_level = preds[j - before - 1] if j > before else r.last_logits.get(level)
+            if p_level is not None and j in r.source_logits:
+                out.append((r, j, p_level, r.source_logits[j]))
+        return out
+
+    @staticmethod
+    def _tests(checks: list[tuple]) -> tuple[torch.Tensor, ...]:
+        """For every check (r, j, p_level, p_source), on the device, each [R]: KL(p_level ||
+        p_source), p(x) and q(x) of the committed token x under the source's and the level's
+        distributions, and the token that replaces x if it is rejected (drawn from q, or from
+        the residual for exact rejection sampling). () without checks."""
+        if not checks:
+            return ()
+        level_logits = torch.stack([c[2] for c in checks])  # [R, V]
+        source_logits = torch.stack([c[3] for c in checks])
+        params = [c[0].request.sampling for c in checks]
+        q, p = distributions(level_logits, params), distributions(source_logits, params)
+        x = torch.tensor([c[0].tokens[c[1]] for c in checks]).to(q.device, non_blocking=True)[:, None]  # [R, 1]
+        exact = [c[0].request.routing.verification != Verification.KL for c in checks]
+        if all(exact):
+            kl, target = torch.zeros(len(checks), device=q.device), residual(q, p)
+        else:
+            kl = kl_divergence(level_logits, source_logits)
+            target = q if not any(exact) else torch.where(torch.tensor(exact).to(q.device)[:, None], residual(q, p), q)
+        seeds, positions = [c[0].seed for c in checks], [c[1] for c in checks]
+        return kl, p.gather(-1, x)[:, 0], q.gather(-1, x)[:, 0], sample_rows(target, seeds, positions, Stream.REPLACE)
 
     def _one_by_one(self, level: int, group: list[Live], exc: Exception) -> dict[str, Extension]:
         """After a shared catch-up raised: each request alone, from a fresh session (the
@@ -157,43 +240,6 @@ class CatchUpper:
             except Exception:  # noqa: BLE001 - an unreachable model has its own ways to free it
                 pass
         r.opened &= {0}
-
-    def _verify(self, level: int, r: Live, before: int, ext: Extension) -> Outcome | None:
-        """The outcome of a verification that rolled back; None when every pending token
-        stands (the step's token is then drawn from preds[-1], batched, by run())."""
-        preds = ext.logits  # [k, V]; preds[i] predicts position before + i + 1
-        routing = r.request.routing
-        first = max(before, r.prompt_len)
-        if self.collect_kl and level == r.num_levels - 1:
-            for j in range(max(first, before + 1), len(r.tokens)):
-                if j in r.small_logits:
-                    r.kl_at_catch_up.append(float(kl_divergence(preds[j - before - 1], r.small_logits[j])))
-        if routing.verification != Verification.NONE:
-            for j in range(first, len(r.tokens)):
-                if r.sources[j - r.prompt_len] >= level:
-                    continue
-                p_level = preds[j - before - 1] if j > before else r.last_logits.get(level)
-                if p_level is None or j not in r.source_logits:
-                    continue
-                replacement = self._check(r, j, p_level, r.source_logits[j])
-                if replacement is not None:
-                    return self._roll_back(level, r, j, p_level, replacement)
-        r.last_logits[level] = preds[-1]
-        return None
-
-    def _check(self, r: Live, j: int, p_level: torch.Tensor, p_source: torch.Tensor) -> int | None:
-        """None to accept the token at position j, else the token that replaces it."""
-        routing, params = r.request.routing, r.request.sampling
-        if routing.verification == Verification.KL:
-            if float(kl_divergence(p_level, p_source)) > routing.tolerance:
-                return sample(distribution(p_level, params), r.seed, j, Stream.REPLACE)
-            return None
-        # exact rejection sampling: accept x with probability min(1, q(x) / p(x))
-        q, p = distribution(p_level, params), distribution(p_source, params)
-        x = r.tokens[j]
-        if uniform(r.seed, j, Stream.ACCEPT) * float(p[x]) < float(q[x]):
-            return None
-        return sample(residual(q, p), r.seed, j, Stream.REPLACE)
 
     def _roll_back(self, level: int, r: Live, j: int, p_level: torch.Tensor, token: int) -> Outcome:
         dropped = r.truncate(j)

@@ -3,12 +3,15 @@
 One `step()` advances every live request by one committed token (or one rollback):
   1. levels known before M_S runs (speculative verify steps, always-large) skip M_S
   2. M_S forward for the others, batched: next-token logits (+ hidden state for the router)
-     (propose.py, which also draws the tokens of the steps that stay small)
   3. oracle routers: the largest model catches up first, to know KL(M_L||M_S)
-  4. decide: score -> level per request (thresholds read once per step)
+  4. decide (propose.py): every stepped request's M_S token is drawn and the routers score,
+     on the device, then ONE host copy reads both; score -> level on the host (thresholds
+     read once per step)
   5. catch-up per level, batched over requests: ONE forward over each request's pending
-     tokens; verification may roll back; the step's token comes from that level
-  6. commit: append, stream, stop (commit.py)
+     tokens and one host copy; verification may roll back; the step's token comes from
+     that level
+  6. commit: append, stream, stop (commit.py; one copy for the logprobs asked for)
+Every device-to-host read goes through host.to_host: once per stage, whatever the batch.
 A request whose larger model could not answer (catchup.py) is `degraded`: from then on it
 is routed nowhere but M_S, and a step whose catch-up failed takes M_S's token instead.
 """
@@ -17,23 +20,20 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 from collections.abc import Iterator, Sequence
-
-import torch
 
 from backoff_core.engine.backends import Backend
 from backoff_core.engine.catchup import CatchUpper, Outcome
-from backoff_core.engine.commit import CommitContext, commit
-from backoff_core.engine.isolation import batched, each
+from backoff_core.engine.commit import Commit, CommitContext, append, commit_many
+from backoff_core.engine.isolation import each
 from backoff_core.engine.logprobs import TokenTexts
 from backoff_core.engine.prompt import prefill
-from backoff_core.engine.propose import draw_small, small_step
+from backoff_core.engine.propose import Proposal, propose, small_step
 from backoff_core.engine.state import Detokenizer, Live
 from backoff_core.routing.control import HIGHEST, LOWEST, RateController, rate_prior
-from backoff_core.routing.routers import DecisionFunction, StepContext, build_router
+from backoff_core.routing.routers import DecisionFunction, build_router
 from backoff_core.runners.factory import make_runner
-from backoff_core.sampling import Stream, request_seed, uniforms
+from backoff_core.sampling import request_seed
 from backoff_core.types import FinishReason, GenerationRequest, GenerationResult, KVSpec, TokenEvent, level_names
 
 log = logging.getLogger(__name__)
@@ -154,7 +154,7 @@ class BackoffEngine:
             request=request,
             request_id=request_id,
             router=router,
-            thresholds=torch.tensor(thresholds, dtype=torch.float64),
+            thresholds=thresholds,
             seed=request_seed(request.sampling.seed),
             num_levels=self.num_levels,
             controller=controller,
@@ -206,17 +206,26 @@ class BackoffEngine:
             return {}
         # 1. levels decided without M_S (a degraded request has M_S only). From here on, an
         # exception while handling one request ends that request alone (isolation.py).
-        forced = each(live, self.models, self._forced_level)
+        plain = [r for r in live if not (r.degraded or r.finish_after_verify or r.router.forces_levels)]
+        forced = dict.fromkeys((r.request_id for r in plain), -1)  # the common case, without a call each
+        forced.update(each([r for r in live if r.request_id not in forced], self.models, self._forced_level))
         live = [r for r in live if r.request_id in forced]
         stepping = [r for r in live if forced[r.request_id] < 0]
         # 2. M_S, batched
         small = small_step(self.models, stepping)
-        # 3+4. decide (oracles catch the largest model up first)
+        # 3. oracle routers: the largest model catches up first, to know KL(M_L||M_S)
         levels: dict[str, int] = {request_id: f for request_id, f in forced.items() if f >= 0}
         outcomes: dict[str, Outcome] = {}
-        scores: dict[str, float] = {}
-        for router, group in _by_router([r for r in stepping if not r.degraded and r.request_id in small]).items():
-            self._decide(router, group, small, levels, outcomes, scores)
+        routed = [r for r in stepping if not r.degraded and r.request_id in small]
+        for router, group in _by_router(routed).items():
+            if router.needs_large_logits:
+                outcomes.update(self.catch_up.run(self.num_levels - 1, group))
+        # a degraded request stays small
+        routed = [r for r in routed if not r.router.needs_large_logits or r.request_id in outcomes]
+        # 4. decide: M_S's tokens and the routers' scores, one host copy; levels on the host
+        large = {request_id: outcome.logits for request_id, outcome in outcomes.items()}
+        proposal = propose(self.models, [r for r in stepping if r.request_id in small], routed, small, large)
+        self._decide([r for r in routed if r.request_id in proposal.scores], proposal.scores, levels, outcomes)
         # 5. catch-ups, one batched forward per level
         for level in range(1, self.num_levels):
             group = [
@@ -229,35 +238,23 @@ class BackoffEngine:
             ]
             outcomes.update(self.catch_up.run(level, group))
         # a catch-up failed (degraded): M_S's token instead, for those that skipped M_S
-        small.update(
-            small_step(
-                self.models,
-                [
-                    r
-                    for r in live
-                    if r.degraded and r.failure is None and r.request_id not in small and not r.finish_after_verify
-                ],
-            )
-        )
-        # 6. commit (the tokens of the steps that stay small are drawn together: one sync)
-        drawn = draw_small(
-            self.models,
-            [
-                r
-                for r in live
-                if r.failure is None
-                and r.request_id in small
-                and r.request_id not in outcomes
-                and not r.finish_after_verify
-            ],
-            small,
-        )
+        late = [
+            r
+            for r in live
+            if r.degraded and r.failure is None and r.request_id not in small and not r.finish_after_verify
+        ]
+        if late:
+            small.update(small_step(self.models, late))
+            late = [r for r in late if r.request_id in small]
+            proposal.tokens.update(propose(self.models, late, [], small, {}).tokens)
+        # 6. commit
+        ctx = CommitContext(self.detok, self.token_texts, self.eos_ids, self.collect_kl)
         settled = each(
             [r for r in live if r.failure is None],
             self.models,
-            lambda r: self._settle(r, outcomes.get(r.request_id), small, drawn.get(r.request_id), scores),
+            lambda r: self._settle(r, outcomes.get(r.request_id), small, proposal, ctx),
         )
-        return {request_id: event for request_id, event in settled.items() if event is not None}
+        return commit_many([c for c in settled.values() if c is not None], ctx, self.models)
 
     def _forced_level(self, r: Live) -> int:
         """The level of r's step if it is known before M_S runs, else -1."""
@@ -267,14 +264,14 @@ class BackoffEngine:
             return self.num_levels - 1
         if not r.router.forces_levels:
             return -1
-        f = r.router.levels_before_small_step(torch.tensor([r.drafts()]), r.thresholds[None], self.num_levels)
-        return int(f[0]) if f is not None else -1
+        f = r.router.levels_before_small_step([r.drafts()], [r.thresholds], self.num_levels)
+        return f[0] if f is not None else -1
 
     def _settle(
-        self, r: Live, outcome: Outcome | None, small: dict, drawn: int | None, scores: dict
-    ) -> TokenEvent | None:
-        """Commit r's token of this step (None: nothing to stream). drawn: its token, if it
-        stays small."""
+        self, r: Live, outcome: Outcome | None, small: dict, proposal: Proposal, ctx: CommitContext
+    ) -> Commit | None:
+        """Append r's token of this step (None: nothing to commit; commit.py streams it)."""
+        drawn, scores = proposal.tokens.get(r.request_id), proposal.scores
         if outcome is None and r.finish_after_verify:  # the verification failed: the drafts stand
             r.finished = r.finish_after_verify
             return None
@@ -285,7 +282,7 @@ class BackoffEngine:
         else:
             logits, token, retracted, source = outcome.logits, outcome.token, outcome.rolled_back, outcome.level
         if r.controller is not None and r.request_id in scores:
-            r.thresholds[0] = r.controller.update(scores[r.request_id], source == 0)
+            r.thresholds = (r.controller.update(scores[r.request_id], source == 0),)
         if outcome is not None and source == self.num_levels - 1:
             r.schedule_drafts(rejected=retracted > 0)
         if r.finish_after_verify and not retracted:
@@ -293,50 +290,20 @@ class BackoffEngine:
             return None
         r.finish_after_verify = None
         r.cut_at = None
-        ctx = CommitContext(self.detok, self.token_texts, self.eos_ids, self.collect_kl)
-        return commit(r, token, source, logits, small.get(r.request_id), retracted, ctx)
+        c = Commit(r, token, source, logits, small.get(r.request_id), retracted)
+        append(c, ctx)
+        return c
 
-    def _decide(self, router, group, small, levels, outcomes, scores) -> None:
+    def _decide(self, group: list[Live], scores: dict[str, float], levels: dict, outcomes: dict) -> None:
+        """level = how many of r's thresholds its score reaches (host floats, float64)."""
         top = self.num_levels - 1
-        large_logits = None
-        if router.needs_large_logits:
-            outcomes.update(self.catch_up.run(top, group))
-            group = [r for r in group if r.request_id in outcomes]  # a degraded request stays small
-            if not group:
-                return
-            large_logits = torch.stack([outcomes[r.request_id].logits for r in group])
-        start = time.perf_counter()
-        ctx = StepContext(
-            small_logits=torch.stack([small[r.request_id][0] for r in group]),
-            hidden=torch.stack([small[r.request_id][1] for r in group]) if router.hidden_layer is not None else None,
-            large_logits=large_logits,
-            drafts=torch.tensor([r.drafts() for r in group] if router.reads_drafts else [0] * len(group)),
-            uniforms=uniforms([r.seed for r in group], [len(r.tokens) for r in group], Stream.ROUTER)[:, 0],
-        )
-        # one call for the group (one host copy of its scores); if it raises, one per
-        # request finds whose row it was
-        index = {r.request_id: i for i, r in enumerate(group)}
-        rows = batched(
-            group,
-            self.models,
-            lambda g: router.scores(ctx).double().tolist(),
-            lambda r: float(router.scores(ctx.row(index[r.request_id]))[0]),
-        )
-        group = [r for r in group if r.request_id in rows]
-        if not group:
-            return
-        s = torch.tensor([rows[r.request_id] for r in group], dtype=torch.float64)  # [B]
-        thresholds = torch.stack([r.thresholds for r in group])  # [B, N-1] float64, host
-        chosen = (s[:, None] >= thresholds).sum(-1).tolist()
-        seconds = time.perf_counter() - start
-        for i, r in enumerate(group):
-            r.router_times.append(seconds)
-            scores[r.request_id] = rows[r.request_id]
+        for r in group:
+            s = scores[r.request_id]
             outcome = outcomes.get(r.request_id)
             if outcome is not None and outcome.rolled_back:
                 levels[r.request_id] = top  # verification already replaced the step's token
             else:
-                levels[r.request_id] = chosen[i]
+                levels[r.request_id] = sum(s >= t for t in r.thresholds)
                 if outcome is not None and levels[r.request_id] != top:
                     del outcomes[r.request_id]  # the oracle looked, but the step is not the large model's
 

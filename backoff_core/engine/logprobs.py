@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
+from backoff_core.engine.host import to_host
 from backoff_core.runners.scoring import LOGPROB_FLOOR
 from backoff_core.types import Logprob, TokenLogprobs
 
@@ -68,19 +71,59 @@ class TokenTexts:
         return token.replace("\u2581", " ").encode("utf-8")
 
 
-def token_logprobs(logits: torch.Tensor, token: int, top_n: int, texts: TokenTexts, text_offset: int) -> TokenLogprobs:
+@dataclass(frozen=True)
+class LogprobValues:
+    """One committed token's logprob figures as read to the host (before texts are attached)."""
+
+    chosen: float  # the committed token's log-probability
+    top_ids: list[int]  # the top_n most likely tokens, most likely first
+    top_values: list[float]
+
+
+def logprob_values(logits: Sequence[torch.Tensor], tokens: Sequence[int], top_n: Sequence[int]) -> list[LogprobValues]:
+    """logits: one [V] row per committed token (raw, of its source model) -> its figures,
+    the whole batch in one host copy (engine/host.py). Rows asking for the same top_n share
+    one topk."""
+    if not logits:
+        return []
+    logp = torch.log_softmax(torch.nan_to_num(torch.stack(list(logits)).float(), nan=float("-inf")), dim=-1)
+    logp = logp.clamp_min(LOGPROB_FLOOR)  # [B, V]: -inf (and underflow) -> the finite floor
+    index = torch.tensor(list(tokens), dtype=torch.long).to(logp.device, non_blocking=True)
+    chosen = logp.gather(-1, index[:, None])[:, 0]  # [B]
+    groups: dict[int, list[int]] = {}
+    for i, n in enumerate(top_n):
+        groups.setdefault(min(n, logp.shape[-1]), []).append(i)
+    tops = {n: torch.topk(logp[rows] if len(rows) < len(top_n) else logp, n) for n, rows in groups.items()}
+    parts = [chosen] + [t for top in tops.values() for t in (top.values, top.indices)]
+    read = to_host(*parts)
+    out: list[LogprobValues | None] = [None] * len(top_n)
+    for g, (n, rows) in enumerate(groups.items()):
+        values, ids = read[1 + 2 * g], read[2 + 2 * g]
+        for j, i in enumerate(rows):
+            out[i] = LogprobValues(read[0][i], ids[j] if n else [], values[j] if n else [])
+    return out
+
+
+def token_logprobs(
+    logits: torch.Tensor,
+    token: int,
+    top_n: int,
+    texts: TokenTexts,
+    text_offset: int,
+    values: LogprobValues | None = None,
+) -> TokenLogprobs:
     """logits: [V] raw logits of the source model at this step -> the committed token's
-    log-probability and the top_n most likely tokens, most likely first (one host copy)."""
-    logp = torch.log_softmax(torch.nan_to_num(logits.float(), nan=float("-inf")), dim=-1)  # [V]
-    logp = logp.clamp_min(LOGPROB_FLOOR)  # -inf (and underflow) -> the finite floor
-    top = torch.topk(logp, min(top_n, logp.shape[-1]))  # sorted, descending
-    values = torch.cat([logp[token : token + 1], top.values]).tolist()  # [1 + n]
-    ids = top.indices.tolist()
+    log-probability and the top_n most likely tokens, most likely first. values: what
+    logprob_values read for this row (else it reads them: one host copy)."""
+    if values is None:
+        values = logprob_values([logits], [token], [top_n])[0]
 
     def entry(token_id: int, value: float) -> Logprob:
         text, raw = texts(token_id)
         return Logprob(token_id=token_id, token=text, token_bytes=raw, logprob=value)
 
     return TokenLogprobs(
-        chosen=entry(token, values[0]), top=tuple(entry(i, v) for i, v in zip(ids, values[1:])), text_offset=text_offset
+        chosen=entry(token, values.chosen),
+        top=tuple(entry(i, v) for i, v in zip(values.top_ids, values.top_values)),
+        text_offset=text_offset,
     )

@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from backoff_core.engine.backends import Backend
+from backoff_core.engine.host import to_host
 from backoff_core.engine.logprobs import TokenTexts
 from backoff_core.engine.state import Live
 from backoff_core.routing.routers import StepContext
@@ -177,10 +178,12 @@ def _levels(r: Live, small: Extension, large: Extension | None) -> list[int]:
         drafts=torch.zeros(n, dtype=torch.long),
         uniforms=uniforms([r.seed] * n, range(1, n + 1), Stream.ROUTER)[:, 0],  # the coin of position j + 1
     )
-    scores = r.router.scores(ctx).double().cpu()  # [n]
+    scores = r.router.scores(ctx)  # [n]
     if scores.shape != (n,):
         raise RuntimeError(f"router {r.router.name} gave {tuple(scores.shape)} scores for {n} prompt rows")
-    return (scores[:, None] >= r.thresholds[None]).sum(-1).tolist()
+    (values,) = to_host(scores)
+    # level = how many of the request's thresholds (host floats, ascending) the score reaches
+    return [sum(v >= t for t in r.thresholds) for v in values]
 
 
 def _entries(

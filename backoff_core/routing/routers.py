@@ -26,6 +26,8 @@ class StepContext:
     large_logits: torch.Tensor | None  # [B, V] largest model's logits (oracles only)
     drafts: torch.Tensor  # [B] tokens committed since the largest model last ran
     uniforms: torch.Tensor  # [B] one U(0,1) per sequence from its own seeded generator
+    # every tensor is on the logits' device; scores() returns [B] there too, and the step
+    # loop reads them back with the step's tokens in one copy (engine/host.py)
 
     def row(self, i: int) -> StepContext:
         """Row i, as a batch of one."""
@@ -44,9 +46,17 @@ class DecisionFunction:
     hidden_layer: int | None = None  # which M_S hidden state to hand over, if any
     # what the step loop must compute for this router (each costs host work per request):
     reads_drafts: ClassVar[bool] = False  # StepContext.drafts
+    # StepContext.uniforms (zeros when False). A subclass that overrides `scores` reads
+    # them unless it says otherwise (__init_subclass__), so a new score is never starved.
+    reads_uniforms: ClassVar[bool] = True
     forces_levels: ClassVar[bool] = False  # levels_before_small_step is overridden
     # decides each prompt position from M_S's state there (prompt logprobs, engine/prompt.py)
     scores_prompts: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if "scores" in cls.__dict__ and "reads_uniforms" not in cls.__dict__:
+            cls.reads_uniforms = True
 
     def default_thresholds(self, num_levels: int) -> tuple[float, ...]:
         return tuple(0.0 for _ in range(num_levels - 1))
@@ -55,29 +65,31 @@ class DecisionFunction:
         raise NotImplementedError
 
     def levels_before_small_step(
-        self, drafts: torch.Tensor, thresholds: torch.Tensor, num_levels: int
-    ) -> torch.Tensor | None:
-        """Levels known without M_S's output ([B], -1 = unknown), so M_S can skip the step.
-        drafts: [B]; thresholds: [B, N-1], each request's own."""
+        self, drafts: list[int], thresholds: list[tuple[float, ...]], num_levels: int
+    ) -> list[int] | None:
+        """Levels known without M_S's output (one per request, -1 = unknown), so M_S can skip
+        the step. Host data only (drafts, each request's own N-1 thresholds): no tensor."""
         return None
 
 
 class AlwaysSmall(DecisionFunction):
     name = "always-small"
+    reads_uniforms = False
 
     def scores(self, ctx):
-        return torch.full((ctx.small_logits.shape[0],), -math.inf)
+        return torch.full((ctx.small_logits.shape[0],), -math.inf, device=ctx.small_logits.device)
 
 
 class AlwaysLarge(DecisionFunction):
     name = "always-large"
     forces_levels = True
+    reads_uniforms = False
 
     def scores(self, ctx):
-        return torch.full((ctx.small_logits.shape[0],), math.inf)
+        return torch.full((ctx.small_logits.shape[0],), math.inf, device=ctx.small_logits.device)
 
     def levels_before_small_step(self, drafts, thresholds, num_levels):
-        return torch.full_like(drafts, num_levels - 1)
+        return [num_levels - 1] * len(drafts)
 
 
 class Oracle(DecisionFunction):
@@ -85,18 +97,20 @@ class Oracle(DecisionFunction):
 
     name = "oracle"
     needs_large_logits = True
+    reads_uniforms = False
 
     def default_thresholds(self, num_levels):
         return tuple(0.5 * 2**i for i in range(num_levels - 1))
 
     def scores(self, ctx):
-        return kl_divergence(ctx.large_logits, ctx.small_logits).cpu()
+        return kl_divergence(ctx.large_logits, ctx.small_logits)
 
 
 class FlippedOracle(Oracle):
     """The ablation: sends the LOWEST-KL steps to the large model (score = -KL)."""
 
     name = "flipped-oracle"
+    reads_uniforms = False
 
     def default_thresholds(self, num_levels):
         return tuple(-x for x in reversed(super().default_thresholds(num_levels)))
@@ -109,25 +123,27 @@ class Entropy(DecisionFunction):
     """Entropy of M_S's distribution (nats): uncertain steps go large."""
 
     name = "entropy"
+    reads_uniforms = False
 
     def default_thresholds(self, num_levels):
         return tuple(2.0 * (i + 1) for i in range(num_levels - 1))
 
     def scores(self, ctx):
-        return entropy(ctx.small_logits).cpu()
+        return entropy(ctx.small_logits)
 
 
 class MaxProb(DecisionFunction):
     """1 - max_v p_S(v): BiLD's fallback rule."""
 
     name = "max-prob"
+    reads_uniforms = False
     threshold_range = (0.0, 1.0)  # the score is a probability mass
 
     def default_thresholds(self, num_levels):
         return tuple(0.5 + 0.4 * i / max(1, num_levels - 1) for i in range(num_levels - 1))
 
     def scores(self, ctx):
-        return (1.0 - torch.softmax(ctx.small_logits.float(), -1).max(-1).values).cpu()
+        return 1.0 - torch.softmax(ctx.small_logits.float(), -1).max(-1).values
 
 
 class Random(DecisionFunction):
@@ -155,6 +171,7 @@ class Draft(DecisionFunction):
     threshold_range = (1.0, math.inf)  # drafts before a verification
     reads_drafts = forces_levels = True
     scores_prompts = False  # its decision is a count of drafts: a prompt has none
+    reads_uniforms = False
 
     def __init__(self, draft_tokens: int) -> None:
         self.draft_tokens = draft_tokens
@@ -168,7 +185,7 @@ class Draft(DecisionFunction):
     def levels_before_small_step(self, drafts, thresholds, num_levels):
         # the largest model verifies K drafts (K = the request's threshold, which the
         # draft schedule moves): M_S's step would be thrown away
-        return torch.where(drafts >= thresholds[:, -1], num_levels - 1, -1)
+        return [num_levels - 1 if d >= t[-1] else -1 for d, t in zip(drafts, thresholds)]
 
 
 class Scripted(DecisionFunction):
@@ -176,6 +193,7 @@ class Scripted(DecisionFunction):
 
     name = "scripted"
     scores_prompts = False  # one scripted level per step, not per prompt position
+    reads_uniforms = False
 
     def __init__(self, levels: list[int]) -> None:
         self.levels = list(levels)
@@ -186,7 +204,8 @@ class Scripted(DecisionFunction):
 
     def scores(self, ctx):
         b = ctx.small_logits.shape[0]
-        out = torch.tensor([float(self.levels[min(self.step, len(self.levels) - 1)])] * b)
+        level = float(self.levels[min(self.step, len(self.levels) - 1)])
+        out = torch.full((b,), level, device=ctx.small_logits.device)
         self.step += 1
         return out
 
@@ -195,6 +214,7 @@ class Classifier(DecisionFunction):
     """σ(MLP(hidden state of M_S at layer n)) (or the head's own score) >= T -> large."""
 
     name = "classifier"
+    reads_uniforms = False
 
     def __init__(self, head: "torch.nn.Module") -> None:
         self.head = head.eval()
@@ -207,7 +227,7 @@ class Classifier(DecisionFunction):
     def scores(self, ctx):
         if ctx.hidden is None:
             raise ValueError("classifier router needs M_S hidden states")
-        return self.head.score(ctx.hidden, ctx.small_logits).float().cpu()
+        return self.head.score(ctx.hidden, ctx.small_logits).float()
 
 
 BUILTIN: dict[str, Callable[..., DecisionFunction]] = {

@@ -125,7 +125,7 @@ def test_the_controller_knows_the_horizon_only_when_the_request_cannot_end_earli
 def test_target_backoff_zero_starts_at_the_lowest_threshold(pair, tokenizer):
     engine = engine_for(pair, tokenizer)
     request_id = engine.submit(request([3, 4, 5], 4, "entropy", target_backoff=0.0))
-    assert engine._live[request_id].thresholds.tolist() == [LOWEST]
+    assert list(engine._live[request_id].thresholds) == [LOWEST]
 
 
 # -- Detokenizer ------------------------------------------------------------------------------

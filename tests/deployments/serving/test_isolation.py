@@ -14,6 +14,8 @@ import sys
 import pytest
 import torch
 
+import backoff_core.engine.catchup
+import backoff_core.engine.propose
 import backoff_core.sampling
 from backoff_core.engine.engine import BackoffEngine
 from backoff_core.engine.state import Detokenizer
@@ -123,16 +125,18 @@ def test_a_sampling_error_ends_only_its_request(pair, tokenizer, monkeypatch, ro
     reqs = _requests(router)
     culprit = reqs[CULPRIT]
     reqs[CULPRIT] = dataclasses.replace(culprit, sampling=dataclasses.replace(culprit.sampling, seed=BAD_SEED))
-    real, calls = backoff_core.sampling.distributions, []
+    real, calls = backoff_core.sampling.draw, []
 
-    def distribution(logits, params):
+    def draw(logits, params, *args, **kwargs):
         if any(p.seed == BAD_SEED for p in params):
             calls.append(1)
             if len(calls) > 3:
                 raise Injected("injected: probabilities out of range")
-        return real(logits, params)
+        return real(logits, params, *args, **kwargs)
 
-    monkeypatch.setattr(backoff_core.sampling, "distributions", distribution)
+    # where the step loop draws: propose.py (M_S's tokens), catchup.py (a level's tokens)
+    monkeypatch.setattr(backoff_core.engine.propose, "draw", draw)
+    monkeypatch.setattr(backoff_core.engine.catchup, "draw", draw)
     engine = engine_for(pair, tokenizer)
     out = _run(engine, reqs)
     monkeypatch.undo()
