@@ -53,10 +53,20 @@ class SamplingParams:
     # log-probabilities of each committed token under its source model's raw distribution
     # (logprobs.py), with this many top alternatives (0..MAX_TOP_LOGPROBS); None: none (free)
     logprobs: int | None = None
+    # log-probability of every PROMPT token under the request's routed teacher-forced
+    # distribution (engine/prompt.py), with this many top alternatives; None: none (free)
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(
+                f"prompt_logprobs (top alternatives) must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}"
+            )
+        if self.max_tokens < 1 and not (self.max_tokens == 0 and self.prompt_logprobs is not None):
+            raise ValueError(
+                f"max_tokens must be >= 1 (0 only with prompt_logprobs: score the prompt, generate nothing), "
+                f"got {self.max_tokens}"
+            )
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:
@@ -174,7 +184,7 @@ class TokenLogprobs:
 
     chosen: Logprob
     top: tuple[Logprob, ...]  # SamplingParams.logprobs of them
-    text_offset: int  # where the token's text starts in the generated text (characters)
+    text_offset: int  # where the token's text starts in the generated text (a prompt token's: in the prompt text)
 
 
 @dataclass(frozen=True)
@@ -234,6 +244,13 @@ class GenerationResult:
     degraded_reason: str = ""
     # per generated token (aligned with token_ids and sources) when the request asks, else None
     logprobs: tuple[TokenLogprobs, ...] | None = None
+    # per PROMPT token when the request asks (SamplingParams.prompt_logprobs), else None: its
+    # log-probability under the routed teacher-forced distribution (engine/prompt.py), text_offset
+    # into prompt_text; the first entry is None (nothing predicts the first token)
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
+    # aligned with prompt_logprobs: the level whose distribution scored each prompt token
+    prompt_sources: tuple[int | None, ...] | None = None
+    prompt_text: str | None = None  # the decoded prompt the offsets index (when prompt_logprobs)
 
     @property
     def backoff_rate(self) -> float:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from backoff_core.runners.dynamic import Extension
+from backoff_core.runners.scoring import Scoring
 
 
 class Backend(Protocol):
@@ -22,7 +23,11 @@ class Backend(Protocol):
     def crop(self, request_id: str, length: int) -> None: ...
 
     def extend(
-        self, items: list[tuple[str, list[int]]], hidden_layer: int | None = None, last_only: bool = False
+        self,
+        items: list[tuple[str, list[int]]],
+        hidden_layer: int | None = None,
+        last_only: bool = False,
+        scoring: list[Scoring | None] | None = None,  # passed only when some item is scored
     ) -> list[Extension]: ...
 
 

@@ -27,13 +27,14 @@ from backoff_core.engine.catchup import CatchUpper, Outcome
 from backoff_core.engine.commit import CommitContext, commit
 from backoff_core.engine.isolation import batched, each
 from backoff_core.engine.logprobs import TokenTexts
+from backoff_core.engine.prompt import prefill
 from backoff_core.engine.propose import draw_small, small_step
 from backoff_core.engine.state import Detokenizer, Live
 from backoff_core.routing.control import HIGHEST, LOWEST, RateController, rate_prior
 from backoff_core.routing.routers import DecisionFunction, StepContext, build_router
 from backoff_core.runners.factory import make_runner
 from backoff_core.sampling import Stream, request_seed, uniforms
-from backoff_core.types import GenerationRequest, GenerationResult, KVSpec, TokenEvent, level_names
+from backoff_core.types import FinishReason, GenerationRequest, GenerationResult, KVSpec, TokenEvent, level_names
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,27 @@ class BackoffEngine:
     # -- admission ------------------------------------------------------------------------
     def submit(self, request: GenerationRequest, router: DecisionFunction | None = None) -> str:
         """Admit a request (M_S prompt prefill now); returns its id. Raises ValueError on bad input."""
+        return self.submit_many([request], [router])[0]
+
+    def submit_many(
+        self, requests: Sequence[GenerationRequest], routers: Sequence[DecisionFunction | None] | None = None
+    ) -> list[str]:
+        """Admit requests together: every prompt prefill (and prompt scoring) batched
+        (prompt.py); their ids, in order. All or none: a bad request raises ValueError (and a
+        model's error is raised) before any of them is admitted."""
+        routers = routers or [None] * len(requests)
+        lives = [self._admit(request, router) for request, router in zip(requests, routers, strict=True)]
+        if len({r.request_id for r in lives}) != len(lives):
+            raise ValueError("request ids must be distinct")
+        prefill(self.models, lives, self.token_texts, self.detok.decode)
+        for r in lives:
+            if r.request.sampling.max_tokens == 0:  # the prompt scored, nothing to generate
+                r.finished = FinishReason.LENGTH
+            self._live[r.request_id] = r
+        return [r.request_id for r in lives]
+
+    def _admit(self, request: GenerationRequest, router: DecisionFunction | None) -> Live:
+        """A request's record, checked (ValueError on bad input); no session is opened yet."""
         request_id = request.request_id or f"req-{next(self._ids)}"
         if request_id in self._live:
             raise ValueError(f"request id {request_id!r} is already live")
@@ -104,6 +126,8 @@ class BackoffEngine:
         if any(not 0 <= t < vocab for t in request.prompt_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         router = router or self._router(request)
+        if request.sampling.prompt_logprobs is not None and not router.scores_prompts:
+            raise ValueError(f"the {router.name} router makes no decision on a prompt: prompt_logprobs needs another")
         routing = request.routing
         thresholds = routing.thresholds or router.default_thresholds(self.num_levels)
         if len(thresholds) != self.num_levels - 1:
@@ -126,7 +150,7 @@ class BackoffEngine:
                 routing.target_backoff, thresholds[0], prior=rate_prior(router), horizon=horizon
             )
             thresholds = (controller.threshold,)
-        live = Live(
+        return Live(
             request=request,
             request_id=request_id,
             router=router,
@@ -137,28 +161,6 @@ class BackoffEngine:
             tokens=list(request.prompt_ids),
             fed=[0] * self.num_levels,
         )
-        start = time.perf_counter()
-        opened = []
-        try:
-            for level, model in enumerate(self.models):
-                if level == 0 or routing.eager_prefill or router.needs_large_logits:
-                    model.open(request_id)
-                    opened.append(model)
-                    live.opened.add(level)
-            # prefill all but the last prompt token: every step then reads >= 1 pending token
-            head = list(request.prompt_ids[:-1])
-            if head:
-                for level, model in enumerate(self.models):
-                    if model in opened:
-                        model.extend([(request_id, head)], last_only=True)
-                        live.fed[level] = len(head)
-        except Exception:
-            for model in opened:
-                model.close(request_id)
-            raise
-        live.prefill_s = time.perf_counter() - start
-        self._live[request_id] = live
-        return request_id
 
     def _router(self, request: GenerationRequest) -> DecisionFunction:
         r = request.routing
@@ -356,8 +358,7 @@ class BackoffEngine:
         self, requests: Sequence[GenerationRequest], routers: Sequence[DecisionFunction | None] | None = None
     ) -> list[GenerationResult]:
         """Run requests together (batched steps); results in request order."""
-        routers = routers or [None] * len(requests)
-        rids = [self.submit(req, router) for req, router in zip(requests, routers)]
+        rids = self.submit_many(requests, routers)
         try:
             while any(not self._live[request_id].done for request_id in rids):
                 self.step()

@@ -20,9 +20,10 @@ import re
 
 import torch
 
+from backoff_core.runners.scoring import LOGPROB_FLOOR
 from backoff_core.types import Logprob, TokenLogprobs
 
-LOGPROB_FLOOR = -9999.0
+__all__ = ["LOGPROB_FLOOR", "TokenTexts", "token_logprobs"]
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 

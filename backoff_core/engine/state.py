@@ -56,6 +56,10 @@ class Live:
     # the error that ends this request alone (finish() raises it): LargeUnavailable with
     # on_large_failure = "fail", or whatever handling this one request raised (isolation.py)
     failure: Exception | None = None
+    # when the request asks for prompt logprobs (engine/prompt.py): per prompt token, the first None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    prompt_sources: list[int | None] | None = None
+    prompt_text: str | None = None
 
     @property
     def done(self) -> bool:
@@ -122,6 +126,9 @@ class Live:
             degraded=bool(self.degraded),
             degraded_reason=self.degraded,
             logprobs=tuple(self.logprobs) if self.request.sampling.logprobs is not None else None,
+            prompt_logprobs=tuple(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
+            prompt_sources=tuple(self.prompt_sources) if self.prompt_sources is not None else None,
+            prompt_text=self.prompt_text,
         )
 
 

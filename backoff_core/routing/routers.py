@@ -45,6 +45,8 @@ class DecisionFunction:
     # what the step loop must compute for this router (each costs host work per request):
     reads_drafts: ClassVar[bool] = False  # StepContext.drafts
     forces_levels: ClassVar[bool] = False  # levels_before_small_step is overridden
+    # decides each prompt position from M_S's state there (prompt logprobs, engine/prompt.py)
+    scores_prompts: ClassVar[bool] = True
 
     def default_thresholds(self, num_levels: int) -> tuple[float, ...]:
         return tuple(0.0 for _ in range(num_levels - 1))
@@ -152,6 +154,7 @@ class Draft(DecisionFunction):
     name = "draft"
     threshold_range = (1.0, math.inf)  # drafts before a verification
     reads_drafts = forces_levels = True
+    scores_prompts = False  # its decision is a count of drafts: a prompt has none
 
     def __init__(self, draft_tokens: int) -> None:
         self.draft_tokens = draft_tokens
@@ -172,6 +175,7 @@ class Scripted(DecisionFunction):
     """Replays a fixed list of levels, one per step (tests and hand-written token scripts)."""
 
     name = "scripted"
+    scores_prompts = False  # one scripted level per step, not per prompt position
 
     def __init__(self, levels: list[int]) -> None:
         self.levels = list(levels)

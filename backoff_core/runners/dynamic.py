@@ -29,11 +29,13 @@ from __future__ import annotations
 import collections
 import inspect
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from backoff_core.runners.scoring import Scored, Scoring, score_rows
 from backoff_core.runners.sessions import Session, SessionTable
 from backoff_core.runners.static_kv import KVCapacityError
 
@@ -47,6 +49,7 @@ class Extension:
 
     logits: torch.Tensor  # [k, V] float32: the next-token logits after each new token ([1, V]: last_only)
     hidden: torch.Tensor | None  # [k, d] hidden state at the requested layer, or None
+    scored: Scored | None = None  # the rows the extend's Scoring named (scoring.py), or None
 
 
 @dataclass
@@ -143,19 +146,30 @@ class ModelRunner(SessionTable[_CachedSession]):
     # -- forward --------------------------------------------------------------------------
     @torch.inference_mode()
     def extend(
-        self, items: list[tuple[str, list[int]]], hidden_layer: int | None = None, last_only: bool = False
+        self,
+        items: list[tuple[str, list[int]]],
+        hidden_layer: int | None = None,
+        last_only: bool = False,
+        scoring: Sequence[Scoring | None] | None = None,
     ) -> list[Extension]:
         """Append tokens to sessions in one forward; returns one Extension per item (its
-        logits at every new position, or at the last one only)."""
+        logits at every new position, or at the last one only). scoring: per item, rows to
+        score (scoring.py); the LM head then runs on those rows (and the last) only."""
         if not items:
             return []
+        scoring = list(scoring) if scoring is not None else [None] * len(items)
+        if len(scoring) != len(items):
+            raise ValueError(f"{self.name}: one scoring (or None) per item")
+        for (_, ids), sc in zip(items, scoring):
+            if sc is not None:
+                sc.check(len(ids), self.vocab_size)
         with self._lock:
             sessions = self._extending(items)
             self._reserve(items)
             if len(items) == 1:
-                out = self._extend_one(sessions[0], items[0][1], hidden_layer, last_only)
+                out = self._extend_one(sessions[0], items[0][1], hidden_layer, last_only, scoring[0])
             else:
-                out = self._extend_batch(sessions, [ids for _, ids in items], hidden_layer, last_only)
+                out = self._extend_batch(sessions, [ids for _, ids in items], hidden_layer, last_only, scoring)
             self.forward_passes += 1
             now = time.monotonic()
             for s in sessions:
@@ -175,21 +189,27 @@ class ModelRunner(SessionTable[_CachedSession]):
         )
 
     def _extend_one(
-        self, s: _CachedSession, ids: list[int], hidden_layer: int | None, last_only: bool
+        self, s: _CachedSession, ids: list[int], hidden_layer: int | None, last_only: bool, scoring: Scoring | None
     ) -> list[Extension]:
         # Fast path: no padding, no mask, the session's own cache extended in place by HF.
         if s.cache is None:
             s.cache = DynamicCache()
+        k = len(ids)
         input_ids = torch.tensor([ids], device=self.device)  # [1, k]
-        position_ids = torch.arange(s.length, s.length + len(ids), device=self.device)[None]
-        out = self._forward(input_ids, s.cache, hidden_layer, -1 if last_only else None, position_ids=position_ids)
-        s.length += len(ids)
+        position_ids = torch.arange(s.length, s.length + k, device=self.device)[None]
+        keep = _keep([k], last_only, [scoring])
+        out = self._forward(input_ids, s.cache, hidden_layer, keep, position_ids=position_ids)
+        s.length += k
         hidden = out.hidden_states[hidden_layer][0] if hidden_layer is not None else None
-        logits = out.logits[0, -1:] if last_only else out.logits[0]
-        return [Extension(logits.float(), hidden)]
+        return [_extension(out.logits[0], _kept(out.logits, keep, k), k, last_only, hidden, scoring)]
 
     def _extend_batch(
-        self, sessions: list[_CachedSession], new_ids: list[list[int]], hidden_layer: int | None, last_only: bool
+        self,
+        sessions: list[_CachedSession],
+        new_ids: list[list[int]],
+        hidden_layer: int | None,
+        last_only: bool,
+        scoring: list[Scoring | None],
     ) -> list[Extension]:
         past_lens = [s.length for s in sessions]
         new_lens = [len(ids) for ids in new_ids]
@@ -204,10 +224,10 @@ class ModelRunner(SessionTable[_CachedSession]):
             input_ids[i, : len(ids)] = torch.tensor(ids, device=dev)
             position_ids[i] = torch.arange(p, p + k_max, device=dev)
         past = DynamicCache(ddp_cache_data=self._left_pad(sessions, p_max)) if p_max else DynamicCache()
-        # last_only: each row's last new token sits at column k_i - 1 (new tokens are right-padded)
-        keep = sorted({k - 1 for k in new_lens}) if last_only else None
+        # the columns any row wants (new tokens are right-padded: a row's last sits at k_i - 1)
+        keep = _keep(new_lens, last_only, scoring)
         out = self._forward(input_ids, past, hidden_layer, keep, attention_mask=mask, position_ids=position_ids)
-        kept = out.logits.shape[1] == len(keep) if keep is not None else False  # the model took logits_to_keep
+        kept = _kept(out.logits, keep, k_max)
         layers = out.past_key_values.layers
         results = []
         for i, (s, p, k) in enumerate(zip(sessions, past_lens, new_lens)):
@@ -219,12 +239,7 @@ class ModelRunner(SessionTable[_CachedSession]):
             )
             s.length = p + k
             hidden = out.hidden_states[hidden_layer][i, :k] if hidden_layer is not None else None
-            if not last_only:
-                logits = out.logits[i, :k]
-            else:
-                column = keep.index(k - 1) if kept else k - 1
-                logits = out.logits[i, column : column + 1]
-            results.append(Extension(logits.float(), hidden))
+            results.append(_extension(out.logits[i], kept, k, last_only, hidden, scoring[i]))
         return results
 
     def _left_pad(self, sessions: list[_CachedSession], p_max: int) -> KV:
@@ -243,6 +258,42 @@ class ModelRunner(SessionTable[_CachedSession]):
                     values[i, :, p_max - s.length :] = kv[layer][1][0]
             padded.append((keys, values))
         return padded
+
+
+def _keep(new_lens: list[int], last_only: bool, scoring: list[Scoring | None]) -> int | list[int] | None:
+    """The columns whose logits a forward must compute: None (all), -1 (each row's last, one
+    row) or a sorted list shared by the batch's rows (each row's last and its scored rows)."""
+    if not last_only:
+        return None
+    if all(sc is None for sc in scoring):
+        return -1 if len(new_lens) == 1 else sorted({k - 1 for k in new_lens})
+    rows = {k - 1 for k in new_lens}
+    for sc in scoring:
+        rows.update(sc.rows if sc is not None else ())
+    return sorted(rows)
+
+
+def _kept(logits: torch.Tensor, keep, k: int) -> list[int] | None:
+    """The new-id row of each computed logits column ([B, C, V]; keep -1: one row of k new
+    ids); None: every row (the model computed all, as it does without logits_to_keep)."""
+    if keep is None:
+        return None
+    columns = [k - 1] if keep == -1 else keep
+    return columns if logits.shape[1] == len(columns) else None
+
+
+def _extension(
+    logits: torch.Tensor, kept: list[int] | None, k: int, last_only: bool, hidden, scoring: Scoring | None
+) -> Extension:
+    """One row's Extension from its computed logits [C, V] (columns `kept`, None: all)."""
+    where = {c: n for n, c in enumerate(kept)} if kept is not None else None
+
+    def rows(wanted: list[int]) -> torch.Tensor:
+        return logits[wanted if where is None else [where[j] for j in wanted]]
+
+    out = rows([k - 1]) if last_only else logits[:k]
+    scored = score_rows(rows(list(scoring.rows)), scoring.targets, scoring.top_n) if scoring is not None else None
+    return Extension(out.float(), hidden, scored)
 
 
 def timed(fn, *args, **kwargs):

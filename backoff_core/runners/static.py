@@ -31,6 +31,7 @@ others raise ValueError here, and the caller keeps ModelRunner for them.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,7 @@ from transformers import PreTrainedModel
 
 from backoff_core.runners.cuda_graphs import CudaGraphs, GraphKey
 from backoff_core.runners.dynamic import Extension
+from backoff_core.runners.scoring import Scoring, score_rows
 from backoff_core.runners.sessions import Session, SessionTable
 from backoff_core.runners.static_forward import Batch, StaticForward, check_supported
 from backoff_core.runners.static_kv import KVCapacityError, StaticKV, bucket, next_power_of_two, powers_of_two
@@ -184,30 +186,48 @@ class StaticRunner(SessionTable[_SlotSession]):
     # -- forward --------------------------------------------------------------------------
     @torch.inference_mode()
     def extend(
-        self, items: list[tuple[str, list[int]]], hidden_layer: int | None = None, last_only: bool = False
+        self,
+        items: list[tuple[str, list[int]]],
+        hidden_layer: int | None = None,
+        last_only: bool = False,
+        scoring: Sequence[Scoring | None] | None = None,
     ) -> list[Extension]:
         """Append tokens to sessions in one forward; returns one Extension per item (its
-        logits at every new position, or at the last one only). Raises KVCapacityError,
-        changing nothing, if a session would pass max_len - 1 positions or no slot can be had."""
+        logits at every new position, or at the last one only). scoring: per item, rows to
+        score (scoring.py; such a forward computes every row's logits and keeps what is
+        asked). Raises KVCapacityError, changing nothing, if a session would pass max_len - 1
+        positions or no slot can be had."""
         if not items:
             return []
+        scoring = list(scoring) if scoring is not None else [None] * len(items)
+        if len(scoring) != len(items):
+            raise ValueError(f"{self.name}: one scoring (or None) per item")
+        for (_, ids), sc in zip(items, scoring):
+            if sc is not None:
+                sc.check(len(ids), self.vocab_size)
+        scores = any(sc is not None for sc in scoring)
         with self._lock:
             sessions = self._extending(items)
             for (request_id, ids), s in zip(items, sessions):
                 self.kv.check_room(request_id, s.length, len(ids))
             self._reserve(items, sessions)
             new_ids = [list(ids) for _, ids in items]
-            plan = self._plan(sessions, new_ids, self._layer(hidden_layer), last_only)
+            plan = self._plan(sessions, new_ids, self._layer(hidden_layer), last_only and not scores)
             logits, hidden = self._run(plan)  # [B, K or 1, V], [B, K, d] | None
             self.forward_passes += 1
             now = time.monotonic()
             results = []
-            for s, ids, row in zip(sessions, new_ids, plan.rows):
+            for s, ids, row, sc in zip(sessions, new_ids, plan.rows, scoring):
                 k = len(ids)
                 s.length += k
                 s.last_used = now
                 h = hidden[row, :k] if hidden is not None else None
-                results.append(Extension(logits[row, :1] if plan.key.last_only else logits[row, :k], h))
+                if plan.key.last_only:
+                    out = logits[row, :1]
+                else:
+                    out = logits[row, k - 1 : k] if last_only else logits[row, :k]
+                scored = score_rows(logits[row, list(sc.rows)], sc.targets, sc.top_n) if sc is not None else None
+                results.append(Extension(out, h, scored))
             return results
 
     def _layer(self, hidden_layer: int | None) -> int | None:

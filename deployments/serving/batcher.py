@@ -35,8 +35,10 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
+import torch
 
 from backoff_core.runners.dynamic import ModelRunner
+from backoff_core.runners.scoring import Scored, Scoring
 from backoff_core.runners.static_kv import KVCapacityError
 
 
@@ -50,6 +52,29 @@ class CatchUpCall:
     owner: str = ""  # the caller (a SmallModel replica) whose lease keeps the session; "": TTL only
     last_only: bool = False  # reply with the logits after the last id only ([1, V]: 1/k of the bytes)
     refill: bool = False  # past 0 rebuilding a lost session of a live request: never refused for KV room
+    # rows to score (prompt logprobs: a target's log-probability and the top-n, runners/scoring.py),
+    # answered in CatchUpReply.scored instead of full logits; None (every ordinary catch-up): none
+    scoring: Scoring | None = None
+
+
+@dataclass(frozen=True)
+class ScoredRows:
+    """Scored rows on the wire (numpy: the cheapest to ship): 4·(1 + 2n) bytes a row, not 4·V."""
+
+    target: np.ndarray  # [m] float32: log-probability of each scored row's target
+    top_ids: np.ndarray  # [m, n] int32: the n most likely ids, most likely first
+    top: np.ndarray  # [m, n] float32: their log-probabilities
+
+    @classmethod
+    def of(cls, scored: Scored) -> "ScoredRows":
+        return cls(scored.target.numpy(), scored.top_ids.to(torch.int32).numpy(), scored.top.numpy())
+
+    def scored(self) -> Scored:
+        return Scored(
+            torch.from_numpy(np.array(self.target, dtype=np.float32)),
+            torch.from_numpy(np.array(self.top_ids, dtype=np.int64)),
+            torch.from_numpy(np.array(self.top, dtype=np.float32)),
+        )
 
 
 @dataclass(frozen=True)
@@ -59,6 +84,7 @@ class CatchUpReply:
     logits: np.ndarray | None
     lost: str = ""  # why the session is not usable here
     refused: str = ""  # a new session with no KV room here: why (the request may retry later)
+    scored: ScoredRows | None = None  # the rows the call's scoring named
 
 
 @dataclass(frozen=True)
@@ -116,6 +142,8 @@ class CatchUpBatcher:
     async def extend(self, call: CatchUpCall) -> CatchUpReply:
         if not call.ids:
             raise ValueError("a catch-up needs at least one pending id")
+        if call.scoring is not None:  # here, not in the shared forward: a bad call fails alone
+            call.scoring.check(len(call.ids), self.runner.vocab_size)
         self._start()
         if call.owner:
             self.renew(call.owner)
@@ -286,7 +314,12 @@ class CatchUpBatcher:
             start = time.perf_counter()
             last_only = all(calls[i].last_only for i in ready)  # one forward: every row if any call wants them
             evictions = getattr(self.runner, "evictions", 0)
-            exts = self.runner.extend([(calls[i].session_key, list(calls[i].ids)) for i in ready], last_only=last_only)
+            items = [(calls[i].session_key, list(calls[i].ids)) for i in ready]
+            scoring = [calls[i].scoring for i in ready]
+            if any(sc is not None for sc in scoring):  # prompt logprobs: some rows scored here
+                exts = self.runner.extend(items, last_only=last_only, scoring=scoring)
+            else:
+                exts = self.runner.extend(items, last_only=last_only)
             if getattr(self.runner, "evictions", 0) != evictions:  # idle sessions made room: forget their owners
                 for session_key in [k for k in self._owners if not self.runner.has(k)]:
                     del self._owners[session_key]
@@ -294,7 +327,8 @@ class CatchUpBatcher:
             self.stats.forward_s += seconds
             for i, ext in zip(ready, exts):
                 logits = ext.logits[-1:] if calls[i].last_only else ext.logits
-                replies[i] = CatchUpReply(logits.cpu().numpy())
+                scored = ScoredRows.of(ext.scored) if ext.scored is not None else None
+                replies[i] = CatchUpReply(logits.cpu().numpy(), scored=scored)
             self.stats.forward_passes += 1
             self.stats.batch_sizes[len(ready)] += 1
             if self.on_forward is not None:

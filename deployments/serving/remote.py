@@ -37,6 +37,7 @@ import torch
 
 from backoff_core.engine.backends import LargeUnavailable, SessionLost
 from backoff_core.runners.dynamic import Extension
+from backoff_core.runners.scoring import Scoring
 from backoff_core.runners.sessions import Session, SessionTable
 from backoff_core.runners.static_kv import KVCapacityError
 from deployments.serving.batcher import CatchUpCall, CatchUpReply
@@ -108,10 +109,22 @@ class RemoteLarge(SessionTable[_RemoteSession]):
                 log.debug("close of %s failed", session.session_key, exc_info=True)
 
     def extend(
-        self, items: list[tuple[str, list[int]]], hidden_layer: int | None = None, last_only: bool = False
+        self,
+        items: list[tuple[str, list[int]]],
+        hidden_layer: int | None = None,
+        last_only: bool = False,
+        scoring: list[Scoring | None] | None = None,
     ) -> list[Extension]:
+        """scoring: per item, rows the replica scores (runners/scoring.py) and answers as a
+        few numbers a row instead of full logits (prompt logprobs)."""
         if hidden_layer is not None:
             raise ValueError(f"{self.name}: a remote model returns no hidden states")
+        scoring = list(scoring) if scoring is not None else [None] * len(items)
+        if len(scoring) != len(items):
+            raise ValueError(f"{self.name}: one scoring (or None) per item")
+        for (_, ids), sc in zip(items, scoring):
+            if sc is not None:
+                sc.check(len(ids), self.vocab_size)
         group = f"{self._uid}-{next(self._steps)}"
         calls = [
             CatchUpCall(
@@ -123,8 +136,9 @@ class RemoteLarge(SessionTable[_RemoteSession]):
                 self.owner,
                 last_only,
                 refill=self._get(request_id).refill,
+                scoring=sc,
             )
-            for request_id, ids in items
+            for (request_id, ids), sc in zip(items, scoring)
         ]
         start, deadline = time.perf_counter(), time.monotonic() + self.timeout_s
         for request_id, _ in items:
@@ -150,7 +164,10 @@ class RemoteLarge(SessionTable[_RemoteSession]):
                 lost.append(request_id)
                 continue
             self._sessions[request_id].length += len(ids)
-            out[request_id] = Extension(torch.from_numpy(np.array(reply.logits, dtype=np.float32)), None)
+            scored = reply.scored.scored() if reply.scored is not None else None
+            if scored is None and call.scoring is not None:
+                raise RuntimeError(f"{self.name}: the replica answered {call.session_key} without its scored rows")
+            out[request_id] = Extension(torch.from_numpy(np.array(reply.logits, dtype=np.float32)), None, scored)
         self.calls += len(calls)
         self.wait_s += time.perf_counter() - start
         if failed:

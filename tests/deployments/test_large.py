@@ -10,7 +10,9 @@ import asyncio
 import time
 
 import pytest
+import torch
 
+from backoff_core.runners.scoring import Scoring
 from deployments.serving.batcher import CatchUpCall
 from tests.support.serve_fakes import FakeHandle, LoopThread, large_replica
 from tests.support.tiny import tiny_model
@@ -124,3 +126,17 @@ def test_the_sweeper_frees_the_sessions_of_a_silent_owner_only(large, lt):
     lt.run(renew_until_freed(), timeout=30)
     info = large.info()
     assert info.sessions == ("live#1",) and info.orphans_freed == 1 and info.owners == (("small-live", 1),)
+
+
+def test_a_scored_catch_up_answers_its_rows_not_full_logits(large, lt, model):
+    """Prompt logprobs: the call names rows and targets, the reply carries their log-probabilities
+    and top-n (deployments/serving/batcher.py ScoredRows) beside the last row's logits."""
+    handle = FakeHandle([large], lt)
+    call = CatchUpCall("a#1", 0, (3, 4, 5, 6), last_only=True, scoring=Scoring((0, 2), (4, 6), top_n=2))
+    reply = _extend(handle, call).result(10)
+    with torch.no_grad():
+        expected = torch.log_softmax(model(torch.tensor([[3, 4, 5, 6]])).logits[0].float(), -1)
+    assert reply.logits.shape == (1, large.runner.vocab_size)
+    torch.testing.assert_close(torch.from_numpy(reply.scored.target), expected[[0, 2], [4, 6]], atol=1e-4, rtol=0)
+    assert reply.scored.top_ids.tolist() == torch.topk(expected[[0, 2]], 2).indices.tolist()
+    assert large.runner.length("a#1") == 4  # the session holds the prompt head for the catch-ups to come

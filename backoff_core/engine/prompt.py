@@ -1,0 +1,232 @@
+"""Admission: the prompt prefill of many requests, batched, and prompt logprobs.
+
+Every model's cache holds all but the last prompt token after admission where it is
+opened (M_S always; a larger level when prefilled eagerly, for an oracle, or when it scores
+prompt tokens), so every step reads >= 1 pending token. Requests are prefilled together,
+in chunks of at most PREFILL_TOKENS padded positions (ragged lengths are the runner's
+business), one forward per model and chunk.
+
+Prompt logprobs (SamplingParams.prompt_logprobs) are the request's ROUTED, TEACHER-FORCED
+distribution (DESIGN.md §7): prompt token i+1 is scored from the true prefix <= i by the
+level the request's router picks at row i, from what it would see there in generation:
+M_S's logits and hidden state after token i, the largest model's logits (oracles), the
+request's seeded coin for position i+1 (`random`), the request's thresholds (with
+target_backoff: the controller's threshold at admission; the controller does not move on
+the prompt). The value is log_softmax (temperature 1, raw) of that level's logits at row i,
+as for generated tokens (logprobs.py). So always-large gives M_L's log-softmax of the prompt
+and always-small M_S's. Only what is needed is computed: M_S's logits at every row (every
+router may read them), a larger level's log-probabilities at the rows routed to it alone,
+as scored rows (runners/scoring.py: the target and top-n, never full logits on the wire).
+Routers that read drafts (`draft`) or replay a script have no prompt decision: refused.
+Verification never applies to the prompt.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from backoff_core.engine.backends import Backend
+from backoff_core.engine.logprobs import TokenTexts
+from backoff_core.engine.state import Live
+from backoff_core.routing.routers import StepContext
+from backoff_core.runners.dynamic import Extension
+from backoff_core.runners.scoring import Scored, Scoring, score_rows
+from backoff_core.sampling import Stream, uniforms
+from backoff_core.types import Logprob, TokenLogprobs
+
+PREFILL_TOKENS = 2048  # padded positions per prefill forward (full M_S logits: ~400 MB at V = 49152)
+
+
+def prefill(models: Sequence[Backend], lives: list[Live], texts: TokenTexts, decode: Callable) -> None:
+    """Open and prefill the sessions of newly admitted requests, and score the prompts of
+    those that ask. Raises what a model raised, with every session it opened closed."""
+    start = time.perf_counter()
+    try:
+        for chunk in _chunks(lives):
+            _prefill_chunk(models, chunk, texts, decode)
+    except Exception:
+        for r in lives:
+            for level in sorted(r.opened):
+                try:
+                    models[level].close(r.request_id)
+                except Exception:  # noqa: BLE001 - a lost remote session is already gone
+                    pass
+            r.opened.clear()
+        raise
+    seconds = time.perf_counter() - start
+    for r in lives:
+        r.prefill_s = seconds
+
+
+def _chunks(lives: list[Live]) -> list[list[Live]]:
+    """Requests in groups of at most PREFILL_TOKENS padded positions (a longer one alone),
+    similar lengths together so little is padding."""
+    chunks: list[list[Live]] = []
+    for r in sorted(lives, key=lambda r: r.prompt_len):
+        if chunks and (len(chunks[-1]) + 1) * r.prompt_len <= PREFILL_TOKENS:
+            chunks[-1].append(r)
+        else:
+            chunks.append([r])
+    return chunks
+
+
+def _head(r: Live) -> list[int]:
+    return list(r.request.prompt_ids[:-1])
+
+
+def _open(model: Backend, level: int, r: Live) -> None:
+    if level not in r.opened:
+        model.open(r.request_id)
+        r.opened.add(level)
+
+
+def _prefill_chunk(models: Sequence[Backend], chunk: list[Live], texts: TokenTexts, decode: Callable) -> None:
+    for r in chunk:
+        for level, model in enumerate(models):
+            if level == 0 or r.request.routing.eager_prefill or r.router.needs_large_logits:
+                _open(model, level, r)
+    scoring = [r for r in chunk if r.request.sampling.prompt_logprobs is not None]
+    plain = [r for r in chunk if r.request.sampling.prompt_logprobs is None and r.prompt_len > 1]
+    for level, model in enumerate(models):
+        _extend(model, level, [r for r in plain if level in r.opened], last_only=True)
+    if scoring:
+        _score(models, scoring, texts, decode)
+
+
+def _extend(
+    model: Backend,
+    level: int,
+    group: list[Live],
+    *,
+    last_only: bool,
+    hidden_layer: int | None = None,
+    scoring: list[Scoring | None] | None = None,
+) -> list[Extension]:
+    """One forward over the prompt heads of `group` at `level` (sessions open)."""
+    if not group:
+        return []
+    items = [(r.request_id, _head(r)) for r in group]
+    if scoring is not None and any(sc is not None for sc in scoring):
+        exts = model.extend(items, hidden_layer=hidden_layer, last_only=last_only, scoring=scoring)
+    else:  # no scoring argument: any Backend takes this call
+        exts = model.extend(items, hidden_layer=hidden_layer, last_only=last_only)
+    for r in group:
+        r.fed[level] = r.prompt_len - 1
+    return exts
+
+
+def _score(models: Sequence[Backend], group: list[Live], texts: TokenTexts, decode: Callable) -> None:
+    """Prompt logprobs of `group`: M_S over every row, the router's level per row, each
+    level's scored rows, then the entries (the first prompt token has none)."""
+    top = len(models) - 1
+    heads = [r for r in group if r.prompt_len > 1]
+    layers = {r.router.hidden_layer for r in heads} - {None}
+    if len(layers) > 1:
+        raise ValueError("one batch cannot serve classifier heads over different layers")
+    layer = next(iter(layers), None)
+    small = dict(zip([r.request_id for r in heads], _extend(models[0], 0, heads, last_only=False, hidden_layer=layer)))
+    oracles = [r for r in heads if r.router.needs_large_logits]
+    large = dict(zip([r.request_id for r in oracles], _extend(models[top], top, oracles, last_only=False)))
+    levels = {r.request_id: _levels(r, small[r.request_id], large.get(r.request_id)) for r in heads}
+    # scored[request id][level] = (rows, Scored): the rows that level scores
+    scored: dict[str, dict[int, tuple[list[int], Scored]]] = {r.request_id: {} for r in heads}
+    for r in heads:
+        for level, ext in ((0, small[r.request_id]), (top, large.get(r.request_id))):
+            rows = [j for j, lv in enumerate(levels[r.request_id]) if lv == level]
+            if ext is not None and rows:
+                targets = tuple(r.request.prompt_ids[j + 1] for j in rows)
+                scored[r.request_id][level] = (rows, score_rows(ext.logits[rows], targets, _top_n(r)))
+    for level in range(1, len(models)):
+        # requests with rows routed here, and eager sessions with none (a plain prefill)
+        group_l, scoring = [], []
+        for r in heads:
+            if level in scored[r.request_id] or (level == top and r.request_id in large):
+                continue
+            rows = [j for j, lv in enumerate(levels[r.request_id]) if lv == level]
+            if rows or level in r.opened:
+                _open(models[level], level, r)
+                group_l.append(r)
+                targets = tuple(r.request.prompt_ids[j + 1] for j in rows)
+                scoring.append(Scoring(tuple(rows), targets, _top_n(r)) if rows else None)
+        exts = _extend(models[level], level, group_l, last_only=True, scoring=scoring)
+        for r, sc, ext in zip(group_l, scoring, exts):
+            if sc is not None:
+                if ext.scored is None or len(ext.scored.target) != len(sc.rows):
+                    raise RuntimeError(f"{models[level].name}: no scored rows for {r.request_id!r}")
+                scored[r.request_id][level] = (list(sc.rows), ext.scored)
+    for r in group:
+        _entries(r, levels.get(r.request_id, []), scored.get(r.request_id, {}), texts, decode)
+
+
+def _top_n(r: Live) -> int:
+    return int(r.request.sampling.prompt_logprobs or 0)
+
+
+@torch.inference_mode()
+def _levels(r: Live, small: Extension, large: Extension | None) -> list[int]:
+    """The level of each row of r's prompt head: what r's router decides from M_S's state
+    on the true prefix (row j predicts prompt token j + 1)."""
+    n = r.prompt_len - 1
+    ctx = StepContext(
+        small_logits=small.logits,  # [n, V]
+        hidden=small.hidden if r.router.hidden_layer is not None else None,  # [n, d]
+        large_logits=large.logits if large is not None else None,  # [n, V]
+        drafts=torch.zeros(n, dtype=torch.long),
+        uniforms=uniforms([r.seed] * n, range(1, n + 1), Stream.ROUTER)[:, 0],  # the coin of position j + 1
+    )
+    scores = r.router.scores(ctx).double().cpu()  # [n]
+    if scores.shape != (n,):
+        raise RuntimeError(f"router {r.router.name} gave {tuple(scores.shape)} scores for {n} prompt rows")
+    return (scores[:, None] >= r.thresholds[None]).sum(-1).tolist()
+
+
+def _entries(
+    r: Live, levels: list[int], scored: dict[int, tuple[list[int], Scored]], texts: TokenTexts, decode: Callable
+) -> None:
+    """r.prompt_logprobs / prompt_sources / prompt_text from the scored rows of every level."""
+    prompt = r.request.prompt_ids
+    text, offsets = prompt_offsets(prompt, texts, decode)
+
+    def entry(token_id: int, value: float) -> Logprob:
+        token, raw = texts(token_id)
+        return Logprob(token_id=token_id, token=token, token_bytes=raw, logprob=value)
+
+    rows: dict[int, TokenLogprobs] = {}
+    for rows_l, s in scored.values():
+        target, top_ids, top = s.target.tolist(), s.top_ids.tolist(), s.top.tolist()
+        for n, j in enumerate(rows_l):
+            rows[j] = TokenLogprobs(
+                chosen=entry(prompt[j + 1], target[n]),
+                top=tuple(entry(i, v) for i, v in zip(top_ids[n], top[n])),
+                text_offset=offsets[j + 1],
+            )
+    if len(rows) != len(prompt) - 1:
+        raise RuntimeError(f"{len(prompt) - 1 - len(rows)} prompt rows of {r.request_id!r} were not scored")
+    r.prompt_logprobs = [None, *(rows[j] for j in range(len(prompt) - 1))]
+    r.prompt_sources = [None, *levels]
+    r.prompt_text = text
+
+
+def prompt_offsets(prompt: Sequence[int], texts: TokenTexts, decode: Callable) -> tuple[str, list[int]]:
+    """(the decoded prompt, where each token's text starts in it, in characters). A token
+    that starts inside a multi-byte character starts where that character does (as the
+    offsets of generated tokens do)."""
+    text = decode(list(prompt))
+    raw = [texts(t)[1] for t in prompt]
+    joined = b"".join(raw)
+    try:
+        exact = joined.decode("utf-8") == text
+    except UnicodeDecodeError:
+        exact = False
+    if not exact:  # the decoder adds or drops text (spaces, special tokens): decode each prefix
+        return text, [len(decode(list(prompt[:i])).rstrip("\ufffd")) for i in range(len(prompt))]
+    offsets, chars, at = [], 0, 0  # chars: characters that start in joined[:at]
+    for piece in raw:
+        inside = at < len(joined) and (joined[at] & 0xC0) == 0x80  # a continuation byte: mid-character
+        offsets.append(chars - 1 if inside else chars)
+        chars += sum(1 for b in piece if (b & 0xC0) != 0x80)
+        at += len(piece)
+    return text, offsets
