@@ -73,7 +73,7 @@ def _frontier(args) -> int:
         print(f"backoff frontier: {NEED_EXTRA}", file=sys.stderr)
         return 2
     from backoff_core.engine.engine import BackoffEngine
-    from backoff_core.evaluation.frontier import FrontierConfig, best_kept, run_frontier
+    from backoff_core.evaluation.frontier import FrontierConfig, best_kept, markdown_table, run_frontier
     from backoff_core.evaluation.frontier_plot import plot_frontier
     from backoff_core.models.loading import LoadSpec, load_chain
 
@@ -94,6 +94,7 @@ def _frontier(args) -> int:
     (out / "frontier.json").write_text(json.dumps(frontier, indent=1) + "\n")
     plot_frontier(frontier, out / "frontier.png")
     d, best = frontier["default"], best_kept(frontier)
+    print(markdown_table(frontier))
     print(f"wrote {out / 'frontier.json'} and {out / 'frontier.png'}")
     print(
         f"M_L alone {frontier['large_alone']['mean_accuracy']:.3f}, M_S alone {frontier['small_alone']['mean_accuracy']:.3f}; "

@@ -188,3 +188,27 @@ def best_kept(frontier: dict, keep: float = 0.95) -> dict | None:
     floor = keep * frontier["large_alone"]["mean_accuracy"]
     kept = [r for r in frontier["rows"] if r["mean_accuracy"] >= floor]
     return max(kept, key=lambda r: (r["tok_per_s"]["1"], r["backoff_rate"]), default=None)
+
+
+def markdown_table(frontier: dict) -> str:
+    """The frontier as a Markdown table, M_L alone first, then by router and backoff rate."""
+    tasks = frontier["tasks"]
+    short = [t.removeprefix("backoff_") for t in tasks]
+    head = ["router", "setting", "backoff rate", *short, "mean", "vs M_L", "tok/s 1", "tok/s 16"]
+    large = frontier["large_alone"]
+    rows = [large, frontier["small_alone"], *sorted(frontier["rows"], key=lambda r: (r["router"], r["backoff_rate"]))]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for r in rows:
+        ratio = r["mean_accuracy"] / large["mean_accuracy"] if large["mean_accuracy"] else float("nan")
+        cells = [
+            r["router"],
+            "" if r["setting"] is None else f"{r['setting']:g}",
+            f"{r['backoff_rate']:.2f}",
+            *(f"{r['accuracy'][t]:.2f}" for t in tasks),
+            f"{r['mean_accuracy']:.3f}",
+            f"{ratio:.2f}",
+            f"{r['tok_per_s']['1']:.1f}",
+            f"{r['tok_per_s']['16']:.1f}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)

@@ -16,6 +16,7 @@ from backoff_core.evaluation.frontier import (  # noqa: E402
     Setting,
     best_kept,
     evaluate_row,
+    markdown_table,
     run_frontier,
 )
 from tests.support.helpers import engine_for  # noqa: E402
@@ -58,6 +59,7 @@ def test_frontier_writes_the_schema_and_the_plot(pair_dirs, tmp_path):
     if large_alone["mean_accuracy"]:
         assert default["accuracy_ratio"] == pytest.approx(row["mean_accuracy"] / large_alone["mean_accuracy"])
     assert (tmp_path / "frontier.png").stat().st_size > 10_000
+    assert len(markdown_table(frontier).splitlines()) == 2 + 6  # header, rule, M_L, M_S, 4 rows
     assert len(list((tmp_path / "frontier_rows").glob("*.json"))) == 6
 
 

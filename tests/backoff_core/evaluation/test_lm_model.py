@@ -116,6 +116,21 @@ def test_routed_scores_count_the_backoff_rate(setup):
     assert lls["small"] != lls["large"]
 
 
+def test_backoff_lm_eval_runs_lm_evals_own_cli(setup, tmp_path):
+    """`backoff lm-eval` = lm-eval's CLI with --model backoff registered, model_args as lm-eval
+    passes them (small/large dirs, router, threshold)."""
+    from backoff_core.cli.main import main
+
+    _, large_dir, manager = setup
+    small_dir = large_dir.parent / "small"
+    argv = ["lm-eval", "--model", "backoff", "--model_args", f"small={small_dir},large={large_dir},router=always-large"]
+    argv += ["--tasks", "tiny_mc", "--include_path", str(manager.include_path), "--output_path", str(tmp_path)]
+    assert main(argv) == 0
+    results = json.loads(next(tmp_path.rglob("results_*.json")).read_text())["results"]
+    ours, _ = _run(BackoffLM(engine=setup[0], router="always-large"), manager)
+    assert results["tiny_mc"]["acc,none"] == ours["tiny_mc"]["acc,none"]
+
+
 def test_thresholds_parse_from_model_args():
     assert parse_thresholds("5") == (5.0,)
     assert parse_thresholds("2:4.5") == (2.0, 4.5)
