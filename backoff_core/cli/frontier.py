@@ -39,6 +39,11 @@ def register(sub) -> None:
     p.add_argument("--limit", type=int, default=None, help="items per task (default: all)")
     p.add_argument("--batch-size", type=int, default=64, help="requests the engine steps together")
     p.add_argument("--speed-tokens", type=int, default=24, help="tokens per stream of the speed workload")
+    p.add_argument(
+        "--report-only",
+        action="store_true",
+        help="write frontier.json/png from the rows already cached under this configuration; load no model",
+    )
     p.add_argument("--out-dir", default="benchmarks/results", help="frontier.json and frontier.png go here")
     p.add_argument("--cache-dir", default=None, help="one file per finished row (default: OUT_DIR/frontier_rows)")
     p.set_defaults(run=_frontier)
@@ -73,14 +78,14 @@ def _frontier(args) -> int:
         print(f"backoff frontier: {NEED_EXTRA}", file=sys.stderr)
         return 2
     from backoff_core.engine.engine import BackoffEngine
-    from backoff_core.evaluation.frontier import FrontierConfig, best_kept, markdown_table, run_frontier
+    from backoff_core.evaluation.frontier import FrontierConfig, best_kept, cached_rows, markdown_table, run_frontier
     from backoff_core.evaluation.frontier_plot import plot_frontier
-    from backoff_core.models.loading import LoadSpec, load_chain
+    from backoff_core.models.default_pair import DEFAULT_PAIR_NAMES
+    from backoff_core.models.loading import LoadSpec, chain_names, load_chain
 
-    chain = load_chain(args.small, args.large, args.medium, LoadSpec(args.device, args.dtype, args.device_map))
-    engine = BackoffEngine.from_chain(chain, classifier_path=args.classifier)
+    names = chain_names(args.small, args.large, args.medium) or DEFAULT_PAIR_NAMES
     config = FrontierConfig(
-        pair="+".join(chain.names),
+        pair="+".join(names),
         tasks=tuple(t for t in args.tasks.split(",") if t),
         include_path=args.include_path,
         builtin_tasks=args.builtin_tasks,
@@ -89,7 +94,13 @@ def _frontier(args) -> int:
         speed_tokens=args.speed_tokens,
     )
     out = Path(args.out_dir)
-    frontier = run_frontier(engine, _settings(args.grid, engine), config, Path(args.cache_dir or out / "frontier_rows"))
+    cache_dir = Path(args.cache_dir or out / "frontier_rows")
+    if args.report_only:
+        frontier = cached_rows(config, cache_dir)
+    else:
+        chain = load_chain(args.small, args.large, args.medium, LoadSpec(args.device, args.dtype, args.device_map))
+        engine = BackoffEngine.from_chain(chain, classifier_path=args.classifier)
+        frontier = run_frontier(engine, _settings(args.grid, engine), config, cache_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "frontier.json").write_text(json.dumps(frontier, indent=1) + "\n")
     plot_frontier(frontier, out / "frontier.png")

@@ -163,6 +163,25 @@ def run_frontier(
     return summarise(config, rows, default)
 
 
+def cached_rows(config: FrontierConfig, cache_dir: Path) -> dict:
+    """frontier.json's object from every row cached under this configuration (no model is
+    loaded): the report of a run stopped early, or of rows measured by several runs.
+    Raises ValueError when M_L alone, M_S alone or the default is not among them."""
+    rows: dict[Setting, dict] = {}
+    for path in sorted(cache_dir.glob("*.json")):
+        saved = json.loads(path.read_text())
+        if saved.get("fingerprint") == config.fingerprint():
+            row = saved["row"]
+            rows[Setting(row["router"], row["setting"])] = row
+    default = Setting(DEFAULT_ROUTING.router, DEFAULT_ROUTING.thresholds[0])
+    missing = [s.key for s in (LARGE_ALONE, SMALL_ALONE, default) if s not in rows]
+    if missing:
+        raise ValueError(f"no cached row for {', '.join(missing)} under this configuration in {cache_dir}")
+    first = [LARGE_ALONE, SMALL_ALONE, default]
+    ordered = {s: rows[s] for s in first} | {s: r for s, r in rows.items() if s not in first}
+    return summarise(config, ordered, default)
+
+
 def summarise(config: FrontierConfig, rows: dict[Setting, dict], default: Setting) -> dict:
     large, small, chosen = rows[LARGE_ALONE], rows[SMALL_ALONE], rows[default]
     return {

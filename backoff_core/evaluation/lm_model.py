@@ -15,6 +15,7 @@ nothing in backoff_core imports this module except the commands that run lm-eval
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -24,12 +25,10 @@ from lm_eval.models.utils import handle_stop_sequences, has_bos_prefix, normaliz
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
+from backoff_core.evaluation.frontier_spec import DEFAULT_ROUTING
 from backoff_core.types import GenerationRequest, RoutingParams, SamplingParams
 
-# The packaged default routing (deployments/serve_config.yaml, `backoff generate`): what
-# `--model backoff` with no routing args evaluates.
-DEFAULT_ROUTER = "entropy"
-DEFAULT_THRESHOLD = 5.0
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -76,7 +75,7 @@ class BackoffLM(TemplateLM):
         self,
         small: str | None = None,
         large: str | None = None,
-        router: str = DEFAULT_ROUTER,
+        router: str = DEFAULT_ROUTING.router,
         threshold=None,
         rate: float | None = None,
         target_backoff: float | None = None,
@@ -91,16 +90,22 @@ class BackoffLM(TemplateLM):
     ) -> None:
         super().__init__()
         if engine is None:
+            import torch
+
             from backoff_core.engine.engine import BackoffEngine
             from backoff_core.models.loading import LoadSpec, load_chain
 
-            chain = load_chain(small, large, spec=LoadSpec(device, dtype))
+            if str(device).startswith("cuda") and not torch.cuda.is_available():
+                # lm-eval's CLI asks for cuda:0 unless told otherwise; HFLM then runs on the CPU too
+                log.warning("device %s asked for, but no CUDA device is available: running on the CPU", device)
+                device = "cpu"
+            chain = load_chain(small, large, spec=LoadSpec(device or "cpu", dtype))
             engine = BackoffEngine.from_chain(chain, classifier_path=classifier)
         self.engine = engine
         self.tokenizer = engine.tokenizer
         thresholds = parse_thresholds(threshold)
-        if thresholds is None and router == DEFAULT_ROUTER and rate is None and target_backoff is None:
-            thresholds = (DEFAULT_THRESHOLD,)
+        if thresholds is None and router == DEFAULT_ROUTING.router and rate is None and target_backoff is None:
+            thresholds = DEFAULT_ROUTING.thresholds  # the packaged default routing (serve config)
         self.routing = RoutingParams(
             router=router,
             thresholds=thresholds,

@@ -61,6 +61,13 @@ def test_frontier_writes_the_schema_and_the_plot(pair_dirs, tmp_path):
     assert (tmp_path / "frontier.png").stat().st_size > 10_000
     assert len(markdown_table(frontier).splitlines()) == 2 + 6  # header, rule, M_L, M_S, 4 rows
     assert len(list((tmp_path / "frontier_rows").glob("*.json"))) == 6
+    # the report alone, from the cached rows (no model loaded): the same figures
+    (tmp_path / "frontier.json").unlink()
+    assert main([*argv, "--report-only"]) == 0
+    report = json.loads((tmp_path / "frontier.json").read_text())
+    key = lambda r: (r["router"], r["setting"])
+    assert sorted(report.pop("rows"), key=key) == sorted(frontier.pop("rows"), key=key)
+    assert report == frontier
 
 
 def test_a_run_resumes_from_its_cached_rows(soft_pair, tokenizer, tmp_path):

@@ -59,9 +59,10 @@ def _task_dir(root):
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, soft_pair, tokenizer):
     root = tmp_path_factory.mktemp("lm_eval")
+    for name, model in zip(("small", "large"), soft_pair):
+        model.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
     large_dir = root / "large"
-    soft_pair[1].save_pretrained(large_dir)
-    tokenizer.save_pretrained(large_dir)
     return (
         engine_for(soft_pair, tokenizer),
         large_dir,
