@@ -95,5 +95,5 @@ def test_a_run_resumes_from_its_cached_rows(soft_pair, tokenizer, tmp_path):
     # another configuration measures every row again
     redo = []
     other = FrontierConfig(pair="tiny", tasks=("backoff_everyday_mc",), limit=3, speed_tokens=2)
-    run_frontier(engine, settings, other, tmp_path, evaluate=lambda e, s, c: redo.append(s) or evaluate_row(e, s, c))
-    assert len(redo) == 5
+    run_frontier(engine, [], other, tmp_path, evaluate=lambda e, s, c: redo.append(s) or evaluate_row(e, s, c))
+    assert len(redo) == 3  # M_L alone, M_S alone, the default: cached, but under another configuration
