@@ -44,6 +44,11 @@ def register(sub) -> None:
         action="store_true",
         help="write frontier.json/png from the rows already cached under this configuration; load no model",
     )
+    p.add_argument(
+        "--speed-pass",
+        action="store_true",
+        help="after the rows: measure every cached row's tokens/s again, rows interleaved (a loaded machine)",
+    )
     p.add_argument("--out-dir", default="benchmarks/results", help="frontier.json and frontier.png go here")
     p.add_argument("--cache-dir", default=None, help="one file per finished row (default: OUT_DIR/frontier_rows)")
     p.set_defaults(run=_frontier)
@@ -78,7 +83,14 @@ def _frontier(args) -> int:
         print(f"backoff frontier: {NEED_EXTRA}", file=sys.stderr)
         return 2
     from backoff_core.engine.engine import BackoffEngine
-    from backoff_core.evaluation.frontier import FrontierConfig, best_kept, cached_rows, markdown_table, run_frontier
+    from backoff_core.evaluation.frontier import (
+        FrontierConfig,
+        best_kept,
+        cached_rows,
+        markdown_table,
+        remeasure_speed,
+        run_frontier,
+    )
     from backoff_core.evaluation.frontier_plot import plot_frontier
     from backoff_core.models.default_pair import DEFAULT_PAIR_NAMES
     from backoff_core.models.loading import LoadSpec, chain_names, load_chain
@@ -101,6 +113,9 @@ def _frontier(args) -> int:
         chain = load_chain(args.small, args.large, args.medium, LoadSpec(args.device, args.dtype, args.device_map))
         engine = BackoffEngine.from_chain(chain, classifier_path=args.classifier)
         frontier = run_frontier(engine, _settings(args.grid, engine), config, cache_dir)
+        if args.speed_pass:
+            remeasure_speed(engine, config, cache_dir)
+            frontier = cached_rows(config, cache_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "frontier.json").write_text(json.dumps(frontier, indent=1) + "\n")
     plot_frontier(frontier, out / "frontier.png")

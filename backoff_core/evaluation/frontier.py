@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -161,6 +162,31 @@ def run_frontier(
         tmp.replace(path)  # a row is whole or absent, even if the run is killed mid-write
         rows[setting] = row
     return summarise(config, rows, default)
+
+
+def remeasure_speed(engine, config: FrontierConfig, cache_dir: Path, repeats: int = 2) -> None:
+    """Measure tokens/s of every cached row again, the rows interleaved (round robin,
+    `repeats` times, the median kept), and save it into the cached rows. On a machine whose
+    load changes over a long run, rows measured minutes apart are not comparable; measured
+    side by side they are."""
+    paths = {}
+    for path in sorted(cache_dir.glob("*.json")):
+        saved = json.loads(path.read_text())
+        if saved.get("fingerprint") == config.fingerprint():
+            paths[path] = saved
+    samples: dict[tuple[Path, int], list[float]] = {}
+    for _ in tqdm(range(repeats), desc="speed, rows interleaved"):
+        for n in STREAMS:
+            for path, saved in paths.items():
+                setting = Setting(saved["row"]["router"], saved["row"]["setting"])
+                samples.setdefault((path, n), []).append(
+                    measure_speed(engine, setting.routing(), n, config.speed_tokens)
+                )
+    for path, saved in paths.items():
+        saved["row"]["tok_per_s"] = {str(n): statistics.median(samples[(path, n)]) for n in STREAMS}
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(saved, indent=1))
+        tmp.replace(path)
 
 
 def cached_rows(config: FrontierConfig, cache_dir: Path) -> dict:

@@ -15,8 +15,10 @@ from backoff_core.evaluation.frontier import (  # noqa: E402
     FrontierConfig,
     Setting,
     best_kept,
+    cached_rows,
     evaluate_row,
     markdown_table,
+    remeasure_speed,
     run_frontier,
 )
 from tests.support.helpers import engine_for  # noqa: E402
@@ -92,6 +94,11 @@ def test_a_run_resumes_from_its_cached_rows(soft_pair, tokenizer, tmp_path):
     assert again == [Setting("entropy", 2.0), Setting("random", 0.5)]  # only the rows not yet measured
     assert len(frontier["rows"]) == 3  # entropy 5 (the default), entropy 2, random 0.5
     assert best_kept(frontier, keep=0.0) in frontier["rows"]
+    # tokens/s of every cached row measured again side by side: new figures, the rest kept
+    remeasure_speed(engine, config, tmp_path, repeats=1)
+    again_rows = cached_rows(config, tmp_path)
+    assert again_rows["large_alone"]["accuracy"] == frontier["large_alone"]["accuracy"]
+    assert again_rows["large_alone"]["tok_per_s"] != frontier["large_alone"]["tok_per_s"]
     # another configuration measures every row again
     redo = []
     other = FrontierConfig(pair="tiny", tasks=("backoff_everyday_mc",), limit=3, speed_tokens=2)
