@@ -1,4 +1,4 @@
-"""`backoff` command line: generate / demo in one process.
+"""`backoff` command line: generate / demo / frontier / lm-eval in one process.
 
 Other installed packages add subcommands through the `backoff.commands` entry-point group:
 deployments/ adds `serve` (Ray Serve), so this package never imports it.
@@ -58,6 +58,10 @@ def _parser() -> argparse.ArgumentParser:
         register = None
     if register is not None:
         register(sub)
+    from backoff_core.cli.frontier import register as register_frontier  # frontier (needs the eval extra to run)
+
+    register_frontier(sub)
+    sub.add_parser("lm-eval", help="lm-eval's own CLI with `--model backoff` registered (`backoff lm-eval --help`)")
     return parser
 
 
@@ -199,6 +203,10 @@ def main(argv: list[str] | None = None) -> int:
     plugins = _plugins()
     if argv and argv[0] in plugins:
         return plugins[argv[0]].load()(argv[1:])
+    if argv and argv[0] == "lm-eval":  # everything after it is lm-eval's (`lm_eval` arguments)
+        from backoff_core.cli.frontier import lm_eval_main
+
+        return lm_eval_main(argv[1:])
     if argv and argv[0] == "serve":
         print("backoff: error: `backoff serve` comes with the serve extra: pip install -e '.[serve]'", file=sys.stderr)
         return 2

@@ -1,0 +1,161 @@
+"""`backoff frontier` (accuracy vs backoff rate vs tokens/s) and `backoff lm-eval` (lm-eval's
+own CLI with the `backoff` model type registered). Both need the eval extra (lm-eval)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from backoff_core.cli.args import model_args
+from backoff_core.evaluation.frontier_spec import CLASSIFIER_RATES, DEFAULT_GRID, TASKS, tasks_dir
+
+NEED_EXTRA = "lm-eval is not installed: pip install -e '.[eval]' (the eval extra)"
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "frontier",
+        help="accuracy vs backoff rate vs tokens/s on a task set, per router and setting (lm-eval)",
+        description="Runs the task set through the `backoff` lm-eval model for each (router, setting), "
+        "plus M_L alone and M_S alone, and writes frontier.json and frontier.png. Rows are cached "
+        "as they finish: run the same command again to resume.",
+    )
+    model_args(p)
+    p.add_argument(
+        "--grid",
+        action="append",
+        default=[],
+        metavar="ROUTER=T1,T2,...",
+        help="a router and its thresholds (random: backoff rates), repeatable; classifier=rate:0.2,0.4 "
+        "takes the head's calibrated thresholds for those rates. Default: "
+        + "; ".join(f"{r}={','.join(f'{t:g}' for t in ts)}" for r, ts in DEFAULT_GRID.items())
+        + f"; classifier=rate:{','.join(f'{r:g}' for r in CLASSIFIER_RATES)}",
+    )
+    p.add_argument("--classifier", default=None, help="router head directory (default: the pair's shipped head)")
+    p.add_argument("--tasks", default=",".join(TASKS), help="lm-eval task names (comma-separated)")
+    p.add_argument("--include-path", default="", help=f"task folder for lm-eval (default: the packaged {tasks_dir()})")
+    p.add_argument("--builtin-tasks", action="store_true", help="also offer lm-eval's own tasks (most need the hub)")
+    p.add_argument("--limit", type=int, default=None, help="items per task (default: all)")
+    p.add_argument("--batch-size", type=int, default=64, help="requests the engine steps together")
+    p.add_argument("--speed-tokens", type=int, default=24, help="tokens per stream of the speed workload")
+    p.add_argument(
+        "--report-only",
+        action="store_true",
+        help="write frontier.json/png from the rows already cached under this configuration; load no model",
+    )
+    p.add_argument(
+        "--speed-pass",
+        action="store_true",
+        help="after the rows: measure every cached row's tokens/s again, rows interleaved (a loaded machine)",
+    )
+    p.add_argument("--out-dir", default="benchmarks/results", help="frontier.json and frontier.png go here")
+    p.add_argument("--cache-dir", default=None, help="one file per finished row (default: OUT_DIR/frontier_rows)")
+    p.set_defaults(run=_frontier)
+
+
+def _settings(grid: list[str], engine):
+    from backoff_core.evaluation.frontier import Setting
+
+    specs = grid or [f"{r}={','.join(map(str, ts))}" for r, ts in DEFAULT_GRID.items()] + [
+        "classifier=rate:" + ",".join(map(str, CLASSIFIER_RATES))
+    ]
+    settings = []
+    for spec in specs:
+        router, _, values = spec.partition("=")
+        if not router or not values:
+            raise ValueError(f"--grid wants ROUTER=T1,T2,..., got {spec!r}")
+        if values.startswith("rate:"):  # the classifier's calibrated thresholds for these backoff rates
+            from backoff_core.routing.routers import build_router
+
+            head = build_router(router, classifier_path=engine.classifier_path, hidden_size=engine.hidden_size).head
+            thresholds = [round(head.threshold_for_rate(float(v)), 4) for v in values[5:].split(",")]
+        else:
+            thresholds = [float(v) for v in values.split(",")]
+        settings += [Setting(router.strip(), t) for t in thresholds]
+    return settings
+
+
+def _frontier(args) -> int:
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        print(f"backoff frontier: {NEED_EXTRA}", file=sys.stderr)
+        return 2
+    from backoff_core.engine.engine import BackoffEngine
+    from backoff_core.evaluation.frontier import (
+        FrontierConfig,
+        best_kept,
+        cached_rows,
+        markdown_table,
+        remeasure_speed,
+        run_frontier,
+    )
+    from backoff_core.evaluation.frontier_plot import plot_frontier
+    from backoff_core.models.default_pair import DEFAULT_PAIR_NAMES
+    from backoff_core.models.loading import LoadSpec, chain_names, load_chain
+
+    names = chain_names(args.small, args.large, args.medium) or DEFAULT_PAIR_NAMES
+    config = FrontierConfig(
+        pair="+".join(names),
+        tasks=tuple(t for t in args.tasks.split(",") if t),
+        include_path=args.include_path,
+        builtin_tasks=args.builtin_tasks,
+        limit=args.limit,
+        batch_size=args.batch_size,
+        speed_tokens=args.speed_tokens,
+    )
+    out = Path(args.out_dir)
+    cache_dir = Path(args.cache_dir or out / "frontier_rows")
+    if args.report_only:
+        frontier = cached_rows(config, cache_dir)
+    else:
+        chain = load_chain(args.small, args.large, args.medium, LoadSpec(args.device, args.dtype, args.device_map))
+        engine = BackoffEngine.from_chain(chain, classifier_path=args.classifier)
+        frontier = run_frontier(engine, _settings(args.grid, engine), config, cache_dir)
+        if args.speed_pass:
+            remeasure_speed(engine, config, cache_dir)
+            frontier = cached_rows(config, cache_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "frontier.json").write_text(json.dumps(frontier, indent=1) + "\n")
+    plot_frontier(frontier, out / "frontier.png")
+    d, best = frontier["default"], best_kept(frontier)
+    print(markdown_table(frontier))
+    print(f"wrote {out / 'frontier.json'} and {out / 'frontier.png'}")
+    print(
+        f"M_L alone {frontier['large_alone']['mean_accuracy']:.3f}, M_S alone {frontier['small_alone']['mean_accuracy']:.3f}; "
+        f"default {d['router']} {d['setting']}: accuracy {d['mean_accuracy']:.3f} "
+        f"({d['accuracy_ratio']:.2f} of M_L), backoff {d['backoff_rate']:.2f}, {d['speedup_vs_large']:.2f}x M_L's tok/s"
+    )
+    if best is not None:
+        print(
+            f"fastest keeping >= 95% of M_L: {best['router']} {best['setting']} (accuracy {best['mean_accuracy']:.3f}, "
+            f"backoff {best['backoff_rate']:.2f}, {best['tok_per_s']['1']:.1f} tok/s)"
+        )
+    return 0
+
+
+def lm_eval_main(argv: list[str]) -> int:
+    """`backoff lm-eval ARGS`: lm-eval's own CLI (ARGS as `lm_eval` takes them) with the model
+    type `backoff` registered; the packaged task folder is added to --include_path. lm-eval
+    0.4.13 has no plug-in entry point for model types, so the stock `lm_eval` cannot know it."""
+    try:
+        from lm_eval._cli import HarnessCLI
+        from lm_eval.utils import setup_logging
+    except ImportError:
+        print(f"backoff lm-eval: {NEED_EXTRA}", file=sys.stderr)
+        return 2
+    import backoff_core.evaluation.lm_model  # noqa: F401 - registers --model backoff
+
+    argv = list(argv)
+    if argv and argv[0] not in ("-h", "--help") and "--include_path" not in argv:
+        argv += ["--include_path", str(tasks_dir())]
+    saved = sys.argv
+    sys.argv = ["lm_eval", *argv]
+    try:
+        setup_logging()
+        parser = HarnessCLI()
+        parser.execute(parser.parse_args())
+    finally:
+        sys.argv = saved
+    return 0
