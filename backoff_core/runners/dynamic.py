@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from backoff_core.runners.scoring import Scored, Scoring, score_rows
+from backoff_core.runners.scoring import Scored, Scoring, per_item, score_rows
 from backoff_core.runners.sessions import Session, SessionTable
 from backoff_core.runners.static_kv import KVCapacityError
 
@@ -157,12 +157,7 @@ class ModelRunner(SessionTable[_CachedSession]):
         score (scoring.py); the LM head then runs on those rows (and the last) only."""
         if not items:
             return []
-        scoring = list(scoring) if scoring is not None else [None] * len(items)
-        if len(scoring) != len(items):
-            raise ValueError(f"{self.name}: one scoring (or None) per item")
-        for (_, ids), sc in zip(items, scoring):
-            if sc is not None:
-                sc.check(len(ids), self.vocab_size)
+        scoring = per_item(self.name, items, scoring, self.vocab_size)
         with self._lock:
             sessions = self._extending(items)
             self._reserve(items)

@@ -45,6 +45,18 @@ class Scoring:
             raise ValueError(f"scored targets must be in [0, {vocab_size})")
 
 
+def per_item(name: str, items: list, scoring, vocab_size: int) -> list[Scoring | None]:
+    """An extend's scoring argument checked against its items: one Scoring (or None) per
+    item, each row inside its item's new ids and each target in the vocabulary."""
+    scoring = list(scoring) if scoring is not None else [None] * len(items)
+    if len(scoring) != len(items):
+        raise ValueError(f"{name}: one scoring (or None) per item")
+    for (_, ids), sc in zip(items, scoring):
+        if sc is not None:
+            sc.check(len(ids), vocab_size)
+    return scoring
+
+
 @dataclass(frozen=True)
 class Scored:
     """One session's scored rows (m of them), on the host."""

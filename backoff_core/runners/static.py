@@ -42,7 +42,7 @@ from transformers import PreTrainedModel
 from backoff_core.runners.cuda_graphs import CudaGraphs
 from backoff_core.runners.dynamic import Extension
 from backoff_core.runners.graph_plan import GRAPH_BUDGET, K_BUCKETS, GraphKey, kinds, length_buckets, plan_keys
-from backoff_core.runners.scoring import Scoring, score_rows
+from backoff_core.runners.scoring import Scoring, per_item, score_rows
 from backoff_core.runners.sessions import Session, SessionTable
 from backoff_core.runners.static_forward import Batch, StaticForward, check_supported
 from backoff_core.runners.static_kv import KVCapacityError, StaticKV, bucket, next_power_of_two
@@ -213,12 +213,7 @@ class StaticRunner(SessionTable[_SlotSession]):
         positions or no slot can be had."""
         if not items:
             return []
-        scoring = list(scoring) if scoring is not None else [None] * len(items)
-        if len(scoring) != len(items):
-            raise ValueError(f"{self.name}: one scoring (or None) per item")
-        for (_, ids), sc in zip(items, scoring):
-            if sc is not None:
-                sc.check(len(ids), self.vocab_size)
+        scoring = per_item(self.name, items, scoring, self.vocab_size)
         scores = any(sc is not None for sc in scoring)
         with self._lock:
             sessions = self._extending(items)

@@ -37,7 +37,7 @@ import torch
 
 from backoff_core.engine.backends import LargeUnavailable, SessionLost
 from backoff_core.runners.dynamic import Extension
-from backoff_core.runners.scoring import Scoring
+from backoff_core.runners.scoring import Scoring, per_item
 from backoff_core.runners.sessions import Session, SessionTable
 from backoff_core.runners.static_kv import KVCapacityError
 from deployments.serving.batcher import CatchUpCall, CatchUpReply
@@ -119,12 +119,7 @@ class RemoteLarge(SessionTable[_RemoteSession]):
         few numbers a row instead of full logits (prompt logprobs)."""
         if hidden_layer is not None:
             raise ValueError(f"{self.name}: a remote model returns no hidden states")
-        scoring = list(scoring) if scoring is not None else [None] * len(items)
-        if len(scoring) != len(items):
-            raise ValueError(f"{self.name}: one scoring (or None) per item")
-        for (_, ids), sc in zip(items, scoring):
-            if sc is not None:
-                sc.check(len(ids), self.vocab_size)
+        scoring = per_item(self.name, items, scoring, self.vocab_size)
         group = f"{self._uid}-{next(self._steps)}"
         calls = [
             CatchUpCall(
