@@ -209,7 +209,7 @@ class SmallModel:
                     if sent is not None and (wait := self._token_gap() - (clock() - sent)) > 0:
                         await _until(items.ended, wait)  # the message budget (StreamConfig), unless it ended
                     batch = [item]
-                    while not items.empty() and not held:
+                    while sent is not None and not items.empty() and not held:  # the first token goes alone
                         nxt = items.get_nowait()
                         (batch if isinstance(nxt, TokenEvent) else held).append(nxt)
                     item = batch[0] if len(batch) == 1 else tuple(batch)
