@@ -2,21 +2,24 @@
 
     python scripts/make_tasks.py            # writes the four jsonl files, prints the counts
 
-Python items are generated from templates with a seeded RNG and answered by running Python
-(eval of the expression shown), so every answer is correct by construction; the wrong
-choices of the multiple-choice items are values of the same expression family that differ
+Python items are of two kinds: facts about the language, written by hand
+(scripts/python_facts.py), and expressions generated from templates with a seeded RNG and
+answered by running Python (eval of the expression shown), so every answer is correct by
+construction; the wrong choices of an expression are values of the same family that differ
 from it. Everyday items are hand-written (scripts/task_facts.py). Everything is this
 project's own work (Apache-2.0), no hub data.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from python_facts import PYTHON_FACTS  # noqa: E402
 from task_facts import EVERYDAY_MC, EVERYDAY_QA  # noqa: E402
 
 OUT = Path(__file__).resolve().parents[1] / "backoff_core" / "assets" / "tasks"
@@ -191,17 +194,13 @@ FAMILIES = {
     "type_name": _type_name,
 }
 
-# which families each task draws from (chosen by measuring M_L alone per family: see
-# docs/evaluation.md "The task set"); MC needs four distinct values, so no booleans there
-MC_FAMILIES = [
-    "len_list", "len_str", "sum_list", "max_list", "min_list", "add", "mul", "sub", "upper", "capitalize",
-    "index", "str_repeat", "concat", "first_char", "last_char", "sorted", "floordiv", "mod", "int_str", "abs",
-    "count", "list_range", "type_name",
-]  # fmt: skip
-QA_FAMILIES = [
-    "len_list", "len_str", "sum_list", "max_list", "min_list", "add", "mul", "sub", "upper", "index",
-    "first_char", "last_char", "concat", "greater", "equal", "abs", "str_repeat", "sorted",
-]  # fmt: skip
+# which expression families each task draws from: those where M_L alone (SmolLM2-135M-Instruct,
+# `--model hf`) answered at least 3 of the 4-5 items of a family in the first version of the set
+# (seeds 23 / 24, every family); the items shipped are drawn afresh (seeds 33 / 34), so the
+# accuracy reported is on items the choice never saw. See docs/evaluation.md "The task set".
+MC_FAMILIES = ["mul", "add", "abs", "count", "type_name", "min_list"]
+QA_FAMILIES = ["upper", "abs", "mul", "index"]
+EXPRESSION_MC, EXPRESSION_QA = 50, 46  # beside the facts of python_facts.py (50 MC, 44 short-answer)
 
 
 def python_value(expr: str):
@@ -209,11 +208,15 @@ def python_value(expr: str):
     return eval(expr, {"__builtins__": __builtins__}, {})  # noqa: S307 - our own templates
 
 
-def python_mc(n: int, seed: int = 23) -> list[dict]:
+def python_mc(n: int = EXPRESSION_MC, seed: int = 33) -> list[dict]:
+    """Every Python fact as 4 choices, then n expression items."""
     rng = random.Random(seed)
-    items, seen = [], set()
-    while len(items) < n:
-        family = MC_FAMILIES[len(items) % len(MC_FAMILIES)]
+    items, seen = _fact_mc(rng), set()
+    n += len(items)
+    for attempt in itertools.count():  # round robin; a family out of new expressions is passed over
+        if len(items) == n:
+            break
+        family = MC_FAMILIES[attempt % len(MC_FAMILIES)]
         expr, wrong = FAMILIES[family](rng)
         if expr in seen:
             continue
@@ -237,11 +240,15 @@ def python_mc(n: int, seed: int = 23) -> list[dict]:
     return items
 
 
-def python_qa(n: int, seed: int = 24) -> list[dict]:
+def python_qa(n: int = EXPRESSION_QA, seed: int = 34) -> list[dict]:
+    """Every Python fact as a short answer, then n expression items."""
     rng = random.Random(seed)
-    items, seen = [], set()
-    while len(items) < n:
-        family = QA_FAMILIES[len(items) % len(QA_FAMILIES)]
+    items, seen = _fact_qa(), set()
+    n += len(items)
+    for attempt in itertools.count():  # round robin; a family out of new expressions is passed over
+        if len(items) == n:
+            break
+        family = QA_FAMILIES[attempt % len(QA_FAMILIES)]
         expr, _ = FAMILIES[family](rng)
         if expr in seen:
             continue
@@ -257,6 +264,28 @@ def python_qa(n: int, seed: int = 24) -> list[dict]:
             }
         )
     return items
+
+
+def _fact_mc(rng: random.Random) -> list[dict]:
+    items = []
+    for i, (question, answers, wrong) in enumerate(PYTHON_FACTS):
+        choices = [answers[0], *wrong]
+        rng.shuffle(choices)
+        items.append(
+            {"id": f"python_mc-{i}", "family": "fact", "question": question, "choices": choices,
+             "label": choices.index(answers[0])}
+        )  # fmt: skip
+    return items
+
+
+def _fact_qa() -> list[dict]:
+    """The facts whose answer is a word or a number: exact match ignores punctuation, so an
+    answer such as `**` or `-1` would match the wrong `^` or `1`."""
+    facts = [(q, answers) for q, answers, _ in PYTHON_FACTS if answers[0].strip(".").replace(" ", "").isalnum()]
+    return [
+        {"id": f"python_qa-{i}", "family": "fact", "question": question, "answers": list(answers)}
+        for i, (question, answers) in enumerate(facts)
+    ]
 
 
 def everyday_mc(seed: int = 25) -> list[dict]:
@@ -285,8 +314,8 @@ def write_jsonl(path: Path, items: list[dict]) -> None:
 def main() -> int:
     OUT.mkdir(parents=True, exist_ok=True)
     sets = {
-        "python_mc": python_mc(100),
-        "python_qa": python_qa(90),
+        "python_mc": python_mc(),
+        "python_qa": python_qa(),
         "everyday_mc": everyday_mc(),
         "everyday_qa": everyday_qa(),
     }

@@ -69,8 +69,15 @@ class FrontierConfig:
     speed_tokens: int = SPEED_TOKENS
 
     def fingerprint(self) -> str:
-        """What a cached row was measured with: a row from another config is not reused."""
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+        """What a cached row was measured with: a row from another config, or from other task
+        files (items edited or regenerated), is not reused."""
+        folder = Path(self.include_path) if self.include_path else tasks_dir()
+        files = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix in {".yaml", ".jsonl", ".json", ".py"})
+        digest = hashlib.sha256()
+        for path in files:
+            digest.update(str(path.relative_to(folder)).encode() + b"\0" + path.read_bytes())
+        what = {**asdict(self), "task_files": digest.hexdigest()}
+        return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def measure_speed(engine, routing: RoutingParams, streams: int, tokens: int) -> float:

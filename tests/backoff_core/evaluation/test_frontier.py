@@ -104,3 +104,19 @@ def test_a_run_resumes_from_its_cached_rows(soft_pair, tokenizer, tmp_path):
     other = FrontierConfig(pair="tiny", tasks=("backoff_everyday_mc",), limit=3, speed_tokens=2)
     run_frontier(engine, [], other, tmp_path, evaluate=lambda e, s, c: redo.append(s) or evaluate_row(e, s, c))
     assert len(redo) == 3  # M_L alone, M_S alone, the default: cached, but under another configuration
+
+
+def test_edited_task_files_are_another_configuration(tmp_path):
+    """A cached row measured on other items is not reused: the task files are in the fingerprint."""
+    import shutil
+
+    from backoff_core.evaluation.frontier_spec import tasks_dir
+
+    folder = tmp_path / "tasks"
+    shutil.copytree(tasks_dir(), folder)
+    config = FrontierConfig(pair="tiny", include_path=str(folder))
+    before = config.fingerprint()
+    assert FrontierConfig(pair="tiny", include_path=str(folder)).fingerprint() == before
+    items = folder / "everyday_mc.jsonl"
+    items.write_text(items.read_text().replace("blue", "azure", 1))
+    assert config.fingerprint() != before

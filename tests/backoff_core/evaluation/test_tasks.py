@@ -64,8 +64,8 @@ def test_every_answer_is_valid(docs):
 def test_the_shipped_jsonl_is_what_the_script_regenerates():
     make_tasks = _make_tasks()
     fresh = {
-        "python_mc": make_tasks.python_mc(100),
-        "python_qa": make_tasks.python_qa(90),
+        "python_mc": make_tasks.python_mc(),
+        "python_qa": make_tasks.python_qa(),
         "everyday_mc": make_tasks.everyday_mc(),
         "everyday_qa": make_tasks.everyday_qa(),
     }
