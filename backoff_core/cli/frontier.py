@@ -150,6 +150,10 @@ def lm_eval_main(argv: list[str]) -> int:
     argv = list(argv)
     if argv and argv[0] not in ("-h", "--help") and "--include_path" not in argv:
         argv += ["--include_path", str(tasks_dir())]
+    if _model_of(argv) == "backoff" and not any(
+        a in ("--batch_size", "-b") or a.startswith("--batch_size=") for a in argv
+    ):
+        argv += ["--batch_size", "32"]  # lm-eval's CLI default of 1 would step the engine one request at a time
     saved = sys.argv
     sys.argv = ["lm_eval", *argv]
     try:
@@ -159,3 +163,12 @@ def lm_eval_main(argv: list[str]) -> int:
     finally:
         sys.argv = saved
     return 0
+
+
+def _model_of(argv: list[str]) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg.startswith("--model="):
+            return arg.split("=", 1)[1]
+        if arg == "--model" and i + 1 < len(argv):
+            return argv[i + 1]
+    return None

@@ -127,7 +127,9 @@ def test_backoff_lm_eval_runs_lm_evals_own_cli(setup, tmp_path):
     argv = ["lm-eval", "--model", "backoff", "--model_args", f"small={small_dir},large={large_dir},router=always-large"]
     argv += ["--tasks", "tiny_mc", "--include_path", str(manager.include_path), "--output_path", str(tmp_path)]
     assert main(argv) == 0
-    results = json.loads(next(tmp_path.rglob("results_*.json")).read_text())["results"]
+    saved = json.loads(next(tmp_path.rglob("results_*.json")).read_text())
+    results = saved["results"]
+    assert str(saved["config"]["batch_size"]) == "32"  # not lm-eval's CLI default of 1: a batched engine
     ours, _ = _run(BackoffLM(engine=setup[0], router="always-large"), manager)
     assert results["tiny_mc"]["acc,none"] == ours["tiny_mc"]["acc,none"]
 
