@@ -56,8 +56,14 @@ class SamplingParams:
     # log-probability of every PROMPT token under the request's routed teacher-forced
     # distribution (engine/prompt.py), with this many top alternatives; None: none (free)
     prompt_logprobs: int | None = None
+    # the first prompt position scored (>= 1): the positions before it get no entry (None) and
+    # cost a plain prefill, not the LM heads over every row (lm-eval's loglikelihood wants the
+    # continuation alone, after a long context)
+    prompt_logprobs_from: int = 1
 
     def __post_init__(self) -> None:
+        if self.prompt_logprobs_from < 1:
+            raise ValueError(f"prompt_logprobs_from must be >= 1, got {self.prompt_logprobs_from}")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(
                 f"prompt_logprobs (top alternatives) must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}"

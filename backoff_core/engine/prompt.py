@@ -128,25 +128,36 @@ def _score(models: Sequence[Backend], group: list[Live], texts: TokenTexts, deco
     if len(layers) > 1:
         raise ValueError("one batch cannot serve classifier heads over different layers")
     layer = next(iter(layers), None)
-    small = dict(zip([r.request_id for r in heads], _extend(models[0], 0, heads, last_only=False, hidden_layer=layer)))
+    # rows before a request's first scored one (prompt_logprobs_from - 1): a plain prefill
+    # of M_S first, then M_S's logits over the scored rows alone
+    ahead = [r for r in heads if _first_row(r) > 0]
+    if ahead:
+        models[0].extend([(r.request_id, _head(r)[: _first_row(r)]) for r in ahead], last_only=True)
+    items = [(r.request_id, _head(r)[_first_row(r) :]) for r in heads]
+    small = dict(zip([r.request_id for r in heads], models[0].extend(items, hidden_layer=layer, last_only=False)))
+    for r in heads:
+        r.fed[0] = r.prompt_len - 1
     oracles = [r for r in heads if r.router.needs_large_logits]
     large = dict(zip([r.request_id for r in oracles], _extend(models[top], top, oracles, last_only=False)))
+    # levels[request id][i]: the level of prompt row _first_row(r) + i
     levels = {r.request_id: _levels(r, small[r.request_id], large.get(r.request_id)) for r in heads}
     # scored[request id][level] = (rows, Scored): the rows that level scores
     scored: dict[str, dict[int, tuple[list[int], Scored]]] = {r.request_id: {} for r in heads}
     for r in heads:
-        for level, ext in ((0, small[r.request_id]), (top, large.get(r.request_id))):
-            rows = [j for j, lv in enumerate(levels[r.request_id]) if lv == level]
+        first = _first_row(r)  # M_S's extension starts at that row, an oracle's at row 0
+        for level, ext, offset in ((0, small[r.request_id], first), (top, large.get(r.request_id), 0)):
+            rows = [first + i for i, lv in enumerate(levels[r.request_id]) if lv == level]
             if ext is not None and rows:
                 targets = tuple(r.request.prompt_ids[j + 1] for j in rows)
-                scored[r.request_id][level] = (rows, score_rows(ext.logits[rows], targets, _top_n(r)))
+                logits = ext.logits[[j - offset for j in rows]]
+                scored[r.request_id][level] = (rows, score_rows(logits, targets, _top_n(r)))
     for level in range(1, len(models)):
         # requests with rows routed here, and eager sessions with none (a plain prefill)
         group_l, scoring = [], []
         for r in heads:
             if level in scored[r.request_id] or (level == top and r.request_id in large):
                 continue
-            rows = [j for j, lv in enumerate(levels[r.request_id]) if lv == level]
+            rows = [_first_row(r) + i for i, lv in enumerate(levels[r.request_id]) if lv == level]
             if rows or level in r.opened:
                 _open(models[level], level, r)
                 group_l.append(r)
@@ -166,17 +177,25 @@ def _top_n(r: Live) -> int:
     return int(r.request.sampling.prompt_logprobs or 0)
 
 
+def _first_row(r: Live) -> int:
+    """The first prompt row scored (row j predicts prompt token j + 1; the head has
+    prompt_len - 1 rows, and at least its last is scored)."""
+    return min(r.request.sampling.prompt_logprobs_from, r.prompt_len - 1) - 1
+
+
 @torch.inference_mode()
 def _levels(r: Live, small: Extension, large: Extension | None) -> list[int]:
-    """The level of each row of r's prompt head: what r's router decides from M_S's state
-    on the true prefix (row j predicts prompt token j + 1)."""
-    n = r.prompt_len - 1
+    """The level of each scored row of r's prompt head (rows first.. of it, first =
+    _first_row(r)): what r's router decides from M_S's state on the true prefix (row j
+    predicts prompt token j + 1). small covers those rows, large (an oracle's) every row."""
+    first = _first_row(r)
+    n = r.prompt_len - 1 - first
     ctx = StepContext(
         small_logits=small.logits,  # [n, V]
         hidden=small.hidden if r.router.hidden_layer is not None else None,  # [n, d]
-        large_logits=large.logits if large is not None else None,  # [n, V]
+        large_logits=large.logits[first:] if large is not None else None,  # [n, V]
         drafts=torch.zeros(n, dtype=torch.long),
-        uniforms=uniforms([r.seed] * n, range(1, n + 1), Stream.ROUTER)[:, 0],  # the coin of position j + 1
+        uniforms=uniforms([r.seed] * n, range(first + 1, first + n + 1), Stream.ROUTER)[:, 0],  # position j + 1
     )
     scores = r.router.scores(ctx)  # [n]
     if scores.shape != (n,):
@@ -206,10 +225,12 @@ def _entries(
                 top=tuple(entry(i, v) for i, v in zip(top_ids[n], top[n])),
                 text_offset=offsets[j + 1],
             )
-    if len(rows) != len(prompt) - 1:
-        raise RuntimeError(f"{len(prompt) - 1 - len(rows)} prompt rows of {r.request_id!r} were not scored")
-    r.prompt_logprobs = [None, *(rows[j] for j in range(len(prompt) - 1))]
-    r.prompt_sources = [None, *levels]
+    first = _first_row(r) if len(prompt) > 1 else 0
+    if len(rows) != len(prompt) - 1 - first:
+        raise RuntimeError(f"{len(prompt) - 1 - first - len(rows)} prompt rows of {r.request_id!r} were not scored")
+    unscored = [None] * (first + 1)  # the first token, and those before prompt_logprobs_from
+    r.prompt_logprobs = [*unscored, *(rows[j] for j in range(first, len(prompt) - 1))]
+    r.prompt_sources = [*unscored, *levels]
     r.prompt_text = text
 
 

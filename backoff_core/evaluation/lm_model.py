@@ -159,7 +159,7 @@ class BackoffLM(TemplateLM):
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         """requests: ((context, continuation) or None, context ids, continuation ids). One
         engine request per pair: prompt = context + continuation, max_tokens 0, routed prompt
-        logprobs; the continuation's positions are summed."""
+        logprobs of the continuation's positions alone (the context is a plain prefill), summed."""
         # longest first (as HFLM), so a batch's sequences have similar lengths
         order = sorted(range(len(requests)), key=lambda i: -len(requests[i][1]) - len(requests[i][2]))
         out: list[tuple[float, bool] | None] = [None] * len(requests)
@@ -174,9 +174,9 @@ class BackoffLM(TemplateLM):
                 # HFLM feeds (context + continuation)[-(max_length + 1):][:-1]; the engine
                 # feeds the whole prompt, so the window holds max_length tokens of it
                 ids = (list(context) + list(continuation))[-self.max_length :]
-                batch.append(
-                    GenerationRequest(tuple(ids), SamplingParams(max_tokens=0, prompt_logprobs=1), self.routing)
-                )
+                first = len(ids) - min(len(continuation), len(ids) - 1)  # the continuation's first position
+                sampling = SamplingParams(max_tokens=0, prompt_logprobs=1, prompt_logprobs_from=first)
+                batch.append(GenerationRequest(tuple(ids), sampling, self.routing))
             results = self.engine.generate_many(batch)
             for i, request, result in zip(chunk, batch, results):
                 n = min(len(requests[i][2]), len(request.prompt_ids) - 1)

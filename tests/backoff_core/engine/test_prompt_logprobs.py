@@ -332,3 +332,42 @@ def test_a_runner_runs_its_lm_head_on_the_scored_rows_only(pair, kind):
     assert scored.logits.shape[0] == plain.logits.shape[0] == 1 and plain.scored is None
     (shape,) = heads
     assert shape[1] <= 5  # 3 scored rows and the last of each session, not 19 positions a row
+
+
+def _recorded(extend, calls: list):
+    """extend, recording (new ids of its first item, last_only) of each call."""
+
+    def recorded(items, **kw):
+        calls.append((len(items[0][1]), kw.get("last_only")))
+        return extend(items, **kw)
+
+    return recorded
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+@pytest.mark.parametrize("router", ["always-large", "entropy", "random"])
+def test_scoring_from_a_position_gives_the_tail_of_the_full_scoring(pair, tokenizer, kind, router):
+    """prompt_logprobs_from = f: the entries from position f are those of a full scoring (the
+    same levels, values within float noise of a prefill split in two), the earlier ones None;
+    M_S's LM head runs on the scored rows alone."""
+    prompt = tuple((5 * i) % 40 + 2 for i in range(30))
+    routing = {"thresholds": (2.0,)} if router == "entropy" else {"rate": 0.5} if router == "random" else {}
+    full = ENGINES[kind](pair, tokenizer).generate(_req(prompt, 2, router=router, seed=7, **routing))
+    for first in (1, 2, 17, 29, 40):
+        sampling = SamplingParams(max_tokens=0, prompt_logprobs=2, prompt_logprobs_from=first, seed=7)
+        engine = ENGINES[kind](pair, tokenizer)
+        small, calls = engine.models[0], []
+        extend = small.extend
+        small.extend = _recorded(extend, calls)
+        tail = engine.generate(GenerationRequest(prompt, sampling, RoutingParams(router=router, **routing)))
+        f = min(first, len(prompt) - 1)
+        # M_S: a plain prefill of the rows before the first scored one, then logits over the rest
+        assert calls == ([(f - 1, True)] if f > 1 else []) + [(len(prompt) - f, False)]
+        assert tail.prompt_logprobs[:f] == (None,) * f and tail.prompt_sources[:f] == (None,) * f
+        assert tail.prompt_sources[f:] == full.prompt_sources[f:]
+        for a, b in zip(tail.prompt_logprobs[f:], full.prompt_logprobs[f:]):
+            assert a.chosen.token_id == b.chosen.token_id
+            assert a.chosen.logprob == pytest.approx(b.chosen.logprob, abs=1e-4)
+            assert [t.token_id for t in a.top] == [t.token_id for t in b.top]
+    with pytest.raises(ValueError, match="prompt_logprobs_from"):
+        SamplingParams(max_tokens=0, prompt_logprobs=0, prompt_logprobs_from=0)
