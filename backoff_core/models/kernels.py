@@ -29,8 +29,9 @@ from torch.utils.mkldnn import MkldnnLinear
 CPU_KERNELS = ("mkldnn", "default")
 # oneDNN caches one primitive per input shape (default: 1024 of them, ~2 MB each for an LM
 # head); serving sees many row counts, so a process would grow by a GB or more as the cache
-# fills. Rows are padded to a power of two (RowBucketed), so a model needs about
-# (distinct weight shapes) x 13 primitives up to 4096 rows: 64 holds a small model's set.
+# fills. Rows are padded to a power of two up to 256 and to a multiple of 256 above
+# (RowBucketed), so a model's steps and catch-ups need about (distinct weight shapes) x 9
+# primitives: 64 holds a small model's set; a long prefill may create a few more.
 PRIMITIVE_CACHE = 64
 
 # dense module -> its converted twin, so that shared modules stay shared across calls
@@ -101,9 +102,21 @@ def dense_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return dense
 
 
+BUCKET_STEP = 256  # above this many rows, rows are padded to a multiple of it, not a power of two
+
+
+def row_bucket(m: int) -> int:
+    """The padded row count of an m-row input: the next power of two up to BUCKET_STEP (the
+    rows of a step or catch-up), then the next multiple of BUCKET_STEP (a prefill: padding
+    2112 rows to 4096 nearly doubled its cost)."""
+    if m <= BUCKET_STEP:
+        return 1 << (m - 1).bit_length()
+    return -(-m // BUCKET_STEP) * BUCKET_STEP
+
+
 class RowBucketed(nn.Module):
-    """oneDNN's linear over the rows padded to a power of two. Its cost is flat in the row
-    count for the few rows of a step or catch-up, and its primitive cache then holds a
+    """oneDNN's linear over the rows padded to a bucket (row_bucket). Its cost is flat in the
+    row count for the few rows of a step or catch-up, and its primitive cache then holds a
     handful of shapes per weight instead of one per catch-up length."""
 
     def __init__(self, linear: MkldnnLinear) -> None:
@@ -117,7 +130,7 @@ class RowBucketed(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         m = rows.shape[0]
-        bucket = 1 << (m - 1).bit_length()
+        bucket = row_bucket(m)
         if bucket != m:
             rows = torch.nn.functional.pad(rows, (0, 0, 0, bucket - m))
         return self.linear(rows)[:m].reshape(*x.shape[:-1], -1)

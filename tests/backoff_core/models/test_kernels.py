@@ -80,3 +80,20 @@ def test_no_change_where_it_does_not_apply():
 def test_fingerprint_is_the_same_whichever_kernels():
     dense = tiny_model(4)
     assert model_fingerprint(use_cpu_kernels(copy.deepcopy(dense))) == model_fingerprint(dense)
+
+
+def test_rows_are_padded_to_few_buckets_and_little_past_a_prefills_length():
+    from backoff_core.models.kernels import BUCKET_STEP, row_bucket
+
+    assert [row_bucket(m) for m in (1, 2, 3, 5, 9, 200, 256)] == [1, 2, 4, 8, 16, 256, 256]
+    assert [row_bucket(m) for m in (257, 512, 513, 2112)] == [512, 512, 768, 2304]
+    assert all(m <= row_bucket(m) < m + BUCKET_STEP or row_bucket(m) < 2 * m for m in range(1, 5000))
+
+
+def test_a_long_prefill_gives_the_dense_logits():
+    """A prefill past BUCKET_STEP rows (padded to a multiple of it) equals the dense model's."""
+    dense = tiny_model(5, hidden=64, layers=2, sharpness=4)
+    fast = use_cpu_kernels(copy.deepcopy(dense))
+    ids = torch.tensor([[(7 * i) % 40 + 2 for i in range(300)]])
+    with torch.no_grad():
+        torch.testing.assert_close(fast(ids).logits, dense(ids).logits, atol=1e-4, rtol=1e-4)
