@@ -36,9 +36,10 @@ def routing_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("routing")
     g.add_argument(
         "--router",
-        default="entropy",
-        help="decision function: always-small, always-large, "
-        "oracle, flipped-oracle, entropy, max-prob, random, classifier",
+        default=None,
+        help="decision function: always-small, always-large, oracle, flipped-oracle, entropy, max-prob, "
+        "random, classifier (default, with no --threshold/--rate/--target-backoff: the packaged default "
+        "routing, deployments/serve_config.yaml's)",
     )
     g.add_argument(
         "--threshold", default=None, help="threshold (comma-separated, ascending, one per boundary for chains)"

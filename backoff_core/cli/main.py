@@ -14,6 +14,7 @@ import sys
 import time
 
 from backoff_core.cli.args import model_args, routing_args, sampling_args
+from backoff_core.evaluation.frontier_spec import DEFAULT_ROUTING
 from backoff_core.types import GenerationRequest, GenerationResult, KVSpec, RoutingParams, SamplingParams, Verification
 
 PLUGIN_GROUP = "backoff.commands"
@@ -68,7 +69,10 @@ def _parser() -> argparse.ArgumentParser:
 def request_from_args(args, prompt_ids: list[int]) -> GenerationRequest:
     thresholds = tuple(float(x) for x in args.threshold.split(",")) if args.threshold else None
     verification = args.verification or ("exact" if args.mode == "speculative" else "none")
-    router = "draft" if args.mode == "speculative" else args.router
+    router = "draft" if args.mode == "speculative" else args.router or DEFAULT_ROUTING.router
+    if args.router is None and thresholds is None and args.rate is None and args.target_backoff is None:
+        if router == DEFAULT_ROUTING.router and not getattr(args, "medium", None):  # a pair, no routing named
+            thresholds = DEFAULT_ROUTING.thresholds  # the packaged default (serve_config.yaml's)
     return GenerationRequest(
         prompt_ids=tuple(prompt_ids),
         sampling=SamplingParams(

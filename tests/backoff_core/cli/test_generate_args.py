@@ -1,0 +1,37 @@
+"""`backoff generate`'s routing: with none named, the packaged default routing (the serve
+config's); whatever the user names is taken as given."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from backoff_core.cli.main import _parser, request_from_args
+from backoff_core.evaluation.frontier_spec import DEFAULT_ROUTING
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _routing(*argv: str):
+    args = _parser().parse_args(["generate", "--prompt", "hello", *argv])
+    return request_from_args(args, [1, 2, 3]).routing
+
+
+def test_no_routing_named_is_the_serve_configs_default():
+    config = yaml.safe_load((ROOT / "deployments" / "serve_config.yaml").read_text())
+    small = next(d for d in config["applications"][0]["deployments"] if d["name"] == "SmallModel")
+    routing = _routing()
+    assert (routing.router, routing.thresholds) == (DEFAULT_ROUTING.router, DEFAULT_ROUTING.thresholds)
+    assert routing.router == small["user_config"]["router"]
+    assert list(routing.thresholds) == list(small["user_config"]["thresholds"])
+
+
+def test_what_the_user_names_is_kept():
+    assert _routing("--router", "entropy").thresholds is None  # the router's own default
+    assert _routing("--threshold", "2.5").thresholds == (2.5,)
+    assert _routing("--threshold", "2.5").router == DEFAULT_ROUTING.router
+    random = _routing("--router", "random", "--rate", "0.3")
+    assert (random.router, random.rate, random.thresholds) == ("random", 0.3, None)
+    assert _routing("--target-backoff", "0.4").thresholds is None
+    assert _routing("--medium", "m").thresholds is None  # a chain of three: one threshold would not fit
