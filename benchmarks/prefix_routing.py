@@ -174,7 +174,7 @@ def main() -> None:
         f"\n{args.prompts} system prompts, {args.requests} requests, {args.concurrency} in flight, "
         f"{args.rounds} rounds; max_imbalance {args.max_imbalance}; hit share ceiling {ceiling:.3f}"
     )
-    print(f"{'routing':<16}{'hit share':>10}{'prefills':>10}{'per replica':>16}{'p50 s':>8}{'p90 s':>8}")
+    print(f"{'routing':<16}{'hit share':>10}{'prefills':>10}{'per replica':>16}{'p50 ms':>8}{'p90 ms':>8}")
     totals = {}
     for app in MODES:
         runs = [r for r in rounds if r["app"] == app]
@@ -190,7 +190,7 @@ def main() -> None:
         name = "prefix affinity" if MODES[app] else "power of two"
         print(
             f"{name:<16}{t['hit_share']:>10.3f}{t['system_prompt_prefills_per_round']:>10.1f}"
-            f"{str(load):>16}{t['latency_p50_s']:>8.2f}{t['latency_p90_s']:>8.2f}"
+            f"{str(load):>16}{1e3 * t['latency_p50_s']:>8.0f}{1e3 * t['latency_p90_s']:>8.0f}"
         )
     print(f"prefix tree match round trip (blocking, per request in the Ingress): {round_trip['affinity']:.2f} ms")
     out = {

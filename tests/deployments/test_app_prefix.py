@@ -87,16 +87,21 @@ def test_shared_prefix_goes_to_one_replica_and_prefixes_spread(served):
 
 
 def test_hot_prefix_spills_over_to_the_other_replica(served):
-    """A dozen long requests of one prefix at once: its replica takes up to MAX_IMBALANCE
-    more than the other, the rest go elsewhere."""
+    """A dozen long requests of one prefix at once (well, 20 ms apart): its replica takes up to
+    MAX_IMBALANCE more than the other, the rest go elsewhere."""
 
     async def run() -> tuple[str, dict[str, str]]:
         async with httpx.AsyncClient(base_url=served.url, timeout=120) as http:
             bodies = _bodies(30, 13)
             first = await _complete(http, bodies[0][0])  # the prefix gets its replica
             home = (await _where([first]))[first]
-            long = {"max_tokens": 48, "ignore_eos": True}
-            ids = await asyncio.gather(*(_complete(http, {**body, **long}) for body, _ in bodies[1:]))
+            long = {"max_tokens": 96, "ignore_eos": True}
+
+            async def later(i: int, body: dict) -> str:  # 20 ms apart: each routing sees the load before it
+                await asyncio.sleep(0.02 * i)
+                return await _complete(http, {**body, **long})
+
+            ids = await asyncio.gather(*(later(i, body) for i, (body, _) in enumerate(bodies[1:])))
             return home, await _where(list(ids))
 
     home, where = asyncio.run(run())
