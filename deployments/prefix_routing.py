@@ -25,7 +25,7 @@ import time
 
 from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import PrefixCacheAffinityRouter
 from ray.serve.config import RequestRouterConfig
-from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult
+from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, ReplicaResult, RunningReplica
 
 from deployments.serving.config import PrefixRoutingConfig
 from deployments.serving.requests import ServeRequest
@@ -46,7 +46,10 @@ def prompt_key(request: ServeRequest, key_chars: int) -> str:
     return key[:key_chars]
 
 
-class PrefixAffinity(PrefixCacheAffinityRouter):
+class PrefixAffinity(FIFOMixin, PrefixCacheAffinityRouter):
+    # FIFOMixin (as in Serve's power of two choices): without it a pending request is matched to
+    # a replica by its internal request id, which a batch's requests share (the HTTP request's):
+    # all but one of them never left the Ingress
     def initialize_state(self, key_chars: int = 2048, **kwargs) -> None:
         self.key_chars = key_chars
         super().initialize_state(**kwargs)
@@ -58,6 +61,28 @@ class PrefixAffinity(PrefixCacheAffinityRouter):
             if isinstance(arg, ServeRequest):
                 return prompt_key(arg, self.key_chars) or None
         return None
+
+    async def _prefix_match_best_replicas(
+        self, pending_request: PendingRequest | None, candidate_replicas: list[RunningReplica]
+    ) -> list[list[RunningReplica]]:
+        """Ray's choice (step 2 of the module's docstring), with the tree's replies awaited: the
+        base class blocks the caller's event loop on them (`ray.get`)."""
+        key = self._extract_text_from_request(pending_request) if pending_request is not None else None
+        if key is None:
+            return [[]]
+        queue_lens = [self._replica_queue_len_cache.get(r.replica_id) for r in candidate_replicas]
+        unknown = [r for r, q in zip(candidate_replicas, queue_lens) if q is None or q >= r.max_ongoing_requests]
+        known = [q for r, q in zip(candidate_replicas, queue_lens) if r not in unknown]
+        if unknown:
+            known += [q for _, q in await self._probe_queue_lens(unknown, 0) if q is not None]
+        if known and max(known) - min(known) > self._imbalanced_threshold:
+            return [[]]  # imbalanced: power of two choices
+        ids = [r.replica_id.to_full_id_str() for r in candidate_replicas]
+        matched, owners = await self._tree_actor.prefix_match.remote(key, ids)
+        if len(matched) < self._match_rate_threshold * len(key):
+            owners = await self._tree_actor.get_smallest_tenants.remote()
+        by_id = {r.replica_id.to_full_id_str(): r for r in candidate_replicas}
+        return [[by_id[i] for i in owners or () if i in by_id]]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
         """Insert the key under its replica without waiting (the base class blocks the caller's

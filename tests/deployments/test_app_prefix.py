@@ -86,6 +86,15 @@ def test_shared_prefix_goes_to_one_replica_and_prefixes_spread(served):
     assert len(used) == 2, f"6 prefixes all went to one replica: {placed}"
 
 
+def test_a_batch_reaches_the_replicas_prompt_by_prompt(served):
+    """A batch's requests share the HTTP request's internal id: each must still be routed (a
+    router without Serve's FIFO matching left all but one waiting in the Ingress)."""
+    batch = [f"{_words(90 + i % 2, 60)} {_words(i, 3)}" for i in range(4)]
+    response = httpx.post(f"{served.url}/v1/completions", json={"prompt": batch, "max_tokens": 2}, timeout=60)
+    assert response.status_code == 200, response.text
+    assert [c["index"] for c in response.json()["choices"]] == [0, 1, 2, 3]
+
+
 def test_hot_prefix_spills_over_to_the_other_replica(served):
     """A dozen long requests of one prefix at once (well, 20 ms apart): its replica takes up to
     MAX_IMBALANCE more than the other, the rest go elsewhere."""
