@@ -13,7 +13,7 @@ info().recent (request ids, in the order they arrived).
 Per mode: the share of requests that went to a replica that had already served their system
 prompt (its prefix cache may hold it; the first request of each prompt can never hit: the
 ceiling is 1 - prompts / requests), the system-prompt prefills that implies (misses), requests
-per replica, request latency, and the prefix tree's match round trip (one blocking actor call
+per replica, request latency, and the prefix tree's match round trip (one actor call
 per request in the Ingress). Prints a table; saves benchmarks/results/prefix_routing.json.
 """
 
@@ -192,7 +192,7 @@ def main() -> None:
             f"{name:<16}{t['hit_share']:>10.3f}{t['system_prompt_prefills_per_round']:>10.1f}"
             f"{str(load):>16}{1e3 * t['latency_p50_s']:>8.0f}{1e3 * t['latency_p90_s']:>8.0f}"
         )
-    print(f"prefix tree match round trip (blocking, per request in the Ingress): {round_trip['affinity']:.2f} ms")
+    print(f"prefix tree match round trip (one per request, in the Ingress): {round_trip['affinity']:.2f} ms")
     out = {
         "config": vars(args) | {"ceiling": ceiling, "replicas": 2, "pair": "tiny"},
         "totals": totals,

@@ -12,7 +12,8 @@ that already served the longest prefix of its prompt. This is Ray Serve LLM's
      min_match of its key, to the replica holding the fewest characters (new prefixes spread);
   3. otherwise, and for calls without a prompt (info), power of two choices: a hot prefix
      spills over to the other replicas instead of queueing on its own.
-After routing, the key is inserted under the chosen replica; replicas that go away are removed
+The tree's replies are awaited (Ray's class blocks the caller's loop on them). After routing,
+the key is inserted under the chosen replica; replicas that go away are removed
 from the tree (Serve's update_replicas / on_replica_actor_died). PrefixRoutingConfig's
 tree_chars bounds what the tree keeps per replica (LRU eviction in the actor).
 Keys of the three prompt forms never match each other: text and token ids of the same prompt
