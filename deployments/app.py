@@ -1,9 +1,11 @@
 """The application builder: `import_path: deployments.app:build_app` in a Serve config.
 
 Binds Ingress -> SmallModel -> one LargeModel-like deployment per larger level (a chain of
-three models adds `MediumModel1`). Scaling and resources come from `AppArgs`: the custom
-resources of cluster.yaml (small_gpu / large_gpu) where the cluster has them, else shares of
-whatever GPUs it has (two models on one GPU: half each), zero GPUs on a CPU-only cluster.
+three models adds `MediumModel1`). Callers pick a SmallModel replica by prompt prefix
+(prefix_routing.py, `prefix_routing` in AppArgs), a LargeModel one by session (affinity.py).
+Scaling and resources come from `AppArgs`: the custom resources of cluster.yaml (small_gpu /
+large_gpu) where the cluster has them, else shares of whatever GPUs it has (two models on one
+GPU: half each), zero GPUs on a CPU-only cluster.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from ray.serve.config import BackpressureConfig
 
 from deployments.ingress import Ingress
 from deployments.large import LargeModel
+from deployments.prefix_routing import prefix_router_config
 from deployments.serving.config import AppArgs, ReplicaConfig
 from deployments.small import SmallModel
 
@@ -78,5 +81,7 @@ def build_app(args: dict | AppArgs | None = None) -> Application:
     retry = cfg.admission.retry_after_s
     small = replica_options(cfg.small, cluster, n, retry)
     small["ray_actor_options"]["runtime_env"] = {"env_vars": SMALL_MODEL_ENV}
+    if (prefix := prefix_router_config(cfg.prefix_routing)) is not None:  # else Serve's power of two choices
+        small["request_router_config"] = prefix
     router = SmallModel.options(user_config=cfg.routing.model_dump(), **small).bind(cfg.model_dump(), *levels)
     return Ingress.options(**replica_options(cfg.ingress, cluster, retry_after_s=retry)).bind(router, cfg.model_dump())

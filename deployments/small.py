@@ -18,6 +18,7 @@ freed within `lease_s` instead of the TTL.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import importlib
@@ -57,6 +58,7 @@ StreamItem = Admitted | TokenEvent | tuple[TokenEvent, ...] | GenerationResult |
 
 
 STEP_THREAD_SWITCH_S = 0.0005  # sys.setswitchinterval in a SmallModel replica
+RECENT_IDS = 256  # request ids info() reports
 
 
 async def _until(event: asyncio.Event, timeout_s: float) -> None:
@@ -110,6 +112,8 @@ class SmallInfo:
     catch_up_wait_s: float  # step-loop time spent waiting for catch-up replies
     busy_s: float = 0.0  # step-loop time spent in steps
     node: str = ""  # the Ray node the replica runs on
+    served: int = 0  # requests that reached generate() (prefix routing: where they went)
+    recent: tuple[str, ...] = ()  # ids of the last RECENT_IDS of them, oldest first
 
 
 @serve.deployment(max_ongoing_requests=64)
@@ -148,6 +152,8 @@ class SmallModel:
         self.gate = AdmissionGate(self.args.admission.max_live_requests, self.args.admission.max_waiting_requests)
         self._lost_reported = 0
         self._cancelled = 0
+        self._served: collections.deque[str] = collections.deque(maxlen=RECENT_IDS)
+        self._served_count = 0
         self.loop: EngineLoop[RoutingConfig] = EngineLoop(engine, self._admit, self.args.routing, self._finished)
         self.reconfigure(self.args.routing.model_dump())
         self.loop.start()
@@ -181,6 +187,8 @@ class SmallModel:
         `tokens`), then the GenerationResult.
         Overloaded alone when the replica is full."""
         self._start_renewals()
+        self._served.append(request.request_id)
+        self._served_count += 1
         if not await self.gate.enter():
             self.metrics.request("overloaded")
             limits = self.args.admission
@@ -251,6 +259,8 @@ class SmallModel:
             catch_up_wait_s=sum(r.wait_s for r in self.remotes),
             busy_s=self.loop.busy_s,
             node=ray.get_runtime_context().get_node_id(),
+            served=self._served_count,
+            recent=tuple(self._served),
         )
 
     def _start_renewals(self) -> None:

@@ -286,6 +286,38 @@ class LimitsConfig(_Config):
     retry_after_s: int = Field(1, ge=0, description="Retry-After (seconds) sent with a 429")
 
 
+class PrefixRoutingConfig(_Config):
+    """How callers (the Ingress) pick a SmallModel replica for a request (deployments/prefix_routing.py)."""
+
+    enabled: bool = Field(
+        True,
+        description="send a request to the SmallModel replica that already served the longest prefix of its "
+        "prompt (its prefix cache may hold it); false: Serve's power of two choices",
+    )
+    max_imbalance: int = Field(
+        8,
+        ge=0,
+        description="prefix affinity holds while the busiest replica has at most this many more ongoing "
+        "requests than the least busy one; above, power of two choices (a hot prefix spills over)",
+    )
+    min_match: float = Field(
+        0.1,
+        ge=0.0,
+        le=1.0,
+        description="a match shorter than this share of the prompt counts as none: the request goes to "
+        "the replica that holds the fewest prompt characters",
+    )
+    key_chars: int = Field(
+        2048, ge=16, description="characters of a prompt's key the callers remember (its head: where prefixes are)"
+    )
+    tree_chars: int = Field(
+        400_000,
+        ge=1000,
+        description="prompt characters the shared prefix tree keeps per replica; beyond, the least recently "
+        "used are evicted (checked every 10 s)",
+    )
+
+
 class AppArgs(_Config):
     """The application builder's arguments (`args:` in the Serve config YAML)."""
 
@@ -335,6 +367,9 @@ class AppArgs(_Config):
     )
     access: AccessConfig = Field(default_factory=AccessConfig, description="API keys (none: open)")
     limits: LimitsConfig = Field(default_factory=LimitsConfig, description="request size and per-client limits")
+    prefix_routing: PrefixRoutingConfig = Field(
+        default_factory=PrefixRoutingConfig, description="which SmallModel replica a request goes to"
+    )
 
     @model_validator(mode="after")
     def _admission_below_serve_limit(self) -> "AppArgs":

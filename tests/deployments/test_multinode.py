@@ -63,6 +63,9 @@ def _edit(config: dict, dirs) -> None:
     args["large"].update(gpus="auto", custom_resource="large_gpu")
     args["ingress"].update(num_replicas=None, min_replicas=1, max_replicas=2, num_cpus=0.1)
     args["limits"] = {"max_concurrent_per_client": None}
+    # the tests send one prompt again and again and need both SmallModels serving it: affinity
+    # (docs/prefix-routing.md) lets it spill over after one request more on its replica, not 8
+    args["prefix_routing"] = {"max_imbalance": 1}
     small = deployment_config(config, "SmallModel")
     small["user_config"] = {"router": "entropy", "threshold": [THRESHOLD], "large_timeout_s": 30.0}
     deployment_config(config, "LargeModel")["user_config"].update(lease_s=3.0, inject_delay_ms=25.0)
