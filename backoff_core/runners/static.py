@@ -136,19 +136,10 @@ class StaticRunner(PrefixCaching, SessionTable[_SlotSession]):
         return self.kv.capacity - 1  # at least one position left to feed
 
     def _read_kv(self, s: _SlotSession, start: int, stop: int) -> torch.Tensor:
-        # [layers, 2, kv_heads, stop - start, head_dim], a copy (stack)
-        return torch.stack(
-            [
-                torch.stack((k[s.slot, :, start:stop], v[s.slot, :, start:stop]))
-                for k, v in zip(self.kv.keys, self.kv.values)
-            ]
-        )
+        return self.kv.read(s.slot, start, stop)
 
     def _write_kv(self, s: _SlotSession, kv: torch.Tensor) -> None:
-        n = kv.shape[3]
-        for layer, (k, v) in enumerate(zip(self.kv.keys, self.kv.values)):
-            k[s.slot, :, :n] = kv[layer, 0]
-            v[s.slot, :, :n] = kv[layer, 1]
+        self.kv.write(s.slot, kv)
 
     def _room(self, request_id: str, s: _SlotSession, n: int) -> bool:
         try:

@@ -67,7 +67,15 @@ class ModelsConfig(_Config):
         """The budget and storage a replica of `model` runs with (`auto` resolved on its device)."""
         from backoff_core.runners.kv_budget import resolve_kv  # torch: only where a model is loaded
 
-        return resolve_kv(model, self.kv_budget_tokens, self.kv_max_len, self.static_kv, self.cuda_graphs, gpu_share)
+        return resolve_kv(
+            model,
+            self.kv_budget_tokens,
+            self.kv_max_len,
+            self.static_kv,
+            self.cuda_graphs,
+            gpu_share,
+            reserve_tokens=self.prefix_cache_tokens,  # `auto` leaves the prefix cache its room
+        )
 
     def prefix_spec(self) -> PrefixCacheSpec | None:
         """Every model replica's prefix cache; None: off."""
