@@ -111,6 +111,7 @@ class RoutingParams:
     verification: Verification = Verification.NONE
     tolerance: float = math.inf  # for Verification.KL
     eager_prefill: bool = False  # prefill M_L's prompt at admission rather than at its first call
+    prefix_cache: bool = True  # start from the longest cached prompt prefix, and cache this prompt's blocks
     # a larger model that cannot answer in time (backends.LargeUnavailable): "degrade" = the
     # request goes on with the small model alone (flagged `degraded`), "fail" = it ends with the error
     on_large_failure: str = "degrade"
@@ -158,6 +159,21 @@ class KVSpec:
     @property
     def slots(self) -> int:
         return self.budget_tokens // self.max_len
+
+
+@dataclass(frozen=True)
+class PrefixCacheSpec:
+    """The prefix cache of one model (runners/prefix_cache.py): the KV of prompt blocks of
+    `block_tokens` tokens seen before, at most `budget_tokens` positions, LRU. 0: off."""
+
+    budget_tokens: int = 8192
+    block_tokens: int = 32
+
+    def __post_init__(self) -> None:
+        if self.block_tokens < 1:
+            raise ValueError(f"a prefix cache block must hold >= 1 token, got {self.block_tokens}")
+        if self.budget_tokens < 0:
+            raise ValueError(f"a prefix cache budget must be >= 0 tokens (0: off), got {self.budget_tokens}")
 
 
 @dataclass(frozen=True)

@@ -92,7 +92,7 @@ class LargeModel:
         self.name = level_names(cfg.num_levels)[level]
         model = load_level(cfg, level, torch_threads)
         self.kv = replica_kv(cfg, model, self.name)
-        self.runner = make_runner(model, self.name, self.kv)
+        self.runner = make_runner(model, self.name, self.kv, prefix_cache=cfg.prefix_spec())
         self.metrics = LargeMetrics(self.name)
         self.config = CatchUpConfig()
         self.batcher = CatchUpBatcher(self.runner, on_forward=self._forwarded)
@@ -138,6 +138,7 @@ class LargeModel:
     def _held(self) -> None:
         self.metrics.held(len(self.runner.request_ids()))
         self.metrics.kv(kv_tokens(self.runner), self.kv.budget_tokens, kv_evictions(self.runner))
+        self.metrics.kv_metrics.prefix(self.name, self.runner.prefix_stats())
 
     def info(self) -> LargeInfo:
         s = self.batcher.stats

@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import atexit
 import threading
+from typing import TYPE_CHECKING
 
 from ray.serve import metrics
 
 from backoff_core.types import GenerationResult, level_names
 from deployments.serving.batcher import ForwardRecord
+
+if TYPE_CHECKING:  # torch: only where a model is loaded
+    from backoff_core.runners.prefix_cache import PrefixCacheStats
 
 _LENGTHS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024]
 _SIZES = [1, 2, 4, 8, 16, 32, 64, 128]
@@ -156,6 +160,28 @@ class KVMetrics:
             "backoff_kv_evictions", "Idle sessions evicted to make KV room (their requests re-prefill).", ("model",)
         )
         self._evictions_seen: dict[str, int] = {}
+        # prefix cache (backoff_core/runners/prefix_cache.py): counters fed from the runner's totals
+        self.prefix_counters = {
+            "hits": metrics.Counter(
+                "backoff_prefix_cache_hits", "Prompt lookups that started from a cached prefix.", ("model",)
+            ),
+            "misses": metrics.Counter(
+                "backoff_prefix_cache_misses", "Prompt lookups that found no cached block.", ("model",)
+            ),
+            "cached_tokens": metrics.Counter(
+                "backoff_prefix_cache_cached_tokens",
+                "Prompt positions loaded from the cache (not prefilled).",
+                ("model",),
+            ),
+            "lookup_tokens": metrics.Counter(
+                "backoff_prefix_cache_lookup_tokens", "Cacheable prompt positions the lookups asked about.", ("model",)
+            ),
+            "evicted_blocks": metrics.Counter(
+                "backoff_prefix_cache_evicted_blocks", "Cached blocks evicted (LRU) to make room.", ("model",)
+            ),
+        }
+        self.prefix_tokens = Gauge("backoff_prefix_cache_tokens", "Positions the prefix cache holds.", ("model",))
+        self._prefix_seen: dict[tuple[str, str], int] = {}
 
     def publish(self, model: str, used: int, budget: int, evictions: int) -> None:
         tags = {"model": model}
@@ -165,3 +191,14 @@ class KVMetrics:
         if new > 0:
             self.evictions.inc(new, tags=tags)
         self._evictions_seen[model] = evictions
+
+    def prefix(self, model: str, stats: PrefixCacheStats) -> None:
+        """A model's prefix cache: its totals since start, exported as counter increments."""
+        tags = {"model": model}
+        for field, counter in self.prefix_counters.items():
+            total = getattr(stats, field)
+            new = total - self._prefix_seen.get((model, field), 0)
+            if new > 0:
+                counter.inc(new, tags=tags)
+            self._prefix_seen[(model, field)] = total
+        self.prefix_tokens.set(stats.tokens, tags=tags)

@@ -136,7 +136,8 @@ class SmallModel:
         if len(self.remotes) != n - 1:
             raise ValueError(f"a chain of {n} models needs {n - 1} larger deployments, got {len(self.remotes)}")
         self.kv = replica_kv(self.args.models, side.model, "small")
-        small = make_runner(side.model, "small", self.kv, small=True, classifier_path=self.args.models.classifier)
+        models = self.args.models
+        small = make_runner(side.model, "small", self.kv, True, models.classifier, models.prefix_spec())
         self.faults = FaultInjector(small)  # inject_fault_seed
         self.small_runner = small
         self.kv_metrics = KVMetrics()
@@ -302,6 +303,7 @@ class SmallModel:
         self.kv_metrics.publish(
             "small", kv_tokens(self.small_runner), self.kv.budget_tokens, kv_evictions(self.small_runner)
         )
+        self.kv_metrics.prefix("small", self.small_runner.prefix_stats())
 
     def __del__(self) -> None:
         loop = getattr(self, "loop", None)

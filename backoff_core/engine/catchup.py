@@ -19,6 +19,7 @@ import torch
 from backoff_core.engine.backends import Backend, LargeUnavailable, SessionLost
 from backoff_core.engine.host import to_host
 from backoff_core.engine.isolation import batched, each, fail, reopen
+from backoff_core.engine.prompt import adopt_prefix
 from backoff_core.engine.state import Live
 from backoff_core.runners.dynamic import Extension
 from backoff_core.runners.sessions import SessionError
@@ -215,6 +216,7 @@ class CatchUpper:
             if level not in r.opened:  # lazy: the first call at this level prefills the prompt
                 model.open(r.request_id)
                 r.opened.add(level)
+                r.fed[level] = adopt_prefix(model, r, r.tokens)  # PREFIX CACHE: from its cached prompt prefix
         # verification and the KL record read every new position; sampling reads the last one
         last_only = not self.collect_kl and all(r.request.routing.verification == Verification.NONE for r in group)
         try:

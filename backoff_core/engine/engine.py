@@ -34,7 +34,15 @@ from backoff_core.routing.control import HIGHEST, LOWEST, RateController, rate_p
 from backoff_core.routing.routers import DecisionFunction, build_router
 from backoff_core.runners.factory import make_runner
 from backoff_core.sampling import request_seed
-from backoff_core.types import FinishReason, GenerationRequest, GenerationResult, KVSpec, TokenEvent, level_names
+from backoff_core.types import (
+    FinishReason,
+    GenerationRequest,
+    GenerationResult,
+    KVSpec,
+    PrefixCacheSpec,
+    TokenEvent,
+    level_names,
+)
 
 log = logging.getLogger(__name__)
 
@@ -71,9 +79,12 @@ class BackoffEngine:
         self._ids = itertools.count()
 
     @classmethod
-    def from_chain(cls, chain, kv: KVSpec | None = None, **kwargs) -> "BackoffEngine":
+    def from_chain(
+        cls, chain, kv: KVSpec | None = None, prefix_cache: PrefixCacheSpec | None = PrefixCacheSpec(), **kwargs
+    ) -> "BackoffEngine":
         """An in-process engine over a loaded Chain (backoff_core.models.loading). kv: static KV
-        storage (and CUDA graphs on a GPU) for every model; None keeps per-session caches."""
+        storage (and CUDA graphs on a GPU) for every model; None keeps per-session caches.
+        prefix_cache: every model's prefix cache (runners/prefix_cache.py); None: off."""
         names = level_names(len(chain.models))
         kwargs.setdefault("context_window", chain.context_window)
         kwargs.setdefault("hidden_size", chain.models[0].config.hidden_size)
@@ -81,8 +92,9 @@ class BackoffEngine:
             from backoff_core.models.default_pair import default_head_dir
 
             kwargs["classifier_path"] = default_head_dir(chain)
-        runners = [make_runner(chain.models[0], names[0], kv, small=True, classifier_path=kwargs["classifier_path"])]
-        runners += [make_runner(m, n, kv) for m, n in zip(chain.models[1:], names[1:])]
+        path = kwargs["classifier_path"]
+        runners = [make_runner(chain.models[0], names[0], kv, True, path, prefix_cache)]
+        runners += [make_runner(m, n, kv, prefix_cache=prefix_cache) for m, n in zip(chain.models[1:], names[1:])]
         return cls(runners, chain.tokenizer, **kwargs)
 
     @property

@@ -91,6 +91,11 @@ def _prefill_chunk(models: Sequence[Backend], chunk: list[Live], texts: TokenTex
                 _open(model, level, r)
     scoring = [r for r in chunk if r.request.sampling.prompt_logprobs is not None]
     plain = [r for r in chunk if r.request.sampling.prompt_logprobs is None and r.prompt_len > 1]
+    # PREFIX CACHE (runners/prefix_cache.py): each opened session starts from its longest cached
+    # prompt prefix (r.fed); scored prompts skip it, they need every row's logits
+    for r in plain:
+        for level in sorted(r.opened):
+            r.fed[level] = adopt_prefix(models[level], r, r.request.prompt_ids)
     for level, model in enumerate(models):
         _extend(model, level, [r for r in plain if level in r.opened], last_only=True)
     if scoring:
@@ -107,9 +112,10 @@ def _extend(
     scoring: list[Scoring | None] | None = None,
 ) -> list[Extension]:
     """One forward over the prompt heads of `group` at `level` (sessions open)."""
+    group = [r for r in group if r.fed[level] < r.prompt_len - 1]  # a whole head adopted: nothing to feed
     if not group:
         return []
-    items = [(r.request_id, _head(r)) for r in group]
+    items = [(r.request_id, _head(r)[r.fed[level] :]) for r in group]
     if scoring is not None and any(sc is not None for sc in scoring):
         exts = model.extend(items, hidden_layer=hidden_layer, last_only=last_only, scoring=scoring)
     else:  # no scoring argument: any Backend takes this call
@@ -171,6 +177,16 @@ def _score(models: Sequence[Backend], group: list[Live], texts: TokenTexts, deco
                 scored[r.request_id][level] = (list(sc.rows), ext.scored)
     for r in group:
         _entries(r, levels.get(r.request_id, []), scored.get(r.request_id, {}), texts, decode)
+
+
+def adopt_prefix(model: Backend, r: Live, ids) -> int:
+    """Positions of r's fresh session at `model` loaded from its prefix cache (the model's
+    next extend feeds ids[n:]); 0 when r or the model has no prefix cache. Only a prompt is
+    cached: a catch-up passes every token, the prompt's length bounds what is looked up."""
+    adopt = getattr(model, "adopt_prefix", None)
+    if adopt is None or not r.request.routing.prefix_cache:
+        return 0
+    return adopt(r.request_id, ids, r.prompt_len)
 
 
 def _top_n(r: Live) -> int:

@@ -22,6 +22,10 @@ and re-prefills of evicted ones, are never refused (a live request grows past th
 rather than fail), so the budget bounds what new requests may take, not a live one.
 `evict_idle=False` (M_S: every live request extends it every step, and the step loop has no
 way to rebuild an M_S session) never evicts: a new session is refused once the budget is full.
+
+Prefix cache (prefix_cache.py, on by default): `adopt_prefix` starts a fresh session from
+the longest cached prompt prefix (a new DynamicCache over copies of the blocks' K/V); the
+positions it loads count against the KV budget like prefilled ones.
 """
 
 from __future__ import annotations
@@ -35,9 +39,11 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from backoff_core.runners.prefix_cache import PrefixCache, PrefixCaching
 from backoff_core.runners.scoring import Scored, Scoring, per_item, score_rows
 from backoff_core.runners.sessions import Session, SessionTable
 from backoff_core.runners.static_kv import KVCapacityError
+from backoff_core.types import PrefixCacheSpec
 
 # [1, heads, length, head_dim] keys and values, one pair per layer
 KV = list[tuple[torch.Tensor, torch.Tensor]]
@@ -61,11 +67,16 @@ class _CachedSession(Session):
         return [(layer.keys, layer.values) for layer in self.cache.layers]
 
 
-class ModelRunner(SessionTable[_CachedSession]):
+class ModelRunner(PrefixCaching, SessionTable[_CachedSession]):
     """Holds one model and its sessions. Thread-safe: one forward at a time."""
 
     def __init__(
-        self, model: PreTrainedModel, name: str = "model", kv_budget_tokens: int | None = None, evict_idle: bool = True
+        self,
+        model: PreTrainedModel,
+        name: str = "model",
+        kv_budget_tokens: int | None = None,
+        evict_idle: bool = True,
+        prefix_cache: PrefixCacheSpec | None = PrefixCacheSpec(),
     ) -> None:
         super().__init__()
         self.model = model.eval()
@@ -79,6 +90,7 @@ class ModelRunner(SessionTable[_CachedSession]):
         self.evict_idle = evict_idle
         self.evictions = 0  # idle sessions freed to make room
         self._evicted: collections.OrderedDict[str, None] = collections.OrderedDict()  # recent (bounded)
+        self.prefix_cache = PrefixCache(prefix_cache or PrefixCacheSpec(0))  # None: off
 
     # -- sessions (sessions.SessionTable) ---------------------------------------------------
     def _new_session(self, request_id: str, refill: bool) -> _CachedSession:
@@ -86,6 +98,7 @@ class ModelRunner(SessionTable[_CachedSession]):
         return _CachedSession(refill=refill or self._evicted.pop(request_id, 0) is None)
 
     def _crop(self, session: _CachedSession, length: int) -> None:
+        self._crop_prefix(session, length)
         if session.cache is not None and length < session.length:
             for layer in session.cache.layers:  # views: no copy
                 layer.keys, layer.values = layer.keys[:, :, :length], layer.values[:, :, :length]
@@ -116,7 +129,9 @@ class ModelRunner(SessionTable[_CachedSession]):
         fresh = [
             request_id
             for request_id, _ in items
-            if self._sessions[request_id].length == 0 and not self._sessions[request_id].refill
+            # a new session: nothing but what it adopted from the prefix cache yet
+            if self._sessions[request_id].length == self._sessions[request_id].adopted
+            and not self._sessions[request_id].refill
         ]
         if fresh and (not self.evict_idle or not self.kv_fits([(request_id, len(ids)) for request_id, ids in items])):
             raise KVCapacityError(
@@ -169,7 +184,24 @@ class ModelRunner(SessionTable[_CachedSession]):
             now = time.monotonic()
             for s in sessions:
                 s.last_used = now
+            self._remember(sessions, [ids for _, ids in items])
             return out
+
+    # -- prefix cache (prefix_cache.PrefixCaching) ----------------------------------------
+    def _read_kv(self, s: _CachedSession, start: int, stop: int) -> torch.Tensor:
+        # [layers, 2, kv_heads, stop - start, head_dim], a copy (stack)
+        return torch.stack([torch.stack((k[0, :, start:stop], v[0, :, start:stop])) for k, v in s.kv])
+
+    def _write_kv(self, s: _CachedSession, kv: torch.Tensor) -> None:
+        kv = kv.to(self.device)
+        s.cache = DynamicCache(ddp_cache_data=[(layer[0][None], layer[1][None]) for layer in kv])
+
+    def _room(self, request_id: str, s: _CachedSession, n: int) -> bool:
+        try:
+            self._reserve([(request_id, [0] * n)])
+        except KVCapacityError:
+            return False
+        return True
 
     def _forward(self, input_ids, past: DynamicCache, hidden_layer, keep=None, **kwargs):
         """keep: the positions (ints, or -1 for the last) whose logits are wanted; None: all."""

@@ -7,13 +7,18 @@ import logging
 from backoff_core.runners.dynamic import ModelRunner
 from backoff_core.runners.static import StaticRunner
 from backoff_core.runners.static_forward import check_supported
-from backoff_core.types import KVSpec
+from backoff_core.types import KVSpec, PrefixCacheSpec
 
 log = logging.getLogger(__name__)
 
 
 def make_runner(
-    model, name: str, kv: KVSpec | None, small: bool = False, classifier_path=None
+    model,
+    name: str,
+    kv: KVSpec | None,
+    small: bool = False,
+    classifier_path=None,
+    prefix_cache: PrefixCacheSpec | None = PrefixCacheSpec(),
 ) -> ModelRunner | StaticRunner:
     """A ModelRunner, or with `kv` a StaticRunner (static KV slots, CUDA graphs captured
     now, with a progress line) where the architecture allows; other models fall back to
@@ -21,14 +26,17 @@ def make_runner(
     caches and slots never evict: the step loop cannot rebuild an M_S session; static: graphs
     for k = 1 and 2 (a fully accepted draft feeds its last draft and the bonus token), last row
     only, and the hidden layer a classifier head reads). Larger models
-    evict idle sessions LRU when a new one needs room (per-session budget or slots)."""
+    evict idle sessions LRU when a new one needs room (per-session budget or slots).
+    prefix_cache: the runner's prefix cache (prefix_cache.py; on by default, None: off)."""
     if kv is None or not kv.static:  # per-session caches, within the budget where one is given
-        return ModelRunner(model, name, None if kv is None else kv.budget_tokens, evict_idle=not small)
+        return ModelRunner(
+            model, name, None if kv is None else kv.budget_tokens, evict_idle=not small, prefix_cache=prefix_cache
+        )
     try:
         check_supported(model, kv.max_len)
     except ValueError as exc:
         log.warning("%s: no static KV storage (%s); per-session caches instead", name, exc)
-        return ModelRunner(model, name, kv.budget_tokens, evict_idle=not small)
+        return ModelRunner(model, name, kv.budget_tokens, evict_idle=not small, prefix_cache=prefix_cache)
     runner = StaticRunner(
         model,
         name,
@@ -36,6 +44,7 @@ def make_runner(
         max_len=kv.max_len,
         cuda_graphs=kv.cuda_graphs,
         evict_idle=not small,  # M_L: evict idle sessions LRU for a new one (re-prefilled later)
+        prefix_cache=prefix_cache,
     )
     if small:
         from backoff_core.routing.head import ClassifierHead

@@ -63,11 +63,13 @@ def resolve_kv(
     static: bool | Literal["auto"] = "auto",
     cuda_graphs: bool = True,
     gpu_share: float = 1.0,
+    reserve_tokens: int = 0,
 ) -> KVSpec:
-    """The KVSpec a replica runs with: `auto` resolved for this model on its device."""
+    """The KVSpec a replica runs with: `auto` resolved for this model on its device.
+    reserve_tokens: positions kept elsewhere (the prefix cache) that `auto` leaves room for."""
     on_cuda = next(model.parameters()).device.type == "cuda"
     use_static = on_cuda if static == "auto" else bool(static)
-    tokens = auto_budget(model, gpu_share) if budget == "auto" else int(budget)
+    tokens = max(1, auto_budget(model, gpu_share) - reserve_tokens) if budget == "auto" else int(budget)
     if use_static and budget == "auto":
         tokens = max(max_len, tokens - tokens % max_len)  # whole slots
     return KVSpec(tokens, max_len, cuda_graphs, use_static)

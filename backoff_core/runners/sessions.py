@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 
 class SessionError(KeyError):
@@ -25,6 +25,8 @@ class Session:
     length: int = 0  # positions held
     last_used: float = field(default_factory=time.monotonic)
     refill: bool = False  # rebuilds a session this or another runner lost (its request is live)
+    adopted: int = 0  # positions loaded from the prefix cache at its start (prefix_cache.py)
+    prefix: Any = None  # prefix_cache.PrefixTrack while its extends store prompt blocks
 
 
 S = TypeVar("S", bound=Session)

@@ -25,6 +25,9 @@ forward runs:
     longest row, or, past the largest, in up to MAX_CHUNKS forwards of the largest (a
     catch-up of 40 tokens: 16 + 16 + 8, each a replay); longer prompt prefills and more rows
     than graph_max_rows run the same forward eagerly. On the CPU everything runs eagerly.
+Prefix cache (prefix_cache.py, on by default): `adopt_prefix` takes the fresh session's slot
+and copies the cached blocks' K/V into its leading positions; extends copy full prompt blocks
+out of the slot into the cache.
 The static forward supports Llama-structured models only (static_forward.check_supported);
 others raise ValueError here, and the caller keeps ModelRunner for them.
 """
@@ -42,10 +45,12 @@ from transformers import PreTrainedModel
 from backoff_core.runners.cuda_graphs import CudaGraphs
 from backoff_core.runners.dynamic import Extension
 from backoff_core.runners.graph_plan import GRAPH_BUDGET, K_BUCKETS, GraphKey, kinds, length_buckets, plan_keys
+from backoff_core.runners.prefix_cache import PrefixCache, PrefixCaching
 from backoff_core.runners.scoring import Scoring, per_item, score_rows
 from backoff_core.runners.sessions import Session, SessionTable
 from backoff_core.runners.static_forward import Batch, StaticForward, check_supported
 from backoff_core.runners.static_kv import KVCapacityError, StaticKV, bucket, next_power_of_two
+from backoff_core.types import PrefixCacheSpec
 
 __all__ = ["KVCapacityError", "StaticRunner"]
 
@@ -71,7 +76,7 @@ class _Plan:
     last_col: torch.Tensor  # [B]
 
 
-class StaticRunner(SessionTable[_SlotSession]):
+class StaticRunner(PrefixCaching, SessionTable[_SlotSession]):
     """Holds one model, its static KV storage and its sessions. Thread-safe: one forward
     at a time. kv_budget_tokens: KV positions to preallocate across all sessions;
     max_len: positions per slot (a session holds at most max_len - 1: one is scratch)."""
@@ -86,6 +91,7 @@ class StaticRunner(SessionTable[_SlotSession]):
         cuda_graphs: bool = True,
         graph_max_rows: int = 64,
         evict_idle: bool = False,
+        prefix_cache: PrefixCacheSpec | None = PrefixCacheSpec(),
     ) -> None:
         check_supported(model, max_len)  # before allocating anything
         super().__init__()
@@ -106,6 +112,7 @@ class StaticRunner(SessionTable[_SlotSession]):
         self.graphs = CudaGraphs(self._forward, self.graph_max_rows, K_BUCKETS[-1]) if use_graphs else None
         # (last_only, hidden_layer) -> the k captured for it, ascending (warmup)
         self._captured_ks: dict[tuple[bool, int | None], tuple[int, ...]] = {}
+        self.prefix_cache = PrefixCache(prefix_cache or PrefixCacheSpec(0))  # None: off
 
     @property
     def max_positions(self) -> int:
@@ -120,6 +127,26 @@ class StaticRunner(SessionTable[_SlotSession]):
     def _release(self, session: _SlotSession) -> None:
         if session.slot is not None:
             self.kv.give_back(session.slot)
+
+    def _crop(self, session: _SlotSession, length: int) -> None:
+        self._crop_prefix(session, length)
+
+    # -- prefix cache (prefix_cache.PrefixCaching) ----------------------------------------
+    def _adoptable(self) -> int:
+        return self.kv.capacity - 1  # at least one position left to feed
+
+    def _read_kv(self, s: _SlotSession, start: int, stop: int) -> torch.Tensor:
+        return self.kv.read(s.slot, start, stop)
+
+    def _write_kv(self, s: _SlotSession, kv: torch.Tensor) -> None:
+        self.kv.write(s.slot, kv)
+
+    def _room(self, request_id: str, s: _SlotSession, n: int) -> bool:
+        try:
+            self._reserve([(request_id, [0] * n)], [s])
+        except KVCapacityError:
+            return False
+        return True
 
     def kv_fits(self, items: list[tuple[str, int]]) -> bool:
         """Whether these sessions, each grown by its count of new positions, can extend
@@ -223,7 +250,9 @@ class StaticRunner(SessionTable[_SlotSession]):
             new_ids = [list(ids) for _, ids in items]
             layer = self._layer(hidden_layer)
             if scores:
-                return self._extend_scored(sessions, new_ids, layer, last_only, scoring)
+                out = self._extend_scored(sessions, new_ids, layer, last_only, scoring)
+                self._remember(sessions, new_ids)
+                return out
             chunk = self._chunk(len(sessions), max(len(ids) for ids in new_ids), last_only, layer)
             logits: list[list[torch.Tensor]] = [[] for _ in items]  # per item: [k_c or 1, V] per chunk
             hidden: list[list[torch.Tensor]] = [[] for _ in items]
@@ -241,6 +270,7 @@ class StaticRunner(SessionTable[_SlotSession]):
                     logits[i] = [out[row, :1]] if plan.key.last_only else [*logits[i], out[row, :k]]
                     if out_hidden is not None:
                         hidden[i].append(out_hidden[row, :k])
+            self._remember(sessions, new_ids)
             return [
                 Extension(torch.cat(lg) if len(lg) > 1 else lg[0], torch.cat(h) if h else None)
                 for lg, h in zip(logits, hidden)

@@ -106,6 +106,20 @@ class StaticKV:
     def give_back(self, slot: int) -> None:
         heapq.heappush(self._free, slot)  # no clearing: the mask hides what the slot held
 
+    def read(self, slot: int, start: int, stop: int) -> torch.Tensor:
+        """Positions start..stop of a slot, every layer: [layers, 2, kv_heads, stop - start, head_dim], a copy."""
+        return torch.stack([torch.stack((k[slot, :, start:stop], v[slot, :, start:stop])) for k, v in self._layers()])
+
+    def write(self, slot: int, kv: torch.Tensor) -> None:
+        """kv [layers, 2, kv_heads, n, head_dim] into positions 0..n of a slot (a prefix cache's blocks)."""
+        n = kv.shape[3]
+        for layer, (k, v) in enumerate(self._layers()):
+            k[slot, :, :n] = kv[layer, 0]
+            v[slot, :, :n] = kv[layer, 1]
+
+    def _layers(self):
+        return zip(self.keys, self.values)
+
     def check_room(self, request_id: str, length: int, new: int) -> None:
         if length + new > self.capacity:
             raise KVCapacityError(

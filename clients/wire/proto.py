@@ -6,7 +6,17 @@ from clients.wire import backoff_pb2 as pb
 from clients.wire.logprobs import TokenLogprob, TopLogprob
 from clients.wire.types import ChatMessage, Delta, GenerateParams, Generation, Usage
 
-_OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "seed", "router", "target_backoff", "logprobs")
+_OPTIONAL = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "router",
+    "target_backoff",
+    "logprobs",
+    "prefix_cache",
+)
 
 
 def request_to_pb(

@@ -176,6 +176,11 @@ class GenerateParams(_NullIsDefault):
         "at temperature 1) with this many top alternatives (0..20); None: no log-probabilities",
     )
 
+    prefix_cache: Bool = Field(
+        True,
+        description="start from the longest cached prefix of the prompt (KV of prompt blocks seen before) and "
+        "cache this prompt's blocks; false: prefill all of it (the output is the same either way)",
+    )
     echo: Bool = Field(
         False,
         description="return the prompt before the completion; with logprobs, each prompt token's log-probability "

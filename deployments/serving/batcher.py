@@ -55,6 +55,10 @@ class CatchUpCall:
     # rows to score (prompt logprobs: a target's log-probability and the top-n, runners/scoring.py),
     # answered in CatchUpReply.scored instead of full logits; None (every ordinary catch-up): none
     scoring: Scoring | None = None
+    # prefix cache (backoff_core/runners/prefix_cache.py): a fresh session (past 0) replied
+    # last_only starts from the replica's longest cached prefix within ids[:prefix_cache] (the
+    # caller's prompt length) and the forward reads only the rest; 0: no lookup, nothing stored
+    prefix_cache: int = 0
 
 
 @dataclass(frozen=True)
@@ -314,7 +318,7 @@ class CatchUpBatcher:
             start = time.perf_counter()
             last_only = all(calls[i].last_only for i in ready)  # one forward: every row if any call wants them
             evictions = getattr(self.runner, "evictions", 0)
-            items = [(calls[i].session_key, list(calls[i].ids)) for i in ready]
+            items = [(calls[i].session_key, list(calls[i].ids[self._adopt(calls[i]) :])) for i in ready]
             scoring = [calls[i].scoring for i in ready]
             if any(sc is not None for sc in scoring):  # prompt logprobs: some rows scored here
                 exts = self.runner.extend(items, last_only=last_only, scoring=scoring)
@@ -332,8 +336,16 @@ class CatchUpBatcher:
             self.stats.forward_passes += 1
             self.stats.batch_sizes[len(ready)] += 1
             if self.on_forward is not None:
-                self.on_forward(ForwardRecord(len(ready), tuple(len(calls[i].ids) for i in ready), seconds))
+                self.on_forward(ForwardRecord(len(ready), tuple(len(ids) for _, ids in items), seconds))
         return replies
+
+    def _adopt(self, call: CatchUpCall) -> int:
+        """Positions of a fresh session loaded from the runner's prefix cache (its reply is the
+        last row only, so the forward may skip them); 0 for any other call."""
+        adopt = getattr(self.runner, "adopt_prefix", None)
+        if adopt is None or call.past or not call.prefix_cache or not call.last_only or call.scoring is not None:
+            return 0
+        return adopt(call.session_key, call.ids, call.prefix_cache)
 
     def _prepare(self, call: CatchUpCall) -> CatchUpReply | None:
         """Bring the session to `past` positions; None when ready, else the reply (lost or refused)."""

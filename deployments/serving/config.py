@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, model_validator
 
-from backoff_core.types import KVSpec
+from backoff_core.types import KVSpec, PrefixCacheSpec
 from clients.wire.types import Threshold, refuse_both_spellings
 
 
@@ -55,12 +55,33 @@ class ModelsConfig(_Config):
     cuda_graphs: bool = Field(
         True, description="static KV on a GPU: replay captured CUDA graphs for steps and short catch-ups"
     )
+    prefix_cache_tokens: int = Field(
+        8192,
+        ge=0,
+        description="prefix cache of every model replica (backoff_core/runners/prefix_cache.py): KV positions of "
+        "prompt blocks seen before that it keeps, LRU; a request starts from its longest cached prefix. 0: off",
+    )
+    prefix_block_tokens: int = Field(32, ge=1, description="prefix cache: prompt tokens per cached block")
 
     def kv_spec(self, model, gpu_share: float = 1.0) -> KVSpec:
         """The budget and storage a replica of `model` runs with (`auto` resolved on its device)."""
         from backoff_core.runners.kv_budget import resolve_kv  # torch: only where a model is loaded
 
-        return resolve_kv(model, self.kv_budget_tokens, self.kv_max_len, self.static_kv, self.cuda_graphs, gpu_share)
+        return resolve_kv(
+            model,
+            self.kv_budget_tokens,
+            self.kv_max_len,
+            self.static_kv,
+            self.cuda_graphs,
+            gpu_share,
+            reserve_tokens=self.prefix_cache_tokens,  # `auto` leaves the prefix cache its room
+        )
+
+    def prefix_spec(self) -> PrefixCacheSpec | None:
+        """Every model replica's prefix cache; None: off."""
+        if self.prefix_cache_tokens == 0:
+            return None
+        return PrefixCacheSpec(self.prefix_cache_tokens, self.prefix_block_tokens)
 
     @model_validator(mode="after")
     def _both_or_neither(self) -> "ModelsConfig":

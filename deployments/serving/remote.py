@@ -65,6 +65,7 @@ class _RemoteSession(Session):
 
     session_key: str  # `<request id>#<epoch>`
     sent: bool = False  # a call went out: a replica may hold it (even one that got no reply)
+    prefix_cache: int = 0  # adopt_prefix's cacheable length, sent with the session's first call
 
 
 _epochs = itertools.count()
@@ -108,6 +109,16 @@ class RemoteLarge(SessionTable[_RemoteSession]):
             except Exception:  # noqa: BLE001 - a lost replica has nothing left to free
                 log.debug("close of %s failed", session.session_key, exc_info=True)
 
+    def adopt_prefix(self, request_id: str, ids, cacheable: int | None = None) -> int:
+        """The replica's prefix cache serves the session's first call (CatchUpCall.prefix_cache):
+        it skips what it finds cached and answers the last row as usual, so every id is still
+        sent and 0 positions are adopted here."""
+        with self._lock:
+            s = self._get(request_id)
+            if s.length == 0:
+                s.prefix_cache = len(ids) if cacheable is None else cacheable
+        return 0
+
     def extend(
         self,
         items: list[tuple[str, list[int]]],
@@ -132,6 +143,7 @@ class RemoteLarge(SessionTable[_RemoteSession]):
                 last_only,
                 refill=self._get(request_id).refill,
                 scoring=sc,
+                prefix_cache=self._get(request_id).prefix_cache if self._get(request_id).length == 0 else 0,
             )
             for (request_id, ids), sc in zip(items, scoring)
         ]

@@ -21,6 +21,7 @@ class RoutingOverrides:
     router: str | None = None
     thresholds: tuple[float, ...] | None = None
     target_backoff: float | None = None
+    prefix_cache: bool = True  # RoutingParams.prefix_cache (not in the live config)
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,7 @@ def serve_request(
         router=params.router,
         thresholds=tuple(float(t) for t in thresholds) if thresholds is not None else None,
         target_backoff=params.target_backoff,
+        prefix_cache=params.prefix_cache,
     )
     if messages is not None:
         chat = tuple((m.role, m.content) for m in messages)
@@ -101,6 +103,7 @@ def routing_params(overrides: RoutingOverrides, policy: RoutingConfig) -> Routin
         rate=policy.rate if router == "random" else None,
         target_backoff=target,
         on_large_failure=policy.on_large_failure,
+        prefix_cache=overrides.prefix_cache,
     )
 
 
