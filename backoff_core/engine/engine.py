@@ -23,6 +23,7 @@ import logging
 from collections.abc import Iterator, Sequence
 
 from backoff_core.engine import chunked
+from backoff_core.engine.admission import checked
 from backoff_core.engine.backends import Backend
 from backoff_core.engine.catchup import CatchUpper, Outcome
 from backoff_core.engine.commit import Commit, CommitContext, append, commit_many
@@ -31,11 +32,9 @@ from backoff_core.engine.logprobs import TokenTexts
 from backoff_core.engine.prompt import prefill
 from backoff_core.engine.propose import Proposal, propose, small_step
 from backoff_core.engine.state import Detokenizer, Live
-from backoff_core.routing.control import HIGHEST, LOWEST, RateController, rate_prior
 from backoff_core.routing.routers import DecisionFunction, build_router
 from backoff_core.runners.factory import make_runner
 from backoff_core.runners.static_kv import KVCapacityError
-from backoff_core.sampling import request_seed
 from backoff_core.types import FinishReason, GenerationRequest, GenerationResult, KVSpec, TokenEvent, level_names
 
 log = logging.getLogger(__name__)
@@ -102,7 +101,7 @@ class BackoffEngine:
 
     # -- admission ------------------------------------------------------------------------
     def submit(self, request: GenerationRequest, router: DecisionFunction | None = None) -> str:
-        """Admit a request (M_S prompt prefill now); returns its id. Raises ValueError on bad input."""
+        """Admit a request (M_S prompt prefill now, or a chunk per step); returns its id. Raises ValueError on bad input."""
         return self.submit_many([request], [router])[0]
 
     def submit_many(
@@ -117,14 +116,16 @@ class BackoffEngine:
         lives = [self._admit(request, router) for request, router in zip(requests, routers, strict=True)]
         if len({r.request_id for r in lives}) != len(lives):
             raise ValueError("request ids must be distinct")
-        later = [r for r in lives if self._chunked(r)]
-        prefill(self.models, [r for r in lives if not self._chunked(r)], self.token_texts, self.detok.decode)
-        each(later, self.models, self._open_backlog)
-        if any(r.failure is not None for r in later):
-            failed = next(r for r in later if r.failure is not None)
+        later = {r.request_id for r in lives if self._chunked(r)}
+        prefill(self.models, [r for r in lives if r.request_id not in later], self.token_texts, self.detok.decode)
+        try:
+            for r in lives:
+                if r.request_id in later:
+                    self._open_backlog(r)
+        except Exception:
             for r in lives:
                 self._close_sessions(r)
-            raise failed.failure
+            raise
         for r in lives:
             if r.request.sampling.max_tokens == 0:  # the prompt scored, nothing to generate
                 r.finished = FinishReason.LENGTH
@@ -136,50 +137,9 @@ class BackoffEngine:
         request_id = request.request_id or f"req-{next(self._ids)}"
         if request_id in self._live:
             raise ValueError(f"request id {request_id!r} is already live")
-        total = len(request.prompt_ids) + request.sampling.max_tokens
-        if self.context_window and total > self.context_window:
-            raise ValueError(
-                f"prompt ({len(request.prompt_ids)} tokens) + max_tokens ({request.sampling.max_tokens}) "
-                f"exceeds the context window of {self.context_window} tokens"
-            )
         vocab = self.models[0].vocab_size
-        if any(not 0 <= t < vocab for t in request.prompt_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        router = router or self._router(request)
-        if request.sampling.prompt_logprobs is not None and not router.scores_prompts:
-            raise ValueError(f"the {router.name} router makes no decision on a prompt: prompt_logprobs needs another")
-        routing = request.routing
-        thresholds = routing.thresholds or router.default_thresholds(self.num_levels)
-        if len(thresholds) != self.num_levels - 1:
-            raise ValueError(f"{self.num_levels} models need {self.num_levels - 1} thresholds, got {len(thresholds)}")
-        low, high = router.threshold_range
-        if any(not low <= t <= high for t in thresholds):
-            raise ValueError(
-                f"thresholds of the {router.name} router must be in [{low}, {high}], got {list(thresholds)}"
-            )
-        thresholds = tuple(min(HIGHEST, max(LOWEST, float(t))) for t in thresholds)  # finite, in float64 too
-        controller = None
-        if routing.target_backoff is not None:
-            if self.num_levels != 2:
-                raise ValueError("target_backoff needs exactly two models")
-            # a calibrated router starts from its calibration table, then the controller steers;
-            # it is told the horizon only where the request cannot end before max_tokens
-            s = request.sampling
-            horizon = s.max_tokens if s.ignore_eos and not s.stop else None
-            controller = RateController(
-                routing.target_backoff, thresholds[0], prior=rate_prior(router), horizon=horizon
-            )
-            thresholds = (controller.threshold,)
-        return Live(
-            request=request,
-            request_id=request_id,
-            router=router,
-            thresholds=thresholds,
-            seed=request_seed(request.sampling.seed),
-            num_levels=self.num_levels,
-            controller=controller,
-            tokens=list(request.prompt_ids),
-            fed=[0] * self.num_levels,
+        return checked(
+            request, request_id, router or self._router(request), self.num_levels, self.context_window, vocab
         )
 
     def _chunked(self, r: Live) -> bool:
