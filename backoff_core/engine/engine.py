@@ -220,6 +220,7 @@ class BackoffEngine:
             for r in live
             if r.request_id in forced and not (forced[r.request_id] > 0 and self._stall(r, forced[r.request_id]))
         ]
+        live = [r for r in live if not r.done]
         stepping = [r for r in live if forced[r.request_id] < 0]
         # 2. M_S, batched
         fed = {r.request_id: r.fed[0] for r in stepping}  # to undo a step that stalls (5.)
@@ -238,24 +239,10 @@ class BackoffEngine:
         proposal = propose(self.models, [r for r in stepping if r.request_id in small], routed, small, large)
         self._decide([r for r in routed if r.request_id in proposal.scores], proposal.scores, levels, outcomes)
         # 5. catch-ups, one batched forward per level; one that would read more than a chunk
-        # stalls: M_S's step undone, its pending tokens fed in chunks, the step taken again
-        stalls = [
-            r
-            for r in stepping
-            if levels.get(r.request_id, 0) > 0
-            and r.request_id not in outcomes
-            and r.request_id in small
-            and not r.degraded
-            and self._stall(r, levels[r.request_id])
-        ]
-        if stalls:
-            routed_ids = {r.request_id for r in routed}
-            each(
-                stalls,
-                self.models,
-                lambda r: chunked.undo_small(self.models, r, fed[r.request_id], r.request_id in routed_ids),
-            )
-            live = [r for r in live if not r.backlog]
+        # stalls (its step is taken again once its pending tokens are fed, chunked.py)
+        if self.prefill_chunk_tokens:
+            self._stall_long_catch_ups(stepping, levels, outcomes, fed, {r.request_id for r in routed})
+            live = [r for r in live if not (r.backlog or r.done)]
         for level in range(1, self.num_levels):
             group = [
                 r
@@ -286,11 +273,26 @@ class BackoffEngine:
         return commit_many([c for c in settled.values() if c is not None], ctx, self.models)
 
     def _stall(self, r: Live, level: int) -> bool:
-        """Whether r waits for its `level` cache to be fed in chunks before this catch-up."""
+        """Whether r waits for its `level` cache to be fed in chunks before this catch-up
+        (a request whose session cannot be opened ends alone)."""
         end = chunked.catch_up_end(r, level, self.prefill_chunk_tokens, self.collect_kl)
         if end is not None:
-            chunked.start(self.models[level], level, r, end)
+            each([r], self.models, lambda r: chunked.start(self.models[level], level, r, end))
         return end is not None
+
+    def _stall_long_catch_ups(
+        self, stepping: list[Live], levels: dict, outcomes: dict, fed: dict[str, int], routed: set[str]
+    ) -> None:
+        """Step 5's catch-ups that would read more than a chunk stall: M_S's step undone
+        (fed: M_S's positions before it), the pending tokens fed in chunks, the step taken again."""
+        for r in stepping:
+            level = levels.get(r.request_id, 0)
+            if level > 0 and r.request_id not in outcomes and not (r.degraded or r.done) and self._stall(r, level):
+                each(
+                    [r],
+                    self.models,
+                    lambda r: chunked.undo_small(self.models, r, fed[r.request_id], r.request_id in routed),
+                )
 
     def _forced_level(self, r: Live) -> int:
         """The level of r's step if it is known before M_S runs, else -1."""
