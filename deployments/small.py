@@ -148,6 +148,7 @@ class SmallModel:
             classifier_path=self.args.models.classifier,
             hidden_size=side.hidden_size,
             context_window=side.context_window,
+            prefill_chunk_tokens=self.args.prefill_chunk_tokens,
         )
         self.metrics = SmallMetrics(n)
         self.gate = AdmissionGate(self.args.admission.max_live_requests, self.args.admission.max_waiting_requests)

@@ -62,7 +62,7 @@ class CatchUpper:
         except LargeUnavailable as exc:
             for r in group:
                 if r.request_id not in exc.extensions:
-                    self._give_up(level, r, str(exc))
+                    self.give_up(level, r, str(exc))
             group = [r for r in group if r.request_id in exc.extensions]
             exts = [exc.extensions[r.request_id] for r in group]
         except KVCapacityError as exc:
@@ -205,7 +205,7 @@ class CatchUpper:
                 reopen(self.models[level], level, r)
                 replies[r.request_id] = self._extend(level, [r])[0]
             except LargeUnavailable as unavailable:
-                self._give_up(level, r, str(unavailable))
+                self.give_up(level, r, str(unavailable))
             except Exception as err:  # noqa: BLE001 - the culprit
                 fail(r, err, self.models)
         return replies
@@ -231,7 +231,7 @@ class CatchUpper:
                 r.last_logits.pop(level, None)
             return model.extend([(r.request_id, list(r.tokens)) for r in group], last_only=last_only)
 
-    def _give_up(self, level: int, r: Live, reason: str) -> None:
+    def give_up(self, level: int, r: Live, reason: str) -> None:
         """The request goes on with M_S alone (or fails): no larger model is called again."""
         r.degraded = reason or f"{self.models[level].name} unavailable"
         if r.request.routing.on_large_failure == "fail":

@@ -22,6 +22,8 @@ import itertools
 import logging
 from collections.abc import Iterator, Sequence
 
+from backoff_core.engine import chunked
+from backoff_core.engine.admission import checked
 from backoff_core.engine.backends import Backend
 from backoff_core.engine.catchup import CatchUpper, Outcome
 from backoff_core.engine.commit import Commit, CommitContext, append, commit_many
@@ -30,10 +32,9 @@ from backoff_core.engine.logprobs import TokenTexts
 from backoff_core.engine.prompt import prefill
 from backoff_core.engine.propose import Proposal, propose, small_step
 from backoff_core.engine.state import Detokenizer, Live
-from backoff_core.routing.control import HIGHEST, LOWEST, RateController, rate_prior
 from backoff_core.routing.routers import DecisionFunction, build_router
 from backoff_core.runners.factory import make_runner
-from backoff_core.sampling import request_seed
+from backoff_core.runners.static_kv import KVCapacityError
 from backoff_core.types import (
     FinishReason,
     GenerationRequest,
@@ -45,6 +46,9 @@ from backoff_core.types import (
 )
 
 log = logging.getLogger(__name__)
+
+# default positions prefilled per model and step (docs/chunked-prefill.md: why 256)
+PREFILL_CHUNK_TOKENS = 256
 
 
 class BackoffEngine:
@@ -59,9 +63,15 @@ class BackoffEngine:
         hidden_size: int | None = None,
         context_window: int | None = None,
         collect_kl: bool = False,
+        prefill_chunk_tokens: int | None = PREFILL_CHUNK_TOKENS,
     ) -> None:
+        """prefill_chunk_tokens: positions each model prefills per step at most (chunked.py);
+        longer prompts and first catch-ups are fed over several steps. 0 / None: off."""
         if len(models) < 2:
             raise ValueError("backoff decoding needs at least two models (small and large)")
+        if prefill_chunk_tokens is not None and prefill_chunk_tokens < 0:
+            raise ValueError(f"prefill_chunk_tokens must be >= 0 (0: off), got {prefill_chunk_tokens}")
+        self.prefill_chunk_tokens = prefill_chunk_tokens or 0
         self.models = list(models)
         self.tokenizer = tokenizer
         self.classifier_path = classifier_path
@@ -103,7 +113,7 @@ class BackoffEngine:
 
     # -- admission ------------------------------------------------------------------------
     def submit(self, request: GenerationRequest, router: DecisionFunction | None = None) -> str:
-        """Admit a request (M_S prompt prefill now); returns its id. Raises ValueError on bad input."""
+        """Admit a request (M_S prompt prefill now, or a chunk per step); returns its id. Raises ValueError on bad input."""
         return self.submit_many([request], [router])[0]
 
     def submit_many(
@@ -111,12 +121,23 @@ class BackoffEngine:
     ) -> list[str]:
         """Admit requests together: every prompt prefill (and prompt scoring) batched
         (prompt.py); their ids, in order. All or none: a bad request raises ValueError (and a
-        model's error is raised) before any of them is admitted."""
+        model's error is raised) before any of them is admitted. A prompt longer than a
+        prefill chunk only opens its sessions here: the steps feed it a chunk at a time
+        (chunked.py); prompt scoring is never chunked."""
         routers = routers or [None] * len(requests)
         lives = [self._admit(request, router) for request, router in zip(requests, routers, strict=True)]
         if len({r.request_id for r in lives}) != len(lives):
             raise ValueError("request ids must be distinct")
-        prefill(self.models, lives, self.token_texts, self.detok.decode)
+        later = {r.request_id for r in lives if self._chunked(r)}
+        prefill(self.models, [r for r in lives if r.request_id not in later], self.token_texts, self.detok.decode)
+        try:
+            for r in lives:
+                if r.request_id in later:
+                    self._open_backlog(r)
+        except Exception:
+            for r in lives:
+                self._close_sessions(r)
+            raise
         for r in lives:
             if r.request.sampling.max_tokens == 0:  # the prompt scored, nothing to generate
                 r.finished = FinishReason.LENGTH
@@ -128,51 +149,31 @@ class BackoffEngine:
         request_id = request.request_id or f"req-{next(self._ids)}"
         if request_id in self._live:
             raise ValueError(f"request id {request_id!r} is already live")
-        total = len(request.prompt_ids) + request.sampling.max_tokens
-        if self.context_window and total > self.context_window:
-            raise ValueError(
-                f"prompt ({len(request.prompt_ids)} tokens) + max_tokens ({request.sampling.max_tokens}) "
-                f"exceeds the context window of {self.context_window} tokens"
-            )
         vocab = self.models[0].vocab_size
-        if any(not 0 <= t < vocab for t in request.prompt_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        router = router or self._router(request)
-        if request.sampling.prompt_logprobs is not None and not router.scores_prompts:
-            raise ValueError(f"the {router.name} router makes no decision on a prompt: prompt_logprobs needs another")
-        routing = request.routing
-        thresholds = routing.thresholds or router.default_thresholds(self.num_levels)
-        if len(thresholds) != self.num_levels - 1:
-            raise ValueError(f"{self.num_levels} models need {self.num_levels - 1} thresholds, got {len(thresholds)}")
-        low, high = router.threshold_range
-        if any(not low <= t <= high for t in thresholds):
-            raise ValueError(
-                f"thresholds of the {router.name} router must be in [{low}, {high}], got {list(thresholds)}"
-            )
-        thresholds = tuple(min(HIGHEST, max(LOWEST, float(t))) for t in thresholds)  # finite, in float64 too
-        controller = None
-        if routing.target_backoff is not None:
-            if self.num_levels != 2:
-                raise ValueError("target_backoff needs exactly two models")
-            # a calibrated router starts from its calibration table, then the controller steers;
-            # it is told the horizon only where the request cannot end before max_tokens
-            s = request.sampling
-            horizon = s.max_tokens if s.ignore_eos and not s.stop else None
-            controller = RateController(
-                routing.target_backoff, thresholds[0], prior=rate_prior(router), horizon=horizon
-            )
-            thresholds = (controller.threshold,)
-        return Live(
-            request=request,
-            request_id=request_id,
-            router=router,
-            thresholds=thresholds,
-            seed=request_seed(request.sampling.seed),
-            num_levels=self.num_levels,
-            controller=controller,
-            tokens=list(request.prompt_ids),
-            fed=[0] * self.num_levels,
+        return checked(
+            request, request_id, router or self._router(request), self.num_levels, self.context_window, vocab
         )
+
+    def _chunked(self, r: Live) -> bool:
+        """Whether r's prompt is fed over several steps (its head passes a chunk)."""
+        s = r.request.sampling
+        return (
+            bool(self.prefill_chunk_tokens)
+            and s.prompt_logprobs is None
+            and s.max_tokens > 0
+            and (r.prompt_len - 1 > self.prefill_chunk_tokens)
+        )
+
+    def _open_backlog(self, r: Live) -> None:
+        """Open r's sessions where prompt.prefill would (M_S; eager levels, oracles) and
+        leave their prompt heads to the steps."""
+        for level, model in enumerate(self.models):
+            if level == 0 or r.request.routing.eager_prefill or r.router.needs_large_logits:
+                chunked.start(model, level, r, r.prompt_len - 1)
+        # the whole prompt is refused now, as prefill would (the first chunk alone may fit)
+        fits = getattr(self.models[0], "kv_fits", None)
+        if fits is not None and not fits([(r.request_id, r.prompt_len)]):
+            raise KVCapacityError(f"{self.models[0].name}: no KV room for a prompt of {r.prompt_len} tokens")
 
     def _router(self, request: GenerationRequest) -> DecisionFunction:
         r = request.routing
@@ -216,14 +217,25 @@ class BackoffEngine:
         live = [r for r in self._live.values() if not r.done]
         if not live:
             return {}
+        # 0. chunked prefill: at most one chunk per model of the prompts (and long catch-ups)
+        # still loading; a request with a backlog left does not step (chunked.py)
+        if any(r.backlog for r in live):
+            chunked.feed(self.models, [r for r in live if r.backlog], self.prefill_chunk_tokens, self.catch_up.give_up)
+            live = [r for r in live if not (r.backlog or r.done)]
         # 1. levels decided without M_S (a degraded request has M_S only). From here on, an
         # exception while handling one request ends that request alone (isolation.py).
         plain = [r for r in live if not (r.degraded or r.finish_after_verify or r.router.forces_levels)]
         forced = dict.fromkeys((r.request_id for r in plain), -1)  # the common case, without a call each
         forced.update(each([r for r in live if r.request_id not in forced], self.models, self._forced_level))
-        live = [r for r in live if r.request_id in forced]
+        live = [
+            r
+            for r in live
+            if r.request_id in forced and not (forced[r.request_id] > 0 and self._stall(r, forced[r.request_id]))
+        ]
+        live = [r for r in live if not r.done]
         stepping = [r for r in live if forced[r.request_id] < 0]
         # 2. M_S, batched
+        fed = {r.request_id: r.fed[0] for r in stepping}  # to undo a step that stalls (5.)
         small = small_step(self.models, stepping)
         # 3. oracle routers: the largest model catches up first, to know KL(M_L||M_S)
         levels: dict[str, int] = {request_id: f for request_id, f in forced.items() if f >= 0}
@@ -238,7 +250,11 @@ class BackoffEngine:
         large = {request_id: outcome.logits for request_id, outcome in outcomes.items()}
         proposal = propose(self.models, [r for r in stepping if r.request_id in small], routed, small, large)
         self._decide([r for r in routed if r.request_id in proposal.scores], proposal.scores, levels, outcomes)
-        # 5. catch-ups, one batched forward per level
+        # 5. catch-ups, one batched forward per level; one that would read more than a chunk
+        # stalls (its step is taken again once its pending tokens are fed, chunked.py)
+        if self.prefill_chunk_tokens:
+            self._stall_long_catch_ups(stepping, levels, outcomes, fed, {r.request_id for r in routed})
+            live = [r for r in live if not (r.backlog or r.done)]
         for level in range(1, self.num_levels):
             group = [
                 r
@@ -267,6 +283,29 @@ class BackoffEngine:
             lambda r: self._settle(r, outcomes.get(r.request_id), small, proposal, ctx),
         )
         return commit_many([c for c in settled.values() if c is not None], ctx, self.models)
+
+    def _stall(self, r: Live, level: int) -> bool:
+        """Whether r waits for its `level` cache to be fed in chunks before this catch-up
+        (a request whose session cannot be opened ends alone)."""
+        end = chunked.catch_up_end(r, level, self.prefill_chunk_tokens, self.collect_kl)
+        if end is None:
+            return False
+        each([r], self.models, lambda r: chunked.start(self.models[level], level, r, end))
+        return level in r.backlog or r.failure is not None  # no backlog: its prefix cache held it all
+
+    def _stall_long_catch_ups(
+        self, stepping: list[Live], levels: dict, outcomes: dict, fed: dict[str, int], routed: set[str]
+    ) -> None:
+        """Step 5's catch-ups that would read more than a chunk stall: M_S's step undone
+        (fed: M_S's positions before it), the pending tokens fed in chunks, the step taken again."""
+        for r in stepping:
+            level = levels.get(r.request_id, 0)
+            if level > 0 and r.request_id not in outcomes and not (r.degraded or r.done) and self._stall(r, level):
+                each(
+                    [r],
+                    self.models,
+                    lambda r: chunked.undo_small(self.models, r, fed[r.request_id], r.request_id in routed),
+                )
 
     def _forced_level(self, r: Live) -> int:
         """The level of r's step if it is known before M_S runs, else -1."""

@@ -38,6 +38,9 @@ class Live:
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per generated token, if asked
     fed: list[int] = field(default_factory=list)  # per level: positions in its cache
     opened: set[int] = field(default_factory=set)  # levels holding a session for this request
+    # chunked prefill (chunked.py): level -> the position its cache must reach, a chunk per
+    # step, before this request steps again (empty: it steps)
+    backlog: dict[int, int] = field(default_factory=dict)
     # logits [V] that predicted position j, of the model level that last ran there
     last_logits: dict[int, torch.Tensor] = field(default_factory=dict)  # level -> [V]
     source_logits: dict[int, torch.Tensor] = field(default_factory=dict)  # position -> [V]

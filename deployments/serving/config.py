@@ -373,6 +373,14 @@ class AppArgs(_Config):
         default_factory=StreamConfig, description="per SmallModel replica: how tokens are coalesced into messages"
     )
     default_max_tokens: int = Field(64, ge=1, description="max_tokens of a request that sets none")
+    prefill_chunk_tokens: int = Field(
+        256,
+        ge=0,
+        description="chunked prefill (docs/chunked-prefill.md): positions each model prefills per step at most; "
+        "a longer prompt, and M_L's longer first catch-up, load over several steps between the live "
+        "streams' tokens (smaller: steadier inter-token latency, later first token for the new request). "
+        "0: off (a prompt is prefilled whole at admission)",
+    )
     torch_threads: int | None = Field(None, ge=1, description="torch threads per model replica (none: Ray's default)")
     handle_transport: Literal["grpc", "actor"] = Field(
         "grpc",

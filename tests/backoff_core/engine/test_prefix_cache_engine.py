@@ -17,14 +17,14 @@ USERS = [(11, 12, 13), (20, 21, 22, 23, 24, 25), (11, 12, 30), (2,)]
 STORAGES = {"per-session": None, "static": KVSpec(budget_tokens=8 * 64, max_len=64)}
 
 
-def _engine(pair, tokenizer, kv: KVSpec | None, budget: int | None = 256) -> BackoffEngine:
+def _engine(pair, tokenizer, kv: KVSpec | None, budget: int | None = 256, chunk: int | None = None) -> BackoffEngine:
     spec = PrefixCacheSpec(budget, B) if budget is not None else None
     small, large = pair
     runners = [
         make_runner(small, "small", kv, small=True, prefix_cache=spec),
         make_runner(large, "large", kv, prefix_cache=spec),
     ]
-    return BackoffEngine(runners, tokenizer)
+    return BackoffEngine(runners, tokenizer, prefill_chunk_tokens=chunk)
 
 
 def _request(prompt, seed: int = 0, max_tokens: int = 10, **routing) -> GenerationRequest:
@@ -93,3 +93,22 @@ def test_a_cache_too_small_for_the_prompt_changes_nothing(pair, tokenizer):
         assert on.generate(request).token_ids == off.generate(request).token_ids
     small = on.models[0].prefix_stats()
     assert small.tokens == 2 * B and small.cached_tokens == 2 * 2 * B  # 2 blocks kept, 2 hits
+
+
+@pytest.mark.parametrize("storage", STORAGES)
+@pytest.mark.parametrize("router", ["random", "always-large"])
+def test_chunked_prefill_starts_from_the_cached_prefix(pair, tokenizer, storage, router):
+    """Chunks of 6 (the 20-token system prompt is a backlog of several chunks at admission and
+    at M_L's first catch-up): a fresh session adopts its cached prefix and only the rest is fed
+    in chunks; outputs equal the cache off, chunked or not."""
+    kv = STORAGES[storage]
+    on = _engine(pair, tokenizer, kv, chunk=6)
+    offs = [_engine(pair, tokenizer, kv, None, chunk=6), _engine(pair, tokenizer, kv, None)]
+    for seed, user in enumerate(USERS * 2):
+        request = _request(SYSTEM + user, seed=seed, router=router)
+        a = on.generate(request)
+        for off in offs:
+            b = off.generate(request)
+            assert (a.token_ids, a.sources) == (b.token_ids, b.sources)
+    small, large = (m.prefix_stats() for m in on.models)
+    assert small.hits == len(USERS) * 2 - 1 and large.hits >= len(USERS)  # every prompt after the first

@@ -97,6 +97,16 @@ def test_static_kv_settings_reach_the_models_config():
         ModelsConfig(kv_budget_tokens=1000, kv_max_len=1024, static_kv=True)
 
 
+def test_prefill_chunk_tokens_defaults_to_the_engines_and_refuses_a_negative():
+    from backoff_core.engine.engine import PREFILL_CHUNK_TOKENS
+
+    base = yaml.safe_load(DEFAULT_CONFIG.read_text())["applications"][0]["args"]
+    assert AppArgs().prefill_chunk_tokens == AppArgs.model_validate(base).prefill_chunk_tokens == PREFILL_CHUNK_TOKENS
+    assert AppArgs(prefill_chunk_tokens=0).prefill_chunk_tokens == 0  # off
+    with pytest.raises(ValidationError, match="prefill_chunk_tokens"):
+        AppArgs(prefill_chunk_tokens=-1)
+
+
 def test_models_config_refuses_half_a_pair():
     with pytest.raises(ValidationError):
         ModelsConfig(small="a")

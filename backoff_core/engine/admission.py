@@ -1,0 +1,60 @@
+"""Admission checks: a request's record (Live), with every bad input refused by a
+ValueError before anything runs (the serving layers map it to HTTP 400 / INVALID_ARGUMENT)."""
+
+from __future__ import annotations
+
+from backoff_core.engine.state import Live
+from backoff_core.routing.control import HIGHEST, LOWEST, RateController, rate_prior
+from backoff_core.routing.routers import DecisionFunction
+from backoff_core.sampling import request_seed
+from backoff_core.types import GenerationRequest
+
+
+def checked(
+    request: GenerationRequest,
+    request_id: str,
+    router: DecisionFunction,
+    num_levels: int,
+    context_window: int | None,
+    vocab: int,
+) -> Live:
+    """request's record for `router`, checked (ValueError on bad input); no session is opened."""
+    total = len(request.prompt_ids) + request.sampling.max_tokens
+    if context_window and total > context_window:
+        raise ValueError(
+            f"prompt ({len(request.prompt_ids)} tokens) + max_tokens ({request.sampling.max_tokens}) "
+            f"exceeds the context window of {context_window} tokens"
+        )
+    if any(not 0 <= t < vocab for t in request.prompt_ids):
+        raise ValueError(f"prompt token ids must be in [0, {vocab})")
+    if request.sampling.prompt_logprobs is not None and not router.scores_prompts:
+        raise ValueError(f"the {router.name} router makes no decision on a prompt: prompt_logprobs needs another")
+    routing = request.routing
+    thresholds = routing.thresholds or router.default_thresholds(num_levels)
+    if len(thresholds) != num_levels - 1:
+        raise ValueError(f"{num_levels} models need {num_levels - 1} thresholds, got {len(thresholds)}")
+    low, high = router.threshold_range
+    if any(not low <= t <= high for t in thresholds):
+        raise ValueError(f"thresholds of the {router.name} router must be in [{low}, {high}], got {list(thresholds)}")
+    thresholds = tuple(min(HIGHEST, max(LOWEST, float(t))) for t in thresholds)  # finite, in float64 too
+    controller = None
+    if routing.target_backoff is not None:
+        if num_levels != 2:
+            raise ValueError("target_backoff needs exactly two models")
+        # a calibrated router starts from its calibration table, then the controller steers;
+        # it is told the horizon only where the request cannot end before max_tokens
+        s = request.sampling
+        horizon = s.max_tokens if s.ignore_eos and not s.stop else None
+        controller = RateController(routing.target_backoff, thresholds[0], prior=rate_prior(router), horizon=horizon)
+        thresholds = (controller.threshold,)
+    return Live(
+        request=request,
+        request_id=request_id,
+        router=router,
+        thresholds=thresholds,
+        seed=request_seed(request.sampling.seed),
+        num_levels=num_levels,
+        controller=controller,
+        tokens=list(request.prompt_ids),
+        fed=[0] * num_levels,
+    )

@@ -1,0 +1,143 @@
+"""Chunked prefill: a long prompt, and a lagging model's long first catch-up, are fed over
+several steps, at most `chunk` positions per model per step, between the live requests'
+decode steps, so those keep committing a token every step while it loads.
+
+A request with a backlog (Live.backlog: level -> the position that level's cache must
+reach) does not step: it commits nothing until every backlog is fed. Stage 0 of every step
+(`feed`) feeds backlogs, oldest request first, up to `chunk` positions per model, shared by
+all requests with a backlog there, in one batched last-only forward per model. Backlogs
+come from two places:
+- admission (engine.submit_many): a prompt whose head (all but its last token, which the
+  first step reads) is longer than a chunk, for M_S and every level opened at admission
+  (eager prefill, oracles);
+- a long catch-up (engine.step): a request routed to a level whose pending tokens pass a
+  chunk (M_L's first catch-up reads the whole prompt) stalls instead: M_S's step is undone
+  (its cache cropped back, `undo_small`), the pending tokens are fed in chunks, and then
+  the step is taken again. M_S's logits, the router's coin and every draw are pure
+  functions of (seed, position), so it decides the same and the catch-up reads the last
+  pending tokens only.
+Outputs do not change: a cache fed in chunks holds the KV of one forward over the same
+positions (within float tolerance), and no draw depends on when a position was fed.
+Logits the step loop reads at pending positions (verification, the KL record: every
+position after the prompt) stay in the catch-up; only positions before them are fed early.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+from backoff_core.engine.backends import Backend, LargeUnavailable
+from backoff_core.engine.isolation import each, reopen
+from backoff_core.engine.prompt import adopt_prefix
+from backoff_core.engine.state import Live
+from backoff_core.types import Verification
+
+
+def start(model: Backend, level: int, r: Live, end: int) -> None:
+    """r's `level` cache is fed up to position `end` (exclusive) before r steps again."""
+    if level not in r.opened:  # a fresh session
+        model.open(r.request_id)
+        r.opened.add(level)
+        r.fed[level] = 0
+        r.last_logits.pop(level, None)
+        # PREFIX CACHE: a fresh session loads its longest cached prompt prefix (never all of
+        # the ids passed, so at most `end` positions); only the rest is fed in chunks
+        r.fed[level] = adopt_prefix(model, r, r.tokens[: end + 1])
+    if r.fed[level] < end:
+        r.backlog[level] = end
+
+
+def catch_up_end(r: Live, level: int, chunk: int, collect_kl: bool) -> int | None:
+    """Where r's `level` cache is fed to before a catch-up there (None: no backlog, the
+    catch-up reads at most one chunk or nothing can be fed early)."""
+    if not chunk or len(r.tokens) - r.fed[level] <= chunk:
+        return None
+    reads_rows = r.request.routing.verification != Verification.NONE or (collect_kl and level == r.num_levels - 1)
+    # the catch-up reads >= 1 token (the newest: its logits draw the step's token), and
+    # every generated position whose logits it verifies or records
+    end = min(len(r.tokens), r.prompt_len if reads_rows else len(r.tokens)) - 1
+    return end if end > r.fed[level] else None
+
+
+def undo_small(models: Sequence[Backend], r: Live, fed: int, routed: bool) -> None:
+    """Forget M_S's step of r (it is taken again once r's backlog is fed): its cache back to
+    `fed` positions, the step's timings dropped."""
+    models[0].crop(r.request_id, fed)
+    r.fed[0] = fed
+    r.small_times.pop()
+    if routed and r.router_times:
+        r.router_times.pop()
+
+
+def feed(models: Sequence[Backend], group: list[Live], chunk: int, give_up: Callable[[int, Live, str], None]) -> None:
+    """Stage 0: per model, up to `chunk` backlog positions of `group` (oldest first) in one
+    batched last-only forward. A request whose forward fails alone ends (or, at a larger
+    model that cannot answer, goes on with M_S only: `give_up`)."""
+    for level in range(len(models)):
+        counts: dict[str, int] = {}  # request id -> positions fed this step
+        budget = chunk
+        for r in group:
+            end = r.backlog.get(level)
+            if end is not None and budget > 0 and not r.done:
+                counts[r.request_id] = min(end - r.fed[level], budget)
+                budget -= counts[r.request_id]
+        items = [r for r in group if r.request_id in counts]
+        if items:
+            _feed_level(models, level, items, counts, give_up)
+    now = time.perf_counter()
+    for r in group:
+        if 0 in r.backlog and r.fed[0] >= r.backlog[0]:
+            r.prefill_s = now - r.started  # admission to M_S's prompt fed, decode steps between included
+        for level in [lv for lv, end in r.backlog.items() if r.fed[lv] >= end]:
+            del r.backlog[level]
+
+
+def _feed_level(
+    models: Sequence[Backend],
+    level: int,
+    group: list[Live],
+    counts: dict[str, int],
+    give_up: Callable[[int, Live, str], None],
+) -> None:
+    model = models[level]
+
+    def ids(r: Live) -> list[int]:
+        return r.tokens[r.fed[level] : r.fed[level] + counts[r.request_id]]
+
+    def alone(r: Live) -> None:
+        """After a failed shared forward: a fresh session fed from the start (the failed
+        call may have half-written it); the rest of its backlog follows in later steps."""
+        reopen(model, level, r)
+        try:
+            model.extend([(r.request_id, r.tokens[: counts[r.request_id]])], last_only=True)
+        except LargeUnavailable as exc:
+            if level == 0:
+                raise
+            give_up(level, r, str(exc))
+            return
+        r.fed[level] = counts[r.request_id]
+
+    try:
+        model.extend([(r.request_id, ids(r)) for r in group], last_only=True)
+    except Exception as exc:  # noqa: BLE001 - a larger model gave up, or each request alone finds the culprit
+        if isinstance(exc, LargeUnavailable) and level > 0:  # the sessions without a reply: M_S only
+            for r in group:
+                if r.request_id in exc.extensions:
+                    r.fed[level] += counts[r.request_id]
+                else:
+                    give_up(level, r, str(exc))
+        else:  # a lost (evicted) session is rebuilt; a request that fails alone ends
+            each(group, models, alone)
+        _drop_larger(group)
+        return
+    for r in group:
+        r.fed[level] += counts[r.request_id]
+
+
+def _drop_larger(group: list[Live]) -> None:
+    """A request that lost its larger models has nothing left to feed there."""
+    for r in group:
+        if r.degraded or r.failure is not None:
+            for level in [lv for lv in r.backlog if lv > 0 or r.failure is not None]:
+                del r.backlog[level]
