@@ -21,6 +21,7 @@ from backoff_core.evaluation.frontier import (  # noqa: E402
     remeasure_speed,
     run_frontier,
 )
+from backoff_core.evaluation.frontier_spec import DEFAULT_ROUTING  # noqa: E402
 from tests.support.helpers import engine_for  # noqa: E402
 
 TASKS = "backoff_everyday_mc,backoff_python_qa"
@@ -44,8 +45,9 @@ def test_frontier_writes_the_schema_and_the_plot(pair_dirs, tmp_path):
     frontier = json.loads((tmp_path / "frontier.json").read_text())
     assert set(frontier) == {"pair", "tasks", "rows", "large_alone", "small_alone", "default"}
     assert frontier["pair"] == f"{small}+{large}" and frontier["tasks"] == TASKS.split(",")
+    default_key = (DEFAULT_ROUTING.router, DEFAULT_ROUTING.thresholds[0])
     assert {(r["router"], r["setting"]) for r in frontier["rows"]} == {
-        ("entropy", 1.0), ("entropy", 3.0), ("entropy", 5.0), ("random", 0.5)
+        ("entropy", 1.0), ("entropy", 3.0), default_key, ("random", 0.5)
     }  # fmt: skip
     for row in [*frontier["rows"], frontier["large_alone"], frontier["small_alone"]]:
         assert set(row) == ROW_KEYS
@@ -55,7 +57,7 @@ def test_frontier_writes_the_schema_and_the_plot(pair_dirs, tmp_path):
     assert frontier["large_alone"]["backoff_rate"] == 0.0 and frontier["small_alone"]["backoff_rate"] == 1.0
     default = frontier["default"]
     assert set(default) == {"router", "setting", "backoff_rate", "mean_accuracy", "accuracy_ratio", "speedup_vs_large"}
-    row = next(r for r in frontier["rows"] if (r["router"], r["setting"]) == ("entropy", 5.0))
+    row = next(r for r in frontier["rows"] if (r["router"], r["setting"]) == default_key)
     large_alone = frontier["large_alone"]
     assert default["speedup_vs_large"] == pytest.approx(row["tok_per_s"]["1"] / large_alone["tok_per_s"]["1"])
     if large_alone["mean_accuracy"]:
@@ -92,7 +94,7 @@ def test_a_run_resumes_from_its_cached_rows(soft_pair, tokenizer, tmp_path):
         engine, settings, config, tmp_path, evaluate=lambda e, s, c: again.append(s) or evaluate_row(e, s, c)
     )
     assert again == [Setting("entropy", 2.0), Setting("random", 0.5)]  # only the rows not yet measured
-    assert len(frontier["rows"]) == 3  # entropy 5 (the default), entropy 2, random 0.5
+    assert len(frontier["rows"]) == 3  # the packaged default, entropy 2, random 0.5
     assert best_kept(frontier, keep=0.0) in frontier["rows"]
     # tokens/s of every cached row measured again side by side: new figures, the rest kept
     remeasure_speed(engine, config, tmp_path, repeats=1)
