@@ -22,7 +22,7 @@ import itertools
 import logging
 from collections.abc import Iterator, Sequence
 
-from backoff_core.engine import chunked
+import backoff_core.engine.chunked as chunked
 from backoff_core.engine.admission import checked
 from backoff_core.engine.backends import Backend
 from backoff_core.engine.catchup import CatchUpper, Outcome
