@@ -3,6 +3,11 @@ on the default pair (CPU), cold system prompt against warm, with the prefix cach
 
     python benchmarks/prefix_cache_served.py            # saves benchmarks/results/prefix_cache_served.json
     python benchmarks/prefix_cache_served.py --save-tokenizer runs/tokenizer   # for guidellm, then exit
+    python benchmarks/prefix_cache_served.py --guidellm on=runs/guidellm-on.json off=...   # merge its figures
+
+guidellm (a load generator users run, in a venv of its own) against `backoff serve`: the exact
+commands are in docs/prefix-cache.md ("Served"); --guidellm keeps the figures of its JSON reports
+(TTFT, request latency, ITL) under the results' `guidellm` key, without starting anything.
 
 The real app on a local Ray of this process's own (harness.loopback_config, Serve's default
 router: entropy), as two applications side by side: `on` (the default config, a prefix cache of
@@ -138,6 +143,54 @@ def prefix_counters() -> dict:
     return out
 
 
+def guidellm_summary(report: Path) -> dict:
+    """The figures of one guidellm JSON report (one synchronous benchmark) that tell the prefix
+    cache apart: TTFT median / p95 / of the first request (the only cold one when every request
+    shares one prefix), request latency and ITL medians, and what was sent."""
+    data = json.loads(report.read_text())
+    (bench,) = data["benchmarks"]
+    metrics, spec = bench["metrics"], data["config"]["spec"]
+    done = sorted(bench["requests"]["successful"], key=lambda r: r["request_start_time"])
+
+    def stat(name: str, key: str = "median") -> float:
+        m = metrics[name]["successful"]
+        return m["percentiles"][key] if key.startswith("p") else m[key]
+
+    return {
+        "requests": len(done),
+        "errored": len(bench["requests"]["errored"]),
+        "ttft_median_ms": stat("time_to_first_token_ms"),
+        "ttft_p95_ms": stat("time_to_first_token_ms", "p95"),
+        "ttft_first_request_ms": done[0]["time_to_first_token_ms"],
+        "ttft_rest_median_ms": statistics.median(r["time_to_first_token_ms"] for r in done[1:]),
+        "request_latency_median_s": stat("request_latency"),
+        "itl_median_ms": stat("inter_token_latency_ms"),
+        "prompt_tokens_median": stat("prompt_token_count"),
+        "output_tokens_median": stat("output_token_count"),
+        "guidellm_version": data["metadata"]["guidellm_version"],
+        "backend": {k: spec["backend"][k] for k in ("target", "request_format", "extras")},
+        "data": [{k: v for k, v in d.items() if v not in (None, {}, [])} for d in spec["data"]],
+        "profile": spec["profile"]["kind"],
+    }
+
+
+def merge_guidellm(out: Path, reports: list[str]) -> None:
+    """results[`guidellm`] = {label: guidellm_summary(report)} for LABEL=REPORT arguments."""
+    result = json.loads(out.read_text()) if out.exists() else {}
+    runs = {label: guidellm_summary(Path(path)) for label, path in (r.split("=", 1) for r in reports)}
+    if "on" in runs and "off" in runs:
+        runs["ttft_off_over_on"] = runs["off"]["ttft_median_ms"] / runs["on"]["ttft_median_ms"]
+    result["guidellm"] = runs
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    for label, r in runs.items():
+        if isinstance(r, dict):
+            print(
+                f"guidellm {label:>12}: TTFT median {r['ttft_median_ms']:6.0f} ms (first request "
+                f"{r['ttft_first_request_ms']:.0f} ms), request latency {r['request_latency_median_s']:.2f} s"
+            )
+    print(f"saved {out}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--system-tokens", type=int, default=1024)
@@ -146,8 +199,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per replica")
     parser.add_argument("--unchunked", action="store_true", help="also an application with chunked prefill off")
     parser.add_argument("--save-tokenizer", type=Path, help="save the default pair's tokenizer here and exit")
+    parser.add_argument("--guidellm", nargs="+", metavar="LABEL=REPORT", help="merge guidellm JSON reports and exit")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
+    if args.guidellm:
+        return merge_guidellm(args.out, args.guidellm)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
 
     from backoff_core.models.default_pair import load_default_large
