@@ -178,8 +178,13 @@ def merge_guidellm(out: Path, reports: list[str]) -> None:
     """results[`guidellm`] = {label: guidellm_summary(report)} for LABEL=REPORT arguments."""
     result = json.loads(out.read_text()) if out.exists() else {}
     runs = {label: guidellm_summary(Path(path)) for label, path in (r.split("=", 1) for r in reports)}
-    if "on" in runs and "off" in runs:
-        runs["ttft_off_over_on"] = runs["off"]["ttft_median_ms"] / runs["on"]["ttft_median_ms"]
+    for label in [label for label in runs if label.startswith("on")]:  # on[-X] beside off[-X]
+        off = runs.get("off" + label[2:])
+        if off is not None:
+            runs[f"ttft_off_over_{label}"] = off["ttft_median_ms"] / runs[label]["ttft_median_ms"]
+            runs[f"latency_off_over_{label}"] = (
+                off["request_latency_median_s"] / runs[label]["request_latency_median_s"]
+            )
     result["guidellm"] = runs
     out.write_text(json.dumps(result, indent=2) + "\n")
     for label, r in runs.items():
