@@ -1,7 +1,7 @@
 """The prefix cache through the server: time to first streamed token of /v1/chat/completions
 on the default pair (CPU), cold system prompt against warm, with the prefix cache on and off.
 
-    python benchmarks/prefix_cache_served.py            # saves benchmarks/results/prefix_cache_served.json
+    python benchmarks/prefix_cache_served.py --unchunked   # saves benchmarks/results/prefix_cache_served.json
     python benchmarks/prefix_cache_served.py --save-tokenizer runs/tokenizer   # for guidellm, then exit
     python benchmarks/prefix_cache_served.py --guidellm on=runs/guidellm-on.json off=...   # merge its figures
 
@@ -11,13 +11,15 @@ commands are in docs/prefix-cache.md ("Served"); --guidellm keeps the figures of
 
 The real app on a local Ray of this process's own (harness.loopback_config, Serve's default
 router: entropy), as two applications side by side: `on` (the default config, a prefix cache of
-8192 positions) and `off` (`prefix_cache_tokens: 0` in the models' args, the control). The
+8192 positions) and `off` (`prefix_cache_tokens: 0` in the models' args, the control); with
+--unchunked a third, `on-unchunked` (`prefill_chunk_tokens: 0`). The prefix cache counters of
+each (Ray's Prometheus endpoint) say how many positions each model loaded. The
 client is the `openai` package streaming over HTTP, as a user's code would call the server.
 
 A cold request brings a ~1024-token system prompt never sent before (a miss), its warm twin the
 same system prompt with another user turn. TTFT: from the call to the first streamed chunk that
 carries a token. The machine is shared and noisy: medians over --pairs pairs, each pair measured
-back to back, the two applications interleaved pair by pair (they share the machine's load).
+back to back, the applications interleaved pair by pair (they share the machine's load).
 The in-process figures (benchmarks/prefix_cache.py) measure the engine alone: their ratio is the
 ceiling of this one, which adds the path (proxy, Ingress, handle calls, SSE) to both sides.
 """
