@@ -45,6 +45,8 @@ def start(model: Backend, level: int, r: Live, end: int) -> None:
         # the ids passed, so at most `end` positions); only the rest is fed in chunks. now: a
         # remote model's replica looks it up before the first chunk, not within it
         r.fed[level] = adopt_prefix(model, r, r.tokens[: end + 1], now=True)
+        if level == 0:
+            r.cached_prompt = r.fed[0]
     if r.fed[level] < end:
         r.backlog[level] = end
 

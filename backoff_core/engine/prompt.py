@@ -96,6 +96,7 @@ def _prefill_chunk(models: Sequence[Backend], chunk: list[Live], texts: TokenTex
     for r in plain:
         for level in sorted(r.opened):
             r.fed[level] = adopt_prefix(models[level], r, r.request.prompt_ids)
+        r.cached_prompt = r.fed[0]
     for level, model in enumerate(models):
         _extend(model, level, [r for r in plain if level in r.opened], last_only=True)
     if scoring:
