@@ -146,8 +146,8 @@ class CatchUpper:
         r.kl_at_catch_up.extend(verdict.kl)
         if verdict.rejected is not None:
             return self._roll_back(level, r, *verdict.rejected)
-        r.last_logits[level] = ext.logits[-1]
-        return Outcome(level, ext.logits[-1], verdict.token, 0)
+        r.last_logits[level] = last = ext.logits[-1]
+        return Outcome(level, last, verdict.token, 0)
 
     def _kl_at(self, level: int, r: Live, before: int) -> list[int]:
         """Positions whose KL(M_L || M_S) this catch-up records (collect_kl, largest model)."""

@@ -25,7 +25,7 @@ class SmallOut:
 
     logits: torch.Tensor  # [n, V] next-token logits
     hidden: torch.Tensor | None  # [n, d] at the router's layer, or None
-    rows: dict[str, int]
+    rows: dict[str, int]  # in row order (0, 1, ...)
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.rows
@@ -36,7 +36,7 @@ class SmallOut:
     def take(self, request_ids: list[str]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(logits [b, V], hidden [b, d] | None) of these requests, in this order: the batch
         itself when they are all its rows in order (the common step), else one gather."""
-        if len(request_ids) == len(self.rows) and all(self.rows[r] == i for i, r in enumerate(request_ids)):
+        if len(request_ids) == len(self.rows) and list(self.rows) == request_ids:  # rows: in row order
             return self.logits, self.hidden
         index = torch.tensor([self.rows[r] for r in request_ids]).to(self.logits.device, non_blocking=True)
         return self.logits.index_select(0, index), (

@@ -153,7 +153,9 @@ class StaticRunner(PrefixCaching, SessionTable[_SlotSession]):
         used sessions outside it while none is free; refuse, changing nothing, if even that
         leaves too few."""
         needing = [s for s in sessions if s.slot is None]
-        if not needing:
+        if len(needing) <= self.kv.free_slots:  # the common case: nothing to evict
+            for s in needing:
+                s.slot = self.kv.take()
             return
         extending = {request_id for request_id, _ in items}
         if len(needing) > self._obtainable_slots(extending):
