@@ -15,7 +15,7 @@ from backoff_core.engine.host import to_host
 from backoff_core.engine.isolation import batched, reopen
 from backoff_core.engine.state import Live
 from backoff_core.routing.routers import DecisionFunction, StepContext
-from backoff_core.runners.dynamic import last_rows
+from backoff_core.runners.extension import last_rows
 from backoff_core.sampling import Stream, draw, uniforms
 
 

@@ -40,7 +40,7 @@ import torch
 from transformers import PreTrainedModel
 
 from backoff_core.runners.cuda_graphs import CudaGraphs
-from backoff_core.runners.dynamic import Extension, LastRows
+from backoff_core.runners.extension import Extension, LastRows
 from backoff_core.runners.graph_plan import GRAPH_BUDGET, K_BUCKETS, kinds, length_buckets, plan_keys
 from backoff_core.runners.prefix_cache import PrefixCache, PrefixCaching
 from backoff_core.runners.scoring import Scoring, per_item, score_rows
