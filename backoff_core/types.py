@@ -273,6 +273,7 @@ class GenerationResult:
     # aligned with prompt_logprobs: the level whose distribution scored each prompt token
     prompt_sources: tuple[int | None, ...] | None = None
     prompt_text: str | None = None  # the decoded prompt the offsets index (when prompt_logprobs)
+    cached_prompt_tokens: int = 0  # prompt positions M_S loaded from its prefix cache (not prefilled)
 
     @property
     def backoff_rate(self) -> float:

@@ -42,8 +42,11 @@ def start(model: Backend, level: int, r: Live, end: int) -> None:
         r.fed[level] = 0
         r.last_logits.pop(level, None)
         # PREFIX CACHE: a fresh session loads its longest cached prompt prefix (never all of
-        # the ids passed, so at most `end` positions); only the rest is fed in chunks
-        r.fed[level] = adopt_prefix(model, r, r.tokens[: end + 1])
+        # the ids passed, so at most `end` positions); only the rest is fed in chunks. now: a
+        # remote model's replica looks it up before the first chunk, not within it
+        r.fed[level] = adopt_prefix(model, r, r.tokens[: end + 1], now=True)
+        if level == 0:
+            r.cached_prompt = r.fed[0]
     if r.fed[level] < end:
         r.backlog[level] = end
 

@@ -47,8 +47,8 @@ from backoff_core.types import (
 
 log = logging.getLogger(__name__)
 
-# default positions prefilled per model and step (docs/chunked-prefill.md: why 256)
-PREFILL_CHUNK_TOKENS = 256
+# default positions prefilled per model and step (docs/chunked-prefill.md: why 128)
+PREFILL_CHUNK_TOKENS = 128
 
 
 class BackoffEngine:

@@ -96,6 +96,7 @@ def _prefill_chunk(models: Sequence[Backend], chunk: list[Live], texts: TokenTex
     for r in plain:
         for level in sorted(r.opened):
             r.fed[level] = adopt_prefix(models[level], r, r.request.prompt_ids)
+        r.cached_prompt = r.fed[0]
     for level, model in enumerate(models):
         _extend(model, level, [r for r in plain if level in r.opened], last_only=True)
     if scoring:
@@ -179,11 +180,13 @@ def _score(models: Sequence[Backend], group: list[Live], texts: TokenTexts, deco
         _entries(r, levels.get(r.request_id, []), scored.get(r.request_id, {}), texts, decode)
 
 
-def adopt_prefix(model: Backend, r: Live, ids) -> int:
+def adopt_prefix(model: Backend, r: Live, ids, now: bool = False) -> int:
     """Positions of r's fresh session at `model` loaded from its prefix cache (the model's
     next extend feeds ids[n:]); 0 when r or the model has no prefix cache. Only a prompt is
-    cached: a catch-up passes every token, the prompt's length bounds what is looked up."""
-    adopt = getattr(model, "adopt_prefix", None)
+    cached: a catch-up passes every token, the prompt's length bounds what is looked up.
+    now: the count is needed before the next extend (chunked prefill feeds from it), so a
+    remote model looks up at once (`load_prefix`: a round trip) instead of in that extend."""
+    adopt = getattr(model, "load_prefix" if now else "adopt_prefix", None) or getattr(model, "adopt_prefix", None)
     if adopt is None or not r.request.routing.prefix_cache:
         return 0
     return adopt(r.request_id, ids, r.prompt_len)

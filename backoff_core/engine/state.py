@@ -53,6 +53,7 @@ class Live:
     small_times: list[float] = field(default_factory=list)
     router_times: list[float] = field(default_factory=list)
     prefill_s: float = 0.0
+    cached_prompt: int = 0  # prompt positions M_S loaded from its prefix cache (not prefilled)
     started: float = field(default_factory=time.perf_counter)
     first_token_s: float | None = None
     finished: FinishReason | None = None
@@ -123,6 +124,7 @@ class Live:
             num_levels=self.num_levels,
             finish_reason=self.finished or FinishReason.LENGTH,
             prompt_tokens=self.prompt_len,
+            cached_prompt_tokens=self.cached_prompt,
             catch_ups=tuple(self.catch_ups),
             rollbacks=self.rollbacks,
             timings=Timings(

@@ -6,7 +6,9 @@ catch-up prefill over all pending tokens; for a new session it is the prompt pre
 sessions extend in ONE forward: their caches are left-padded to a common past length and
 their new tokens right-padded to a common count, with an attention mask that hides the
 padding and position ids that carry each row's own positions, so ragged lengths give the
-same result as running each session alone.
+same result as running each session alone. Where one cache is much longer than the rest
+the rows split into a few such forwards instead (`forward_groups`), so that the others do not
+pay for its length.
 
 `last_only=True` asks for the logits after the LAST new token only (all the step loop
 needs unless it verifies or measures every position): the LM head then runs on one row
@@ -49,6 +51,49 @@ from backoff_core.types import PrefixCacheSpec
 # [1, heads, length, head_dim] keys and values, one pair per layer
 KV = list[tuple[torch.Tensor, torch.Tensor]]
 
+# A padded forward copies every row's cache into one [B, H, P_max, D] tensor per layer and
+# runs K_max query rows for every row, so one session much longer than the others (in cache
+# or in new tokens) makes them all pay for its length. A split costs a forward (the weights
+# read again, every op launched again). Measured on the default pair's M_L (CPU, one thread):
+# 8 catch-ups of 2 tokens, one session at 2048 positions and seven at 60, took 1.2-2.3 s as
+# one forward and 0.37-0.43 s as two (the long one alone, the seven together): a forward's
+# fixed cost there is ~0.2 s, a padded cache position ~0.1 ms, a padded query row ~3 ms (a
+# 256-position forward: ~0.76 s). In padded cache positions:
+SPLIT_PAD_POSITIONS = 2048  # what a forward added must save
+QUERY_ROW_POSITIONS = 32  # what a padded query row costs
+
+
+def forward_groups(past_lens: list[int], new_lens: list[int], pad_cost: int = SPLIT_PAD_POSITIONS) -> list[list[int]]:
+    """The forwards an extend of rows with these cached and new lengths runs, as row indices
+    (each group in row order): one, unless splitting saves more than `pad_cost` padded
+    positions per forward added. Groups are runs of the rows ordered by size (longest first),
+    chosen by least total cost: pad_cost a forward plus its padding, (P_max - p) cache
+    positions and QUERY_ROW_POSITIONS per padded query row (K_max - k) of every row."""
+    n = len(past_lens)
+
+    def padding(rows: list[int]) -> int:
+        p_max, k_max = max(past_lens[i] for i in rows), max(new_lens[i] for i in rows)
+        return sum(p_max - past_lens[i] + QUERY_ROW_POSITIONS * (k_max - new_lens[i]) for i in rows)
+
+    if padding(list(range(n))) <= pad_cost:
+        return [list(range(n))]
+    order = sorted(range(n), key=lambda i: -(past_lens[i] + QUERY_ROW_POSITIONS * new_lens[i]))
+    best, cut = [0] + [float("inf")] * n, [0] * (n + 1)  # best[j]: least cost of the first j rows
+    for j in range(1, n + 1):
+        p_max = k_max = p_sum = k_sum = 0
+        for i in range(j - 1, -1, -1):  # rows order[i:j] in one forward, grown one row at a time
+            p, k = past_lens[order[i]], new_lens[order[i]]
+            p_max, k_max, p_sum, k_sum = max(p_max, p), max(k_max, k), p_sum + p, k_sum + k
+            rows = j - i
+            cost = best[i] + pad_cost + rows * p_max - p_sum + QUERY_ROW_POSITIONS * (rows * k_max - k_sum)
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    groups, j = [], n
+    while j:
+        groups.append(sorted(order[cut[j] : j]))
+        j = cut[j]
+    return groups[::-1]
+
 
 @dataclass
 class _CachedSession(Session):
@@ -61,6 +106,8 @@ class _CachedSession(Session):
 
 class ModelRunner(PrefixCaching, SessionTable[_CachedSession]):
     """Holds one model and its sessions. Thread-safe: one forward at a time."""
+
+    split_pad_positions = SPLIT_PAD_POSITIONS  # see forward_groups
 
     def __init__(
         self,
@@ -168,11 +215,25 @@ class ModelRunner(PrefixCaching, SessionTable[_CachedSession]):
         with self._lock:
             sessions = self._extending(items)
             self._reserve(items)
-            if len(items) == 1:
-                out = self._extend_one(sessions[0], items[0][1], hidden_layer, last_only, scoring[0])
-            else:
-                out = self._extend_batch(sessions, [ids for _, ids in items], hidden_layer, last_only, scoring)
-            self.forward_passes += 1
+            groups = forward_groups(
+                [s.length for s in sessions], [len(ids) for _, ids in items], self.split_pad_positions
+            )
+            out: list[Extension] = [None] * len(items)  # type: ignore[list-item]
+            for g in groups:
+                if len(g) == 1:
+                    (i,) = g
+                    exts = self._extend_one(sessions[i], items[i][1], hidden_layer, last_only, scoring[i])
+                else:
+                    exts = self._extend_batch(
+                        [sessions[i] for i in g],
+                        [items[i][1] for i in g],
+                        hidden_layer,
+                        last_only,
+                        [scoring[i] for i in g],
+                    )
+                for i, ext in zip(g, exts):
+                    out[i] = ext
+            self.forward_passes += len(groups)
             now = time.monotonic()
             for s in sessions:
                 s.last_used = now

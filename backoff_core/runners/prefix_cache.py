@@ -161,7 +161,8 @@ class PrefixCaching:
         next extends feed ids[n:]) into the session and return n, the positions loaded: whole
         blocks within ids[:cacheable] (default all), never all of ids (the caller feeds at
         least one token, whose logits it reads). From now on the session's extends store its
-        full blocks of ids[:cacheable]. 0: off, a miss, or no KV room for them."""
+        full blocks of its first `cacheable` positions (the prompt, which may be longer than
+        ids: a chunk). 0: off, a miss, or no KV room for them."""
         cache = self.prefix_cache
         if not cache.enabled:
             return 0
@@ -169,14 +170,15 @@ class PrefixCaching:
             s = self._get(request_id)
             if s.length != 0:
                 raise ValueError(f"{self.name}: adopt_prefix needs a fresh session, {request_id!r} holds {s.length}")
-            cacheable = len(ids) if cacheable is None else max(0, min(cacheable, len(ids)))
+            # cacheable may pass len(ids): a prompt fed in chunks is stored as its chunks come
+            cacheable = len(ids) if cacheable is None else max(0, cacheable)
             b = cache.block_tokens
             limit = min(cacheable, len(ids) - 1, self._adoptable())
             keys, kv = cache.match(ids, limit)
             n = len(keys) * b
             if n and not self._room(request_id, s, n):
                 keys, kv, n = [], None, 0
-            cache.record(cacheable, n)
+            cache.record(min(cacheable, len(ids)), n)
             if n:
                 self._write_kv(s, kv)
                 s.length = s.adopted = n

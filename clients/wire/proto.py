@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from clients.wire import backoff_pb2 as pb
 from clients.wire.logprobs import TokenLogprob, TopLogprob
-from clients.wire.types import ChatMessage, Delta, GenerateParams, Generation, Usage
+from clients.wire.types import ChatMessage, Delta, GenerateParams, Generation, PromptTokensDetails, Usage
 
 _OPTIONAL = (
     "max_tokens",
@@ -71,7 +71,8 @@ def prompt_from_pb(msg: pb.GenerateRequest) -> tuple[str | list[int] | None, lis
 
 
 def usage_to_pb(usage: Usage) -> pb.Usage:
-    return pb.Usage(**usage.model_dump())
+    fields = usage.model_dump(exclude={"prompt_tokens_details"})
+    return pb.Usage(**fields, cached_prompt_tokens=usage.prompt_tokens_details.cached_tokens)
 
 
 def usage_from_pb(msg: pb.Usage) -> Usage:
@@ -84,6 +85,7 @@ def usage_from_pb(msg: pb.Usage) -> Usage:
         large_calls=msg.large_calls,
         degraded=msg.degraded,
         degraded_reason=msg.degraded_reason,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=msg.cached_prompt_tokens),
     )
 
 

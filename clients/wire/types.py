@@ -213,6 +213,12 @@ def merge_params(params: GenerateParams | None, fields: dict) -> GenerateParams:
     return params.model_copy(update=extra.model_dump(exclude_unset=True)) if fields else params
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(
+        0, description="prompt tokens whose KV the small model loaded from its prefix cache instead of prefilling them"
+    )
+
+
 class Usage(BaseModel):
     prompt_tokens: int = Field(0, description="tokens in the prompt")
     completion_tokens: int = Field(0, description="tokens generated")
@@ -226,6 +232,9 @@ class Usage(BaseModel):
         "every token after that came from the small model alone",
     )
     degraded_reason: str = Field("", description="why it was degraded (empty when it was not)")
+    prompt_tokens_details: PromptTokensDetails = Field(
+        default_factory=PromptTokensDetails, description="OpenAI's: cached_tokens (the prefix cache)"
+    )
 
     @property
     def backoff_rate(self) -> float:

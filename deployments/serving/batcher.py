@@ -59,6 +59,9 @@ class CatchUpCall:
     # last_only starts from the replica's longest cached prefix within ids[:prefix_cache] (the
     # caller's prompt length) and the forward reads only the rest; 0: no lookup, nothing stored
     prefix_cache: int = 0
+    # with prefix_cache, past 0: open the session and load its cached prefix, no forward; the
+    # reply says how many positions it holds (chunked prefill then feeds the rest in chunks)
+    adopt_only: bool = False
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,7 @@ class CatchUpReply:
     lost: str = ""  # why the session is not usable here
     refused: str = ""  # a new session with no KV room here: why (the request may retry later)
     scored: ScoredRows | None = None  # the rows the call's scoring named
+    adopted: int = 0  # an adopt_only call: positions the session now holds ([0, 0] logits)
 
 
 @dataclass(frozen=True)
@@ -141,11 +145,16 @@ class CatchUpBatcher:
         self._leases: dict[str, float] = {}  # owner -> monotonic time of its last call or renewal
         self._owners: dict[str, str] = {}  # session key -> owner (forward thread only)
         self._closed: collections.OrderedDict[str, None] = collections.OrderedDict()  # tombstones (bounded)
+        # sessions an adopt_only call opened and found nothing cached for: its prefix track
+        # (what the next calls store) is kept through the session's next call at past 0
+        self._opened_empty: set[str] = set()
 
     # -- API (event loop) -------------------------------------------------------------------
     async def extend(self, call: CatchUpCall) -> CatchUpReply:
         if not call.ids:
             raise ValueError("a catch-up needs at least one pending id")
+        if call.adopt_only and (call.past or not call.prefix_cache or call.scoring is not None):
+            raise ValueError("an adopt_only call opens a session (past 0) with a prefix_cache length and no scoring")
         if call.scoring is not None:  # here, not in the shared forward: a bad call fails alone
             call.scoring.check(len(call.ids), self.runner.vocab_size)
         self._start()
@@ -288,6 +297,7 @@ class CatchUpBatcher:
     def _close(self, session_key: str) -> None:
         self.runner.close(session_key)
         self._owners.pop(session_key, None)
+        self._opened_empty.discard(session_key)
         self._closed[session_key] = None
         while len(self._closed) > 65536:
             self._closed.popitem(last=False)
@@ -304,6 +314,12 @@ class CatchUpBatcher:
         ready = []
         for i, call in enumerate(calls):
             problem = self._prepare(call)
+            if problem is None and call.adopt_only:
+                adopted = self._adopt(call)
+                if not adopted:
+                    self._opened_empty.add(call.session_key)
+                replies[i] = CatchUpReply(np.zeros((0, 0), dtype=np.float32), adopted=adopted)
+                continue
             if problem is None:
                 ready.append(i)
                 continue
@@ -353,6 +369,10 @@ class CatchUpBatcher:
         if call.past == 0:
             if session_key in self._closed:
                 return CatchUpReply(None, f"session {session_key!r} was closed (a late call)")
+            if session_key in self._opened_empty:
+                self._opened_empty.discard(session_key)
+                if not call.adopt_only and runner.has(session_key) and runner.length(session_key) == 0:
+                    return None  # opened by its adopt_only call: fresh, and its prefix track kept
             runner.close(session_key)  # a fresh epoch starts from nothing
             try:
                 runner.open(session_key, refill=call.refill)

@@ -24,7 +24,7 @@ from clients.wire.openai import (
     CompletionResponse,
     PromptTrace,
 )
-from clients.wire.types import Usage
+from clients.wire.types import PromptTokensDetails, Usage
 from deployments.serving.access import ClientError
 from deployments.serving.config import LimitsConfig
 from deployments.serving.engine_loop import Admitted
@@ -107,7 +107,10 @@ def summed_usage(results: Sequence[GenerationResult]) -> Usage:
         for f in ("prompt_tokens", "completion_tokens", "total_tokens", "small_tokens", "large_tokens", "large_calls")
     }
     reasons = "; ".join(dict.fromkeys(u.degraded_reason for u in usages if u.degraded_reason))
-    return Usage(**counts, degraded=any(u.degraded for u in usages), degraded_reason=reasons)
+    cached = PromptTokensDetails(cached_tokens=sum(u.prompt_tokens_details.cached_tokens for u in usages))
+    return Usage(
+        **counts, degraded=any(u.degraded for u in usages), degraded_reason=reasons, prompt_tokens_details=cached
+    )
 
 
 @dataclass(frozen=True)

@@ -374,7 +374,7 @@ class AppArgs(_Config):
     )
     default_max_tokens: int = Field(64, ge=1, description="max_tokens of a request that sets none")
     prefill_chunk_tokens: int = Field(
-        256,
+        128,
         ge=0,
         description="chunked prefill (docs/chunked-prefill.md): positions each model prefills per step at most; "
         "a longer prompt, and M_L's longer first catch-up, load over several steps between the live "

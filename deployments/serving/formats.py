@@ -27,7 +27,7 @@ from clients.wire.openai import (
     TokenTrace,
 )
 from clients.wire.proto import usage_to_pb
-from clients.wire.types import Usage
+from clients.wire.types import PromptTokensDetails, Usage
 
 
 def json_safe(value):
@@ -59,6 +59,7 @@ def usage_of(result: GenerationResult) -> Usage:
         large_calls=result.large_calls,
         degraded=result.degraded,
         degraded_reason=result.degraded_reason,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=result.cached_prompt_tokens),
     )
 
 

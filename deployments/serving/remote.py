@@ -119,6 +119,39 @@ class RemoteLarge(SessionTable[_RemoteSession]):
                 s.prefix_cache = len(ids) if cacheable is None else cacheable
         return 0
 
+    def load_prefix(self, request_id: str, ids, cacheable: int | None = None) -> int:
+        """adopt_prefix, answered now (chunked prefill feeds a prompt from what is cached, so it
+        must know before its first chunk): one adopt_only call, in which the replica opens the
+        session and loads its longest cached prefix of ids[:cacheable]; the positions it holds.
+        Any failure is 0 here: the session's first chunk then meets it where failures are handled."""
+        with self._lock:
+            s = self._get(request_id)
+            if s.length:
+                raise ValueError(f"{self.name}: load_prefix needs a fresh session, {request_id!r} holds {s.length}")
+            s.prefix_cache = len(ids) if cacheable is None else cacheable
+            if not s.prefix_cache or len(ids) < 2:
+                return 0
+            call = CatchUpCall(
+                s.session_key,
+                0,
+                tuple(ids),
+                owner=self.owner,
+                last_only=True,
+                refill=s.refill,
+                prefix_cache=s.prefix_cache,
+                adopt_only=True,
+            )
+            s.sent = True
+        try:
+            reply = self._receive(call, self.endpoint.extend(call), time.monotonic() + self.timeout_s)
+        except LargeUnavailable:
+            return 0
+        if reply.logits is None or reply.refused:
+            return 0
+        with self._lock:
+            s.length, s.prefix_cache = reply.adopted, 0  # the replica holds the session: no second lookup
+        return reply.adopted
+
     def extend(
         self,
         items: list[tuple[str, list[int]]],

@@ -69,6 +69,8 @@ def test_exact_counts_for_a_script(pair, tokenizer, storage):
         assert s.stored_blocks == 5 + 1 and s.tokens == 6 * B
     # what M_L prefilled at its first catch-up: the prompt minus what it adopted
     assert [r.catch_ups[0].prompt_tokens for r in results] == [n - e for n, e in zip(lengths, expected)]
+    # what each result reports as cached (usage.prompt_tokens_details.cached_tokens): M_S's
+    assert [r.cached_prompt_tokens for r in results] == expected
 
 
 def test_the_per_request_switch_and_prompt_scoring_skip_the_cache(pair, tokenizer):
@@ -107,8 +109,15 @@ def test_chunked_prefill_starts_from_the_cached_prefix(pair, tokenizer, storage,
     for seed, user in enumerate(USERS * 2):
         request = _request(SYSTEM + user, seed=seed, router=router)
         a = on.generate(request)
+        # M_S's cached positions: whole blocks of the head (all but the last prompt token); SYSTEM's
+        # 5 in the first round, every whole block of the head in the second (each prompt seen)
+        head_blocks = (len(SYSTEM + user) - 1) // B * B
+        assert a.cached_prompt_tokens == (
+            0 if seed == 0 else head_blocks if seed >= len(USERS) else min(20, head_blocks)
+        )
         for off in offs:
             b = off.generate(request)
             assert (a.token_ids, a.sources) == (b.token_ids, b.sources)
+            assert b.cached_prompt_tokens == 0
     small, large = (m.prefix_stats() for m in on.models)
     assert small.hits == len(USERS) * 2 - 1 and large.hits >= len(USERS)  # every prompt after the first

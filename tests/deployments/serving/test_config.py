@@ -218,6 +218,35 @@ def test_usage_counts_tokens_by_source():
     assert (usage.small_tokens, usage.large_tokens, usage.large_calls, usage.total_tokens) == (2, 1, 1, 7)
     body = response_body("cmpl-1", "backoff", 0, result, chat=True)
     assert body["choices"][0]["message"]["content"] == "a b c" and body["choices"][0]["backoff"]["sources"] == [0, 1, 0]
+    assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+
+
+def test_usage_reports_the_cached_prompt_tokens_on_http_and_grpc():
+    """OpenAI's usage.prompt_tokens_details.cached_tokens (what guidellm and others read); on
+    gRPC Usage.cached_prompt_tokens; a batch sums them."""
+    from clients.wire.proto import usage_from_pb, usage_to_pb
+    from deployments.serving.completions import summed_usage
+
+    def result(cached: int) -> GenerationResult:
+        return GenerationResult(
+            request_id="r",
+            text="a",
+            token_ids=(5,),
+            sources=(0,),
+            num_levels=2,
+            finish_reason=FinishReason.LENGTH,
+            prompt_tokens=40,
+            catch_ups=(),
+            rollbacks=0,
+            timings=Timings(0, (), (), 0, 0),
+            cached_prompt_tokens=cached,
+        )
+
+    usage = usage_of(result(32))
+    body = response_body("cmpl-1", "backoff", 0, result(32), chat=False)
+    assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
+    assert usage_to_pb(usage).cached_prompt_tokens == 32 and usage_from_pb(usage_to_pb(usage)) == usage
+    assert summed_usage([result(32), result(0), result(64)]).prompt_tokens_details.cached_tokens == 96
 
 
 def test_cluster_yaml_is_a_valid_launcher_config_with_small_and_large_gpu_nodes():

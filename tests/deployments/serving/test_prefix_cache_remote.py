@@ -11,6 +11,7 @@ from backoff_core.types import PrefixCacheSpec, Verification
 from clients.wire.proto import params_from_pb, request_to_pb
 from clients.wire.types import CompletionRequest, GenerateParams
 from deployments.serving.config import ModelsConfig, RoutingConfig
+from deployments.serving.remote import RemoteLarge
 from deployments.serving.requests import generation_request, serve_request
 from tests.support.helpers import request
 from tests.support.remote_fakes import FakeEndpoint, LoopThread, remote_engine
@@ -83,3 +84,34 @@ def test_the_config_switch():
         ModelsConfig(prefix_cache_tokens=-1)
     with pytest.raises(ValueError):
         ModelsConfig(prefix_block_tokens=0)
+
+
+LONG_SYSTEM = [5 + (7 * i) % 41 for i in range(80)]  # two 32-token blocks and a part
+
+
+@pytest.mark.parametrize("router", [{"router": "always-large"}, {"router": "random", "rate": 0.5}])
+def test_a_prompt_fed_in_chunks_starts_from_the_replicas_cached_prefix(pair, tokenizer, loop_thread, router):
+    """Chunks of 16: M_L's first catch-up is fed in chunks, each its own call. The replica
+    looks the prompt up before the first (an adopt_only call), stores every block as the
+    chunks come, and a later prompt with the same system prompt starts from it: outputs as
+    with no cache, no chunks, no remote."""
+    endpoint = FakeEndpoint(pair[1], loop_thread, replicas=1)
+    small, large = pair
+    remote = RemoteLarge(endpoint, "large", ModelRunner(large).vocab_size)
+    engine = BackoffEngine([ModelRunner(small, "small"), remote], tokenizer, prefill_chunk_tokens=16)
+    off = _off(pair, tokenizer)
+    off.prefill_chunk_tokens = 0
+    for user in USERS:
+        req = request(LONG_SYSTEM + user, max_tokens=6, seed=3, **router)
+        a, b = engine.generate(req), off.generate(req)
+        assert (a.token_ids, a.sources) == (b.token_ids, b.sources)
+    adopts = [c for c in endpoint.calls if c.adopt_only]
+    assert sorted(c.prefix_cache for c in adopts) == sorted(len(LONG_SYSTEM + u) for u in USERS)
+    firsts = {}  # the call after each adopt: past = what the replica found cached
+    for call in endpoint.calls:
+        if not call.adopt_only and call.session_key not in firsts:
+            firsts[call.session_key] = call
+    assert sorted(c.past for c in firsts.values()) == [0, 64, 64, 64]
+    assert all(c.prefix_cache == 0 and len(c.ids) <= 16 for c in firsts.values())
+    s = endpoint.replicas[0].runner.prefix_stats()
+    assert (s.lookups, s.hits, s.misses, s.cached_tokens, s.stored_blocks) == (4, 3, 1, 3 * 64, 2)
