@@ -121,9 +121,13 @@ _INDEX = _mix(np.arange(8, dtype=np.uint64) * np.uint64(0x9E3779B1) & np.uint64(
 
 def _bits(seeds: Sequence[int], positions: Sequence[int], stream: Stream, width: int) -> np.ndarray:
     """[B, width] uint64 hash values of (seed, position, stream, index)."""
-    lo = np.array([s & _MASK32 for s in seeds], dtype=np.uint64)
-    hi = np.array([(s >> 32) & _MASK32 for s in seeds], dtype=np.uint64)
-    pos = np.array([p & _MASK32 for p in positions], dtype=np.uint64)
+    try:  # the usual seeds and positions (in [0, 2^64)): the masks as array ops
+        s, pos = np.array(seeds, dtype=np.uint64), np.array(positions, dtype=np.uint64) & _MASK32
+        lo, hi = s & _MASK32, (s >> np.uint64(32)) & _MASK32
+    except OverflowError:  # a negative or huge one: Python's own integers
+        lo = np.array([s & _MASK32 for s in seeds], dtype=np.uint64)
+        hi = np.array([(s >> 32) & _MASK32 for s in seeds], dtype=np.uint64)
+        pos = np.array([p & _MASK32 for p in positions], dtype=np.uint64)
     key = _mix(lo ^ _mix(hi ^ _mix(pos ^ _STREAM[stream])))  # [B]
     index = _INDEX[:width] if width <= len(_INDEX) else _mix(np.arange(width, dtype=np.uint64) * 0x9E3779B1 & _MASK32)
     return _mix(key[:, None] ^ index[None])

@@ -21,7 +21,7 @@ from backoff_core.engine.host import to_host
 from backoff_core.engine.isolation import batched, each, fail, reopen
 from backoff_core.engine.prompt import adopt_prefix
 from backoff_core.engine.state import Live
-from backoff_core.runners.dynamic import Extension
+from backoff_core.runners.extension import Extension, last_rows
 from backoff_core.runners.sessions import SessionError
 from backoff_core.runners.static_kv import KVCapacityError
 from backoff_core.sampling import Stream, distributions, draw, kl_divergence, residual, sample_rows, uniform
@@ -118,7 +118,7 @@ class CatchUpper:
         checks = [c for r, b, ext in rows for c in self._checks(level, r, b, ext.logits)]
         kls = [(r, ext.logits[j - b - 1], r.small_logits[j]) for r, b, ext in rows for j in self._kl_at(level, r, b)]
         token = draw(
-            torch.stack([ext.logits[-1] for _, _, ext in rows]),
+            last_rows([ext for _, _, ext in rows])[0],  # [B, V]
             [r.request.sampling for r, _, _ in rows],
             [r.seed for r, _, _ in rows],
             [len(r.tokens) for r, _, _ in rows],
@@ -146,8 +146,8 @@ class CatchUpper:
         r.kl_at_catch_up.extend(verdict.kl)
         if verdict.rejected is not None:
             return self._roll_back(level, r, *verdict.rejected)
-        r.last_logits[level] = ext.logits[-1]
-        return Outcome(level, ext.logits[-1], verdict.token, 0)
+        r.last_logits[level] = last = ext.logits[-1]
+        return Outcome(level, last, verdict.token, 0)
 
     def _kl_at(self, level: int, r: Live, before: int) -> list[int]:
         """Positions whose KL(M_L || M_S) this catch-up records (collect_kl, largest model)."""

@@ -26,11 +26,11 @@ import backoff_core.engine.chunked as chunked
 from backoff_core.engine.admission import checked
 from backoff_core.engine.backends import Backend
 from backoff_core.engine.catchup import CatchUpper, Outcome
-from backoff_core.engine.commit import Commit, CommitContext, append, commit_many
+from backoff_core.engine.commit import CommitContext, commit_many, settle_many
 from backoff_core.engine.isolation import each
 from backoff_core.engine.logprobs import TokenTexts
 from backoff_core.engine.prompt import prefill
-from backoff_core.engine.propose import Proposal, propose, small_step
+from backoff_core.engine.propose import propose, small_step
 from backoff_core.engine.state import Detokenizer, Live
 from backoff_core.routing.routers import DecisionFunction, build_router
 from backoff_core.runners.factory import make_runner
@@ -214,7 +214,7 @@ class BackoffEngine:
 
     # -- the step -------------------------------------------------------------------------
     def step(self) -> dict[str, TokenEvent]:
-        live = [r for r in self._live.values() if not r.done]
+        live = [r for r in self._live.values() if r.finished is None and r.failure is None]  # not done
         if not live:
             return {}
         # 0. chunked prefill: at most one chunk per model of the prompts (and long catch-ups)
@@ -224,38 +224,43 @@ class BackoffEngine:
             live = [r for r in live if not (r.backlog or r.done)]
         # 1. levels decided without M_S (a degraded request has M_S only). From here on, an
         # exception while handling one request ends that request alone (isolation.py).
-        plain = [r for r in live if not (r.degraded or r.finish_after_verify or r.router.forces_levels)]
-        forced = dict.fromkeys((r.request_id for r in plain), -1)  # the common case, without a call each
-        forced.update(each([r for r in live if r.request_id not in forced], self.models, self._forced_level))
-        live = [
-            r
-            for r in live
-            if r.request_id in forced and not (forced[r.request_id] > 0 and self._stall(r, forced[r.request_id]))
-        ]
-        live = [r for r in live if not r.done]
-        stepping = [r for r in live if forced[r.request_id] < 0]
+        # Plain requests (the common case) skip the call: their level is never forced.
+        special = [r for r in live if r.degraded or r.finish_after_verify or r.router.forces_levels]
+        levels: dict[str, int] = {}
+        stepping = live
+        if special:
+            forced = each(special, self.models, self._forced_level)  # -1: M_S steps
+            levels = {request_id: f for request_id, f in forced.items() if f >= 0}
+            dropped = {
+                r.request_id
+                for r in special
+                if r.request_id not in forced or (forced[r.request_id] > 0 and self._stall(r, forced[r.request_id]))
+            }
+            live = [r for r in live if r.request_id not in dropped and not r.done]
+            stepping = [r for r in live if r.request_id not in levels]
         # 2. M_S, batched
-        fed = {r.request_id: r.fed[0] for r in stepping}  # to undo a step that stalls (5.)
+        fed = {r.request_id: r.fed[0] for r in stepping} if self.prefill_chunk_tokens else {}  # to undo a stall (5.)
         small = small_step(self.models, stepping)
+        stepped = stepping if len(small.rows) == len(stepping) else [r for r in stepping if r.request_id in small]
         # 3. oracle routers: the largest model catches up first, to know KL(M_L||M_S)
-        levels: dict[str, int] = {request_id: f for request_id, f in forced.items() if f >= 0}
         outcomes: dict[str, Outcome] = {}
-        routed = [r for r in stepping if not r.degraded and r.request_id in small]
-        for router, group in _by_router(routed).items():
-            if router.needs_large_logits:
-                outcomes.update(self.catch_up.run(self.num_levels - 1, group))
-        # a degraded request stays small
-        routed = [r for r in routed if not r.router.needs_large_logits or r.request_id in outcomes]
+        routed = [r for r in stepped if not r.degraded]
+        if any(r.router.needs_large_logits for r in routed):
+            for router, group in _by_router(routed).items():
+                if router.needs_large_logits:
+                    outcomes.update(self.catch_up.run(self.num_levels - 1, group))
+            # a degraded request stays small
+            routed = [r for r in routed if not r.router.needs_large_logits or r.request_id in outcomes]
         # 4. decide: M_S's tokens and the routers' scores, one host copy; levels on the host
         large = {request_id: outcome.logits for request_id, outcome in outcomes.items()}
-        proposal = propose(self.models, [r for r in stepping if r.request_id in small], routed, small, large)
+        proposal = propose(self.models, stepped, routed, small, large)
         self._decide([r for r in routed if r.request_id in proposal.scores], proposal.scores, levels, outcomes)
         # 5. catch-ups, one batched forward per level; one that would read more than a chunk
         # stalls (its step is taken again once its pending tokens are fed, chunked.py)
-        if self.prefill_chunk_tokens:
+        if self.prefill_chunk_tokens and any(level > 0 for level in levels.values()):
             self._stall_long_catch_ups(stepping, levels, outcomes, fed, {r.request_id for r in routed})
             live = [r for r in live if not (r.backlog or r.done)]
-        for level in range(1, self.num_levels):
+        for level in range(1, self.num_levels) if levels else ():
             group = [
                 r
                 for r in live
@@ -272,17 +277,12 @@ class BackoffEngine:
             if r.degraded and r.failure is None and r.request_id not in small and not r.finish_after_verify
         ]
         if late:
-            small.update(small_step(self.models, late))
+            small = small.merged(small_step(self.models, late))
             late = [r for r in late if r.request_id in small]
             proposal.tokens.update(propose(self.models, late, [], small, {}).tokens)
         # 6. commit
         ctx = CommitContext(self.detok, self.token_texts, self.eos_ids, self.collect_kl)
-        settled = each(
-            [r for r in live if r.failure is None],
-            self.models,
-            lambda r: self._settle(r, outcomes.get(r.request_id), small, proposal, ctx),
-        )
-        return commit_many([c for c in settled.values() if c is not None], ctx, self.models)
+        return commit_many(settle_many(live, outcomes, small, proposal, ctx, self.models), ctx, self.models)
 
     def _stall(self, r: Live, level: int) -> bool:
         """Whether r waits for its `level` cache to be fed in chunks before this catch-up
@@ -318,33 +318,6 @@ class BackoffEngine:
         f = r.router.levels_before_small_step([r.drafts()], [r.thresholds], self.num_levels)
         return f[0] if f is not None else -1
 
-    def _settle(
-        self, r: Live, outcome: Outcome | None, small: dict, proposal: Proposal, ctx: CommitContext
-    ) -> Commit | None:
-        """Append r's token of this step (None: nothing to commit; commit.py streams it)."""
-        drawn, scores = proposal.tokens.get(r.request_id), proposal.scores
-        if outcome is None and r.finish_after_verify:  # the verification failed: the drafts stand
-            r.finished = r.finish_after_verify
-            return None
-        if outcome is None:  # stays small
-            if drawn is None:  # its draw failed: it ended alone (isolation.py)
-                return None
-            logits, token, retracted, source = small[r.request_id][0], drawn, 0, 0
-        else:
-            logits, token, retracted, source = outcome.logits, outcome.token, outcome.rolled_back, outcome.level
-        if r.controller is not None and r.request_id in scores:
-            r.thresholds = (r.controller.update(scores[r.request_id], source == 0),)
-        if outcome is not None and source == self.num_levels - 1:
-            r.schedule_drafts(rejected=retracted > 0)
-        if r.finish_after_verify and not retracted:
-            r.finished = r.finish_after_verify  # all drafts held: the extra token is not wanted
-            return None
-        r.finish_after_verify = None
-        r.cut_at = None
-        c = Commit(r, token, source, logits, small.get(r.request_id), retracted)
-        append(c, ctx)
-        return c
-
     def _decide(self, group: list[Live], scores: dict[str, float], levels: dict, outcomes: dict) -> None:
         """level = how many of r's thresholds its score reaches (host floats, float64)."""
         top = self.num_levels - 1
@@ -353,10 +326,13 @@ class BackoffEngine:
             outcome = outcomes.get(r.request_id)
             if outcome is not None and outcome.rolled_back:
                 levels[r.request_id] = top  # verification already replaced the step's token
-            else:
-                levels[r.request_id] = sum(s >= t for t in r.thresholds)
-                if outcome is not None and levels[r.request_id] != top:
-                    del outcomes[r.request_id]  # the oracle looked, but the step is not the large model's
+                continue
+            thresholds = r.thresholds
+            level = int(s >= thresholds[0]) if len(thresholds) == 1 else sum(s >= t for t in thresholds)
+            if level:  # level 0 (M_S) is the default of every request without an entry
+                levels[r.request_id] = level
+            if outcome is not None and level != top:
+                del outcomes[r.request_id]  # the oracle looked, but the step is not the large model's
 
     def finish(self, request_id: str) -> GenerationResult:
         """The result of a finished (or cancelled mid-way) request; frees its sessions.

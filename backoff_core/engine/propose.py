@@ -15,13 +15,59 @@ from backoff_core.engine.host import to_host
 from backoff_core.engine.isolation import batched, reopen
 from backoff_core.engine.state import Live
 from backoff_core.routing.routers import DecisionFunction, StepContext
+from backoff_core.runners.extension import last_rows
 from backoff_core.sampling import Stream, draw, uniforms
 
 
-def small_step(models: list[Backend], group: list[Live]) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
-    """-> sid: (logits [V], hidden [d] or None). Different routers may want different layers."""
+@dataclass(frozen=True, eq=False)
+class SmallOut:
+    """M_S's step for the requests it ran, batched: row rows[sid] of each tensor is sid's."""
+
+    logits: torch.Tensor  # [n, V] next-token logits
+    hidden: torch.Tensor | None  # [n, d] at the router's layer, or None
+    rows: dict[str, int]  # in row order (0, 1, ...)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.rows
+
+    def logits_of(self, request_id: str) -> torch.Tensor:
+        return self.logits[self.rows[request_id]]  # [V]
+
+    def take(self, request_ids: list[str]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logits [b, V], hidden [b, d] | None) of these requests, in this order: the batch
+        itself when they are all its rows in order (the common step), else one gather."""
+        if len(request_ids) == len(self.rows) and list(self.rows) == request_ids:  # rows: in row order
+            return self.logits, self.hidden
+        index = torch.tensor([self.rows[r] for r in request_ids]).to(self.logits.device, non_blocking=True)
+        return self.logits.index_select(0, index), (
+            self.hidden.index_select(0, index) if self.hidden is not None else None
+        )
+
+    def merged(self, other: SmallOut) -> SmallOut:
+        """Both steps' rows (other's after these)."""
+        if not other.rows:
+            return self
+        if not self.rows:
+            return other
+        offset = len(self.rows)
+        hidden = (
+            torch.cat([self.hidden, other.hidden]) if self.hidden is not None and other.hidden is not None else None
+        )
+        return SmallOut(
+            torch.cat([self.logits, other.logits]),
+            hidden,
+            {**self.rows, **{r: offset + i for r, i in other.rows.items()}},
+        )
+
+
+NO_SMALL_STEP = SmallOut(torch.zeros(0, 0), None, {})
+
+
+def small_step(models: list[Backend], group: list[Live]) -> SmallOut:
+    """M_S's forward over group, batched; a request whose step failed is left out (it ended
+    alone). Different routers may want different layers."""
     if not group:
-        return {}
+        return NO_SMALL_STEP
     # one engine loads one classifier head, so at most one layer is asked for
     layers = {r.router.hidden_layer for r in group} - {None}
     if len(layers) > 1:
@@ -40,15 +86,13 @@ def small_step(models: list[Backend], group: list[Live]) -> dict[str, tuple[torc
         alone,
     )
     seconds = time.perf_counter() - start
-    result = {}
-    for r in group:
-        if r.request_id not in out:
-            continue  # failed: ends alone
-        ext = out[r.request_id]
+    if not out:
+        return NO_SMALL_STEP
+    for r in group if len(out) == len(group) else [r for r in group if r.request_id in out]:
         r.fed[0] = len(r.tokens)
         r.small_times.append(seconds)
-        result[r.request_id] = (ext.logits[-1], ext.hidden[-1] if ext.hidden is not None else None)
-    return result
+    logits, hidden = last_rows(list(out.values()))
+    return SmallOut(logits, hidden, {request_id: i for i, request_id in enumerate(out)})
 
 
 @dataclass(frozen=True)
@@ -60,9 +104,9 @@ class Proposal:
 
 
 def propose(
-    models: list[Backend], group: list[Live], routed: list[Live], small: dict, large: dict[str, torch.Tensor]
+    models: list[Backend], group: list[Live], routed: list[Live], small: SmallOut, large: dict[str, torch.Tensor]
 ) -> Proposal:
-    """group: requests M_S stepped (small: sid -> (logits [V], hidden [d] or None)); routed:
+    """group: requests M_S stepped (in small); routed:
     those of them a router decides for (large: sid -> the largest model's logits, for
     oracles). The tokens of the whole group are drawn in one batched draw (those that go
     large waste theirs: a draw is a pure function of seed and position) and the routers
@@ -71,12 +115,12 @@ def propose(
     routed_ids = {r.request_id for r in routed}
 
     def together(g: Sequence[Live]) -> list[tuple[int, float | None]]:
-        logits = torch.stack([small[r.request_id][0] for r in g])  # [B, V]
+        logits, _ = small.take([r.request_id for r in g])  # [B, V]
         tokens = draw(logits, [r.request.sampling for r in g], [r.seed for r in g], [len(r.tokens) for r in g])
-        rows = [i for i, r in enumerate(g) if r.request_id in routed_ids]
-        groups: dict[DecisionFunction, list[int]] = {}
-        for i in rows:
-            groups.setdefault(g[i].router, []).append(i)
+        groups: dict[DecisionFunction, list[int]] = {}  # router -> its rows of g
+        for i, r in enumerate(g):
+            if r.request_id in routed_ids:
+                groups.setdefault(r.router, []).append(i)
         scores = [
             router.scores(
                 _context(router, [g[i] for i in at], logits if len(at) == len(g) else logits[at], small, large)
@@ -84,11 +128,11 @@ def propose(
             for router, at in groups.items()
         ]
         read = to_host(tokens, *scores)
-        out: list[tuple[int, float | None]] = [(t, None) for t in read[0]]
+        score_of: list[float | None] = [None] * len(g)
         for at, values in zip(groups.values(), read[1:]):
             for i, value in zip(at, values):
-                out[i] = (out[i][0], value)
-        return out
+                score_of[i] = value
+        return list(zip(read[0], score_of))
 
     if not group:
         return Proposal({}, {})
@@ -98,18 +142,22 @@ def propose(
     for r in routed:
         if r.request_id in got:
             r.router_times.append(seconds)  # the decision with the draw beside it: one pass, one sync
-    return Proposal(
-        {request_id: token for request_id, (token, _) in got.items()},
-        {request_id: score for request_id, (_, score) in got.items() if score is not None},
-    )
+    tokens, scores = {}, {}
+    for request_id, (token, score) in got.items():
+        tokens[request_id] = token
+        if score is not None:
+            scores[request_id] = score
+    return Proposal(tokens, scores)
 
 
-def _context(router: DecisionFunction, g: list[Live], logits: torch.Tensor, small: dict, large: dict) -> StepContext:
+def _context(
+    router: DecisionFunction, g: list[Live], logits: torch.Tensor, small: SmallOut, large: dict
+) -> StepContext:
     """The StepContext of router's rows g (logits: their M_S logits [b, V]), on the logits' device."""
     dev = logits.device
     return StepContext(
         small_logits=logits,
-        hidden=torch.stack([small[r.request_id][1] for r in g]) if router.hidden_layer is not None else None,
+        hidden=small.take([r.request_id for r in g])[1] if router.hidden_layer is not None else None,
         large_logits=torch.stack([large[r.request_id] for r in g]) if router.needs_large_logits else None,
         drafts=torch.tensor([r.drafts() for r in g]).to(dev, non_blocking=True)
         if router.reads_drafts

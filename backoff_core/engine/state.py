@@ -4,11 +4,13 @@ model's lagging cache has read (`fed`). Pending tokens of level l = tokens[fed[l
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+import backoff_core.engine.incremental as incremental
 from backoff_core.routing.control import RateController
 from backoff_core.routing.routers import DecisionFunction
 from backoff_core.types import (
@@ -67,6 +69,7 @@ class Live:
     prompt_sources: list[int | None] | None = None
     prompt_text: str | None = None
     prompt_len: int = field(init=False)  # len(request.prompt_ids), read several times a step
+    decode_state: tuple | None = None  # Detokenizer's incremental text of the generated ids (incremental.py)
 
     def __post_init__(self) -> None:
         self.prompt_len = len(self.request.prompt_ids)
@@ -88,6 +91,7 @@ class Live:
         """Drop committed tokens from `position` on; returns how many were dropped."""
         dropped = len(self.tokens) - position
         del self.tokens[position:]
+        self.decode_state = None  # its text covered the dropped ids
         del self.sources[position - self.prompt_len :]
         del self.logprobs[position - self.prompt_len :]
         for table in (self.source_logits, self.small_logits):
@@ -146,36 +150,37 @@ class Detokenizer:
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
-        self._primed: dict[str, tuple[int, str]] = {}  # sid -> (tokens held, decoded text)
+        self._held: tuple[Live, int, str] | None = None  # decoded(hold=True): (live, tokens, text)
         # A fast tokenizer's decode is its Rust backend's plus an optional clean-up; calling
         # the backend directly skips transformers' per-id Python checks (most of the cost of
         # decoding the whole text at every step).
         backend = getattr(tokenizer, "backend_tokenizer", None)
+        self.incremental = None  # incremental.py: the text of the new ids only, where exact
         if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
-            self.decode = lambda ids: backend.decode(ids, skip_special_tokens=True)
+            self.decode = functools.partial(backend.decode, skip_special_tokens=True)
+            self.incremental = incremental.for_backend(backend, self.decode)
         else:
             self.decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
 
-    def decode_many(self, batch: list[list[int]]) -> list[str]:
-        """decode() of each id list. Not the backend's decode_batch: its thread pool costs no
-        less for a step's short texts and, on a busy machine, waits for its threads to be
-        scheduled (8 ms a step at 64 streams, measured)."""
-        decode = self.decode
-        return [decode(ids) for ids in batch]
-
-    def prime(self, lives: list[Live]) -> None:
-        """Decode the generated ids of every request committing this step, in one pass
-        (commit.py); `decoded` and `full_text` read these until `forget`."""
-        texts = self.decode_many([live.generated for live in lives])
-        self._primed = {live.request_id: (len(live.tokens), text) for live, text in zip(lives, texts)}
-
     def forget(self) -> None:
-        self._primed = {}
+        self._held = None
 
-    def decoded(self, live: Live) -> str:
-        """decode(live.generated), primed or fresh."""
-        hit = self._primed.get(live.request_id)
-        return hit[1] if hit is not None and hit[0] == len(live.tokens) else self.decode(live.generated)
+    def decoded(self, live: Live, hold: bool = False) -> str:
+        """decode(live.generated). hold: keep it for the next call about live (the stop check's
+        text, which the event reads next), valid while live holds the same tokens."""
+        held, self._held = self._held, None
+        if held is not None and held[0] is live and held[1] == len(live.tokens):
+            return held[2]
+        if self.incremental is None:
+            text = self.decode(live.tokens[live.prompt_len :])
+        else:
+            state = live.decode_state
+            if state is not None and state[0] > len(live.tokens) - live.prompt_len:
+                state = None  # fewer ids than it covers (truncate drops it anyway)
+            text, live.decode_state = self.incremental.text(live.tokens, live.prompt_len, state)
+        if hold:
+            self._held = (live, len(live.tokens), text)
+        return text
 
     def full_text(self, live: Live) -> str:
         text = self.decoded(live)

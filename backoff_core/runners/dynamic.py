@@ -41,8 +41,9 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from backoff_core.runners.extension import Extension
 from backoff_core.runners.prefix_cache import PrefixCache, PrefixCaching
-from backoff_core.runners.scoring import Scored, Scoring, per_item, score_rows
+from backoff_core.runners.scoring import Scoring, per_item, score_rows
 from backoff_core.runners.sessions import Session, SessionTable
 from backoff_core.runners.static_kv import KVCapacityError
 from backoff_core.types import PrefixCacheSpec
@@ -92,15 +93,6 @@ def forward_groups(past_lens: list[int], new_lens: list[int], pad_cost: int = SP
         groups.append(sorted(order[cut[j] : j]))
         j = cut[j]
     return groups[::-1]
-
-
-@dataclass(frozen=True)
-class Extension:
-    """The result of extending one session by k tokens."""
-
-    logits: torch.Tensor  # [k, V] float32: the next-token logits after each new token ([1, V]: last_only)
-    hidden: torch.Tensor | None  # [k, d] hidden state at the requested layer, or None
-    scored: Scored | None = None  # the rows the extend's Scoring named (scoring.py), or None
 
 
 @dataclass

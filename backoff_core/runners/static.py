@@ -13,13 +13,10 @@ forward runs:
     sessions the step loop cannot rebuild) the slot is taken at open. No slot to be had, or a
     session passing max_len - 1 positions: KVCapacityError (retriable), raised before
     anything changes.
-  - rows: a batch's rows are its sessions' slots. When the extending slots are dense
-    (2 * sessions >= nb, nb = the power of two above the highest slot) the forward reads
-    storage[:nb] as a view, idle rows riding along as padding; otherwise it gathers the
-    sessions' rows (a copy of [n, kv_heads, L, head_dim] per layer).
-  - buckets (graph_plan.py): rows are powers of two, new tokens per row k in {1, 2, 4, 8,
-    16} (ragged rows right-padded), keys read L in 256, 1024, ... up to max_len. Padding
-    tokens write to the scratch column max_len - 1 that no real query sees.
+  - layout (static_layout.py): a batch's rows are its sessions' slots when those are dense (a
+    view of storage[:nb]), else gathered; rows are powers of two, new tokens per row k in
+    {1, 2, 4, 8, 16} (graph_plan.py; ragged rows right-padded, padding at a scratch column),
+    keys read L in 256, 1024, ... up to max_len.
   - CUDA graphs (device cuda, cuda_graphs=True): `warmup()` captures the planned graphs at
     load (at most GRAPH_BUDGET); an extend runs in the smallest captured k at or above its
     longest row, or, past the largest, in up to MAX_CHUNKS forwards of the largest (a
@@ -37,19 +34,20 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
 
 from backoff_core.runners.cuda_graphs import CudaGraphs
-from backoff_core.runners.dynamic import Extension
-from backoff_core.runners.graph_plan import GRAPH_BUDGET, K_BUCKETS, GraphKey, kinds, length_buckets, plan_keys
+from backoff_core.runners.extension import Extension, LastRows
+from backoff_core.runners.graph_plan import GRAPH_BUDGET, K_BUCKETS, kinds, length_buckets, plan_keys
 from backoff_core.runners.prefix_cache import PrefixCache, PrefixCaching
 from backoff_core.runners.scoring import Scoring, per_item, score_rows
 from backoff_core.runners.sessions import Session, SessionTable
 from backoff_core.runners.static_forward import Batch, StaticForward, check_supported
-from backoff_core.runners.static_kv import KVCapacityError, StaticKV, bucket, next_power_of_two
+from backoff_core.runners.static_kv import KVCapacityError, StaticKV, next_power_of_two
+from backoff_core.runners.static_layout import Plan, lay_out
 from backoff_core.types import PrefixCacheSpec
 
 __all__ = ["KVCapacityError", "StaticRunner"]
@@ -62,18 +60,6 @@ MAX_CHUNKS = 4
 @dataclass(kw_only=True)
 class _SlotSession(Session):
     slot: int | None  # its row of the static storage; None until its first extend (evict_idle)
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """One extend laid out as a bucketed batch (host tensors)."""
-
-    key: GraphKey
-    rows: list[int]  # the batch row of each item
-    input_ids: torch.Tensor  # [B, K]
-    positions: torch.Tensor  # [B, K]; padding at the scratch column
-    slots: torch.Tensor  # [B]
-    last_col: torch.Tensor  # [B]
 
 
 class StaticRunner(PrefixCaching, SessionTable[_SlotSession]):
@@ -167,7 +153,9 @@ class StaticRunner(PrefixCaching, SessionTable[_SlotSession]):
         used sessions outside it while none is free; refuse, changing nothing, if even that
         leaves too few."""
         needing = [s for s in sessions if s.slot is None]
-        if not needing:
+        if len(needing) <= self.kv.free_slots:  # the common case: nothing to evict
+            for s in needing:
+                s.slot = self.kv.take()
             return
         extending = {request_id for request_id, _ in items}
         if len(needing) > self._obtainable_slots(extending):
@@ -240,41 +228,80 @@ class StaticRunner(PrefixCaching, SessionTable[_SlotSession]):
         positions or no slot can be had."""
         if not items:
             return []
-        scoring = per_item(self.name, items, scoring, self.vocab_size)
-        scores = any(sc is not None for sc in scoring)
+        scoring = per_item(self.name, items, scoring, self.vocab_size) if scoring is not None else None
         with self._lock:
             sessions = self._extending(items)
+            new_ids = [ids for _, ids in items]
+            capacity = self.kv.capacity
             for (request_id, ids), s in zip(items, sessions):
-                self.kv.check_room(request_id, s.length, len(ids))
+                if s.length + len(ids) > capacity:
+                    self.kv.check_room(request_id, s.length, len(ids))  # raises
             self._reserve(items, sessions)
-            new_ids = [list(ids) for _, ids in items]
             layer = self._layer(hidden_layer)
-            if scores:
+            if scoring is not None and any(sc is not None for sc in scoring):
                 out = self._extend_scored(sessions, new_ids, layer, last_only, scoring)
                 self._remember(sessions, new_ids)
                 return out
-            chunk = self._chunk(len(sessions), max(len(ids) for ids in new_ids), last_only, layer)
-            logits: list[list[torch.Tensor]] = [[] for _ in items]  # per item: [k_c or 1, V] per chunk
-            hidden: list[list[torch.Tensor]] = [[] for _ in items]
-            now = time.monotonic()
-            for start in range(0, max(len(ids) for ids in new_ids), chunk):
-                part = [(i, ids[start : start + chunk]) for i, ids in enumerate(new_ids) if len(ids) > start]
-                part_sessions = [sessions[i] for i, _ in part]
-                plan = self._plan(part_sessions, [ids for _, ids in part], layer, last_only)
-                out, out_hidden = self._run(plan)  # [B, K or 1, V], [B, K, d] | None
-                self.forward_passes += 1
-                for (i, ids), s, row in zip(part, part_sessions, plan.rows):
-                    k = len(ids)
-                    s.length += k
-                    s.last_used = now
-                    logits[i] = [out[row, :1]] if plan.key.last_only else [*logits[i], out[row, :k]]
-                    if out_hidden is not None:
-                        hidden[i].append(out_hidden[row, :k])
+            k_max = max(map(len, new_ids))
+            chunk = self._chunk(len(sessions), k_max, last_only, layer)
+            if chunk >= k_max and (k_max == 1 or (last_only and layer is None)):
+                out = self._extend_last(sessions, new_ids, layer, last_only)
+            else:
+                out = self._extend_chunked(sessions, new_ids, layer, last_only, chunk, k_max)
             self._remember(sessions, new_ids)
-            return [
-                Extension(torch.cat(lg) if len(lg) > 1 else lg[0], torch.cat(h) if h else None)
-                for lg, h in zip(logits, hidden)
-            ]
+            return out
+
+    def _extend_last(
+        self, sessions: list[_SlotSession], new_ids: list[list[int]], layer: int | None, last_only: bool
+    ) -> list[Extension]:
+        """One forward whose every item wants its last logits only (one new id each, or
+        last_only): the items' rows come back as one LastRows, nothing sliced per item."""
+        plan = self._plan(sessions, new_ids, layer, last_only)
+        out, out_hidden = self._run(plan)  # [B, 1, V], [B, 1, d] | None
+        self.forward_passes += 1
+        now = time.monotonic()
+        for s, ids in zip(sessions, new_ids):
+            s.length += len(ids)
+            s.last_used = now
+        n = len(sessions)
+        index = None if plan.in_order else torch.from_numpy(plan.rows).to(out.device, non_blocking=True)
+
+        def items(t: torch.Tensor) -> torch.Tensor:  # [B, 1, X] -> [n, X], the items' rows in order
+            return t[:n, 0] if index is None else t[:, 0].index_select(0, index)
+
+        batch = LastRows(items(out), items(out_hidden) if out_hidden is not None else None)
+        return [Extension.row(batch, i) for i in range(n)]
+
+    def _extend_chunked(
+        self,
+        sessions: list[_SlotSession],
+        new_ids: list[list[int]],
+        layer: int | None,
+        last_only: bool,
+        chunk: int,
+        k_max: int,
+    ) -> list[Extension]:
+        """Any other extend, in forwards of `chunk` new ids per row at most."""
+        logits: list[list[torch.Tensor]] = [[] for _ in new_ids]  # per item: [k_c or 1, V] per chunk
+        hidden: list[list[torch.Tensor]] = [[] for _ in new_ids]
+        now = time.monotonic()
+        for start in range(0, k_max, chunk):
+            part = [(i, ids[start : start + chunk]) for i, ids in enumerate(new_ids) if len(ids) > start]
+            part_sessions = [sessions[i] for i, _ in part]
+            plan = self._plan(part_sessions, [ids for _, ids in part], layer, last_only)
+            out, out_hidden = self._run(plan)  # [B, K or 1, V], [B, K, d] | None
+            self.forward_passes += 1
+            for (i, ids), s, row in zip(part, part_sessions, plan.rows.tolist()):
+                k = len(ids)
+                s.length += k
+                s.last_used = now
+                logits[i] = [out[row, :1]] if plan.key.last_only else [*logits[i], out[row, :k]]
+                if out_hidden is not None:
+                    hidden[i].append(out_hidden[row, :k])
+        return [
+            Extension(torch.cat(lg) if len(lg) > 1 else lg[0], torch.cat(h) if h else None)
+            for lg, h in zip(logits, hidden)
+        ]
 
     def _chunk(self, n: int, k_max: int, last_only: bool, layer: int | None) -> int:
         """New tokens per row of each forward of an extend: all of them, or the largest
@@ -300,7 +327,7 @@ class StaticRunner(PrefixCaching, SessionTable[_SlotSession]):
         self.forward_passes += 1
         now = time.monotonic()
         results = []
-        for i, (s, ids, row, sc) in enumerate(zip(sessions, new_ids, plan.rows, scoring)):
+        for i, (s, ids, row, sc) in enumerate(zip(sessions, new_ids, plan.rows.tolist(), scoring)):
             k = len(ids)
             s.length += k
             s.last_used = now
@@ -325,40 +352,20 @@ class StaticRunner(PrefixCaching, SessionTable[_SlotSession]):
             raise ValueError(f"{self.name}: hidden_layer must be in [{-count}, {count}), got {hidden_layer}")
         return hidden_layer % count
 
-    def _plan(
-        self, sessions: list[_SlotSession], new_ids: list[list[int]], layer: int | None, last_only: bool
-    ) -> _Plan:
-        n, k_max = len(sessions), max(len(ids) for ids in new_ids)
-        k = bucket(k_max, self._ks(last_only, layer) or (k_max,))  # k_max itself past them all: eager
-        length = bucket(max(s.length + len(ids) for s, ids in zip(sessions, new_ids)), self.length_buckets)
-        top = next_power_of_two(max(s.slot for s in sessions) + 1)
-        dense = top <= self.kv.slots and 2 * n >= top
-        rows = top if dense else next_power_of_two(n)
-        batch_rows = [s.slot for s in sessions] if dense else list(range(n))
-        # built as Python lists and turned into tensors once: per-row tensor ops would cost
-        # ~10 us each, which at 64 rows is more than a captured step on a GPU
-        input_ids = [[0] * k for _ in range(rows)]
-        positions = [[self.kv.scratch] * k for _ in range(rows)]
-        # gather: padding rows read slot 0 and write only its scratch column
-        slots = list(range(rows)) if dense else [0] * rows
-        last_col = [0] * rows
-        for s, ids, r in zip(sessions, new_ids, batch_rows):
-            input_ids[r][: len(ids)] = ids
-            positions[r][: len(ids)] = range(s.length, s.length + len(ids))
-            slots[r] = s.slot
-            last_col[r] = len(ids) - 1
-        # one new token: its logits are the last ones either way
-        key = GraphKey(dense, rows, k, length, last_only or k == 1, layer)
-        return _Plan(
-            key,
-            batch_rows,
-            torch.tensor(input_ids),
-            torch.tensor(positions),
-            torch.tensor(slots),
-            torch.tensor(last_col),
+    def _plan(self, sessions: list[_SlotSession], new_ids: list[list[int]], layer: int | None, last_only: bool) -> Plan:
+        return lay_out(
+            [s.length for s in sessions],
+            [s.slot for s in sessions],
+            new_ids,
+            ks=self._ks(last_only, layer),
+            length_buckets=self.length_buckets,
+            num_slots=self.kv.slots,
+            scratch=self.kv.scratch,
+            layer=layer,
+            last_only=last_only,
         )
 
-    def _run(self, plan: _Plan, columns: list[list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _run(self, plan: Plan, columns: list[list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """columns: per item, the new-id columns whose logits to compute (eager); None: the plan's."""
         if columns is None and self.graphs is not None and plan.key in self.graphs:
             return self.graphs.replay(plan.key, plan.input_ids, plan.positions, plan.slots, plan.last_col)
@@ -368,31 +375,16 @@ class StaticRunner(PrefixCaching, SessionTable[_SlotSession]):
         if columns is not None:  # [rows, C], padded with each row's last column (idle rows: 0)
             width = max(len(c) for c in columns)
             table = [[0] * width for _ in range(key.rows)]
-            for r, cols in zip(plan.rows, columns):
+            for r, cols in zip(plan.rows.tolist(), columns):
                 table[r] = cols + [cols[-1]] * (width - len(cols))
             keep = torch.tensor(table, device=self.device)
+        inputs = (plan.input_ids, plan.positions, plan.slots, plan.last_col)
         if self.graphs is not None and self.graphs.fits(key):  # the same one upload as a replay
-            inputs = self.graphs.upload(plan.input_ids, plan.positions, plan.slots, plan.last_col)
+            up = self.graphs.upload(*inputs)
+            inputs = (up.input_ids, up.positions, up.slots, up.last_col)
         else:
-            dev = self.device
-            inputs = Batch(
-                plan.input_ids.to(dev),
-                plan.positions.to(dev),
-                plan.slots.to(dev),
-                plan.last_col.to(dev),
-                0,
-                False,
-                False,
-                None,
-            )
-        batch = replace(
-            inputs,
-            length=key.length,
-            dense=key.dense,
-            last_only=key.last_only,
-            hidden_layer=key.hidden_layer,
-            keep=keep,
-        )
+            inputs = tuple(t.to(self.device) for t in inputs)
+        batch = Batch(*inputs, key.length, key.dense, key.last_only, key.hidden_layer, keep)
         logits, hidden = self._forward(batch)
         return logits.float(), hidden
 
