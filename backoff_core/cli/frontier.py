@@ -76,6 +76,16 @@ def _settings(grid: list[str], engine):
     return settings
 
 
+def _model_files(args) -> list:
+    """What the rows are measured with, for the cache's fingerprint: the models' files (the
+    embedded pair's student, its GGUF) and the router head the classifier rows use."""
+    from backoff_core.models.default_pair import DEFAULT_HEAD_DIR, STUDENT_DIR, find_large_gguf
+
+    models = [args.small or STUDENT_DIR, *(args.medium or []), args.large or find_large_gguf()]
+    head = args.classifier or (DEFAULT_HEAD_DIR if not (args.small or args.large) else None)
+    return [m for m in [*models, head] if m]
+
+
 def _frontier(args) -> int:
     try:
         import lm_eval  # noqa: F401
@@ -87,6 +97,7 @@ def _frontier(args) -> int:
         FrontierConfig,
         best_kept,
         cached_rows,
+        files_digest,
         markdown_table,
         remeasure_speed,
         run_frontier,
@@ -98,6 +109,7 @@ def _frontier(args) -> int:
     names = chain_names(args.small, args.large, args.medium) or DEFAULT_PAIR_NAMES
     config = FrontierConfig(
         pair="+".join(names),
+        models=files_digest(_model_files(args)),
         tasks=tuple(t for t in args.tasks.split(",") if t),
         include_path=args.include_path,
         builtin_tasks=args.builtin_tasks,

@@ -67,6 +67,7 @@ class FrontierConfig:
     limit: int | None = None  # items per task (None: all)
     batch_size: int = 64  # requests the engine steps together
     speed_tokens: int = SPEED_TOKENS
+    models: str = ""  # files_digest of the weights and the router head: a re-distilled M_S is another config
 
     def fingerprint(self) -> str:
         """What a cached row was measured with: a row from another config, or from other task
@@ -78,6 +79,31 @@ class FrontierConfig:
             digest.update(str(path.relative_to(folder)).encode() + b"\0" + path.read_bytes())
         what = {**asdict(self), "task_files": digest.hexdigest()}
         return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# Files up to this size are hashed whole; a bigger one (an 8B checkpoint) by name, size and mtime.
+_HASH_WHOLE_BYTES = 256 << 20
+
+
+def files_digest(paths: list[str | Path]) -> str:
+    """A short digest of the files a row was measured with: each path that exists (a file, or
+    every file under a folder), a name that is not a local path as the name itself."""
+    digest = hashlib.sha256()
+    for entry in paths:
+        root = Path(entry)
+        files = sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else [root]
+        for path in files:
+            digest.update(str(path).encode() + b"\0")
+            if not path.is_file():
+                continue  # a hub id or a name: the name is all there is
+            stat = path.stat()
+            if stat.st_size > _HASH_WHOLE_BYTES:
+                digest.update(f"{stat.st_size}|{stat.st_mtime_ns}".encode())
+                continue
+            with path.open("rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(block)
+    return digest.hexdigest()[:16]
 
 
 def measure_speed(engine, routing: RoutingParams, streams: int, tokens: int) -> float:

@@ -29,19 +29,34 @@ def test_evenly_spaced_layers_include_both_ends():
 
 @pytest.mark.slow
 def test_a_grown_student_starts_as_the_student_it_grows_from():
-    from backoff_core.models.default_pair import STUDENT_DIR, load_default_large, load_default_small
+    from backoff_core.models.default_pair import (
+        STUDENT_DIR,
+        load_default_large,
+        load_default_small,
+        read_student_config,
+    )
 
     large, tokenizer = load_default_large()
     shipped = load_default_small(large)
-    args = argparse.Namespace(layers=6, layers_init=None, grow_from=STUDENT_DIR)
+    depth = read_student_config()["num_hidden_layers"]
+    args = argparse.Namespace(layers=depth + 2, layers_init=None, grow_from=STUDENT_DIR)
     grown, layers_init, init = init_student(large, args)
-    assert len(grown.model.layers) == 6 and layers_init == [0, 6, 12, 17, 23, 29]
-    assert "slots [0, 5]" in init
-    # the new slots are M_L's layers, their residual branches silenced
-    torch.testing.assert_close(
-        grown.model.layers[2].self_attn.q_proj.weight, large.model.layers[12].self_attn.q_proj.weight
-    )
-    assert not grown.model.layers[2].mlp.down_proj.weight.any()
+    assert len(grown.model.layers) == depth + 2 and layers_init == evenly_spaced(depth + 2, 30)
+    slots = evenly_spaced(depth, depth + 2)
+    assert f"slots {slots}" in init
+    # the new slots are M_L's layers, their residual branches silenced; the old ones are the shipped layers
+    new = sorted(set(range(depth + 2)) - set(slots))
+    assert len(new) == 2
+    for slot in new:
+        torch.testing.assert_close(
+            grown.model.layers[slot].self_attn.q_proj.weight,
+            large.model.layers[layers_init[slot]].self_attn.q_proj.weight,
+        )
+        assert not grown.model.layers[slot].mlp.down_proj.weight.any()
+    for j, slot in enumerate(slots):
+        torch.testing.assert_close(
+            grown.model.layers[slot].mlp.up_proj.weight, shipped.model.layers[j].mlp.up_proj.weight
+        )
     ids = tokenizer("def add(a, b):\n    return a + b  # the sum", return_tensors="pt").input_ids  # [1, T]
     with torch.inference_mode():
         torch.testing.assert_close(grown.eval()(ids).logits, shipped(ids).logits, rtol=0, atol=1e-5)

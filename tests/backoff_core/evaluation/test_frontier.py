@@ -122,3 +122,31 @@ def test_edited_task_files_are_another_configuration(tmp_path):
     items = folder / "everyday_mc.jsonl"
     items.write_text(items.read_text().replace("blue", "azure", 1))
     assert config.fingerprint() != before
+
+
+def test_other_weights_or_another_head_are_another_configuration(pair_dirs, tmp_path):
+    """A re-distilled M_S saved where the old one was (or a retrained head) must not reuse the
+    old rows: the models' files are in the fingerprint, by content."""
+    import shutil
+
+    from backoff_core.evaluation.frontier import files_digest
+
+    small = tmp_path / "small"
+    shutil.copytree(pair_dirs[0], small)
+    head = tmp_path / "head"
+    head.mkdir()
+    (head / "head.json").write_text('{"layer": 2}')
+    files = [small, pair_dirs[1], head]
+    before = files_digest(files)
+    assert files_digest(files) == before
+    weights = next(small.glob("*.safetensors"))
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1  # one bit of one weight
+    weights.write_bytes(bytes(data))
+    after_weights = files_digest(files)
+    assert after_weights != before
+    (head / "head.json").write_text('{"layer": 4}')
+    assert files_digest(files) != after_weights
+    assert files_digest(["not-a-local-path/model"]) != files_digest(["another/model"])
+    config = FrontierConfig(pair="tiny", models=before)
+    assert FrontierConfig(pair="tiny", models=after_weights).fingerprint() != config.fingerprint()
