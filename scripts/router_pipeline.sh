@@ -18,6 +18,10 @@ cd "$(dirname "$0")/.."
 R=${R:-runs/router}
 T=${THREADS:-1}  # on a CPU shared with others, 1 thread beats 2 (OpenMP threads wait on each other)
 STEPS=${STEPS:-"data train calibrate evaluate"}
+# M_S's hidden layers (0 = embeddings .. its depth = the last layer's output); the heads read LAYER.
+DEPTH=$(python -c "from backoff_core.models.default_pair import read_student_config as c; print(c()['num_hidden_layers'])")
+LAYER=${LAYER:-2}
+SWEEP=${SWEEP:-full}  # full: every head below; shipped: only the shipped head's recipe (buckets, LAYER + features, i64)
 backoff() { python -m backoff_core.cli.main "$@"; }
 
 if [[ $STEPS == *data* ]]; then
@@ -39,23 +43,29 @@ if [[ $STEPS == *data* ]]; then
 fi
 
 PRE="--data $R/pretrain --data $R/pretrain-b --finetune $R/finetune-b"
-if [[ $STEPS == *train* ]]; then
+if [[ $STEPS == *train* && $SWEEP == shipped ]]; then
+  for layer in $(seq 1 "$DEPTH"); do
+    backoff router-train --data $R/pretrain --data $R/pretrain-b --data $R/finetune-b --finetune-epochs 0 \
+      --epochs 15 --objective buckets --layer $layer --features entropy,max_prob --inner-size 64 \
+      --out $R/heads/buckets-L$layer-feat-joint-i64 --threads $T
+  done
+elif [[ $STEPS == *train* ]]; then
   for objective in binary regression buckets; do
-    for layer in 0 1 2; do  # the paper's head: hidden state only (Figure 4 sweeps the layer)
+    for layer in $(seq 0 "$DEPTH"); do  # the paper's head: hidden state only (Figure 4 sweeps the layer)
       backoff router-train $PRE --objective $objective --layer $layer --out $R/heads/$objective-L$layer --threads $T
     done
     # + M_S's entropy and top probability from the step's logits
-    backoff router-train $PRE --objective $objective --layer 2 --features entropy,max_prob \
-      --out $R/heads/$objective-L2-feat --threads $T
+    backoff router-train $PRE --objective $objective --layer $LAYER --features entropy,max_prob \
+      --out $R/heads/$objective-L$LAYER-feat --threads $T
     # one stage over all three corpora at once (no finetune stage)
     backoff router-train --data $R/pretrain --data $R/pretrain-b --data $R/finetune-b --finetune-epochs 0 \
-      --epochs 15 --objective $objective --layer 2 --features entropy,max_prob \
-      --out $R/heads/$objective-L2-feat-joint --threads $T
+      --epochs 15 --objective $objective --layer $LAYER --features entropy,max_prob \
+      --out $R/heads/$objective-L$LAYER-feat-joint --threads $T
   done
   for inner in 64 128 256; do  # smaller heads: as good here, and cheaper per step (cold caches after M_S)
     backoff router-train --data $R/pretrain --data $R/pretrain-b --data $R/finetune-b --finetune-epochs 0 \
-      --epochs 15 --objective buckets --layer 2 --features entropy,max_prob --inner-size $inner \
-      --out $R/heads/buckets-L2-feat-joint-i$inner --threads $T
+      --epochs 15 --objective buckets --layer $LAYER --features entropy,max_prob --inner-size $inner \
+      --out $R/heads/buckets-L$LAYER-feat-joint-i$inner --threads $T
   done
 fi
 
@@ -66,7 +76,7 @@ if [[ $STEPS == *calibrate* ]]; then
 fi
 
 if [[ $STEPS == *evaluate* ]]; then
-  HEAD=${HEAD:-$R/heads/buckets-L2-feat-joint-i64}  # the committed run: HEAD=backoff_core/assets/router
+  HEAD=${HEAD:-$R/heads/buckets-L$LAYER-feat-joint-i64}  # the committed run: HEAD=backoff_core/assets/router
   ARGS="--head $HEAD --heldout $R/heldout --calib $R/calib --unseen $R/unseen-pydoc --unseen $R/unseen-notes
     --unseen $R/unseen-chat --unseen $R/unseen-man --unseen $R/unseen-chat-unix --control-requests 16 --threads $T"
   # three parts side by side (a core each; the teacher-forced part is computed by each), then one run

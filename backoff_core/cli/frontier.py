@@ -79,11 +79,18 @@ def _settings(grid: list[str], engine):
 def _model_files(args) -> list:
     """What the rows are measured with, for the cache's fingerprint: the models' files (the
     embedded pair's student, its GGUF) and the router head the classifier rows use."""
-    from backoff_core.models.default_pair import DEFAULT_HEAD_DIR, STUDENT_DIR, find_large_gguf
+    from backoff_core.models.default_pair import (
+        DEFAULT_HEAD_DIR,
+        STUDENT_CONFIG,
+        STUDENT_DIR,
+        STUDENT_WEIGHTS,
+        find_large_gguf,
+    )
 
-    models = [args.small or STUDENT_DIR, *(args.medium or []), args.large or find_large_gguf()]
+    small = [args.small] if args.small else [STUDENT_DIR / STUDENT_CONFIG, STUDENT_DIR / STUDENT_WEIGHTS]
+    large = args.large or find_large_gguf()
     head = args.classifier or (DEFAULT_HEAD_DIR if not (args.small or args.large) else None)
-    return [m for m in [*models, head] if m]
+    return [*small, *(args.medium or []), large, *([head] if head else [])]
 
 
 def _frontier(args) -> int:

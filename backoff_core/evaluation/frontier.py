@@ -83,15 +83,21 @@ class FrontierConfig:
 
 # Files up to this size are hashed whole; a bigger one (an 8B checkpoint) by name, size and mtime.
 _HASH_WHOLE_BYTES = 256 << 20
+_NOT_WEIGHTS = {".md", ".png", ".jpg", ".txt"}  # a model card or a plot edited later is the same model
 
 
 def files_digest(paths: list[str | Path]) -> str:
     """A short digest of the files a row was measured with: each path that exists (a file, or
-    every file under a folder), a name that is not a local path as the name itself."""
+    every file under a folder but its docs and plots), a name that is not a local path as the
+    name itself."""
     digest = hashlib.sha256()
     for entry in paths:
         root = Path(entry)
-        files = sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else [root]
+        files = (
+            sorted(p for p in root.rglob("*") if p.is_file() and p.suffix not in _NOT_WEIGHTS)
+            if root.is_dir()
+            else [root]
+        )
         for path in files:
             digest.update(str(path).encode() + b"\0")
             if not path.is_file():

@@ -150,3 +150,8 @@ def test_other_weights_or_another_head_are_another_configuration(pair_dirs, tmp_
     assert files_digest(["not-a-local-path/model"]) != files_digest(["another/model"])
     config = FrontierConfig(pair="tiny", models=before)
     assert FrontierConfig(pair="tiny", models=after_weights).fingerprint() != config.fingerprint()
+    # a model card or a plot written beside the weights later is the same model
+    after_head = files_digest(files)
+    (small / "MODEL_CARD.md").write_text("# measured since")
+    (head / "calibration.png").write_bytes(b"png")
+    assert files_digest(files) == after_head
