@@ -78,19 +78,19 @@ def _settings(grid: list[str], engine):
 
 def _model_files(args) -> list:
     """What the rows are measured with, for the cache's fingerprint: the models' files (the
-    embedded pair's student, its GGUF) and the router head the classifier rows use."""
-    from backoff_core.models.default_pair import (
-        DEFAULT_HEAD_DIR,
-        STUDENT_CONFIG,
-        STUDENT_DIR,
-        STUDENT_WEIGHTS,
-        find_large_gguf,
-    )
+    embedded pair's student, its GGUF)."""
+    from backoff_core.models.default_pair import STUDENT_CONFIG, STUDENT_DIR, STUDENT_WEIGHTS, find_large_gguf
 
     small = [args.small] if args.small else [STUDENT_DIR / STUDENT_CONFIG, STUDENT_DIR / STUDENT_WEIGHTS]
-    large = args.large or find_large_gguf()
+    return [*small, *(args.medium or []), args.large or find_large_gguf()]
+
+
+def _head_files(args) -> list:
+    """The router head the classifier rows use (named, or the embedded pair's)."""
+    from backoff_core.models.default_pair import DEFAULT_HEAD_DIR
+
     head = args.classifier or (DEFAULT_HEAD_DIR if not (args.small or args.large) else None)
-    return [*small, *(args.medium or []), large, *([head] if head else [])]
+    return [head] if head else []
 
 
 def _frontier(args) -> int:
@@ -117,6 +117,7 @@ def _frontier(args) -> int:
     config = FrontierConfig(
         pair="+".join(names),
         models=files_digest(_model_files(args)),
+        head=files_digest(_head_files(args)),
         tasks=tuple(t for t in args.tasks.split(",") if t),
         include_path=args.include_path,
         builtin_tasks=args.builtin_tasks,

@@ -67,7 +67,8 @@ class FrontierConfig:
     limit: int | None = None  # items per task (None: all)
     batch_size: int = 64  # requests the engine steps together
     speed_tokens: int = SPEED_TOKENS
-    models: str = ""  # files_digest of the weights and the router head: a re-distilled M_S is another config
+    models: str = ""  # files_digest of the models' weights: a re-distilled M_S is another config
+    head: str = ""  # files_digest of the router head: another head is another config for classifier rows only
 
     def fingerprint(self) -> str:
         """What a cached row was measured with: a row from another config, or from other task
@@ -78,7 +79,13 @@ class FrontierConfig:
         for path in files:
             digest.update(str(path.relative_to(folder)).encode() + b"\0" + path.read_bytes())
         what = {**asdict(self), "task_files": digest.hexdigest()}
+        what.pop("head")
         return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+    def row_fingerprint(self, router: str) -> str:
+        """A cached row's key: the configuration, and the head for a classifier row."""
+        base = self.fingerprint()
+        return base if router != "classifier" else hashlib.sha256(f"{base}|{self.head}".encode()).hexdigest()[:16]
 
 
 # Files up to this size are hashed whole; a bigger one (an 8B checkpoint) by name, size and mtime.
@@ -190,14 +197,14 @@ def run_frontier(
         path = cache_dir / f"{setting.key}.json"
         if path.exists():
             saved = json.loads(path.read_text())
-            if saved.get("fingerprint") == config.fingerprint():
+            if saved.get("fingerprint") == config.row_fingerprint(setting.router):
                 rows[setting] = saved["row"]
                 continue
         start = time.perf_counter()
         row = evaluate(engine, setting, config)
         logging.getLogger(__name__).info("%s: %.0f s", setting.key, time.perf_counter() - start)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"fingerprint": config.fingerprint(), "row": row}, indent=1))
+        tmp.write_text(json.dumps({"fingerprint": config.row_fingerprint(setting.router), "row": row}, indent=1))
         tmp.replace(path)  # a row is whole or absent, even if the run is killed mid-write
         rows[setting] = row
     return summarise(config, rows, default)
@@ -211,7 +218,7 @@ def remeasure_speed(engine, config: FrontierConfig, cache_dir: Path, repeats: in
     paths = {}
     for path in sorted(cache_dir.glob("*.json")):
         saved = json.loads(path.read_text())
-        if saved.get("fingerprint") == config.fingerprint():
+        if saved.get("fingerprint") == config.row_fingerprint(saved["row"]["router"]):
             paths[path] = saved
     samples: dict[tuple[Path, int], list[float]] = {}
     for _ in tqdm(range(repeats), desc="speed, rows interleaved"):
@@ -235,7 +242,7 @@ def cached_rows(config: FrontierConfig, cache_dir: Path) -> dict:
     rows: dict[Setting, dict] = {}
     for path in sorted(cache_dir.glob("*.json")):
         saved = json.loads(path.read_text())
-        if saved.get("fingerprint") == config.fingerprint():
+        if saved.get("fingerprint") == config.row_fingerprint(saved["row"]["router"]):
             row = saved["row"]
             rows[Setting(row["router"], row["setting"])] = row
     default = Setting(DEFAULT_ROUTING.router, DEFAULT_ROUTING.thresholds[0])

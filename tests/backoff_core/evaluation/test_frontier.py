@@ -125,8 +125,8 @@ def test_edited_task_files_are_another_configuration(tmp_path):
 
 
 def test_other_weights_or_another_head_are_another_configuration(pair_dirs, tmp_path):
-    """A re-distilled M_S saved where the old one was (or a retrained head) must not reuse the
-    old rows: the models' files are in the fingerprint, by content."""
+    """A re-distilled M_S saved where the old one was must not reuse the old rows, nor a
+    retrained head the old classifier rows: the files are in the fingerprint, by content."""
     import shutil
 
     from backoff_core.evaluation.frontier import files_digest
@@ -148,8 +148,12 @@ def test_other_weights_or_another_head_are_another_configuration(pair_dirs, tmp_
     (head / "head.json").write_text('{"layer": 4}')
     assert files_digest(files) != after_weights
     assert files_digest(["not-a-local-path/model"]) != files_digest(["another/model"])
-    config = FrontierConfig(pair="tiny", models=before)
-    assert FrontierConfig(pair="tiny", models=after_weights).fingerprint() != config.fingerprint()
+    config = FrontierConfig(pair="tiny", models=before, head="h1")
+    assert FrontierConfig(pair="tiny", models=after_weights, head="h1").fingerprint() != config.fingerprint()
+    # another head: another key for classifier rows only
+    other_head = FrontierConfig(pair="tiny", models=before, head="h2")
+    assert other_head.row_fingerprint("entropy") == config.row_fingerprint("entropy")
+    assert other_head.row_fingerprint("classifier") != config.row_fingerprint("classifier")
     # a model card or a plot written beside the weights later is the same model
     after_head = files_digest(files)
     (small / "MODEL_CARD.md").write_text("# measured since")
