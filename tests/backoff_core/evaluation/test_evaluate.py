@@ -44,6 +44,19 @@ def test_the_committed_evaluation_is_what_its_results_json_draws(redrawn):
     assert (COMMITTED / "report.md").read_text() == (redrawn / "report.md").read_text()
 
 
+def test_the_committed_teacher_forced_evaluation_is_what_its_results_json_draws(tmp_path):
+    """benchmarks/results/router_eval_tf: the shipped head on the 4-layer M_S, the teacher-forced
+    part alone (the other sections skipped): two figures, and nothing edited by hand."""
+    committed = COMMITTED.with_name("router_eval_tf")
+    shutil.copy(committed / "results.json", tmp_path / "results.json")
+    from backoff_core.evaluation.evaluate import rewrite
+
+    rewrite(tmp_path)
+    assert {p.name for p in committed.glob("*.png")} == {p.name for p in tmp_path.glob("*.png")}
+    assert {p.name for p in tmp_path.glob("*.png")} == _report_images(tmp_path / "report.md")
+    assert (committed / "report.md").read_text() == (tmp_path / "report.md").read_text()
+
+
 def test_a_figure_no_longer_measured_leaves_no_stale_png(tmp_path):
     from backoff_core.evaluation.evaluate import rewrite
 
