@@ -88,15 +88,16 @@ class FrontierConfig:
         return base if router != "classifier" else hashlib.sha256(f"{base}|{self.head}".encode()).hexdigest()[:16]
 
 
-# Files up to this size are hashed whole; a bigger one (an 8B checkpoint) by name, size and mtime.
-_HASH_WHOLE_BYTES = 256 << 20
 _NOT_WEIGHTS = {".md", ".png", ".jpg", ".txt"}  # a model card or a plot edited later is the same model
 
 
 def files_digest(paths: list[str | Path]) -> str:
     """A short digest of the files a row was measured with: each path that exists (a file, or
-    every file under a folder but its docs and plots), a name that is not a local path as the
-    name itself."""
+    every file under a folder but its docs and plots) by its content, a name that is not a
+    local path as the name itself. File hashes are remembered per (path, size, mtime) beside
+    the converted-GGUF cache (gguf_cache.file_sha256), so an 8B checkpoint is read once."""
+    from backoff_core.models.gguf_cache import cache_root, file_sha256
+
     digest = hashlib.sha256()
     for entry in paths:
         root = Path(entry)
@@ -107,15 +108,8 @@ def files_digest(paths: list[str | Path]) -> str:
         )
         for path in files:
             digest.update(str(path).encode() + b"\0")
-            if not path.is_file():
-                continue  # a hub id or a name: the name is all there is
-            stat = path.stat()
-            if stat.st_size > _HASH_WHOLE_BYTES:
-                digest.update(f"{stat.st_size}|{stat.st_mtime_ns}".encode())
-                continue
-            with path.open("rb") as f:
-                for block in iter(lambda: f.read(1 << 20), b""):
-                    digest.update(block)
+            if path.is_file():  # else a hub id or a name: the name is all there is
+                digest.update(file_sha256(path, cache_root()).encode())
     return digest.hexdigest()[:16]
 
 
