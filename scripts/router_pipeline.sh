@@ -20,8 +20,8 @@ T=${THREADS:-1}  # on a CPU shared with others, 1 thread beats 2 (OpenMP threads
 STEPS=${STEPS:-"data train calibrate evaluate"}
 # M_S's hidden layers (0 = embeddings .. its depth = the last layer's output); the heads read LAYER.
 DEPTH=$(python -c "from backoff_core.models.default_pair import read_student_config as c; print(c()['num_hidden_layers'])")
-LAYER=${LAYER:-2}
-SWEEP=${SWEEP:-full}  # full: every head below; shipped: only the shipped head's recipe (buckets, LAYER + features, i64)
+LAYER=${LAYER:-3}  # the shipped head's (backoff_core/assets/router)
+SWEEP=${SWEEP:-full}  # full: every head below; shipped: the shipped recipe (joint_head, i64) on each of M_S's layers
 backoff() { python -m backoff_core.cli.main "$@"; }
 
 if [[ $STEPS == *data* ]]; then
@@ -43,12 +43,14 @@ if [[ $STEPS == *data* ]]; then
 fi
 
 PRE="--data $R/pretrain --data $R/pretrain-b --finetune $R/finetune-b"
+# the shipped recipe: one stage over all three corpora, buckets, M_S's layer $1 + features, $2 inner units
+joint_head() {
+  backoff router-train --data $R/pretrain --data $R/pretrain-b --data $R/finetune-b --finetune-epochs 0 \
+    --epochs 15 --objective buckets --layer "$1" --features entropy,max_prob --inner-size "$2" \
+    --out $R/heads/buckets-L$1-feat-joint-i$2 --threads $T
+}
 if [[ $STEPS == *train* && $SWEEP == shipped ]]; then
-  for layer in $(seq 1 "$DEPTH"); do
-    backoff router-train --data $R/pretrain --data $R/pretrain-b --data $R/finetune-b --finetune-epochs 0 \
-      --epochs 15 --objective buckets --layer $layer --features entropy,max_prob --inner-size 64 \
-      --out $R/heads/buckets-L$layer-feat-joint-i64 --threads $T
-  done
+  for layer in $(seq 1 "$DEPTH"); do joint_head "$layer" 64; done
 elif [[ $STEPS == *train* ]]; then
   for objective in binary regression buckets; do
     for layer in $(seq 0 "$DEPTH"); do  # the paper's head: hidden state only (Figure 4 sweeps the layer)
@@ -62,11 +64,7 @@ elif [[ $STEPS == *train* ]]; then
       --epochs 15 --objective $objective --layer $LAYER --features entropy,max_prob \
       --out $R/heads/$objective-L$LAYER-feat-joint --threads $T
   done
-  for inner in 64 128 256; do  # smaller heads: as good here, and cheaper per step (cold caches after M_S)
-    backoff router-train --data $R/pretrain --data $R/pretrain-b --data $R/finetune-b --finetune-epochs 0 \
-      --epochs 15 --objective buckets --layer $LAYER --features entropy,max_prob --inner-size $inner \
-      --out $R/heads/buckets-L$LAYER-feat-joint-i$inner --threads $T
-  done
+  for inner in 64 128 256; do joint_head "$LAYER" "$inner"; done  # smaller heads: as good, cheaper per step
 fi
 
 if [[ $STEPS == *calibrate* ]]; then
