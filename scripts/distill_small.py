@@ -78,6 +78,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=600, help="student optimiser steps")
     p.add_argument("--teacher-windows", type=int, default=2048, help="training windows labelled once by M_L")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--more-labels",
+        default=None,
+        help="comma-separated run dirs whose teacher labels join this run's training windows",
+    )
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate")
@@ -202,6 +207,26 @@ def teacher_data(large, tokenizer, args, device) -> dict:
     return data
 
 
+def add_more_labels(data: dict, run_dirs: str | None) -> dict:
+    """This run's training windows plus those of other run dirs (their own M_L labels, reused):
+    more teacher tokens for the price of one new teacher pass. Held-out windows stay this run's."""
+    if not run_dirs:
+        return data
+    xs, hs = [data["train_x"]], [data["train_h"]]
+    minutes = {"teacher_minutes": data["teacher_minutes"], "chat_minutes": data["chat_minutes"]}
+    for run_dir in run_dirs.split(","):
+        other = torch.load(pathlib.Path(run_dir) / "teacher.pt")
+        if other["train_x"].shape[1] != data["train_x"].shape[1]:
+            raise SystemExit(
+                f"--more-labels {run_dir}: windows of {other['train_x'].shape[1]} tokens, not {data['train_x'].shape[1]}"
+            )
+        xs.append(other["train_x"])
+        hs.append(other["train_h"])
+        minutes = {k: v + other[k] for k, v in minutes.items()}
+        print(f"+ {len(other['train_x'])} labelled windows from {run_dir}")
+    return {**data, **minutes, "train_x": torch.cat(xs), "train_h": torch.cat(hs)}
+
+
 def resume_command(args) -> str:
     return f"nice -n 15 python scripts/distill_small.py --resume --run-dir {os.path.relpath(args.run_dir)}"
 
@@ -230,7 +255,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     large, tokenizer = load_default_large(device, torch.float32)
-    data = teacher_data(large, tokenizer, args, device)
+    data = add_more_labels(teacher_data(large, tokenizer, args, device), args.more_labels)
     val = [(x.to(device), h.to(device).float()) for x, h in zip(data["val_x"], data["val_h"])]
 
     small, layers_init, init = init_student(large, args)
@@ -327,9 +352,10 @@ def main() -> None:
         "tokens_seen": args.steps * args.batch_size * args.seq_len,
         "trainable_params": sum(p.numel() for p in params),
         "hardware": f"{device.type}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}",
-        "teacher_windows": args.teacher_windows,
+        "teacher_windows": len(data["train_x"]),
+        "more_labels": args.more_labels,
         "kl_positions": args.kl_positions,
-        "epochs": args.steps * args.batch_size / args.teacher_windows,
+        "epochs": args.steps * args.batch_size / len(data["train_x"]),
         "chat_minutes": data["chat_minutes"],
         "teacher_minutes": data["teacher_minutes"],
         "student_minutes": log["student_minutes"],

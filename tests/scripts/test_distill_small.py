@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 sys.path.insert(0, str(SCRIPTS))
 
-from distill_small import evenly_spaced, init_student  # noqa: E402
+from distill_small import add_more_labels, evenly_spaced, init_student  # noqa: E402
 
 
 def test_evenly_spaced_layers_include_both_ends():
@@ -28,6 +28,33 @@ def test_evenly_spaced_layers_include_both_ends():
 
 
 @pytest.mark.slow
+def _labels(run_dir: Path, x: torch.Tensor, minutes: float) -> dict:
+    data = {"train_x": x, "train_h": x[..., None].half().expand(-1, -1, 3).clone(), "val_x": [x[0]]}
+    data |= {"teacher_minutes": minutes, "chat_minutes": minutes / 2}
+    if run_dir is not None:
+        run_dir.mkdir()
+        torch.save(data, run_dir / "teacher.pt")
+    return data
+
+
+def test_more_labels_append_other_runs_windows_with_their_labels_and_keep_this_runs_held_out_set(tmp_path):
+    own = _labels(None, torch.arange(10).view(2, 5), 4.0)
+    _labels(tmp_path / "a", torch.arange(100, 115).view(3, 5), 1.0)
+    _labels(tmp_path / "b", torch.arange(200, 205).view(1, 5), 2.0)
+    data = add_more_labels(own, f"{tmp_path / 'a'},{tmp_path / 'b'}")
+    assert data["train_x"][:, 0].tolist() == [0, 5, 100, 105, 110, 200]
+    assert torch.equal(data["train_h"][..., 1].long(), data["train_x"])  # each window keeps its own labels
+    assert data["teacher_minutes"] == 7.0 and data["chat_minutes"] == 3.5
+    assert data["val_x"] is own["val_x"] and own["teacher_minutes"] == 4.0  # own left as it was
+    assert add_more_labels(own, None) is own
+
+
+def test_more_labels_of_another_window_length_are_refused(tmp_path):
+    _labels(tmp_path / "a", torch.arange(12).view(2, 6), 1.0)
+    with pytest.raises(SystemExit, match="windows of 6 tokens, not 5"):
+        add_more_labels(_labels(None, torch.arange(10).view(2, 5), 1.0), str(tmp_path / "a"))
+
+
 def test_a_grown_student_starts_as_the_student_it_grows_from():
     from backoff_core.models.default_pair import (
         STUDENT_DIR,
