@@ -45,6 +45,16 @@ def distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return distributions(flat, [params] * flat.shape[0]).reshape(logits.shape)
 
 
+def argmax_last(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(-1) for float32 x [B, V]: the first maximum of each row (a NaN counts as the
+    maximum, as in torch). On the CPU it is numpy's vectorised argmax: torch's CPU argmax over
+    the last dim costs ~10x more (2.6 ms against 0.2 ms for [64, 49152] on one thread, more
+    than the rest of a CPU step's host work). Elsewhere it is torch's own, on the device."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or x.requires_grad:
+        return x.argmax(-1)
+    return torch.from_numpy(x.numpy().argmax(-1).astype(np.int64, copy=False))
+
+
 @functools.lru_cache(maxsize=4096)
 def _row(params: SamplingParams, vocab: int) -> tuple[float, float, float, float]:
     """One row of a batch's parameter upload: (greedy, temperature, top_k, top_p)."""
@@ -73,7 +83,7 @@ def _distributions(logits, params, noise=None) -> tuple[torch.Tensor, torch.Tens
     logits = torch.nan_to_num(logits.float(), nan=float("-inf"))
     b, v = logits.shape
     # [B, V]; not F.one_hot, which checks its input's range with a host read on a CPU
-    one_hot = torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    one_hot = torch.zeros_like(logits).scatter_(-1, argmax_last(logits)[:, None], 1.0)
     rows = [_row(p, v) for p in params]
     if all(r[0] for r in rows) and noise is None:  # greedy everywhere: nothing to upload
         return one_hot, None
@@ -182,7 +192,7 @@ def draw(
     distribution at its own (seed, position). One upload (parameters and noise together);
     greedy rows need neither."""
     if all(p.greedy for p in params):  # the one-hot's draw is its argmax
-        return torch.nan_to_num(logits.float(), nan=float("-inf")).argmax(-1)
+        return argmax_last(torch.nan_to_num(logits.float(), nan=float("-inf")))
     probs, u = _distributions(logits, params, draw_noise(seeds, positions, stream))
     return _invert(probs, u)
 

@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from backoff_core.learning.sources import ChatGen, Document, load_documents
 from backoff_core.models.kernels import model_fingerprint
-from backoff_core.sampling import entropy, kl_divergence
+from backoff_core.sampling import argmax_last, entropy, kl_divergence
 
 FIELDS = ("kl", "ent_s", "ent_l", "maxp_s", "nll_s", "nll_l", "agree", "window", "pos", "domain", "token", "doc")
 
@@ -147,10 +147,10 @@ def _positions(logits_s, logits_l, targets, hidden: dict[int, torch.Tensor]) -> 
         "kl": kl_divergence(logits_l, logits_s),
         "ent_s": entropy(logits_s),
         "ent_l": entropy(logits_l),
-        "maxp_s": logp_s.max(-1).values.exp(),
+        "maxp_s": logp_s.amax(-1).exp(),
         "nll_s": -logp_s.gather(-1, targets[:, None])[:, 0],
         "nll_l": -logp_l.gather(-1, targets[:, None])[:, 0],
-        "agree": (logits_s.argmax(-1) == logits_l.argmax(-1)).to(torch.uint8),
+        "agree": (argmax_last(logits_s.float()) == argmax_last(logits_l.float())).to(torch.uint8),
         "token": targets.int(),
     }
     out = {k: v.cpu() for k, v in out.items()}

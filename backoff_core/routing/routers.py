@@ -143,7 +143,7 @@ class MaxProb(DecisionFunction):
         return tuple(0.5 + 0.4 * i / max(1, num_levels - 1) for i in range(num_levels - 1))
 
     def scores(self, ctx):
-        return 1.0 - torch.softmax(ctx.small_logits.float(), -1).max(-1).values
+        return 1.0 - torch.softmax(ctx.small_logits.float(), -1).amax(-1)
 
 
 class Random(DecisionFunction):

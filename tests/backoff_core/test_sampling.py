@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from backoff_core.sampling import Stream, distribution, distributions, sample, sample_rows, uniforms
+from backoff_core.sampling import Stream, argmax_last, distribution, distributions, draw, sample, sample_rows, uniforms
 from backoff_core.types import SamplingParams, Verification
 from tests.support.helpers import engine_for, request
 
@@ -29,6 +29,30 @@ def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
     keep = exp > 0
     stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
     return stat, int(keep.sum()) - 1
+
+
+def test_argmax_last_is_torchs_argmax_ties_nan_and_views_included():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 4, (64, 300), generator=g).float()  # many ties: the first maximum wins
+    x[5, 7] = x[9, 0] = float("nan")  # a NaN is the maximum, as in torch
+    x[11] = float("-inf")
+    for t in (x, x[:, 1:], x[::2], x.T.contiguous().T, torch.randn(3, 49152, generator=g)):
+        got = argmax_last(t)
+        assert got.dtype == torch.int64 and torch.equal(got, t.argmax(-1))
+    assert argmax_last(x)[[5, 9, 11]].tolist() == [7, 0, 0]
+
+
+def test_argmax_last_stays_on_a_non_cpu_device():
+    x = torch.empty(4, 300, device="meta")  # no data: a host read would raise
+    got = argmax_last(x)
+    assert got.device.type == "meta" and got.shape == (4,) and got.dtype == torch.int64
+
+
+def test_greedy_draws_skip_nan_and_match_the_one_hot_distribution():
+    logits = torch.tensor([[0.0, 2.0, float("nan"), 1.0], [3.0, 3.0, -1.0, float("nan")]])
+    greedy = [SamplingParams(temperature=0.0)] * 2
+    assert draw(logits, greedy, [1, 2], [0, 0]).tolist() == [1, 0]
+    assert distributions(logits, greedy).argmax(-1).tolist() == [1, 0]
 
 
 def test_top_k_and_top_p_on_a_hand_written_vector():
