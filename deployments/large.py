@@ -36,7 +36,8 @@ from backoff_core.runners.factory import make_runner
 from backoff_core.runners.kv_budget import describe, kv_evictions, kv_tokens
 from backoff_core.types import KVSpec, level_names
 from deployments.metrics import LargeMetrics
-from deployments.serving.batcher import CatchUpBatcher, CatchUpCall, CatchUpReply, ForwardRecord
+from deployments.serving.batcher import CatchUpBatcher
+from deployments.serving.catchup_wire import CatchUpCall, CatchUpReply, ForwardRecord
 from deployments.serving.config import CatchUpConfig, ModelsConfig
 from deployments.serving.models import load_level
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from ray.serve import metrics
 
 from backoff_core.types import GenerationResult, level_names
-from deployments.serving.batcher import ForwardRecord
+from deployments.serving.catchup_wire import ForwardRecord
 
 if TYPE_CHECKING:  # torch: only where a model is loaded
     from backoff_core.runners.prefix_cache import PrefixCacheStats

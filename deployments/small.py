@@ -41,7 +41,7 @@ from backoff_core.types import GenerationRequest, GenerationResult, TokenEvent, 
 from deployments.large import replica_kv
 from deployments.metrics import KVMetrics, SmallMetrics
 from deployments.serving.admission import AdmissionGate, Overloaded
-from deployments.serving.batcher import CatchUpCall
+from deployments.serving.catchup_wire import CatchUpCall
 from deployments.serving.chaos import FaultInjector
 from deployments.serving.config import AppArgs, RoutingConfig, handle_options
 from deployments.serving.engine_loop import Admitted, EngineLoop, Failed, Rejected

@@ -40,7 +40,7 @@ from backoff_core.runners.dynamic import Extension
 from backoff_core.runners.scoring import Scoring, per_item
 from backoff_core.runners.sessions import Session, SessionTable
 from backoff_core.runners.static_kv import KVCapacityError
-from deployments.serving.batcher import CatchUpCall, CatchUpReply
+from deployments.serving.catchup_wire import CatchUpCall, CatchUpReply
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from backoff_core.runners.scoring import Scoring
-from deployments.serving.batcher import CatchUpCall
+from deployments.serving.catchup_wire import CatchUpCall
 from tests.support.serve_fakes import FakeHandle, LoopThread, large_replica
 from tests.support.tiny import tiny_model
 

@@ -13,7 +13,8 @@ import threading
 
 from backoff_core.engine.engine import BackoffEngine
 from backoff_core.runners.dynamic import ModelRunner
-from deployments.serving.batcher import CatchUpBatcher, CatchUpCall, CatchUpReply
+from deployments.serving.batcher import CatchUpBatcher
+from deployments.serving.catchup_wire import CatchUpCall, CatchUpReply
 from deployments.serving.remote import RemoteLarge
 
 

@@ -22,7 +22,8 @@ from clients.wire.types import GenerateParams
 from deployments.http_errors import InternalErrors
 from deployments.ingress import Ingress
 from deployments.serving.access import Edge
-from deployments.serving.batcher import CatchUpBatcher, CatchUpCall
+from deployments.serving.batcher import CatchUpBatcher
+from deployments.serving.catchup_wire import CatchUpCall
 from deployments.serving.chaos import FaultInjector, InjectedFault
 from deployments.serving.config import AppArgs
 from deployments.serving.engine_loop import Failed

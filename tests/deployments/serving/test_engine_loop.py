@@ -14,7 +14,8 @@ import torch
 from backoff_core.engine.backends import LargeUnavailable
 from backoff_core.runners.dynamic import ModelRunner
 from backoff_core.types import GenerationResult, TokenEvent, Verification
-from deployments.serving.batcher import CatchUpBatcher, CatchUpCall
+from deployments.serving.batcher import CatchUpBatcher
+from deployments.serving.catchup_wire import CatchUpCall
 from deployments.serving.config import RoutingConfig
 from deployments.serving.engine_loop import Admitted, EngineLoop, Failed, Rejected
 from deployments.serving.requests import RoutingOverrides, ServeRequest, generation_request

@@ -12,7 +12,8 @@ from backoff_core.runners.factory import make_runner
 from backoff_core.runners.kv_budget import bytes_per_token, kv_tokens, resolve_kv
 from backoff_core.runners.static_kv import KVCapacityError
 from backoff_core.types import KVSpec
-from deployments.serving.batcher import CatchUpBatcher, CatchUpCall
+from deployments.serving.batcher import CatchUpBatcher
+from deployments.serving.catchup_wire import CatchUpCall
 from deployments.serving.engine_loop import Failed
 from deployments.streams import OverloadedError, failure
 from tests.support.helpers import engine_for, request

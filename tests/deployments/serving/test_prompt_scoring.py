@@ -16,7 +16,8 @@ from backoff_core.engine.backends import LargeUnavailable
 from backoff_core.runners.dynamic import ModelRunner
 from backoff_core.runners.scoring import Scoring
 from backoff_core.types import GenerationRequest, GenerationResult, RoutingParams, SamplingParams
-from deployments.serving.batcher import CatchUpBatcher, CatchUpCall
+from deployments.serving.batcher import CatchUpBatcher
+from deployments.serving.catchup_wire import CatchUpCall
 from deployments.serving.config import RoutingConfig
 from deployments.serving.engine_loop import Admitted, EngineLoop, Failed
 from tests.support.helpers import engine_for
