@@ -353,7 +353,7 @@ def main() -> None:
         "trainable_params": sum(p.numel() for p in params),
         "hardware": f"{device.type}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}",
         "teacher_windows": len(data["train_x"]),
-        "more_labels": args.more_labels,
+        "more_labels": ",".join(os.path.relpath(d) for d in args.more_labels.split(",")) if args.more_labels else None,
         "kl_positions": args.kl_positions,
         "epochs": args.steps * args.batch_size / len(data["train_x"]),
         "chat_minutes": data["chat_minutes"],

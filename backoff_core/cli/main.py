@@ -170,7 +170,7 @@ def _demo(args) -> int:
     from backoff_core.models.loading import load_chain
     from backoff_core.models.prompts import encode_prompt
 
-    print("loading the embedded default pair (SmolLM2-135M-Instruct + its distilled 4-layer student)…")
+    print("loading the embedded default pair (SmolLM2-135M-Instruct + its distilled 5-layer student)…")
     start = time.perf_counter()
     chain = load_chain(None, None)
     engine = BackoffEngine.from_chain(chain)

