@@ -20,7 +20,7 @@ T=${THREADS:-1}  # on a CPU shared with others, 1 thread beats 2 (OpenMP threads
 STEPS=${STEPS:-"data train calibrate evaluate"}
 # M_S's hidden layers (0 = embeddings .. its depth = the last layer's output); the heads read LAYER.
 DEPTH=$(python -c "from backoff_core.models.default_pair import read_student_config as c; print(c()['num_hidden_layers'])")
-LAYER=${LAYER:-3}  # the shipped head's (backoff_core/assets/router)
+LAYER=${LAYER:-4}  # the shipped head's (backoff_core/assets/router)
 SWEEP=${SWEEP:-full}  # full: every head below; shipped: the shipped recipe (joint_head, i64) on each of M_S's layers
 backoff() { python -m backoff_core.cli.main "$@"; }
 
