@@ -215,6 +215,8 @@ def add_more_labels(data: dict, run_dirs: str | None) -> dict:
     xs, hs = [data["train_x"]], [data["train_h"]]
     minutes = {"teacher_minutes": data["teacher_minutes"], "chat_minutes": data["chat_minutes"]}
     for run_dir in run_dirs.split(","):
+        if not (pathlib.Path(run_dir) / "teacher.pt").is_file():
+            raise SystemExit(f"--more-labels {run_dir}: no teacher.pt there (a run dir whose labels are done)")
         other = torch.load(pathlib.Path(run_dir) / "teacher.pt")
         if other["train_x"].shape[1] != data["train_x"].shape[1]:
             raise SystemExit(

@@ -49,10 +49,12 @@ def test_more_labels_append_other_runs_windows_with_their_labels_and_keep_this_r
     assert add_more_labels(own, None) is own
 
 
-def test_more_labels_of_another_window_length_are_refused(tmp_path):
+def test_more_labels_of_another_window_length_or_without_labels_are_refused(tmp_path):
     _labels(tmp_path / "a", torch.arange(12).view(2, 6), 1.0)
     with pytest.raises(SystemExit, match="windows of 6 tokens, not 5"):
         add_more_labels(_labels(None, torch.arange(10).view(2, 5), 1.0), str(tmp_path / "a"))
+    with pytest.raises(SystemExit, match="no teacher.pt there"):
+        add_more_labels(_labels(None, torch.arange(10).view(2, 5), 1.0), str(tmp_path / "missing"))
 
 
 def test_a_grown_student_starts_as_the_student_it_grows_from():
