@@ -215,9 +215,10 @@ def add_more_labels(data: dict, run_dirs: str | None) -> dict:
     xs, hs = [data["train_x"]], [data["train_h"]]
     minutes = {"teacher_minutes": data["teacher_minutes"], "chat_minutes": data["chat_minutes"]}
     for run_dir in run_dirs.split(","):
-        if not (pathlib.Path(run_dir) / "teacher.pt").is_file():
+        labels = pathlib.Path(run_dir) / "teacher.pt"
+        if not labels.is_file():
             raise SystemExit(f"--more-labels {run_dir}: no teacher.pt there (a run dir whose labels are done)")
-        other = torch.load(pathlib.Path(run_dir) / "teacher.pt")
+        other = torch.load(labels)
         if other["train_x"].shape[1] != data["train_x"].shape[1]:
             raise SystemExit(
                 f"--more-labels {run_dir}: windows of {other['train_x'].shape[1]} tokens, not {data['train_x'].shape[1]}"
