@@ -38,8 +38,9 @@ from backoff_core.types import KVSpec, level_names
 from deployments.metrics import LargeMetrics
 from deployments.serving.batcher import CatchUpBatcher
 from deployments.serving.catchup_wire import CatchUpCall, CatchUpReply, ForwardRecord
-from deployments.serving.config import CatchUpConfig, ModelsConfig
+from deployments.serving.config import CatchUpConfig
 from deployments.serving.models import load_level
+from deployments.serving.models_config import ModelsConfig
 
 log = logging.getLogger(__name__)
 AFFINITY = RequestRouterConfig(request_router_class="deployments.affinity:SessionAffinity")

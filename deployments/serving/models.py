@@ -8,7 +8,7 @@ from transformers import PreTrainedModel
 
 from backoff_core.models import loading
 from backoff_core.models.loading import LoadSpec, SmallSide
-from deployments.serving.config import ModelsConfig
+from deployments.serving.models_config import ModelsConfig
 
 
 def _names(cfg: ModelsConfig) -> tuple[str, ...] | None:

@@ -18,8 +18,9 @@ from deployments import serve_cli
 from deployments.affinity import rendezvous
 from deployments.app import build_app, replica_options
 from deployments.serve_cli import DEFAULT_CONFIG, _parser, apply_overrides
-from deployments.serving.config import AppArgs, ModelsConfig, ReplicaConfig, RoutingConfig
+from deployments.serving.config import AppArgs, ReplicaConfig, RoutingConfig
 from deployments.serving.formats import response_body, usage_of
+from deployments.serving.models_config import ModelsConfig
 from deployments.serving.requests import RoutingOverrides, routing_params, serve_request
 
 
@@ -41,7 +42,7 @@ def test_every_config_field_is_described():
     from deployments.serving import config
 
     for model in (
-        config.ModelsConfig,
+        ModelsConfig,
         config.RoutingConfig,
         config.CatchUpConfig,
         config.ReplicaConfig,

@@ -172,7 +172,7 @@ def test_backoff_serve_prints_auto_and_takes_a_budget_and_storage():
     import yaml
 
     from deployments.serve_cli import DEFAULT_CONFIG, _parser, apply_overrides
-    from deployments.serving.config import ModelsConfig
+    from deployments.serving.models_config import ModelsConfig
 
     base = yaml.safe_load(DEFAULT_CONFIG.read_text())
     models = ModelsConfig.model_validate(base["applications"][0]["args"]["models"])

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deployments.serving.config import ModelsConfig
 from deployments.serving.models import load_level, load_small_side
+from deployments.serving.models_config import ModelsConfig
 from tests.support.tiny import tiny_model
 
 

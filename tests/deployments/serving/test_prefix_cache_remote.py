@@ -10,7 +10,8 @@ from backoff_core.runners.dynamic import ModelRunner
 from backoff_core.types import PrefixCacheSpec, Verification
 from clients.wire.proto import params_from_pb, request_to_pb
 from clients.wire.types import CompletionRequest, GenerateParams
-from deployments.serving.config import ModelsConfig, RoutingConfig
+from deployments.serving.config import RoutingConfig
+from deployments.serving.models_config import ModelsConfig
 from deployments.serving.remote import RemoteLarge
 from deployments.serving.requests import generation_request, serve_request
 from tests.support.helpers import request

@@ -1,0 +1,100 @@
+"""The models a Serve application loads and how each replica holds their KV: `ModelsConfig`,
+part of the builder's `args` (changing it redeploys the replicas). No Ray and no torch here.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from backoff_core.types import KVSpec, PrefixCacheSpec
+
+
+class FrozenConfig(BaseModel):
+    """Every config model's base: unknown fields refused, values fixed once read."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelsConfig(FrozenConfig):
+    small: str | None = Field(
+        None,
+        description="M_S: local dir, cached HF id or .gguf file; none (with large none) = the embedded default pair",
+    )
+    large: str | None = Field(None, description="M_L: local dir, cached HF id or .gguf file")
+    medium: list[str] = Field(
+        default_factory=list,
+        description="intermediate models, smallest first; each deploys as one more LargeModel-like actor",
+    )
+    device: str = Field("auto", description="cpu, cuda, cuda:N or auto (cuda where the replica has a GPU)")
+    dtype: str = Field("float32", description="float32, bfloat16 or float16")
+    cpu_kernels: Literal["mkldnn", "default"] = Field(
+        "mkldnn", description="linear layers of float32 models on CPU: oneDNN (faster) or torch's default"
+    )
+    classifier: str | None = Field(None, description="router head directory for the classifier router")
+    served_name: str = Field("backoff", description="model name that GET /v1/models reports")
+    kv_budget_tokens: int | Literal["auto"] = Field(
+        "auto",
+        description="KV positions each model replica may hold across its sessions (backoff_core/runners/kv_budget.py). "
+        "auto: resolved at replica start, 80% of the GPU memory free after the weights (times "
+        "the replica's GPU share), or 20% of the RAM available on a CPU; the replica logs it and "
+        "info() / the kv metrics report it. Full: idle sessions are evicted LRU (re-prefilled "
+        "at their next catch-up); new requests get 503 + Retry-After while live ones fill it",
+    )
+    static_kv: Literal["auto"] | bool = Field(
+        "auto",
+        description="how the budget is stored: true = preallocated slots of kv_max_len (CUDA graphs on a "
+        "GPU), false = per-session caches that count what they hold, auto = slots on CUDA, "
+        "per-session caches on the CPU",
+    )
+    kv_max_len: int = Field(2048, ge=2, description="static KV: positions per slot (prompt + output of one request)")
+    cuda_graphs: bool = Field(
+        True, description="static KV on a GPU: replay captured CUDA graphs for steps and short catch-ups"
+    )
+    prefix_cache_tokens: int = Field(
+        8192,
+        ge=0,
+        description="prefix cache of every model replica (backoff_core/runners/prefix_cache.py): KV positions of "
+        "prompt blocks seen before that it keeps, LRU; a request starts from its longest cached prefix. 0: off",
+    )
+    prefix_block_tokens: int = Field(32, ge=1, description="prefix cache: prompt tokens per cached block")
+
+    def kv_spec(self, model, gpu_share: float = 1.0) -> KVSpec:
+        """The budget and storage a replica of `model` runs with (`auto` resolved on its device)."""
+        from backoff_core.runners.kv_budget import resolve_kv  # torch: only where a model is loaded
+
+        return resolve_kv(
+            model,
+            self.kv_budget_tokens,
+            self.kv_max_len,
+            self.static_kv,
+            self.cuda_graphs,
+            gpu_share,
+            reserve_tokens=self.prefix_cache_tokens,  # `auto` leaves the prefix cache its room
+        )
+
+    def prefix_spec(self) -> PrefixCacheSpec | None:
+        """Every model replica's prefix cache; None: off."""
+        if self.prefix_cache_tokens == 0:
+            return None
+        return PrefixCacheSpec(self.prefix_cache_tokens, self.prefix_block_tokens)
+
+    @model_validator(mode="after")
+    def _both_or_neither(self) -> "ModelsConfig":
+        if (self.small is None) != (self.large is None):
+            raise ValueError("name both small and large, or neither (the embedded default pair)")
+        if self.medium and self.small is None:
+            raise ValueError("a chain with medium models needs small and large named too")
+        budget = self.kv_budget_tokens
+        if budget != "auto" and budget < 1:
+            raise ValueError(f"kv_budget_tokens must be >= 1 or 'auto', got {budget}")
+        if self.static_kv is True and budget != "auto" and budget < self.kv_max_len:
+            raise ValueError(
+                f"kv_budget_tokens ({self.kv_budget_tokens}) holds no slot of kv_max_len ({self.kv_max_len}) positions"
+            )
+        return self
+
+    @property
+    def num_levels(self) -> int:
+        return 2 + len(self.medium)
