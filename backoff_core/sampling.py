@@ -45,14 +45,24 @@ def distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return distributions(flat, [params] * flat.shape[0]).reshape(logits.shape)
 
 
-def argmax_last(x: torch.Tensor) -> torch.Tensor:
-    """x.argmax(-1) for float32 x [B, V]: the first maximum of each row (a NaN counts as the
-    maximum, as in torch). On the CPU it is numpy's vectorised argmax: torch's CPU argmax over
-    the last dim costs ~10x more (2.6 ms against 0.2 ms for [64, 49152] on one thread, more
-    than the rest of a CPU step's host work). Elsewhere it is torch's own, on the device."""
+def argmax_last(x: torch.Tensor, nan_lowest: bool = False) -> torch.Tensor:
+    """x.argmax(-1) for float32 x [B, V]: the first maximum of each row; a NaN counts as the
+    maximum, as in torch, or (nan_lowest) as -inf: the argmax over the other values. On the
+    CPU it is numpy's vectorised argmax: torch's CPU argmax over the last dim costs ~10x more
+    (2.6 ms against 0.2 ms for [64, 49152] on one thread, more than the rest of a CPU step's
+    host work), and with nan_lowest only a row whose argmax is a NaN is cleaned and redone.
+    Elsewhere it is torch's own, on the device."""
     if x.device.type != "cpu" or x.dtype != torch.float32 or x.requires_grad:
-        return x.argmax(-1)
-    return torch.from_numpy(x.numpy().argmax(-1).astype(np.int64, copy=False))
+        return (torch.nan_to_num(x, nan=float("-inf")) if nan_lowest else x).argmax(-1)
+    if nan_lowest and x.dim() != 2:
+        x = torch.nan_to_num(x, nan=float("-inf"))
+    a = x.numpy()
+    best = a.argmax(-1)
+    if nan_lowest and a.ndim == 2:  # numpy's argmax is the first NaN of a row that has one
+        nan_rows = np.isnan(a[np.arange(len(best)), best])
+        if nan_rows.any():
+            best[nan_rows] = np.where(np.isnan(a[nan_rows]), -np.inf, a[nan_rows]).argmax(-1)
+    return torch.from_numpy(best.astype(np.int64, copy=False))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -113,33 +123,44 @@ def _truncate(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) ->
 
 
 # -- counter-based randomness --------------------------------------------------------------
-# The hash runs on the host (numpy, uint64 holding 32-bit values): its inputs (seeds,
-# positions) are host data, so a row's noise rides to the device in the same upload as its
-# parameters instead of some 40 tiny device ops per draw.
+# The hash runs on the host (numpy, uint32: its multiplications wrap mod 2^32 as the hash
+# wants, no masking op): its inputs (seeds, positions) are host data, so a row's noise rides
+# to the device in the same upload as its parameters instead of some 40 tiny device ops per draw.
+_U32 = np.uint32
+
+
 def _mix(x: np.ndarray) -> np.ndarray:
-    """A 32-bit integer hash (lowbias32) on uint64 arrays holding values in [0, 2^32)."""
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _MASK32
-    x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & _MASK32
-    return x ^ (x >> 16)
+    """A 32-bit integer hash (lowbias32) of a uint32 array, in place (returns x)."""
+    x ^= x >> _U32(16)
+    x *= _U32(0x7FEB352D)
+    x ^= x >> _U32(15)
+    x *= _U32(0x846CA68B)
+    x ^= x >> _U32(16)
+    return x
 
 
-_STREAM = {s: _mix(np.array([int(s) + 0x9E3779B9], dtype=np.uint64))[0] for s in Stream}
-_INDEX = _mix(np.arange(8, dtype=np.uint64) * np.uint64(0x9E3779B1) & np.uint64(_MASK32))  # index < 8
+_STREAM = {s: _mix(np.array([int(s) + 0x9E3779B9], dtype=_U32))[0] for s in Stream}
+_INDEX = _mix(np.arange(8, dtype=_U32) * _U32(0x9E3779B1))  # index < 8
 
 
 def _bits(seeds: Sequence[int], positions: Sequence[int], stream: Stream, width: int) -> np.ndarray:
-    """[B, width] uint64 hash values of (seed, position, stream, index)."""
-    try:  # the usual seeds and positions (in [0, 2^64)): the masks as array ops
-        s, pos = np.array(seeds, dtype=np.uint64), np.array(positions, dtype=np.uint64) & _MASK32
-        lo, hi = s & _MASK32, (s >> np.uint64(32)) & _MASK32
+    """[B, width] uint32 hash values of (seed, position, stream, index); a seed counts mod
+    2^64 (its low and high 32 bits), a position mod 2^32."""
+    try:  # the usual seeds and positions (in [0, 2^64)): the truncations as array casts
+        s = np.array(seeds, dtype=np.uint64)
+        key = np.array(positions, dtype=np.uint64).astype(_U32)
+        lo, hi = s.astype(_U32), (s >> np.uint64(32)).astype(_U32)
     except OverflowError:  # a negative or huge one: Python's own integers
-        lo = np.array([s & _MASK32 for s in seeds], dtype=np.uint64)
-        hi = np.array([(s >> 32) & _MASK32 for s in seeds], dtype=np.uint64)
-        pos = np.array([p & _MASK32 for p in positions], dtype=np.uint64)
-    key = _mix(lo ^ _mix(hi ^ _mix(pos ^ _STREAM[stream])))  # [B]
-    index = _INDEX[:width] if width <= len(_INDEX) else _mix(np.arange(width, dtype=np.uint64) * 0x9E3779B1 & _MASK32)
+        lo = np.array([s & _MASK32 for s in seeds], dtype=_U32)
+        hi = np.array([(s >> 32) & _MASK32 for s in seeds], dtype=_U32)
+        key = np.array([p & _MASK32 for p in positions], dtype=_U32)
+    key ^= _STREAM[stream]
+    key = _mix(key)
+    key ^= hi
+    key = _mix(key)
+    key ^= lo
+    key = _mix(key)  # [B]
+    index = _INDEX[:width] if width <= len(_INDEX) else _mix(np.arange(width, dtype=_U32) * _U32(0x9E3779B1))
     return _mix(key[:, None] ^ index[None])
 
 
@@ -192,7 +213,7 @@ def draw(
     distribution at its own (seed, position). One upload (parameters and noise together);
     greedy rows need neither."""
     if all(p.greedy for p in params):  # the one-hot's draw is its argmax
-        return argmax_last(torch.nan_to_num(logits.float(), nan=float("-inf")))
+        return argmax_last(logits.float(), nan_lowest=True)
     probs, u = _distributions(logits, params, draw_noise(seeds, positions, stream))
     return _invert(probs, u)
 

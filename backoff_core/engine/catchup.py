@@ -115,7 +115,7 @@ class CatchUpper:
         replacement), else the token drawn from its newest logits. Every test, replacement
         and draw of the batch is computed on the device and read in one copy; the decisions
         are then taken on the host, in the order the positions were committed. Changes nothing."""
-        checks = [c for r, b, ext in rows for c in self._checks(level, r, b, ext.logits)]
+        checks = [c for r, b, ext in rows for c in self._checks(level, r, b, ext)]
         kls = [(r, ext.logits[j - b - 1], r.small_logits[j]) for r, b, ext in rows for j in self._kl_at(level, r, b)]
         token = draw(
             last_rows([ext for _, _, ext in rows])[0],  # [B, V]
@@ -157,12 +157,13 @@ class CatchUpper:
         return [j for j in range(max(first, before + 1), len(r.tokens)) if j in r.small_logits]
 
     @staticmethod
-    def _checks(level: int, r: Live, before: int, preds: torch.Tensor) -> list[tuple]:
+    def _checks(level: int, r: Live, before: int, ext: Extension) -> list[tuple]:
         """(r, position j, p_level [V], p_source [V]) of every pending token of r that
-        verification tests, in order. preds: [k, V]; preds[i] predicts position before + i + 1."""
+        verification tests, in order. ext.logits [k, V]: row i predicts position before + i + 1
+        (read only if something is tested)."""
         if r.request.routing.verification == Verification.NONE:
             return []
-        out = []
+        out, preds = [], ext.logits
         for j in range(max(before, r.prompt_len), len(r.tokens)):
             if r.sources[j - r.prompt_len] >= level:
                 continue

@@ -33,11 +33,7 @@ class Plan:
     positions: torch.Tensor  # [B, K]; padding at the scratch column
     slots: torch.Tensor  # [B]
     last_col: torch.Tensor  # [B]
-
-    @property
-    def in_order(self) -> bool:
-        """Whether item i is batch row i for every item (its outputs need no gather)."""
-        return bool((self.rows == np.arange(len(self.rows))).all())
+    in_order: bool  # whether item i is batch row i for every item (its outputs need no gather)
 
 
 def lay_out(
@@ -92,4 +88,5 @@ def lay_out(
         torch.from_numpy(positions),
         torch.from_numpy(batch_slots),
         torch.from_numpy(last_col),
+        in_order=not dense or bool((slot == np.arange(n)).all()),
     )

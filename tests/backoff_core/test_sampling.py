@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
+from backoff_core import sampling
 from backoff_core.sampling import Stream, argmax_last, distribution, distributions, draw, sample, sample_rows, uniforms
 from backoff_core.types import SamplingParams, Verification
 from tests.support.helpers import engine_for, request
@@ -44,8 +46,26 @@ def test_argmax_last_is_torchs_argmax_ties_nan_and_views_included():
 
 def test_argmax_last_stays_on_a_non_cpu_device():
     x = torch.empty(4, 300, device="meta")  # no data: a host read would raise
-    got = argmax_last(x)
-    assert got.device.type == "meta" and got.shape == (4,) and got.dtype == torch.int64
+    for nan_lowest in (False, True):
+        got = argmax_last(x, nan_lowest=nan_lowest)
+        assert got.device.type == "meta" and got.shape == (4,) and got.dtype == torch.int64
+
+
+def test_argmax_last_nan_lowest_is_the_argmax_with_nan_as_minus_inf():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, 4, (64, 300), generator=g).float()
+    x[5, 7] = x[9, 0] = x[9, 299] = float("nan")  # NaN where the first maximum would be
+    x[13] = float("nan")  # all NaN: every value is -inf, the first wins
+    x[17] = float("-inf")
+    x[17, 40] = float("nan")
+    x[21, 3] = float("nan")  # a NaN that is not the row's maximum changes nothing
+    x[21, 10] = 9.0
+    for t in (x, x[:, 1:], x[::2], x.T.contiguous().T):
+        got = argmax_last(t, nan_lowest=True)
+        assert got.dtype == torch.int64 and torch.equal(got, torch.nan_to_num(t, nan=float("-inf")).argmax(-1))
+    assert argmax_last(x, nan_lowest=True)[[13, 17, 21]].tolist() == [0, 0, 10]
+    assert not torch.isnan(x[[5, 9], argmax_last(x, nan_lowest=True)[[5, 9]]]).any()
+    assert argmax_last(x)[5] == 7  # without it, a NaN is the maximum
 
 
 def test_greedy_draws_skip_nan_and_match_the_one_hot_distribution():
@@ -111,6 +131,35 @@ def test_uniforms_are_uniform_and_streams_independent():
     shifted = uniforms([4] * n, list(range(n)), Stream.ROUTER)[:, 0]
     assert abs(float(torch.corrcoef(torch.stack([u, shifted]))[0, 1])) < 4 / math.sqrt(n)
     assert abs(float(torch.corrcoef(torch.stack([u[1:], u[:-1]]))[0, 1])) < 4 / math.sqrt(n)
+
+
+def _lowbias32(x: int) -> int:
+    """The hash, written out on Python integers (the reference the numpy version must match)."""
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def test_the_counter_hash_matches_its_definition_on_python_integers():
+    """A uniform is lowbias32 chained over (stream, position, seed's high and low words,
+    index), its top 24 bits centred: the numpy hash must give exactly that, bit for bit,
+    for any seed (negative, past 2^64) and position (past 2^32), at every width."""
+    seeds = [0, 1, 3, 2**32 - 1, 2**32, 2**63 - 1, 2**64 - 1, -1, -5, -(2**63), 2**70 + 3, 12345678901234]
+    positions = [0, 1, 7, 2**32 - 1, 2**32 + 1, 2**33 + 5, 123, 4096, 99, 2**40, 5, 65535]
+    for stream in Stream:
+        base = _lowbias32(int(stream) + 0x9E3779B9)
+        for width in (1, 3, 9):
+            got = sampling.host_uniforms(seeds, positions, stream, width)
+            assert got.dtype == np.float32 and got.shape == (len(seeds), width)
+            for row, (seed, pos) in enumerate(zip(seeds, positions)):
+                key = _lowbias32((pos & 0xFFFFFFFF) ^ base)
+                key = _lowbias32(((seed >> 32) & 0xFFFFFFFF) ^ key)
+                key = _lowbias32((seed & 0xFFFFFFFF) ^ key)
+                for i in range(width):
+                    bits = _lowbias32(key ^ _lowbias32((i * 0x9E3779B1) & 0xFFFFFFFF))
+                    assert got[row, i] == np.float32(((bits >> 8) + 0.5) / 2**24), (stream, width, seed, pos, i)
 
 
 def test_draws_are_a_pure_function_of_seed_position_and_stream():
