@@ -45,7 +45,7 @@ def test_the_committed_evaluation_is_what_its_results_json_draws(redrawn):
 
 
 def test_the_committed_teacher_forced_evaluation_is_what_its_results_json_draws(tmp_path):
-    """benchmarks/results/router_eval_tf: the shipped head on the 4-layer M_S, the teacher-forced
+    """benchmarks/results/router_eval_tf: the shipped head on the 5-layer M_S, the teacher-forced
     part alone (the other sections skipped): two figures, and nothing edited by hand."""
     committed = COMMITTED.with_name("router_eval_tf")
     shutil.copy(committed / "results.json", tmp_path / "results.json")
