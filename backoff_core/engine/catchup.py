@@ -146,7 +146,7 @@ class CatchUpper:
         r.kl_at_catch_up.extend(verdict.kl)
         if verdict.rejected is not None:
             return self._roll_back(level, r, *verdict.rejected)
-        r.last_logits[level] = last = ext.logits[-1]
+        r.last_logits[level] = last = ext.last
         return Outcome(level, last, verdict.token, 0)
 
     def _kl_at(self, level: int, r: Live, before: int) -> list[int]:

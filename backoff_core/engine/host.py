@@ -24,14 +24,16 @@ def to_host(*parts: torch.Tensor) -> list[list]:
     if not sum(sizes):
         return [_shape([], p) for p in parts]
     device = next((p.device for p in parts if p.device.type != "cpu"), torch.device("cpu"))
-    flat = torch.cat([p.reshape(-1).to(device=device, dtype=torch.float64) for p in parts])
-    values = flat.tolist()  # the copy (and the sync)
+    exact = [not (p.dtype.is_floating_point or p.dtype.is_complex) for p in parts]
+    dtype = torch.int64 if all(exact) else torch.float64  # token ids alone come back as ints as they are
+    flat = [p.reshape(-1).to(device=device, dtype=dtype) for p in parts]
+    values = (flat[0] if len(flat) == 1 else torch.cat(flat)).tolist()  # the copy (and the sync)
     out, at = [], 0
-    for p, n in zip(parts, sizes):
+    for p, n, integral in zip(parts, sizes, exact):
         chunk = values[at : at + n]
         at += n
-        if not (p.dtype.is_floating_point or p.dtype.is_complex):
-            chunk = [int(v) for v in chunk]
+        if integral and dtype is torch.float64:
+            chunk = list(map(int, chunk))
         out.append(_shape(chunk, p))
     return out
 

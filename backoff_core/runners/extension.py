@@ -54,6 +54,11 @@ class Extension:
         return self._logits
 
     @property
+    def last(self) -> torch.Tensor:
+        """[V]: the logits after the last new token (one view, not a slice of a slice)."""
+        return self.batch.logits[self.index] if self._logits is None else self._logits[-1]
+
+    @property
     def hidden(self) -> torch.Tensor | None:
         if self._hidden is None and self.batch is not None and self.batch.hidden is not None:
             self._hidden = self.batch.hidden[self.index : self.index + 1]  # [1, d]
@@ -73,4 +78,4 @@ def last_rows(exts: Sequence[Extension]) -> tuple[torch.Tensor, torch.Tensor | N
         return batch.logits, batch.hidden
     hidden = [e.hidden for e in exts]
     stacked = torch.stack([h[-1] for h in hidden]) if all(h is not None for h in hidden) else None
-    return torch.stack([e.logits[-1] for e in exts]), stacked
+    return torch.stack([e.last for e in exts]), stacked

@@ -156,3 +156,22 @@ def test_one_host_read_per_stage_at_1_and_at_64_requests(scenario, pair, chain3,
         monkeypatch.undo()
     if scenario == "always-small":
         assert per_step[1] == per_step[64] == [1] * 10  # the same at 1 and at 64 requests
+
+
+def test_to_host_reads_every_part_exactly_in_one_copy(monkeypatch):
+    copies = []
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: copies.append(t.dtype) or tolist(t))
+    big = 2**60 + 1  # beyond float64's 2^53: exact only when no float part rides along
+    ids = torch.tensor([3, big, 7])
+    assert host.to_host(ids) == [[3, big, 7]] and copies == [torch.int64]
+    mixed = host.to_host(
+        torch.tensor([5, 6]), torch.tensor([0.25, -1.5], dtype=torch.float32), torch.tensor([True, False])
+    )
+    assert mixed == [[5, 6], [0.25, -1.5], [1, 0]] and copies[-1] == torch.float64
+    assert all(type(v) is int for v in mixed[0] + mixed[2]) and all(type(v) is float for v in mixed[1])
+    grid = host.to_host(torch.arange(6).reshape(2, 3), torch.tensor(2.5))  # 2-D nested, 0-D a list of one
+    assert grid == [[[0, 1, 2], [3, 4, 5]], [2.5]] and len(copies) == 3
+    assert host.to_host(torch.zeros(0), torch.zeros(0, dtype=torch.long)) == [[], []] and len(copies) == 3  # no copy
+    with pytest.raises(ValueError, match="at most 2 dimensions"):
+        host.to_host(torch.zeros(1, 1, 1))
