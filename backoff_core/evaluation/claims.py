@@ -136,8 +136,7 @@ def paper_section(res: dict) -> list[str]:
         "",
         "The paper measures task accuracy of 7B-class pairs on benchmarks; this run measures M_L's NLL of text "
         "with this pair (the default: a 135M M_L and a few-layer M_S distilled from it), offline. A quality "
-        "claim is untestable here where even the NLL "
-        f"oracle stays more than {UNTESTABLE_OVER:.0%} above M_L.",
+        f"claim is untestable here where even the NLL oracle stays more than {UNTESTABLE_OVER:.0%} above M_L.",
         "",
         *table(["paper's claim", "measured here", "verdict"], rows),
     ]
