@@ -129,13 +129,20 @@ def _truncate(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) ->
 _U32 = np.uint32
 
 
+# 0-d uint32 operands and a scratch array for the shifts: numpy's per-call overhead, not the
+# arithmetic, is the cost at a batch's size (~2 us a mix at 64 rows against ~4.5 with scalars)
+_SHIFT15, _SHIFT16 = np.array(15, _U32), np.array(16, _U32)
+_MUL1, _MUL2 = np.array(0x7FEB352D, _U32), np.array(0x846CA68B, _U32)
+
+
 def _mix(x: np.ndarray) -> np.ndarray:
     """A 32-bit integer hash (lowbias32) of a uint32 array, in place (returns x)."""
-    x ^= x >> _U32(16)
-    x *= _U32(0x7FEB352D)
-    x ^= x >> _U32(15)
-    x *= _U32(0x846CA68B)
-    x ^= x >> _U32(16)
+    shifted = np.empty_like(x)
+    x ^= np.right_shift(x, _SHIFT16, out=shifted)
+    x *= _MUL1
+    x ^= np.right_shift(x, _SHIFT15, out=shifted)
+    x *= _MUL2
+    x ^= np.right_shift(x, _SHIFT16, out=shifted)
     return x
 
 

@@ -80,12 +80,13 @@ class CatchUpper:
             group = [r for r in group if r.request_id in replies]
             exts = [replies[r.request_id] for r in group]
         seconds = time.perf_counter() - start
-        before = {r.request_id: r.fed[level] for r in group}  # after _extend: a re-prefill starts at 0
-        lengths = {}  # sid -> (pending positions this forward read, positions fed before it)
-        for r in group:
-            lengths[r.request_id] = (len(r.tokens) - before[r.request_id], before[r.request_id])
+        rows = {}  # sid -> (r, positions fed before this forward, its extension)
+        lengths = {}  # sid -> pending positions this forward read
+        for r, ext in zip(group, exts):
+            before = r.fed[level]  # after _extend: a re-prefill starts at 0
+            rows[r.request_id] = (r, before, ext)
+            lengths[r.request_id] = len(r.tokens) - before
             r.fed[level] = len(r.tokens)
-        rows = {r.request_id: (r, before[r.request_id], ext) for r, ext in zip(group, exts)}
         # every request's verification and the step's token: one batched pass, one host copy;
         # if it raises, each request alone finds the culprit (isolation.py)
         verdicts = batched(
@@ -99,14 +100,10 @@ class CatchUpper:
             self.models,
             lambda r: self._apply(level, r, rows[r.request_id][2], verdicts[r.request_id]),
         )
-        for r in group:
-            if r.request_id in outcomes:
-                length, b = lengths[r.request_id]
-                r.catch_ups.append(
-                    CatchUp(
-                        level, length, seconds, outcomes[r.request_id].rolled_back, len(group), max(0, r.prompt_len - b)
-                    )
-                )
+        for request_id, outcome in outcomes.items():
+            r, before, _ = rows[request_id]
+            prompt = max(0, r.prompt_len - before)
+            r.catch_ups.append(CatchUp(level, lengths[request_id], seconds, outcome.rolled_back, len(group), prompt))
         return outcomes
 
     def _judge(self, level: int, rows: list[tuple[Live, int, Extension]]) -> list[_Verdict]:
@@ -161,7 +158,7 @@ class CatchUpper:
         """(r, position j, p_level [V], p_source [V]) of every pending token of r that
         verification tests, in order. ext.logits [k, V]: row i predicts position before + i + 1
         (read only if something is tested)."""
-        if r.request.routing.verification == Verification.NONE:
+        if not r.verifies:
             return []
         out, preds = [], ext.logits
         for j in range(max(before, r.prompt_len), len(r.tokens)):
@@ -219,7 +216,7 @@ class CatchUpper:
                 r.opened.add(level)
                 r.fed[level] = adopt_prefix(model, r, r.tokens)  # PREFIX CACHE: from its cached prompt prefix
         # verification and the KL record read every new position; sampling reads the last one
-        last_only = not self.collect_kl and all(r.request.routing.verification == Verification.NONE for r in group)
+        last_only = not self.collect_kl and not any(r.verifies for r in group)
         try:
             return model.extend([(r.request_id, r.tokens[r.fed[level] :]) for r in group], last_only=last_only)
         except (SessionError, SessionLost):

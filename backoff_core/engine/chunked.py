@@ -31,7 +31,6 @@ from backoff_core.engine.backends import Backend, LargeUnavailable
 from backoff_core.engine.isolation import each, reopen
 from backoff_core.engine.prompt import adopt_prefix
 from backoff_core.engine.state import Live
-from backoff_core.types import Verification
 
 
 def start(model: Backend, level: int, r: Live, end: int) -> None:
@@ -56,7 +55,7 @@ def catch_up_end(r: Live, level: int, chunk: int, collect_kl: bool) -> int | Non
     catch-up reads at most one chunk or nothing can be fed early)."""
     if not chunk or len(r.tokens) - r.fed[level] <= chunk:
         return None
-    reads_rows = r.request.routing.verification != Verification.NONE or (collect_kl and level == r.num_levels - 1)
+    reads_rows = r.verifies or (collect_kl and level == r.num_levels - 1)
     # the catch-up reads >= 1 token (the newest: its logits draw the step's token), and
     # every generated position whose logits it verifies or records
     end = min(len(r.tokens), r.prompt_len if reads_rows else len(r.tokens)) - 1

@@ -19,7 +19,7 @@ from backoff_core.engine.isolation import fail
 from backoff_core.engine.logprobs import TokenTexts, logprob_values, token_logprobs
 from backoff_core.engine.propose import Proposal, SmallOut
 from backoff_core.engine.state import Detokenizer, Live
-from backoff_core.types import FinishReason, TokenEvent, Verification
+from backoff_core.types import FinishReason, TokenEvent
 
 
 @dataclass(frozen=True)
@@ -133,11 +133,12 @@ def append(c: Commit, ctx: CommitContext) -> None:
     position = len(r.tokens)
     r.tokens.append(c.token)
     r.sources.append(c.source)
-    if r.num_levels > c.source + 1 and r.request.routing.verification != Verification.NONE and not r.degraded:
+    if r.verifies and r.num_levels > c.source + 1 and not r.degraded:
         r.source_logits[position] = c.logits
     if ctx.collect_kl and r.request_id in c.small:
         r.small_logits[position] = c.small_logits()
-    r.prune()
+    if r.source_logits or r.small_logits:  # the common case (no verification, no KL record): nothing
+        r.prune()
     if r.first_token_s is None:
         r.first_token_s = time.perf_counter() - r.started
 
@@ -181,7 +182,7 @@ def check_stop(r: Live, token: int, ctx: CommitContext) -> None:
         reason = FinishReason.LENGTH
     if reason is None:
         return  # r goes on (a committing request is not finished)
-    verified = r.request.routing.verification != Verification.NONE and not r.degraded
+    verified = r.verifies and not r.degraded
     if verified and r.drafts():
         r.finish_after_verify = reason  # never hand out tokens verification would reject
     else:

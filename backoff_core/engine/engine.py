@@ -258,8 +258,8 @@ class BackoffEngine:
         # 5. catch-ups, one batched forward per level; one that would read more than a chunk
         # stalls (its step is taken again once its pending tokens are fed, chunked.py)
         if self.prefill_chunk_tokens and any(level > 0 for level in levels.values()):
-            self._stall_long_catch_ups(stepping, levels, outcomes, fed, {r.request_id for r in routed})
-            live = [r for r in live if not (r.backlog or r.done)]
+            if self._stall_long_catch_ups(stepping, levels, outcomes, fed, routed):
+                live = [r for r in live if not (r.backlog or r.done)]
         for level in range(1, self.num_levels) if levels else ():
             group = [
                 r
@@ -294,18 +294,28 @@ class BackoffEngine:
         return level in r.backlog or r.failure is not None  # no backlog: its prefix cache held it all
 
     def _stall_long_catch_ups(
-        self, stepping: list[Live], levels: dict, outcomes: dict, fed: dict[str, int], routed: set[str]
-    ) -> None:
+        self, stepping: list[Live], levels: dict, outcomes: dict, fed: dict[str, int], routed: list[Live]
+    ) -> bool:
         """Step 5's catch-ups that would read more than a chunk stall: M_S's step undone
-        (fed: M_S's positions before it), the pending tokens fed in chunks, the step taken again."""
-        for r in stepping:
-            level = levels.get(r.request_id, 0)
-            if level > 0 and r.request_id not in outcomes and not (r.degraded or r.done) and self._stall(r, level):
+        (fed: M_S's positions before it), the pending tokens fed in chunks, the step taken
+        again. Returns whether any request stalled (or ended: its session could not be opened)."""
+        stalled = [
+            r
+            for r in stepping
+            if levels.get(r.request_id, 0) > 0
+            and r.request_id not in outcomes
+            and not (r.degraded or r.done)
+            and self._stall(r, levels[r.request_id])
+        ]
+        if stalled:
+            routed_ids = {r.request_id for r in routed}
+            for r in stalled:
                 each(
                     [r],
                     self.models,
-                    lambda r: chunked.undo_small(self.models, r, fed[r.request_id], r.request_id in routed),
+                    lambda r: chunked.undo_small(self.models, r, fed[r.request_id], r.request_id in routed_ids),
                 )
+        return bool(stalled)
 
     def _forced_level(self, r: Live) -> int:
         """The level of r's step if it is known before M_S runs, else -1."""

@@ -112,15 +112,20 @@ def propose(
     large waste theirs: a draw is a pure function of seed and position) and the routers
     score their rows on the device, then ONE host copy reads tokens and scores together.
     If it raises, each request alone finds the culprit (isolation.py)."""
-    routed_ids = {r.request_id for r in routed}
+    all_routed = len(routed) == len(group)  # routed is a sublist of group
+    routed_ids = None if all_routed else {r.request_id for r in routed}
 
     def together(g: Sequence[Live]) -> list[tuple[int, float | None]]:
         logits, _ = small.take([r.request_id for r in g])  # [B, V]
         tokens = draw(logits, [r.request.sampling for r in g], [r.seed for r in g], [len(r.tokens) for r in g])
         groups: dict[DecisionFunction, list[int]] = {}  # router -> its rows of g
-        for i, r in enumerate(g):
-            if r.request_id in routed_ids:
-                groups.setdefault(r.router, []).append(i)
+        router = g[0].router
+        if all_routed and all(r.router is router for r in g):  # the common step: one router for all
+            groups[router] = list(range(len(g)))
+        else:
+            for i, r in enumerate(g):
+                if routed_ids is None or r.request_id in routed_ids:
+                    groups.setdefault(r.router, []).append(i)
         scores = [
             router.scores(
                 _context(router, [g[i] for i in at], logits if len(at) == len(g) else logits[at], small, large)
@@ -128,6 +133,8 @@ def propose(
             for router, at in groups.items()
         ]
         read = to_host(tokens, *scores)
+        if len(groups) == 1 and len(read[1]) == len(g):
+            return list(zip(read[0], read[1]))
         score_of: list[float | None] = [None] * len(g)
         for at, values in zip(groups.values(), read[1:]):
             for i, value in zip(at, values):
@@ -139,14 +146,10 @@ def propose(
     start = time.perf_counter()
     got = batched(group, models, together, lambda r: together([r])[0])
     seconds = time.perf_counter() - start
-    for r in routed:
-        if r.request_id in got:
-            r.router_times.append(seconds)  # the decision with the draw beside it: one pass, one sync
-    tokens, scores = {}, {}
-    for request_id, (token, score) in got.items():
-        tokens[request_id] = token
-        if score is not None:
-            scores[request_id] = score
+    for r in routed if len(got) == len(group) else [r for r in routed if r.request_id in got]:
+        r.router_times.append(seconds)  # the decision with the draw beside it: one pass, one sync
+    tokens = {request_id: token for request_id, (token, _) in got.items()}
+    scores = {request_id: score for request_id, (_, score) in got.items() if score is not None}
     return Proposal(tokens, scores)
 
 

@@ -21,6 +21,7 @@ from backoff_core.types import (
     Timings,
     TokenEvent,
     TokenLogprobs,
+    Verification,
 )
 
 
@@ -69,10 +70,12 @@ class Live:
     prompt_sources: list[int | None] | None = None
     prompt_text: str | None = None
     prompt_len: int = field(init=False)  # len(request.prompt_ids), read several times a step
+    verifies: bool = field(init=False)  # request.routing.verification is not NONE (read every step)
     decode_state: tuple | None = None  # Detokenizer's incremental text of the generated ids (incremental.py)
 
     def __post_init__(self) -> None:
         self.prompt_len = len(self.request.prompt_ids)
+        self.verifies = self.request.routing.verification != Verification.NONE
 
     @property
     def done(self) -> bool:
@@ -106,9 +109,10 @@ class Live:
             self.thresholds = tuple(min(64.0, max(1.0, t - 1 if rejected else t + 2)) for t in self.thresholds)
 
     def prune(self) -> None:
-        """Forget logits no catch-up can still verify (positions every level has read)."""
+        """Forget logits no catch-up can still verify (positions every level has read).
+        The common case (no verification, no KL record) has none: append() skips the call."""
         if not (self.source_logits or self.small_logits):
-            return  # the common case (no verification, no KL record): no work per step
+            return
         horizon = min(self.fed[1:], default=len(self.tokens))
         for table in (self.source_logits, self.small_logits):
             for j in [j for j in table if j < horizon]:
@@ -187,7 +191,9 @@ class Detokenizer:
         return text if live.cut_at is None else text[: live.cut_at]
 
     def event(self, live: Live, source: int, retracted: int) -> TokenEvent:
-        text = self.full_text(live)
+        text = self.decoded(live)
+        if live.cut_at is not None:  # full_text, inline: this runs once per request and step
+            text = text[: live.cut_at]
         if not live.finished:
             text = text.rstrip("\ufffd")  # an incomplete multi-byte character: wait for more
         old = live.text

@@ -52,12 +52,13 @@ def lay_out(
     new_ids: per item, at least one id. ks: the k buckets allowed (a longer row: k_max
     itself, an eager forward)."""
     n = len(new_ids)
-    counts = np.fromiter(map(len, new_ids), np.int64, n)  # [n]
+    k_max = max(map(len, new_ids))
     held = np.fromiter(lengths, np.int64, n)
     slot = np.fromiter(slots, np.int64, n)
-    k_max = int(counts.max())
+    new = np.fromiter(itertools.chain.from_iterable(new_ids), np.int64)  # every new id, row-major
+    counts = np.fromiter(map(len, new_ids), np.int64, n) if k_max > 1 else None  # [n]
     k = bucket(k_max, ks or (k_max,))
-    length = bucket(int((held + counts).max()), length_buckets)
+    length = bucket(int(held.max()) + 1 if counts is None else int((held + counts).max()), length_buckets)
     top = next_power_of_two(int(slot.max()) + 1)
     dense = top <= num_slots and 2 * n >= top
     rows = top if dense else next_power_of_two(n)
@@ -65,20 +66,20 @@ def lay_out(
     input_ids = np.zeros((rows, k), np.int64)
     positions = np.full((rows, k), scratch, np.int64)
     columns = np.arange(k)
-    if k_max == 1:  # one new id each (an M_S step): no mask
-        input_ids[at, 0] = np.fromiter((ids[0] for ids in new_ids), np.int64, n)
+    last_col = np.zeros(rows, np.int64)
+    if counts is None:  # one new id each (an M_S step): no mask, every last column 0
+        input_ids[at, 0] = new
         positions[at, 0] = held
     else:
         real = columns[None, :] < counts[:, None]  # [n, k]; row-major, as the ids are chained
         ids = np.zeros((n, k), np.int64)
-        ids[real] = np.fromiter(itertools.chain.from_iterable(new_ids), np.int64, int(counts.sum()))
+        ids[real] = new
         input_ids[at] = ids
         positions[at] = np.where(real, held[:, None] + columns[None, :], scratch)
+        last_col[at] = counts - 1
     # gather: padding rows read slot 0 and write only its scratch column
     batch_slots = np.arange(rows) if dense else np.zeros(rows, np.int64)
     batch_slots[at] = slot
-    last_col = np.zeros(rows, np.int64)
-    last_col[at] = counts - 1
     # one new token: its logits are the last ones either way
     key = GraphKey(dense, rows, k, length, last_only or k == 1, layer)
     return Plan(
