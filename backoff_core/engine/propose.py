@@ -16,7 +16,7 @@ from backoff_core.engine.isolation import batched, reopen
 from backoff_core.engine.state import Live
 from backoff_core.routing.routers import DecisionFunction, StepContext
 from backoff_core.runners.extension import last_rows
-from backoff_core.sampling import Stream, draw, uniforms
+from backoff_core.sampling import Stream, draw, host_uniforms, uniforms
 
 
 @dataclass(frozen=True, eq=False)
@@ -110,14 +110,16 @@ def propose(
     those of them a router decides for (large: sid -> the largest model's logits, for
     oracles). The tokens of the whole group are drawn in one batched draw (those that go
     large waste theirs: a draw is a pure function of seed and position) and the routers
-    score their rows on the device, then ONE host copy reads tokens and scores together.
+    score their rows on the device, then ONE host copy reads tokens and scores together
+    (a router whose scores are host data, `scores_on_host`, scores on the host instead).
     If it raises, each request alone finds the culprit (isolation.py)."""
     all_routed = len(routed) == len(group)  # routed is a sublist of group
     routed_ids = None if all_routed else {r.request_id for r in routed}
 
     def together(g: Sequence[Live]) -> list[tuple[int, float | None]]:
         logits, _ = small.take([r.request_id for r in g])  # [B, V]
-        tokens = draw(logits, [r.request.sampling for r in g], [r.seed for r in g], [len(r.tokens) for r in g])
+        seeds, positions = [r.seed for r in g], [len(r.tokens) for r in g]
+        tokens = draw(logits, [r.request.sampling for r in g], seeds, positions)
         groups: dict[DecisionFunction, list[int]] = {}  # router -> its rows of g
         router = g[0].router
         if all_routed and all(r.router is router for r in g):  # the common step: one router for all
@@ -126,18 +128,25 @@ def propose(
             for i, r in enumerate(g):
                 if routed_ids is None or r.request_id in routed_ids:
                     groups.setdefault(r.router, []).append(i)
-        scores = [
-            router.scores(
-                _context(router, [g[i] for i in at], logits if len(at) == len(g) else logits[at], small, large)
-            )
-            for router, at in groups.items()
-        ]
-        read = to_host(tokens, *scores)
-        if len(groups) == 1 and len(read[1]) == len(g):
-            return list(zip(read[0], read[1]))
+        on_host, on_device = {}, {}  # router -> its rows' scores: host floats | a device tensor [b]
+        for router, at in groups.items():
+            if router.scores_on_host:  # no upload, nothing to read back
+                u = None
+                if router.reads_uniforms:
+                    u = host_uniforms([seeds[i] for i in at], [positions[i] for i in at], Stream.ROUTER)[:, 0]
+                on_host[router] = router.host_scores(len(at), u)
+            else:
+                rows = [g[i] for i in at]
+                on_device[router] = router.scores(
+                    _context(router, rows, logits if len(at) == len(g) else logits[at], small, large)
+                )
+        read = to_host(tokens, *on_device.values())
+        values = on_host | dict(zip(on_device, read[1:]))  # router -> its rows' scores, host floats
+        if [len(at) for at in groups.values()] == [len(g)]:  # one router scored every row
+            return list(zip(read[0], *values.values()))
         score_of: list[float | None] = [None] * len(g)
-        for at, values in zip(groups.values(), read[1:]):
-            for i, value in zip(at, values):
+        for router, at in groups.items():
+            for i, value in zip(at, values[router]):
                 score_of[i] = value
         return list(zip(read[0], score_of))
 

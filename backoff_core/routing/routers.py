@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Callable, ClassVar
 
+import numpy as np
 import torch
 
 from backoff_core.sampling import entropy, kl_divergence
@@ -52,16 +53,27 @@ class DecisionFunction:
     forces_levels: ClassVar[bool] = False  # levels_before_small_step is overridden
     # decides each prompt position from M_S's state there (prompt logprobs, engine/prompt.py)
     scores_prompts: ClassVar[bool] = True
+    # scores that are a function of host data alone (a constant, the seeded coin): the step
+    # loop takes them from host_scores() and neither uploads nor reads them back. A subclass
+    # that overrides `scores` alone scores on the device (__init_subclass__).
+    scores_on_host: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
         if "scores" in cls.__dict__ and "reads_uniforms" not in cls.__dict__:
             cls.reads_uniforms = True
+        if "scores" in cls.__dict__ and "host_scores" not in cls.__dict__:
+            cls.scores_on_host = False
 
     def default_thresholds(self, num_levels: int) -> tuple[float, ...]:
         return tuple(0.0 for _ in range(num_levels - 1))
 
     def scores(self, ctx: StepContext) -> torch.Tensor:  # -> [B]
+        raise NotImplementedError
+
+    def host_scores(self, n: int, uniforms: np.ndarray | None) -> list[float]:
+        """With scores_on_host: the scores of n rows, the values scores() gives, from host
+        data (uniforms: StepContext.uniforms as a float32 array, when reads_uniforms)."""
         raise NotImplementedError
 
     def levels_before_small_step(
@@ -75,9 +87,13 @@ class DecisionFunction:
 class AlwaysSmall(DecisionFunction):
     name = "always-small"
     reads_uniforms = False
+    scores_on_host = True
 
     def scores(self, ctx):
         return torch.full((ctx.small_logits.shape[0],), -math.inf, device=ctx.small_logits.device)
+
+    def host_scores(self, n, uniforms):
+        return [-math.inf] * n
 
 
 class AlwaysLarge(DecisionFunction):
@@ -160,8 +176,13 @@ class Random(DecisionFunction):
             return (self.rate,)
         return tuple((i + 1) / num_levels for i in range(num_levels - 1))
 
+    scores_on_host = True
+
     def scores(self, ctx):
         return ctx.uniforms
+
+    def host_scores(self, n, uniforms):
+        return uniforms.tolist()
 
 
 class Draft(DecisionFunction):

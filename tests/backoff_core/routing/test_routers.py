@@ -7,8 +7,10 @@ import math
 import pytest
 import torch
 
+from backoff_core import sampling
+from backoff_core.engine.host import to_host
 from backoff_core.routing.head import ClassifierHead, HeadMeta
-from backoff_core.routing.routers import NAMES, StepContext, build_router
+from backoff_core.routing.routers import NAMES, Random, StepContext, build_router
 from tests.support.helpers import engine_for, request
 
 PROMPT = (3, 4, 5, 6)
@@ -93,3 +95,51 @@ def test_classifier_and_other_routers_share_a_step(pair, tokenizer):
     ]
     together = engine.generate_many(reqs)
     assert [r.token_ids for r in together] == [engine.generate(r).token_ids for r in reqs]
+
+
+@pytest.mark.parametrize("name", ["always-small", "random"])
+def test_host_scores_are_the_device_scores_bit_for_bit(name):
+    # a router whose scores are host data scores on the host (propose.py): the values must
+    # be the ones scores() gives on the device and the step loop would read back
+    router = build_router(name, rate=0.5)
+    assert router.scores_on_host
+    seeds, positions = [0, 7, 2**40 + 3, 12345], [4, 5, 6, 1000]
+    u = sampling.uniforms(seeds, positions, sampling.Stream.ROUTER)[:, 0]
+    device = StepContext(torch.zeros(4, 8), None, None, torch.zeros(4, dtype=torch.long), u)
+    on_device = to_host(router.scores(device))[0]
+    on_host = router.host_scores(4, sampling.host_uniforms(seeds, positions, sampling.Stream.ROUTER)[:, 0])
+    assert on_host == on_device and all(type(v) is float for v in on_host)
+
+
+def test_a_subclass_that_rescores_scores_on_the_device():
+    class Biased(Random):
+        def scores(self, ctx):  # a new score: the host version would be the parent's
+            return ctx.uniforms * 0 + 2.0
+
+    class Shifted(Random):
+        def scores(self, ctx):
+            return ctx.uniforms + 1.0
+
+        def host_scores(self, n, uniforms):
+            return (uniforms + 1.0).tolist()
+
+    assert not Biased.scores_on_host and Biased.reads_uniforms and Shifted.scores_on_host
+    assert not build_router("entropy").scores_on_host and not build_router("oracle").scores_on_host
+
+
+def test_random_routes_by_its_seeded_coin_on_the_host(pair, tokenizer):
+    # random at rate 0.5: a step goes large exactly when its ROUTER-stream uniform reaches 0.5
+    # (what the device path gave before host scores), and a rescored subclass is obeyed
+    engine = engine_for(pair, tokenizer)
+    out = engine.generate(request(PROMPT, 24, "random", seed=5, rate=0.5))
+    positions = list(range(len(PROMPT), len(PROMPT) + 24))
+    coins = sampling.host_uniforms([5] * 24, positions, sampling.Stream.ROUTER)[:, 0]
+    assert list(out.sources) == [int(u >= 0.5) for u in coins]
+    assert 0 < sum(out.sources) < 24
+
+    class Always(Random):
+        def scores(self, ctx):
+            return ctx.uniforms * 0 + 2.0  # above any rate: every step large
+
+    forced = engine.generate(request(PROMPT, 6, "random", seed=5, rate=0.5), router=Always(0.5))
+    assert list(forced.sources) == [1] * 6
