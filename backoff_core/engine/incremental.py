@@ -32,12 +32,17 @@ class Joined:
     def __init__(self, backend) -> None:
         self.piece = backend.id_to_token
         self.special = {t.content for t in backend.get_added_tokens_decoder().values() if t.special}
+        self.kept: dict[int, str | None] = {}  # id -> its string, None if dropped (a vocabulary at most)
 
     def text(self, tokens: list[int], start: int, state: State | None) -> tuple[str, State]:
         n, text, kept = state if state is not None else (0, "", False)
         for token in tokens[start + n :]:
-            piece = self.piece(token)
-            if piece is None or piece in self.special:
+            try:
+                piece = self.kept[token]
+            except KeyError:
+                piece = self.piece(token)
+                piece = self.kept[token] = None if piece is None or piece in self.special else piece
+            if piece is None:
                 continue
             text = f"{text} {piece}" if kept else piece
             kept = True
@@ -50,10 +55,19 @@ class Bytes:
 
     def __init__(self, decode: Callable[[list[int]], str]) -> None:
         self.decode = decode
+        # decode([id]): the usual tail is one id, and its text depends on that id alone (the
+        # decoder is per token: bytes, then UTF-8); a vocabulary's worth of entries at most
+        self.one: dict[int, str] = {}
 
     def text(self, tokens: list[int], start: int, state: State | None) -> tuple[str, State]:
         p, head = state if state is not None else (0, "")
-        tail = self.decode(tokens[start + p :])
+        ids = tokens[start + p :]
+        if len(ids) == 1:
+            tail = self.one.get(ids[0])
+            if tail is None:
+                tail = self.one[ids[0]] = self.decode(ids)
+        else:
+            tail = self.decode(ids)
         text = head + tail
         # a final U+FFFD may be half a character that later bytes complete: keep the anchor
         return text, (state or (0, "")) if tail.endswith("\ufffd") else (len(tokens) - start, text)
