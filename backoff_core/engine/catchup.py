@@ -112,8 +112,12 @@ class CatchUpper:
         replacement), else the token drawn from its newest logits. Every test, replacement
         and draw of the batch is computed on the device and read in one copy; the decisions
         are then taken on the host, in the order the positions were committed. Changes nothing."""
-        checks = [c for r, b, ext in rows for c in self._checks(level, r, b, ext)]
-        kls = [(r, ext.logits[j - b - 1], r.small_logits[j]) for r, b, ext in rows for j in self._kl_at(level, r, b)]
+        checks = [c for r, b, ext in rows if r.verifies for c in self._checks(level, r, b, ext)]
+        kls = [
+            (r, ext.logits[j - b - 1], r.small_logits[j])
+            for r, b, ext in (rows if self.collect_kl else ())
+            for j in self._kl_at(level, r, b)
+        ]
         token = draw(
             last_rows([ext for _, _, ext in rows])[0],  # [B, V]
             [r.request.sampling for r, _, _ in rows],
