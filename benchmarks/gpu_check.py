@@ -50,13 +50,14 @@ def build(chain, kv: KVSpec) -> tuple[list, dict]:
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         added = torch.cuda.memory_reserved() - before
-        kv_bytes = runner.kv.nbytes()
+        kv_bytes, fused = runner.kv.nbytes(), runner._forward.fused_nbytes()
         measured[name] = {
             "graphs": len(runner.graphs),
             "build_and_capture_s": round(seconds, 2),
             "kv_gib": round(kv_bytes / GIB, 3),
             "weights_gib": round(sum(p.numel() * p.element_size() for p in model.parameters()) / GIB, 3),
-            "pool_gib": round((added - kv_bytes) / GIB, 3),
+            "pool_gib": round((added - kv_bytes - fused) / GIB, 3),
+            "fused_gib": round(fused / GIB, 3),  # M_S's fused projections (static_forward.py)
         }
         runners.append(runner)
     return runners, measured

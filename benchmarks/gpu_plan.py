@@ -7,7 +7,8 @@ memory, no weights) and a StaticRunner's storage and graph plan for each at the 
 of scripts/gpu_bench.sh (KV_BUDGET tokens per model in slots of MAX_LEN, bf16), exactly as
 factory.make_runner would: M_S graphs for k = 1, 2 (last logits only), M_L every catch-up
 kind within graph_plan.GRAPH_BUDGET. Writes
-    {"models": {name: {"graphs", "kv_gib", "weights_gib", "pool_gib"}}, "total_gib"}
+    {"models": {name: {"graphs", "kv_gib", "weights_gib", "pool_gib", "fused_gib"}}, "total_gib"}
+fused_gib: M_S's fused q/k/v and gate/up copies (static_forward.py; M_L keeps its modules).
 pool_gib estimates what capturing adds beside the KV storage: the graphs' static output
 buffers, their shared memory pool (captured largest first, every intermediate dying inside
 its graph: about the peak activations of the largest bucket, estimate_pool below) and as
@@ -26,6 +27,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from backoff_core.runners.graph_plan import K_BUCKETS, GraphKey, kinds, plan_keys
+from backoff_core.runners.static_forward import StaticForward
 from backoff_core.runners.static_kv import StaticKV
 
 # make_pair.py's shapes (SmolLM2-135M, Llama-3-8B) with the SmolLM2 tokenizer's vocabulary
@@ -87,18 +89,20 @@ def plan_model(name: str, kv_budget: int = KV_BUDGET, max_len: int = MAX_LEN) ->
     buffers = rows * K_BUCKETS[-1] * (VOCAB + model.config.hidden_size) * element  # CudaGraphs' outputs
     pool = 2 * max(estimate_pool(model.config, k, element) for k in keys) + buffers
     weights = sum(p.numel() for p in model.parameters()) * element
+    fused = StaticForward(model, kv, fuse_projections=small).fused_nbytes()  # as factory.make_runner
     return {
         "graphs": len(keys),
         "slots": kv.slots,
         "kv_gib": round(kv.nbytes() / GIB, 3),
         "weights_gib": round(weights / GIB, 3),
         "pool_gib": round(pool / GIB, 3),
+        "fused_gib": round(fused / GIB, 3),
     }
 
 
 def plan(kv_budget: int = KV_BUDGET, max_len: int = MAX_LEN) -> dict:
     models = {name: plan_model(name, kv_budget, max_len) for name in SHAPES}
-    total = sum(m["kv_gib"] + m["weights_gib"] + m["pool_gib"] for m in models.values())
+    total = sum(m["kv_gib"] + m["weights_gib"] + m["pool_gib"] + m["fused_gib"] for m in models.values())
     return {
         "models": models,
         "total_gib": round(total, 3),

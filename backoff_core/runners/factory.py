@@ -25,8 +25,9 @@ def make_runner(
     per-session caches, with a warning. small: M_S extends one token a step (its per-session
     caches and slots never evict: the step loop cannot rebuild an M_S session; static: graphs
     for k = 1 and 2 (a fully accepted draft feeds its last draft and the bonus token), last row
-    only, and the hidden layer a classifier head reads). Larger models
-    evict idle sessions LRU when a new one needs room (per-session budget or slots).
+    only, and the hidden layer a classifier head reads; fused q/k/v and gate/up projections).
+    Larger models evict idle sessions LRU when a new one needs room (per-session budget or
+    slots).
     prefix_cache: the runner's prefix cache (prefix_cache.py; on by default, None: off)."""
     if kv is None or not kv.static:  # per-session caches, within the budget where one is given
         return ModelRunner(
@@ -45,6 +46,7 @@ def make_runner(
         cuda_graphs=kv.cuda_graphs,
         evict_idle=not small,  # M_L: evict idle sessions LRU for a new one (re-prefilled later)
         prefix_cache=prefix_cache,
+        fuse_projections=small,  # M_S's step is bound by its kernel count (static_forward.py)
     )
     if small:
         from backoff_core.routing.head import ClassifierHead

@@ -65,7 +65,9 @@ class _SlotSession(Session):
 class StaticRunner(PrefixCaching, SessionTable[_SlotSession]):
     """Holds one model, its static KV storage and its sessions. Thread-safe: one forward
     at a time. kv_budget_tokens: KV positions to preallocate across all sessions;
-    max_len: positions per slot (a session holds at most max_len - 1: one is scratch)."""
+    max_len: positions per slot (a session holds at most max_len - 1: one is scratch).
+    fuse_projections: q/k/v and gate/up as one GEMM each over copies of their weights
+    (static_forward.py: fewer kernels a step, for a small model whose step they bound)."""
 
     def __init__(
         self,
@@ -78,6 +80,7 @@ class StaticRunner(PrefixCaching, SessionTable[_SlotSession]):
         graph_max_rows: int = 64,
         evict_idle: bool = False,
         prefix_cache: PrefixCacheSpec | None = PrefixCacheSpec(),
+        fuse_projections: bool = False,
     ) -> None:
         check_supported(model, max_len)  # before allocating anything
         super().__init__()
@@ -91,7 +94,7 @@ class StaticRunner(PrefixCaching, SessionTable[_SlotSession]):
         self.evictions = 0  # sessions evicted to give their slot to another (evict_idle)
         self.eager_passes = 0  # forwards that ran without a graph (all of them on the CPU)
         self.kv = StaticKV(model, kv_budget_tokens, max_len, name)
-        self._forward = StaticForward(model, self.kv)
+        self._forward = StaticForward(model, self.kv, fuse_projections=fuse_projections)
         self.length_buckets = length_buckets(max_len)
         use_graphs = cuda_graphs and self.device.type == "cuda"
         self.graph_max_rows = min(graph_max_rows, next_power_of_two(self.kv.slots))  # more rows never occur

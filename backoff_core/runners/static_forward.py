@@ -22,6 +22,15 @@ kernel (cutlass, attn_bias), where a bool mask is first converted in every call;
 attention takes no mask at all, and per-row lengths need one (test_static_cuda checks
 that the efficient kernel runs).
 
+Fused projections (fuse_projections=True; the factory sets it for M_S): in a captured step of
+a small model every kernel costs ~2.5 us whatever its size, so the q, k and v projections run
+as one GEMM over their weights concatenated (a copy made at load, with their biases), gate
+and up as another, and the rotary embedding turns q and k in one pass: HF's formula, q *
+cos + rotate_half(q) * sin with the module's own rotate_half, over the q and k heads side by
+side. 28 dispatched ops a layer become 20 (tests/backoff_core/runners/test_static_forward.py
+counts them). The copies cost memory (~0.14 GB for the 135M model, in plan.json), which is
+why M_L, bound by its weights' bandwidth and not by its kernel count, keeps the modules.
+
 Every shape and Python value here is fixed by the `Batch` key (rows, k, L, dense,
 last_only, hidden_layer), and nothing reads a device value back to the host, so a CUDA
 graph can capture it (cuda_graphs.py).
@@ -93,6 +102,45 @@ class Batch:
     keep: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class FusedLayer:
+    """One decoder layer's projections concatenated (copies of the modules' weights)."""
+
+    qkv: torch.Tensor  # [(H + 2 kvh) D, d]: q_proj, k_proj, v_proj weights
+    qkv_bias: torch.Tensor | None  # their biases (Qwen2, attention_bias), or None
+    gate_up: torch.Tensor  # [2 I, d]: gate_proj, up_proj weights
+    gate_up_bias: torch.Tensor | None  # mlp_bias, or None
+
+    @classmethod
+    @torch.no_grad()
+    def of(cls, layer) -> FusedLayer | None:
+        """None where the layer is not plain Llama projections (then it keeps its modules)."""
+        attn, mlp = layer.self_attn, layer.mlp
+        if not all(hasattr(mlp, m) for m in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+            return None
+        qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
+        gate_up = (mlp.gate_proj, mlp.up_proj)
+        if not all(isinstance(m, torch.nn.Linear) for m in (*qkv, *gate_up)):
+            return None
+
+        def joined(modules, name):
+            parts = [getattr(m, name) for m in modules]
+            if all(p is None for p in parts):
+                return None
+            if any(p is None for p in parts):
+                raise _Unfusable
+            return torch.cat(parts)
+
+        try:
+            return cls(joined(qkv, "weight"), joined(qkv, "bias"), joined(gate_up, "weight"), joined(gate_up, "bias"))
+        except _Unfusable:  # some of the projections have a bias, some none
+            return None
+
+
+class _Unfusable(Exception):
+    pass
+
+
 def _is_llama_rms_norm(norm) -> bool:
     """HF's Llama-family RMSNorm: a weight, variance_epsilon, and nothing else to compute."""
     return type(norm).__name__.endswith("RMSNorm") and hasattr(norm, "variance_epsilon") and hasattr(norm, "weight")
@@ -101,7 +149,7 @@ def _is_llama_rms_norm(norm) -> bool:
 class StaticForward:
     """model + its StaticKV: `__call__(batch) -> (logits [B, K or 1 or C, V], hidden [B, K, d] | None)`."""
 
-    def __init__(self, model, kv: StaticKV, fused_norms: bool = True) -> None:
+    def __init__(self, model, kv: StaticKV, fused_norms: bool = True, fuse_projections: bool = False) -> None:
         check_supported(model, kv.max_len)
         base = model.model
         norms = [base.norm] + [
@@ -115,8 +163,16 @@ class StaticForward:
         self.heads = int(model.config.num_attention_heads)
         self.groups = self.heads // kv.kv_heads  # G query heads per kv head
         # HF's own rope function from the attention's module (each model file has its copy)
-        self.rope = inspect.getmodule(type(attn)).apply_rotary_pos_emb
+        module = inspect.getmodule(type(attn))
+        self.rope, self.rotate_half = module.apply_rotary_pos_emb, module.rotate_half
         self.key_index = torch.arange(kv.max_len, device=kv.keys[0].device)  # [M]
+        fused = [FusedLayer.of(layer) for layer in base.layers] if fuse_projections else []
+        self.fused: list[FusedLayer] | None = fused if fused and all(f is not None for f in fused) else None
+
+    def fused_nbytes(self) -> int:
+        """Bytes the fused projections' copies hold (0 without them)."""
+        tensors = [t for f in self.fused or () for t in (f.qkv, f.qkv_bias, f.gate_up, f.gate_up_bias)]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def __call__(self, b: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
         base = self.model.model
@@ -127,7 +183,7 @@ class StaticForward:
         hidden = h if b.hidden_layer == 0 else None
         for i, layer in enumerate(base.layers):
             h = h + self._attention(i, layer.self_attn, self.norm(layer.input_layernorm, h), cos, sin, mask, b)
-            h = h + layer.mlp(self.norm(layer.post_attention_layernorm, h))
+            h = h + self._mlp(i, layer.mlp, self.norm(layer.post_attention_layernorm, h))
             if b.hidden_layer == i + 1 and i + 1 < self.num_layers:
                 hidden = h
         h = self.norm(base.norm, h)
@@ -155,13 +211,26 @@ class StaticForward:
         bias = torch.zeros(hidden.shape, dtype=dtype, device=positions.device).masked_fill(hidden, float("-inf"))
         return bias[:, None].expand(rows, self.groups, k, length).reshape(rows, 1, self.groups * k, length)
 
+    def _mlp(self, i: int, mlp, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is None:
+            return mlp(x)
+        gate, up = F.linear(x, self.fused[i].gate_up, self.fused[i].gate_up_bias).chunk(2, dim=-1)  # views
+        return mlp.down_proj(mlp.act_fn(gate) * up)  # LlamaMLP.forward's own expression
+
     def _attention(self, i: int, attn, x: torch.Tensor, cos, sin, mask, b: Batch) -> torch.Tensor:
         rows, k, _ = x.shape
         kvh, g, d = self.kv.kv_heads, self.groups, self.kv.head_dim
-        q = attn.q_proj(x).view(rows, k, self.heads, d)
-        key = attn.k_proj(x).view(rows, k, kvh, d)
-        value = attn.v_proj(x).view(rows, k, kvh, d)
-        q, key = self.rope(q, key, cos, sin, unsqueeze_dim=2)  # [B, K, H, D] layout
+        if self.fused is None:
+            q = attn.q_proj(x).view(rows, k, self.heads, d)
+            key = attn.k_proj(x).view(rows, k, kvh, d)
+            value = attn.v_proj(x).view(rows, k, kvh, d)
+            q, key = self.rope(q, key, cos, sin, unsqueeze_dim=2)  # [B, K, H, D] layout
+        else:  # one GEMM, and the rope over the q and k heads side by side (the same formula)
+            qkv = F.linear(x, self.fused[i].qkv, self.fused[i].qkv_bias)  # [B, K, (H + 2 kvh) D]
+            qk = qkv[..., : (self.heads + kvh) * d].view(rows, k, self.heads + kvh, d)
+            value = qkv[..., (self.heads + kvh) * d :].view(rows, k, kvh, d)
+            qk = (qk * cos.unsqueeze(2)) + (self.rotate_half(qk) * sin.unsqueeze(2))
+            q, key = qk[:, :, : self.heads], qk[:, :, self.heads :]
         keys, values = self.kv.keys[i], self.kv.values[i]  # [S, kvh, M, D]
         # in place at [slot, :, position]: the indexed result is [B, K, kvh, D]
         keys[b.slots[:, None], :, b.positions] = key

@@ -4,7 +4,8 @@ last or full logits, each on the dense and the gathered read path), the exact fu
 CUDA graph captures (CudaGraphs._body) traces under torch.compile(fullgraph=True) with no
 graph break, and a dispatch trace of it holds no op that syncs with the host (reads a
 value back, sizes an output by data, indexes with a bool mask, copies across devices).
-Either would break a capture on the GPU or silently bake one step's values into it."""
+Either would break a capture on the GPU or silently bake one step's values into it. Both
+forwards are checked: the modules' projections (M_L) and the fused ones (M_S)."""
 
 from __future__ import annotations
 
@@ -62,9 +63,13 @@ def bucket_kinds(num_layers: int) -> list[GraphKey]:
     return list(chosen.values())
 
 
-@pytest.fixture(scope="module")
-def graphs() -> CudaGraphs:
-    run = StaticRunner(tiny_model(3), "capture", kv_budget_tokens=SLOTS * MAX_LEN, max_len=MAX_LEN)
+@pytest.fixture(scope="module", params=[False, True], ids=["modules", "fused"])
+def graphs(request) -> CudaGraphs:
+    """The forward with the modules' projections (M_L's) and with fused ones (M_S's)."""
+    run = StaticRunner(
+        tiny_model(3), "capture", kv_budget_tokens=SLOTS * MAX_LEN, max_len=MAX_LEN, fuse_projections=request.param
+    )
+    assert (run._forward.fused is not None) == request.param
     return CudaGraphs(run._forward, max_rows=SLOTS, max_k=K_BUCKETS[-1])
 
 

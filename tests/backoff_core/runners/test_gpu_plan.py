@@ -31,11 +31,14 @@ def test_plan_fits_the_budgets(computed):
     for figures in computed["models"].values():
         assert set(figures) >= {"graphs", "kv_gib", "weights_gib", "pool_gib"}
         assert 0 < figures["graphs"] <= GRAPH_BUDGET == 200
-    total = sum(m["kv_gib"] + m["weights_gib"] + m["pool_gib"] for m in computed["models"].values())
+    total = sum(m["kv_gib"] + m["weights_gib"] + m["pool_gib"] + m["fused_gib"] for m in computed["models"].values())
     assert computed["total_gib"] == pytest.approx(total, abs=1e-3) and total <= 70
     # 64 slots of 1024 positions: 64 streams fit; 8B KV 128 KiB a position -> 8 GiB
     assert computed["models"]["large"]["slots"] == 64 and computed["models"]["large"]["kv_gib"] == 8.0
     assert computed["models"]["large"]["weights_gib"] == pytest.approx(13.75, abs=0.01)
+    # M_S's fused copies: per layer q/k/v [576 + 2 * 192, 576] and gate/up [2 * 1536, 576] in bf16
+    assert computed["models"]["small"]["fused_gib"] == round(30 * (960 + 3072) * 576 * 2 / 2**30, 3) == 0.13
+    assert computed["models"]["large"]["fused_gib"] == 0  # M_L keeps its modules
 
 
 def test_plan_matches_the_gpu_bench_defaults_and_the_measured_run(computed):
@@ -47,6 +50,8 @@ def test_plan_matches_the_gpu_bench_defaults_and_the_measured_run(computed):
         assert got["graphs"] == figures["graphs"]
         assert got["kv_gib"] == figures["kv_gib"] and got["weights_gib"] == pytest.approx(figures["weights_gib"], 1e-3)
         assert 0.5 <= got["pool_gib"] / figures["pool_gib"] <= 1.5  # an estimate, within 50%
+        if "fused_gib" in got:  # runs before the fused projections did not have them
+            assert got["fused_gib"] == pytest.approx(figures["fused_gib"], abs=1e-3)
 
 
 def test_graph_budget_takes_whole_kinds_in_priority_order():

@@ -25,8 +25,10 @@ PROMPTS = [(3, 4, 5, 6), (7,), (9, 9, 9, 9, 9, 9, 9, 1)]
 LONG = tuple((5 * i + 1) % 48 for i in range(40))  # k = 40 > 16: an eager prefill
 
 
-def runner(model, name, slots=8, max_len=128, **warmup) -> StaticRunner:
-    run = StaticRunner(model, name, kv_budget_tokens=slots * max_len, max_len=max_len, cuda_graphs=True)
+def runner(model, name, slots=8, max_len=128, fuse=False, **warmup) -> StaticRunner:
+    run = StaticRunner(
+        model, name, kv_budget_tokens=slots * max_len, max_len=max_len, cuda_graphs=True, fuse_projections=fuse
+    )
     graphs, _ = run.warmup(progress=False, **warmup)
     assert graphs > 0 and run.graphs is not None
     return run
@@ -40,8 +42,9 @@ def gpu_pair():
 @pytest.fixture(scope="module")
 def engine(gpu_pair, tokenizer):
     """16 slots each: test_batched_equals_alone holds 9 requests at once, and M_S takes its
-    slot when a request opens. M_S captures what factory.make_runner captures for it."""
-    small = runner(gpu_pair[0], "small", slots=16, last_only=(True,), ks=(1, 2))
+    slot when a request opens. M_S captures what factory.make_runner captures for it, over
+    fused projections as there."""
+    small = runner(gpu_pair[0], "small", slots=16, fuse=True, last_only=(True,), ks=(1, 2))
     return BackoffEngine([small, runner(gpu_pair[1], "large", slots=16)], tokenizer)
 
 
@@ -166,15 +169,16 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float((got.float() - ref).norm() / ref.norm())
 
 
+@pytest.mark.parametrize("fuse", [False, True], ids=["modules", "fused"])
 @pytest.mark.parametrize("shape", list(SHAPES))
 @torch.inference_mode()
-def test_bf16_real_shapes_match_a_float32_reference(shape):
+def test_bf16_real_shapes_match_a_float32_reference(shape, fuse):
     """Every kind of extend the engine makes (steps, ragged catch-ups, verification's full
     logits, a chunked 40-token catch-up), replayed from bf16 graphs: as close to the float32
     model as HF's own bf16 forward is, and no forward eager."""
     model32 = shaped_model(shape).float()
     model16 = shaped_model(shape).to(torch.bfloat16)
-    run = runner(model16, shape, slots=4, max_len=256)
+    run = runner(model16, shape, slots=4, max_len=256, fuse=fuse)
     seqs = {"a": list(PROMPTS[2]), "b": [7], "c": list(PROMPTS[0])}
     for request_id in seqs:
         run.open(request_id)
@@ -199,14 +203,16 @@ def test_bf16_real_shapes_match_a_float32_reference(shape):
     assert run.eager_passes == eager
 
 
+@pytest.mark.parametrize("fuse", [False, True], ids=["modules", "fused"])
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("dense", [True, False])
 @torch.inference_mode()
-def test_attention_runs_on_the_memory_efficient_kernel(shape, dense):
+def test_attention_runs_on_the_memory_efficient_kernel(shape, dense, fuse):
     """The additive mask keeps SDPA off its math fallback: with only the efficient (and
-    flash) kernels allowed, the static forward still runs, in bf16 at the real shapes."""
+    flash) kernels allowed, the static forward still runs, in bf16 at the real shapes (q
+    from the modules' projections or a view of the fused ones)."""
     model = shaped_model(shape).to(torch.bfloat16)
-    run = StaticRunner(model, shape, kv_budget_tokens=4 * 256, max_len=256, cuda_graphs=False)
+    run = StaticRunner(model, shape, kv_budget_tokens=4 * 256, max_len=256, cuda_graphs=False, fuse_projections=fuse)
     for k in (1, 4):
         batch = Batch(
             input_ids=torch.full((2, k), 5, device="cuda"),

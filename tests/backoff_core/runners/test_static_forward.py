@@ -1,15 +1,26 @@
 """StaticForward (backoff_core/runners/static_forward.py) one level below StaticRunner: a
 hand-built Batch over StaticKV storage gives HF's own forward logits on the tiny llama
 model in float32 -- a prefill, single-token decode steps at several positions, ragged
-rows on the gather path -- and check_supported refuses what it cannot compute."""
+rows on the gather path -- with the modules' projections or fused ones (the same numbers,
+fewer ops a layer), and check_supported refuses what it cannot compute."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
-from backoff_core.runners.static_forward import Batch, StaticForward, check_supported
+from backoff_core.runners.static_forward import Batch, FusedLayer, StaticForward, check_supported
 from backoff_core.runners.static_kv import StaticKV
 from tests.support.tiny import TINY_SHAPE, VOCAB, tiny_model
 
@@ -23,8 +34,13 @@ def model():
     return tiny_model(2, hidden=64, layers=4)  # 4 query heads over 2 kv heads: G = 2 folded
 
 
-def forward(model, slots: int = 2) -> StaticForward:
-    return StaticForward(model, StaticKV(model, slots * MAX_LEN, MAX_LEN))
+@pytest.fixture(params=[False, True], ids=["modules", "fused"])
+def fuse(request) -> bool:
+    return request.param
+
+
+def forward(model, slots: int = 2, fuse: bool = False) -> StaticForward:
+    return StaticForward(model, StaticKV(model, slots * MAX_LEN, MAX_LEN), fuse_projections=fuse)
 
 
 def batch(
@@ -52,16 +68,16 @@ def hf_logits(model, ids: list[int]) -> torch.Tensor:  # -> [len(ids), V]
 
 
 @torch.no_grad()
-def test_prefill_equals_hf_forward(model):
-    logits, hidden = forward(model)(batch([IDS], [0], [0], length=16))
+def test_prefill_equals_hf_forward(model, fuse):
+    logits, hidden = forward(model, fuse=fuse)(batch([IDS], [0], [0], length=16))
     assert logits.shape == (1, len(IDS), VOCAB) and logits.dtype == torch.float32 and hidden is None
     torch.testing.assert_close(logits[0], hf_logits(model, IDS), **TOL)
 
 
 @torch.no_grad()
 @pytest.mark.parametrize("slot", [0, 1], ids=["dense-view", "gathered-row"])
-def test_single_token_steps_at_several_positions_equal_hf(model, slot):
-    run = forward(model)
+def test_single_token_steps_at_several_positions_equal_hf(model, slot, fuse):
+    run = forward(model, fuse=fuse)
     run(batch([IDS[:4]], [0], [slot], length=4))
     for p in range(4, len(IDS)):  # the key length grows in buckets past the step's position
         logits, _ = run(batch([[IDS[p]]], [p], [slot], length=8 if p < 8 else 32))
@@ -69,8 +85,8 @@ def test_single_token_steps_at_several_positions_equal_hf(model, slot):
 
 
 @torch.no_grad()
-def test_ragged_rows_last_only_read_each_rows_own_last_token(model):
-    run = forward(model, slots=3)
+def test_ragged_rows_last_only_read_each_rows_own_last_token(model, fuse):
+    run = forward(model, slots=3, fuse=fuse)
     a, b = IDS[:7], IDS[5:8]
     logits, _ = run(batch([a, b], [0, 0], [2, 0], length=8, last_only=True))  # slots out of order: gather
     assert logits.shape == (2, 1, VOCAB)
@@ -80,8 +96,8 @@ def test_ragged_rows_last_only_read_each_rows_own_last_token(model):
 
 @torch.no_grad()
 @pytest.mark.parametrize("layer", [0, 2, 4])
-def test_hidden_layer_is_hfs_hidden_state(model, layer):
-    _, hidden = forward(model)(batch([IDS], [0], [0], length=16, hidden_layer=layer))
+def test_hidden_layer_is_hfs_hidden_state(model, layer, fuse):
+    _, hidden = forward(model, fuse=fuse)(batch([IDS], [0], [0], length=16, hidden_layer=layer))
     expected = model(torch.tensor([IDS]), output_hidden_states=True).hidden_states[layer]
     torch.testing.assert_close(hidden, expected, **TOL)
 
@@ -111,3 +127,71 @@ def test_check_supported_accepts_llama_and_a_window_that_never_binds(model):
 def test_check_supported_raises_value_error_naming_the_reason(make, says):
     with pytest.raises(ValueError, match=says):
         check_supported(make(), MAX_LEN)
+
+
+class Ops(TorchDispatchMode):
+    """Counts the ops a forward dispatches that are not views (on a GPU, each is a kernel)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += not func.is_view
+        return func(*args, **(kwargs or {}))
+
+
+def _ops_per_layer(fuse: bool) -> float:
+    counts = []
+    for layers in (2, 4):
+        run = forward(tiny_model(2, hidden=64, layers=layers), fuse=fuse)
+        with torch.inference_mode(), Ops() as ops:  # as a capture runs it
+            run(batch([[3], [5]], [4, 9], [0, 1], length=16, last_only=True))
+        counts.append(ops.count)
+    return (counts[1] - counts[0]) / 2
+
+
+def test_fused_projections_dispatch_eight_ops_fewer_a_layer():
+    # q/k/v: 3 GEMMs -> 1; gate/up: 2 -> 1; the rope over q and k at once: 10 -> 5
+    assert (_ops_per_layer(False), _ops_per_layer(True)) == (28, 20)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_fused_projections_give_the_modules_numbers_bit_for_bit(arch, dtype):
+    # the same GEMM rows and the same elementwise formula: identical logits, not just close
+    torch.manual_seed(4)
+    shape = dict(TINY_SHAPE, hidden_size=64, num_hidden_layers=3)
+    make = {
+        "llama": lambda: LlamaForCausalLM(LlamaConfig(**shape, mlp_bias=True, attention_bias=True)),
+        "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**shape)),  # q/k/v biases
+        "mistral": lambda: MistralForCausalLM(MistralConfig(**shape, sliding_window=None)),
+    }[arch]
+    model = make().eval().to(dtype)
+    if arch != "mistral":  # HF initialises biases to zero: give them values that count
+        for p in model.parameters():
+            if p.dim() == 1 and not p.any():
+                p.normal_()
+    plain, fused = forward(model, slots=3), forward(model, slots=3, fuse=True)
+    assert plain.fused is None and fused.fused is not None
+    for rows, starts, slots, length in (([IDS], [0], [0], 16), ([[7], IDS[:5]], [12, 0], [0, 2], 16)):
+        a = plain(batch(rows, starts, slots, length=length))[0]
+        b = fused(batch(rows, starts, slots, length=length))[0]
+        assert torch.equal(a, b)
+    torch.testing.assert_close(
+        fused(batch([IDS[:6]], [0], [1], length=8))[0][0].float(),
+        model(torch.tensor([IDS[:6]])).logits[0].float(),
+        **(TOL if dtype == torch.float32 else dict(atol=0.05, rtol=0.05)),
+    )
+
+
+def test_fused_copies_are_counted_and_a_partial_bias_keeps_the_modules():
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**TINY_SHAPE)).eval()
+    run = forward(model, fuse=True)
+    d, inner, kv_width = 32, 64, 2 * 32 // 4  # hidden, MLP width, kv_heads * head_dim
+    assert run.fused_nbytes() == 2 * (d * (d + 2 * kv_width) + 2 * inner * d) * 4  # 2 layers, float32
+    model.model.layers[1].self_attn.k_proj.bias = torch.nn.Parameter(torch.zeros(kv_width))  # k alone
+    assert FusedLayer.of(model.model.layers[1]) is None
+    assert forward(model, fuse=True).fused is None and forward(model, fuse=True).fused_nbytes() == 0
