@@ -8,9 +8,9 @@ Per layer: norm -> q/k/v projections -> HF's own `apply_rotary_pos_emb` with cos
 query at position p, i.e. j <= p, -inf elsewhere), built once per forward -> o_proj, residual, post-norm, MLP, residual. Then the final norm
 and the LM head (on every new position, or on each row's last one).
 
-Norms: the RMSNorm modules' own weight and epsilon through one fused `F.rms_norm` in float32,
-then the same cast and weight product as HF's LlamaRMSNorm (fused_norms=True; False calls the
-modules). HF's version is seven elementwise kernels, sixty-one times a forward at 30 layers:
+Norms: the RMSNorm modules' own weight and epsilon through one fused `F.rms_norm` (which
+normalises in float32 whatever its input's dtype and returns that dtype: HF's cast), then HF's
+weight product (fused_norms=True; False calls the modules). HF's version is seven elementwise kernels, sixty-one times a forward at 30 layers:
 in a graph of tiny kernels their count, not their bytes, sets c_S.
 
 GQA without copies: the G = heads / kv_heads query heads that share one kv head are folded
@@ -27,8 +27,9 @@ a small model every kernel costs ~2.5 us whatever its size, so the q, k and v pr
 as one GEMM over their weights concatenated (a copy made at load, with their biases), gate
 and up as another, and the rotary embedding turns q and k in one pass: HF's formula, q *
 cos + rotate_half(q) * sin with the module's own rotate_half, over the q and k heads side by
-side. 28 dispatched ops a layer become 20 (tests/backoff_core/runners/test_static_forward.py
-counts them). The copies cost memory (~0.14 GB for the 135M model, in plan.json), which is
+side. 28 dispatched ops a layer become 20 (in bf16 32, with the norms' former casts:
+tests/backoff_core/runners/test_static_forward.py counts them). The copies cost memory
+(0.13 GiB for the 135M model, plan.json's fused_gib), which is
 why M_L, bound by its weights' bandwidth and not by its kernel count, keeps the modules.
 
 Every shape and Python value here is fixed by the `Batch` key (rows, k, L, dense,
@@ -199,8 +200,10 @@ class StaticForward:
         """module(x) for an HF Llama RMSNorm: float32 normalisation, cast back, times weight."""
         if not self.fused_norms:
             return module(x)
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=module.variance_epsilon)
-        return module.weight * normed.to(x.dtype)
+        # in x's dtype: the kernel normalises in float32 and casts its output, so in bf16 the
+        # two casts around it (two kernels a norm) go, with HF's numbers (test_static_forward)
+        normed = F.rms_norm(x, (x.shape[-1],), eps=module.variance_epsilon)
+        return module.weight * normed
 
     def mask(self, positions: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
         """positions [B, K] -> additive mask [B, 1, G*K, L] (0 visible, -inf hidden), query

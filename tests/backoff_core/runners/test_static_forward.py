@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import (
     GPT2Config,
@@ -130,30 +131,45 @@ def test_check_supported_raises_value_error_naming_the_reason(make, says):
 
 
 class Ops(TorchDispatchMode):
-    """Counts the ops a forward dispatches that are not views (on a GPU, each is a kernel)."""
+    """Counts the ops a forward dispatches that make a new tensor (on a GPU, each is a
+    kernel): not views, and a dtype cast (`to`, which torch lists as a possible view) only
+    when it copies."""
 
     def __init__(self) -> None:
         super().__init__()
         self.count = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += not func.is_view
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view:
+            self.count += 1
+        elif func.overloadpacket.__name__ == "to":  # a cast copies; a same-dtype `to` aliases
+            self.count += out.untyped_storage().data_ptr() != args[0].untyped_storage().data_ptr()
+        return out
 
 
-def _ops_per_layer(fuse: bool) -> float:
+def _ops_per_layer(fuse: bool, dtype=torch.float32, norms=None) -> float:
     counts = []
     for layers in (2, 4):
-        run = forward(tiny_model(2, hidden=64, layers=layers), fuse=fuse)
+        run = forward(tiny_model(2, hidden=64, layers=layers).to(dtype), fuse=fuse)
+        if norms is not None:
+            run.norm = norms.__get__(run)
         with torch.inference_mode(), Ops() as ops:  # as a capture runs it
             run(batch([[3], [5]], [4, 9], [0, 1], length=16, last_only=True))
         counts.append(ops.count)
     return (counts[1] - counts[0]) / 2
 
 
-def test_fused_projections_dispatch_eight_ops_fewer_a_layer():
+def _norm_with_casts(self, module, x):  # the former norm: float32 in, the cast back outside
+    return module.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=module.variance_epsilon).to(x.dtype)
+
+
+def test_fused_projections_and_norms_dispatch_fewer_ops_a_layer():
     # q/k/v: 3 GEMMs -> 1; gate/up: 2 -> 1; the rope over q and k at once: 10 -> 5
     assert (_ops_per_layer(False), _ops_per_layer(True)) == (28, 20)
+    # bf16: the norms' two casts each (4 a layer) are gone too
+    assert _ops_per_layer(False, torch.bfloat16, _norm_with_casts) == 32
+    assert _ops_per_layer(True, torch.bfloat16) == 20
 
 
 @torch.no_grad()
@@ -195,3 +211,19 @@ def test_fused_copies_are_counted_and_a_partial_bias_keeps_the_modules():
     model.model.layers[1].self_attn.k_proj.bias = torch.nn.Parameter(torch.zeros(kv_width))  # k alone
     assert FusedLayer.of(model.model.layers[1]) is None
     assert forward(model, fuse=True).fused is None and forward(model, fuse=True).fused_nbytes() == 0
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fused_norm_is_hfs_rms_norm_bit_for_bit(dtype):
+    # one F.rms_norm in the input's dtype (float32 inside) against LlamaRMSNorm's float32
+    # normalisation, cast back, and weight product
+    model = tiny_model(2, hidden=64, layers=1).to(dtype)
+    norm = model.model.layers[0].input_layernorm
+    torch.manual_seed(5)
+    norm.weight.normal_()
+    x = (torch.randn(3, 5, 64) * torch.logspace(-3, 3, 64)).to(dtype)
+    run = forward(model)
+    assert run.fused_norms
+    got, want = run.norm(norm, x), norm(x)
+    assert got.dtype == want.dtype == dtype and torch.equal(got, want)
