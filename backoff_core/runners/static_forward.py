@@ -10,8 +10,9 @@ and the LM head (on every new position, or on each row's last one).
 
 Norms: the RMSNorm modules' own weight and epsilon through one fused `F.rms_norm` (which
 normalises in float32 whatever its input's dtype and returns that dtype: HF's cast), then HF's
-weight product (fused_norms=True; False calls the modules). HF's version is seven elementwise kernels, sixty-one times a forward at 30 layers:
-in a graph of tiny kernels their count, not their bytes, sets c_S.
+weight product (fused_norms=True; False calls the modules). HF's version is seven elementwise
+kernels, sixty-one times a forward at 30 layers: in a graph of tiny kernels their count, not
+their bytes, sets c_S.
 
 GQA without copies: the G = heads / kv_heads query heads that share one kv head are folded
 into the query-length axis (q: [B, kv_heads, G*K, D]), so SDPA sees equal head counts and
@@ -28,9 +29,9 @@ as one GEMM over their weights concatenated (a copy made at load, with their bia
 and up as another, and the rotary embedding turns q and k in one pass: HF's formula, q *
 cos + rotate_half(q) * sin with the module's own rotate_half, over the q and k heads side by
 side. 28 dispatched ops a layer become 20 (in bf16 32, with the norms' former casts:
-tests/backoff_core/runners/test_static_forward.py counts them). The copies cost memory
-(0.13 GiB for the 135M model, plan.json's fused_gib), which is
-why M_L, bound by its weights' bandwidth and not by its kernel count, keeps the modules.
+tests/backoff_core/runners/test_static_forward.py counts them). The copies cost memory (0.13
+GiB for the 135M model, plan.json's fused_gib), which is why M_L, bound by its weights'
+bandwidth and not by its kernel count, keeps the modules.
 
 Every shape and Python value here is fixed by the `Batch` key (rows, k, L, dense,
 last_only, hidden_layer), and nothing reads a device value back to the host, so a CUDA
@@ -123,23 +124,13 @@ class FusedLayer:
         gate_up = (mlp.gate_proj, mlp.up_proj)
         if not all(isinstance(m, torch.nn.Linear) for m in (*qkv, *gate_up)):
             return None
+        if any(len({m.bias is None for m in group}) > 1 for group in (qkv, gate_up)):
+            return None  # some of a group's projections have a bias, some none
 
-        def joined(modules, name):
-            parts = [getattr(m, name) for m in modules]
-            if all(p is None for p in parts):
-                return None
-            if any(p is None for p in parts):
-                raise _Unfusable
-            return torch.cat(parts)
+        def cat(modules, name):
+            return None if getattr(modules[0], name) is None else torch.cat([getattr(m, name) for m in modules])
 
-        try:
-            return cls(joined(qkv, "weight"), joined(qkv, "bias"), joined(gate_up, "weight"), joined(gate_up, "bias"))
-        except _Unfusable:  # some of the projections have a bias, some none
-            return None
-
-
-class _Unfusable(Exception):
-    pass
+        return cls(cat(qkv, "weight"), cat(qkv, "bias"), cat(gate_up, "weight"), cat(gate_up, "bias"))
 
 
 def _is_llama_rms_norm(norm) -> bool:
