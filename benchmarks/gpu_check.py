@@ -9,7 +9,8 @@ checks the real shapes: M_L's logits after a chunked prompt catch-up against HF'
 forward, and a few generations per routing with no forward run eagerly. Last, where the
 time of one step goes: a captured step's GPU time alone (CUDA events around the replay) and
 its kernel count, against the whole runner.extend (plan, upload, replay, float copy), for
-M_S with fused and with HF's own RMSNorm modules, and for M_L. Writes DIR/gpu_check.json.
+M_S as the factory builds it (fused projections and norms), without the fused projections,
+and with HF's own modules throughout, and for M_L. Writes DIR/gpu_check.json.
 """
 
 from __future__ import annotations
@@ -126,15 +127,26 @@ def step_anatomy(run: StaticRunner, rows: int, prompt_ids: list[int]) -> dict:
     }
 
 
+# M_S's forward as factory.make_runner builds it (fused projections and norms), then without
+# the fused projections, then with HF's own modules throughout: the kernels each saves
+PROBES = {
+    "M_S fused projections and norms": (True, True),
+    "M_S fused norms": (False, True),
+    "M_S HF modules": (False, False),
+}
+
+
 def anatomy(chain, runners, prompt_ids) -> dict:
     out = {}
-    for fused in (True, False):
-        probe = StaticRunner(chain.models[0], "probe", kv_budget_tokens=64 * 1024, max_len=1024)
-        probe._forward.fused_norms = fused
+    for label, (projections, norms) in PROBES.items():
+        probe = StaticRunner(
+            chain.models[0], "probe", kv_budget_tokens=64 * 1024, max_len=1024, fuse_projections=projections
+        )
+        probe._forward.fused_norms = norms
         probe.warmup(last_only=(True,), ks=(1,), progress=False)
-        label = "M_S fused norms" if fused else "M_S HF norm modules"
         out[label] = [step_anatomy(probe, rows, prompt_ids) for rows in (1, 64)]
         del probe
+        torch.cuda.empty_cache()
     out["M_L"] = [step_anatomy(runners[-1], rows, prompt_ids) for rows in (1, 16)]
     return out
 
