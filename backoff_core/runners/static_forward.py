@@ -27,8 +27,9 @@ Fused projections (fuse_projections=True; the factory sets it for M_S): in a cap
 a small model every kernel costs ~2.5 us whatever its size, so the q, k and v projections run
 as one GEMM over their weights concatenated (a copy made at load, with their biases), gate
 and up as another, and the rotary embedding turns q and k in one pass: HF's formula, q *
-cos + rotate_half(q) * sin with the module's own rotate_half, over the q and k heads side by
-side. 28 dispatched ops a layer become 20 (in bf16 32, with the norms' former casts:
+cos + rotate_half(q) * sin, over the q and k heads side by side, with rotate_half's negation
+folded into sin once a forward (the same products, bit for bit). 28 dispatched ops a layer
+become 19 (in bf16 32, with the norms' former casts:
 tests/backoff_core/runners/test_static_forward.py counts them). The copies cost memory (0.13
 GiB for the 135M model, plan.json's fused_gib), which is why M_L, bound by its weights'
 bandwidth and not by its kernel count, keeps the modules.
@@ -156,7 +157,7 @@ class StaticForward:
         self.groups = self.heads // kv.kv_heads  # G query heads per kv head
         # HF's own rope function from the attention's module (each model file has its copy)
         module = inspect.getmodule(type(attn))
-        self.rope, self.rotate_half = module.apply_rotary_pos_emb, module.rotate_half
+        self.rope = module.apply_rotary_pos_emb
         self.key_index = torch.arange(kv.max_len, device=kv.keys[0].device)  # [M]
         fused = [FusedLayer.of(layer) for layer in base.layers] if fuse_projections else []
         self.fused: list[FusedLayer] | None = fused if fused and all(f is not None for f in fused) else None
@@ -171,6 +172,9 @@ class StaticForward:
         rows, k = b.input_ids.shape
         h = base.embed_tokens(b.input_ids)  # [B, K, d]
         cos, sin = base.rotary_emb(h, b.positions)  # [B, K, D] each
+        if self.fused is not None:  # rotate_half's negation, folded into sin once a forward
+            half = sin.shape[-1] // 2
+            sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
         mask = self.mask(b.positions, b.length, h.dtype)  # [B, 1, G*K, L], shared by every layer
         hidden = h if b.hidden_layer == 0 else None
         for i, layer in enumerate(base.layers):
@@ -223,7 +227,11 @@ class StaticForward:
             qkv = F.linear(x, self.fused[i].qkv, self.fused[i].qkv_bias)  # [B, K, (H + 2 kvh) D]
             qk = qkv[..., : (self.heads + kvh) * d].view(rows, k, self.heads + kvh, d)
             value = qkv[..., (self.heads + kvh) * d :].view(rows, k, kvh, d)
-            qk = (qk * cos.unsqueeze(2)) + (self.rotate_half(qk) * sin.unsqueeze(2))
+            # HF's q * cos + rotate_half(q) * sin, with rotate_half(x) = cat(-x2, x1): here
+            # cat(x2, x1) * cat(-sin1, sin2), the same products ((-a) * b == a * (-b) exactly)
+            half = d // 2
+            swapped = torch.cat((qk[..., half:], qk[..., :half]), dim=-1)
+            qk = (qk * cos.unsqueeze(2)) + (swapped * sin.unsqueeze(2))
             q, key = qk[:, :, : self.heads], qk[:, :, self.heads :]
         keys, values = self.kv.keys[i], self.kv.values[i]  # [S, kvh, M, D]
         # in place at [slot, :, position]: the indexed result is [B, K, kvh, D]
