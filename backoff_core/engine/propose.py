@@ -16,7 +16,7 @@ from backoff_core.engine.isolation import batched, reopen
 from backoff_core.engine.state import Live
 from backoff_core.routing.routers import DecisionFunction, StepContext
 from backoff_core.runners.extension import last_rows
-from backoff_core.sampling import Stream, draw, host_uniforms, uniforms
+from backoff_core.sampling import Stream, draw, host_uniforms
 
 
 @dataclass(frozen=True, eq=False)
@@ -130,15 +130,15 @@ def propose(
                     groups.setdefault(r.router, []).append(i)
         on_host, on_device = {}, {}  # router -> its rows' scores: host floats | a device tensor [b]
         for router, at in groups.items():
+            coins = None  # the router's coin of each row (ROUTER stream), [b] float32 on the host
+            if router.reads_uniforms:
+                coins = host_uniforms([seeds[i] for i in at], [positions[i] for i in at], Stream.ROUTER)[:, 0]
             if router.scores_on_host:  # no upload, nothing to read back
-                u = None
-                if router.reads_uniforms:
-                    u = host_uniforms([seeds[i] for i in at], [positions[i] for i in at], Stream.ROUTER)[:, 0]
-                on_host[router] = router.host_scores(len(at), u)
+                on_host[router] = router.host_scores(len(at), coins)
             else:
                 rows = [g[i] for i in at]
                 on_device[router] = router.scores(
-                    _context(router, rows, logits if len(at) == len(g) else logits[at], small, large)
+                    _context(router, rows, logits if len(at) == len(g) else logits[at], small, large, coins)
                 )
         read = to_host(tokens, *on_device.values())
         values = on_host | dict(zip(on_device, read[1:]))  # router -> its rows' scores, host floats
@@ -163,9 +163,10 @@ def propose(
 
 
 def _context(
-    router: DecisionFunction, g: list[Live], logits: torch.Tensor, small: SmallOut, large: dict
+    router: DecisionFunction, g: list[Live], logits: torch.Tensor, small: SmallOut, large: dict, coins
 ) -> StepContext:
-    """The StepContext of router's rows g (logits: their M_S logits [b, V]), on the logits' device."""
+    """The StepContext of router's rows g (logits: their M_S logits [b, V]; coins: their
+    uniforms on the host, or None), on the logits' device."""
     dev = logits.device
     return StepContext(
         small_logits=logits,
@@ -174,7 +175,5 @@ def _context(
         drafts=torch.tensor([r.drafts() for r in g]).to(dev, non_blocking=True)
         if router.reads_drafts
         else torch.zeros(len(g), dtype=torch.long, device=dev),
-        uniforms=uniforms([r.seed for r in g], [len(r.tokens) for r in g], Stream.ROUTER, device=dev)[:, 0]
-        if router.reads_uniforms
-        else torch.zeros(len(g), device=dev),
+        uniforms=torch.from_numpy(coins).to(dev) if coins is not None else torch.zeros(len(g), device=dev),
     )

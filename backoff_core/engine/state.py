@@ -111,8 +111,6 @@ class Live:
     def prune(self) -> None:
         """Forget logits no catch-up can still verify (positions every level has read).
         The common case (no verification, no KL record) has none: append() skips the call."""
-        if not (self.source_logits or self.small_logits):
-            return
         horizon = min(self.fed[1:], default=len(self.tokens))
         for table in (self.source_logits, self.small_logits):
             for j in [j for j in table if j < horizon]:

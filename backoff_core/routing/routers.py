@@ -167,6 +167,7 @@ class Random(DecisionFunction):
 
     name = "random"
     threshold_range = (0.0, 1.0)  # a backoff rate
+    scores_on_host = True
 
     def __init__(self, rate: float | None = None) -> None:
         self.rate = rate
@@ -175,8 +176,6 @@ class Random(DecisionFunction):
         if self.rate is not None and num_levels == 2:
             return (self.rate,)
         return tuple((i + 1) / num_levels for i in range(num_levels - 1))
-
-    scores_on_host = True
 
     def scores(self, ctx):
         return ctx.uniforms
