@@ -156,8 +156,7 @@ class StaticForward:
         self.heads = int(model.config.num_attention_heads)
         self.groups = self.heads // kv.kv_heads  # G query heads per kv head
         # HF's own rope function from the attention's module (each model file has its copy)
-        module = inspect.getmodule(type(attn))
-        self.rope = module.apply_rotary_pos_emb
+        self.rope = inspect.getmodule(type(attn)).apply_rotary_pos_emb
         self.key_index = torch.arange(kv.max_len, device=kv.keys[0].device)  # [M]
         fused = [FusedLayer.of(layer) for layer in base.layers] if fuse_projections else []
         self.fused: list[FusedLayer] | None = fused if fused and all(f is not None for f in fused) else None
