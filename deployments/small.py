@@ -149,6 +149,7 @@ class SmallModel:
             hidden_size=side.hidden_size,
             context_window=side.context_window,
             prefill_chunk_tokens=self.args.prefill_chunk_tokens,
+            catch_up_wait_ms=self.args.catch_up_wait_ms,
         )
         self.metrics = SmallMetrics(n)
         self.gate = AdmissionGate(self.args.admission.max_live_requests, self.args.admission.max_waiting_requests)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -23,6 +24,16 @@ from backoff_core.types import (
     TokenLogprobs,
     Verification,
 )
+
+
+class Waiting(NamedTuple):
+    """A step routed to a larger level whose catch-up waits to be batched with others'
+    (engine.py, `catch_up_wait_ms`): what M_S's step decided, kept for the commit."""
+
+    level: int
+    token: int  # M_S's draw: the step's token if the catch-up fails (degraded)
+    score: float | None  # the router's score (the rate controller reads it at commit)
+    since: float  # when the step that routed it began (the engine's clock, s)
 
 
 @dataclass
@@ -72,6 +83,7 @@ class Live:
     prompt_len: int = field(init=False)  # len(request.prompt_ids), read several times a step
     verifies: bool = field(init=False)  # request.routing.verification is not NONE (read every step)
     decode_state: tuple | None = None  # Detokenizer's incremental text of the generated ids (incremental.py)
+    waiting: Waiting | None = None  # its step waits for a batched catch-up; it does not step meanwhile
 
     def __post_init__(self) -> None:
         self.prompt_len = len(self.request.prompt_ids)

@@ -295,6 +295,16 @@ class AppArgs(_Config):
         "streams' tokens (smaller: steadier inter-token latency, later first token for the new request). "
         "0: off (a prompt is prefilled whole at admission)",
     )
+    catch_up_wait_ms: float = Field(
+        40.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="batched catch-ups (docs/batched-catch-ups.md): how long a request routed to the "
+        "large model may wait, while the other streams step, for its catch-up to share one forward "
+        "with others' (never past one step where a step takes longer, nor while it is half the live "
+        "requests or more); more throughput under load, the same tokens. 0: every catch-up runs in "
+        "the step that routes it",
+    )
     torch_threads: int | None = Field(None, ge=1, description="torch threads per model replica (none: Ray's default)")
     handle_transport: Literal["grpc", "actor"] = Field(
         "grpc",

@@ -108,6 +108,7 @@ def test_at_most_one_chunk_per_model_and_step(pair, tokenizer):
 
 def test_live_streams_commit_every_step_while_a_long_prompt_loads(pair, tokenizer):
     engine = _engine(pair, tokenizer, CHUNK)
+    engine.catch_up_wait_ms = 0  # a routed stream commits in its step (batched catch-ups make it wait on purpose)
     streams = engine.submit_many([request((3 + i, 4), 40, "random", seed=i, rate=0.5) for i in range(3)])
     engine.step()
     (new,) = engine.submit_many([request(LONG, 4, "random", seed=5, rate=0.5)])

@@ -108,6 +108,16 @@ def test_prefill_chunk_tokens_defaults_to_the_engines_and_refuses_a_negative():
         AppArgs(prefill_chunk_tokens=-1)
 
 
+def test_catch_up_wait_ms_defaults_to_the_engines_and_refuses_a_negative():
+    from backoff_core.engine.engine import CATCH_UP_WAIT_MS
+
+    base = yaml.safe_load(DEFAULT_CONFIG.read_text())["applications"][0]["args"]
+    assert AppArgs().catch_up_wait_ms == AppArgs.model_validate(base).catch_up_wait_ms == CATCH_UP_WAIT_MS
+    assert AppArgs(catch_up_wait_ms=0).catch_up_wait_ms == 0  # off
+    with pytest.raises(ValidationError, match="catch_up_wait_ms"):
+        AppArgs(catch_up_wait_ms=-1)
+
+
 def test_models_config_refuses_half_a_pair():
     with pytest.raises(ValidationError):
         ModelsConfig(small="a")
