@@ -3,12 +3,18 @@
     python benchmarks/batch_scaling.py                      # the embedded default pair, CPU
     python benchmarks/batch_scaling.py --small models/small --large models/large \
         --device cuda --dtype bfloat16 --kv-budget 262144 --max-len 1024 --tag h100
+    python benchmarks/batch_scaling.py --interleave 1000 --streams 16,64   # batched vs at once, in turn
 
 n requests of --tokens tokens each run together through `engine.generate_many` (one M_S
 forward per step for all of them, one catch-up forward per level); tok/s counts generated
 tokens over the wall time after admission. Every figure is a median over repeats, all in
 one run. Saves benchmarks/results[/gpu]/batch_scaling[-TAG].{json,png} as
-{"tok_per_s": {"<routing label>": {"<n>": value}}, ...}.
+{"tok_per_s": {"<routing label>": {"<n>": value}}, "catch_up_forwards_per_100_tokens": ...,
+"itl_median_ms": ..., "itl_p99_ms": ..., ...} (the inter-token latencies of every request).
+Batched catch-ups (docs/batched-catch-ups.md): "random b=0.9" runs the engine's default
+(catch_up_wait_ms, --catch-up-wait-ms), "random b=0.9, catch-ups at once" runs each in the step
+that routes it (0), and "random b=0.9, waits up to 1 s" lets the half-of-live rule alone end
+the waits; all in the same run, for the ratios.
 """
 
 from __future__ import annotations
@@ -23,22 +29,28 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from backoff_core.engine.engine import BackoffEngine
+from backoff_core.engine.engine import CATCH_UP_WAIT_MS, BackoffEngine
 from backoff_core.models.loading import LoadSpec, load_chain
 from backoff_core.models.prompts import encode_prompt
 from backoff_core.types import GenerationRequest, KVSpec, RoutingParams, SamplingParams
 
 PROMPT = "Write a short paragraph about the history of the Python programming language."
-ROUTINGS = {
-    "always-large": RoutingParams(router="always-large"),
-    "random b=0.9": RoutingParams(router="random", rate=0.9),
-    "always-small": RoutingParams(router="always-small"),
+ROUTINGS = {  # label -> (routing, the engine's catch_up_wait_ms: None keeps --catch-up-wait-ms)
+    "always-large": (RoutingParams(router="always-large"), None),
+    "random b=0.9": (RoutingParams(router="random", rate=0.9), None),
+    "random b=0.9, catch-ups at once": (RoutingParams(router="random", rate=0.9), 0.0),
+    "random b=0.9, waits up to 1 s": (RoutingParams(router="random", rate=0.9), 1000.0),
+    "always-small": (RoutingParams(router="always-small"), None),
 }
 
 
-def throughput(engine, prompt_ids, n, tokens, routing, repeats) -> float:
-    """Median tok/s of n requests generated together (admission excluded)."""
-    rates = []
+def throughput(engine, prompt_ids, n, tokens, routing, repeats, wait_ms: float) -> dict[str, float]:
+    """n requests generated together, `repeats` times, catch-ups waiting up to `wait_ms` to
+    be batched: the median tok/s (admission excluded); catch-up forwards per 100 tokens (a
+    forward shared by m requests is in each one's record, CatchUp.batch_size = m: 1/m each);
+    the inter-token latency's median and p99 over every request's tokens (ms)."""
+    engine.catch_up_wait_ms = wait_ms
+    rates, forwards, generated, gaps = [], 0.0, 0, []
     for rep in range(repeats):
         reqs = [
             GenerationRequest(
@@ -47,15 +59,29 @@ def throughput(engine, prompt_ids, n, tokens, routing, repeats) -> float:
             for i in range(n)
         ]
         rids = [engine.submit(r) for r in reqs]
+        last: dict[str, float] = {}  # request id -> when its last token arrived
         _sync()
         start = time.perf_counter()
         while engine.has_work():
-            engine.step()
+            events = engine.step()
+            now = time.perf_counter()
+            for request_id in events:
+                if request_id in last:
+                    gaps.append(now - last[request_id])
+                last[request_id] = now
         _sync()
         seconds = time.perf_counter() - start
-        done = sum(len(engine.finish(request_id).token_ids) for request_id in rids)
+        results = [engine.finish(request_id) for request_id in rids]
+        done = sum(len(r.token_ids) for r in results)
         rates.append(done / seconds)
-    return statistics.median(rates)
+        forwards += sum(1 / c.batch_size for r in results for c in r.catch_ups)
+        generated += done
+    return {
+        "tok_per_s": statistics.median(rates),
+        "forwards_per_100_tokens": 100 * forwards / generated,
+        "itl_median_ms": 1e3 * statistics.median(gaps) if gaps else 0.0,
+        "itl_p99_ms": 1e3 * statistics.quantiles(gaps, n=100, method="inclusive")[98] if len(gaps) > 1 else 0.0,
+    }
 
 
 def _sync() -> None:
@@ -75,6 +101,16 @@ def main() -> None:
     ap.add_argument("--kv-budget", type=int, default=None, help="static KV storage of this many tokens per model")
     ap.add_argument("--max-len", type=int, default=1024, help="positions per static KV slot")
     ap.add_argument("--no-cuda-graphs", action="store_true")
+    ap.add_argument(
+        "--catch-up-wait-ms", type=float, default=CATCH_UP_WAIT_MS, help="the engine's catch_up_wait_ms (0: at once)"
+    )
+    ap.add_argument(
+        "--interleave",
+        type=float,
+        metavar="MS",
+        help="instead: b=0.9 with catch_up_wait_ms = MS against 0, in turn, --repeats rounds of one "
+        "repeat each per n (the machine's drift hits both alike); saves batch_scaling_interleaved[-TAG].json",
+    )
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", default=None, help="default: benchmarks/results (benchmarks/results/gpu on cuda)")
     args = ap.parse_args()
@@ -87,14 +123,23 @@ def main() -> None:
     load_s = time.perf_counter() - start
     prompt_ids = encode_prompt(chain.tokenizer, PROMPT, chat=bool(chain.tokenizer.chat_template))
     streams = [int(s) for s in args.streams.split(",")]
-    for routing in ROUTINGS.values():  # warm-up: allocator growth, lazy initialisation
-        throughput(engine, prompt_ids, 2, 4, routing, 1)
-    table: dict[str, dict[str, float]] = {}
-    for label, routing in tqdm(ROUTINGS.items(), desc="routings"):
-        table[label] = {
-            str(n): throughput(engine, prompt_ids, n, args.tokens, routing, args.repeats)
+    if args.interleave is not None:
+        return _interleaved(engine, prompt_ids, streams, args)
+    waits = {label: args.catch_up_wait_ms if wait is None else wait for label, (_, wait) in ROUTINGS.items()}
+    for label, (routing, _) in ROUTINGS.items():  # warm-up: allocator growth, lazy initialisation
+        throughput(engine, prompt_ids, 2, 4, routing, 1, waits[label])
+    runs = {
+        label: {
+            str(n): throughput(engine, prompt_ids, n, args.tokens, routing, args.repeats, waits[label])
             for n in tqdm(streams, desc=label, leave=False)
         }
+        for label, (routing, _) in tqdm(ROUTINGS.items(), desc="routings")
+    }
+
+    def pick(key: str) -> dict[str, dict[str, float]]:
+        return {label: {n: figures[key] for n, figures in row.items()} for label, row in runs.items()}
+
+    table = pick("tok_per_s")
     base = str(streams[0])
     report = {
         "device": args.device,
@@ -106,7 +151,11 @@ def main() -> None:
         if kv is None
         else {"budget_tokens": kv.budget_tokens, "max_len": kv.max_len, "cuda_graphs": kv.cuda_graphs},
         "engine_load_s": load_s,
+        "catch_up_wait_ms": waits,
         "tok_per_s": table,
+        "catch_up_forwards_per_100_tokens": pick("forwards_per_100_tokens"),
+        "itl_median_ms": pick("itl_median_ms"),
+        "itl_p99_ms": pick("itl_p99_ms"),
         "scaling_vs_n1": {label: {n: v / row[base] for n, v in row.items()} for label, row in table.items()},
     }
     _print(report, streams)
@@ -118,11 +167,44 @@ def main() -> None:
     print(f"saved {out / stem}.json and .png")
 
 
+def _interleaved(engine, prompt_ids, streams: list[int], args) -> None:
+    """b=0.9 with catch-ups waiting up to args.interleave ms against at once, in turn."""
+    routing = ROUTINGS["random b=0.9"][0]
+    waits = (args.interleave, 0.0)
+    throughput(engine, prompt_ids, 2, 4, routing, 1, waits[0])  # warm-up
+    rounds: dict[str, list[dict]] = {str(n): [] for n in streams}
+    for _ in tqdm(range(args.repeats), desc="rounds"):
+        for n in streams:
+            pair = [throughput(engine, prompt_ids, n, args.tokens, routing, 1, w) for w in waits]
+            rounds[str(n)].append({"waiting": pair[0], "at_once": pair[1]})
+    ratios = {
+        n: statistics.median(r["waiting"]["tok_per_s"] / r["at_once"]["tok_per_s"] for r in rs)
+        for n, rs in rounds.items()
+    }
+    print(f"\nb=0.9, catch-ups waiting up to {args.interleave:g} ms vs at once (tok/s per round; median ratio)")
+    for n, rs in rounds.items():
+        cells = ", ".join(f"{r['waiting']['tok_per_s']:.0f}/{r['at_once']['tok_per_s']:.0f}" for r in rs)
+        print(f"n={n:>3s}: {cells}   x{ratios[n]:.2f}")
+    out = Path(args.out or ("benchmarks/results/gpu" if args.device.startswith("cuda") else "benchmarks/results"))
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / ("batch_scaling_interleaved" + (f"-{args.tag}" if args.tag else "") + ".json")
+    report = {"device": args.device, "dtype": args.dtype, "tokens": args.tokens, "catch_up_wait_ms": args.interleave}
+    path.write_text(json.dumps({**report, "ratio_median": ratios, "rounds": rounds}, indent=2))
+    print(f"saved {path}")
+
+
 def _print(report, streams) -> None:
-    print(f"\n{'routing':16s} " + " ".join(f"{'n=' + str(n):>10s}" for n in streams) + "   (tok/s; x n=1)")
+    print(f"\n{'routing':32s} " + " ".join(f"{'n=' + str(n):>10s}" for n in streams) + "   (tok/s; x n=1)")
     for label, row in report["tok_per_s"].items():
         cells = " ".join(f"{row[str(n)]:10.1f}" for n in streams)
-        print(f"{label:16s} {cells}   x{report['scaling_vs_n1'][label][str(streams[-1])]:.1f}")
+        print(f"{label:32s} {cells}   x{report['scaling_vs_n1'][label][str(streams[-1])]:.1f}")
+    print(f"\n{'catch-up forwards / 100 tokens':32s} " + " ".join(f"{'n=' + str(n):>10s}" for n in streams))
+    for label, row in report["catch_up_forwards_per_100_tokens"].items():
+        print(f"{label:32s} " + " ".join(f"{row[str(n)]:10.1f}" for n in streams))
+    print(f"\n{'inter-token ms, median / p99':32s} " + " ".join(f"{'n=' + str(n):>10s}" for n in streams))
+    for label, row in report["itl_median_ms"].items():
+        p99 = report["itl_p99_ms"][label]
+        print(f"{label:32s} " + " ".join(f"{f'{row[str(n)]:.0f}/{p99[str(n)]:.0f}':>10s}" for n in streams))
 
 
 def _plot(report, streams, path: Path) -> None:

@@ -30,7 +30,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from backoff_core.engine.engine import PREFILL_CHUNK_TOKENS, BackoffEngine
+from backoff_core.engine.engine import CATCH_UP_WAIT_MS, PREFILL_CHUNK_TOKENS, BackoffEngine
 from backoff_core.models.loading import load_chain
 from backoff_core.types import GenerationRequest, RoutingParams, SamplingParams
 
@@ -62,7 +62,7 @@ def _p99(values: list[float]) -> float:
 
 
 def one_run(chain, chunk: int, args, streams: list[tuple[int, ...]], prompt: tuple[int, ...]) -> dict:
-    engine = BackoffEngine.from_chain(chain, prefill_chunk_tokens=chunk)
+    engine = BackoffEngine.from_chain(chain, prefill_chunk_tokens=chunk, catch_up_wait_ms=args.catch_up_wait_ms)
     ids = engine.submit_many([_request(p, args.stream_tokens, seed=i) for i, p in enumerate(streams)])
     stamps: dict[str, list[float]] = {rid: [] for rid in ids}
     new, submitted, first, step = None, 0.0, None, 0
@@ -116,6 +116,12 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=2048)
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--arrive-at", type=int, default=16, help="the step before which the long prompt arrives")
+    parser.add_argument(
+        "--catch-up-wait-ms",
+        type=float,
+        default=CATCH_UP_WAIT_MS,
+        help="the engine's catch_up_wait_ms (docs/batched-catch-ups.md)",
+    )
     parser.add_argument("--keep-tokens", action="store_true", default=True)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "chunked_prefill.json")
@@ -158,6 +164,7 @@ def main() -> None:
         "setup": {
             "pair": "default (embedded SmolLM2-135M pair), fp32, CPU, in-process BackoffEngine",
             "router": "random, rate 0.5, one seed per request (the same tokens in every run)",
+            "catch_up_wait_ms": args.catch_up_wait_ms,
             "streams": args.streams,
             "stream_prompt_tokens": args.stream_prompt_tokens,
             "stream_tokens": args.stream_tokens,

@@ -15,6 +15,10 @@ Time is the step thread's CPU time (`time.thread_time`, torch on one thread): wh
 spends on a step, which a shared, loaded machine does not inflate the way it does wall time
 (the wall-clock figures are saved too; on a quiet machine the two agree).
 
+"random b=0.9" runs every catch-up in the step that routes it (catch_up_wait_ms = 0), the most
+host work a step has; "random b=0.9, batched catch-ups" runs the engine's default
+(docs/batched-catch-ups.md), where a step has a catch-up stage less often.
+
 Saves benchmarks/results/step_overhead.json: `ms_per_step` (host time: step minus forward,
 median over repeats), `total_ms_per_step` (the whole step), `forward_ms_per_step`, and the
 same three measured by the wall clock under `wall`.
@@ -40,7 +44,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from backoff_core.engine.engine import BackoffEngine
+from backoff_core.engine.engine import CATCH_UP_WAIT_MS, BackoffEngine
 from backoff_core.runners.factory import make_runner
 from backoff_core.types import GenerationRequest, KVSpec, RoutingParams, SamplingParams
 
@@ -158,9 +162,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     (small, large), tokenizer = tiny_pair()
     streams = [int(n) for n in args.streams.split(",")]
-    routings = {
-        "always-small": RoutingParams(router="always-small"),
-        "random b=0.9": RoutingParams(router="random", rate=0.9),
+    routings = {  # label -> (routing, the engine's catch_up_wait_ms)
+        "always-small": (RoutingParams(router="always-small"), 0),
+        "random b=0.9": (RoutingParams(router="random", rate=0.9), 0),
+        "random b=0.9, batched catch-ups": (RoutingParams(router="random", rate=0.9), CATCH_UP_WAIT_MS),
     }
     table = {}
     load = os.getloadavg()[0]
@@ -173,18 +178,19 @@ def main() -> None:
                 replay_forward(runner)
             clock.wrap(runner)
         engine = BackoffEngine(runners, tokenizer)
-        for label, routing in routings.items():
+        for label, (routing, wait) in routings.items():
+            engine.catch_up_wait_ms = wait
             ms_per_step(engine, 2, 4, routing, 1, clock)  # warm-up
             table[f"{storage}, {label}"] = {
                 str(n): ms_per_step(engine, n, args.tokens, routing, args.repeats, clock) for n in streams
             }
     header = " ".join(f"{'n=' + str(n):>9s}" for n in streams)
-    print(f"\n{'host ms per step (CPU)':36s} {header}   at n max: us/request-step, total/forward, wall host")
+    print(f"\n{'host ms per step (CPU)':44s} {header}   at n max: us/request-step, total/forward, wall host")
     for name, row in table.items():
         cells = " ".join(f"{row[str(n)]['host']:9.2f}" for n in streams)
         top = row[str(streams[-1])]
         print(
-            f"{name:36s} {cells}   {top['host'] * 1e3 / streams[-1]:.0f}  "
+            f"{name:44s} {cells}   {top['host'] * 1e3 / streams[-1]:.0f}  "
             f"{top['total']:.2f}/{top['forward']:.2f}  {top['wall_host']:.2f}"
         )
     out = Path(args.out)

@@ -1,0 +1,39 @@
+"""benchmarks/batch_scaling.py's figures on the tiny pair: its forwards count (CatchUp
+records, a shared forward split between its requests) and the batched catch-ups it compares."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backoff_core.engine.engine import BackoffEngine
+from backoff_core.runners.dynamic import ModelRunner
+from backoff_core.types import RoutingParams
+from benchmarks.batch_scaling import throughput
+from benchmarks.step_overhead import tiny_pair
+
+
+class Counted(ModelRunner):
+    def __init__(self, model, name):
+        super().__init__(model, name)
+        self.forwards = 0
+
+    def extend(self, items, hidden_layer=None, last_only=False):
+        self.forwards += 1
+        return super().extend(items, hidden_layer, last_only)
+
+
+def test_forwards_per_100_tokens_counts_the_large_models_forwards():
+    torch.manual_seed(0)
+    (small, large), tokenizer = tiny_pair()
+    figures = {}
+    for wait in (0, 1e4):
+        runner = Counted(large, "large")
+        engine = BackoffEngine([ModelRunner(small, "small"), runner], tokenizer)
+        got = throughput(engine, [5, 6, 7], 16, 24, RoutingParams(router="random", rate=0.9), 2, wait)
+        assert got["tok_per_s"] > 0 and engine.catch_up_wait_ms == wait
+        per_100 = got["forwards_per_100_tokens"]
+        assert per_100 == pytest.approx(100 * runner.forwards / (2 * 16 * 24))  # a forward split between its rows
+        assert 0 < got["itl_median_ms"] <= got["itl_p99_ms"]
+        figures[wait] = per_100
+    assert figures[1e4] < 0.6 * figures[0]  # 16 streams at 10% large: most steps route one or more
