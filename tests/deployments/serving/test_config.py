@@ -98,24 +98,19 @@ def test_static_kv_settings_reach_the_models_config():
         ModelsConfig(kv_budget_tokens=1000, kv_max_len=1024, static_kv=True)
 
 
-def test_prefill_chunk_tokens_defaults_to_the_engines_and_refuses_a_negative():
-    from backoff_core.engine.engine import PREFILL_CHUNK_TOKENS
+@pytest.mark.parametrize(
+    ("field", "engine_default"),
+    [("prefill_chunk_tokens", "PREFILL_CHUNK_TOKENS"), ("catch_up_wait_ms", "CATCH_UP_WAIT_MS")],
+)
+def test_engine_settings_default_to_the_engines_and_refuse_a_negative(field, engine_default):
+    import backoff_core.engine.engine as engine
 
     base = yaml.safe_load(DEFAULT_CONFIG.read_text())["applications"][0]["args"]
-    assert AppArgs().prefill_chunk_tokens == AppArgs.model_validate(base).prefill_chunk_tokens == PREFILL_CHUNK_TOKENS
-    assert AppArgs(prefill_chunk_tokens=0).prefill_chunk_tokens == 0  # off
-    with pytest.raises(ValidationError, match="prefill_chunk_tokens"):
-        AppArgs(prefill_chunk_tokens=-1)
-
-
-def test_catch_up_wait_ms_defaults_to_the_engines_and_refuses_a_negative():
-    from backoff_core.engine.engine import CATCH_UP_WAIT_MS
-
-    base = yaml.safe_load(DEFAULT_CONFIG.read_text())["applications"][0]["args"]
-    assert AppArgs().catch_up_wait_ms == AppArgs.model_validate(base).catch_up_wait_ms == CATCH_UP_WAIT_MS
-    assert AppArgs(catch_up_wait_ms=0).catch_up_wait_ms == 0  # off
-    with pytest.raises(ValidationError, match="catch_up_wait_ms"):
-        AppArgs(catch_up_wait_ms=-1)
+    default = getattr(engine, engine_default)
+    assert getattr(AppArgs(), field) == getattr(AppArgs.model_validate(base), field) == default
+    assert getattr(AppArgs(**{field: 0}), field) == 0  # off
+    with pytest.raises(ValidationError, match=field):
+        AppArgs(**{field: -1})
 
 
 def test_models_config_refuses_half_a_pair():
