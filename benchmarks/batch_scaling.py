@@ -84,6 +84,12 @@ def throughput(engine, prompt_ids, n, tokens, routing, repeats, wait_ms: float) 
     }
 
 
+def _out_dir(args) -> Path:
+    out = Path(args.out or ("benchmarks/results/gpu" if args.device.startswith("cuda") else "benchmarks/results"))
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -159,8 +165,7 @@ def main() -> None:
         "scaling_vs_n1": {label: {n: v / row[base] for n, v in row.items()} for label, row in table.items()},
     }
     _print(report, streams)
-    out = Path(args.out or ("benchmarks/results/gpu" if args.device.startswith("cuda") else "benchmarks/results"))
-    out.mkdir(parents=True, exist_ok=True)
+    out = _out_dir(args)
     stem = "batch_scaling" + (f"-{args.tag}" if args.tag else "")
     (out / f"{stem}.json").write_text(json.dumps(report, indent=2))
     _plot(report, streams, out / f"{stem}.png")
@@ -185,8 +190,7 @@ def _interleaved(engine, prompt_ids, streams: list[int], args) -> None:
     for n, rs in rounds.items():
         cells = ", ".join(f"{r['waiting']['tok_per_s']:.0f}/{r['at_once']['tok_per_s']:.0f}" for r in rs)
         print(f"n={n:>3s}: {cells}   x{ratios[n]:.2f}")
-    out = Path(args.out or ("benchmarks/results/gpu" if args.device.startswith("cuda") else "benchmarks/results"))
-    out.mkdir(parents=True, exist_ok=True)
+    out = _out_dir(args)
     path = out / ("batch_scaling_interleaved" + (f"-{args.tag}" if args.tag else "") + ".json")
     report = {"device": args.device, "dtype": args.dtype, "tokens": args.tokens, "catch_up_wait_ms": args.interleave}
     path.write_text(json.dumps({**report, "ratio_median": ratios, "rounds": rounds}, indent=2))
