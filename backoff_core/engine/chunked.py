@@ -62,6 +62,44 @@ def catch_up_end(r: Live, level: int, chunk: int, collect_kl: bool) -> int | Non
     return end if end > r.fed[level] else None
 
 
+def stalls(models: Sequence[Backend], r: Live, level: int, chunk: int, collect_kl: bool) -> bool:
+    """Whether r waits for its `level` cache to be fed in chunks before this catch-up
+    (a request whose session cannot be opened ends alone)."""
+    end = catch_up_end(r, level, chunk, collect_kl)
+    if end is None:
+        return False
+    each([r], models, lambda r: start(models[level], level, r, end))
+    return level in r.backlog or r.failure is not None  # no backlog: its prefix cache held it all
+
+
+def stall_long_catch_ups(
+    models: Sequence[Backend],
+    stepping: list[Live],
+    levels: dict[str, int],
+    outcomes: dict,
+    fed: dict[str, int],
+    routed: list[Live],
+    chunk: int,
+    collect_kl: bool,
+) -> bool:
+    """The step's catch-ups that would read more than a chunk stall: M_S's step undone
+    (fed: M_S's positions before it), the pending tokens fed in chunks, the step taken
+    again. Returns whether any request stalled (or ended: its session could not be opened)."""
+    stalled = [
+        r
+        for r in stepping
+        if levels.get(r.request_id, 0) > 0
+        and r.request_id not in outcomes
+        and not (r.degraded or r.done)
+        and stalls(models, r, levels[r.request_id], chunk, collect_kl)
+    ]
+    if stalled:
+        routed_ids = {r.request_id for r in routed}
+        for r in stalled:
+            each([r], models, lambda r: undo_small(models, r, fed[r.request_id], r.request_id in routed_ids))
+    return bool(stalled)
+
+
 def undo_small(models: Sequence[Backend], r: Live, fed: int, routed: bool) -> None:
     """Forget M_S's step of r (it is taken again once r's backlog is fed): its cache back to
     `fed` positions, the step's timings dropped."""

@@ -10,7 +10,7 @@ One `step()` advances every live request by one committed token (or one rollback
   5. catch-up per level, batched over requests: ONE forward over each request's pending
      tokens and one host copy; verification may roll back; the step's token comes from
      that level. A plain routed request may wait a few ms, not stepping, for its
-     catch-up to share a forward with others' (`catch_up_wait_ms`, _hold)
+     catch-up to share a forward with others' (`catch_up_wait_ms`, hold.py)
   6. commit: append, stream, stop (commit.py; one copy for the logprobs asked for)
 Every device-to-host read goes through host.to_host: once per stage, whatever the batch.
 A request whose larger model could not answer (catchup.py) is `degraded`: from then on it
@@ -29,11 +29,12 @@ from backoff_core.engine.admission import checked
 from backoff_core.engine.backends import Backend
 from backoff_core.engine.catchup import CatchUpper, Outcome
 from backoff_core.engine.commit import CommitContext, commit_many, settle_many
+from backoff_core.engine.hold import CatchUpHold
 from backoff_core.engine.isolation import each
 from backoff_core.engine.logprobs import TokenTexts
 from backoff_core.engine.prompt import prefill
-from backoff_core.engine.propose import Proposal, propose, small_step
-from backoff_core.engine.state import Detokenizer, Live, Waiting
+from backoff_core.engine.propose import propose, small_step
+from backoff_core.engine.state import Detokenizer, Live
 from backoff_core.routing.routers import DecisionFunction, build_router
 from backoff_core.runners.factory import make_runner
 from backoff_core.runners.static_kv import KVCapacityError
@@ -74,8 +75,8 @@ class BackoffEngine:
         """prefill_chunk_tokens: positions each model prefills per step at most (chunked.py);
         longer prompts and first catch-ups are fed over several steps. 0 / None: off.
         catch_up_wait_ms: how long a request routed to a larger model may wait, while the
-        others step, for its catch-up to run in one forward with others' (_hold; clock: the
-        time it is measured by, read once a step). 0 / None: every catch-up runs in the step
+        others step, for its catch-up to run in one forward with others' (hold.py; clock:
+        the time it is measured by, read once a step). 0 / None: every catch-up runs in the step
         that routes it."""
         if len(models) < 2:
             raise ValueError("backoff decoding needs at least two models (small and large)")
@@ -84,9 +85,6 @@ class BackoffEngine:
         if catch_up_wait_ms is not None and not catch_up_wait_ms >= 0:
             raise ValueError(f"catch_up_wait_ms must be >= 0 (0: off), got {catch_up_wait_ms}")
         self.prefill_chunk_tokens = prefill_chunk_tokens or 0
-        self.catch_up_wait_ms = catch_up_wait_ms or 0.0
-        self._clock = clock
-        self._now = self._step_s = 0.0  # this step's start, and the time since the last one's (_hold)
         self.models = list(models)
         self.tokenizer = tokenizer
         self.classifier_path = classifier_path
@@ -95,6 +93,7 @@ class BackoffEngine:
         slots = [m.max_positions for m in models if getattr(m, "max_positions", None)]
         self.context_window = min([w for w in (context_window, *slots) if w], default=None)
         self.collect_kl = collect_kl
+        self.hold = CatchUpHold(catch_up_wait_ms or 0.0, clock, collect_kl)
         self.eos_ids = _eos_ids(tokenizer)
         self.detok = Detokenizer(tokenizer)
         self.token_texts = TokenTexts(tokenizer)
@@ -125,6 +124,16 @@ class BackoffEngine:
     @property
     def num_levels(self) -> int:
         return len(self.models)
+
+    @property
+    def catch_up_wait_ms(self) -> float:
+        """How long a routed request may wait for a batched catch-up (hold.py); may change
+        between steps (0: the waiting ones catch up in the next step)."""
+        return self.hold.wait_ms
+
+    @catch_up_wait_ms.setter
+    def catch_up_wait_ms(self, value: float) -> None:
+        self.hold.wait_ms = value or 0.0
 
     # -- admission ------------------------------------------------------------------------
     def submit(self, request: GenerationRequest, router: DecisionFunction | None = None) -> str:
@@ -232,9 +241,7 @@ class BackoffEngine:
         live = [r for r in self._live.values() if r.finished is None and r.failure is None]  # not done
         if not live:
             return {}
-        if self.catch_up_wait_ms:
-            now = self._clock()
-            self._step_s, self._now = now - self._now, now
+        self.hold.tick()
         # 0. chunked prefill: at most one chunk per model of the prompts (and long catch-ups)
         # still loading; a request with a backlog left does not step (chunked.py)
         if any(r.backlog for r in live):
@@ -252,7 +259,7 @@ class BackoffEngine:
             dropped = {
                 r.request_id
                 for r in special
-                if r.request_id not in forced or (forced[r.request_id] > 0 and self._stall(r, forced[r.request_id]))
+                if r.request_id not in forced or (forced[r.request_id] > 0 and self._stalls(r, forced[r.request_id]))
             }
             live = [r for r in live if r.request_id not in dropped and not r.done]
             stepping = [r for r in live if r.request_id not in levels]
@@ -280,11 +287,13 @@ class BackoffEngine:
         # 5. catch-ups, one batched forward per level; one that would read more than a chunk
         # stalls (its step is taken again once its pending tokens are fed, chunked.py)
         if self.prefill_chunk_tokens and any(level > 0 for level in levels.values()):
-            if self._stall_long_catch_ups(stepping, levels, outcomes, fed, routed):
+            if chunked.stall_long_catch_ups(
+                self.models, stepping, levels, outcomes, fed, routed, self.prefill_chunk_tokens, self.collect_kl
+            ):
                 live = [r for r in live if not (r.backlog or r.done)]
         for r in waiting:
             levels[r.request_id] = r.waiting.level
-        held = self._holding(live, levels, outcomes) if levels and (self.catch_up_wait_ms or waiting) else 0
+        holders = self.hold.holders(live, levels, outcomes) if levels and (self.hold.wait_ms or waiting) else set()
         for level in range(1, self.num_levels) if levels else ():
             group = [
                 r
@@ -294,10 +303,10 @@ class BackoffEngine:
                 and not r.degraded
                 and r.failure is None
             ]
-            if held and group:
-                group = self._hold(level, group, held, len(live), proposal)
+            if holders and group:
+                group = self.hold.split(level, group, holders, len(live), proposal)
             outcomes.update(self.catch_up.run(level, group))
-        if held:  # the steps that wait commit nothing yet
+        if holders:  # the steps that wait commit nothing yet
             live = [r for r in live if r.waiting is None]
         # a catch-up failed (degraded): M_S's token instead, for those that skipped M_S
         late = [
@@ -317,89 +326,8 @@ class BackoffEngine:
         ctx = CommitContext(self.detok, self.token_texts, self.eos_ids, self.collect_kl)
         return commit_many(settle_many(live, outcomes, small, proposal, ctx, self.models), ctx, self.models)
 
-    def _stall(self, r: Live, level: int) -> bool:
-        """Whether r waits for its `level` cache to be fed in chunks before this catch-up
-        (a request whose session cannot be opened ends alone)."""
-        end = chunked.catch_up_end(r, level, self.prefill_chunk_tokens, self.collect_kl)
-        if end is None:
-            return False
-        each([r], self.models, lambda r: chunked.start(self.models[level], level, r, end))
-        return level in r.backlog or r.failure is not None  # no backlog: its prefix cache held it all
-
-    def _stall_long_catch_ups(
-        self, stepping: list[Live], levels: dict, outcomes: dict, fed: dict[str, int], routed: list[Live]
-    ) -> bool:
-        """Step 5's catch-ups that would read more than a chunk stall: M_S's step undone
-        (fed: M_S's positions before it), the pending tokens fed in chunks, the step taken
-        again. Returns whether any request stalled (or ended: its session could not be opened)."""
-        stalled = [
-            r
-            for r in stepping
-            if levels.get(r.request_id, 0) > 0
-            and r.request_id not in outcomes
-            and not (r.degraded or r.done)
-            and self._stall(r, levels[r.request_id])
-        ]
-        if stalled:
-            routed_ids = {r.request_id for r in routed}
-            for r in stalled:
-                each(
-                    [r],
-                    self.models,
-                    lambda r: chunked.undo_small(self.models, r, fed[r.request_id], r.request_id in routed_ids),
-                )
-        return bool(stalled)
-
-    def _may_wait(self, r: Live) -> bool:
-        """Whether r's catch-up may wait for others': a plain routed step only (verification
-        reads its drafts in the catch-up's step; an oracle or forced level has its model run
-        anyway; the KL record reads M_S's logits of the step at its commit)."""
-        return not (
-            r.verifies
-            or r.degraded
-            or r.finish_after_verify
-            or r.router.needs_large_logits
-            or r.router.forces_levels
-            or self.collect_kl
-        )
-
-    def _holding(self, live: list[Live], levels: dict[str, int], outcomes: dict) -> int:
-        """Requests that would wait after this step if no catch-up ran (0: none may)."""
-        return sum(
-            1 for r in live if levels.get(r.request_id, 0) > 0 and r.request_id not in outcomes and self._may_wait(r)
-        )
-
-    def _hold(self, level: int, group: list[Live], held: int, live: int, proposal: Proposal) -> list[Live]:
-        """Batched catch-ups: of group (routed to `level` now or waiting there), those that
-        catch up in this step; the others wait, and do not step, until one of:
-          - a request of the group may not wait (its forward runs anyway: all ride along);
-          - the oldest would pass `catch_up_wait_ms` by waiting one more step (as long as
-            the last one);
-          - half the live requests or more would wait (M_S would step a half-empty batch;
-            a lone request never waits).
-        Nothing else changes: every draw is a pure function of (seed, position), so the
-        tokens are those of catch-ups run at once. A waiting step's M_S token and score are
-        kept (Waiting) and put back into this step's proposal when it catches up."""
-        oldest = min((r.waiting.since for r in group if r.waiting is not None), default=self._now)
-        if (
-            self.catch_up_wait_ms  # 0 (set between steps): the waiting ones catch up now
-            and 2 * held < live
-            and self._now - oldest + self._step_s <= self.catch_up_wait_ms / 1e3
-            and all(self._may_wait(r) for r in group)
-        ):
-            for r in group:
-                if r.waiting is None:
-                    r.waiting = Waiting(
-                        level, proposal.tokens[r.request_id], proposal.scores.get(r.request_id), self._now
-                    )
-            return []
-        for r in group:
-            if r.waiting is not None:  # its step goes on as if it had caught up when routed
-                proposal.tokens[r.request_id] = r.waiting.token
-                if r.waiting.score is not None:
-                    proposal.scores[r.request_id] = r.waiting.score
-                r.waiting = None
-        return group
+    def _stalls(self, r: Live, level: int) -> bool:
+        return chunked.stalls(self.models, r, level, self.prefill_chunk_tokens, self.collect_kl)
 
     def _forced_level(self, r: Live) -> int:
         """The level of r's step if it is known before M_S runs, else -1."""

@@ -1,0 +1,82 @@
+"""Batched catch-ups (docs/batched-catch-ups.md): a request routed to a larger model may
+wait, while the others step, for its catch-up to run in one forward with others'.
+
+A waiting request does not step: its step's level, M_S's token and the router's score are
+kept (`Live.waiting`) and put back into the proposal of the step that catches it up. The
+waits at a level end, for all of them, in the first step where:
+  - a request of the level's group may not wait (`may_wait`): its forward runs anyway, so
+    all ride along;
+  - the oldest would pass `wait_ms` by waiting one more step (taken to last as long as the
+    last one), so where a step takes longer than `wait_ms` nothing waits;
+  - half the live requests or more would wait (M_S would step a half-empty batch; a lone
+    request never waits).
+Nothing else changes: every draw is a pure function of (seed, position), so the tokens are
+those of catch-ups run at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from backoff_core.engine.propose import Proposal
+from backoff_core.engine.state import Live, Waiting
+
+
+class CatchUpHold:
+    def __init__(self, wait_ms: float, clock: Callable[[], float], collect_kl: bool) -> None:
+        self.wait_ms = wait_ms  # 0: every catch-up runs in the step that routes it
+        self.clock = clock  # read once a step (tick), while wait_ms is set
+        self.collect_kl = collect_kl
+        self.now = self.step_s = 0.0  # this step's start, and the time since the last one's
+
+    def tick(self) -> None:
+        """At the start of a step."""
+        if self.wait_ms:
+            now = self.clock()
+            self.step_s, self.now = now - self.now, now
+
+    def may_wait(self, r: Live) -> bool:
+        """A plain routed step only: verification reads its drafts in the catch-up's step; an
+        oracle or forced level has its model run anyway; the KL record reads M_S's logits of
+        the step at its commit."""
+        return not (
+            r.verifies
+            or r.degraded
+            or r.finish_after_verify
+            or r.router.needs_large_logits
+            or r.router.forces_levels
+            or self.collect_kl
+        )
+
+    def holders(self, live: list[Live], levels: dict[str, int], outcomes: dict) -> set[str]:
+        """The requests that would wait after this step if no catch-up ran (routed to a
+        larger level, or waiting there, and allowed to wait)."""
+        return {
+            r.request_id
+            for r in live
+            if levels.get(r.request_id, 0) > 0 and r.request_id not in outcomes and self.may_wait(r)
+        }
+
+    def split(self, level: int, group: list[Live], holders: set[str], live: int, proposal: Proposal) -> list[Live]:
+        """Of group (routed to `level` this step or waiting there; none in outcomes), those
+        that catch up in this step: all of them, or none (the others start or go on waiting)."""
+        oldest = min((r.waiting.since for r in group if r.waiting is not None), default=self.now)
+        if (
+            self.wait_ms  # 0 (set between steps): the waiting ones catch up now
+            and 2 * len(holders) < live
+            and self.now - oldest + self.step_s <= self.wait_ms / 1e3
+            and all(r.request_id in holders for r in group)
+        ):
+            for r in group:
+                if r.waiting is None:
+                    r.waiting = Waiting(
+                        level, proposal.tokens[r.request_id], proposal.scores.get(r.request_id), self.now
+                    )
+            return []
+        for r in group:
+            if r.waiting is not None:  # its step goes on as if it had caught up when routed
+                proposal.tokens[r.request_id] = r.waiting.token
+                if r.waiting.score is not None:
+                    proposal.scores[r.request_id] = r.waiting.score
+                r.waiting = None
+        return group
