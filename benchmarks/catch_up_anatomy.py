@@ -58,7 +58,13 @@ def replay_grid(runner, repeats: int = 7) -> list[dict]:
             end.synchronize()
             times.append(start.elapsed_time(end))
         rows.append(
-            {"dense": key.dense, "rows": key.rows, "k": key.k, "L": key.length, "ms": round(statistics.median(times), 3)}
+            {
+                "dense": key.dense,
+                "rows": key.rows,
+                "k": key.k,
+                "L": key.length,
+                "ms": round(statistics.median(times), 3),
+            }
         )
     return rows
 
@@ -109,7 +115,9 @@ def summarise(log: list[dict]) -> dict:
         "token_slots": slots,
         "real_tokens": real,
         "real_share": round(real / slots, 3) if slots else None,
-        "by_shape": {k: {**v, "ms": round(v["ms"], 1)} for k, v in sorted(by_shape.items(), key=lambda kv: -kv[1]["ms"])},
+        "by_shape": {
+            k: {**v, "ms": round(v["ms"], 1)} for k, v in sorted(by_shape.items(), key=lambda kv: -kv[1]["ms"])
+        },
     }
 
 
@@ -138,7 +146,9 @@ def main() -> None:
         engine.catch_up_wait_ms = wait
         large_log, small_log = record_forwards(large), record_forwards(small)
         reqs = [
-            GenerationRequest(tuple(prompt_ids), SamplingParams(max_tokens=args.tokens, seed=i, ignore_eos=True), routing)
+            GenerationRequest(
+                tuple(prompt_ids), SamplingParams(max_tokens=args.tokens, seed=i, ignore_eos=True), routing
+            )
             for i in range(args.streams)
         ]
         _sync()
@@ -159,7 +169,9 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "catch_up_anatomy.json").write_text(json.dumps(report, indent=1) + "\n")
-    print("grid:", *(f"{'D' if g['dense'] else 'G'}{g['rows']}x{g['k']} L{g['L']}: {g['ms']} ms" for g in grid), sep="\n")
+    print(
+        "grid:", *(f"{'D' if g['dense'] else 'G'}{g['rows']}x{g['k']} L{g['L']}: {g['ms']} ms" for g in grid), sep="\n"
+    )
 
 
 if __name__ == "__main__":
