@@ -129,6 +129,24 @@ class CudaGraphs:
             self._body(key)
         return graph
 
+    @torch.inference_mode()
+    def replay_ms(self, key: GraphKey, repeats: int = 3) -> float:
+        """The median GPU time of one replay of a captured graph (CUDA events; a replay
+        first, untimed), on harmless inputs: every token at the scratch column, as after
+        capture. For choosing between layouts at load (static.py), never during a step."""
+        self.positions.fill_(self.forward.kv.scratch)
+        graph = self._graphs[key]
+        graph.replay()
+        times = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return sorted(times)[len(times) // 2]
+
     def upload(self, ids, positions, slots, last_col) -> Batch:
         """Host inputs (ids, positions: [rows, k]; slots, last_col: [rows]) -> the static
         device buffers viewed at those shapes, in one copy from the pinned mirror."""

@@ -41,7 +41,7 @@ from transformers import PreTrainedModel
 
 from backoff_core.runners.cuda_graphs import CudaGraphs
 from backoff_core.runners.extension import Extension, LastRows
-from backoff_core.runners.graph_plan import GRAPH_BUDGET, K_BUCKETS, kinds, length_buckets, plan_keys
+from backoff_core.runners.graph_plan import GRAPH_BUDGET, K_BUCKETS, GraphKey, kinds, length_buckets, plan_keys
 from backoff_core.runners.prefix_cache import PrefixCache, PrefixCaching
 from backoff_core.runners.scoring import Scoring, per_item, score_rows
 from backoff_core.runners.sessions import Session, SessionTable
@@ -54,7 +54,7 @@ __all__ = ["KVCapacityError", "StaticRunner"]
 
 # a catch-up longer than the largest captured k runs as up to this many replays; longer ones
 # (prompt prefills) as one eager forward, which is compute-bound there anyway
-MAX_CHUNKS = 4
+MAX_CHUNKS = 8
 
 
 @dataclass(kw_only=True)
@@ -101,6 +101,9 @@ class StaticRunner(PrefixCaching, SessionTable[_SlotSession]):
         self.graphs = CudaGraphs(self._forward, self.graph_max_rows, K_BUCKETS[-1]) if use_graphs else None
         # (last_only, hidden_layer) -> the k captured for it, ascending (warmup)
         self._captured_ks: dict[tuple[bool, int | None], tuple[int, ...]] = {}
+        # (last_only, hidden_layer) -> the (k, dense rows) at which a gathered batch of half
+        # the rows replayed faster than the dense view (warmup measures; static_layout.py)
+        self._gather_over: dict[tuple[bool, int | None], frozenset[tuple[int, int]]] = {}
         self.prefix_cache = PrefixCache(prefix_cache or PrefixCacheSpec(0))  # None: off
 
     @property
@@ -197,12 +200,37 @@ class StaticRunner(PrefixCaching, SessionTable[_SlotSession]):
             for key in keys:
                 captured.setdefault((key.last_only, key.hidden_layer), set()).add(key.k)
             self._captured_ks = {v: tuple(sorted(ks)) for v, ks in captured.items()}
+            start = time.perf_counter()
+            self._gather_over = self._measure_layouts(keys)
+            seconds += time.perf_counter() - start
         if progress:
+            over = sorted({pair for pairs in self._gather_over.values() for pair in pairs})
             print(
                 f"{self.name}: {len(self.graphs)} CUDA graphs captured in {seconds:.1f} s "
-                f"({self.kv.slots} slots x {self.kv.max_len} positions, {self.kv.nbytes() / 2**30:.2f} GiB KV)"
+                f"({self.kv.slots} slots x {self.kv.max_len} positions, {self.kv.nbytes() / 2**30:.2f} GiB KV); "
+                f"gathered half batches replay faster at (k, rows) {over or 'nowhere'}"
             )
         return len(self.graphs), seconds
+
+    def _measure_layouts(self, keys: list[GraphKey]) -> dict[tuple[bool, int | None], frozenset[tuple[int, int]]]:
+        """For each captured dense batch of k >= 2 new tokens a row, whether the gathered batch
+        of half its rows replays faster (at the longest captured L, where gathering copies the
+        most): a catch-up of 20 rows spread over 64 slots then runs 32 gathered rows x 16 instead
+        of the 64-row view (the H100 8B shape: 17.8 against 27.6 ms; at k = 1 the view wins).
+        The layout is the planner's choice (static_layout.py); this only tells it the costs."""
+        captured = set(keys)
+        longest: dict[tuple, int] = {}
+        for key in keys:
+            at = (key.last_only, key.hidden_layer, key.k, key.rows)
+            if key.dense and key.k >= 2 and key.rows >= 2:
+                longest[at] = max(longest.get(at, 0), key.length)
+        over: dict[tuple[bool, int | None], set[tuple[int, int]]] = {}
+        for (last_only, layer, k, rows), length in longest.items():
+            dense = GraphKey(True, rows, k, length, last_only, layer)
+            half = GraphKey(False, rows // 2, k, length, last_only, layer)
+            if half in captured and self.graphs.replay_ms(half) < self.graphs.replay_ms(dense):
+                over.setdefault((last_only, layer), set()).add((k, rows))
+        return {variant: frozenset(pairs) for variant, pairs in over.items()}
 
     def _ks(self, last_only: bool, layer: int | None) -> tuple[int, ...]:
         """The k an extend may be bucketed to: those captured for its variant (k = 1's logits
@@ -366,6 +394,7 @@ class StaticRunner(PrefixCaching, SessionTable[_SlotSession]):
             scratch=self.kv.scratch,
             layer=layer,
             last_only=last_only,
+            gather_over=self._gather_over.get((last_only, layer), frozenset()),
         )
 
     def _run(self, plan: Plan, columns: list[list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:

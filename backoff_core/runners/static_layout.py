@@ -3,7 +3,9 @@
 Items are (positions held, slot, new ids). Rows of the batch are powers of two: when the
 extending slots are dense (2 * items >= nb, nb = the power of two above the highest slot)
 batch row = slot and storage[:nb] is read as a view, idle rows riding along as padding;
-otherwise item i is row i and its slot's rows are gathered. New tokens are right-padded to
+otherwise item i is row i and its slot's rows are gathered. Where the runner measured that
+a gathered batch of nb / 2 rows beats the view (catch-ups of many tokens a row on a large
+model: the idle rows' padding is compute), exactly nb / 2 items gather too. New tokens are right-padded to
 k (a k bucket); padding writes to the scratch column that no real query sees.
 
 Built with numpy over the whole batch (a few array ops, whatever the item count), not a
@@ -13,7 +15,7 @@ Python list per row: at 64 rows the per-row version cost more than a captured GP
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,10 +49,13 @@ def lay_out(
     scratch: int,
     layer: int | None,
     last_only: bool,
+    gather_over: Collection[tuple[int, int]] = (),
 ) -> Plan:
     """lengths, slots: per item, the positions its session holds and its storage slot;
     new_ids: per item, at least one id. ks: the k buckets allowed (a longer row: k_max
-    itself, an eager forward)."""
+    itself, an eager forward). gather_over: (k, dense rows) at which the gathered batch of
+    half the rows is the faster one (measured at load: StaticRunner._measure_layouts), so
+    n <= rows / 2 items gather there even when the dense rule holds."""
     n = len(new_ids)
     k_max = max(map(len, new_ids))
     held = np.fromiter(lengths, np.int64, n)
@@ -60,7 +65,7 @@ def lay_out(
     k = bucket(k_max, ks or (k_max,))
     length = bucket(int(held.max()) + 1 if counts is None else int((held + counts).max()), length_buckets)
     top = next_power_of_two(int(slot.max()) + 1)
-    dense = top <= num_slots and 2 * n >= top
+    dense = top <= num_slots and 2 * n >= top and not (2 * n <= top and (k, top) in gather_over)
     rows = top if dense else next_power_of_two(n)
     at = slot if dense else np.arange(n)  # [n] each item's batch row
     input_ids = np.zeros((rows, k), np.int64)

@@ -4,8 +4,6 @@ transformers generation."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from transformers import (
@@ -22,10 +20,10 @@ from transformers import (
 )
 
 from backoff_core.engine.engine import BackoffEngine
-from backoff_core.runners.cuda_graphs import CudaGraphs
 from backoff_core.runners.dynamic import ModelRunner
-from backoff_core.runners.static import KVCapacityError, StaticRunner
+from backoff_core.runners.static import MAX_CHUNKS, KVCapacityError, StaticRunner
 from backoff_core.types import Verification
+from tests.support.eager_graphs import EagerGraphs
 from tests.support.helpers import engine_for, hf_greedy, request
 from tests.support.tiny import TINY_SHAPE, VOCAB, tiny_model
 
@@ -312,13 +310,6 @@ def test_engine_speculative_greedy_is_large_alone(pair, tokenizer, draft_tokens)
 
 
 # -- the graph bookkeeping, replayed eagerly on the CPU -----------------------------------------
-class EagerGraphs(CudaGraphs):
-    """CudaGraphs whose 'graph' re-runs the captured body on the static buffers: the
-    buckets, static inputs and output copies of the real thing, without a GPU."""
-
-    def _record(self, key):
-        self._body(key)  # the warm-up run, as on the GPU
-        return SimpleNamespace(replay=lambda: self._body(key))
 
 
 def test_graph_replay_bookkeeping_equals_model_runner(model):
@@ -340,9 +331,12 @@ def test_graph_replay_bookkeeping_equals_model_runner(model):
         ([(request_id, [4]) for request_id in sids], {}),  # 6 rows > max_rows: eager
         ([("s0", [5] * 60)], dict(last_only=True)),  # k 60: four chunks of 16
         ([("s0", [6]), ("s3", [7])], dict(hidden_layer=1)),  # gather 2 rows
-        ([("s3", [2] * 70)], dict(hidden_layer=1)),  # k 70: five chunks would be too many, eager
+        ([("s3", [2] * 70)], dict(hidden_layer=1)),  # k 70: five chunks, replayed
     ]
     for items, kwargs in steps:
         assert_same(ref, run, items, **kwargs)
-    assert run.eager_passes - eager == 2
-    assert run.forward_passes - passes == 4 + 3 + 1 + 4 + 1 + 1
+    assert run.eager_passes - eager == 1
+    assert run.forward_passes - passes == 4 + 3 + 1 + 4 + 1 + 5
+    # past MAX_CHUNKS chunks of the largest k, a prompt prefill runs as one eager forward
+    assert run._chunk(1, 16 * MAX_CHUNKS, True, None) == 16
+    assert run._chunk(1, 16 * MAX_CHUNKS + 1, True, None) == 16 * MAX_CHUNKS + 1
