@@ -212,19 +212,25 @@ def _print(report, streams) -> None:
 
 
 def _plot(report, streams, path: Path) -> None:
+    title = f"Batch scaling ({report['gpu'] or report['device']}, {report['dtype']})"
+    plot_scaling(report["tok_per_s"], streams, path, "aggregate tokens / s (median)", title)
+
+
+def plot_scaling(tok_per_s: dict, streams: list[int], path: Path, ylabel: str, title: str) -> None:
+    """tok/s against n, a line per routing, log-log (gpu_sim.py draws its table the same way)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for label, row in report["tok_per_s"].items():
+    for label, row in tok_per_s.items():
         ax.plot(streams, [row[str(n)] for n in streams], "o-", label=label)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("concurrent requests n")
-    ax.set_ylabel("aggregate tokens / s (median)")
-    ax.set_title(f"Batch scaling ({report['gpu'] or report['device']}, {report['dtype']})")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

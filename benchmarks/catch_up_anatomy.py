@@ -5,7 +5,8 @@
 
 Two parts, one load:
   1. replay grid: the GPU time of every captured M_L graph that catch-ups use (last logits
-     only, no hidden layer), dense and gathered rows x k x L (CUDA events, median);
+     only, no hidden layer), dense and gathered rows x k x L, as the runner timed them at
+     load (CUDA events, median of 3; what static_layout.choose weighs);
   2. a run of n streams (--streams, default 64) at random b=0.9 with the engine's default
      catch_up_wait_ms, every M_L forward recorded: its bucket (dense, rows, k, L), the real new
      tokens among its rows x k, and its wall time (synchronised).
@@ -19,7 +20,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import statistics
 import time
 from pathlib import Path
 
@@ -39,34 +39,17 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-@torch.inference_mode()
-def replay_grid(runner, repeats: int = 7) -> list[dict]:
-    graphs = runner.graphs
-    if graphs is None:
+def replay_grid(runner) -> list[dict]:
+    """The replay time of every captured M_L graph that catch-ups use (last logits only, no
+    hidden layer), as warmup measured it (StaticRunner.warmup: CUDA events, median of 3)."""
+    if runner.graphs is None:
         return []
-    rows = []
-    for key in sorted(graphs._graphs, key=lambda k: (k.dense, k.rows, k.k, k.length)):
-        if not key.last_only or key.hidden_layer is not None:
-            continue
-        graph = graphs._graphs[key]
-        times = []
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        rows.append(
-            {
-                "dense": key.dense,
-                "rows": key.rows,
-                "k": key.k,
-                "L": key.length,
-                "ms": round(statistics.median(times), 3),
-            }
-        )
-    return rows
+    keys = sorted(runner.graphs.ms, key=lambda k: (k.dense, k.rows, k.k, k.length))
+    return [
+        {"dense": k.dense, "rows": k.rows, "k": k.k, "L": k.length, "ms": round(runner.graphs.ms[k], 3)}
+        for k in keys
+        if k.last_only and k.hidden_layer is None
+    ]
 
 
 def record_forwards(runner) -> list[dict]:

@@ -5,12 +5,14 @@
 Loads the pair (bf16), builds each runner as the engine does (factory.make_runner: static
 KV slots, graphs captured now) and measures what benchmarks/gpu_plan.py predicts: graphs,
 capture seconds, KV bytes and the memory the capture added (pool + static buffers). Then
-checks the real shapes: M_L's logits after a chunked prompt catch-up against HF's own bf16
+checks the real shapes: M_L's logits after a prompt catch-up (in blocks) against HF's own bf16
 forward, and a few generations per routing with no forward run eagerly. Last, where the
 time of one step goes: a captured step's GPU time alone (CUDA events around the replay) and
 its kernel count, against the whole runner.extend (plan, upload, replay, float copy), for
 M_S as the factory builds it (fused projections and norms), without the fused projections,
-and with HF's own modules throughout, and for M_L. Writes DIR/gpu_check.json.
+and with HF's own modules throughout, and for M_L. Also saves every graph's replay time as
+warmup measured it (`replay_ms`: what static_layout.choose weighs, and the cost table of
+benchmarks/gpu_sim.py). Writes DIR/gpu_check.json.
 """
 
 from __future__ import annotations
@@ -151,6 +153,15 @@ def anatomy(chain, runners, prompt_ids) -> dict:
     return out
 
 
+def replay_table(runner: StaticRunner) -> list[dict]:
+    """Every captured graph's replay time (ms), as warmup measured it."""
+    return [
+        {"dense": k.dense, "rows": k.rows, "k": k.k, "L": k.length, "last_only": k.last_only, "layer": k.hidden_layer}
+        | {"ms": round(ms, 3)}
+        for k, ms in sorted(runner.graphs.ms.items(), key=lambda kv: (kv[0].dense, kv[0].rows, kv[0].k, kv[0].length))
+    ]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--small", required=True)
@@ -201,6 +212,7 @@ def main() -> None:
         "eager_passes_after_load": [r.eager_passes - e for r, e in zip(runners, eager_before)],
         "forward_passes": [r.forward_passes for r in runners],
         "generate_many_4x": runs,
+        "replay_ms": {name: replay_table(r) for name, r in zip(("small", "large"), runners)},
     }
     try:
         report["step_anatomy"] = anatomy(chain, runners, prompt)

@@ -4,7 +4,8 @@
 #   bash scripts/gpu_bench.sh tests [TAG]   # pytest -m cuda (bf16 at G=3/4, hash vs CPU, SDPA kernel)
 #                                           # + the pair checked against the plan (gpu_check.json)
 #   bash scripts/gpu_bench.sh cost  [TAG]   # benchmarks/cost_curve.py: c_S, P_L(k), C(b), baselines
-#   bash scripts/gpu_bench.sh batch [TAG]   # benchmarks/batch_scaling.py: n = 1, 4, 16, 64
+#   bash scripts/gpu_bench.sh batch [TAG]   # benchmarks/batch_scaling.py: n = 1, 4, 16, 64, then
+#                                           # catch_up_anatomy.py: every M_L forward of 64 streams
 #
 # TAG names the GPU in the file names (default h100). Every stage builds the random-weight
 # 135M/8B-shaped pair in /tmp/pair itself (unless a warm machine kept it) from a copy of
@@ -44,6 +45,9 @@ cost)
 batch)
     python3 benchmarks/batch_scaling.py "${common[@]}" --tokens 64 --repeats 2 --tag "$tag" --out "$out" 2>&1 |
         grep -v '%|' | tee "$out/batch_scaling-$tag.txt" | tail -12
+    # the shapes, real tokens and times of M_L's forwards behind the b=0.9 row (a second load)
+    python3 benchmarks/catch_up_anatomy.py "${common[@]}" --out "$out" 2>&1 | grep -v '%|' |
+        tee "$out/catch_up_anatomy.txt" | grep -v '^[DG][0-9]' | tail -8
     ;;
 *)
     echo "unknown stage $stage: tests, cost or batch" >&2

@@ -59,6 +59,7 @@ class CudaGraphs:
         self.pool = None  # one memory pool shared by every graph (created at the first capture)
         self._side = None  # the side stream of the warm-up runs
         self._graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        self.ms: dict[GraphKey, float] = {}  # each graph's replay time (time_replays), for layouts
 
     def __contains__(self, key: GraphKey) -> bool:
         return key in self._graphs
@@ -129,11 +130,20 @@ class CudaGraphs:
             self._body(key)
         return graph
 
+    def time_replays(self, keys: list[GraphKey]) -> float:
+        """Time every captured graph of `keys` into `ms` (static_layout.choose weighs the
+        layouts of an extend by them); returns the seconds taken."""
+        start = time.perf_counter()
+        for key in keys:
+            if key in self._graphs and key not in self.ms:
+                self.ms[key] = self.replay_ms(key)
+        return time.perf_counter() - start
+
     @torch.inference_mode()
     def replay_ms(self, key: GraphKey, repeats: int = 3) -> float:
         """The median GPU time of one replay of a captured graph (CUDA events; a replay
         first, untimed), on harmless inputs: every token at the scratch column, as after
-        capture. For choosing between layouts at load (static.py), never during a step."""
+        capture. At load (time_replays), never during a step."""
         self.positions.fill_(self.forward.kv.scratch)
         graph = self._graphs[key]
         graph.replay()

@@ -8,8 +8,9 @@ the meta-device plan (benchmarks/gpu_plan.py) alike:
   - L buckets grow by 4 from 256: at 1024 positions a batch reads 256 or 1024 keys per row.
     Reading up to 4x the keys a row needs costs little beside the weights (135M: 23 KB per
     position against 270 MB of weights; 8B: 128 KB against 15 GB) and halves the set.
-  - rows: dense views 1, 2, 4, ... up to the slots (and graph_max_rows); gathered batches
-    only occur with fewer than half the rows of the dense view they avoid, so up to half.
+  - rows: dense views 1, 2, 4, ... up to the slots, and gathered batches up to the power of
+    two above them (an extend's blocks, static_layout.py, may take more rows than it has
+    sessions), both within graph_max_rows.
   - kinds (k, last_only, hidden_layer), in priority order: every row x L bucket of a kind or
     none of it. Catch-ups that only need their last logits first (k = 1 .. 16, the M_S step
     and M_L's backoff catch-ups), then verification's full logits at the k that drafts of
@@ -62,14 +63,12 @@ def length_buckets(max_len: int) -> tuple[int, ...]:
 
 
 def row_buckets(slots: int, graph_max_rows: int) -> list[tuple[bool, int]]:
-    """(dense, rows) pairs that a batch of these slots can take (static.py's _plan): dense
+    """(dense, rows) pairs that a batch of these slots can take (static_layout.py): dense
     rows = the power of two above the highest slot, when it does not pass the slots;
-    gathered rows = the power of two above the sessions, fewer than half the dense view
-    (or up to the slots where the slots are no power of two)."""
+    gathered rows = the power of two above the items, or above an extend's blocks."""
     top = next_power_of_two(slots)
     dense = [r for r in powers_of_two(1, top) if r <= min(slots, graph_max_rows)]
-    gather_max = top // 2 if top == slots else top
-    gather = [r for r in powers_of_two(1, top) if r <= min(gather_max, graph_max_rows)]
+    gather = [r for r in powers_of_two(1, top) if r <= graph_max_rows]
     return [(True, r) for r in dense] + [(False, r) for r in gather]
 
 

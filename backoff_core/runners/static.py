@@ -13,15 +13,17 @@ forward runs:
     sessions the step loop cannot rebuild) the slot is taken at open. No slot to be had, or a
     session passing max_len - 1 positions: KVCapacityError (retriable), raised before
     anything changes.
-  - layout (static_layout.py): a batch's rows are its sessions' slots when those are dense (a
-    view of storage[:nb]), else gathered; rows are powers of two, new tokens per row k in
-    {1, 2, 4, 8, 16} (graph_plan.py; ragged rows right-padded, padding at a scratch column),
-    keys read L in 256, 1024, ... up to max_len.
+  - layout (static_layout.py): rows are powers of two, new tokens per row k in {1, 2, 4, 8,
+    16} (graph_plan.py; ragged rows right-padded, padding at a scratch column), keys read L
+    in 256, 1024, ... up to max_len. One row per item (its slot's row of a dense view of
+    storage[:nb], or gathered), or, for extends of several tokens a row, blocks: each item's
+    new ids cut into rows of k, gathered, in one forward (a catch-up of 40 tokens: three
+    rows of 16).
   - CUDA graphs (device cuda, cuda_graphs=True): `warmup()` captures the planned graphs at
-    load (at most GRAPH_BUDGET); an extend runs in the smallest captured k at or above its
-    longest row, or, past the largest, in up to MAX_CHUNKS forwards of the largest (a
-    catch-up of 40 tokens: 16 + 16 + 8, each a replay); longer prompt prefills and more rows
-    than graph_max_rows run the same forward eagerly. On the CPU everything runs eagerly.
+    load (at most GRAPH_BUDGET) and times each replay; an extend of several tokens a row
+    runs in the layout whose replays were measured fastest (static_layout.choose), in up to
+    MAX_FORWARDS forwards; one that needs more (a long prompt prefill) runs the same forward
+    eagerly, as does everything on the CPU.
 Prefix cache (prefix_cache.py, on by default): `adopt_prefix` takes the fresh session's slot
 and copies the cached blocks' K/V into its leading positions; extends copy full prompt blocks
 out of the slot into the cache.
@@ -31,30 +33,30 @@ others raise ValueError here, and the caller keeps ModelRunner for them.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers import PreTrainedModel
 
 from backoff_core.runners.cuda_graphs import CudaGraphs
-from backoff_core.runners.extension import Extension, LastRows
-from backoff_core.runners.graph_plan import GRAPH_BUDGET, K_BUCKETS, GraphKey, kinds, length_buckets, plan_keys
+from backoff_core.runners.extension import Extension
+from backoff_core.runners.graph_plan import GRAPH_BUDGET, K_BUCKETS, kinds, length_buckets, plan_keys
 from backoff_core.runners.prefix_cache import PrefixCache, PrefixCaching
 from backoff_core.runners.scoring import Scoring, per_item, score_rows
 from backoff_core.runners.sessions import Session, SessionTable
 from backoff_core.runners.static_forward import Batch, StaticForward, check_supported
 from backoff_core.runners.static_kv import KVCapacityError, StaticKV, next_power_of_two
-from backoff_core.runners.static_layout import Plan, lay_out
+from backoff_core.runners.static_layout import Plan, blocks, choose, lay_out, read_out
 from backoff_core.types import PrefixCacheSpec
 
 __all__ = ["KVCapacityError", "StaticRunner"]
 
-# a catch-up longer than the largest captured k runs as up to this many replays; longer ones
-# (prompt prefills) as one eager forward, which is compute-bound there anyway
-MAX_CHUNKS = 8
+# an extend runs as up to this many replays (blocks of a captured k, static_layout.choose);
+# one that needs more (a long prompt prefill) as one eager forward, compute-bound there anyway
+MAX_FORWARDS = 8
 
 
 @dataclass(kw_only=True)
@@ -101,9 +103,6 @@ class StaticRunner(PrefixCaching, SessionTable[_SlotSession]):
         self.graphs = CudaGraphs(self._forward, self.graph_max_rows, K_BUCKETS[-1]) if use_graphs else None
         # (last_only, hidden_layer) -> the k captured for it, ascending (warmup)
         self._captured_ks: dict[tuple[bool, int | None], tuple[int, ...]] = {}
-        # (last_only, hidden_layer) -> the (k, dense rows) at which a gathered batch of half
-        # the rows replayed faster than the dense view (warmup measures; static_layout.py)
-        self._gather_over: dict[tuple[bool, int | None], frozenset[tuple[int, int]]] = {}
         self.prefix_cache = PrefixCache(prefix_cache or PrefixCacheSpec(0))  # None: off
 
     @property
@@ -200,37 +199,13 @@ class StaticRunner(PrefixCaching, SessionTable[_SlotSession]):
             for key in keys:
                 captured.setdefault((key.last_only, key.hidden_layer), set()).add(key.k)
             self._captured_ks = {v: tuple(sorted(ks)) for v, ks in captured.items()}
-            start = time.perf_counter()
-            self._gather_over = self._measure_layouts(keys)
-            seconds += time.perf_counter() - start
+            seconds += self.graphs.time_replays(keys)  # what layouts.choose weighs
         if progress:
-            over = sorted({pair for pairs in self._gather_over.values() for pair in pairs})
             print(
-                f"{self.name}: {len(self.graphs)} CUDA graphs captured in {seconds:.1f} s "
-                f"({self.kv.slots} slots x {self.kv.max_len} positions, {self.kv.nbytes() / 2**30:.2f} GiB KV); "
-                f"gathered half batches replay faster at (k, rows) {over or 'nowhere'}"
+                f"{self.name}: {len(self.graphs)} CUDA graphs captured and timed in {seconds:.1f} s "
+                f"({self.kv.slots} slots x {self.kv.max_len} positions, {self.kv.nbytes() / 2**30:.2f} GiB KV)"
             )
         return len(self.graphs), seconds
-
-    def _measure_layouts(self, keys: list[GraphKey]) -> dict[tuple[bool, int | None], frozenset[tuple[int, int]]]:
-        """For each captured dense batch of k >= 2 new tokens a row, whether the gathered batch
-        of half its rows replays faster (at the longest captured L, where gathering copies the
-        most): a catch-up of 20 rows spread over 64 slots then runs 32 gathered rows x 16 instead
-        of the 64-row view (the H100 8B shape: 17.8 against 27.6 ms; at k = 1 the view wins).
-        The layout is the planner's choice (static_layout.py); this only tells it the costs."""
-        captured = set(keys)
-        longest: dict[tuple, int] = {}
-        for key in keys:
-            at = (key.last_only, key.hidden_layer, key.k, key.rows)
-            if key.dense and key.k >= 2 and key.rows >= 2:
-                longest[at] = max(longest.get(at, 0), key.length)
-        over: dict[tuple[bool, int | None], set[tuple[int, int]]] = {}
-        for (last_only, layer, k, rows), length in longest.items():
-            dense = GraphKey(True, rows, k, length, last_only, layer)
-            half = GraphKey(False, rows // 2, k, length, last_only, layer)
-            if half in captured and self.graphs.replay_ms(half) < self.graphs.replay_ms(dense):
-                over.setdefault((last_only, layer), set()).add((k, rows))
-        return {variant: frozenset(pairs) for variant, pairs in over.items()}
 
     def _ks(self, last_only: bool, layer: int | None) -> tuple[int, ...]:
         """The k an extend may be bucketed to: those captured for its variant (k = 1's logits
@@ -273,74 +248,61 @@ class StaticRunner(PrefixCaching, SessionTable[_SlotSession]):
                 out = self._extend_scored(sessions, new_ids, layer, last_only, scoring)
                 self._remember(sessions, new_ids)
                 return out
-            k_max = max(map(len, new_ids))
-            chunk = self._chunk(len(sessions), k_max, last_only, layer)
-            if chunk >= k_max and (k_max == 1 or (last_only and layer is None)):
-                out = self._extend_last(sessions, new_ids, layer, last_only)
-            else:
-                out = self._extend_chunked(sessions, new_ids, layer, last_only, chunk, k_max)
+            plans = self._plans(sessions, new_ids, layer, last_only)
+            out = self._extend_plans(sessions, new_ids, layer, last_only, plans)
             self._remember(sessions, new_ids)
             return out
 
-    def _extend_last(
+    def _plans(
         self, sessions: list[_SlotSession], new_ids: list[list[int]], layer: int | None, last_only: bool
-    ) -> list[Extension]:
-        """One forward whose every item wants its last logits only (one new id each, or
-        last_only): the items' rows come back as one LastRows, nothing sliced per item."""
-        plan = self._plan(sessions, new_ids, layer, last_only)
-        out, out_hidden = self._run(plan)  # [B, 1, V], [B, 1, d] | None
-        self.forward_passes += 1
-        now = time.monotonic()
-        for s, ids in zip(sessions, new_ids):
-            s.length += len(ids)
-            s.last_used = now
-        n = len(sessions)
-        index = None if plan.in_order else torch.from_numpy(plan.rows).to(out.device, non_blocking=True)
+    ) -> list[tuple[Plan, slice]]:
+        """The forwards of an extend and the items each holds: one row per item (an M_S step,
+        every extend without graphs), or the fastest captured layout (static_layout.choose:
+        blocks of k, or the dense view), or, with none in MAX_FORWARDS forwards, one eager
+        forward (a long prompt prefill, compute-bound there anyway)."""
+        n = len(new_ids)
+        k_max = max(map(len, new_ids))
+        if self.graphs is None or k_max == 1:
+            return [(self._plan(sessions, new_ids, layer, last_only), slice(0, n))]
+        held = np.fromiter((s.length for s in sessions), np.int64, n)
+        slot = np.fromiter((s.slot for s in sessions), np.int64, n)
+        counts = np.fromiter(map(len, new_ids), np.int64, n)
+        layout = choose(
+            held,
+            slot,
+            counts,
+            ks=self._ks(last_only, layer),
+            cost=self.graphs.ms.get,
+            length_buckets=self.length_buckets,
+            num_slots=self.kv.slots,
+            max_rows=self.graph_max_rows,
+            max_forwards=MAX_FORWARDS,
+            layer=layer,
+            last_only=last_only,
+        )
+        if layout is None or layout.dense:
+            return [(self._plan(sessions, new_ids, layer, last_only, layout and layout.dense), slice(0, n))]
+        return blocks(held, slot, new_ids, counts, layout, self.length_buckets, self.kv.scratch, layer, last_only)
 
-        def items(t: torch.Tensor) -> torch.Tensor:  # [B, 1, X] -> [n, X], the items' rows in order
-            return t[:n, 0] if index is None else t[:, 0].index_select(0, index)
-
-        batch = LastRows(items(out), items(out_hidden) if out_hidden is not None else None)
-        return [Extension.row(batch, i) for i in range(n)]
-
-    def _extend_chunked(
+    def _extend_plans(
         self,
         sessions: list[_SlotSession],
         new_ids: list[list[int]],
         layer: int | None,
         last_only: bool,
-        chunk: int,
-        k_max: int,
+        plans: list[tuple[Plan, slice]],
     ) -> list[Extension]:
-        """Any other extend, in forwards of `chunk` new ids per row at most."""
-        logits: list[list[torch.Tensor]] = [[] for _ in new_ids]  # per item: [k_c or 1, V] per chunk
-        hidden: list[list[torch.Tensor]] = [[] for _ in new_ids]
-        now = time.monotonic()
-        for start in range(0, k_max, chunk):
-            part = [(i, ids[start : start + chunk]) for i, ids in enumerate(new_ids) if len(ids) > start]
-            part_sessions = [sessions[i] for i, _ in part]
-            plan = self._plan(part_sessions, [ids for _, ids in part], layer, last_only)
-            out, out_hidden = self._run(plan)  # [B, K or 1, V], [B, K, d] | None
+        """Run the forwards in order (an item's blocks see the keys of its earlier ones, written
+        by then) and hand each item its outputs (static_layout.read_out)."""
+        outs = []
+        for plan, _ in plans:
+            outs.append(self._run(plan))  # [B, K or 1, V], [B, K, d] | None
             self.forward_passes += 1
-            for (i, ids), s, row in zip(part, part_sessions, plan.rows.tolist()):
-                k = len(ids)
-                s.length += k
-                s.last_used = now
-                logits[i] = [out[row, :1]] if plan.key.last_only else [*logits[i], out[row, :k]]
-                if out_hidden is not None:
-                    hidden[i].append(out_hidden[row, :k])
-        return [
-            Extension(torch.cat(lg) if len(lg) > 1 else lg[0], torch.cat(h) if h else None)
-            for lg, h in zip(logits, hidden)
-        ]
-
-    def _chunk(self, n: int, k_max: int, last_only: bool, layer: int | None) -> int:
-        """New tokens per row of each forward of an extend: all of them, or the largest
-        captured k when up to MAX_CHUNKS of them cover the longest row."""
-        ks = self._ks(last_only, layer)
-        if self.graphs is None or not ks or k_max <= ks[-1] or next_power_of_two(n) > self.graph_max_rows:
-            return k_max
-        return ks[-1] if math.ceil(k_max / ks[-1]) <= MAX_CHUNKS else k_max
+        now = time.monotonic()
+        for s, ids in zip(sessions, new_ids):
+            s.length += len(ids)
+            s.last_used = now
+        return read_out(plans, outs, new_ids, last_only, layer)
 
     def _extend_scored(
         self,
@@ -383,7 +345,14 @@ class StaticRunner(PrefixCaching, SessionTable[_SlotSession]):
             raise ValueError(f"{self.name}: hidden_layer must be in [{-count}, {count}), got {hidden_layer}")
         return hidden_layer % count
 
-    def _plan(self, sessions: list[_SlotSession], new_ids: list[list[int]], layer: int | None, last_only: bool) -> Plan:
+    def _plan(
+        self,
+        sessions: list[_SlotSession],
+        new_ids: list[list[int]],
+        layer: int | None,
+        last_only: bool,
+        dense: bool | None = None,
+    ) -> Plan:
         return lay_out(
             [s.length for s in sessions],
             [s.slot for s in sessions],
@@ -394,7 +363,7 @@ class StaticRunner(PrefixCaching, SessionTable[_SlotSession]):
             scratch=self.kv.scratch,
             layer=layer,
             last_only=last_only,
-            gather_over=self._gather_over.get((last_only, layer), frozenset()),
+            dense=dense,
         )
 
     def _run(self, plan: Plan, columns: list[list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:

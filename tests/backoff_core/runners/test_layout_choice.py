@@ -1,89 +1,128 @@
-"""Dense view or gathered rows, chosen by the replay times the runner measured at load
-(StaticRunner._measure_layouts, static_layout.lay_out's gather_over): the choice follows the
-costs, and either way the outputs are ModelRunner's."""
+"""Blocks: an extend's new ids cut into rows of k, several rows to an item, in one forward
+(static_layout.lay_out_blocks), and the layout chosen by the replay times the runner measured
+at load (static_layout.choose, StaticRunner.warmup): exact bookkeeping on hand-written items,
+the choice at the H100's measured costs, and ModelRunner's outputs whatever the layout."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import numpy as np
 import pytest
 
-from backoff_core.runners.graph_plan import GraphKey
-from backoff_core.runners.static_layout import lay_out
-from tests.backoff_core.runners.test_static import assert_same, both
-from tests.support.eager_graphs import EagerGraphs
+from backoff_core.runners.graph_plan import K_BUCKETS, GraphKey
+from backoff_core.runners.static_layout import choose, lay_out_blocks
+from tests.support.eager_graphs import EagerGraphs, assert_same, both, spy_layouts
 from tests.support.tiny import tiny_model
 
+SCRATCH = 255
+ANATOMY = Path(__file__).parents[3] / "benchmarks" / "results" / "gpu" / "catch_up_anatomy.json"
 
-def plan(slots, k, gather_over=()):
-    return lay_out(
-        [5] * len(slots),
-        slots,
-        [[1] * k for _ in slots],
-        ks=(1, 2, 4, 8, 16),
-        length_buckets=(256,),
+
+def test_blocks_lay_out_each_item_on_consecutive_rows():
+    # three items: 5 new ids at position 10 of slot 3, 1 at 4 of slot 0, 3 at 7 of slot 6
+    held, slot, counts = np.array([10, 4, 7]), np.array([3, 0, 6]), np.array([5, 1, 3])
+    new = np.array([11, 12, 13, 14, 15, 21, 31, 32, 33])
+    plan = lay_out_blocks(
+        held, slot, new, counts, k=2, length_buckets=(64, 256), scratch=SCRATCH, layer=None, last_only=True
+    )
+    assert plan.key == GraphKey(False, 8, 2, 64, True, None)  # 3 + 1 + 2 = 6 blocks -> 8 rows
+    assert plan.first.tolist() == [0, 3, 4] and plan.rows.tolist() == [2, 3, 5]
+    assert plan.input_ids.tolist() == [[11, 12], [13, 14], [15, 0], [21, 0], [31, 32], [33, 0], [0, 0], [0, 0]]
+    s = SCRATCH
+    assert plan.positions.tolist() == [[10, 11], [12, 13], [14, s], [4, s], [7, 8], [9, s], [s, s], [s, s]]
+    assert plan.slots.tolist() == [3, 3, 3, 0, 6, 6, 0, 0]  # padding rows read slot 0's scratch
+    assert plan.last_col.tolist() == [1, 1, 0, 0, 1, 0, 0, 0]
+
+
+def h100_costs() -> dict[GraphKey, float]:
+    """The 8B M_L's replay times measured on the H100 (catch_up_anatomy.json's grid)."""
+    grid = json.loads(ANATOMY.read_text())["grid"]
+    return {GraphKey(g["dense"], g["rows"], g["k"], g["L"], True, None): g["ms"] for g in grid}
+
+
+def choice(counts, slots, cost, max_forwards=8):
+    """At most 32 rows a forward: the largest gathered batch that run measured."""
+    counts, slot = np.array(counts), np.array(slots)
+    return choose(
+        np.full(len(counts), 50),
+        slot,
+        counts,
+        ks=K_BUCKETS,
+        cost=cost,
+        length_buckets=(256, 1024),
         num_slots=64,
-        scratch=255,
+        max_rows=32,
+        max_forwards=max_forwards,
         layer=None,
         last_only=True,
-        gather_over=gather_over,
     )
 
 
 @pytest.mark.parametrize(
-    ("n", "k", "gather_over", "dense", "rows"),
+    ("counts", "slots", "want"),
     [
-        (32, 16, (), True, 64),  # half the view's rows: the view, by default
-        (32, 16, {(16, 64)}, False, 32),  # ... gathered where that was measured faster
-        (32, 3, {(16, 64)}, True, 64),  # k bucket 4: not where gathering won
-        (33, 16, {(16, 64)}, True, 64),  # 33 gathered rows would be 64: no gain, the view
-        (16, 16, (), False, 16),  # a quarter: gathered by the dense rule already
+        # 20 catch-ups spread over 64 slots, 2 to 40 pending each: 28 blocks of 16 in one
+        # forward (32 gathered rows, 17.8 ms), where chunks of 16 took three (20, 6 and 2
+        # rows: 17.8 + 10.3 + 8.6 ms) and blocks of 8 two (32 + 10 rows: 13.6 + 10.9 ms)
+        ([2, 3, 5, 7, 9, 11, 14, 17, 20, 40] * 2, list(range(0, 60, 3)), (16, False, 1)),
+        ([1] * 32, list(range(32)), (1, True, 1)),  # a step of every slot: the dense view
+        ([3] * 4, [0, 1, 2, 3], (4, True, 1)),  # four rows at k 4: the dense view of 4
+        ([30], [5], (16, False, 1)),  # one long catch-up: 2 blocks of 16, one forward
+        ([16 * 32] * 2, [0, 1], (16, False, 2)),  # 32 blocks each: a forward each
     ],
 )
-def test_half_a_view_gathers_where_it_was_measured_faster(n, k, gather_over, dense, rows):
-    slots = [63] + list(range(n - 1))  # the highest slot makes the view 64 rows
-    p = plan(slots, k, gather_over)
-    assert (p.key.dense, p.key.rows) == (dense, rows)
-    assert sorted(p.slots[p.rows].tolist()) == sorted(slots)  # every item in its own slot's row
-    assert (p.positions[p.rows, : min(k, p.key.k)] == 5 + p.positions.new_tensor(range(min(k, p.key.k)))).all()
+def test_the_measured_fastest_layout_is_chosen(counts, slots, want):
+    layout = choice(counts, slots, h100_costs().get)
+    assert (layout.k, layout.dense, len(layout.groups)) == want
 
 
-def copy_costs(key: GraphKey) -> float:
-    """A device where a row-token costs 1 and gathering a row's keys 6: halving the rows pays
-    from k = 8 on (r k against r k / 2 + 3 r)."""
-    return key.rows * key.k + (0 if key.dense else 6 * key.rows)
+def test_no_layout_past_the_forwards_allowed_or_without_graphs():
+    costs = h100_costs()
+    assert choice([16 * 32 + 1], [0], costs.get) is None  # one item past 32 blocks of 16
+    assert choice([16 * 32] * 9, list(range(9)), costs.get) is None  # 9 forwards > 8
+    assert choice([16 * 32] * 3, list(range(3)), costs.get, max_forwards=2) is None
+    assert choice([5, 2], [0, 1], {}.get) is None  # nothing captured
 
 
-def spy_layouts(run) -> list[tuple[bool, int, int]]:
-    seen, inner = [], run._run
-
-    def spy(plan, columns=None):
-        seen.append((plan.key.dense, plan.key.rows, plan.key.k))
-        return inner(plan, columns)
-
-    run._run = spy
-    return seen
+def test_a_layout_costs_the_sum_of_its_forwards():
+    costs = h100_costs()
+    layout = choice([16 * 32, 3], [0, 1], costs.get)  # 32 + 1 blocks: two forwards
+    assert layout.k == 16 and [(g.start, g.stop) for g in layout.groups] == [(0, 1), (1, 2)]
+    # the first reads 50 + 512 keys (L 1024); the second holds one block of 3 tokens
+    first, second = GraphKey(False, 32, 16, 1024, True, None), GraphKey(False, 1, 16, 256, True, None)
+    assert layout.cost == pytest.approx(costs[first] + costs[second])
 
 
-def test_the_runner_measures_the_pairs_and_gathers_where_it_pays():
+def test_warmup_times_every_graph_and_extends_follow_the_times():
     model = tiny_model(2, hidden=64, layers=4, sharpness=30)
     sids = [f"s{i}" for i in range(8)]
     ref, run = both(model, sids)
     for i, request_id in enumerate(sids):  # slot i each, different lengths
         assert_same(ref, run, [(request_id, list(range(1, 3 + 2 * i)))])
-    run.graphs = EagerGraphs(run._forward, max_rows=8, max_k=16, cost=copy_costs)
-    run.warmup(progress=False)
-    # every dense batch of k >= 2 against the gathered half, once each, at the longest L
-    assert {(t.dense, t.rows, t.k) for t in run.graphs.timed} == {
-        (dense, r if dense else r // 2, k) for dense in (True, False) for r in (2, 4, 8) for k in (2, 4, 8, 16)
-    }
-    assert all(t.length == max(run.length_buckets) for t in run.graphs.timed)
-    pays = {(k, r) for k in (8, 16) for r in (2, 4, 8)}
-    assert run._gather_over == {(True, None): pays, (False, None): pays}
-
+    # a device where every forward costs 8 and each token slot 1 / 64 (EagerGraphs' default)
+    run.graphs = EagerGraphs(run._forward, max_rows=8, max_k=16)
+    graphs, _ = run.warmup(hidden_layers=(None, 1), progress=False)
+    assert set(run.graphs.ms) == set(run.graphs._graphs) and len(run.graphs.ms) == graphs
     seen = spy_layouts(run)
-    spread = ["s0", "s2", "s5", "s7"]  # 4 of an 8-row view
-    assert_same(ref, run, [(s, [3] * 6) for s in spread], last_only=True)  # k 8: gathered
-    assert_same(ref, run, [(s, [4] * 3) for s in spread])  # k 4: the view
-    assert_same(ref, run, [(s, [5] * 12) for s in spread])  # full logits, k 16: gathered
-    assert_same(ref, run, [(s, [6]) for s in spread], last_only=True)  # one token: the view
-    assert seen == [(False, 4, 8), (True, 8, 4), (False, 4, 16), (True, 8, 1)]
+    spread = ["s0", "s2", "s5", "s7"]
+    cases = [
+        # 6 each: one row each, gathered (4 x 8: 32 slots, in fewer rows than 8 blocks of 4)
+        ([(s, [3] * 6) for s in spread], dict(last_only=True), [(False, 4, 8)]),
+        # 1, 2, 9, 20: 1 + 1 + 2 + 3 blocks of 8 (64 slots), not 16s (8 x 16) nor two forwards of 4s
+        ([(s, [4] * c) for s, c in zip(spread, (1, 2, 9, 20))], {}, [(False, 8, 8)]),
+        # 12 blocks of 8 in two forwards (8 + 4 rows: 17.5), not 10 of 16 (8 + 2 rows: 18.5)
+        (
+            [(s, [5] * c) for s, c in zip(sids, (3, 1, 2, 40, 7, 4, 2, 5))],
+            dict(hidden_layer=1),
+            [(False, 8, 8), (False, 4, 8)],
+        ),
+        ([(s, [6] * 30) for s in sids], dict(last_only=True), [(False, 8, 16)] * 2),  # 16 blocks of 16
+        ([(s, [7]) for s in spread], dict(last_only=True), [(True, 8, 1)]),  # one token each: the view
+    ]
+    for items, kwargs, layouts in cases:
+        del seen[:]
+        assert_same(ref, run, items, **kwargs)
+        assert seen == layouts, items
     assert run.eager_passes == 8  # the prefills before the capture only

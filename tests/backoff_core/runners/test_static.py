@@ -21,13 +21,11 @@ from transformers import (
 
 from backoff_core.engine.engine import BackoffEngine
 from backoff_core.runners.dynamic import ModelRunner
-from backoff_core.runners.static import MAX_CHUNKS, KVCapacityError, StaticRunner
+from backoff_core.runners.static import KVCapacityError, StaticRunner
 from backoff_core.types import Verification
-from tests.support.eager_graphs import EagerGraphs
+from tests.support.eager_graphs import TOL, EagerGraphs, assert_same, both, spy_layouts, static
 from tests.support.helpers import engine_for, hf_greedy, request
 from tests.support.tiny import TINY_SHAPE, VOCAB, tiny_model
-
-TOL = dict(atol=1e-4, rtol=1e-4)
 
 
 def llama3_model() -> LlamaForCausalLM:
@@ -62,30 +60,6 @@ MODELS = {
 @pytest.fixture(scope="module", params=list(MODELS))
 def model(request):
     return MODELS[request.param]()
-
-
-def static(model, slots=8, max_len=128, name="static") -> StaticRunner:
-    return StaticRunner(model, name, kv_budget_tokens=slots * max_len, max_len=max_len)
-
-
-def both(model, sids, **kwargs):
-    """A ModelRunner and a StaticRunner over the same model, with the same sessions open."""
-    ref, run = ModelRunner(model, "ref"), static(model, **kwargs)
-    for request_id in sids:
-        ref.open(request_id)
-        run.open(request_id)
-    return ref, run
-
-
-def assert_same(ref, run, items, hidden_layer=None, last_only=False):
-    expected = ref.extend(items, hidden_layer=hidden_layer, last_only=last_only)
-    got = run.extend(items, hidden_layer=hidden_layer, last_only=last_only)
-    for (request_id, _), e, g in zip(items, expected, got):
-        assert g.logits.shape == e.logits.shape and g.logits.dtype == torch.float32
-        torch.testing.assert_close(g.logits, e.logits, **TOL)
-        if hidden_layer is not None:
-            torch.testing.assert_close(g.hidden, e.hidden, **TOL)
-        assert run.length(request_id) == ref.length(request_id)
 
 
 def record_paths(run) -> list[bool]:
@@ -321,22 +295,24 @@ def test_graph_replay_bookkeeping_equals_model_runner(model):
     # dense rows 1, 2, 4 and gather rows 1, 2, 4 (max_rows 4); k 1 once, k 2..16 twice; L 128; 2 layers
     assert graphs == 6 * (1 + 4 * 2) * 1 * 2
     assert_same(ref, run, [("s0", [7]), ("s4", [8])])  # the capture wrote scratch columns only
-    eager, passes = run.eager_passes, run.forward_passes
+    eager = run.eager_passes
+    # the layouts (dense, rows, k) each step's forwards take, at EagerGraphs' default costs
+    # (8 a forward + rows x k / 64: fewer forwards first, then fewer token slots)
     steps = [
-        ([("s0", [9])], {}),  # dense 1 row
-        ([("s4", [1, 2, 3])], dict(last_only=True)),  # gather 1 row, k bucket 4
-        ([("s0", [3]), ("s1", [4, 5]), ("s2", [6] * 7)], dict(hidden_layer=1)),  # dense 4 rows, k 8
-        ([("s5", [2] * 9), ("s2", [3])], dict(last_only=True, hidden_layer=1)),  # gather 2 rows, k 16
-        ([("s1", [1] * 40), ("s2", [5])], {}),  # k = 40 > 16: chunks 16 + 16 + 8, replayed
-        ([(request_id, [4]) for request_id in sids], {}),  # 6 rows > max_rows: eager
-        ([("s0", [5] * 60)], dict(last_only=True)),  # k 60: four chunks of 16
-        ([("s0", [6]), ("s3", [7])], dict(hidden_layer=1)),  # gather 2 rows
-        ([("s3", [2] * 70)], dict(hidden_layer=1)),  # k 70: five chunks, replayed
+        ([("s0", [9])], {}, [(True, 1, 1)]),  # one token: the dense view of slot 0
+        ([("s4", [1, 2, 3])], dict(last_only=True), [(False, 1, 4)]),  # 4 slots, in as few rows as any
+        # counts 1, 2, 7: blocks of 4 (1 + 1 + 2 rows) beat one row each at k 8 (4 x 8 slots)
+        ([("s0", [3]), ("s1", [4, 5]), ("s2", [6] * 7)], dict(hidden_layer=1), [(False, 4, 4)]),
+        ([("s5", [2] * 9), ("s2", [3])], dict(last_only=True, hidden_layer=1), [(False, 4, 4)]),  # 3 + 1 blocks
+        ([("s1", [1] * 40), ("s2", [5])], {}, [(False, 4, 16)]),  # 40 tokens: 3 blocks of 16, one forward
+        ([(request_id, [4]) for request_id in sids], {}, [(False, 8, 1)]),  # 8 rows > max_rows: eager
+        ([("s0", [5] * 60)], dict(last_only=True), [(False, 4, 16)]),  # 4 blocks of 16
+        ([("s0", [6]), ("s3", [7])], dict(hidden_layer=1), [(True, 4, 1)]),  # dense view of 4
+        ([("s3", [2] * 70)], dict(hidden_layer=1), [(False, 1, 70)]),  # 5 blocks > 4 rows: eager
     ]
-    for items, kwargs in steps:
+    seen = spy_layouts(run)
+    for items, kwargs, layouts in steps:
+        del seen[:]
         assert_same(ref, run, items, **kwargs)
-    assert run.eager_passes - eager == 1
-    assert run.forward_passes - passes == 4 + 3 + 1 + 4 + 1 + 5
-    # past MAX_CHUNKS chunks of the largest k, a prompt prefill runs as one eager forward
-    assert run._chunk(1, 16 * MAX_CHUNKS, True, None) == 16
-    assert run._chunk(1, 16 * MAX_CHUNKS + 1, True, None) == 16 * MAX_CHUNKS + 1
+        assert seen == layouts, items
+    assert run.eager_passes - eager == 2

@@ -79,7 +79,7 @@ def test_always_small_and_always_large_are_greedy(engine, gpu_pair, prompt):
 )
 def test_every_forward_of_a_step_replays_a_graph(engine, routing):
     """Drafts of 4 fully accepted feed M_S two tokens (a k=2 graph); the 40-token prompt's
-    first catch-up runs as chunks of captured size; no forward of a step runs eagerly (M_S's
+    first catch-up runs as blocks of a captured size; no forward of a step runs eagerly (M_S's
     prompt prefill at admission may: it has graphs for k = 1 and 2 only)."""
     reqs = [request(p, 24, seed=3, **routing) for p in [*PROMPTS, LONG]]
     request_ids = [engine.submit(r) for r in reqs]
@@ -174,7 +174,7 @@ def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
 @torch.inference_mode()
 def test_bf16_real_shapes_match_a_float32_reference(shape, fuse):
     """Every kind of extend the engine makes (steps, ragged catch-ups, verification's full
-    logits, a chunked 40-token catch-up), replayed from bf16 graphs: as close to the float32
+    logits, a 40-token catch-up in blocks), replayed from bf16 graphs: as close to the float32
     model as HF's own bf16 forward is, and no forward eager."""
     model32 = shaped_model(shape).float()
     model16 = shaped_model(shape).to(torch.bfloat16)
@@ -188,7 +188,8 @@ def test_bf16_real_shapes_match_a_float32_reference(shape, fuse):
         ({"a": [3], "b": [4], "c": [5]}, True),  # a step of every row
         ({"a": [6, 7], "c": [8]}, True),  # k = 2 (M_S after an accepted draft)
         ({"b": [9, 10, 11, 12, 13]}, False),  # verification: full logits, k 5 -> 8
-        ({"c": LONG}, True),  # 40 tokens: chunks 16 + 16 + 8
+        ({"c": LONG}, True),  # 40 tokens: blocks of a captured k, one forward
+        ({"a": LONG[:21], "b": [1, 2], "c": [3]}, False),  # full logits over blocks of several rows each
     ]
     done = {r: [] for r in seqs}
     for items, last_only in steps:

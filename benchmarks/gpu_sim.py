@@ -1,0 +1,415 @@
+"""The engine's scheduling at a GPU's measured costs, on the CPU: what n streams would reach.
+
+    python benchmarks/gpu_sim.py                         # the H100 costs, every routing, n = 1..64
+    python benchmarks/gpu_sim.py --streams 64 --check    # and the shapes against catch_up_anatomy's run
+
+Batch scaling on a GPU depends on *which* forwards the step loop runs (how many M_L
+catch-ups, at which rows x k x L, how many M_S steps) and on what each costs. The first is
+the engine's code, and it runs here for real: a BackoffEngine over StaticRunners with the
+GPU's layouts and graph plan (tiny random models stand in for the weights; graphs replay
+eagerly), routing with the random router's seeded coins exactly as on the GPU. The second
+comes from a GPU run: every forward advances a simulated clock by the replay time the GPU
+measured for its bucket (gpu_check.json's `replay_ms` of every graph where the run saved it;
+before that, catch_up_anatomy.json's M_L grid, with gathered batches past the grid's rows
+estimated, and gpu_check.json's M_S step anatomy), eager forwards by a measured cost, and
+each step by a host time fitted to that run (GpuCosts). The engine reads that clock (its catch-up waits are bounded in time), so
+its decisions are the ones it would take at the GPU's pace.
+
+What it is for: choosing between scheduling policies (batched catch-ups' bounds, layouts)
+before a GPU is at hand, and telling what the next GPU run should see. It is a model. The
+figures of the GPU run it reads were measured on that run's checkout: where this checkout
+runs other forwards (a changed layout or policy), `sim_over_gpu_run` is the predicted change,
+not an error; at routings whose forwards did not change it is the model's error
+(tests/benchmarks/test_gpu_sim.py holds always-small and always-large within 15%).
+`--check` sets the M_L forwards of 64 streams at b=0.9 beside the GPU run's
+(catch_up_anatomy.json). Deterministic: the clock is the costs, not the wall, so two
+checkouts compare exactly on any machine. Writes benchmarks/results/gpu_sim.json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import statistics
+import sys
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+
+from tqdm import tqdm
+
+from backoff_core.engine.engine import CATCH_UP_WAIT_MS, BackoffEngine
+from backoff_core.runners.cuda_graphs import CudaGraphs
+from backoff_core.runners.graph_plan import K_BUCKETS, GraphKey
+from backoff_core.runners.static import StaticRunner
+from backoff_core.types import GenerationRequest, RoutingParams, SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.batch_scaling import plot_scaling  # noqa: E402
+from benchmarks.step_overhead import tiny_pair  # noqa: E402
+
+GPU_RESULTS = Path("benchmarks/results/gpu")
+PROMPT_TOKENS = 43  # the batch benchmarks' prompt in the GPU pair's tokenizer (chat template)
+
+
+# -- costs --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GpuCosts:
+    """What one GPU run measured, in ms: M_L graph replays by bucket, M_S's step by rows,
+    eager forwards, and the host's share of a step."""
+
+    large: dict[tuple[bool, int, int, int], float]  # (dense, rows, k, L) -> replay ms (last logits)
+    small_rows: dict[int, float]  # rows -> M_S replay ms (k = 1)
+    large_eager_ms: float  # what an eager M_L forward adds to its compute (launches, mask, Python)
+    small_eager_ms: float  # an eager M_S forward (its prompt prefill)
+    host_ms: float  # a step's host work beside its forwards: fixed part ...
+    host_ms_per_row: float  # ... and per request stepped
+    host_ms_per_catch_up: float  # ... and per catch-up forward (layout, upload, read back)
+    source: str = ""
+
+    def large_ms(self, key: GraphKey, real: int, eager: bool) -> float:
+        """A replay's measured time. Buckets the grid lacks: a gathered batch of more rows than
+        it measured gathered, at its dense view's time plus the gathering's cost scaled by rows
+        (gathered - dense, at the largest rows measured both ways, same k and L); anything
+        else (full logits, other k) at the measured bucket of the same L with the nearest
+        token slots, rows x k."""
+        ms = self.large.get((key.dense, key.rows, key.k, key.length))
+        if ms is None and not key.dense and (True, key.rows, key.k, key.length) in self.large:
+            measured = [r for d, r, k, n in self.large if not d and k == key.k and n == key.length]
+            r = max(measured, default=0)
+            if r and (True, r, key.k, key.length) in self.large:
+                gathering = self.large[(False, r, key.k, key.length)] - self.large[(True, r, key.k, key.length)]
+                ms = self.large[(True, key.rows, key.k, key.length)] + max(0.0, gathering) * key.rows / r
+        if ms is None:
+            same_l = [(d, r, k) for d, r, k, n in self.large if n == key.length] or [
+                (d, r, k) for d, r, k, _ in self.large
+            ]
+            d, r, k = min(same_l, key=lambda c: (abs(c[1] * c[2] - key.rows * key.k), c[0] != key.dense, c[1]))
+            lengths = sorted({n for *_, n in self.large})
+            n = lengths[min(bisect.bisect_left(lengths, key.length), len(lengths) - 1)]
+            ms = self.large.get((d, r, k, n)) or self.large[min(self.large, key=lambda c: abs(c[1] * c[2] - r * k))]
+            ms *= max(1.0, key.rows * key.k / (r * k)) ** 0.9  # compute-bound past the grid
+        return ms + (self.large_eager_ms if eager else 0.0)
+
+    def small_ms(self, key: GraphKey, eager: bool) -> float:
+        if eager:
+            return self.small_eager_ms
+        rows = sorted(self.small_rows)
+        r = rows[min(bisect.bisect_left(rows, key.rows), len(rows) - 1)]
+        return self.small_rows[r] * (1.0 + 0.05 * (key.k - 1))  # k = 2 (a draft's bonus): a little more
+
+    @classmethod
+    def from_results(cls, folder: Path = GPU_RESULTS, **host) -> GpuCosts:
+        """A GPU run's files: gpu_check.json's replay times of every captured graph where it
+        has them (runs since the blocks layout), else catch_up_anatomy.json's M_L grid and
+        gpu_check.json's M_S step anatomy (rows 1 and 64, linear between). host: the
+        constants of a step's host work (keyword arguments of the same names)."""
+        check = json.loads((folder / "gpu_check.json").read_text())
+        table = check.get("replay_ms") or {}
+        plain = {
+            name: {
+                (e["dense"], e["rows"], e["k"], e["L"]): e["ms"]
+                for e in entries
+                if e["last_only"] and e["layer"] is None
+            }
+            for name, entries in table.items()
+        }
+        sources = [f"{folder}/gpu_check.json ({check.get('gpu')})"]
+        large = plain.get("large")
+        if not large:
+            anatomy = json.loads((folder / "catch_up_anatomy.json").read_text())
+            large = {(g["dense"], g["rows"], g["k"], g["L"]): g["ms"] for g in anatomy["grid"]}
+            sources.append(f"{folder}/catch_up_anatomy.json")
+        if plain.get("small"):
+            small = {
+                r: ms
+                for (dense, r, k, n), ms in plain["small"].items()
+                if dense and k == 1 and n == min(key[3] for key in plain["small"])
+            }
+        else:
+            small = {s["rows"]: s["graph_replay_ms"] for s in check["step_anatomy"]["M_S fused projections and norms"]}
+        ones, lasts = min(small), max(small)  # linear in rows between the measured
+        small_rows = {
+            r: small.get(r, small[ones] + (small[lasts] - small[ones]) * (r - ones) / max(1, lasts - ones))
+            for r in (1, 2, 4, 8, 16, 32, 64)
+        }
+        return cls(
+            large=large,
+            small_rows=small_rows,
+            large_eager_ms=host.pop("large_eager_ms", 65.0),
+            small_eager_ms=host.pop("small_eager_ms", 66.0),
+            host_ms=host.pop("host_ms", 0.25),
+            host_ms_per_row=host.pop("host_ms_per_row", 0.007),
+            host_ms_per_catch_up=host.pop("host_ms_per_catch_up", 0.35),
+            source=", ".join(sources),
+        )
+
+
+# -- the simulated device -------------------------------------------------------------------
+@dataclass
+class SimClock:
+    """Seconds of simulated GPU + host time; the engine reads `now` once a step."""
+
+    t: float = 0.0
+
+    def now(self) -> float:
+        return self.t
+
+    def advance(self, ms: float) -> None:
+        self.t += ms / 1e3
+
+
+class SimGraphs(CudaGraphs):
+    """CudaGraphs on the CPU: every planned key is 'captured' (nothing runs at capture), a
+    replay runs the captured body eagerly on the static buffers. The runner's buckets,
+    layouts and chunking are the GPU's; only the time is simulated (`instrument`), and
+    `replay_ms` (the runner's layout choice at load) answers from the cost table."""
+
+    def __init__(self, *args, cost: Callable[[GraphKey, int, bool], float]) -> None:
+        super().__init__(*args)
+        self.cost = cost
+
+    def _record(self, key: GraphKey):
+        return SimpleNamespace(replay=lambda: self._body(key))
+
+    def replay_ms(self, key: GraphKey, repeats: int = 3) -> float:
+        return self.cost(key, key.rows * key.k, False)
+
+
+@dataclass
+class ForwardLog:
+    """Every forward of one runner: (model, dense, rows, k, L, eager, real tokens, ms)."""
+
+    entries: list[tuple] = field(default_factory=list)
+
+    def by_shape(self) -> dict[str, dict]:
+        out: dict[str, dict] = {}
+        for dense, rows, k, length, eager, real, ms in self.entries:
+            name = f"{'dense' if dense else 'gather'} {rows}x{k} L{length}{' eager' if eager else ''}"
+            s = out.setdefault(name, {"count": 0, "ms": 0.0, "real": 0})
+            s["count"] += 1
+            s["ms"] += ms
+            s["real"] += real
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]["ms"]))
+
+
+def instrument(runner: StaticRunner, clock: SimClock, cost: Callable[[GraphKey, int, bool], float]) -> ForwardLog:
+    """Every forward of `runner` advances the clock by cost(key, real tokens, eager) and is logged."""
+    log = ForwardLog()
+    run = runner._run
+    scratch = runner.kv.scratch
+
+    def timed(plan, columns=None):
+        eager = columns is not None or plan.key not in runner.graphs
+        real = int((plan.positions != scratch).sum())
+        ms = cost(plan.key, real, eager)
+        clock.advance(ms)
+        k = plan.key
+        log.entries.append((k.dense, k.rows, k.k, k.length, eager, real, ms))
+        return run(plan, columns)
+
+    runner._run = timed
+    return log
+
+
+@dataclass
+class Sim:
+    engine: BackoffEngine
+    clock: SimClock
+    small: ForwardLog
+    large: ForwardLog
+    costs: GpuCosts
+
+
+def build(costs: GpuCosts, kv_budget: int = 65536, max_len: int = 1024, wait_ms: float = CATCH_UP_WAIT_MS) -> Sim:
+    """The engine over the GPU path's runners (factory.make_runner's settings), on the CPU."""
+    (small_model, large_model), tokenizer = tiny_pair()  # their tokens do not matter: random routing
+    clock = SimClock()
+    runners = []
+    small_cost = lambda key, real, eager: costs.small_ms(key, eager)  # noqa: E731
+    for model, name, small in ((small_model, "small", True), (large_model, "large", False)):
+        runner = StaticRunner(
+            model, name, kv_budget_tokens=kv_budget, max_len=max_len, evict_idle=not small, fuse_projections=small
+        )
+        cost = small_cost if small else costs.large_ms
+        runner.graphs = SimGraphs(runner._forward, runner.graph_max_rows, K_BUCKETS[-1], cost=cost)
+        if small:
+            runner.warmup(last_only=(True,), ks=(1, 2), progress=False)
+        else:
+            runner.warmup(progress=False)
+        runners.append(runner)
+    small_log = instrument(runners[0], clock, small_cost)
+    large_log = instrument(runners[1], clock, costs.large_ms)
+    engine = BackoffEngine(runners, tokenizer, catch_up_wait_ms=wait_ms, clock=clock.now)
+    return Sim(engine, clock, small_log, large_log, costs)
+
+
+ROUTINGS = {  # label -> (routing, catch_up_wait_ms: None keeps the engine's)
+    "always-large": (RoutingParams(router="always-large"), None),
+    "random b=0.9": (RoutingParams(router="random", rate=0.9), None),
+    "random b=0.9, catch-ups at once": (RoutingParams(router="random", rate=0.9), 0.0),
+    "always-small": (RoutingParams(router="always-small"), None),
+}
+
+
+def run_batch(sim: Sim, n: int, tokens: int, routing: RoutingParams, seed: int = 0) -> dict:
+    """n requests of `tokens` tokens together, as batch_scaling.py runs them (admission
+    outside the clock): simulated tok/s and the forwards' record."""
+    engine, costs = sim.engine, sim.costs
+    prompt = tuple(range(2, 2 + PROMPT_TOKENS))
+    requests = [
+        GenerationRequest(prompt, SamplingParams(max_tokens=tokens, seed=seed * 1000 + i, ignore_eos=True), routing)
+        for i in range(n)
+    ]
+    rids = [engine.submit(r) for r in requests]
+    sim.small.entries.clear()
+    sim.large.entries.clear()
+    start = sim.clock.t
+    steps, host_ms = 0, 0.0
+    while engine.has_work():
+        catch_ups = len(sim.large.entries)
+        stepping = sum(1 for r in engine._live.values() if not r.done and r.waiting is None)
+        engine.step()
+        steps += 1
+        forwards = len(sim.large.entries) - catch_ups
+        host = costs.host_ms + costs.host_ms_per_row * stepping + costs.host_ms_per_catch_up * forwards
+        sim.clock.advance(host)
+        host_ms += host
+    seconds = sim.clock.t - start
+    done = sum(len(engine.finish(r).token_ids) for r in rids)
+    large_ms = sum(e[-1] for e in sim.large.entries)
+    small_ms = sum(e[-1] for e in sim.small.entries)
+    return {
+        "tok_per_s": done / seconds,
+        "seconds": seconds,
+        "steps": steps,
+        "large_forwards": len(sim.large.entries),
+        "large_ms": large_ms,
+        "small_forwards": len(sim.small.entries),
+        "small_ms": small_ms,
+        "host_ms": host_ms,
+        "large_real_share": sum(e[5] for e in sim.large.entries) / max(1, sum(e[1] * e[2] for e in sim.large.entries)),
+        "large_by_shape": sim.large.by_shape(),
+    }
+
+
+def scaling(sim: Sim, streams: list[int], tokens: int, repeats: int) -> dict:
+    rows: dict[str, dict[str, dict]] = {}
+    for label, (routing, wait) in tqdm(ROUTINGS.items(), desc="routings"):
+        sim.engine.catch_up_wait_ms = CATCH_UP_WAIT_MS if wait is None else wait
+        rows[label] = {}
+        for n in streams:
+            runs = [run_batch(sim, n, tokens, routing, seed) for seed in range(repeats)]
+            best = sorted(runs, key=lambda r: r["tok_per_s"])[len(runs) // 2]  # the median run
+            rows[label][str(n)] = {**best, "tok_per_s": statistics.median(r["tok_per_s"] for r in runs)}
+    sim.engine.catch_up_wait_ms = CATCH_UP_WAIT_MS
+    return rows
+
+
+def validate(rows: dict, measured_path: Path) -> dict:
+    """The simulated tok/s over what the GPU run measured, per routing and n."""
+    if not measured_path.exists():
+        return {}
+    measured = json.loads(measured_path.read_text())["tok_per_s"]
+    return {
+        label: {n: round(cell["tok_per_s"] / measured[label][n], 3) for n, cell in row.items() if n in measured[label]}
+        for label, row in rows.items()
+        if label in measured
+    }
+
+
+def check_shapes(sim: Sim, tokens: int, anatomy_path: Path) -> dict:
+    """One run of 64 streams at b=0.9 (engine default) set beside the recorded H100 run's
+    M_L forwards: how many, how many real tokens, their share of the slots."""
+    recorded = json.loads(anatomy_path.read_text())
+    out = {}
+    for label, wait in (("batched", CATCH_UP_WAIT_MS), ("at once", 0.0)):
+        sim.engine.catch_up_wait_ms = wait
+        runs = [run_batch(sim, recorded["streams"], tokens, ROUTINGS["random b=0.9"][0], seed) for seed in range(3)]
+        h100 = recorded[label]["large"]
+        out[label] = {
+            "simulated": {
+                "forwards": statistics.median(r["large_forwards"] for r in runs),
+                "real_share": round(statistics.median(r["large_real_share"] for r in runs), 3),
+                "ms": round(statistics.median(r["large_ms"] for r in runs), 1),
+            },
+            "h100": {"forwards": h100["forwards"], "real_share": h100["real_share"], "ms": h100["ms"]},
+        }
+    sim.engine.catch_up_wait_ms = CATCH_UP_WAIT_MS
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--streams", default="1,4,16,64")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3, help="seeds per cell (the median run is kept)")
+    ap.add_argument("--costs", default=str(GPU_RESULTS), help="folder of the GPU run's json files")
+    ap.add_argument("--check", action="store_true", help="also compare the M_L forwards with catch_up_anatomy's")
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--tag", default="")
+    args = ap.parse_args()
+    costs = GpuCosts.from_results(Path(args.costs))
+    sim = build(costs)
+    streams = [int(s) for s in args.streams.split(",")]
+    rows = scaling(sim, streams, args.tokens, args.repeats)
+    base, top = str(streams[0]), str(streams[-1])
+    report = {
+        "what": "simulated: the engine's forwards on the CPU, each at the GPU's measured cost (gpu_sim.py)",
+        "costs": costs.source,
+        "host": {
+            "ms": costs.host_ms,
+            "ms_per_row": costs.host_ms_per_row,
+            "ms_per_catch_up": costs.host_ms_per_catch_up,
+        },
+        "tokens": args.tokens,
+        "tok_per_s": {label: {n: round(c["tok_per_s"], 1) for n, c in row.items()} for label, row in rows.items()},
+        "scaling_vs_n1": {
+            label: round(row[top]["tok_per_s"] / row[base]["tok_per_s"], 2) for label, row in rows.items()
+        },
+        "sim_over_gpu_run": validate(rows, Path(args.costs) / "batch_scaling-h100.json"),
+        "at_top_n": {
+            label: {k: v for k, v in row[top].items() if k != "large_by_shape"}
+            | {"large_by_shape": row[top]["large_by_shape"]}
+            for label, row in rows.items()
+        },
+    }
+    if args.check:
+        report["forwards_vs_gpu_run"] = check_shapes(sim, args.tokens, Path(args.costs) / "catch_up_anatomy.json")
+    _print(report, streams)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "gpu_sim" + (f"-{args.tag}" if args.tag else "")
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
+    title = "Batch scaling at the H100's measured costs (simulated)"
+    plot_scaling(report["tok_per_s"], streams, out / f"{stem}.png", "simulated tokens / s", title)
+    print(f"saved {out / stem}.json and .png")
+
+
+def _print(report: dict, streams: list[int]) -> None:
+    print(f"\n{'routing (simulated tok/s)':34s} " + " ".join(f"{'n=' + str(n):>9s}" for n in streams) + "  x n=1")
+    for label, row in report["tok_per_s"].items():
+        cells = " ".join(f"{row[str(n)]:9.0f}" for n in streams)
+        print(f"{label:34s} {cells}  x{report['scaling_vs_n1'][label]:.1f}")
+    if report["sim_over_gpu_run"]:
+        print("\nsimulated (this checkout) / measured by the GPU run (its own checkout)")
+        for label, row in report["sim_over_gpu_run"].items():
+            print(f"{label:34s} " + " ".join(f"{row.get(str(n), float('nan')):9.2f}" for n in streams))
+    for label, cell in report["at_top_n"].items():
+        shapes = Counter({k: v["count"] for k, v in cell["large_by_shape"].items()})
+        print(
+            f"{label}: {cell['steps']} steps, M_L {cell['large_forwards']} forwards {cell['large_ms']:.0f} ms "
+            f"(real {cell['large_real_share']:.0%}), M_S {cell['small_forwards']} forwards {cell['small_ms']:.0f} ms, "
+            f"host {cell['host_ms']:.0f} ms; {dict(shapes.most_common(6))}"
+        )
+    if "forwards_vs_gpu_run" in report:
+        print("\nM_L forwards at 64 streams, b=0.9: simulated (this checkout) vs the GPU run (catch_up_anatomy.json)")
+        for label, c in report["forwards_vs_gpu_run"].items():
+            print(f"  {label}: {c['simulated']} vs {c['h100']}")
+
+
+if __name__ == "__main__":
+    main()
