@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_sim.py                         # the H100 costs, every routing, n = 1..64
     python benchmarks/gpu_sim.py --streams 64 --check    # and the shapes against catch_up_anatomy's run
+    python benchmarks/gpu_sim.py --sustained             # and n streams kept busy (a load tester's view)
 
 Batch scaling on a GPU depends on *which* forwards the step loop runs (how many M_L
 catch-ups, at which rows x k x L, how many M_S steps) and on what each costs. The first is
@@ -309,6 +310,51 @@ def scaling(sim: Sim, streams: list[int], tokens: int, repeats: int) -> dict:
     return rows
 
 
+def run_sustained(sim: Sim, n: int, tokens: int, routing: RoutingParams, requests_per_stream: int = 4) -> float:
+    """n streams kept busy, as a load tester's fixed concurrency does (guidellm's
+    `concurrent`): when a request ends its stream submits the next, admission on the clock.
+    Simulated tok/s of the tokens finished between the first n ends and the first moment
+    fewer than n are live (the start and the drain left out)."""
+    engine, costs = sim.engine, sim.costs
+    prompt = tuple(range(2, 2 + PROMPT_TOKENS))
+    seeds = iter(range(10**9))
+
+    def submit() -> str:
+        params = SamplingParams(max_tokens=tokens, seed=next(seeds), ignore_eos=True)
+        return engine.submit(GenerationRequest(prompt, params, routing))
+
+    total = max(2, requests_per_stream) * n
+    live = {submit() for _ in range(n)}
+    submitted, ended, counted, start = n, 0, 0, None
+    while len(live) == n:
+        engine.step()
+        sim.clock.advance(costs.host_ms + costs.host_ms_per_row * len(live))
+        for request_id in engine.finished_ids():
+            live.discard(request_id)
+            done = len(engine.finish(request_id).token_ids)
+            ended += 1
+            if start is not None:
+                counted += done
+            elif ended == n:
+                start = sim.clock.t
+            if submitted < total:
+                live.add(submit())
+                submitted += 1
+    seconds = sim.clock.t - start
+    for request_id in engine.live_ids():
+        engine.cancel(request_id)
+    return counted / seconds
+
+
+def sustained(sim: Sim, streams: list[int], tokens: int) -> dict:
+    out = {}
+    for label, (routing, wait) in tqdm(ROUTINGS.items(), desc="sustained"):
+        sim.engine.catch_up_wait_ms = CATCH_UP_WAIT_MS if wait is None else wait
+        out[label] = {str(n): round(run_sustained(sim, n, tokens, routing), 1) for n in streams}
+    sim.engine.catch_up_wait_ms = CATCH_UP_WAIT_MS
+    return out
+
+
 def validate(rows: dict, measured_path: Path) -> dict:
     """The simulated tok/s over what the GPU run measured, per routing and n."""
     if not measured_path.exists():
@@ -349,6 +395,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="seeds per cell (the median run is kept)")
     ap.add_argument("--costs", default=str(GPU_RESULTS), help="folder of the GPU run's json files")
     ap.add_argument("--check", action="store_true", help="also compare the M_L forwards with catch_up_anatomy's")
+    ap.add_argument("--sustained", action="store_true", help="also n streams kept busy (run_sustained)")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
@@ -377,6 +424,8 @@ def main() -> None:
             for label, row in rows.items()
         },
     }
+    if args.sustained:
+        report["sustained_tok_per_s"] = sustained(sim, streams, args.tokens)
     if args.check:
         report["forwards_vs_gpu_run"] = check_shapes(sim, args.tokens, Path(args.costs) / "catch_up_anatomy.json")
     _print(report, streams)
@@ -405,6 +454,11 @@ def _print(report: dict, streams: list[int]) -> None:
             f"(real {cell['large_real_share']:.0%}), M_S {cell['small_forwards']} forwards {cell['small_ms']:.0f} ms, "
             f"host {cell['host_ms']:.0f} ms; {dict(shapes.most_common(6))}"
         )
+    if "sustained_tok_per_s" in report:
+        print("\nn streams kept busy (simulated tok/s)")
+        for label, row in report["sustained_tok_per_s"].items():
+            cells = " ".join(f"{row[str(n)]:9.0f}" for n in streams)
+            print(f"{label:34s} {cells}  x{row[str(streams[-1])] / row[str(streams[0])]:.1f}")
     if "forwards_vs_gpu_run" in report:
         print("\nM_L forwards at 64 streams, b=0.9: simulated (this checkout) vs the GPU run (catch_up_anatomy.json)")
         for label, c in report["forwards_vs_gpu_run"].items():
