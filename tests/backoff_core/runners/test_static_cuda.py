@@ -13,6 +13,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from backoff_core.engine.engine import BackoffEngine
+from backoff_core.runners.dynamic import ModelRunner
 from backoff_core.runners.static import KVCapacityError, StaticRunner
 from backoff_core.runners.static_forward import Batch
 from backoff_core.sampling import Stream, sample_rows, uniforms
@@ -115,6 +116,34 @@ def test_batched_equals_alone(engine):
     assert [a.token_ids for a in alone] == [t.token_ids for t in together]
     assert [a.sources for a in alone] == [t.sources for t in together]
     assert [m.request_ids() for m in engine.models] == [[], []]
+
+
+@pytest.mark.parametrize("last_only", [True, False])
+def test_catch_ups_in_blocks_replay_modelrunners_logits(gpu_pair, last_only):
+    """Ragged catch-ups of 1 to 40 tokens over 8 slots, laid out as the replays timed at load
+    choose (blocks: several rows to a request, a later block reading the keys its earlier
+    ones wrote in the same replay), every forward a graph: ModelRunner's logits (HF's own
+    forward over DynamicCaches)."""
+    model = gpu_pair[1]
+    run, ref = runner(model, "large"), ModelRunner(model, "ref")
+    sids = [f"s{i}" for i in range(8)]
+    for i, request_id in enumerate(sids):
+        for r in (run, ref):
+            r.open(request_id)
+            r.extend([(request_id, list(range(1, 3 + 2 * i)))])
+    layouts, inner = [], run._run
+    run._run = lambda plan, columns=None: layouts.append(plan.key) or inner(plan, columns)
+    eager = run.eager_passes
+    items = [
+        (s, [(7 * i + j) % VOCAB for j in range(c)]) for i, (s, c) in enumerate(zip(sids, (3, 1, 2, 40, 7, 4, 2, 5)))
+    ]
+    got, expected = run.extend(items, last_only=last_only), ref.extend(items, last_only=last_only)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g.logits, e.logits, atol=1e-4, rtol=1e-4)
+    # 8 rows a forward at most: blocks of 8 or 16 (1 + 1 + 1 + 5 or 3 + 1 + 1 + 1 + 1 rows), two
+    # gathered forwards either way; no k holds the 40 tokens in one row, and no chunks
+    assert run.eager_passes == eager and len(layouts) == 2
+    assert all(not key.dense and key.k in (8, 16) for key in layouts), layouts
 
 
 def test_rollback_equals_recomputation(gpu_pair):
