@@ -199,7 +199,7 @@ class StaticRunner(PrefixCaching, SessionTable[_SlotSession]):
             for key in keys:
                 captured.setdefault((key.last_only, key.hidden_layer), set()).add(key.k)
             self._captured_ks = {v: tuple(sorted(ks)) for v, ks in captured.items()}
-            seconds += self.graphs.time_replays(keys)  # what layouts.choose weighs
+            seconds += self.graphs.time_replays(keys)  # what static_layout.choose weighs
         if progress:
             print(
                 f"{self.name}: {len(self.graphs)} CUDA graphs captured and timed in {seconds:.1f} s "

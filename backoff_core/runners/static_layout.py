@@ -4,10 +4,10 @@ Items are (positions held, slot, new ids). Rows of a batch are powers of two, an
 carries k new tokens (a k bucket), right-padded; padding writes to the scratch column that no
 real query sees. Two layouts:
 
-- one row per item (`lay_out`): when the extending slots are dense (2 * items >= nb, nb = the
-  power of two above the highest slot) batch row = slot and storage[:nb] is read as a view,
-  idle rows riding along as padding; otherwise item i is row i and its slot's rows are
-  gathered. The M_S step (one new id each) always takes it, and every eager forward.
+- one row per item (`lay_out`): as a dense view, batch row = slot and storage[:nb] read in
+  place (nb = the power of two above the highest slot), idle rows riding along as padding;
+  or gathered, item i on row i reading its slot's rows. The M_S step (one new id each) and
+  every eager forward take it, the view when the extending slots are dense (2 * items >= nb).
 - blocks (`lay_out_blocks`): an item's new ids cut into blocks of k, each a gathered row of
   its own that reads its item's slot, the blocks of an item on consecutive rows. A later block
   sees the earlier ones' keys, which its layer wrote before its attention reads the slot. So
@@ -16,9 +16,10 @@ real query sees. Two layouts:
   on the H100 run: catch_up_anatomy.json) or, past the largest k, needs one more forward
   (on an 8B model each costs its ~8 ms of weights) for the few long rows.
 
-`choose` takes, of every layout whose graphs were captured, the one whose forwards' replays
-were measured fastest (StaticRunner.warmup times every graph): the cost of padding against
-that of more rows or forwards is the device's, not a rule's.
+`choose` takes, for any other extend, of every layout whose graphs were captured the one whose
+forwards' replays were measured fastest (StaticRunner.warmup times every graph): the cost of
+padding against that of more rows or forwards is the device's, not a rule's. `blocks` builds
+its plans, `read_out` hands each item its rows of the forwards' outputs.
 
 Built with numpy over the whole batch (a few array ops, whatever the item count), not a
 Python list per row: at 64 rows the per-row version cost more than a captured GPU step.
