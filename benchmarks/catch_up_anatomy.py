@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -31,6 +32,9 @@ from backoff_core.models.loading import LoadSpec, load_chain
 from backoff_core.models.prompts import encode_prompt
 from backoff_core.types import GenerationRequest, KVSpec, RoutingParams, SamplingParams
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.gpu_check import replay_table  # noqa: E402
+
 PROMPT = "Write a short paragraph about the history of the Python programming language."
 
 
@@ -41,15 +45,11 @@ def _sync() -> None:
 
 def replay_grid(runner) -> list[dict]:
     """The replay time of every captured M_L graph that catch-ups use (last logits only, no
-    hidden layer), as warmup measured it (StaticRunner.warmup: CUDA events, median of 3)."""
+    hidden layer), as warmup measured it (gpu_check.replay_table)."""
     if runner.graphs is None:
         return []
-    keys = sorted(runner.graphs.ms, key=lambda k: (k.dense, k.rows, k.k, k.length))
-    return [
-        {"dense": k.dense, "rows": k.rows, "k": k.k, "L": k.length, "ms": round(runner.graphs.ms[k], 3)}
-        for k in keys
-        if k.last_only and k.hidden_layer is None
-    ]
+    plain = [e for e in replay_table(runner) if e["last_only"] and e["layer"] is None]
+    return [{k: e[k] for k in ("dense", "rows", "k", "L", "ms")} for e in plain]
 
 
 def record_forwards(runner) -> list[dict]:

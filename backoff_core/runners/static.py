@@ -280,8 +280,10 @@ class StaticRunner(PrefixCaching, SessionTable[_SlotSession]):
             layer=layer,
             last_only=last_only,
         )
-        if layout is None or layout.dense:
-            return [(self._plan(sessions, new_ids, layer, last_only, layout and layout.dense), slice(0, n))]
+        if layout is None:  # one eager forward, one row per item (the dense rule of lay_out)
+            return [(self._plan(sessions, new_ids, layer, last_only), slice(0, n))]
+        if layout.dense:
+            return [(self._plan(sessions, new_ids, layer, last_only, dense=True), slice(0, n))]
         return blocks(held, slot, new_ids, counts, layout, self.length_buckets, self.kv.scratch, layer, last_only)
 
     def _extend_plans(

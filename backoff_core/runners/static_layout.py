@@ -202,7 +202,7 @@ def choose(
     view, then to fewer token slots, then to fewer rows."""
     k_max = int(counts.max())
     ends = held + counts  # [n]
-    options: list[tuple[float, int, int, Layout]] = []  # (cost, token slots, rows, layout)
+    options: list[tuple[float, bool, int, int, Layout]] = []  # (cost, gathered, token slots, rows, layout)
     for k in ks:
         if k > k_max and k != bucket(k_max, ks):
             break  # larger ks only pad more
@@ -218,17 +218,17 @@ def choose(
                 break
             total, rows_used = total + ms, rows_used + rows
         else:
-            options.append((total, rows_used * k, rows_used, Layout(k, False, tuple(groups), total)))
+            options.append((total, True, rows_used * k, rows_used, Layout(k, False, tuple(groups), total)))
         if k >= k_max:
             top = next_power_of_two(int(slot.max()) + 1)
             if top <= min(num_slots, max_rows):
                 length = bucket(int(ends.max()), length_buckets)
                 ms = cost(GraphKey(True, top, k, length, last_only or k == 1, layer))
                 if ms is not None:
-                    options.append((ms - 1e-9, top * k, top, Layout(k, True, (slice(0, len(counts)),), ms)))
+                    options.append((ms, False, top * k, top, Layout(k, True, (slice(0, len(counts)),), ms)))
     if not options:
         return None
-    return min(options, key=lambda o: o[:3])[3]
+    return min(options, key=lambda o: o[:4])[4]
 
 
 def blocks(
