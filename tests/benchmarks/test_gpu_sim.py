@@ -9,7 +9,8 @@ import json
 
 import pytest
 
-from benchmarks.gpu_sim import GPU_RESULTS, ROUTINGS, GpuCosts, build, run_batch, run_sustained
+from benchmarks.gpu_costs import GPU_RESULTS, GpuCosts
+from benchmarks.gpu_sim import ROUTINGS, build, run_batch, run_sustained
 
 
 @pytest.fixture(scope="module")

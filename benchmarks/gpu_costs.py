@@ -1,0 +1,111 @@
+"""What one GPU run measured, as the cost table of benchmarks/gpu_sim.py: M_L's graph replays
+by bucket, M_S's step by rows, eager forwards, and a step's host work (fitted to that run).
+
+Read from the run's files (`GpuCosts.from_results`): gpu_check.json's `replay_ms` of every
+captured graph where the run saved it, else catch_up_anatomy.json's M_L grid and
+gpu_check.json's M_S step anatomy. Buckets the run did not measure are estimated
+(`GpuCosts.large_ms`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from backoff_core.runners.graph_plan import GraphKey
+
+GPU_RESULTS = Path("benchmarks/results/gpu")
+
+
+@dataclass(frozen=True)
+class GpuCosts:
+    """What one GPU run measured, in ms: M_L graph replays by bucket, M_S's step by rows,
+    eager forwards, and the host's share of a step."""
+
+    large: dict[tuple[bool, int, int, int], float]  # (dense, rows, k, L) -> replay ms (last logits)
+    small_rows: dict[int, float]  # rows -> M_S replay ms (k = 1)
+    large_eager_ms: float  # what an eager M_L forward adds to its compute (launches, mask, Python)
+    small_eager_ms: float  # an eager M_S forward (its prompt prefill)
+    host_ms: float  # a step's host work beside its forwards: fixed part ...
+    host_ms_per_row: float  # ... and per request stepped
+    host_ms_per_catch_up: float  # ... and per catch-up forward (layout, upload, read back)
+    source: str = ""
+
+    def large_ms(self, key: GraphKey, real: int, eager: bool) -> float:
+        """A replay's measured time. Buckets the grid lacks: a gathered batch of more rows than
+        it measured gathered, at its dense view's time plus the gathering's cost scaled by rows
+        (gathered - dense, at the largest rows measured both ways, same k and L); anything
+        else (full logits, other k) at the measured bucket of the same L with the nearest
+        token slots, rows x k."""
+        ms = self.large.get((key.dense, key.rows, key.k, key.length))
+        if ms is None and not key.dense and (True, key.rows, key.k, key.length) in self.large:
+            measured = [r for d, r, k, n in self.large if not d and k == key.k and n == key.length]
+            r = max(measured, default=0)
+            if r and (True, r, key.k, key.length) in self.large:
+                gathering = self.large[(False, r, key.k, key.length)] - self.large[(True, r, key.k, key.length)]
+                ms = self.large[(True, key.rows, key.k, key.length)] + max(0.0, gathering) * key.rows / r
+        if ms is None:
+            same_l = [(d, r, k) for d, r, k, n in self.large if n == key.length] or [
+                (d, r, k) for d, r, k, _ in self.large
+            ]
+            d, r, k = min(same_l, key=lambda c: (abs(c[1] * c[2] - key.rows * key.k), c[0] != key.dense, c[1]))
+            lengths = sorted({n for *_, n in self.large})
+            n = lengths[min(bisect.bisect_left(lengths, key.length), len(lengths) - 1)]
+            ms = self.large.get((d, r, k, n)) or self.large[min(self.large, key=lambda c: abs(c[1] * c[2] - r * k))]
+            ms *= max(1.0, key.rows * key.k / (r * k)) ** 0.9  # compute-bound past the grid
+        return ms + (self.large_eager_ms if eager else 0.0)
+
+    def small_ms(self, key: GraphKey, eager: bool) -> float:
+        if eager:
+            return self.small_eager_ms
+        rows = sorted(self.small_rows)
+        r = rows[min(bisect.bisect_left(rows, key.rows), len(rows) - 1)]
+        return self.small_rows[r] * (1.0 + 0.05 * (key.k - 1))  # k = 2 (a draft's bonus): a little more
+
+    @classmethod
+    def from_results(cls, folder: Path = GPU_RESULTS, **host) -> GpuCosts:
+        """A GPU run's files: gpu_check.json's replay times of every captured graph where it
+        has them (runs since the blocks layout), else catch_up_anatomy.json's M_L grid and
+        gpu_check.json's M_S step anatomy (rows 1 and 64, linear between). host: the
+        constants of a step's host work (keyword arguments of the same names)."""
+        check = json.loads((folder / "gpu_check.json").read_text())
+        table = check.get("replay_ms") or {}
+        plain = {
+            name: {
+                (e["dense"], e["rows"], e["k"], e["L"]): e["ms"]
+                for e in entries
+                if e["last_only"] and e["layer"] is None
+            }
+            for name, entries in table.items()
+        }
+        sources = [f"{folder}/gpu_check.json ({check.get('gpu')})"]
+        large = plain.get("large")
+        if not large:
+            anatomy = json.loads((folder / "catch_up_anatomy.json").read_text())
+            large = {(g["dense"], g["rows"], g["k"], g["L"]): g["ms"] for g in anatomy["grid"]}
+            sources.append(f"{folder}/catch_up_anatomy.json")
+        if plain.get("small"):
+            small = {
+                r: ms
+                for (dense, r, k, n), ms in plain["small"].items()
+                if dense and k == 1 and n == min(key[3] for key in plain["small"])
+            }
+        else:
+            small = {s["rows"]: s["graph_replay_ms"] for s in check["step_anatomy"]["M_S fused projections and norms"]}
+        ones, lasts = min(small), max(small)  # linear in rows between the measured
+        small_rows = {
+            r: small.get(r, small[ones] + (small[lasts] - small[ones]) * (r - ones) / max(1, lasts - ones))
+            for r in (1, 2, 4, 8, 16, 32, 64)
+        }
+        return cls(
+            large=large,
+            small_rows=small_rows,
+            large_eager_ms=host.pop("large_eager_ms", 65.0),
+            small_eager_ms=host.pop("small_eager_ms", 66.0),
+            host_ms=host.pop("host_ms", 0.25),
+            host_ms_per_row=host.pop("host_ms_per_row", 0.007),
+            host_ms_per_catch_up=host.pop("host_ms_per_catch_up", 0.35),
+            source=", ".join(sources),
+        )
