@@ -20,6 +20,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 from deployments.serve_cli import RAY_SYSTEM_CONFIG, local_serve_env
+from tests.support.ray_local import no_auto_init
 
 FAST_HEALTH = {
     "health_check_initial_delay_ms": 0,
@@ -75,6 +76,7 @@ class LocalCluster:
 
 def start_cluster(head_cpus: int = 2, **counts: int) -> LocalCluster:
     """Head + `counts` nodes of each type (e.g. small_gpu=2, large_gpu=2), and connect."""
+    no_auto_init()
     local_serve_env()
     saved = {key: os.environ.get(key) for key in SERVE_ENV}
     os.environ.update(SERVE_ENV)  # the nodes' processes inherit it

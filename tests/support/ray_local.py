@@ -5,6 +5,11 @@ stale /tmp/ray/ray_current_cluster), and a failed start is retried after a pause
 busy 2-core CI machine the processes of the previous module's instance may still be
 exiting. Every failed attempt is reported, so a real fault is not hidden. The instance gets
 serve_cli's local environment (a patient proxy ready check) as `backoff serve` does.
+
+The test process never lets Ray start itself (`no_auto_init`): a Serve handle of an earlier
+module may still get a late update after its Ray went down, and its `ray.get` would quietly
+start a local instance of its own, which the next `ray.init` then refuses ("called ray.init
+twice"), as CI once saw at the multi-node module.
 """
 
 from __future__ import annotations
@@ -15,11 +20,21 @@ import time
 ATTEMPTS = 3
 
 
+def no_auto_init() -> None:
+    """Ray calls in this process fail while Ray is down, instead of starting a local Ray
+    (what RAY_ENABLE_AUTO_CONNECT=0 does, for this process only: Ray's own processes and the
+    CLIs the tests start keep their environment)."""
+    from ray._private import auto_init_hook
+
+    auto_init_hook.enable_auto_connect = False
+
+
 def start_local_ray(**kwargs) -> None:
     import ray
 
     from deployments.serve_cli import local_serve_env
 
+    no_auto_init()
     local_serve_env()
     if ray.is_initialized():
         ray.shutdown()
