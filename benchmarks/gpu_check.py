@@ -12,7 +12,10 @@ its kernel count, against the whole runner.extend (plan, upload, replay, float c
 M_S as the factory builds it (fused projections and norms), without the fused projections,
 and with HF's own modules throughout, and for M_L. Also saves every graph's replay time as
 warmup measured it (`replay_ms`: what static_layout.choose weighs, and the cost table of
-benchmarks/gpu_sim.py). Writes DIR/gpu_check.json.
+benchmarks/gpu_sim.py). And what the engine's graphs do not hold but gpu_sim prices
+(`probes`): M_S's replays at k 4, 8 and 16 (a prompt's prefill in fewer rows), and each model's
+prompt prefill run eagerly against the same prefill in graphs (what a forward no graph holds
+costs). Writes DIR/gpu_check.json.
 """
 
 from __future__ import annotations
@@ -77,13 +80,14 @@ def logits_error(chain, runner, prompt_ids) -> float:
 
 
 def median_ms(fn, repeats: int = 50) -> float:
-    """Median wall time of fn() with the device synchronised around it."""
+    """Median wall time of fn() with the device synchronised around it (where it is CUDA)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     times = []
     for _ in range(repeats):
-        torch.cuda.synchronize()
+        sync()
         t = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        sync()
         times.append(time.perf_counter() - t)
     return sorted(times)[len(times) // 2] * 1e3
 
@@ -153,6 +157,48 @@ def anatomy(chain, runners, prompt_ids) -> dict:
     return out
 
 
+PROBE_KS = (1, 2, 4, 8, 16)  # M_S's k buckets in the probe (the engine captures 1 and 2)
+
+
+@torch.inference_mode()
+def prefill_ms(runner: StaticRunner, prompt_ids: list[int], repeats: int = 10) -> dict:
+    """One prompt's prefill through `runner`: as the engine runs it (graphs, in blocks where
+    a layout fits) and eagerly (the same runner with its graphs set aside), median ms."""
+
+    def prefill():
+        runner.open("probe")
+        runner.extend([("probe", prompt_ids)], last_only=True)
+        runner.close("probe")
+
+    out = {"tokens": len(prompt_ids), "graphs": round(median_ms(prefill, repeats), 3)}
+    graphs, runner.graphs = runner.graphs, None
+    try:
+        prefill()  # the eager kernels' first run (their selection, the allocator) left out
+        out["eager"] = round(median_ms(prefill, repeats), 3)
+    finally:
+        runner.graphs = graphs
+    return out
+
+
+def probes(small_model, runners: list[StaticRunner], prompt_ids: list[int], graphs=None) -> dict:
+    """What gpu_sim prices that the engine's graphs do not hold: `small_k`, the replay time of
+    every M_S graph at k > 2 (a probe runner built as factory.make_runner builds M_S, captured
+    at k up to 16); `prefill_ms`, each model's prompt prefill in graphs and eagerly.
+    graphs(runner): the probe's CudaGraphs (tests: EagerGraphs on the CPU); None: its own."""
+    probe = StaticRunner(small_model, "probe", kv_budget_tokens=64 * 1024, max_len=1024, fuse_projections=True)
+    if graphs is not None:
+        probe.graphs = graphs(probe)
+    probe.warmup(last_only=(True,), ks=PROBE_KS, progress=False)
+    small_k = [e for e in replay_table(probe) if e["k"] > 2]
+    del probe
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return {
+        "small_k": small_k,
+        "prefill_ms": {name: prefill_ms(r, prompt_ids) for name, r in zip(("small", "large"), runners)},
+    }
+
+
 def replay_table(runner: StaticRunner) -> list[dict]:
     """Every captured graph's replay time (ms), as warmup measured it."""
     return [
@@ -218,6 +264,10 @@ def main() -> None:
         report["step_anatomy"] = anatomy(chain, runners, prompt)
     except Exception as exc:  # noqa: BLE001 - a diagnostic: keep the checks above either way
         report["step_anatomy"] = f"failed: {exc!r}"
+    try:
+        report["probes"] = probes(chain.models[0], runners, prompt)
+    except Exception as exc:  # noqa: BLE001 - a diagnostic, as above
+        report["probes"] = f"failed: {exc!r}"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")

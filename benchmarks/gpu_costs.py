@@ -4,14 +4,17 @@ by bucket, M_S's step by rows, eager forwards, and a step's host work (fitted to
 Read from the run's files (`GpuCosts.from_results`): gpu_check.json's `replay_ms` of every
 captured graph where the run saved it, else catch_up_anatomy.json's M_L grid and
 gpu_check.json's M_S step anatomy. Buckets the run did not measure are estimated
-(`GpuCosts.large_ms`).
+(`GpuCosts.large_ms`, `GpuCosts.small_ms`). The eager forwards' costs are gpu_check.json's
+`probes` where the run has them (runs since 2026-11-26), else the estimates of the H100's
+third run (an eager M_L forward of 16x74 in catch_up_anatomy.json took ~65 ms beyond its
+graph's compute; M_S's was never timed and is taken as the same).
 """
 
 from __future__ import annotations
 
 import bisect
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from backoff_core.runners.graph_plan import GraphKey
@@ -32,6 +35,7 @@ class GpuCosts:
     host_ms_per_row: float  # ... and per request stepped
     host_ms_per_catch_up: float  # ... and per catch-up forward (layout, upload, read back)
     source: str = ""
+    small_k: dict[tuple[int, int], float] = field(default_factory=dict)  # (rows, k > 2) -> M_S replay ms
 
     def large_ms(self, key: GraphKey, real: int, eager: bool) -> float:
         """A replay's measured time. Buckets the grid lacks: a gathered batch of more rows than
@@ -62,6 +66,8 @@ class GpuCosts:
             return self.small_eager_ms
         rows = sorted(self.small_rows)
         r = rows[min(bisect.bisect_left(rows, key.rows), len(rows) - 1)]
+        if (r, key.k) in self.small_k:  # measured by the probe (gpu_check.probes)
+            return self.small_k[(r, key.k)]
         return self.small_rows[r] * (1.0 + 0.05 * (key.k - 1))  # k = 2 (a draft's bonus): a little more
 
     @classmethod
@@ -99,11 +105,23 @@ class GpuCosts:
             r: small.get(r, small[ones] + (small[lasts] - small[ones]) * (r - ones) / max(1, lasts - ones))
             for r in (1, 2, 4, 8, 16, 32, 64)
         }
+        probes = check.get("probes")
+        small_k, eager = {}, {"large_eager_ms": 65.0, "small_eager_ms": 66.0}
+        if isinstance(probes, dict):  # a failed probe is a string: the estimates stay
+            least = min(e["L"] for e in probes["small_k"])
+            small_k = {(e["rows"], e["k"]): e["ms"] for e in probes["small_k"] if e["dense"] and e["L"] == least}
+            prefill = probes["prefill_ms"]
+            eager = {
+                "large_eager_ms": max(0.0, prefill["large"]["eager"] - prefill["large"]["graphs"]),
+                "small_eager_ms": prefill["small"]["eager"],
+            }
+            sources.append(f"{folder}/gpu_check.json probes")
         return cls(
             large=large,
             small_rows=small_rows,
-            large_eager_ms=host.pop("large_eager_ms", 65.0),
-            small_eager_ms=host.pop("small_eager_ms", 66.0),
+            small_k=small_k,
+            large_eager_ms=host.pop("large_eager_ms", eager["large_eager_ms"]),
+            small_eager_ms=host.pop("small_eager_ms", eager["small_eager_ms"]),
             host_ms=host.pop("host_ms", 0.25),
             host_ms_per_row=host.pop("host_ms_per_row", 0.007),
             host_ms_per_catch_up=host.pop("host_ms_per_catch_up", 0.35),

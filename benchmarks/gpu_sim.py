@@ -176,7 +176,7 @@ def run_batch(sim: Sim, n: int, tokens: int, routing: RoutingParams, seed: int =
     sim.small.entries.clear()
     sim.large.entries.clear()
     start = sim.clock.t
-    steps, host_ms = 0, 0.0
+    steps, host_ms, first_end = 0, 0.0, None
     while engine.has_work():
         catch_ups = len(sim.large.entries)
         stepping = sum(1 for r in engine._live.values() if not r.done and r.waiting is None)
@@ -186,6 +186,8 @@ def run_batch(sim: Sim, n: int, tokens: int, routing: RoutingParams, seed: int =
         host = costs.host_ms + costs.host_ms_per_row * stepping + costs.host_ms_per_catch_up * forwards
         sim.clock.advance(host)
         host_ms += host
+        if first_end is None and engine.finished_ids():
+            first_end = sim.clock.t
     seconds = sim.clock.t - start
     done = sum(len(engine.finish(r).token_ids) for r in rids)
     large_ms = sum(e[-1] for e in sim.large.entries)
@@ -199,6 +201,8 @@ def run_batch(sim: Sim, n: int, tokens: int, routing: RoutingParams, seed: int =
         "small_forwards": len(sim.small.entries),
         "small_ms": small_ms,
         "host_ms": host_ms,
+        # the drain: after the first request ends, fewer streams are left to share the forwards
+        "drain_share": (sim.clock.t - first_end) / seconds,
         "large_real_share": sum(e[5] for e in sim.large.entries) / max(1, sum(e[1] * e[2] for e in sim.large.entries)),
         "large_by_shape": sim.large.by_shape(),
     }
@@ -217,25 +221,40 @@ def scaling(sim: Sim, streams: list[int], tokens: int, repeats: int) -> dict:
     return rows
 
 
-def run_sustained(sim: Sim, n: int, tokens: int, routing: RoutingParams, requests_per_stream: int = 4) -> float:
+def run_sustained(sim: Sim, n: int, tokens: int, routing: RoutingParams, requests_per_stream: int = 4) -> dict:
     """n streams kept busy, as a load tester's fixed concurrency does (guidellm's
-    `concurrent`): when a request ends its stream submits the next, admission on the clock.
-    Simulated tok/s of the tokens finished between the first n ends and the first moment
-    fewer than n are live (the start and the drain left out)."""
+    `concurrent`): when a request ends its stream submits the next, admission on the clock,
+    the requests that end in one step admitted together (one prefill forward, as the serving
+    loop admits what arrived between two steps: engine_loop._admit_all). Simulated tok/s of
+    the tokens finished between the first n ends and the first moment fewer than n are live
+    (the start and the drain left out), and where that time went (ms): M_S's steps, M_S's
+    prompt prefills, M_L, the host."""
     engine, costs = sim.engine, sim.costs
     prompt = tuple(range(2, 2 + PROMPT_TOKENS))
     seeds = iter(range(10**9))
+    split = dict.fromkeys(("M_S steps", "M_S prefills", "M_L", "host"), 0.0)
+    counting = False
 
-    def submit() -> str:
-        params = SamplingParams(max_tokens=tokens, seed=next(seeds), ignore_eos=True)
-        return engine.submit(GenerationRequest(prompt, params, routing))
+    def submit(count: int) -> list[str]:
+        params = [SamplingParams(max_tokens=tokens, seed=next(seeds), ignore_eos=True) for _ in range(count)]
+        before = len(sim.small.entries)
+        request_ids = engine.submit_many([GenerationRequest(prompt, p, routing) for p in params])
+        if counting:
+            split["M_S prefills"] += sum(e[-1] for e in sim.small.entries[before:])
+        return request_ids
 
     total = max(2, requests_per_stream) * n
-    live = {submit() for _ in range(n)}
+    live = set(submit(n))
     submitted, ended, counted, start = n, 0, 0, None
     while len(live) == n:
+        small, large = len(sim.small.entries), len(sim.large.entries)
         engine.step()
-        sim.clock.advance(costs.host_ms + costs.host_ms_per_row * len(live))
+        host = costs.host_ms + costs.host_ms_per_row * len(live)
+        sim.clock.advance(host)
+        if counting:
+            split["M_S steps"] += sum(e[-1] for e in sim.small.entries[small:])
+            split["M_L"] += sum(e[-1] for e in sim.large.entries[large:])
+            split["host"] += host
         for request_id in engine.finished_ids():
             live.discard(request_id)
             done = len(engine.finish(request_id).token_ids)
@@ -243,21 +262,22 @@ def run_sustained(sim: Sim, n: int, tokens: int, routing: RoutingParams, request
             if start is not None:
                 counted += done
             elif ended == n:
-                start = sim.clock.t
-            if submitted < total:
-                live.add(submit())
-                submitted += 1
+                start, counting = sim.clock.t, True
+        more = min(n - len(live), total - submitted)
+        if more:
+            live.update(submit(more))
+            submitted += more
     seconds = sim.clock.t - start
     for request_id in engine.live_ids():
         engine.cancel(request_id)
-    return counted / seconds
+    return {"tok_per_s": counted / seconds, "seconds": seconds, "ms": {k: round(v, 1) for k, v in split.items()}}
 
 
 def sustained(sim: Sim, streams: list[int], tokens: int) -> dict:
     out = {}
     for label, (routing, wait) in tqdm(ROUTINGS.items(), desc="sustained"):
         sim.engine.catch_up_wait_ms = CATCH_UP_WAIT_MS if wait is None else wait
-        out[label] = {str(n): round(run_sustained(sim, n, tokens, routing), 1) for n in streams}
+        out[label] = {str(n): run_sustained(sim, n, tokens, routing) for n in streams}
     sim.engine.catch_up_wait_ms = CATCH_UP_WAIT_MS
     return out
 
@@ -332,7 +352,11 @@ def main() -> None:
         },
     }
     if args.sustained:
-        report["sustained_tok_per_s"] = sustained(sim, streams, args.tokens)
+        kept_busy = sustained(sim, streams, args.tokens)
+        report["sustained_tok_per_s"] = {
+            label: {n: round(cell["tok_per_s"], 1) for n, cell in row.items()} for label, row in kept_busy.items()
+        }
+        report["sustained_ms_at_top_n"] = {label: row[top]["ms"] for label, row in kept_busy.items()}
     if args.check:
         report["forwards_vs_gpu_run"] = check_shapes(sim, args.tokens, Path(args.costs) / "catch_up_anatomy.json")
     _print(report, streams)
@@ -359,13 +383,14 @@ def _print(report: dict, streams: list[int]) -> None:
         print(
             f"{label}: {cell['steps']} steps, M_L {cell['large_forwards']} forwards {cell['large_ms']:.0f} ms "
             f"(real {cell['large_real_share']:.0%}), M_S {cell['small_forwards']} forwards {cell['small_ms']:.0f} ms, "
-            f"host {cell['host_ms']:.0f} ms; {dict(shapes.most_common(6))}"
+            f"host {cell['host_ms']:.0f} ms, the drain {cell['drain_share']:.0%} of it; {dict(shapes.most_common(6))}"
         )
     if "sustained_tok_per_s" in report:
         print("\nn streams kept busy (simulated tok/s)")
         for label, row in report["sustained_tok_per_s"].items():
             cells = " ".join(f"{row[str(n)]:9.0f}" for n in streams)
             print(f"{label:34s} {cells}  x{row[str(streams[-1])] / row[str(streams[0])]:.1f}")
+        print(f"where the time went at n={streams[-1]} (ms): {report['sustained_ms_at_top_n']}")
     if "forwards_vs_gpu_run" in report:
         print("\nM_L forwards at 64 streams, b=0.9: simulated (this checkout) vs the GPU run (catch_up_anatomy.json)")
         for label, c in report["forwards_vs_gpu_run"].items():

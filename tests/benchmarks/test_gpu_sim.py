@@ -24,6 +24,9 @@ def test_the_clock_is_the_forwards_and_the_host():
     assert got["large_forwards"] > 0 and got["small_forwards"] >= 16
     assert 1e3 * got["seconds"] == pytest.approx(got["large_ms"] + got["small_ms"] + got["host_ms"])
     assert runs[1] == got  # from the same state, the same figures: no wall clock in them
+    assert 0 < got["drain_share"] < 1
+    alone = run_batch(build(GpuCosts.from_results()), 1, 16, ROUTINGS["random b=0.9"][0])
+    assert alone["drain_share"] == 0  # one stream: its end is the first and the last
 
 
 def test_the_engine_waits_by_the_simulated_clock(sim):
@@ -54,5 +57,8 @@ def test_streams_kept_busy_pay_their_admissions(sim):
     routing, _ = ROUTINGS["always-small"]
     kept_busy = run_sustained(sim, 8, 16, routing)
     batch = run_batch(sim, 8, 16, routing)["tok_per_s"]
-    assert 0.3 * batch < kept_busy < batch
+    assert 0.3 * batch < kept_busy["tok_per_s"] < batch
     assert sim.engine.live_ids() == []
+    split = kept_busy["ms"]  # always-small: no M_L; the admissions' prefills are paid on the clock
+    assert split["M_L"] == 0 and split["M_S prefills"] > 0 and split["M_S steps"] > split["M_S prefills"]
+    assert sum(split.values()) == pytest.approx(1e3 * kept_busy["seconds"], abs=0.3)  # all of the window

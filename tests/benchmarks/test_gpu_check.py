@@ -1,0 +1,86 @@
+"""benchmarks/gpu_check.py's probes, on the CPU (graphs replayed eagerly): they time M_S at
+the k the engine does not capture and each model's prefill with and without its graphs, and
+benchmarks/gpu_costs.py prices gpu_sim's forwards by them where a run has them."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from backoff_core.runners.graph_plan import K_BUCKETS, GraphKey
+from backoff_core.runners.static import StaticRunner
+from benchmarks.gpu_check import PROBE_KS, probes
+from benchmarks.gpu_costs import GPU_RESULTS, GpuCosts
+from benchmarks.step_overhead import tiny_pair
+from tests.support.eager_graphs import EagerGraphs
+
+
+def _graphs(runner: StaticRunner) -> EagerGraphs:
+    return EagerGraphs(runner._forward, runner.graph_max_rows, K_BUCKETS[-1], cost=lambda key: key.rows * key.k / 10)
+
+
+def test_probes_time_m_s_at_every_k_and_each_prefill_with_and_without_graphs():
+    (small, large), _ = tiny_pair()
+    runners = []
+    for model, name in ((small, "small"), (large, "large")):
+        runner = StaticRunner(model, name, kv_budget_tokens=8 * 128, max_len=128)
+        runner.graphs = _graphs(runner)
+        runner.warmup(last_only=(True,), progress=False)
+        runners.append(runner)
+    prompt = list(range(2, 2 + 43))
+    before = [r.eager_passes for r in runners]
+
+    got = probes(small, runners, prompt, graphs=_graphs)
+
+    # M_S at k > 2, dense and gathered, every row bucket up to 64, each at its replay time
+    table = got["small_k"]
+    assert {e["k"] for e in table} == {k for k in PROBE_KS if k > 2}
+    assert {e["rows"] for e in table} == {1, 2, 4, 8, 16, 32, 64} and {e["dense"] for e in table} == {True, False}
+    assert all(e["ms"] == pytest.approx(e["rows"] * e["k"] / 10, abs=1e-3) for e in table)
+    # the prefill in graphs replays only; with the graphs set aside it runs eagerly (a first
+    # run, then 10 timed), and the graphs are back afterwards
+    for runner, b, name in zip(runners, before, ("small", "large")):
+        prefill = got["prefill_ms"][name]
+        assert prefill["tokens"] == 43 and prefill["graphs"] > 0 and prefill["eager"] > 0
+        assert runner.eager_passes - b == 11
+        assert isinstance(runner.graphs, EagerGraphs)
+
+
+def test_gpu_costs_read_the_probes_where_a_run_has_them(tmp_path):
+    for name in ("gpu_check.json", "catch_up_anatomy.json"):
+        shutil.copy(GPU_RESULTS / name, tmp_path / name)
+    check = json.loads((tmp_path / "gpu_check.json").read_text())
+    before = GpuCosts.from_results(tmp_path)
+    assert (before.large_eager_ms, before.small_eager_ms) == (65.0, 66.0)  # the estimates
+
+    check["probes"] = {
+        "small_k": [
+            {"dense": dense, "rows": rows, "k": k, "L": length, "last_only": True, "layer": None, "ms": ms}
+            for dense, rows, k, length, ms in [
+                (True, 64, 16, 256, 3.1),
+                (True, 64, 16, 1024, 9.9),  # a longer L: not the step's
+                (False, 64, 16, 256, 9.9),  # gathered: not the dense step's
+                (True, 8, 4, 256, 1.9),
+            ]
+        ],
+        "prefill_ms": {
+            "small": {"tokens": 43, "graphs": 2.0, "eager": 7.5},
+            "large": {"tokens": 43, "graphs": 9.0, "eager": 30.0},
+        },
+    }
+    (tmp_path / "gpu_check.json").write_text(json.dumps(check))
+    costs = GpuCosts.from_results(tmp_path)
+    assert costs.small_eager_ms == 7.5 and costs.large_eager_ms == pytest.approx(21.0)
+    assert costs.small_ms(GraphKey(True, 64, 16, 256, True, None), eager=False) == 3.1
+    assert costs.small_ms(GraphKey(True, 5, 4, 256, True, None), eager=False) == 1.9  # rows 5 -> bucket 8
+    assert costs.small_ms(GraphKey(True, 64, 1, 256, True, None), eager=False) == before.small_rows[64]
+    assert costs.small_ms(GraphKey(True, 64, 8, 256, True, None), eager=False) == pytest.approx(
+        before.small_rows[64] * 1.35
+    )  # not probed: the estimate
+    assert "probes" in costs.source
+
+    check["probes"] = "failed: RuntimeError('out of memory')"
+    (tmp_path / "gpu_check.json").write_text(json.dumps(check))
+    assert GpuCosts.from_results(tmp_path).small_eager_ms == 66.0
