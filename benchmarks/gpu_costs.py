@@ -61,6 +61,18 @@ class GpuCosts:
             ms *= max(1.0, key.rows * key.k / (r * k)) ** 0.9  # compute-bound past the grid
         return ms + (self.large_eager_ms if eager else 0.0)
 
+    def unpadded_ms(self, key: GraphKey, real: int, eager: bool) -> float:
+        """What-if (gpu_sim --what-if unpadded): an M_L forward over its `real` tokens alone,
+        with no padding and no gathered copies of the slots' keys, at the measured dense view
+        with the fewest token slots (rows x k) that hold them, same L; past the grid, as
+        large_ms extrapolates. An estimate of a layout that does not exist."""
+        dense = [(r * k, ms) for (d, r, k, n), ms in self.large.items() if d and n == key.length and r * k >= real]
+        if not dense:
+            return self.large_ms(
+                GraphKey(True, key.rows, key.k, key.length, key.last_only, key.hidden_layer), real, eager
+            )
+        return min(dense)[1] + (self.large_eager_ms if eager else 0.0)
+
     def small_ms(self, key: GraphKey, eager: bool) -> float:
         if eager:
             return self.small_eager_ms

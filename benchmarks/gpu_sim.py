@@ -132,8 +132,16 @@ class Sim:
     costs: GpuCosts
 
 
-def build(costs: GpuCosts, kv_budget: int = 65536, max_len: int = 1024, wait_ms: float = CATCH_UP_WAIT_MS) -> Sim:
-    """The engine over the GPU path's runners (factory.make_runner's settings), on the CPU."""
+def build(
+    costs: GpuCosts,
+    kv_budget: int = 65536,
+    max_len: int = 1024,
+    wait_ms: float = CATCH_UP_WAIT_MS,
+    large_cost: Callable[[GraphKey, int, bool], float] | None = None,
+) -> Sim:
+    """The engine over the GPU path's runners (factory.make_runner's settings), on the CPU.
+    large_cost: what an M_L forward costs (default: costs.large_ms, what the GPU measured)."""
+    large_cost = large_cost or costs.large_ms
     (small_model, large_model), tokenizer = tiny_pair()  # their tokens do not matter: random routing
     clock = SimClock()
     runners = []
@@ -142,7 +150,7 @@ def build(costs: GpuCosts, kv_budget: int = 65536, max_len: int = 1024, wait_ms:
         runner = StaticRunner(
             model, name, kv_budget_tokens=kv_budget, max_len=max_len, evict_idle=not small, fuse_projections=small
         )
-        cost = small_cost if small else costs.large_ms
+        cost = small_cost if small else large_cost
         runner.graphs = SimGraphs(runner._forward, runner.graph_max_rows, K_BUCKETS[-1], cost=cost)
         if small:
             runner.warmup(last_only=(True,), ks=(1, 2), progress=False)
@@ -150,10 +158,15 @@ def build(costs: GpuCosts, kv_budget: int = 65536, max_len: int = 1024, wait_ms:
             runner.warmup(progress=False)
         runners.append(runner)
     small_log = instrument(runners[0], clock, small_cost)
-    large_log = instrument(runners[1], clock, costs.large_ms)
+    large_log = instrument(runners[1], clock, large_cost)
     engine = BackoffEngine(runners, tokenizer, catch_up_wait_ms=wait_ms, clock=clock.now)
     return Sim(engine, clock, small_log, large_log, costs)
 
+
+WHAT_IF = {  # --what-if: another price of M_L's forwards than the GPU's measured one
+    "unpadded": "an M_L forward costs what its real tokens alone would in the measured dense view, "
+    "no padding, no gathered keys (GpuCosts.unpadded_ms; a layout that does not exist)"
+}
 
 ROUTINGS = {  # label -> (routing, catch_up_wait_ms: None keeps the engine's)
     "always-large": (RoutingParams(router="always-large"), None),
@@ -323,16 +336,18 @@ def main() -> None:
     ap.add_argument("--costs", default=str(GPU_RESULTS), help="folder of the GPU run's json files")
     ap.add_argument("--check", action="store_true", help="also compare the M_L forwards with catch_up_anatomy's")
     ap.add_argument("--sustained", action="store_true", help="also n streams kept busy (run_sustained)")
+    ap.add_argument("--what-if", choices=sorted(WHAT_IF), help="price M_L's forwards otherwise: " + str(WHAT_IF))
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
     costs = GpuCosts.from_results(Path(args.costs))
-    sim = build(costs)
+    sim = build(costs, large_cost=costs.unpadded_ms if args.what_if == "unpadded" else None)
     streams = [int(s) for s in args.streams.split(",")]
     rows = scaling(sim, streams, args.tokens, args.repeats)
     base, top = str(streams[0]), str(streams[-1])
     report = {
-        "what": "simulated: the engine's forwards on the CPU, each at the GPU's measured cost (gpu_sim.py)",
+        "what": "simulated: the engine's forwards on the CPU, each at the GPU's measured cost (gpu_sim.py)"
+        + (f"; what-if {args.what_if}: {WHAT_IF[args.what_if]}" if args.what_if else ""),
         "costs": costs.source,
         "host": {
             "ms": costs.host_ms,

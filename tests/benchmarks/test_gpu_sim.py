@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from backoff_core.runners.graph_plan import GraphKey
 from benchmarks.gpu_costs import GPU_RESULTS, GpuCosts
 from benchmarks.gpu_sim import ROUTINGS, build, run_batch, run_sustained
 
@@ -62,3 +63,16 @@ def test_streams_kept_busy_pay_their_admissions(sim):
     split = kept_busy["ms"]  # always-small: no M_L; the admissions' prefills are paid on the clock
     assert split["M_L"] == 0 and split["M_S prefills"] > 0 and split["M_S steps"] > split["M_S prefills"]
     assert sum(split.values()) == pytest.approx(1e3 * kept_busy["seconds"], abs=0.3)  # all of the window
+
+
+def test_what_if_unpadded_prices_m_l_forwards_by_their_real_tokens():
+    """--what-if unpadded: an M_L forward at the measured dense view with the fewest token
+    slots that hold its real tokens (no padding, no gathering), and the clock charges
+    whatever price build() is given."""
+    costs = GpuCosts.from_results()
+    gathered = GraphKey(False, 64, 8, 256, True, None)  # 512 slots, 100 of them real
+    fewest = min((r * k, ms) for (d, r, k, n), ms in costs.large.items() if d and n == 256 and r * k >= 100)
+    assert fewest[0] == 128 and costs.unpadded_ms(gathered, 100, False) == fewest[1]
+    assert costs.unpadded_ms(gathered, 100, False) < costs.large_ms(gathered, 100, False)
+    flat = run_batch(build(costs, large_cost=lambda key, real, eager: 1.0), 8, 16, ROUTINGS["random b=0.9"][0])
+    assert flat["large_ms"] == flat["large_forwards"] > 0
