@@ -14,7 +14,9 @@ one run. Saves benchmarks/results[/gpu]/batch_scaling[-TAG].{json,png} as
 Batched catch-ups (docs/batched-catch-ups.md): "random b=0.9" runs the engine's default
 (catch_up_wait_ms, --catch-up-wait-ms), "random b=0.9, catch-ups at once" runs each in the step
 that routes it (0), and "random b=0.9, waits up to 1 s" lets the half-of-live rule alone end
-the waits; all in the same run, for the ratios.
+the waits. Catch-ups in flight (engine `overlap_catch_ups`, flight.py): "random b=0.9, in
+flight" runs each catch-up beside M_S's next steps (no hold), "held and in flight" after the
+default hold. All in the same run, for the ratios.
 """
 
 from __future__ import annotations
@@ -35,21 +37,28 @@ from backoff_core.models.prompts import encode_prompt
 from backoff_core.types import GenerationRequest, KVSpec, RoutingParams, SamplingParams
 
 PROMPT = "Write a short paragraph about the history of the Python programming language."
-ROUTINGS = {  # label -> (routing, the engine's catch_up_wait_ms: None keeps --catch-up-wait-ms)
-    "always-large": (RoutingParams(router="always-large"), None),
-    "random b=0.9": (RoutingParams(router="random", rate=0.9), None),
-    "random b=0.9, catch-ups at once": (RoutingParams(router="random", rate=0.9), 0.0),
-    "random b=0.9, waits up to 1 s": (RoutingParams(router="random", rate=0.9), 1000.0),
-    "always-small": (RoutingParams(router="always-small"), None),
+B09 = RoutingParams(router="random", rate=0.9)
+# label -> (routing, the engine's catch_up_wait_ms: None keeps --catch-up-wait-ms, overlap_catch_ups)
+ROUTINGS = {
+    "always-large": (RoutingParams(router="always-large"), None, False),
+    "random b=0.9": (B09, None, False),
+    "random b=0.9, catch-ups at once": (B09, 0.0, False),
+    "random b=0.9, waits up to 1 s": (B09, 1000.0, False),
+    "random b=0.9, in flight": (B09, 0.0, True),
+    "random b=0.9, held and in flight": (B09, None, True),
+    "always-small": (RoutingParams(router="always-small"), None, False),
 }
 
 
-def throughput(engine, prompt_ids, n, tokens, routing, repeats, wait_ms: float) -> dict[str, float]:
+def throughput(
+    engine, prompt_ids, n, tokens, routing, repeats, wait_ms: float, overlap: bool = False
+) -> dict[str, float]:
     """n requests generated together, `repeats` times, catch-ups waiting up to `wait_ms` to
-    be batched: the median tok/s (admission excluded); catch-up forwards per 100 tokens (a
+    be batched (and, with overlap, in flight beside M_S's steps): the median tok/s (admission excluded); catch-up forwards per 100 tokens (a
     forward shared by m requests is in each one's record, CatchUp.batch_size = m: 1/m each);
     the inter-token latency's median and p99 over every request's tokens (ms)."""
     engine.catch_up_wait_ms = wait_ms
+    engine.overlap_catch_ups = overlap
     rates, forwards, generated, gaps = [], 0.0, 0, []
     for rep in range(repeats):
         reqs = [
@@ -131,15 +140,15 @@ def main() -> None:
     streams = [int(s) for s in args.streams.split(",")]
     if args.interleave is not None:
         return _interleaved(engine, prompt_ids, streams, args)
-    waits = {label: args.catch_up_wait_ms if wait is None else wait for label, (_, wait) in ROUTINGS.items()}
-    for label, (routing, _) in ROUTINGS.items():  # warm-up: allocator growth, lazy initialisation
-        throughput(engine, prompt_ids, 2, 4, routing, 1, waits[label])
+    waits = {label: args.catch_up_wait_ms if wait is None else wait for label, (_, wait, _) in ROUTINGS.items()}
+    for label, (routing, _, overlap) in ROUTINGS.items():  # warm-up: allocator growth, lazy initialisation
+        throughput(engine, prompt_ids, 2, 4, routing, 1, waits[label], overlap)
     runs = {
         label: {
-            str(n): throughput(engine, prompt_ids, n, args.tokens, routing, args.repeats, waits[label])
+            str(n): throughput(engine, prompt_ids, n, args.tokens, routing, args.repeats, waits[label], overlap)
             for n in tqdm(streams, desc=label, leave=False)
         }
-        for label, (routing, _) in tqdm(ROUTINGS.items(), desc="routings")
+        for label, (routing, _, overlap) in tqdm(ROUTINGS.items(), desc="routings")
     }
 
     def pick(key: str) -> dict[str, dict[str, float]]:

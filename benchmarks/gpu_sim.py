@@ -17,6 +17,11 @@ each step by a host time fitted to that run (gpu_costs.py). The engine reads tha
 catch-up waits are bounded in time), so its decisions are the ones it would take at the
 GPU's pace.
 
+Catch-ups in flight (engine `overlap_catch_ups`, the rows "in flight"): SimLauncher puts
+M_L's forwards on a timeline of their own, beside the loop's (M_S's steps and the host).
+That is exact for M_L on a GPU of its own and the best case on one GPU, where M_S's kernels
+and M_L's share the SMs: only a GPU run tells how much of it one GPU keeps.
+
 What it is for: choosing between scheduling policies (batched catch-ups' bounds, layouts)
 before a GPU is at hand, and telling what the next GPU run should see. It is a model. The
 figures of the GPU run it reads were measured on that run's checkout: where this checkout
@@ -70,6 +75,46 @@ class SimClock:
         self.t += ms / 1e3
 
 
+@dataclass
+class _SimFlight:
+    outcomes: dict
+    end: float  # when M_L's timeline finishes it (s)
+    clock: SimClock  # the step loop's
+
+    def done(self) -> bool:
+        return self.clock.t >= self.end
+
+    def result(self) -> dict:
+        self.clock.t = max(self.clock.t, self.end)  # the loop waits for it
+        return self.outcomes
+
+
+class SimLauncher:
+    """Catch-ups in flight (engine `overlap_catch_ups`) on the simulated clock: a flight's
+    catch-up runs at once on the CPU, its M_L forwards on M_L's own timeline (`large`), which
+    starts at the launch or when M_L's last flight ends; it is done once the loop's clock
+    passes its end, and waiting for it moves the loop's clock there. M_L forwards outside a
+    flight (landed first) are on the loop's clock. Two timelines that never slow each other:
+    exact for M_L on a GPU of its own, the best case for two streams on one GPU."""
+
+    def __init__(self, clock: SimClock) -> None:
+        self.clock = clock
+        self.large = SimClock()
+        self.flying = False
+
+    def advance(self, ms: float) -> None:  # M_L's forwards' clock
+        (self.large if self.flying else self.clock).advance(ms)
+
+    def submit(self, catch) -> _SimFlight:
+        self.large.t = max(self.large.t, self.clock.t)
+        self.flying = True
+        try:
+            outcomes = catch()
+        finally:
+            self.flying = False
+        return _SimFlight(outcomes, self.large.t, self.clock)
+
+
 class SimGraphs(CudaGraphs):
     """CudaGraphs on the CPU: every planned key is 'captured' (nothing runs at capture), a
     replay runs the captured body eagerly on the static buffers. The runner's buckets,
@@ -104,7 +149,9 @@ class ForwardLog:
         return dict(sorted(out.items(), key=lambda kv: -kv[1]["ms"]))
 
 
-def instrument(runner: StaticRunner, clock: SimClock, cost: Callable[[GraphKey, int, bool], float]) -> ForwardLog:
+def instrument(
+    runner: StaticRunner, clock: SimClock | SimLauncher, cost: Callable[[GraphKey, int, bool], float]
+) -> ForwardLog:
     """Every forward of `runner` advances the clock by cost(key, real tokens, eager) and is logged."""
     log = ForwardLog()
     run = runner._run
@@ -139,8 +186,9 @@ def build(
     wait_ms: float = CATCH_UP_WAIT_MS,
     large_cost: Callable[[GraphKey, int, bool], float] | None = None,
 ) -> Sim:
-    """The engine over the GPU path's runners (factory.make_runner's settings), on the CPU.
-    large_cost: what an M_L forward costs (default: costs.large_ms, what the GPU measured)."""
+    """The engine over the GPU path's runners (factory.make_runner's settings), on the CPU;
+    its catch-ups in flight (when turned on) are SimLauncher's. large_cost: what an M_L
+    forward costs (default: costs.large_ms, what the GPU measured)."""
     large_cost = large_cost or costs.large_ms
     (small_model, large_model), tokenizer = tiny_pair()  # their tokens do not matter: random routing
     clock = SimClock()
@@ -158,8 +206,9 @@ def build(
             runner.warmup(progress=False)
         runners.append(runner)
     small_log = instrument(runners[0], clock, small_cost)
-    large_log = instrument(runners[1], clock, large_cost)
-    engine = BackoffEngine(runners, tokenizer, catch_up_wait_ms=wait_ms, clock=clock.now)
+    launcher = SimLauncher(clock)
+    large_log = instrument(runners[1], launcher, large_cost)
+    engine = BackoffEngine(runners, tokenizer, catch_up_wait_ms=wait_ms, clock=clock.now, launcher=launcher)
     return Sim(engine, clock, small_log, large_log, costs)
 
 
@@ -168,12 +217,20 @@ WHAT_IF = {  # --what-if: another price of M_L's forwards than the GPU's measure
     "no padding, no gathered keys (GpuCosts.unpadded_ms; a layout that does not exist)"
 }
 
-ROUTINGS = {  # label -> (routing, catch_up_wait_ms: None keeps the engine's)
-    "always-large": (RoutingParams(router="always-large"), None),
-    "random b=0.9": (RoutingParams(router="random", rate=0.9), None),
-    "random b=0.9, catch-ups at once": (RoutingParams(router="random", rate=0.9), 0.0),
-    "always-small": (RoutingParams(router="always-small"), None),
+B09 = RoutingParams(router="random", rate=0.9)
+ROUTINGS = {  # label -> (routing, catch_up_wait_ms: None keeps the engine's, overlap_catch_ups)
+    "always-large": (RoutingParams(router="always-large"), None, False),
+    "random b=0.9": (B09, None, False),
+    "random b=0.9, catch-ups at once": (B09, 0.0, False),
+    "random b=0.9, in flight": (B09, 0.0, True),
+    "random b=0.9, held and in flight": (B09, None, True),
+    "always-small": (RoutingParams(router="always-small"), None, False),
 }
+
+
+def _configure(engine: BackoffEngine, wait: float | None = None, overlap: bool = False) -> None:
+    engine.catch_up_wait_ms = CATCH_UP_WAIT_MS if wait is None else wait
+    engine.overlap_catch_ups = overlap
 
 
 def run_batch(sim: Sim, n: int, tokens: int, routing: RoutingParams, seed: int = 0) -> dict:
@@ -223,14 +280,14 @@ def run_batch(sim: Sim, n: int, tokens: int, routing: RoutingParams, seed: int =
 
 def scaling(sim: Sim, streams: list[int], tokens: int, repeats: int) -> dict:
     rows: dict[str, dict[str, dict]] = {}
-    for label, (routing, wait) in tqdm(ROUTINGS.items(), desc="routings"):
-        sim.engine.catch_up_wait_ms = CATCH_UP_WAIT_MS if wait is None else wait
+    for label, (routing, wait, overlap) in tqdm(ROUTINGS.items(), desc="routings"):
+        _configure(sim.engine, wait, overlap)
         rows[label] = {}
         for n in streams:
             runs = [run_batch(sim, n, tokens, routing, seed) for seed in range(repeats)]
             best = sorted(runs, key=lambda r: r["tok_per_s"])[len(runs) // 2]  # the median run
             rows[label][str(n)] = {**best, "tok_per_s": statistics.median(r["tok_per_s"] for r in runs)}
-    sim.engine.catch_up_wait_ms = CATCH_UP_WAIT_MS
+    _configure(sim.engine)
     return rows
 
 
@@ -283,15 +340,17 @@ def run_sustained(sim: Sim, n: int, tokens: int, routing: RoutingParams, request
     seconds = sim.clock.t - start
     for request_id in engine.live_ids():
         engine.cancel(request_id)
+    while engine.has_work():  # a flight still out lands (and closes what it holds)
+        engine.step()
     return {"tok_per_s": counted / seconds, "seconds": seconds, "ms": {k: round(v, 1) for k, v in split.items()}}
 
 
 def sustained(sim: Sim, streams: list[int], tokens: int) -> dict:
     out = {}
-    for label, (routing, wait) in tqdm(ROUTINGS.items(), desc="sustained"):
-        sim.engine.catch_up_wait_ms = CATCH_UP_WAIT_MS if wait is None else wait
+    for label, (routing, wait, overlap) in tqdm(ROUTINGS.items(), desc="sustained"):
+        _configure(sim.engine, wait, overlap)
         out[label] = {str(n): run_sustained(sim, n, tokens, routing) for n in streams}
-    sim.engine.catch_up_wait_ms = CATCH_UP_WAIT_MS
+    _configure(sim.engine)
     return out
 
 

@@ -114,6 +114,7 @@ class SmallInfo:
     node: str = ""  # the Ray node the replica runs on
     served: int = 0  # requests that reached generate() (prefix routing: where they went)
     recent: tuple[str, ...] = ()  # ids of the last RECENT_IDS of them, oldest first
+    flights: int = 0  # catch-ups run in flight beside the steps (overlap_catch_ups)
 
 
 @serve.deployment(max_ongoing_requests=64)
@@ -150,6 +151,7 @@ class SmallModel:
             context_window=side.context_window,
             prefill_chunk_tokens=self.args.prefill_chunk_tokens,
             catch_up_wait_ms=self.args.catch_up_wait_ms,
+            overlap_catch_ups=self.args.overlap_catch_ups,
         )
         self.metrics = SmallMetrics(n)
         self.gate = AdmissionGate(self.args.admission.max_live_requests, self.args.admission.max_waiting_requests)
@@ -264,6 +266,7 @@ class SmallModel:
             node=ray.get_runtime_context().get_node_id(),
             served=self._served_count,
             recent=tuple(self._served),
+            flights=getattr(getattr(self.loop.engine, "flights", None), "launched", 0),
         )
 
     def _start_renewals(self) -> None:

@@ -10,7 +10,8 @@ One `step()` advances every live request by one committed token (or one rollback
   5. catch-up per level, batched over requests: ONE forward over each request's pending
      tokens and one host copy; verification may roll back; the step's token comes from
      that level. A plain routed request may wait a few ms, not stepping, for its
-     catch-up to share a forward with others' (`catch_up_wait_ms`, hold.py)
+     catch-up to share a forward with others' (`catch_up_wait_ms`, hold.py), and, with
+     `overlap_catch_ups`, that forward may run beside M_S's next steps (flight.py)
   6. commit: append, stream, stop (commit.py; one copy for the logprobs asked for)
 Every device-to-host read goes through host.to_host: once per stage, whatever the batch.
 A request whose larger model could not answer (catchup.py) is `degraded`: from then on it
@@ -29,6 +30,7 @@ from backoff_core.engine.admission import checked
 from backoff_core.engine.backends import Backend
 from backoff_core.engine.catchup import CatchUpper, Outcome
 from backoff_core.engine.commit import CommitContext, commit_many, settle_many
+from backoff_core.engine.flight import Flights, Launcher, ThreadLauncher
 from backoff_core.engine.hold import CatchUpHold
 from backoff_core.engine.isolation import each
 from backoff_core.engine.logprobs import TokenTexts
@@ -71,13 +73,17 @@ class BackoffEngine:
         prefill_chunk_tokens: int | None = PREFILL_CHUNK_TOKENS,
         catch_up_wait_ms: float | None = CATCH_UP_WAIT_MS,
         clock: Callable[[], float] = time.perf_counter,
+        overlap_catch_ups: bool = False,
+        launcher: Launcher | None = None,
     ) -> None:
         """prefill_chunk_tokens: positions each model prefills per step at most (chunked.py);
         longer prompts and first catch-ups are fed over several steps. 0 / None: off.
         catch_up_wait_ms: how long a request routed to a larger model may wait, while the
         others step, for its catch-up to run in one forward with others' (hold.py; clock:
         the time it is measured by, read once a step). 0 / None: every catch-up runs in the step
-        that routes it."""
+        that routes it. overlap_catch_ups: a batched catch-up runs beside M_S's next steps
+        (flight.py; two models only), launched by `launcher` (default: a worker thread, on
+        CUDA a stream of its own)."""
         if len(models) < 2:
             raise ValueError("backoff decoding needs at least two models (small and large)")
         if prefill_chunk_tokens is not None and prefill_chunk_tokens < 0:
@@ -99,6 +105,9 @@ class BackoffEngine:
         self.token_texts = TokenTexts(tokenizer)
         self.catch_up = CatchUpper(self.models, collect_kl)
         self._live: dict[str, Live] = {}
+        self.launcher = launcher
+        self.flights: Flights | None = None
+        self.overlap_catch_ups = overlap_catch_ups
         self._routers: dict[tuple, DecisionFunction] = {}
         self._ids = itertools.count()
 
@@ -135,6 +144,26 @@ class BackoffEngine:
     def catch_up_wait_ms(self, value: float) -> None:
         self.hold.wait_ms = value or 0.0
 
+    @property
+    def overlap_catch_ups(self) -> bool:
+        """Whether batched catch-ups run beside M_S's next steps (flight.py); may change
+        between steps while no catch-up is in flight."""
+        return self.flights is not None
+
+    @overlap_catch_ups.setter
+    def overlap_catch_ups(self, on: bool) -> None:
+        if on == self.overlap_catch_ups:
+            return
+        if on and len(self.models) != 2:
+            raise ValueError(f"overlap_catch_ups takes two models (small and large), got {len(self.models)}")
+        if self.flights is not None and self.flights.busy:
+            raise RuntimeError("a catch-up is in flight: step until it lands first")
+        if on and self.launcher is None:
+            self.launcher = ThreadLauncher(getattr(self.models[-1], "device", None))
+        self.flights = (
+            Flights(self.launcher, self._live, self.hold, self.catch_up, self._close_sessions) if on else None
+        )
+
     # -- admission ------------------------------------------------------------------------
     def submit(self, request: GenerationRequest, router: DecisionFunction | None = None) -> str:
         """Admit a request (M_S prompt prefill now, or a chunk per step); returns its id. Raises ValueError on bad input."""
@@ -153,6 +182,8 @@ class BackoffEngine:
         if len({r.request_id for r in lives}) != len(lives):
             raise ValueError("request ids must be distinct")
         later = {r.request_id for r in lives if self._chunked(r)}
+        if self.flights is not None and any(_prefills_large(r) for r in lives):
+            self.flights.settle()  # M_L runs in this thread now (flight.py)
         prefill(self.models, [r for r in lives if r.request_id not in later], self.token_texts, self.detok.decode)
         try:
             for r in lives:
@@ -215,6 +246,8 @@ class BackoffEngine:
         return self._routers[key]
 
     def cancel(self, request_id: str) -> None:
+        if self.flights is not None and self.flights.cancel(request_id):
+            return  # its sessions are closed when its catch-up lands
         live = self._live.pop(request_id, None)
         if live is not None:
             self._close_sessions(live)
@@ -227,10 +260,16 @@ class BackoffEngine:
                 pass
 
     def has_work(self) -> bool:
-        return any(not r.done for r in self._live.values())
+        return any(not r.done for r in self._live.values()) or (self.flights is not None and self.flights.busy)
 
     def live_ids(self) -> list[str]:
-        return list(self._live)
+        return list(self._live) + (self.flights.ids() if self.flights is not None else [])
+
+    def _done(self, request_id: str) -> bool:
+        """Whether request_id's last token is committed (in flight: not yet)."""
+        if self.flights is not None and request_id in self.flights.ids():
+            return False
+        return self._live[request_id].done
 
     def finished_ids(self) -> list[str]:
         """Requests whose last token is committed (or that failed); `finish(rid)` collects each."""
@@ -238,6 +277,7 @@ class BackoffEngine:
 
     # -- the step -------------------------------------------------------------------------
     def step(self) -> dict[str, TokenEvent]:
+        landed = self.flights.land() if self.flights is not None else None
         live = [r for r in self._live.values() if r.finished is None and r.failure is None]  # not done
         if not live:
             return {}
@@ -293,6 +333,8 @@ class BackoffEngine:
                 live = [r for r in live if not (r.backlog or r.done)]
         for r in waiting:
             levels[r.request_id] = r.waiting.level
+        if landed is not None:  # a flight back: its requests take up the step that routed them
+            self.flights.rejoin(landed, outcomes, proposal)
         holders = self.hold.holders(live, levels, outcomes) if levels and (self.hold.wait_ms or waiting) else set()
         for level in range(1, self.num_levels) if levels else ():
             group = [
@@ -305,9 +347,16 @@ class BackoffEngine:
             ]
             if holders and group:
                 group = self.hold.split(level, group, holders, len(live), proposal)
+            if self.flights is not None and group and all(self.hold.may_wait(r) for r in group):
+                self.flights.fly(level, group, proposal)
+                continue
             outcomes.update(self.catch_up.run(level, group))
-        if holders:  # the steps that wait commit nothing yet
+        if holders or self.flights is not None:  # the steps that wait (or fly) commit nothing yet
             live = [r for r in live if r.waiting is None]
+        if self.flights is not None and self.flights.busy and not live:  # nothing else commits: wait
+            landed = self.flights.land(wait=True)
+            self.flights.rejoin(landed, outcomes, proposal)
+            live = landed.lives
         # a catch-up failed (degraded): M_S's token instead, for those that skipped M_S
         late = [
             r
@@ -376,7 +425,7 @@ class BackoffEngine:
         """Run requests together (batched steps); results in request order."""
         rids = self.submit_many(requests, routers)
         try:
-            while any(not self._live[request_id].done for request_id in rids):
+            while not all(map(self._done, rids)):
                 self.step()
             return [self.finish(request_id) for request_id in rids]
         except BaseException:
@@ -388,7 +437,7 @@ class BackoffEngine:
         """Yields each committed token (with its source); the caller may stop early."""
         request_id = self.submit(request, router)
         try:
-            while not self._live[request_id].done:
+            while not self._done(request_id):
                 event = self.step().get(request_id)
                 if event is not None:
                     yield event
@@ -396,6 +445,13 @@ class BackoffEngine:
                 self.finish(request_id)  # raises its error
         finally:
             self.cancel(request_id)
+
+
+def _prefills_large(r: Live) -> bool:
+    """Whether admitting r runs a larger model (prompt.py: eager prefill, an oracle, scoring)."""
+    return (
+        r.request.routing.eager_prefill or r.router.needs_large_logits or r.request.sampling.prompt_logprobs is not None
+    )
 
 
 def _by_router(group: list[Live]) -> dict[DecisionFunction, list[Live]]:

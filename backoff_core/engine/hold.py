@@ -67,16 +67,23 @@ class CatchUpHold:
             and self.now - oldest + self.step_s <= self.wait_ms / 1e3
             and all(r.request_id in holders for r in group)
         ):
-            for r in group:
-                if r.waiting is None:
-                    r.waiting = Waiting(
-                        level, proposal.tokens[r.request_id], proposal.scores.get(r.request_id), self.now
-                    )
+            self.wait(level, group, proposal)
             return []
+        self.resume(group, proposal)
+        return group
+
+    def wait(self, level: int, group: list[Live], proposal: Proposal) -> None:
+        """Those of group not waiting yet keep this step (M_S's token, the router's score)."""
         for r in group:
-            if r.waiting is not None:  # its step goes on as if it had caught up when routed
+            if r.waiting is None:
+                r.waiting = Waiting(level, proposal.tokens[r.request_id], proposal.scores.get(r.request_id), self.now)
+
+    @staticmethod
+    def resume(group: list[Live], proposal: Proposal) -> None:
+        """The waiting ones of group take up their step, as if they had caught up when routed."""
+        for r in group:
+            if r.waiting is not None:
                 proposal.tokens[r.request_id] = r.waiting.token
                 if r.waiting.score is not None:
                     proposal.scores[r.request_id] = r.waiting.score
                 r.waiting = None
-        return group

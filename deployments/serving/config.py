@@ -305,6 +305,13 @@ class AppArgs(_Config):
         "requests or more); more throughput under load, the same tokens. 0: every catch-up runs in "
         "the step that routes it",
     )
+    overlap_catch_ups: bool = Field(
+        False,
+        description="catch-ups in flight (docs/batched-catch-ups.md): the large model's batched "
+        "catch-up runs on a worker thread beside the small model's next steps, its requests "
+        "committing when it lands; the same tokens. Pays where M_L has a GPU of its own; best "
+        "with catch_up_wait_ms 0 (the flight itself batches the next catch-up)",
+    )
     torch_threads: int | None = Field(None, ge=1, description="torch threads per model replica (none: Ray's default)")
     handle_transport: Literal["grpc", "actor"] = Field(
         "grpc",

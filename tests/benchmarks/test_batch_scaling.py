@@ -9,7 +9,7 @@ import torch
 from backoff_core.engine.engine import BackoffEngine
 from backoff_core.runners.dynamic import ModelRunner
 from backoff_core.types import RoutingParams
-from benchmarks.batch_scaling import throughput
+from benchmarks.batch_scaling import ROUTINGS, throughput
 from benchmarks.step_overhead import tiny_pair
 
 
@@ -37,3 +37,17 @@ def test_forwards_per_100_tokens_counts_the_large_models_forwards():
         assert 0 < got["itl_median_ms"] <= got["itl_p99_ms"]
         figures[wait] = per_100
     assert figures[1e4] < 0.6 * figures[0]  # 16 streams at 10% large: most steps route one or more
+
+
+def test_the_in_flight_rows_run_catch_ups_beside_the_steps():
+    """ "random b=0.9, in flight": the engine's catch-ups in flight on its worker thread; the
+    forwards of every request are counted as in the synchronous rows."""
+    torch.manual_seed(0)
+    (small, large), tokenizer = tiny_pair()
+    runner = Counted(large, "large")
+    engine = BackoffEngine([ModelRunner(small, "small"), runner], tokenizer)
+    routing, wait, overlap = ROUTINGS["random b=0.9, in flight"]
+    got = throughput(engine, [5, 6, 7], 16, 24, routing, 2, wait, overlap)
+    assert engine.overlap_catch_ups and not engine.has_work()
+    assert got["tok_per_s"] > 0 and runner.forwards > 0
+    assert got["forwards_per_100_tokens"] == pytest.approx(100 * runner.forwards / (2 * 16 * 24))

@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from backoff_core.engine.engine import CATCH_UP_WAIT_MS
 from backoff_core.runners.graph_plan import GraphKey
 from benchmarks.gpu_costs import GPU_RESULTS, GpuCosts
 from benchmarks.gpu_sim import ROUTINGS, build, run_batch, run_sustained
@@ -46,7 +47,7 @@ def test_the_engine_waits_by_the_simulated_clock(sim):
 @pytest.mark.parametrize("n", [1, 16])
 def test_it_lands_near_what_the_h100_measured(sim, label, n):
     measured = json.loads((GPU_RESULTS / "batch_scaling-h100.json").read_text())["tok_per_s"][label][str(n)]
-    routing, _ = ROUTINGS[label]
+    routing = ROUTINGS[label][0]
     got = run_batch(sim, n, 64, routing)["tok_per_s"]
     assert 0.85 <= got / measured <= 1.15, (got, measured)
 
@@ -55,7 +56,7 @@ def test_streams_kept_busy_pay_their_admissions(sim):
     """run_sustained: a stream's next request is submitted when its last ends, its prompt
     prefill on the clock, so always-small keeps fewer tok/s than a batch admitted before the
     clock starts; nothing is left live."""
-    routing, _ = ROUTINGS["always-small"]
+    routing = ROUTINGS["always-small"][0]
     kept_busy = run_sustained(sim, 8, 16, routing)
     batch = run_batch(sim, 8, 16, routing)["tok_per_s"]
     assert 0.3 * batch < kept_busy["tok_per_s"] < batch
@@ -76,3 +77,25 @@ def test_what_if_unpadded_prices_m_l_forwards_by_their_real_tokens():
     assert costs.unpadded_ms(gathered, 100, False) < costs.large_ms(gathered, 100, False)
     flat = run_batch(build(costs, large_cost=lambda key, real, eager: 1.0), 8, 16, ROUTINGS["random b=0.9"][0])
     assert flat["large_ms"] == flat["large_forwards"] > 0
+
+
+def test_catch_ups_in_flight_run_on_m_ls_own_timeline(sim):
+    """In flight (SimLauncher), M_L's forwards no longer add to the loop's clock, which still
+    holds every M_S step and the host; a lone request waits for each of its flights, so its
+    time is the synchronous loop's."""
+    routing = ROUTINGS["random b=0.9"][0]
+    sim.engine.catch_up_wait_ms = 0.0
+    sync = run_batch(sim, 16, 32, routing)
+    sync_alone = run_batch(sim, 1, 32, routing)
+    sim.engine.overlap_catch_ups = True
+    try:
+        flying = run_batch(sim, 16, 32, routing)
+        alone = run_batch(sim, 1, 32, routing)
+    finally:
+        sim.engine.overlap_catch_ups = False
+        sim.engine.catch_up_wait_ms = CATCH_UP_WAIT_MS
+    assert 1e3 * sync["seconds"] == pytest.approx(sync["large_ms"] + sync["small_ms"] + sync["host_ms"])
+    assert flying["small_ms"] + flying["host_ms"] <= 1e3 * flying["seconds"]
+    assert 1e3 * flying["seconds"] < flying["large_ms"] + flying["small_ms"] + flying["host_ms"]
+    assert flying["tok_per_s"] > sync["tok_per_s"]
+    assert alone["tok_per_s"] == pytest.approx(sync_alone["tok_per_s"])

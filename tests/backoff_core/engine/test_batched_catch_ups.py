@@ -10,65 +10,19 @@ import itertools
 
 import pytest
 
-from backoff_core.engine.backends import LargeUnavailable
 from backoff_core.engine.engine import CATCH_UP_WAIT_MS, BackoffEngine
-from backoff_core.routing.routers import Scripted
 from backoff_core.runners.dynamic import ModelRunner
-from backoff_core.runners.static import StaticRunner
-from backoff_core.types import GenerationRequest, RoutingParams, SamplingParams, Verification
+from backoff_core.types import Verification
+from tests.support.catch_up_scripts import pair_runners, run_steps, scripted
 from tests.support.helpers import request
-
-PROMPT = (3, 4, 5, 6)
-
-
-class Calls:
-    """The large model's runner, keeping the request ids of every extend call (one per
-    forward); with `fail_at`, that call (1-based) gets no reply, as from a lost replica."""
-
-    def __init__(self, runner, fail_at: int | None = None) -> None:
-        self.runner = runner
-        self.calls: list[list[str]] = []
-        self.fail_at = fail_at
-
-    def __getattr__(self, name):
-        return getattr(self.runner, name)
-
-    def extend(self, items, hidden_layer=None, last_only=False, **kwargs):
-        self.calls.append([request_id for request_id, _ in items])
-        if len(self.calls) == self.fail_at:
-            raise LargeUnavailable("large: no reply within 0.1 s", {})
-        return self.runner.extend(items, hidden_layer=hidden_layer, last_only=last_only, **kwargs)
 
 
 def _engine(pair, tokenizer, wait, fail_at=None, step_s=1.0, storage="dynamic"):
     """wait: in steps of step_s seconds (the clock advances step_s a step)."""
-    if storage == "static":
-        small, large = (
-            StaticRunner(m, n, kv_budget_tokens=16 * 64, max_len=64) for m, n in zip(pair, ("small", "large"))
-        )
-    else:
-        small, large = (ModelRunner(m, n) for m, n in zip(pair, ("small", "large")))
-    large = Calls(large, fail_at)
+    small, large = pair_runners(pair, storage, fail_at)
     clock = (step_s * i for i in itertools.count(1)).__next__
     engine = BackoffEngine([small, large], tokenizer, catch_up_wait_ms=wait * step_s * 1e3, clock=clock)
     return engine, large
-
-
-def _scripted(engine, scripts: dict[str, list[int]], **routing):
-    """Submit one request per script (its own Scripted router: one level per M_S step)."""
-    reqs = [
-        GenerationRequest(PROMPT, SamplingParams(max_tokens=len(s), ignore_eos=True), RoutingParams(**routing), rid)
-        for rid, s in scripts.items()
-    ]
-    return engine.submit_many(reqs, [Scripted(s) for s in scripts.values()])
-
-
-def _run(engine) -> list[set[str]]:
-    """Step until done: the request ids that got a token, per step."""
-    steps = []
-    while engine.has_work():
-        steps.append(set(engine.step()))
-    return steps
 
 
 def test_a_routed_step_waits_for_the_oldest_to_reach_the_limit(pair, tokenizer):
@@ -78,8 +32,8 @@ def test_a_routed_step_waits_for_the_oldest_to_reach_the_limit(pair, tokenizer):
     commit every step."""
     engine, large = _engine(pair, tokenizer, wait=2)
     scripts = {"A": [0, 1, 0, 0, 0], "B": [0, 0, 0, 1, 0], **{c: [0] * 5 for c in "CDEF"}}
-    _scripted(engine, scripts)
-    steps = _run(engine)
+    scripted(engine, scripts)
+    steps = run_steps(engine)
     everyone = set(scripts)
     assert steps == [everyone, everyone - {"A"}, everyone - {"A"}, everyone, everyone, {"A"}, {"A"}]
     assert large.calls == [["A", "B"]]
@@ -110,8 +64,8 @@ def test_half_the_requests_waiting_catch_up_at_once(pair, tokenizer):
     wait, so both catch up in that step."""
     engine, large = _engine(pair, tokenizer, wait=8)
     scripts = {"A": [0, 1, 0, 0], "B": [0, 0, 1, 0], "C": [0] * 4, "D": [0] * 4}
-    _scripted(engine, scripts)
-    steps = _run(engine)
+    scripted(engine, scripts)
+    steps = run_steps(engine)
     assert steps == [set("ABCD"), set("BCD"), set("ABCD"), set("ABCD"), {"A"}]
     assert large.calls == [["A", "B"]]
 
@@ -122,8 +76,8 @@ def test_a_lone_request_never_waits(pair, tokenizer, n):
     step that routes it, as with catch_up_wait_ms = 0."""
     engine, large = _engine(pair, tokenizer, wait=4)
     scripts = {f"r{i}": [0, 1, 1, 0, 1][i:] + [1] * i for i in range(n)}
-    _scripted(engine, scripts)
-    steps = _run(engine)
+    scripted(engine, scripts)
+    steps = run_steps(engine)
     assert all(steps) and len(steps) == 5
     assert len(large.calls) == sum(s.count(1) for s in scripts.values()) - (n == 2) * 2  # r0 and r1 share two
 
@@ -133,9 +87,9 @@ def test_a_request_that_may_not_wait_takes_the_waiting_along(pair, tokenizer):
     waiting since step 2, rides along rather than waiting out its 4 steps."""
     engine, large = _engine(pair, tokenizer, wait=4)
     plain = {"A": [0, 1, 0, 0], **{c: [0] * 4 for c in "CDEFG"}}
-    _scripted(engine, plain)
-    _scripted(engine, {"V": [0, 0, 1, 0]}, verification=Verification.KL, tolerance=1e9)
-    steps = _run(engine)
+    scripted(engine, plain)
+    scripted(engine, {"V": [0, 0, 1, 0]}, verification=Verification.KL, tolerance=1e9)
+    steps = run_steps(engine)
     assert steps[1] == set("CDEFGV") and steps[2] == set("ACDEFGV")
     assert large.calls[0] == ["A", "V"]
 
@@ -146,8 +100,8 @@ def test_a_failed_batched_catch_up_commits_the_small_token(pair, tokenizer):
     runs = {}
     for wait in (0, 2):
         engine, large = _engine(pair, tokenizer, wait, fail_at=1)
-        _scripted(engine, {"A": [0, 1, 1, 0], **{c: [0] * 4 for c in "CDEF"}})
-        _run(engine)
+        scripted(engine, {"A": [0, 1, 1, 0], **{c: [0] * 4 for c in "CDEF"}})
+        run_steps(engine)
         a = engine.finish("A")
         runs[wait] = (a.token_ids, a.sources, a.degraded, large.calls)
     assert runs[2][:3] == runs[0][:3]
@@ -157,11 +111,11 @@ def test_a_failed_batched_catch_up_commits_the_small_token(pair, tokenizer):
 
 def test_a_waiting_request_can_be_cancelled(pair, tokenizer):
     engine, large = _engine(pair, tokenizer, wait=4)
-    _scripted(engine, {"A": [0, 1, 0], **{c: [0] * 3 for c in "CDEF"}})
+    scripted(engine, {"A": [0, 1, 0], **{c: [0] * 3 for c in "CDEF"}})
     engine.step()
     engine.step()  # A waits
     engine.cancel("A")
-    steps = _run(engine)
+    steps = run_steps(engine)
     assert steps == [set("CDEF")]
     assert large.calls == []
 
@@ -172,15 +126,15 @@ def test_the_wait_is_bounded_in_time(pair, tokenizer, step_ms, waits):
     where a step takes longer (a CPU step of the default pair takes 100 ms or more)."""
     engine, large = _engine(pair, tokenizer, wait=CATCH_UP_WAIT_MS / step_ms, step_s=step_ms / 1e3)
     assert engine.catch_up_wait_ms == pytest.approx(CATCH_UP_WAIT_MS)
-    _scripted(engine, {"A": [0, 1, 0], **{c: [0] * 8 for c in "CDEF"}})
-    steps = _run(engine)
+    scripted(engine, {"A": [0, 1, 0], **{c: [0] * 8 for c in "CDEF"}})
+    steps = run_steps(engine)
     assert [("A" in got) for got in steps[: 4 + waits]] == [True] + [False] * waits + [True, True] + [False]
     assert large.calls == [["A"]]
 
 
 def test_turned_off_between_steps_the_waiting_catch_up_at_once(pair, tokenizer):
     engine, large = _engine(pair, tokenizer, wait=4)
-    _scripted(engine, {"A": [0, 1, 0], **{c: [0] * 3 for c in "CDEF"}})
+    scripted(engine, {"A": [0, 1, 0], **{c: [0] * 3 for c in "CDEF"}})
     engine.step()
     assert "A" not in engine.step()  # A waits
     engine.catch_up_wait_ms = 0

@@ -118,6 +118,27 @@ def test_batched_equals_alone(engine):
     assert [m.request_ids() for m in engine.models] == [[], []]
 
 
+@pytest.mark.parametrize("wait_ms", [0.0, 40.0])
+def test_catch_ups_in_flight_on_a_side_stream_give_the_synchronous_tokens(engine, wait_ms):
+    """overlap_catch_ups: M_L's catch-ups run on the worker thread's own CUDA stream beside
+    M_S's steps (engine/flight.py); sampled, random routing at 50%, 12 requests: every
+    token and source is the synchronous loop's, and no session is left open."""
+    reqs = [request(p, 16, "random", rate=0.5, seed=7 + i, temperature=1.0) for i, p in enumerate(PROMPTS * 4)]
+    engine.catch_up_wait_ms = wait_ms
+    sync = engine.generate_many(reqs)
+    engine.overlap_catch_ups = True
+    try:
+        flying = engine.generate_many(reqs)
+        assert engine.launcher.stream is not None  # a side stream, not the loop's
+    finally:
+        engine.overlap_catch_ups = False
+        engine.catch_up_wait_ms = 40.0
+    assert [r.token_ids for r in flying] == [r.token_ids for r in sync]
+    assert [r.sources for r in flying] == [r.sources for r in sync]
+    assert 0 < sum(r.sources.count(1) for r in flying)
+    assert [m.request_ids() for m in engine.models] == [[], []]
+
+
 @pytest.mark.parametrize("last_only", [True, False])
 def test_catch_ups_in_blocks_replay_modelrunners_logits(gpu_pair, last_only):
     """Ragged catch-ups of 1 to 40 tokens over 8 slots, laid out as the replays timed at load

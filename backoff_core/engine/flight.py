@@ -1,0 +1,188 @@
+"""Catch-ups in flight (`overlap_catch_ups`, docs/batched-catch-ups.md): a batched catch-up
+of plain routed requests runs beside M_S's next steps instead of between two of them.
+
+The synchronous loop alternates: M_S steps, then M_L catches up while M_S waits, then M_S
+steps again. M_S's step is kernel-launch-bound (the device mostly idle in it), and with M_L
+on a GPU of its own, one of the two is always idle. In flight, the catch-up runs on a worker
+thread (on CUDA, on a stream of its own) while the loop steps every request not in it. Its
+requests leave the loop's live table until it lands, at the start of a later step, and then
+commit the token of the step that routed them, as a request that waited for a batched
+catch-up does (hold.py: their `Live.waiting` keeps M_S's token and the router's score).
+Every draw is a pure function of (seed, position), so the tokens are the synchronous loop's.
+
+What flies: a group of requests that may wait (CatchUpHold.may_wait: a plain routed step),
+one flight at a time, with two models. While it is out, the next group routed to M_L waits
+for it. It lands, waited for if need be, when nothing else could step, or when the loop runs
+M_L itself: a request that must catch up now (verification, an oracle, a forced level: their
+catch-ups run in the step) or a chunk of a long catch-up; an admission that prefills M_L
+waits for it to be done (`settle`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from backoff_core.engine.catchup import CatchUpper, Outcome
+from backoff_core.engine.hold import CatchUpHold
+from backoff_core.engine.propose import Proposal
+from backoff_core.engine.state import Live
+
+Catch = Callable[[], dict[str, Outcome]]  # one catch-up: CatchUpper.run bound to its level and group
+
+
+class Handle(Protocol):
+    """A launched catch-up (concurrent.futures.Future's surface)."""
+
+    def done(self) -> bool: ...
+
+    def result(self) -> dict[str, Outcome]: ...
+
+
+class Launcher(Protocol):
+    def submit(self, catch: Catch) -> Handle: ...
+
+
+class ThreadLauncher:
+    """One worker thread; on CUDA its kernels go to a side stream, so that they overlap the
+    step loop's own (M_S's step), and what it hands back is safe to use on the loop's stream."""
+
+    def __init__(self, device: torch.device | None) -> None:
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="catch-up")
+        cuda = device is not None and device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if cuda else None
+
+    def submit(self, catch: Catch) -> Handle:
+        if self.stream is None:
+            return self.pool.submit(catch)
+        return _OnStream(self.pool.submit(self._on_stream, catch, torch.cuda.current_stream()), self.stream)
+
+    def _on_stream(self, catch: Catch, loop: torch.cuda.Stream) -> dict[str, Outcome]:
+        self.stream.wait_stream(loop)  # whatever the loop queued before the launch comes first
+        with torch.cuda.stream(self.stream):
+            return catch()
+
+
+@dataclass
+class _OnStream:
+    future: Future
+    stream: torch.cuda.Stream
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def result(self) -> dict[str, Outcome]:
+        outcomes = self.future.result()
+        loop = torch.cuda.current_stream()
+        loop.wait_stream(self.stream)
+        for outcome in outcomes.values():  # made on the side stream, freed after the loop's use
+            outcome.logits.record_stream(loop)
+        return outcomes
+
+
+@dataclass
+class Flight:
+    level: int
+    group: dict[str, Live]  # out of the engine's live table until it lands
+    handle: Handle
+    cancelled: set[str] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class Landed:
+    """A flight back: its requests (cancelled ones apart) and the outcomes of their catch-up."""
+
+    lives: list[Live]
+    outcomes: dict[str, Outcome]  # a degraded or failed request has none
+
+
+class Flights:
+    """The engine's catch-ups in flight: its live table (requests in flight leave it), its
+    hold (which keeps a routed step), its catch-up runner and how it closes a request."""
+
+    def __init__(
+        self,
+        launcher: Launcher,
+        table: dict[str, Live],
+        hold: CatchUpHold,
+        catch_up: CatchUpper,
+        close: Callable[[Live], None],
+    ) -> None:
+        self.launcher = launcher
+        self.table = table
+        self.hold = hold
+        self.catch_up = catch_up
+        self.close = close
+        self.out: Flight | None = None
+        self.launched = 0  # catch-ups flown so far
+
+    @property
+    def busy(self) -> bool:
+        return self.out is not None
+
+    def ids(self) -> list[str]:
+        return list(self.out.group) if self.out is not None else []
+
+    def fly(self, level: int, group: list[Live], proposal: Proposal) -> None:
+        """group's catch-up (plain routed steps, none in outcomes), launched to run beside the
+        next steps; or, with one out already, group waits for it to land."""
+        self.hold.wait(level, group, proposal)
+        if self.out is not None:
+            return
+        for r in group:
+            del self.table[r.request_id]
+        self.launched += 1
+        self.out = Flight(level, {r.request_id: r for r in group}, self.launcher.submit(self._catch(level, group)))
+
+    def _catch(self, level: int, group: list[Live]) -> Catch:
+        return lambda: self.catch_up.run(level, group)
+
+    def land(self, wait: bool = False) -> Landed | None:
+        """The flight, if it is back, its requests in the live table again (still waiting:
+        `rejoin` puts them in the step). Waited for (with wait, or) when nothing else could
+        step, or when the loop runs M_L itself this step. None: none out, or not yet back."""
+        if self.out is None:
+            return None
+        rest = [r for r in self.table.values() if not r.done]
+        wait = (
+            wait
+            or not any(r.waiting is None for r in rest)
+            or any(not r.degraded and not self.hold.may_wait(r) for r in rest)  # catches up in its step
+            or any(level > 0 for r in rest for level in r.backlog)  # a chunk of a long catch-up
+        )
+        if not (wait or self.out.handle.done()):
+            return None
+        flight, self.out = self.out, None
+        kept = [r for rid, r in flight.group.items() if rid not in flight.cancelled]
+        for rid in flight.cancelled:
+            self.close(flight.group[rid])
+        self.table.update((r.request_id, r) for r in kept)
+        outcomes = flight.handle.result()  # what the loop does not handle is raised, as in a step;
+        # its requests are back, still waiting: their catch-up is taken again
+        return Landed(kept, {r.request_id: outcomes[r.request_id] for r in kept if r.request_id in outcomes})
+
+    def rejoin(self, landed: Landed, outcomes: dict[str, Outcome], proposal: Proposal) -> None:
+        """Landed requests take up the step that routed them, with their catch-up's outcomes."""
+        outcomes.update(landed.outcomes)
+        self.hold.resume(landed.lives, proposal)
+
+    def settle(self) -> None:
+        """Wait until the flight out (if any) is done, without landing it: before the loop runs
+        the flight's model itself (on CUDA the two would share its graphs' static buffers
+        from two streams)."""
+        if self.out is not None:
+            try:
+                self.out.handle.result()
+            except Exception:  # noqa: BLE001 - raised when it lands
+                pass
+
+    def cancel(self, request_id: str) -> bool:
+        """Whether request_id is in flight (then it is closed when the flight lands)."""
+        if self.out is None or request_id not in self.out.group:
+            return False
+        self.out.cancelled.add(request_id)
+        return True
