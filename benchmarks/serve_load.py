@@ -6,8 +6,10 @@
 
 Per stream count: aggregate tokens/s, time to first token, inter-token p50/p99, and large
 forward passes per committed large token -- for the served app with batched catch-up, the
-same app with batching switched off (`batching: false` in the LargeModel's user_config),
-and the in-process BackoffEngine, interleaved and repeated (median kept). Every run uses the `random` router with threshold = the backoff
+same app with batching switched off (`batching: false` in the LargeModel's user_config), the
+same app with its catch-ups in flight (`overlap_catch_ups: true`, `catch_up_wait_ms: 0`: the
+SmallModel steps on while the LargeModel replica catches up), and the in-process
+BackoffEngine, interleaved and repeated (median kept). Every run uses the `random` router with threshold = the backoff
 rate and the same per-stream seeds, so all three make exactly the same routing decisions.
 Prints a table; saves benchmarks/results/serve_load[-TAG].{json,png}.
 """
@@ -42,7 +44,7 @@ PROMPTS = [
 
 @dataclass(frozen=True)
 class RunStats:
-    mode: str  # served-batched, served-unbatched, in-process
+    mode: str  # served-batched, served-unbatched, served-in-flight, in-process
     streams: int
     tokens: int
     large_tokens: int
@@ -169,7 +171,8 @@ def run_in_process(engine: BackoffEngine, requests: list[GenerationRequest]) -> 
 
 
 def serve_config(small, large, port: int, threads: int, gap_ms: float | None = None) -> dict:
-    """Two applications on the same cluster, the same models: catch-up batching on and off."""
+    """Three applications on the same cluster, the same models: catch-up batching on and off,
+    and catch-ups in flight (APPS)."""
     from deployments import serve_cli
 
     config = yaml.safe_load(serve_cli.DEFAULT_CONFIG.read_text())
@@ -182,9 +185,11 @@ def serve_config(small, large, port: int, threads: int, gap_ms: float | None = N
     for part in ("small", "large", "ingress"):
         base["args"][part].update(num_replicas=1, num_cpus=0)
     apps = []
-    for batching in (True, False):
+    for name, (batching, overlap) in APPS.items():
         app = json.loads(json.dumps(base))
-        app.update(name=APPS[batching], route_prefix=f"/{APPS[batching]}")
+        app.update(name=name, route_prefix=f"/{name}")
+        if overlap:
+            app["args"].update(overlap_catch_ups=True, catch_up_wait_ms=0)
         for d in app["deployments"]:
             if d["name"] == "LargeModel":
                 d["user_config"]["batching"] = batching
@@ -195,7 +200,11 @@ def serve_config(small, large, port: int, threads: int, gap_ms: float | None = N
     return config
 
 
-APPS = {True: "batched", False: "unbatched"}
+APPS = {  # name -> (the LargeModel's catch-up batching, the SmallModel's overlap_catch_ups)
+    "batched": (True, False),
+    "unbatched": (False, False),
+    "in-flight": (True, True),
+}
 
 
 async def _one_stream(client: httpx.AsyncClient, request: GenerationRequest, t0: float):
@@ -288,7 +297,11 @@ def summary(rows: list[RunStats], runs: dict[tuple[str, int], list[RunStats]] | 
         out["unbatched_over_batched_forwards"] = by["served-unbatched", hi].large_forwards / max(
             1, by["served-batched", hi].large_forwards
         )
-    for mode in ("served-batched", "in-process"):
+    if ("served-in-flight", hi) in by and ("served-batched", hi) in by:
+        out["in_flight_over_batched_tok_per_s"] = by["served-in-flight", hi].tokens_per_s / max(
+            1e-9, by["served-batched", hi].tokens_per_s
+        )
+    for mode in ("served-batched", "served-in-flight", "in-process"):
         if (mode, lo) in by and (mode, hi) in by:
             out[f"scaling_{lo}_to_{hi}_{mode}"] = by[mode, hi].tokens_per_s / by[mode, lo].tokens_per_s
     return out
@@ -301,7 +314,7 @@ def plot(rows: list[RunStats], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    for mode in ("served-batched", "served-unbatched", "in-process"):
+    for mode in ("served-batched", "served-unbatched", "served-in-flight", "in-process"):
         rs = sorted((r for r in rows if r.mode == mode), key=lambda r: r.streams)
         if rs:
             a.plot([r.streams for r in rs], [r.tokens_per_s for r in rs], "o-", label=mode)
@@ -353,7 +366,7 @@ def main() -> None:
     try:
         serve_cli.run_config(serve_config(small, large, port, args.threads, args.batch_gap_ms), blocking=False)
         served = {}
-        for app in APPS.values():
+        for app in APPS:
             harness.wait_until_running(app)
             handle = serve.get_deployment_handle("LargeModel", app)
             served[f"served-{app}"] = (
