@@ -158,11 +158,12 @@ class Flights:
             return None
         flight, self.out = self.out, None
         kept = [r for rid, r in flight.group.items() if rid not in flight.cancelled]
-        for rid in flight.cancelled:
-            self.close(flight.group[rid])
-        self.table.update((r.request_id, r) for r in kept)
-        outcomes = flight.handle.result()  # what the loop does not handle is raised, as in a step;
-        # its requests are back, still waiting: their catch-up is taken again
+        try:  # what the loop does not handle is raised, as in a step
+            outcomes = flight.handle.result()
+        finally:  # the catch-up is over: the cancelled are closed, the others back (still
+            for rid in flight.cancelled:  # waiting, after an error: their catch-up is taken again)
+                self.close(flight.group[rid])
+            self.table.update((r.request_id, r) for r in kept)
         return Landed(kept, {r.request_id: outcomes[r.request_id] for r in kept if r.request_id in outcomes})
 
     def rejoin(self, landed: Landed, outcomes: dict[str, Outcome], proposal: Proposal) -> None:

@@ -201,3 +201,40 @@ def test_turned_on_and_off_between_steps(pair, tokenizer):
     run_steps(sync)
     for rid in scripts:
         assert engine.finish(rid).token_ids == sync.finish(rid).token_ids
+
+
+def test_a_request_cancelled_while_its_catch_up_runs_is_closed_after_it(pair, tokenizer):
+    """A real worker thread whose catch-up is held until released: A is cancelled while its
+    catch-up is out; the step that waits for it closes A's sessions only once the catch-up
+    has run, which therefore extends an open session."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    release = threading.Event()
+
+    class Held:
+        pool = ThreadPoolExecutor(max_workers=1)
+
+        def submit(self, catch):
+            return self.pool.submit(lambda: release.wait(10) and catch())
+
+    engine, large = _engine(pair, tokenizer, Held())
+    errors, extend = [], large.runner.extend
+
+    def recording(*args, **kwargs):
+        try:
+            return extend(*args, **kwargs)
+        except Exception as exc:
+            errors.append(exc)
+            raise
+
+    large.runner.extend = recording
+    scripted(engine, {"A": [0, 1, 0], "C": [0, 0, 0]})
+    engine.step()
+    engine.step()  # A flies, held
+    engine.cancel("A")
+    threading.Timer(0.3, release.set).start()
+    steps = run_steps(engine)  # C's last step; then nothing else to step: the loop waits
+    assert steps == [{"C"}, set()]
+    assert large.calls == [["A"]] and errors == []
+    assert engine.live_ids() == ["C"] and "A" not in large.runner.request_ids()
