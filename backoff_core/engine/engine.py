@@ -34,7 +34,7 @@ from backoff_core.engine.flight import Flights, Launcher, ThreadLauncher
 from backoff_core.engine.hold import CatchUpHold
 from backoff_core.engine.isolation import each
 from backoff_core.engine.logprobs import TokenTexts
-from backoff_core.engine.prompt import prefill
+from backoff_core.engine.prompt import prefill, prefills_large
 from backoff_core.engine.propose import propose, small_step
 from backoff_core.engine.state import Detokenizer, Live
 from backoff_core.routing.routers import DecisionFunction, build_router
@@ -182,7 +182,7 @@ class BackoffEngine:
         if len({r.request_id for r in lives}) != len(lives):
             raise ValueError("request ids must be distinct")
         later = {r.request_id for r in lives if self._chunked(r)}
-        if self.flights is not None and any(_prefills_large(r) for r in lives):
+        if self.flights is not None and any(_admission_runs_large(r) for r in lives):
             self.flights.settle()  # M_L runs in this thread now (flight.py)
         prefill(self.models, [r for r in lives if r.request_id not in later], self.token_texts, self.detok.decode)
         try:
@@ -223,7 +223,7 @@ class BackoffEngine:
         """Open r's sessions where prompt.prefill would (M_S; eager levels, oracles) and
         leave their prompt heads to the steps."""
         for level, model in enumerate(self.models):
-            if level == 0 or r.request.routing.eager_prefill or r.router.needs_large_logits:
+            if level == 0 or prefills_large(r):
                 chunked.start(model, level, r, r.prompt_len - 1)
         # the whole prompt is refused now, as prefill would (the first chunk alone may fit)
         fits = getattr(self.models[0], "kv_fits", None)
@@ -447,11 +447,9 @@ class BackoffEngine:
             self.cancel(request_id)
 
 
-def _prefills_large(r: Live) -> bool:
-    """Whether admitting r runs a larger model (prompt.py: eager prefill, an oracle, scoring)."""
-    return (
-        r.request.routing.eager_prefill or r.router.needs_large_logits or r.request.sampling.prompt_logprobs is not None
-    )
+def _admission_runs_large(r: Live) -> bool:
+    """Whether admitting r runs a larger model (prompt.py: its prefill, or prompt scoring)."""
+    return prefills_large(r) or r.request.sampling.prompt_logprobs is not None
 
 
 def _by_router(group: list[Live]) -> dict[DecisionFunction, list[Live]]:

@@ -86,7 +86,6 @@ class _OnStream:
 
 @dataclass
 class Flight:
-    level: int
     group: dict[str, Live]  # out of the engine's live table until it lands
     handle: Handle
     cancelled: set[str] = field(default_factory=set)
@@ -136,7 +135,7 @@ class Flights:
         for r in group:
             del self.table[r.request_id]
         self.launched += 1
-        self.out = Flight(level, {r.request_id: r for r in group}, self.launcher.submit(self._catch(level, group)))
+        self.out = Flight({r.request_id: r for r in group}, self.launcher.submit(self._catch(level, group)))
 
     def _catch(self, level: int, group: list[Live]) -> Catch:
         return lambda: self.catch_up.run(level, group)

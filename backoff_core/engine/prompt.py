@@ -84,10 +84,16 @@ def _open(model: Backend, level: int, r: Live) -> None:
         r.opened.add(level)
 
 
+def prefills_large(r: Live) -> bool:
+    """Whether r's admission opens and prefills its larger models too, not M_S alone (an
+    eager prefill, or an oracle router, which reads M_L's logits at every step)."""
+    return r.request.routing.eager_prefill or r.router.needs_large_logits
+
+
 def _prefill_chunk(models: Sequence[Backend], chunk: list[Live], texts: TokenTexts, decode: Callable) -> None:
     for r in chunk:
         for level, model in enumerate(models):
-            if level == 0 or r.request.routing.eager_prefill or r.router.needs_large_logits:
+            if level == 0 or prefills_large(r):
                 _open(model, level, r)
     scoring = [r for r in chunk if r.request.sampling.prompt_logprobs is not None]
     plain = [r for r in chunk if r.request.sampling.prompt_logprobs is None and r.prompt_len > 1]
