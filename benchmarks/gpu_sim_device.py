@@ -1,0 +1,121 @@
+"""The simulated device of benchmarks/gpu_sim.py: a clock of GPU + host time, CUDA graphs
+replayed eagerly on the CPU whose replays cost what a GPU run measured, every forward of a
+runner logged and charged to the clock, and catch-ups in flight on a timeline of M_L's own."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+from backoff_core.runners.cuda_graphs import CudaGraphs
+from backoff_core.runners.graph_plan import GraphKey
+from backoff_core.runners.static import StaticRunner
+
+
+@dataclass
+class SimClock:
+    """Seconds of simulated GPU + host time; the engine reads `now` once a step."""
+
+    t: float = 0.0
+
+    def now(self) -> float:
+        return self.t
+
+    def advance(self, ms: float) -> None:
+        self.t += ms / 1e3
+
+
+@dataclass
+class _SimFlight:
+    outcomes: dict
+    end: float  # when M_L's timeline finishes it (s)
+    clock: SimClock  # the step loop's
+
+    def done(self) -> bool:
+        return self.clock.t >= self.end
+
+    def result(self) -> dict:
+        self.clock.t = max(self.clock.t, self.end)  # the loop waits for it
+        return self.outcomes
+
+
+class SimLauncher:
+    """Catch-ups in flight (engine `overlap_catch_ups`) on the simulated clock: a flight's
+    catch-up runs at once on the CPU, its M_L forwards on M_L's own timeline (`large`), which
+    starts at the launch or when M_L's last flight ends; it is done once the loop's clock
+    passes its end, and waiting for it moves the loop's clock there. M_L forwards outside a
+    flight (landed first) are on the loop's clock. Two timelines that never slow each other:
+    exact for M_L on a GPU of its own, the best case for two streams on one GPU."""
+
+    def __init__(self, clock: SimClock) -> None:
+        self.clock = clock
+        self.large = SimClock()
+        self.flying = False
+
+    def advance(self, ms: float) -> None:  # M_L's forwards' clock
+        (self.large if self.flying else self.clock).advance(ms)
+
+    def submit(self, catch) -> _SimFlight:
+        self.large.t = max(self.large.t, self.clock.t)
+        self.flying = True
+        try:
+            outcomes = catch()
+        finally:
+            self.flying = False
+        return _SimFlight(outcomes, self.large.t, self.clock)
+
+
+class SimGraphs(CudaGraphs):
+    """CudaGraphs on the CPU: every planned key is 'captured' (nothing runs at capture), a
+    replay runs the captured body eagerly on the static buffers. The runner's buckets,
+    layouts and chunking are the GPU's; only the time is simulated (`instrument`), and
+    `replay_ms` (the runner's layout choice at load) answers from the cost table."""
+
+    def __init__(self, *args, cost: Callable[[GraphKey, int, bool], float]) -> None:
+        super().__init__(*args)
+        self.cost = cost
+
+    def _record(self, key: GraphKey):
+        return SimpleNamespace(replay=lambda: self._body(key))
+
+    def replay_ms(self, key: GraphKey, repeats: int = 3) -> float:
+        return self.cost(key, key.rows * key.k, False)
+
+
+@dataclass
+class ForwardLog:
+    """Every forward of one runner: (model, dense, rows, k, L, eager, real tokens, ms)."""
+
+    entries: list[tuple] = field(default_factory=list)
+
+    def by_shape(self) -> dict[str, dict]:
+        out: dict[str, dict] = {}
+        for dense, rows, k, length, eager, real, ms in self.entries:
+            name = f"{'dense' if dense else 'gather'} {rows}x{k} L{length}{' eager' if eager else ''}"
+            s = out.setdefault(name, {"count": 0, "ms": 0.0, "real": 0})
+            s["count"] += 1
+            s["ms"] += ms
+            s["real"] += real
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]["ms"]))
+
+
+def instrument(
+    runner: StaticRunner, clock: SimClock | SimLauncher, cost: Callable[[GraphKey, int, bool], float]
+) -> ForwardLog:
+    """Every forward of `runner` advances the clock by cost(key, real tokens, eager) and is logged."""
+    log = ForwardLog()
+    run = runner._run
+    scratch = runner.kv.scratch
+
+    def timed(plan, columns=None):
+        eager = columns is not None or plan.key not in runner.graphs
+        real = int((plan.positions != scratch).sum())
+        ms = cost(plan.key, real, eager)
+        clock.advance(ms)
+        k = plan.key
+        log.entries.append((k.dense, k.rows, k.k, k.length, eager, real, ms))
+        return run(plan, columns)
+
+    runner._run = timed
+    return log
