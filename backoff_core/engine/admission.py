@@ -1,13 +1,39 @@
 """Admission checks: a request's record (Live), with every bad input refused by a
-ValueError before anything runs (the serving layers map it to HTTP 400 / INVALID_ARGUMENT)."""
+ValueError before anything runs (the serving layers map it to HTTP 400 / INVALID_ARGUMENT),
+and the decision function it names (`Routers`)."""
 
 from __future__ import annotations
 
 from backoff_core.engine.state import Live
 from backoff_core.routing.control import HIGHEST, LOWEST, RateController, rate_prior
-from backoff_core.routing.routers import DecisionFunction
+from backoff_core.routing.routers import DecisionFunction, build_router
 from backoff_core.sampling import request_seed
 from backoff_core.types import GenerationRequest
+
+
+class Routers:
+    """The decision functions requests name by their routing parameters, each built once
+    (a classifier loads its head once) and shared by every request that names it."""
+
+    def __init__(self, classifier_path: str | None, hidden_size: int | None) -> None:
+        self.classifier_path = classifier_path
+        self.hidden_size = hidden_size
+        self.built: dict[tuple, DecisionFunction] = {}  # (router, rate, draft_tokens) -> it
+
+    def __call__(self, request: GenerationRequest) -> DecisionFunction:
+        r = request.routing
+        if r.router == "scripted":
+            raise ValueError("the scripted router is passed as an object, not by name")
+        key = (r.router, r.rate, r.draft_tokens)
+        if key not in self.built:
+            self.built[key] = build_router(
+                r.router,
+                rate=r.rate,
+                draft_tokens=r.draft_tokens,
+                classifier_path=self.classifier_path,
+                hidden_size=self.hidden_size,
+            )
+        return self.built[key]
 
 
 def checked(

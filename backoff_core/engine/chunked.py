@@ -7,9 +7,9 @@ reach) does not step: it commits nothing until every backlog is fed. Stage 0 of 
 (`feed`) feeds backlogs, oldest request first, up to `chunk` positions per model, shared by
 all requests with a backlog there, in one batched last-only forward per model. Backlogs
 come from two places:
-- admission (engine.submit_many): a prompt whose head (all but its last token, which the
-  first step reads) is longer than a chunk, for M_S and every level opened at admission
-  (eager prefill, oracles);
+- admission (engine.submit_many, `open_backlog`): a prompt whose head (all but its last
+  token, which the first step reads) is longer than a chunk, for M_S and every level
+  opened at admission (eager prefill, oracles);
 - a long catch-up (engine.step): a request routed to a level whose pending tokens pass a
   chunk (M_L's first catch-up reads the whole prompt) stalls instead: M_S's step is undone
   (its cache cropped back, `undo_small`), the pending tokens are fed in chunks, and then
@@ -29,8 +29,28 @@ from collections.abc import Callable, Sequence
 
 from backoff_core.engine.backends import Backend, LargeUnavailable
 from backoff_core.engine.isolation import each, reopen
-from backoff_core.engine.prompt import adopt_prefix
+from backoff_core.engine.prompt import adopt_prefix, prefills_large
 from backoff_core.engine.state import Live
+from backoff_core.runners.static_kv import KVCapacityError
+
+
+def in_chunks(r: Live, chunk: int) -> bool:
+    """Whether r's prompt is fed over several steps at admission (its head passes a chunk;
+    prompt scoring is never chunked)."""
+    s = r.request.sampling
+    return bool(chunk) and s.prompt_logprobs is None and s.max_tokens > 0 and r.prompt_len - 1 > chunk
+
+
+def open_backlog(models: Sequence[Backend], r: Live) -> None:
+    """At admission: open r's sessions where prompt.prefill would (M_S; eager levels,
+    oracles) and leave their prompt heads to the steps."""
+    for level, model in enumerate(models):
+        if level == 0 or prefills_large(r):
+            start(model, level, r, r.prompt_len - 1)
+    # the whole prompt is refused now, as prefill would (the first chunk alone may fit)
+    fits = getattr(models[0], "kv_fits", None)
+    if fits is not None and not fits([(r.request_id, r.prompt_len)]):
+        raise KVCapacityError(f"{models[0].name}: no KV room for a prompt of {r.prompt_len} tokens")
 
 
 def start(model: Backend, level: int, r: Live, end: int) -> None:

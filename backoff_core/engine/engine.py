@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 
 import backoff_core.engine.chunked as chunked
-from backoff_core.engine.admission import checked
+from backoff_core.engine.admission import Routers, checked
 from backoff_core.engine.backends import Backend
 from backoff_core.engine.catchup import CatchUpper, Outcome
 from backoff_core.engine.commit import CommitContext, commit_many, settle_many
@@ -34,12 +34,11 @@ from backoff_core.engine.flight import Flights, Launcher, ThreadLauncher
 from backoff_core.engine.hold import CatchUpHold
 from backoff_core.engine.isolation import each
 from backoff_core.engine.logprobs import TokenTexts
-from backoff_core.engine.prompt import prefill, prefills_large
-from backoff_core.engine.propose import propose, small_step
+from backoff_core.engine.prompt import admission_runs_large, prefill
+from backoff_core.engine.propose import decide, forced_level, propose, small_step
 from backoff_core.engine.state import Detokenizer, Live
-from backoff_core.routing.routers import DecisionFunction, build_router
+from backoff_core.routing.routers import DecisionFunction
 from backoff_core.runners.factory import make_runner
-from backoff_core.runners.static_kv import KVCapacityError
 from backoff_core.types import (
     FinishReason,
     GenerationRequest,
@@ -108,7 +107,7 @@ class BackoffEngine:
         self.launcher = launcher
         self.flights: Flights | None = None
         self.overlap_catch_ups = overlap_catch_ups
-        self._routers: dict[tuple, DecisionFunction] = {}
+        self.routers = Routers(classifier_path, hidden_size)  # those requests name
         self._ids = itertools.count()
 
     @classmethod
@@ -181,14 +180,14 @@ class BackoffEngine:
         lives = [self._admit(request, router) for request, router in zip(requests, routers, strict=True)]
         if len({r.request_id for r in lives}) != len(lives):
             raise ValueError("request ids must be distinct")
-        later = {r.request_id for r in lives if self._chunked(r)}
-        if self.flights is not None and any(_admission_runs_large(r) for r in lives):
+        later = {r.request_id for r in lives if chunked.in_chunks(r, self.prefill_chunk_tokens)}
+        if self.flights is not None and any(admission_runs_large(r) for r in lives):
             self.flights.settle()  # M_L runs in this thread now (flight.py)
         prefill(self.models, [r for r in lives if r.request_id not in later], self.token_texts, self.detok.decode)
         try:
             for r in lives:
                 if r.request_id in later:
-                    self._open_backlog(r)
+                    chunked.open_backlog(self.models, r)
         except Exception:
             for r in lives:
                 self._close_sessions(r)
@@ -206,44 +205,8 @@ class BackoffEngine:
             raise ValueError(f"request id {request_id!r} is already live")
         vocab = self.models[0].vocab_size
         return checked(
-            request, request_id, router or self._router(request), self.num_levels, self.context_window, vocab
+            request, request_id, router or self.routers(request), self.num_levels, self.context_window, vocab
         )
-
-    def _chunked(self, r: Live) -> bool:
-        """Whether r's prompt is fed over several steps (its head passes a chunk)."""
-        s = r.request.sampling
-        return (
-            bool(self.prefill_chunk_tokens)
-            and s.prompt_logprobs is None
-            and s.max_tokens > 0
-            and (r.prompt_len - 1 > self.prefill_chunk_tokens)
-        )
-
-    def _open_backlog(self, r: Live) -> None:
-        """Open r's sessions where prompt.prefill would (M_S; eager levels, oracles) and
-        leave their prompt heads to the steps."""
-        for level, model in enumerate(self.models):
-            if level == 0 or prefills_large(r):
-                chunked.start(model, level, r, r.prompt_len - 1)
-        # the whole prompt is refused now, as prefill would (the first chunk alone may fit)
-        fits = getattr(self.models[0], "kv_fits", None)
-        if fits is not None and not fits([(r.request_id, r.prompt_len)]):
-            raise KVCapacityError(f"{self.models[0].name}: no KV room for a prompt of {r.prompt_len} tokens")
-
-    def _router(self, request: GenerationRequest) -> DecisionFunction:
-        r = request.routing
-        if r.router == "scripted":
-            raise ValueError("the scripted router is passed as an object, not by name")
-        key = (r.router, r.rate, r.draft_tokens)
-        if key not in self._routers:
-            self._routers[key] = build_router(
-                r.router,
-                rate=r.rate,
-                draft_tokens=r.draft_tokens,
-                classifier_path=self.classifier_path,
-                hidden_size=self.hidden_size,
-            )
-        return self._routers[key]
 
     def cancel(self, request_id: str) -> None:
         if self.flights is not None and self.flights.cancel(request_id):
@@ -294,7 +257,7 @@ class BackoffEngine:
         levels: dict[str, int] = {}
         stepping = live
         if special:
-            forced = each(special, self.models, self._forced_level)  # -1: M_S steps
+            forced = each(special, self.models, lambda r: forced_level(r, self.num_levels))  # -1: M_S steps
             levels = {request_id: f for request_id, f in forced.items() if f >= 0}
             dropped = {
                 r.request_id
@@ -323,7 +286,9 @@ class BackoffEngine:
         # 4. decide: M_S's tokens and the routers' scores, one host copy; levels on the host
         large = {request_id: outcome.logits for request_id, outcome in outcomes.items()}
         proposal = propose(self.models, stepped, routed, small, large)
-        self._decide([r for r in routed if r.request_id in proposal.scores], proposal.scores, levels, outcomes)
+        decide(
+            [r for r in routed if r.request_id in proposal.scores], proposal.scores, levels, outcomes, self.num_levels
+        )
         # 5. catch-ups, one batched forward per level; one that would read more than a chunk
         # stalls (its step is taken again once its pending tokens are fed, chunked.py)
         if self.prefill_chunk_tokens and any(level > 0 for level in levels.values()):
@@ -378,33 +343,6 @@ class BackoffEngine:
     def _stalls(self, r: Live, level: int) -> bool:
         return chunked.stalls(self.models, r, level, self.prefill_chunk_tokens, self.collect_kl)
 
-    def _forced_level(self, r: Live) -> int:
-        """The level of r's step if it is known before M_S runs, else -1."""
-        if r.degraded:
-            return -1
-        if r.finish_after_verify:  # about to finish with unverified drafts: the largest model checks them
-            return self.num_levels - 1
-        if not r.router.forces_levels:
-            return -1
-        f = r.router.levels_before_small_step([r.drafts()], [r.thresholds], self.num_levels)
-        return f[0] if f is not None else -1
-
-    def _decide(self, group: list[Live], scores: dict[str, float], levels: dict, outcomes: dict) -> None:
-        """level = how many of r's thresholds its score reaches (host floats, float64)."""
-        top = self.num_levels - 1
-        for r in group:
-            s = scores[r.request_id]
-            outcome = outcomes.get(r.request_id)
-            if outcome is not None and outcome.rolled_back:
-                levels[r.request_id] = top  # verification already replaced the step's token
-                continue
-            thresholds = r.thresholds
-            level = int(s >= thresholds[0]) if len(thresholds) == 1 else sum(s >= t for t in thresholds)
-            if level:  # level 0 (M_S) is the default of every request without an entry
-                levels[r.request_id] = level
-            if outcome is not None and level != top:
-                del outcomes[r.request_id]  # the oracle looked, but the step is not the large model's
-
     def finish(self, request_id: str) -> GenerationResult:
         """The result of a finished (or cancelled mid-way) request; frees its sessions.
         Raises the error that ended a failed request: LargeUnavailable (on_large_failure =
@@ -445,11 +383,6 @@ class BackoffEngine:
                 self.finish(request_id)  # raises its error
         finally:
             self.cancel(request_id)
-
-
-def _admission_runs_large(r: Live) -> bool:
-    """Whether admitting r runs a larger model (prompt.py: its prefill, or prompt scoring)."""
-    return prefills_large(r) or r.request.sampling.prompt_logprobs is not None
 
 
 def _by_router(group: list[Live]) -> dict[DecisionFunction, list[Live]]:

@@ -90,6 +90,11 @@ def prefills_large(r: Live) -> bool:
     return r.request.routing.eager_prefill or r.router.needs_large_logits
 
 
+def admission_runs_large(r: Live) -> bool:
+    """Whether admitting r runs a larger model: its prefill, or prompt scoring."""
+    return prefills_large(r) or r.request.sampling.prompt_logprobs is not None
+
+
 def _prefill_chunk(models: Sequence[Backend], chunk: list[Live], texts: TokenTexts, decode: Callable) -> None:
     for r in chunk:
         for level, model in enumerate(models):

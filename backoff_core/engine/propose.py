@@ -1,6 +1,6 @@
-"""Step stages 2 and 4 (propose, decide): M_S's forward over every stepping request,
-batched; then the draw of their tokens and the routers' scores, read back together in one
-host copy (host.py)."""
+"""Step stages 1, 2 and 4 (levels known up front; propose, decide): M_S's forward over
+every stepping request, batched; then the draw of their tokens and the routers' scores,
+read back together in one host copy (host.py); then each routed request's level, on the host."""
 
 from __future__ import annotations
 
@@ -160,6 +160,39 @@ def propose(
     tokens = {request_id: token for request_id, (token, _) in got.items()}
     scores = {request_id: score for request_id, (_, score) in got.items() if score is not None}
     return Proposal(tokens, scores)
+
+
+def forced_level(r: Live, num_levels: int) -> int:
+    """Stage 1: the level of r's step if it is known before M_S runs, else -1."""
+    if r.degraded:
+        return -1
+    if r.finish_after_verify:  # about to finish with unverified drafts: the largest model checks them
+        return num_levels - 1
+    if not r.router.forces_levels:
+        return -1
+    f = r.router.levels_before_small_step([r.drafts()], [r.thresholds], num_levels)
+    return f[0] if f is not None else -1
+
+
+def decide(
+    group: list[Live], scores: dict[str, float], levels: dict[str, int], outcomes: dict, num_levels: int
+) -> None:
+    """Stage 4, on the host: level = how many of r's thresholds its score reaches (host
+    floats, float64), into `levels` (level 0, M_S, is every request's without an entry). An
+    oracle's outcome is kept only for a step that is the largest model's."""
+    top = num_levels - 1
+    for r in group:
+        s = scores[r.request_id]
+        outcome = outcomes.get(r.request_id)
+        if outcome is not None and outcome.rolled_back:
+            levels[r.request_id] = top  # verification already replaced the step's token
+            continue
+        thresholds = r.thresholds
+        level = int(s >= thresholds[0]) if len(thresholds) == 1 else sum(s >= t for t in thresholds)
+        if level:
+            levels[r.request_id] = level
+        if outcome is not None and level != top:
+            del outcomes[r.request_id]  # the oracle looked, but the step is not the large model's
 
 
 def _context(

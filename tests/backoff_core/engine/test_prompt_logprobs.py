@@ -96,7 +96,7 @@ def test_the_oracle_routes_by_the_true_kl(pair, tokenizer):
 
 def test_the_classifier_reads_the_hidden_state_of_its_layer(pair, tokenizer):
     engine = engine_for(pair, tokenizer, hidden_size=32)
-    head = engine._router(_req(router="classifier")).head
+    head = engine.routers(_req(router="classifier")).head
     with torch.no_grad():
         out = pair[0](torch.tensor([list(PROMPT)]), output_hidden_states=True)
         scores = head.score(out.hidden_states[head.layer][0], out.logits[0]).float()[:-1]

@@ -68,7 +68,7 @@ def test_classifier_router_reads_the_small_hidden_state(pair, tokenizer):
     small, _ = pair
     engine = engine_for(pair, tokenizer, hidden_size=small.config.hidden_size)
     result = engine.generate(request(PROMPT, 20, "classifier", thresholds=(0.5,)))
-    head = engine._routers[("classifier", None, 4)].head
+    head = engine.routers.built[("classifier", None, 4)].head
     # recompute the head's decision at each step from M_S's own hidden state
     tokens = list(PROMPT) + list(result.token_ids)
     with torch.no_grad():
