@@ -10,7 +10,9 @@ forward per step for all of them, one catch-up forward per level); tok/s counts 
 tokens over the wall time after admission. Every figure is a median over repeats, all in
 one run. Saves benchmarks/results[/gpu]/batch_scaling[-TAG].{json,png} as
 {"tok_per_s": {"<routing label>": {"<n>": value}}, "catch_up_forwards_per_100_tokens": ...,
-"itl_median_ms": ..., "itl_p99_ms": ..., ...} (the inter-token latencies of every request).
+"itl_median_ms": ..., "itl_p99_ms": ..., "errors": {"<routing label>": "why it was not measured"},
+...} (the inter-token latencies of every request; a row that raises is reported in errors and
+the others measured).
 Batched catch-ups (docs/batched-catch-ups.md): "random b=0.9" runs the engine's default
 (catch_up_wait_ms, --catch-up-wait-ms), "random b=0.9, catch-ups at once" runs each in the step
 that routes it (0), and "random b=0.9, waits up to 1 s" lets the half-of-live rule alone end
@@ -39,14 +41,15 @@ from backoff_core.types import GenerationRequest, KVSpec, RoutingParams, Samplin
 PROMPT = "Write a short paragraph about the history of the Python programming language."
 B09 = RoutingParams(router="random", rate=0.9)
 # label -> (routing, the engine's catch_up_wait_ms: None keeps --catch-up-wait-ms, overlap_catch_ups)
+# (the rows in flight last: never run on a GPU before, a failure there costs no other row)
 ROUTINGS = {
     "always-large": (RoutingParams(router="always-large"), None, False),
     "random b=0.9": (B09, None, False),
     "random b=0.9, catch-ups at once": (B09, 0.0, False),
     "random b=0.9, waits up to 1 s": (B09, 1000.0, False),
+    "always-small": (RoutingParams(router="always-small"), None, False),
     "random b=0.9, in flight": (B09, 0.0, True),
     "random b=0.9, held and in flight": (B09, None, True),
-    "always-small": (RoutingParams(router="always-small"), None, False),
 }
 
 
@@ -91,6 +94,44 @@ def throughput(
         "itl_median_ms": 1e3 * statistics.median(gaps) if gaps else 0.0,
         "itl_p99_ms": 1e3 * statistics.quantiles(gaps, n=100, method="inclusive")[98] if len(gaps) > 1 else 0.0,
     }
+
+
+def measure(
+    engine, prompt_ids, streams: list[int], tokens: int, repeats: int, waits: dict[str, float]
+) -> tuple[dict[str, dict[str, dict]], dict[str, str]]:
+    """Every row of ROUTINGS at every n (each row warmed up first: allocator growth, lazy
+    initialisation): ({label: {n: throughput's figures}}, {label: the error of a row that
+    raised}). A row that raises is reported, not measured, and its requests cancelled, so
+    one failing row (a first run on new hardware) does not cost the others; after a failure
+    that leaves the engine unclean, the rows left are skipped, with that reason."""
+    runs, errors = {}, {}
+    for label, (routing, _, overlap) in tqdm(ROUTINGS.items(), desc="routings"):
+        if errors and engine.has_work():
+            errors[label] = f"skipped: the engine still had work after {next(iter(errors))!r} failed"
+            continue
+        try:
+            throughput(engine, prompt_ids, 2, 4, routing, 1, waits[label], overlap)
+            runs[label] = {
+                str(n): throughput(engine, prompt_ids, n, tokens, routing, repeats, waits[label], overlap)
+                for n in tqdm(streams, desc=label, leave=False)
+            }
+        except Exception as exc:  # noqa: BLE001 - reported in the results, the other rows go on
+            errors[label] = f"{type(exc).__name__}: {exc}"
+            print(f"{label}: FAILED, {errors[label]}")
+            _cancel_all(engine)
+    return runs, errors
+
+
+def _cancel_all(engine) -> None:
+    """Cancel whatever a failed row left live; a catch-up still in flight is landed (its
+    error, if it has one, is dropped: it was reported)."""
+    for request_id in engine.live_ids():
+        engine.cancel(request_id)
+    if engine.flights is not None and engine.flights.busy:
+        try:
+            engine.flights.land(wait=True)
+        except Exception:  # noqa: BLE001 - the row's error is already reported
+            pass
 
 
 def _out_dir(args) -> Path:
@@ -141,15 +182,7 @@ def main() -> None:
     if args.interleave is not None:
         return _interleaved(engine, prompt_ids, streams, args)
     waits = {label: args.catch_up_wait_ms if wait is None else wait for label, (_, wait, _) in ROUTINGS.items()}
-    for label, (routing, _, overlap) in ROUTINGS.items():  # warm-up: allocator growth, lazy initialisation
-        throughput(engine, prompt_ids, 2, 4, routing, 1, waits[label], overlap)
-    runs = {
-        label: {
-            str(n): throughput(engine, prompt_ids, n, args.tokens, routing, args.repeats, waits[label], overlap)
-            for n in tqdm(streams, desc=label, leave=False)
-        }
-        for label, (routing, _, overlap) in tqdm(ROUTINGS.items(), desc="routings")
-    }
+    runs, errors = measure(engine, prompt_ids, streams, args.tokens, args.repeats, waits)
 
     def pick(key: str) -> dict[str, dict[str, float]]:
         return {label: {n: figures[key] for n, figures in row.items()} for label, row in runs.items()}
@@ -172,6 +205,7 @@ def main() -> None:
         "itl_median_ms": pick("itl_median_ms"),
         "itl_p99_ms": pick("itl_p99_ms"),
         "scaling_vs_n1": {label: {n: v / row[base] for n, v in row.items()} for label, row in table.items()},
+        "errors": errors,
     }
     _print(report, streams)
     out = _out_dir(args)
@@ -207,6 +241,8 @@ def _interleaved(engine, prompt_ids, streams: list[int], args) -> None:
 
 
 def _print(report, streams) -> None:
+    for label, error in report["errors"].items():
+        print(f"{label}: not measured ({error})")
     print(f"\n{'routing':32s} " + " ".join(f"{'n=' + str(n):>10s}" for n in streams) + "   (tok/s; x n=1)")
     for label, row in report["tok_per_s"].items():
         cells = " ".join(f"{row[str(n)]:10.1f}" for n in streams)

@@ -9,7 +9,7 @@ import torch
 from backoff_core.engine.engine import BackoffEngine
 from backoff_core.runners.dynamic import ModelRunner
 from backoff_core.types import RoutingParams
-from benchmarks.batch_scaling import ROUTINGS, throughput
+from benchmarks.batch_scaling import ROUTINGS, measure, throughput
 from benchmarks.step_overhead import tiny_pair
 
 
@@ -51,3 +51,39 @@ def test_the_in_flight_rows_run_catch_ups_beside_the_steps():
     assert engine.overlap_catch_ups and not engine.has_work()
     assert got["tok_per_s"] > 0 and runner.forwards > 0
     assert got["forwards_per_100_tokens"] == pytest.approx(100 * runner.forwards / (2 * 16 * 24))
+
+
+class _Failed:
+    """A catch-up that failed on its worker (as a CUDA error raised on the side stream would)."""
+
+    def done(self) -> bool:
+        return True
+
+    def result(self):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+class _FailingLauncher:
+    def __init__(self) -> None:
+        self.launched = 0
+
+    def submit(self, catch):
+        self.launched += 1
+        return _Failed()
+
+
+def test_a_row_that_raises_is_reported_and_the_others_are_measured():
+    """The batch stage's first run of the rows in flight on a GPU: if they raise, the rows
+    before them are kept, the error is in the results, and the engine is left clean."""
+    torch.manual_seed(0)
+    (small, large), tokenizer = tiny_pair()
+    launcher = _FailingLauncher()
+    engine = BackoffEngine([ModelRunner(small, "small"), ModelRunner(large, "large")], tokenizer, launcher=launcher)
+    waits = {label: 0.0 if wait is None else wait for label, (_, wait, _) in ROUTINGS.items()}
+    runs, errors = measure(engine, [5, 6, 7], [1, 4], 6, 1, waits)
+    flying = {label for label, (_, _, overlap) in ROUTINGS.items() if overlap}
+    assert set(errors) == flying and launcher.launched >= len(flying)
+    assert all("illegal memory access" in error for error in errors.values())
+    assert set(runs) == set(ROUTINGS) - flying
+    assert all(figures["tok_per_s"] > 0 for row in runs.values() for figures in row.values())
+    assert not engine.has_work() and not engine.live_ids() and not engine.flights.busy
