@@ -20,7 +20,8 @@ GPU's pace.
 Catch-ups in flight (engine `overlap_catch_ups`, the rows "in flight"): SimLauncher puts
 M_L's forwards on a timeline of their own, beside the loop's (M_S's steps and the host).
 That is exact for M_L on a GPU of its own and the best case on one GPU, where M_S's kernels
-and M_L's share the SMs: only a GPU run tells how much of it one GPU keeps.
+and M_L's share the SMs: only a GPU run tells how much of it one GPU keeps. `--what-if
+shared` models that sharing as fair (each at half speed while both run).
 
 What it is for: choosing between scheduling policies (batched catch-ups' bounds, layouts)
 before a GPU is at hand, and telling what the next GPU run should see. It is a model. The
@@ -75,10 +76,12 @@ def build(
     max_len: int = 1024,
     wait_ms: float = CATCH_UP_WAIT_MS,
     large_cost: Callable[[GraphKey, int, bool], float] | None = None,
+    shared: bool = False,
 ) -> Sim:
     """The engine over the GPU path's runners (factory.make_runner's settings), on the CPU;
-    its catch-ups in flight (when turned on) are SimLauncher's. large_cost: what an M_L
-    forward costs (default: costs.large_ms, what the GPU measured)."""
+    its catch-ups in flight (when turned on) are SimLauncher's (shared: on one GPU with
+    M_S's steps). large_cost: what an M_L forward costs (default: costs.large_ms, what the
+    GPU measured)."""
     large_cost = large_cost or costs.large_ms
     (small_model, large_model), tokenizer = tiny_pair()  # their tokens do not matter: random routing
     clock = SimClock()
@@ -95,16 +98,18 @@ def build(
         else:
             runner.warmup(progress=False)
         runners.append(runner)
-    small_log = instrument(runners[0], clock, small_cost)
-    launcher = SimLauncher(clock)
-    large_log = instrument(runners[1], launcher, large_cost)
+    launcher = SimLauncher(clock, shared)
+    small_log = instrument(runners[0], launcher.small, small_cost)
+    large_log = instrument(runners[1], launcher.advance, large_cost)
     engine = BackoffEngine(runners, tokenizer, catch_up_wait_ms=wait_ms, clock=clock.now, launcher=launcher)
     return Sim(engine, clock, small_log, large_log, costs)
 
 
-WHAT_IF = {  # --what-if: another price of M_L's forwards than the GPU's measured one
+WHAT_IF = {  # --what-if: another price of M_L's forwards than the GPU's measured one, or another device
     "unpadded": "an M_L forward costs what its real tokens alone would in the measured dense view, "
-    "no padding, no gathered keys (GpuCosts.unpadded_ms; a layout that does not exist)"
+    "no padding, no gathered keys (GpuCosts.unpadded_ms; a layout that does not exist)",
+    "shared": "catch-ups in flight share one GPU with M_S's steps, fairly: each at half speed while "
+    "both have work (SimLauncher shared; a model of one GPU, not a bound)",
 }
 
 B09 = RoutingParams(router="random", rate=0.9)
@@ -290,7 +295,9 @@ def main() -> None:
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
     costs = GpuCosts.from_results(Path(args.costs))
-    sim = build(costs, large_cost=costs.unpadded_ms if args.what_if == "unpadded" else None)
+    sim = build(
+        costs, large_cost=costs.unpadded_ms if args.what_if == "unpadded" else None, shared=args.what_if == "shared"
+    )
     streams = [int(s) for s in args.streams.split(",")]
     rows = scaling(sim, streams, args.tokens, args.repeats)
     base, top = str(streams[0]), str(streams[-1])

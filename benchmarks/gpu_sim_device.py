@@ -45,16 +45,36 @@ class SimLauncher:
     catch-up runs at once on the CPU, its M_L forwards on M_L's own timeline (`large`), which
     starts at the launch or when M_L's last flight ends; it is done once the loop's clock
     passes its end, and waiting for it moves the loop's clock there. M_L forwards outside a
-    flight (landed first) are on the loop's clock. Two timelines that never slow each other:
-    exact for M_L on a GPU of its own, the best case for two streams on one GPU."""
+    flight (landed first) are on the loop's clock.
 
-    def __init__(self, clock: SimClock) -> None:
+    Unshared (the default), the two timelines never slow each other: exact for M_L on a GPU
+    of its own, the best case for two streams on one GPU. Shared, an M_S forward (`small`)
+    while a flight is out shares the device with it fairly: both run at half speed while
+    both have work (an M_S forward of s ms beside r ms of M_L left ends after 2s if s <= r,
+    pushing the flight's end s later; else after s + r, the flight ending after 2r). A model
+    of one GPU, not a bound: M_S's small kernels leave SMs free (better), and a kernel that
+    waits behind M_L's wide ones waits whole (worse)."""
+
+    def __init__(self, clock: SimClock, shared: bool = False) -> None:
         self.clock = clock
+        self.shared = shared
         self.large = SimClock()
         self.flying = False
+        self.out: _SimFlight | None = None  # the last flight launched
 
     def advance(self, ms: float) -> None:  # M_L's forwards' clock
         (self.large if self.flying else self.clock).advance(ms)
+
+    def small(self, ms: float) -> None:  # M_S's forwards' clock
+        s = ms / 1e3
+        left = self.out.end - self.clock.t if self.shared and self.out is not None else 0.0
+        if left <= 0:
+            self.clock.t += s
+            return
+        slowed = min(s, left)  # the M_L time that runs beside M_S's forward, each at half speed
+        self.clock.t += s + slowed
+        self.out.end += slowed
+        self.large.t = max(self.large.t, self.out.end)
 
     def submit(self, catch) -> _SimFlight:
         self.large.t = max(self.large.t, self.clock.t)
@@ -63,7 +83,8 @@ class SimLauncher:
             outcomes = catch()
         finally:
             self.flying = False
-        return _SimFlight(outcomes, self.large.t, self.clock)
+        self.out = _SimFlight(outcomes, self.large.t, self.clock)
+        return self.out
 
 
 class SimGraphs(CudaGraphs):
@@ -101,9 +122,9 @@ class ForwardLog:
 
 
 def instrument(
-    runner: StaticRunner, clock: SimClock | SimLauncher, cost: Callable[[GraphKey, int, bool], float]
+    runner: StaticRunner, advance: Callable[[float], None], cost: Callable[[GraphKey, int, bool], float]
 ) -> ForwardLog:
-    """Every forward of `runner` advances the clock by cost(key, real tokens, eager) and is logged."""
+    """Every forward of `runner` is logged and advances its clock: advance(cost(key, real tokens, eager))."""
     log = ForwardLog()
     run = runner._run
     scratch = runner.kv.scratch
@@ -112,7 +133,7 @@ def instrument(
         eager = columns is not None or plan.key not in runner.graphs
         real = int((plan.positions != scratch).sum())
         ms = cost(plan.key, real, eager)
-        clock.advance(ms)
+        advance(ms)
         k = plan.key
         log.entries.append((k.dense, k.rows, k.k, k.length, eager, real, ms))
         return run(plan, columns)

@@ -13,6 +13,7 @@ from backoff_core.engine.engine import CATCH_UP_WAIT_MS
 from backoff_core.runners.graph_plan import GraphKey
 from benchmarks.gpu_costs import GPU_RESULTS, GpuCosts
 from benchmarks.gpu_sim import ROUTINGS, build, run_batch, run_sustained
+from benchmarks.gpu_sim_device import SimClock, SimLauncher
 
 
 @pytest.fixture(scope="module")
@@ -99,3 +100,37 @@ def test_catch_ups_in_flight_run_on_m_ls_own_timeline(sim):
     assert 1e3 * flying["seconds"] < flying["large_ms"] + flying["small_ms"] + flying["host_ms"]
     assert flying["tok_per_s"] > sync["tok_per_s"]
     assert alone["tok_per_s"] == pytest.approx(sync_alone["tok_per_s"])
+
+
+def test_a_shared_gpu_splits_the_device_between_a_flight_and_m_ss_steps():
+    """SimLauncher(shared=True), by hand: an M_S forward beside a flight runs at half speed
+    while the flight has work left, and pushes the flight's end by the time they shared."""
+    clock = SimClock()
+    launcher = SimLauncher(clock, shared=True)
+    flight = launcher.submit(lambda: launcher.advance(10.0) or {})  # 10 ms of M_L from t = 0
+    assert flight.end == pytest.approx(0.010) and clock.t == 0
+    launcher.small(3.0)  # 3 ms beside it: 6 ms, the flight 3 ms later
+    assert clock.t == pytest.approx(0.006) and flight.end == pytest.approx(0.013)
+    launcher.small(20.0)  # 7 ms of M_L left: 14 ms shared, then 13 ms alone
+    assert clock.t == pytest.approx(0.033) and flight.end == pytest.approx(0.020) and flight.done()
+    launcher.small(2.0)  # landed: alone
+    assert clock.t == pytest.approx(0.035)
+    apart = SimLauncher(SimClock())
+    apart.submit(lambda: apart.advance(10.0) or {})
+    apart.small(3.0)
+    assert apart.clock.t == pytest.approx(0.003) and apart.out.end == pytest.approx(0.010)
+
+
+def test_in_flight_on_a_shared_gpu_keeps_the_device_busy_at_most_all_the_time():
+    """--what-if shared: with the device shared, the loop's time holds at least all of the
+    device's work (M_S's and M_L's forwards), and in flight is slower than on two timelines."""
+    routing = ROUTINGS["random b=0.9"][0]
+    figures = {}
+    for shared in (False, True):
+        sim = build(GpuCosts.from_results(), wait_ms=0.0, shared=shared)
+        sim.engine.overlap_catch_ups = True
+        figures[shared] = run_batch(sim, 16, 32, routing)
+    one_gpu = figures[True]
+    assert one_gpu["large_forwards"] > 0 and figures[False]["large_forwards"] > 0
+    assert 1e3 * one_gpu["seconds"] >= one_gpu["small_ms"] + one_gpu["large_ms"] - 1e-6
+    assert one_gpu["tok_per_s"] < figures[False]["tok_per_s"]
