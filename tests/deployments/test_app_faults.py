@@ -52,7 +52,7 @@ class Refused(Exception):
 
 
 def _edit(config: dict, dirs) -> None:
-    # one test client opens hundreds of streams; the per-client cap is tests/deployments/test_app_input.py's
+    # one test client opens hundreds of streams; the per-client cap is tests/deployments/test_app_access.py's
     config["applications"][0]["args"]["limits"] = {"max_concurrent_per_client": None}
     deployment_config(config, "SmallModel")["user_config"] = {
         "router": "entropy",
