@@ -290,20 +290,20 @@ def main() -> None:
     ap.add_argument("--costs", default=str(GPU_RESULTS), help="folder of the GPU run's json files")
     ap.add_argument("--check", action="store_true", help="also compare the M_L forwards with catch_up_anatomy's")
     ap.add_argument("--sustained", action="store_true", help="also n streams kept busy (run_sustained)")
-    ap.add_argument("--what-if", choices=sorted(WHAT_IF), help="price M_L's forwards otherwise: " + str(WHAT_IF))
+    ap.add_argument("--what-if", nargs="+", choices=sorted(WHAT_IF), default=[], help="one or both of: " + str(WHAT_IF))
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
     costs = GpuCosts.from_results(Path(args.costs))
     sim = build(
-        costs, large_cost=costs.unpadded_ms if args.what_if == "unpadded" else None, shared=args.what_if == "shared"
+        costs, large_cost=costs.unpadded_ms if "unpadded" in args.what_if else None, shared="shared" in args.what_if
     )
     streams = [int(s) for s in args.streams.split(",")]
     rows = scaling(sim, streams, args.tokens, args.repeats)
     base, top = str(streams[0]), str(streams[-1])
     report = {
         "what": "simulated: the engine's forwards on the CPU, each at the GPU's measured cost (gpu_sim.py)"
-        + (f"; what-if {args.what_if}: {WHAT_IF[args.what_if]}" if args.what_if else ""),
+        + "".join(f"; what-if {name}: {WHAT_IF[name]}" for name in args.what_if),
         "costs": costs.source,
         "host": {
             "ms": costs.host_ms,
