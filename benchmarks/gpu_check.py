@@ -15,7 +15,8 @@ warmup measured it (`replay_ms`: what static_layout.choose weighs, and the cost 
 benchmarks/gpu_sim.py). And what the engine's graphs do not hold but gpu_sim prices
 (`probes`): M_S's replays at k 4, 8 and 16 (a prompt's prefill in fewer rows), and each model's
 prompt prefill run eagerly against the same prefill in graphs (what a forward no graph holds
-costs). Writes DIR/gpu_check.json.
+costs). And how M_S's steps and an M_L forward slow each other side by side on one GPU
+(`sharing`: catch-ups in flight; gpu_sim --what-if shared). Writes DIR/gpu_check.json.
 """
 
 from __future__ import annotations
@@ -199,6 +200,68 @@ def probes(small_model, runners: list[StaticRunner], prompt_ids: list[int], grap
     }
 
 
+def commonest(graphs, dense: bool, k: int) -> GraphKey:
+    """The timed graph of a kind (last logits, no hidden layer) with the most rows, at the
+    shortest key length: M_S's step of a full batch (dense, k = 1), or M_L's catch-up of 64
+    rows of 8 in blocks (gathered, k = 8; the commonest at 64 streams, catch_up_anatomy)."""
+    keys = [
+        key for key in graphs.ms if key.dense == dense and key.k == k and key.last_only and key.hidden_layer is None
+    ]
+    if not keys:
+        raise ValueError(f"no {'dense' if dense else 'gathered'} graph of k={k} was captured and timed")
+    return max(keys, key=lambda key: (key.rows, -key.length))
+
+
+@torch.inference_mode()
+def sharing(runners: list[StaticRunner], repeats: int = 5) -> dict:
+    """How M_S's steps and a flight's M_L forward slow each other on one GPU (gpu_sim
+    --what-if shared reads it; engine `overlap_catch_ups`). M_S's step graph of a full batch
+    and M_L's catch-up graph of 64 rows x 8 (`commonest`), on harmless inputs, each timed
+    alone, then side by side as a flight runs: M_L's replayed on a side stream while M_S's
+    are replayed back to back on this one, enough of them to outlast it. small_slowdown: M_S's
+    replay beside M_L's over alone (the replays that ended while M_L's ran; the first, if none
+    did); large_slowdown: M_L's beside M_S's over alone. Medians of `repeats`."""
+    small, large = runners[0].graphs, runners[-1].graphs
+    s_key, l_key = commonest(small, True, 1), commonest(large, False, 8)
+    s_alone, l_alone = small.replay_ms(s_key, repeats), large.replay_ms(l_key, repeats)
+    s_graph, l_graph = small._graphs[s_key], large._graphs[l_key]
+    n = int(4 * l_alone / s_alone) + 4  # M_S's replays outlast M_L's even if M_L is slowed 3x
+    side = torch.cuda.Stream()
+    beside_s, beside_l, counts = [], [], []
+    for _ in range(repeats):
+        l_start, l_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]
+        torch.cuda.synchronize()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # the flight
+            l_start.record()
+            l_graph.replay()
+            l_end.record()
+        marks[0].record()  # the loop's steps, back to back
+        for mark in marks[1:]:
+            s_graph.replay()
+            mark.record()
+        torch.cuda.synchronize()
+        l_ms = l_start.elapsed_time(l_end)
+        steps = [(a.elapsed_time(b), l_start.elapsed_time(b)) for a, b in zip(marks, marks[1:])]
+        within = [ms for ms, ended in steps if ended <= l_ms] or [steps[0][0]]
+        beside_s.append(sorted(within)[len(within) // 2])
+        beside_l.append(l_ms)
+        counts.append(len(within))
+    median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    return {
+        "small": {"rows": s_key.rows, "k": s_key.k, "L": s_key.length, "dense": s_key.dense},
+        "large": {"rows": l_key.rows, "k": l_key.k, "L": l_key.length, "dense": l_key.dense},
+        "small_ms": round(s_alone, 3),
+        "large_ms": round(l_alone, 3),
+        "small_ms_beside": round(median(beside_s), 3),
+        "large_ms_beside": round(median(beside_l), 3),
+        "small_steps_within": median(counts),
+        "small_slowdown": round(median(beside_s) / s_alone, 3),
+        "large_slowdown": round(median(beside_l) / l_alone, 3),
+    }
+
+
 def replay_table(runner: StaticRunner) -> list[dict]:
     """Every captured graph's replay time (ms), as warmup measured it."""
     return [
@@ -264,6 +327,10 @@ def main() -> None:
         report["step_anatomy"] = anatomy(chain, runners, prompt)
     except Exception as exc:  # noqa: BLE001 - a diagnostic: keep the checks above either way
         report["step_anatomy"] = f"failed: {exc!r}"
+    try:
+        report["sharing"] = sharing(runners)
+    except Exception as exc:  # noqa: BLE001 - a diagnostic, as above
+        report["sharing"] = f"failed: {exc!r}"
     try:
         report["probes"] = probes(chain.models[0], runners, prompt)
     except Exception as exc:  # noqa: BLE001 - a diagnostic, as above

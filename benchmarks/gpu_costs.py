@@ -7,7 +7,9 @@ gpu_check.json's M_S step anatomy. Buckets the run did not measure are estimated
 (`GpuCosts.large_ms`, `GpuCosts.small_ms`). The eager forwards' costs are gpu_check.json's
 `probes` where the run has them (runs since 2026-11-26), else the estimates of the H100's
 third run (an eager M_L forward of 16x74 in catch_up_anatomy.json took ~65 ms beyond its
-graph's compute; M_S's was never timed and is taken as the same).
+graph's compute; M_S's was never timed and is taken as the same). How M_S's steps and M_L's
+forwards slow each other side by side on one GPU: gpu_check.json's `sharing` probe, where the
+run has it (`GpuCosts.sharing`; gpu_sim --what-if shared).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class GpuCosts:
     host_ms_per_catch_up: float  # ... and per catch-up forward (layout, upload, read back)
     source: str = ""
     small_k: dict[tuple[int, int], float] = field(default_factory=dict)  # (rows, k > 2) -> M_S replay ms
+    sharing: tuple[float, float] | None = None  # M_S's and M_L's slowdowns side by side on one GPU (probe)
 
     def large_ms(self, key: GraphKey, real: int, eager: bool) -> float:
         """A replay's measured time. Buckets the grid lacks: a gathered batch of more rows than
@@ -128,10 +131,13 @@ class GpuCosts:
                 "small_eager_ms": prefill["small"]["eager"],
             }
             sources.append(f"{folder}/gpu_check.json probes")
+        shared = check.get("sharing")
+        sharing = (shared["small_slowdown"], shared["large_slowdown"]) if isinstance(shared, dict) else None
         return cls(
             large=large,
             small_rows=small_rows,
             small_k=small_k,
+            sharing=sharing,
             large_eager_ms=host.pop("large_eager_ms", eager["large_eager_ms"]),
             small_eager_ms=host.pop("small_eager_ms", eager["small_eager_ms"]),
             host_ms=host.pop("host_ms", 0.25),

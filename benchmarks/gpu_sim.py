@@ -21,7 +21,8 @@ Catch-ups in flight (engine `overlap_catch_ups`, the rows "in flight"): SimLaunc
 M_L's forwards on a timeline of their own, beside the loop's (M_S's steps and the host).
 That is exact for M_L on a GPU of its own and the best case on one GPU, where M_S's kernels
 and M_L's share the SMs: only a GPU run tells how much of it one GPU keeps. `--what-if
-shared` models that sharing as fair (each at half speed while both run).
+shared` models that sharing: each slowed beside the other as gpu_check.json's `sharing`
+probe measured, else fairly (each at half speed while both run).
 
 What it is for: choosing between scheduling policies (batched catch-ups' bounds, layouts)
 before a GPU is at hand, and telling what the next GPU run should see. It is a model. The
@@ -55,7 +56,7 @@ from backoff_core.types import GenerationRequest, RoutingParams, SamplingParams
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.batch_scaling import plot_scaling  # noqa: E402
 from benchmarks.gpu_costs import GPU_RESULTS, GpuCosts  # noqa: E402
-from benchmarks.gpu_sim_device import ForwardLog, SimClock, SimGraphs, SimLauncher, instrument  # noqa: E402
+from benchmarks.gpu_sim_device import FAIR, ForwardLog, SimClock, SimGraphs, SimLauncher, instrument  # noqa: E402
 from benchmarks.step_overhead import tiny_pair  # noqa: E402
 
 PROMPT_TOKENS = 43  # the batch benchmarks' prompt in the GPU pair's tokenizer (chat template)
@@ -76,12 +77,12 @@ def build(
     max_len: int = 1024,
     wait_ms: float = CATCH_UP_WAIT_MS,
     large_cost: Callable[[GraphKey, int, bool], float] | None = None,
-    shared: bool = False,
+    sharing: tuple[float, float] | None = None,
 ) -> Sim:
     """The engine over the GPU path's runners (factory.make_runner's settings), on the CPU;
-    its catch-ups in flight (when turned on) are SimLauncher's (shared: on one GPU with
-    M_S's steps). large_cost: what an M_L forward costs (default: costs.large_ms, what the
-    GPU measured)."""
+    its catch-ups in flight (when turned on) are SimLauncher's (sharing: on one GPU with
+    M_S's steps, their slowdowns beside each other). large_cost: what an M_L forward costs
+    (default: costs.large_ms, what the GPU measured)."""
     large_cost = large_cost or costs.large_ms
     (small_model, large_model), tokenizer = tiny_pair()  # their tokens do not matter: random routing
     clock = SimClock()
@@ -98,7 +99,7 @@ def build(
         else:
             runner.warmup(progress=False)
         runners.append(runner)
-    launcher = SimLauncher(clock, shared)
+    launcher = SimLauncher(clock, sharing)
     small_log = instrument(runners[0], launcher.small, small_cost)
     large_log = instrument(runners[1], launcher.advance, large_cost)
     engine = BackoffEngine(runners, tokenizer, catch_up_wait_ms=wait_ms, clock=clock.now, launcher=launcher)
@@ -108,8 +109,9 @@ def build(
 WHAT_IF = {  # --what-if: another price of M_L's forwards than the GPU's measured one, or another device
     "unpadded": "an M_L forward costs what its real tokens alone would in the measured dense view, "
     "no padding, no gathered keys (GpuCosts.unpadded_ms; a layout that does not exist)",
-    "shared": "catch-ups in flight share one GPU with M_S's steps, fairly: each at half speed while "
-    "both have work (SimLauncher shared; a model of one GPU, not a bound)",
+    "shared": "catch-ups in flight share one GPU with M_S's steps, each slowed beside the other as "
+    "gpu_check.json's `sharing` probe measured, or fairly (each at half speed) where the run has none "
+    "(SimLauncher sharing; a model of one GPU, not a bound)",
 }
 
 B09 = RoutingParams(router="random", rate=0.9)
@@ -295,9 +297,8 @@ def main() -> None:
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
     costs = GpuCosts.from_results(Path(args.costs))
-    sim = build(
-        costs, large_cost=costs.unpadded_ms if "unpadded" in args.what_if else None, shared="shared" in args.what_if
-    )
+    sharing = (costs.sharing or FAIR) if "shared" in args.what_if else None
+    sim = build(costs, large_cost=costs.unpadded_ms if "unpadded" in args.what_if else None, sharing=sharing)
     streams = [int(s) for s in args.streams.split(",")]
     rows = scaling(sim, streams, args.tokens, args.repeats)
     base, top = str(streams[0]), str(streams[-1])
@@ -305,6 +306,7 @@ def main() -> None:
         "what": "simulated: the engine's forwards on the CPU, each at the GPU's measured cost (gpu_sim.py)"
         + "".join(f"; what-if {name}: {WHAT_IF[name]}" for name in args.what_if),
         "costs": costs.source,
+        "sharing": sharing,  # (M_S's, M_L's slowdown beside the other) on one GPU; None: two timelines
         "host": {
             "ms": costs.host_ms,
             "ms_per_row": costs.host_ms_per_row,

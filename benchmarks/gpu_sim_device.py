@@ -40,6 +40,9 @@ class _SimFlight:
         return self.outcomes
 
 
+FAIR = (2.0, 2.0)  # Sharing.slowdowns of one GPU shared fairly: each at half speed beside the other
+
+
 class SimLauncher:
     """Catch-ups in flight (engine `overlap_catch_ups`) on the simulated clock: a flight's
     catch-up runs at once on the CPU, its M_L forwards on M_L's own timeline (`large`), which
@@ -47,17 +50,17 @@ class SimLauncher:
     passes its end, and waiting for it moves the loop's clock there. M_L forwards outside a
     flight (landed first) are on the loop's clock.
 
-    Unshared (the default), the two timelines never slow each other: exact for M_L on a GPU
-    of its own, the best case for two streams on one GPU. Shared, an M_S forward (`small`)
-    while a flight is out shares the device with it fairly: both run at half speed while
-    both have work (an M_S forward of s ms beside r ms of M_L left ends after 2s if s <= r,
-    pushing the flight's end s later; else after s + r, the flight ending after 2r). A model
-    of one GPU, not a bound: M_S's small kernels leave SMs free (better), and a kernel that
-    waits behind M_L's wide ones waits whole (worse)."""
+    sharing None: the two timelines never slow each other, exact for M_L on a GPU of its own
+    and the best case for two streams on one GPU. sharing (a, b): one GPU, where an M_S
+    forward (`small`) beside a flight runs a times slower, and the flight b times slower
+    while it does. An M_S forward of s ms beside r ms of M_L left: if s*a <= r*b, it ends
+    after s*a and pushes the flight's end by s*a*(1 - 1/b); else the flight ends after r*b and
+    M_S's forward after r*b + s - r*b/a. FAIR = (2, 2), half speed each; gpu_check.py's
+    `sharing` probe measures a and b on a GPU (both replayed side by side)."""
 
-    def __init__(self, clock: SimClock, shared: bool = False) -> None:
+    def __init__(self, clock: SimClock, sharing: tuple[float, float] | None = None) -> None:
         self.clock = clock
-        self.shared = shared
+        self.sharing = sharing
         self.large = SimClock()
         self.flying = False
         self.out: _SimFlight | None = None  # the last flight launched
@@ -67,13 +70,17 @@ class SimLauncher:
 
     def small(self, ms: float) -> None:  # M_S's forwards' clock
         s = ms / 1e3
-        left = self.out.end - self.clock.t if self.shared and self.out is not None else 0.0
+        left = self.out.end - self.clock.t if self.sharing is not None and self.out is not None else 0.0
         if left <= 0:
             self.clock.t += s
             return
-        slowed = min(s, left)  # the M_L time that runs beside M_S's forward, each at half speed
-        self.clock.t += s + slowed
-        self.out.end += slowed
+        a, b = self.sharing
+        if s * a <= left * b:  # M_S's forward ends first, the flight having done s*a/b of its work
+            self.out.end += s * a * (1 - 1 / b)
+            self.clock.t += s * a
+        else:  # the flight ends first; M_S's forward has done left*b/a of its work by then
+            self.out.end = self.clock.t + left * b
+            self.clock.t += left * b + s - left * b / a
         self.large.t = max(self.large.t, self.out.end)
 
     def submit(self, catch) -> _SimFlight:

@@ -11,7 +11,7 @@ import pytest
 
 from backoff_core.runners.graph_plan import K_BUCKETS, GraphKey
 from backoff_core.runners.static import StaticRunner
-from benchmarks.gpu_check import PROBE_KS, probes
+from benchmarks.gpu_check import PROBE_KS, commonest, probes
 from benchmarks.gpu_costs import GPU_RESULTS, GpuCosts
 from benchmarks.step_overhead import tiny_pair
 from tests.support.eager_graphs import EagerGraphs
@@ -84,3 +84,27 @@ def test_gpu_costs_read_the_probes_where_a_run_has_them(tmp_path):
     check["probes"] = "failed: RuntimeError('out of memory')"
     (tmp_path / "gpu_check.json").write_text(json.dumps(check))
     assert GpuCosts.from_results(tmp_path).small_eager_ms == 66.0
+
+
+def test_the_sharing_probe_picks_the_full_step_and_the_commonest_catch_up():
+    """gpu_check.commonest: the timed graph of a kind with the most rows at the shortest key
+    length (last logits, no hidden layer): M_S's dense k=1 step, M_L's gathered k=8 blocks;
+    none of the kind: a clear error (the probe is then reported as failed)."""
+
+    class Timed:
+        def __init__(self, keys):
+            self.ms = dict.fromkeys(keys, 1.0)
+
+    keys = [
+        GraphKey(True, 64, 1, 256, True, None),
+        GraphKey(True, 64, 1, 1024, True, None),
+        GraphKey(True, 32, 1, 256, True, None),
+        GraphKey(True, 64, 1, 256, True, 3),  # a router's hidden layer
+        GraphKey(False, 64, 8, 256, True, None),
+        GraphKey(False, 64, 8, 256, False, None),  # full logits
+        GraphKey(True, 64, 8, 256, True, None),
+    ]
+    assert commonest(Timed(keys), True, 1) == GraphKey(True, 64, 1, 256, True, None)
+    assert commonest(Timed(keys), False, 8) == GraphKey(False, 64, 8, 256, True, None)
+    with pytest.raises(ValueError, match="no gathered graph of k=4"):
+        commonest(Timed(keys), False, 4)

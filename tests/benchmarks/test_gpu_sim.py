@@ -13,7 +13,7 @@ from backoff_core.engine.engine import CATCH_UP_WAIT_MS
 from backoff_core.runners.graph_plan import GraphKey
 from benchmarks.gpu_costs import GPU_RESULTS, GpuCosts
 from benchmarks.gpu_sim import ROUTINGS, build, run_batch, run_sustained
-from benchmarks.gpu_sim_device import SimClock, SimLauncher
+from benchmarks.gpu_sim_device import FAIR, SimClock, SimLauncher
 
 
 @pytest.fixture(scope="module")
@@ -103,10 +103,10 @@ def test_catch_ups_in_flight_run_on_m_ls_own_timeline(sim):
 
 
 def test_a_shared_gpu_splits_the_device_between_a_flight_and_m_ss_steps():
-    """SimLauncher(shared=True), by hand: an M_S forward beside a flight runs at half speed
+    """SimLauncher(sharing=FAIR), by hand: an M_S forward beside a flight runs at half speed
     while the flight has work left, and pushes the flight's end by the time they shared."""
     clock = SimClock()
-    launcher = SimLauncher(clock, shared=True)
+    launcher = SimLauncher(clock, FAIR)
     flight = launcher.submit(lambda: launcher.advance(10.0) or {})  # 10 ms of M_L from t = 0
     assert flight.end == pytest.approx(0.010) and clock.t == 0
     launcher.small(3.0)  # 3 ms beside it: 6 ms, the flight 3 ms later
@@ -121,13 +121,41 @@ def test_a_shared_gpu_splits_the_device_between_a_flight_and_m_ss_steps():
     assert apart.clock.t == pytest.approx(0.003) and apart.out.end == pytest.approx(0.010)
 
 
+def test_measured_slowdowns_price_the_sharing():
+    """SimLauncher(sharing=(a, b)) by hand, M_S 1.5x slower beside M_L and M_L 3x slower
+    beside M_S (what gpu_check.json's `sharing` probe measures): each side's work is done at
+    its slowed rate while both run, at full rate after."""
+    clock = SimClock()
+    launcher = SimLauncher(clock, (1.5, 3.0))
+    flight = launcher.submit(lambda: launcher.advance(10.0) or {})
+    launcher.small(3.0)  # 4.5 ms beside it; M_L did 1.5 of its 10 ms: ends at 4.5 + 8.5
+    assert clock.t == pytest.approx(0.0045) and flight.end == pytest.approx(0.013)
+    launcher.small(20.0)  # 8.5 ms of M_L left take 25.5 ms beside M_S, which did 17 of its 20
+    assert flight.end == pytest.approx(0.030) and clock.t == pytest.approx(0.033)
+
+
+def test_gpu_costs_read_the_sharing_probe(tmp_path):
+    """GpuCosts.sharing: gpu_check.json's `sharing` (M_S's and M_L's slowdowns side by side),
+    None where the run has none or the probe failed (--what-if shared then prices it fairly)."""
+    for name in ("gpu_check.json", "catch_up_anatomy.json"):
+        (tmp_path / name).write_text((GPU_RESULTS / name).read_text())
+    check = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert GpuCosts.from_results(tmp_path).sharing is None
+    check["sharing"] = "failed: RuntimeError('x')"
+    (tmp_path / "gpu_check.json").write_text(json.dumps(check))
+    assert GpuCosts.from_results(tmp_path).sharing is None
+    check["sharing"] = {"small_slowdown": 1.25, "large_slowdown": 1.1}
+    (tmp_path / "gpu_check.json").write_text(json.dumps(check))
+    assert GpuCosts.from_results(tmp_path).sharing == (1.25, 1.1)
+
+
 def test_in_flight_on_a_shared_gpu_keeps_the_device_busy_at_most_all_the_time():
     """--what-if shared: with the device shared, the loop's time holds at least all of the
     device's work (M_S's and M_L's forwards), and in flight is slower than on two timelines."""
     routing = ROUTINGS["random b=0.9"][0]
     figures = {}
     for shared in (False, True):
-        sim = build(GpuCosts.from_results(), wait_ms=0.0, shared=shared)
+        sim = build(GpuCosts.from_results(), wait_ms=0.0, sharing=FAIR if shared else None)
         sim.engine.overlap_catch_ups = True
         figures[shared] = run_batch(sim, 16, 32, routing)
     one_gpu = figures[True]

@@ -139,6 +139,23 @@ def test_catch_ups_in_flight_on_a_side_stream_give_the_synchronous_tokens(engine
     assert [m.request_ids() for m in engine.models] == [[], []]
 
 
+def test_the_sharing_probe_replays_both_models_side_by_side(engine):
+    """benchmarks/gpu_check.sharing (what gpu_sim --what-if shared reads): M_S's full-batch
+    step graph and M_L's gathered k=8 graph, each timed alone, then side by side on two
+    streams as a flight runs beside the loop's steps. Slowdowns positive and finite, and the
+    engine's tokens unchanged after it (its replays run on harmless inputs)."""
+    from benchmarks.gpu_check import sharing
+
+    reqs = [request(p, 12, "random", rate=0.5, seed=3) for p in PROMPTS]
+    before = engine.generate_many(reqs)
+    got = sharing(engine.models, repeats=3)
+    assert (got["small"]["dense"], got["small"]["k"], got["large"]["dense"], got["large"]["k"]) == (True, 1, False, 8)
+    assert got["small_ms"] > 0 and got["large_ms"] > 0 and got["small_steps_within"] >= 1
+    assert 0.2 < got["small_slowdown"] < 1000 and 0.2 < got["large_slowdown"] < 1000, got
+    after = engine.generate_many(reqs)
+    assert [r.token_ids for r in after] == [r.token_ids for r in before]
+
+
 @pytest.mark.parametrize("last_only", [True, False])
 def test_catch_ups_in_blocks_replay_modelrunners_logits(gpu_pair, last_only):
     """Ragged catch-ups of 1 to 40 tokens over 8 slots, laid out as the replays timed at load
