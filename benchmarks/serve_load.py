@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import json
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,12 +35,8 @@ from backoff_core.models.loading import LoadSpec, load_chain
 from backoff_core.runners.dynamic import ModelRunner
 from backoff_core.types import GenerationRequest, RoutingParams, SamplingParams
 
-PROMPTS = [
-    "Write a short paragraph about the history of the Python programming language.",
-    "Give three tips for writing readable code, with one sentence each.",
-    "Explain what a hash table is to a new programmer.",
-    "Describe the water cycle in simple words.",
-]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.pairs import PROMPTS, prepare_pair  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -82,42 +79,6 @@ def _stats(mode, streams, ttfts, gaps, tokens, large_tokens, large_calls, second
         large_calls / max(1, forwards),
         1 - large_tokens / max(1, tokens),
     )
-
-
-# -- models ----------------------------------------------------------------------------------
-
-
-def prepare_pair(kind: str, root: Path) -> tuple[str | None, str | None]:
-    """Model directories for --pair (built once under root)."""
-    if kind == "default":
-        return None, None
-    small, large = root / kind / "small", root / kind / "large"
-    if not (large / "config.json").exists():
-        if kind == "tiny":
-            import sys
-
-            sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support
-            from tests.support.tiny import tiny_model, tiny_tokenizer
-
-            tok, models = tiny_tokenizer(), (tiny_model(1), tiny_model(2, hidden=64, layers=4))
-        else:  # smollm-skip: M_L = SmolLM2-135M; M_S = its first and last layer (same cost as a 2-layer student)
-            import copy
-
-            from transformers import LlamaForCausalLM
-
-            from backoff_core.models.default_pair import build_small, large_layer_state, load_default_large
-
-            big, tok = load_default_large()
-            n = big.config.num_hidden_layers
-            config = copy.deepcopy(big.config)
-            del config.quantization_config  # dequantised already; the GGUF marker blocks saving
-            plain = LlamaForCausalLM(config)
-            plain.load_state_dict(big.state_dict())
-            models = (build_small(big, large_layer_state(big, [0, n - 1]), 2), plain)
-        for model, where in zip(models, (small, large)):
-            model.save_pretrained(where)
-            tok.save_pretrained(where)
-    return str(small), str(large)
 
 
 def requests_for(tokenizer, streams: int, args) -> list[GenerationRequest]:

@@ -45,7 +45,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 )  # replicas: benchmarks.standin
 
 from backoff_core.types import GenerationRequest, SamplingParams  # noqa: E402
-from benchmarks.serve_load import prepare_pair  # noqa: E402
+from benchmarks.pairs import prepare_pair  # noqa: E402
 from benchmarks.serve_overhead_report import headline, plot, print_table, summarise  # noqa: E402
 from benchmarks.standin import StandInEngine, expected_stream  # noqa: E402
 from clients.grpc_client import AsyncBackoffGrpcClient  # noqa: E402

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import psutil
-from serve_load import PROMPTS, prepare_pair
+from pairs import PROMPTS, prepare_pair
 from tqdm import tqdm
 
 from clients import OverloadedError
