@@ -2,8 +2,8 @@
 
 One application for the whole module, deployed the way `backoff serve` / `serve run`
 deploy it (the packaged config with overrides): Ingress, one SmallModel, TWO LargeModel
-replicas (every test goes through session affinity). The last tests change the live
-config and kill a replica, so they run last.
+replicas (every test goes through session affinity), beside a chain of three. The tests
+that change the live config or kill a replica are test_app_live.py, on an app of their own.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import functools
 import json
 import math
 import os
-import signal
 import time
 
 import grpc
@@ -24,25 +23,26 @@ ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 
 from backoff_core.types import GenerationRequest, RoutingParams, SamplingParams  # noqa: E402
-from clients import BadRequestError, NotFoundError, ServerError  # noqa: E402
+from clients import BadRequestError, NotFoundError  # noqa: E402
 from clients.grpc_client import AsyncBackoffGrpcClient, BackoffGrpcClient  # noqa: E402
 from clients.http_client import AsyncBackoffHTTPClient, BackoffHTTPClient  # noqa: E402
 from clients.wire import backoff_pb2 as pb  # noqa: E402
 from clients.wire import backoff_pb2_grpc as pb_grpc  # noqa: E402
-from deployments import harness, serve_cli  # noqa: E402
+from deployments import serve_cli  # noqa: E402
+from tests.support import e2e_app  # noqa: E402
+from tests.support.e2e_app import THRESHOLD, large_infos, reference, router_info  # noqa: E402
 from tests.support.playground_page import PlaygroundPage, browser_missing  # noqa: E402
-from tests.support.served_app import TINY_PAIR, ServedApp, deploy, deployment_config, in_process_engine  # noqa: E402
+from tests.support.served_app import TINY_PAIR, ServedApp, deployment_config, in_process_engine  # noqa: E402
 from tests.support.tiny import tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.slow
-THRESHOLD = 0.4  # entropy threshold of the deployed config: both sources occur
 CHAIN_THRESHOLDS = (0.4, 0.7)  # random router over three levels: ~40 / 30 / 30 %
 APP = (("application", "backoff"),)  # gRPC: which of the two applications
 MODELS = {**TINY_PAIR, "medium": functools.partial(tiny_model, 3, hidden=48, layers=3, sharpness=30)}
 
 
 def _edit(config: dict, dirs) -> None:
-    deployment_config(config, "SmallModel")["user_config"] = {"router": "entropy", "threshold": [THRESHOLD]}
+    e2e_app.edit_entropy(config, dirs)
     # a chain of three: one more LargeModel-like deployment (MediumModel1), by config only
     chain = json.loads(json.dumps(config["applications"][0]))
     chain.update(name="chain", route_prefix="/chain")
@@ -58,43 +58,12 @@ def _edit(config: dict, dirs) -> None:
 @pytest.fixture(scope="module")
 def served(serve_app) -> ServedApp:
     """Ingress, SmallModel and two LargeModel replicas (`backoff`), the chain (`chain`)."""
-    ray_options = {
-        "num_cpus": 4,
-        "_metrics_export_port": harness.free_port(),
-        "_system_config": {**serve_cli.RAY_SYSTEM_CONFIG, "metrics_report_interval_ms": 500},
-    }
-    return serve_app("serve", MODELS, replicas={"large": 2}, edit=_edit, ray_options=ray_options)
+    return e2e_app.start(serve_app, "serve", MODELS, edit=_edit)
 
 
 @pytest.fixture(scope="module")
 def local(served):
-    """The in-process engine over the same model directories (the reference)."""
-    return in_process_engine(served.model_dirs["small"], served.model_dirs["large"])
-
-
-def _reference(local, prompt, max_tokens, router="entropy", thresholds=(THRESHOLD,), **sampling):
-    sampling.setdefault("temperature", 0.0)
-    return local.generate(
-        GenerationRequest(
-            tuple(prompt),
-            SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling),
-            RoutingParams(router=router, thresholds=thresholds),
-        )
-    )
-
-
-def _large_infos() -> dict:
-    """LargeModel.info() of every replica (keyed calls spread over replicas by hash)."""
-    handle = serve.get_deployment_handle("LargeModel", "backoff")
-    infos = {}
-    for i in range(24):
-        info = handle.options(multiplexed_model_id=f"probe-{i}").info.remote().result(timeout_s=30)
-        infos[info.replica] = info
-    return infos
-
-
-def _router_info():
-    return serve.get_deployment_handle("SmallModel", "backoff").info.remote().result(timeout_s=30)
+    return e2e_app.local_engine(served)
 
 
 # -- end to end ---------------------------------------------------------------------------
@@ -112,7 +81,7 @@ def test_http_unary_and_stream(served, local):
     assert deltas[-1].finish_reason == "length" and usage == unary.usage
     assert usage.small_tokens + usage.large_tokens == usage.completion_tokens == 20
     assert 0 < usage.small_tokens < 20 and usage.large_calls >= 1
-    ref = _reference(local, [3, 4, 5, 6], 20)
+    ref = reference(local, [3, 4, 5, 6], 20)
     assert (unary.token_ids, unary.sources) == (list(ref.token_ids), list(ref.sources))
 
 
@@ -138,7 +107,7 @@ def test_served_output_equals_in_process(served, local):
     ]
     with BackoffHTTPClient(served.url) as http, BackoffGrpcClient(served.grpc_target, application="backoff") as rpc:
         for prompt, fields, ref_kwargs in cases:
-            ref = _reference(local, prompt, 24, **ref_kwargs)
+            ref = reference(local, prompt, 24, **ref_kwargs)
             for client in (http, rpc):
                 out = client.complete(prompt, max_tokens=24, ignore_eos=True, **fields)
                 assert (out.token_ids, out.sources) == (list(ref.token_ids), list(ref.sources)), type(client)
@@ -147,7 +116,7 @@ def test_served_output_equals_in_process(served, local):
 
 def test_concurrent_requests_share_steps_and_match_in_process(served, local):
     prompts = [[3 + i, 4 + i, 5] for i in range(6)]
-    before = _router_info().steps
+    before = router_info().steps
 
     async def run():
         async with AsyncBackoffHTTPClient(served.url) as http:
@@ -162,9 +131,9 @@ def test_concurrent_requests_share_steps_and_match_in_process(served, local):
 
     outs = asyncio.run(run())
     for i, (p, out) in enumerate(zip(prompts, outs)):
-        ref = _reference(local, p, 16, router="random", thresholds=(0.5,), seed=i)
+        ref = reference(local, p, 16, router="random", thresholds=(0.5,), seed=i)
         assert (out.token_ids, out.sources) == (list(ref.token_ids), list(ref.sources))
-    assert _router_info().steps - before < 6 * 16  # M_S steps of concurrent requests were batched
+    assert router_info().steps - before < 6 * 16  # M_S steps of concurrent requests were batched
 
 
 def test_grpc_unary_stream_and_invalid_argument(served):
@@ -274,7 +243,7 @@ def test_logprobs_over_the_openai_package_our_clients_and_grpc(served, local):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=f"{served.url}/v1", api_key="unused", max_retries=0)
     prompt, n = [3, 4, 5, 6], 20
-    ref = _reference(local, prompt, n, logprobs=3)
+    ref = reference(local, prompt, n, logprobs=3)
     assert set(ref.sources) == {0, 1}  # both models' distributions are reported
     want = [e.chosen.logprob for e in ref.logprobs]
     extra = {"ignore_eos": True, "backoff_threshold": THRESHOLD}
@@ -371,10 +340,10 @@ def test_disconnect_frees_the_sessions(served):
     ) as response:
         lines = response.iter_lines()
         seen = [line for _, line in zip(range(6), (x for x in lines if x.startswith("data:")))]
-        assert len(seen) == 6 and any(_large_infos()[r].sessions for r in _large_infos())
+        assert len(seen) == 6 and any(large_infos()[r].sessions for r in large_infos())
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
-        if _router_info().live == 0 and not any(i.sessions for i in _large_infos().values()):
+        if router_info().live == 0 and not any(i.sessions for i in large_infos().values()):
             break
         time.sleep(0.2)
     else:
@@ -382,10 +351,10 @@ def test_disconnect_frees_the_sessions(served):
 
 
 def test_sessions_go_to_their_replica(served):
-    infos = _large_infos()
+    infos = large_infos()
     assert len(infos) == 2  # both replicas serve
     assert sum(i.calls for i in infos.values()) > 0 and all(i.lost == 0 for i in infos.values())
-    assert _router_info().sessions_lost == 0
+    assert router_info().sessions_lost == 0
 
 
 def test_prometheus_metrics_are_exported(served):
@@ -494,126 +463,3 @@ def test_target_backoff_at_the_extremes_answers_finite_json(served, target, max_
             pb.GenerateRequest(prompt_ids=body["prompt"], **fields), metadata=APP, timeout=60
         )
     assert len(reply.thresholds) == 1 and math.isfinite(reply.thresholds[0])
-
-
-# -- live config and failure (these change the app: they run last) --------------------------
-
-
-def _router_config(served: ServedApp, **changes) -> None:
-    """`backoff serve` of the config with these SmallModel user_config changes (live)."""
-    edited = json.loads(json.dumps(served.config))
-    deployment_config(edited, "SmallModel")["user_config"].update(changes)
-    deploy(edited, served.config_path.with_name("router.yaml"))
-    deadline = time.monotonic() + 60
-    while not _router_info().policy.model_dump().items() >= changes.items():
-        assert time.monotonic() < deadline, "reconfigure did not arrive"
-        time.sleep(0.2)
-    harness.wait_until_running("backoff")
-
-
-def test_a_request_failing_in_the_step_loop_ends_alone_beside_live_streams(served, local):
-    """Requests with the chaos seed (routing.inject_fault_seed) fail inside the step loop --
-    their M_S forward, batched with two live streams (HTTP and gRPC), raises after writing
-    every cache -- over HTTP unary (500 + OpenAI body), SSE (in-band error, [DONE]) and gRPC
-    (INTERNAL). The streams carry on: all their tokens, the in-process ones, a normal finish."""
-    bad_seed, n, prompts = 4242, 200, ([3, 4, 5, 6], [7, 8, 9])
-    _router_config(served, inject_fault_seed=bad_seed)
-
-    async def main():
-        async with (
-            AsyncBackoffHTTPClient(served.url) as http,
-            httpx.AsyncClient(base_url=served.url, timeout=60) as raw,
-            AsyncBackoffGrpcClient(served.grpc_target, application="backoff") as rpc,
-        ):
-            started = [asyncio.Event(), asyncio.Event()]
-
-            async def live(client, prompt, first):
-                deltas = []
-                async for d in client.stream(prompt, max_tokens=n, temperature=0, ignore_eos=True):
-                    deltas.append(d)
-                    first.set()
-                return deltas
-
-            streams = [asyncio.create_task(live(c, p, e)) for c, p, e in zip((http, rpc), prompts, started)]
-            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
-            bad = {"prompt": [5, 6, 7], "max_tokens": 40, "temperature": 0, "ignore_eos": True, "seed": bad_seed}
-
-            async def grpc_stream():
-                try:
-                    return [d async for d in rpc.stream(**bad)]
-                except ServerError as exc:
-                    return exc
-
-            failed = await asyncio.gather(
-                raw.post("/v1/completions", json=bad),
-                raw.post("/v1/completions", json={**bad, "stream": True}),
-                grpc_stream(),
-            )
-            alive = [not t.done() for t in streams]  # the failures happened beside them
-            return await asyncio.gather(*streams), failed, alive
-
-    try:
-        outs, (unary, sse, grpc_failure), alive = asyncio.run(main())
-    finally:
-        _router_config(served, inject_fault_seed=None)
-    says = "InjectedFault: injected fault"
-    assert unary.status_code == 500 and unary.headers["content-type"] == "application/json", unary.text
-    assert says in unary.json()["error"]["message"] and unary.json()["error"]["type"] == "server_error"
-    events = [line[len("data: ") :] for line in sse.text.splitlines() if line.startswith("data: ")]
-    assert sse.status_code == 200 and events[-1] == "[DONE]" and says in json.loads(events[-2])["error"]["message"]
-    assert isinstance(grpc_failure, ServerError) and grpc_failure.status == "INTERNAL" and says in grpc_failure.message
-    assert alive == [True, True]
-    for prompt, deltas in zip(prompts, outs):
-        ref = _reference(local, prompt, n)
-        assert [d.token_id for d in deltas if d.token_id is not None] == list(ref.token_ids)
-        assert [d.source for d in deltas if d.token_id is not None] == list(ref.sources)
-        assert deltas[-1].finish_reason == "length"
-    deadline = time.monotonic() + 30  # every session freed: the failed ones' too
-    while _router_info().live or any(i.sessions for i in _large_infos().values()):
-        assert time.monotonic() < deadline, "sessions left behind"
-        time.sleep(0.2)
-
-
-def _backoff_rate(url: str, n: int = 6) -> float:
-    with BackoffHTTPClient(url) as client:
-        outs = [client.complete([3 + i, 7, 11], max_tokens=16, temperature=0, ignore_eos=True) for i in range(n)]
-    return sum(o.usage.small_tokens for o in outs) / sum(o.usage.completion_tokens for o in outs)
-
-
-def test_config_deploy_changes_the_threshold_live(served):
-    router_before, large_before = _router_info(), {i.replica: i.pid for i in _large_infos().values()}
-    low = _backoff_rate(served.url)
-    edited = json.loads(json.dumps(served.config))
-    deployment_config(edited, "SmallModel")["user_config"]["threshold"] = [50.0]  # nothing is that uncertain: all small
-    deploy(edited, served.config_path.with_name("edited.yaml"))
-    deadline = time.monotonic() + 60
-    while _router_info().policy.thresholds != [50.0]:
-        assert time.monotonic() < deadline, "reconfigure did not arrive"
-        time.sleep(0.2)
-    harness.wait_until_running("backoff")
-    high = _backoff_rate(served.url)
-    assert low < 0.9 and high == 1.0
-    with BackoffHTTPClient(served.url) as client:  # a request may still override the config
-        own = client.complete([3, 7, 11], max_tokens=16, temperature=0, ignore_eos=True, backoff_threshold=THRESHOLD)
-    assert own.usage.backoff_rate < 1.0
-    router_after = _router_info()
-    assert (router_after.pid, router_after.replica) == (router_before.pid, router_before.replica)
-    assert {i.replica: i.pid for i in _large_infos().values()} == large_before
-
-
-def test_killed_large_replica_mid_generation_still_completes(served, local):
-    prompt, n = [4, 5, 6], 300
-    before = _router_info().sessions_lost
-    with BackoffHTTPClient(served.url) as client:
-        stream = client.stream(prompt, max_tokens=n, temperature=0, ignore_eos=True, router="always-large")
-        deltas = [next(stream) for _ in range(5)]
-        holders = [i for i in _large_infos().values() if i.sessions]
-        assert len(holders) == 1, holders
-        os.kill(holders[0].pid, signal.SIGKILL)  # the replica holding the session crashes
-        deltas += list(stream)
-    tokens = [d.token_id for d in deltas if d.token_id is not None]
-    assert deltas[-1].finish_reason == "length" and len(tokens) == n
-    ref = _reference(local, prompt, n, router="always-large", thresholds=None)
-    assert tokens == list(ref.token_ids)  # re-prefilled elsewhere: the same text
-    assert _router_info().sessions_lost > before
-    harness.wait_until_running("backoff")

@@ -1,0 +1,71 @@
+"""What the end-to-end modules share (tests/deployments/test_app.py, test_app_live.py): the
+application's entropy threshold and its two LargeModel replicas, the in-process reference,
+and the replicas' info.
+
+Ray is imported lazily, as in served_app.py: collecting the modules must not need it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from backoff_core.engine.engine import BackoffEngine
+from backoff_core.types import GenerationRequest, GenerationResult, RoutingParams, SamplingParams
+from deployments import harness, serve_cli
+from tests.support.served_app import ServedApp, deployment_config, in_process_engine
+
+THRESHOLD = 0.4  # entropy threshold of the deployed config: both sources occur
+
+
+def edit_entropy(config: dict, dirs) -> None:
+    """The SmallModel's router: entropy at THRESHOLD."""
+    deployment_config(config, "SmallModel")["user_config"] = {"router": "entropy", "threshold": [THRESHOLD]}
+
+
+def start(serve_app: Callable[..., ServedApp], name: str, models: dict, edit=edit_entropy) -> ServedApp:
+    """Ingress, SmallModel and two LargeModel replicas (every request goes through session
+    affinity), with Ray's metrics exported, through a module's `serve_app` fixture."""
+    ray_options = {
+        "num_cpus": 4,
+        "_metrics_export_port": harness.free_port(),
+        "_system_config": {**serve_cli.RAY_SYSTEM_CONFIG, "metrics_report_interval_ms": 500},
+    }
+    return serve_app(name, models, replicas={"large": 2}, edit=edit, ray_options=ray_options)
+
+
+def local_engine(served: ServedApp) -> BackoffEngine:
+    """The in-process engine over the app's model directories (the reference)."""
+    return in_process_engine(served.model_dirs["small"], served.model_dirs["large"])
+
+
+def reference(
+    local: BackoffEngine, prompt, max_tokens, router="entropy", thresholds=(THRESHOLD,), **sampling
+) -> GenerationResult:
+    """The in-process engine's answer (greedy unless told otherwise)."""
+    sampling.setdefault("temperature", 0.0)
+    return local.generate(
+        GenerationRequest(
+            tuple(prompt),
+            SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling),
+            RoutingParams(router=router, thresholds=thresholds),
+        )
+    )
+
+
+def large_infos() -> dict:
+    """LargeModel.info() of every replica of `backoff` (keyed calls spread over replicas by hash)."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle("LargeModel", "backoff")
+    infos = {}
+    for i in range(24):
+        info = handle.options(multiplexed_model_id=f"probe-{i}").info.remote().result(timeout_s=30)
+        infos[info.replica] = info
+    return infos
+
+
+def router_info():
+    """SmallModel.info() of `backoff`."""
+    from ray import serve
+
+    return serve.get_deployment_handle("SmallModel", "backoff").info.remote().result(timeout_s=30)
