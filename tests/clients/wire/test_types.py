@@ -1,26 +1,21 @@
-"""clients/ without a server: wire conversions, error mapping, SSE parsing, stub freshness,
-and the gRPC client against an in-process gRPC server. No Ray, no torch."""
+"""clients/wire without a server: request validation and its refusals, the protobuf round
+trip, error mapping, stub freshness, the thresholds' old spellings. No Ray, no torch. The
+clients themselves: tests/clients/test_http_client.py, test_grpc_client.py, test_cli.py."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import subprocess
 import sys
-from concurrent import futures
 from pathlib import Path
 
 import grpc
-import httpx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from clients.grpc_client import AsyncBackoffGrpcClient, BackoffGrpcClient
-from clients.http_client import AsyncBackoffHTTPClient, BackoffHTTPClient
 from clients.wire import backoff_pb2 as pb
-from clients.wire import backoff_pb2_grpc as pb_grpc
 from clients.wire.errors import (
     BadRequestError,
     NotFoundError,
@@ -30,15 +25,8 @@ from clients.wire.errors import (
     from_grpc,
     from_http,
 )
-from clients.wire.proto import delta_from_pb, params_from_pb, prompt_from_pb, request_to_pb
-from clients.wire.types import (
-    ChatCompletionRequest,
-    ChatMessage,
-    CompletionRequest,
-    GenerateParams,
-    Usage,
-    merge_params,
-)
+from clients.wire.proto import params_from_pb, prompt_from_pb, request_to_pb
+from clients.wire.types import ChatCompletionRequest, ChatMessage, CompletionRequest, GenerateParams, merge_params
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -235,197 +223,6 @@ def test_grpc_errors_map_by_code():
     assert isinstance(from_grpc(Err(grpc.StatusCode.UNIMPLEMENTED)), NotFoundError)
     assert isinstance(from_grpc(Err(grpc.StatusCode.UNAVAILABLE)), TransportError)
     assert isinstance(from_grpc(Err(grpc.StatusCode.INTERNAL)), ServerError)
-
-
-# -- HTTP client against a mock transport -------------------------------------------------
-
-USAGE = {
-    "prompt_tokens": 2,
-    "completion_tokens": 2,
-    "total_tokens": 4,
-    "small_tokens": 1,
-    "large_tokens": 1,
-    "large_calls": 1,
-}
-
-
-def _handler(request: httpx.Request) -> httpx.Response:
-    body = json.loads(request.content) if request.content else {}
-    if request.url.path == "/health":
-        return httpx.Response(200, json={"status": "ok"})
-    if request.url.path == "/v1/models":
-        return httpx.Response(200, json={"object": "list", "data": [{"id": "backoff", "object": "model"}]})
-    if body.get("top_k") == 99:
-        return httpx.Response(400, json={"error": {"message": "top_k too large", "param": "top_k"}})
-    if body.get("stream"):
-        chunks = [
-            {"id": "c", "choices": [{"text": t, "backoff": {"token_id": i, "source": i, "index": i}}]}
-            for i, t in enumerate(["a", " b"])
-        ]
-        chunks.append({"id": "c", "choices": [{"text": "", "finish_reason": "length"}], "usage": USAGE})
-        text = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
-        return httpx.Response(200, text=text, headers={"content-type": "text/event-stream"})
-    assert body["max_tokens"] == 2 and body["thresholds"] == [0.5] and "backoff_threshold" not in body
-    choice = {"text": "a b", "finish_reason": "length", "backoff": {"token_ids": [5, 6], "sources": [0, 1]}}
-    return httpx.Response(200, json={"id": "c", "choices": [choice], "usage": USAGE})
-
-
-def test_http_client_parses_bodies_and_streams():
-    http = httpx.Client(transport=httpx.MockTransport(_handler), base_url="http://x")
-    with BackoffHTTPClient(http=http) as client:
-        out = client.complete("hi", max_tokens=2, thresholds=[0.5])
-        assert (out.text, out.sources, out.usage.backoff_rate) == ("a b", [0, 1], 0.5)
-        deltas = list(client.stream("hi", max_tokens=2))
-        assert [d.text for d in deltas] == ["a", " b", ""]
-        assert [d.source for d in deltas[:2]] == [0, 1]
-        assert deltas[-1].finish_reason == "length" and deltas[-1].usage == Usage(**USAGE)
-        assert client.models() == ["backoff"] and client.health()
-        with pytest.raises(BadRequestError, match="top_k too large"):
-            client.complete("hi", top_k=99)
-        with pytest.raises(BadRequestError):
-            list(client.stream("hi", top_k=99))
-
-
-def test_async_http_client_has_the_same_methods():
-    async def run():
-        http = httpx.AsyncClient(transport=httpx.MockTransport(_handler), base_url="http://x")
-        async with AsyncBackoffHTTPClient(http=http) as client:
-            out = await client.complete("hi", max_tokens=2, backoff_threshold=0.5)  # the old spelling, sent new
-            deltas = [d async for d in client.stream("hi")]
-            return out, deltas, await client.models()
-
-    out, deltas, models = asyncio.run(run())
-    assert out.token_ids == [5, 6] and len(deltas) == 3 and models == ["backoff"]
-    sync_methods = {m for m in dir(BackoffHTTPClient) if not m.startswith("_")}
-    for cls in (AsyncBackoffHTTPClient, BackoffGrpcClient, AsyncBackoffGrpcClient):
-        assert {m for m in dir(cls) if not m.startswith("_")} >= sync_methods - {"model", "timeout"}
-
-
-def test_http_client_maps_connection_errors():
-    with BackoffHTTPClient("http://127.0.0.1:9", timeout=2) as client:
-        with pytest.raises(TransportError):
-            client.complete("hi")
-        assert client.health() is False
-
-
-# -- gRPC client against an in-process server ---------------------------------------------
-
-
-class FakeService(pb_grpc.BackoffServicer):
-    def Generate(self, request, context):
-        if request.router == "nope":
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "unknown router 'nope'")
-        return pb.GenerateResponse(
-            id="g",
-            text=request.prompt.upper(),
-            finish_reason="stop",
-            usage=pb.Usage(completion_tokens=1),
-            token_ids=[4],
-            sources=[1],
-        )
-
-    def GenerateStream(self, request, context):
-        for i, ch in enumerate(request.prompt):
-            yield pb.GenerateChunk(id="g", text=ch, token_id=i, source=i % 2, index=i)
-        yield pb.GenerateChunk(id="g", finish_reason="length", usage=pb.Usage(completion_tokens=len(request.prompt)))
-
-    def Models(self, request, context):
-        return pb.ModelsResponse(models=["backoff"])
-
-    def Health(self, request, context):
-        return pb.HealthResponse(ok=True)
-
-
-@pytest.fixture(scope="module")
-def grpc_target():
-    server = grpc.server(futures.ThreadPoolExecutor(2))
-    pb_grpc.add_BackoffServicer_to_server(FakeService(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    yield f"127.0.0.1:{port}"
-    server.stop(0)
-
-
-def test_grpc_client_round_trip(grpc_target):
-    with BackoffGrpcClient(grpc_target) as client:
-        out = client.complete("abc", max_tokens=3)
-        assert (out.text, out.sources, out.finish_reason) == ("ABC", [1], "stop")
-        deltas = list(client.stream("abc"))
-        assert "".join(d.text for d in deltas) == "abc" and [d.source for d in deltas[:3]] == [0, 1, 0]
-        assert deltas[-1].finish_reason == "length" and deltas[-1].usage.completion_tokens == 3
-        assert deltas[-1].token_id is None
-        assert client.models() == ["backoff"] and client.health()
-        with pytest.raises(BadRequestError, match="unknown router"):
-            client.complete("abc", router="nope")
-
-
-def test_async_grpc_client_round_trip(grpc_target):
-    async def run():
-        async with AsyncBackoffGrpcClient(grpc_target) as client:
-            out = await client.chat([{"role": "user", "content": "x"}])
-            deltas = [d async for d in client.stream("hey")]
-            return out, deltas
-
-    out, deltas = asyncio.run(run())
-    assert out.id == "g" and "".join(d.text for d in deltas) == "hey"
-
-
-def test_last_chunk_carries_no_token():
-    last = delta_from_pb(pb.GenerateChunk(id="x", finish_reason="stop", usage=pb.Usage(completion_tokens=4)))
-    assert last.token_id is None and last.usage.completion_tokens == 4
-
-
-def test_bad_params_are_refused_before_sending_and_the_cli_reports_them(capsys):
-    from clients.cli import main
-
-    with pytest.raises(BadRequestError, match="top_p"):
-        merge_params(None, {"top_p": 5})
-    assert main(["--url", "http://127.0.0.1:9", "generate", "x", "--top-p", "5"]) == 2
-    assert "top_p" in capsys.readouterr().err
-    assert main(["--url", "http://127.0.0.1:9", "generate", "x"]) == 1  # nobody there
-
-
-def test_cli_flags_become_the_request_params():
-    from clients.cli import _params, _parser
-
-    args = _parser().parse_args(
-        [
-            "generate",
-            "x",
-            "--max-tokens",
-            "7",
-            "--temperature",
-            "0",
-            "--top-k",
-            "5",
-            "--seed",
-            "3",
-            "--stop",
-            "a",
-            "--stop",
-            "b",
-            "--ignore-eos",
-            "--router",
-            "entropy",
-            "--threshold",
-            "1.5,4",
-            "--target-backoff",
-            "0.8",
-        ]
-    )
-    assert _params(args) == GenerateParams(
-        max_tokens=7,
-        temperature=0.0,
-        top_k=5,
-        seed=3,
-        stop=["a", "b"],
-        ignore_eos=True,
-        router="entropy",
-        thresholds=[1.5, 4.0],
-        target_backoff=0.8,
-    )
-    assert _params(_parser().parse_args(["generate", "x"])) == GenerateParams()
-    assert _params(_parser().parse_args(["generate", "x", "--thresholds", "2"])).thresholds == [2.0]
 
 
 # -- thresholds: the one name on the wire; backoff_threshold (JSON) and field 11 (protobuf) still read --
