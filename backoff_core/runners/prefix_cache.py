@@ -87,7 +87,16 @@ class PrefixCache:
         if not keys:
             return [], None
         self._touch(keys)
-        return keys, torch.cat([self._blocks[k].kv for k in keys], dim=3)
+        blocks = [self._blocks[k].kv for k in keys]
+        if blocks[0].is_cuda:
+            # a block stored on another CUDA stream (by a catch-up in flight, engine/flight.py)
+            # and evicted later must not be reused before this stream's read of it is done
+            # (PyTorch's rule for a tensor used on a stream it was not allocated on; a no-op
+            # on the stream that allocated it)
+            stream = torch.cuda.current_stream(blocks[0].device)
+            for kv in blocks:
+                kv.record_stream(stream)
+        return keys, torch.cat(blocks, dim=3)
 
     def record(self, looked_up: int, loaded: int) -> None:
         self._counts["lookups"] += 1
