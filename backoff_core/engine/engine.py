@@ -30,7 +30,7 @@ from backoff_core.engine.admission import Routers, checked
 from backoff_core.engine.backends import Backend
 from backoff_core.engine.catchup import CatchUpper, Outcome
 from backoff_core.engine.commit import CommitContext, commit_many, settle_many
-from backoff_core.engine.flight import Flights, Launcher, ThreadLauncher
+from backoff_core.engine.flight import Flights, Launcher, ThreadLauncher, side_stream_device
 from backoff_core.engine.hold import CatchUpHold
 from backoff_core.engine.isolation import each
 from backoff_core.engine.logprobs import TokenTexts
@@ -158,7 +158,7 @@ class BackoffEngine:
         if self.flights is not None and self.flights.busy:
             raise RuntimeError("a catch-up is in flight: step until it lands first")
         if on and self.launcher is None:
-            self.launcher = ThreadLauncher(getattr(self.models[-1], "device", None))
+            self.launcher = ThreadLauncher(side_stream_device(self.models[-1]))
         self.flights = (
             Flights(self.launcher, self._live, self.hold, self.catch_up, self._close_sessions) if on else None
         )

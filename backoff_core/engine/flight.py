@@ -27,10 +27,12 @@ from typing import Protocol
 
 import torch
 
+from backoff_core.engine.backends import Backend
 from backoff_core.engine.catchup import CatchUpper, Outcome
 from backoff_core.engine.hold import CatchUpHold
 from backoff_core.engine.propose import Proposal
 from backoff_core.engine.state import Live
+from backoff_core.runners.static import StaticRunner
 
 Catch = Callable[[], dict[str, Outcome]]  # one catch-up: CatchUpper.run bound to its level and group
 
@@ -45,6 +47,15 @@ class Handle(Protocol):
 
 class Launcher(Protocol):
     def submit(self, catch: Catch) -> Handle: ...
+
+
+def side_stream_device(large: Backend) -> torch.device | None:
+    """Where a catch-up in flight gets a CUDA stream of its own: M_L's device, over static KV
+    storage only. Per-session caches reallocate their tensors at every extend, and a tensor
+    freed by the flight's thread while the loop's stream still reads it (or the reverse) could
+    be handed to the other stream early; there the flight runs on the worker thread on the
+    loop's stream (its host work overlaps, its kernels queue behind the loop's)."""
+    return large.device if isinstance(large, StaticRunner) else None
 
 
 class ThreadLauncher:

@@ -9,9 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import pytest
+import torch
 
 from backoff_core.engine.engine import BackoffEngine
+from backoff_core.engine.flight import side_stream_device
 from backoff_core.runners.dynamic import ModelRunner
+from backoff_core.runners.static import StaticRunner
 from backoff_core.types import Verification
 from tests.support.catch_up_scripts import pair_runners, run_steps, scripted
 from tests.support.helpers import request
@@ -179,6 +182,19 @@ def test_overlap_takes_two_models(pair, tokenizer):
     runners = [ModelRunner(m, n) for m, n in ((small, "s"), (large, "m"), (large, "l"))]
     with pytest.raises(ValueError, match="two models"):
         BackoffEngine(runners, tokenizer, overlap_catch_ups=True)
+
+
+def test_a_side_stream_over_static_kv_only(pair, tokenizer):
+    """side_stream_device: a flight gets a CUDA stream of its own (on M_L's device) only over
+    static KV slots, which never reallocate; per-session caches reallocate at every extend, so
+    their flights stay on the loop's stream (no device: a plain worker thread)."""
+    small, large = pair
+    static = StaticRunner(large, "large", kv_budget_tokens=4 * 64, max_len=64)
+    assert side_stream_device(static) == static.device == torch.device("cpu")
+    assert side_stream_device(ModelRunner(large, "large")) is None
+    engine = BackoffEngine([ModelRunner(small, "small"), ModelRunner(large, "large")], tokenizer)
+    engine.overlap_catch_ups = True
+    assert engine.launcher.stream is None
 
 
 def test_turned_on_and_off_between_steps(pair, tokenizer):

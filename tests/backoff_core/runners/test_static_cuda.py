@@ -139,6 +139,18 @@ def test_catch_ups_in_flight_on_a_side_stream_give_the_synchronous_tokens(engine
     assert [m.request_ids() for m in engine.models] == [[], []]
 
 
+def test_catch_ups_in_flight_over_per_session_caches_stay_on_the_loops_stream(gpu_pair, tokenizer):
+    """Per-session caches reallocate at every extend, so a flight over them gets no stream of
+    its own (flight.side_stream_device); sampled, random at 50%: the synchronous tokens."""
+    engine = BackoffEngine([ModelRunner(gpu_pair[0], "small"), ModelRunner(gpu_pair[1], "large")], tokenizer)
+    reqs = [request(p, 12, "random", rate=0.5, seed=11 + i, temperature=1.0) for i, p in enumerate(PROMPTS * 2)]
+    sync = engine.generate_many(reqs)
+    engine.overlap_catch_ups = True
+    flying = engine.generate_many(reqs)
+    assert engine.launcher.stream is None and engine.flights.launched > 0
+    assert [(r.token_ids, r.sources) for r in flying] == [(r.token_ids, r.sources) for r in sync]
+
+
 def test_the_sharing_probe_replays_both_models_side_by_side(engine):
     """benchmarks/gpu_check.sharing (what gpu_sim --what-if shared reads): M_S's full-batch
     step graph and M_L's gathered k=8 graph, each timed alone, then side by side on two
