@@ -40,7 +40,7 @@ class _SimFlight:
         return self.outcomes
 
 
-FAIR = (2.0, 2.0)  # Sharing.slowdowns of one GPU shared fairly: each at half speed beside the other
+FAIR = (2.0, 2.0)  # SimLauncher sharing of one GPU shared fairly: each at half speed beside the other
 
 
 class SimLauncher:
