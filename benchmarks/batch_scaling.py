@@ -57,8 +57,9 @@ def throughput(
     engine, prompt_ids, n, tokens, routing, repeats, wait_ms: float, overlap: bool = False
 ) -> dict[str, float]:
     """n requests generated together, `repeats` times, catch-ups waiting up to `wait_ms` to
-    be batched (and, with overlap, in flight beside M_S's steps): the median tok/s (admission excluded); catch-up forwards per 100 tokens (a
-    forward shared by m requests is in each one's record, CatchUp.batch_size = m: 1/m each);
+    be batched (and, with overlap, in flight beside M_S's steps): the median tok/s (admission
+    excluded); catch-up forwards per 100 tokens (a forward shared by m requests is in each
+    one's record, CatchUp.batch_size = m: 1/m each);
     the inter-token latency's median and p99 over every request's tokens (ms)."""
     engine.catch_up_wait_ms = wait_ms
     engine.overlap_catch_ups = overlap

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -245,10 +246,10 @@ def sharing(runners: list[StaticRunner], repeats: int = 5) -> dict:
         l_ms = l_start.elapsed_time(l_end)
         steps = [(a.elapsed_time(b), l_start.elapsed_time(b)) for a, b in zip(marks, marks[1:])]
         within = [ms for ms, ended in steps if ended <= l_ms] or [steps[0][0]]
-        beside_s.append(sorted(within)[len(within) // 2])
+        beside_s.append(statistics.median_high(within))
         beside_l.append(l_ms)
         counts.append(len(within))
-    median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    median = statistics.median_high
     return {
         "small": {"rows": s_key.rows, "k": s_key.k, "L": s_key.length, "dense": s_key.dense},
         "large": {"rows": l_key.rows, "k": l_key.k, "L": l_key.length, "dense": l_key.dense},

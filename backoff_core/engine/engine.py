@@ -230,7 +230,7 @@ class BackoffEngine:
 
     def _done(self, request_id: str) -> bool:
         """Whether request_id's last token is committed (in flight: not yet)."""
-        if self.flights is not None and request_id in self.flights.ids():
+        if self.flights is not None and request_id in self.flights:
             return False
         return self._live[request_id].done
 

@@ -137,6 +137,10 @@ class Flights:
     def ids(self) -> list[str]:
         return list(self.out.group) if self.out is not None else []
 
+    def __contains__(self, request_id: str) -> bool:
+        """Whether request_id is in the flight out."""
+        return self.out is not None and request_id in self.out.group
+
     def fly(self, level: int, group: list[Live], proposal: Proposal) -> None:
         """group's catch-up (plain routed steps, none in outcomes), launched to run beside the
         next steps; or, with one out already, group waits for it to land."""
@@ -193,7 +197,7 @@ class Flights:
 
     def cancel(self, request_id: str) -> bool:
         """Whether request_id is in flight (then it is closed when the flight lands)."""
-        if self.out is None or request_id not in self.out.group:
+        if request_id not in self:
             return False
         self.out.cancelled.add(request_id)
         return True
