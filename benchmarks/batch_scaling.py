@@ -17,8 +17,9 @@ Batched catch-ups (docs/batched-catch-ups.md): "random b=0.9" runs the engine's 
 (catch_up_wait_ms, --catch-up-wait-ms), "random b=0.9, catch-ups at once" runs each in the step
 that routes it (0), and "random b=0.9, waits up to 1 s" lets the half-of-live rule alone end
 the waits. Catch-ups in flight (engine `overlap_catch_ups`, flight.py): "random b=0.9, in
-flight" runs each catch-up beside M_S's next steps (no hold), "held and in flight" after the
-default hold. All in the same run, for the ratios.
+flight" runs each catch-up beside M_S's next steps (no hold) with the loop's CUDA stream of the
+highest priority (ThreadLauncher.loop_first), "in flight, one priority" with the loop's stream
+of the flight's, "held and in flight" after the default hold. All in the same run, for the ratios.
 """
 
 from __future__ import annotations
@@ -40,29 +41,35 @@ from backoff_core.types import GenerationRequest, KVSpec, RoutingParams, Samplin
 
 PROMPT = "Write a short paragraph about the history of the Python programming language."
 B09 = RoutingParams(router="random", rate=0.9)
-# label -> (routing, the engine's catch_up_wait_ms: None keeps --catch-up-wait-ms, overlap_catch_ups)
-# (the rows in flight last: never run on a GPU before, a failure there costs no other row)
+# label -> (routing, the engine's catch_up_wait_ms: None keeps --catch-up-wait-ms, how its catch-ups
+# fly: None synchronous, else overlap_catch_ups with the loop's stream first or of one priority
+# with the flight's, flight.ThreadLauncher.loop_first); the rows in flight last: never run on a
+# GPU before, a failure there costs no other row
+LOOP_FIRST, ONE_PRIORITY = "loop first", "one priority"
 ROUTINGS = {
-    "always-large": (RoutingParams(router="always-large"), None, False),
-    "random b=0.9": (B09, None, False),
-    "random b=0.9, catch-ups at once": (B09, 0.0, False),
-    "random b=0.9, waits up to 1 s": (B09, 1000.0, False),
-    "always-small": (RoutingParams(router="always-small"), None, False),
-    "random b=0.9, in flight": (B09, 0.0, True),
-    "random b=0.9, held and in flight": (B09, None, True),
+    "always-large": (RoutingParams(router="always-large"), None, None),
+    "random b=0.9": (B09, None, None),
+    "random b=0.9, catch-ups at once": (B09, 0.0, None),
+    "random b=0.9, waits up to 1 s": (B09, 1000.0, None),
+    "always-small": (RoutingParams(router="always-small"), None, None),
+    "random b=0.9, in flight": (B09, 0.0, LOOP_FIRST),
+    "random b=0.9, in flight, one priority": (B09, 0.0, ONE_PRIORITY),
+    "random b=0.9, held and in flight": (B09, None, LOOP_FIRST),
 }
 
 
 def throughput(
-    engine, prompt_ids, n, tokens, routing, repeats, wait_ms: float, overlap: bool = False
+    engine, prompt_ids, n, tokens, routing, repeats, wait_ms: float, flight: str | None = None
 ) -> dict[str, float]:
     """n requests generated together, `repeats` times, catch-ups waiting up to `wait_ms` to
-    be batched (and, with overlap, in flight beside M_S's steps): the median tok/s (admission
+    be batched (and, with a flight, in flight beside M_S's steps): the median tok/s (admission
     excluded); catch-up forwards per 100 tokens (a forward shared by m requests is in each
     one's record, CatchUp.batch_size = m: 1/m each);
     the inter-token latency's median and p99 over every request's tokens (ms)."""
     engine.catch_up_wait_ms = wait_ms
-    engine.overlap_catch_ups = overlap
+    engine.overlap_catch_ups = flight is not None
+    if flight is not None:
+        engine.launcher.loop_first = flight == LOOP_FIRST
     rates, forwards, generated, gaps = [], 0.0, 0, []
     for rep in range(repeats):
         reqs = [
@@ -106,14 +113,14 @@ def measure(
     one failing row (a first run on new hardware) does not cost the others; after a failure
     that leaves the engine unclean, the rows left are skipped, with that reason."""
     runs, errors = {}, {}
-    for label, (routing, _, overlap) in tqdm(ROUTINGS.items(), desc="routings"):
+    for label, (routing, _, flight) in tqdm(ROUTINGS.items(), desc="routings"):
         if errors and engine.has_work():
             errors[label] = f"skipped: the engine still had work after {next(iter(errors))!r} failed"
             continue
         try:
-            throughput(engine, prompt_ids, 2, 4, routing, 1, waits[label], overlap)
+            throughput(engine, prompt_ids, 2, 4, routing, 1, waits[label], flight)
             runs[label] = {
-                str(n): throughput(engine, prompt_ids, n, tokens, routing, repeats, waits[label], overlap)
+                str(n): throughput(engine, prompt_ids, n, tokens, routing, repeats, waits[label], flight)
                 for n in tqdm(streams, desc=label, leave=False)
             }
         except Exception as exc:  # noqa: BLE001 - reported in the results, the other rows go on

@@ -16,7 +16,9 @@ benchmarks/gpu_sim.py). And what the engine's graphs do not hold but gpu_sim pri
 (`probes`): M_S's replays at k 4, 8 and 16 (a prompt's prefill in fewer rows), and each model's
 prompt prefill run eagerly against the same prefill in graphs (what a forward no graph holds
 costs). And how M_S's steps and an M_L forward slow each other side by side on one GPU
-(`sharing`: catch-ups in flight; gpu_sim --what-if shared). Writes DIR/gpu_check.json.
+(`sharing`: catch-ups in flight; gpu_sim --what-if shared), with the loop's stream of the
+flight's priority and of the highest (`loop_first`, as the engine runs flights). Writes
+DIR/gpu_check.json.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch
 import transformers
 
 from backoff_core.engine.engine import BackoffEngine
+from backoff_core.engine.flight import HIGHEST_PRIORITY
 from backoff_core.models.loading import LoadSpec, load_chain
 from backoff_core.models.prompts import encode_prompt
 from backoff_core.runners.factory import make_runner
@@ -219,29 +222,45 @@ def sharing(runners: list[StaticRunner], repeats: int = 5) -> dict:
     --what-if shared reads it; engine `overlap_catch_ups`). M_S's step graph of a full batch
     and M_L's catch-up graph of 64 rows x 8 (`commonest`), on harmless inputs, each timed
     alone, then side by side as a flight runs: M_L's replayed on a side stream while M_S's
-    are replayed back to back on this one, enough of them to outlast it. small_slowdown: M_S's
+    are replayed back to back on the loop's, enough of them to outlast it. small_slowdown: M_S's
     replay beside M_L's over alone (the replays that ended while M_L's ran; the first, if none
-    did); large_slowdown: M_L's beside M_S's over alone. Medians of `repeats`."""
+    did); large_slowdown: M_L's beside M_S's over alone. Medians of `repeats`. At the top
+    level with the loop's stream of the side stream's priority; under `loop_first` with the
+    loop's stream of the highest, as the engine runs flights (flight.ThreadLauncher)."""
     small, large = runners[0].graphs, runners[-1].graphs
     s_key, l_key = commonest(small, True, 1), commonest(large, False, 8)
     s_alone, l_alone = small.replay_ms(s_key, repeats), large.replay_ms(l_key, repeats)
-    s_graph, l_graph = small._graphs[s_key], large._graphs[l_key]
+    graphs = small._graphs[s_key], large._graphs[l_key]
     n = int(4 * l_alone / s_alone) + 4  # M_S's replays outlast M_L's even if M_L is slowed 3x
     side = torch.cuda.Stream()
+    shapes = {
+        "small": {"rows": s_key.rows, "k": s_key.k, "L": s_key.length, "dense": s_key.dense},
+        "large": {"rows": l_key.rows, "k": l_key.k, "L": l_key.length, "dense": l_key.dense},
+        "small_ms": round(s_alone, 3),
+        "large_ms": round(l_alone, 3),
+    }
+    equal = _side_by_side(graphs, n, side, torch.cuda.current_stream(), repeats, (s_alone, l_alone))
+    first = _side_by_side(graphs, n, side, torch.cuda.Stream(priority=HIGHEST_PRIORITY), repeats, (s_alone, l_alone))
+    return shapes | equal | {"loop_first": first}
+
+
+def _side_by_side(graphs, n: int, side, loop, repeats: int, alone: tuple[float, float]) -> dict:
+    """M_L's graph replayed once on `side` while M_S's is replayed n times on `loop`."""
+    s_graph, l_graph = graphs
     beside_s, beside_l, counts = [], [], []
     for _ in range(repeats):
         l_start, l_end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         marks = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]
         torch.cuda.synchronize()
-        side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # the flight
             l_start.record()
             l_graph.replay()
             l_end.record()
-        marks[0].record()  # the loop's steps, back to back
-        for mark in marks[1:]:
-            s_graph.replay()
-            mark.record()
+        with torch.cuda.stream(loop):  # the loop's steps, back to back
+            marks[0].record()
+            for mark in marks[1:]:
+                s_graph.replay()
+                mark.record()
         torch.cuda.synchronize()
         l_ms = l_start.elapsed_time(l_end)
         steps = [(a.elapsed_time(b), l_start.elapsed_time(b)) for a, b in zip(marks, marks[1:])]
@@ -251,15 +270,11 @@ def sharing(runners: list[StaticRunner], repeats: int = 5) -> dict:
         counts.append(len(within))
     median = statistics.median_high
     return {
-        "small": {"rows": s_key.rows, "k": s_key.k, "L": s_key.length, "dense": s_key.dense},
-        "large": {"rows": l_key.rows, "k": l_key.k, "L": l_key.length, "dense": l_key.dense},
-        "small_ms": round(s_alone, 3),
-        "large_ms": round(l_alone, 3),
         "small_ms_beside": round(median(beside_s), 3),
         "large_ms_beside": round(median(beside_l), 3),
         "small_steps_within": median(counts),
-        "small_slowdown": round(median(beside_s) / s_alone, 3),
-        "large_slowdown": round(median(beside_l) / l_alone, 3),
+        "small_slowdown": round(median(beside_s) / alone[0], 3),
+        "large_slowdown": round(median(beside_l) / alone[1], 3),
     }
 
 

@@ -9,7 +9,8 @@ gpu_check.json's M_S step anatomy. Buckets the run did not measure are estimated
 third run (an eager M_L forward of 16x74 in catch_up_anatomy.json took ~65 ms beyond its
 graph's compute; M_S's was never timed and is taken as the same). How M_S's steps and M_L's
 forwards slow each other side by side on one GPU: gpu_check.json's `sharing` probe, where the
-run has it (`GpuCosts.sharing`; gpu_sim --what-if shared).
+run has it, with the loop's stream first (`loop_first`) as the engine runs flights, where the
+probe measured that (`GpuCosts.sharing`; gpu_sim --what-if shared).
 """
 
 from __future__ import annotations
@@ -132,6 +133,8 @@ class GpuCosts:
             }
             sources.append(f"{folder}/gpu_check.json probes")
         shared = check.get("sharing")
+        if isinstance(shared, dict):  # as the engine runs flights: the loop's stream first, where measured
+            shared = shared.get("loop_first", shared)
         sharing = (shared["small_slowdown"], shared["large_slowdown"]) if isinstance(shared, dict) else None
         return cls(
             large=large,

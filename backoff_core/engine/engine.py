@@ -30,7 +30,7 @@ from backoff_core.engine.admission import Routers, checked
 from backoff_core.engine.backends import Backend
 from backoff_core.engine.catchup import CatchUpper, Outcome
 from backoff_core.engine.commit import CommitContext, commit_many, settle_many
-from backoff_core.engine.flight import Flights, Launcher, ThreadLauncher, side_stream_device
+from backoff_core.engine.flight import Flights, Launcher, ThreadLauncher, on_loop_stream, side_stream_device
 from backoff_core.engine.hold import CatchUpHold
 from backoff_core.engine.isolation import each
 from backoff_core.engine.logprobs import TokenTexts
@@ -168,6 +168,7 @@ class BackoffEngine:
         """Admit a request (M_S prompt prefill now, or a chunk per step); returns its id. Raises ValueError on bad input."""
         return self.submit_many([request], [router])[0]
 
+    @on_loop_stream
     def submit_many(
         self, requests: Sequence[GenerationRequest], routers: Sequence[DecisionFunction | None] | None = None
     ) -> list[str]:
@@ -208,6 +209,7 @@ class BackoffEngine:
             request, request_id, router or self.routers(request), self.num_levels, self.context_window, vocab
         )
 
+    @on_loop_stream
     def cancel(self, request_id: str) -> None:
         if self.flights is not None and self.flights.cancel(request_id):
             return  # its sessions are closed when its catch-up lands
@@ -239,6 +241,7 @@ class BackoffEngine:
         return [request_id for request_id, live in self._live.items() if live.done]
 
     # -- the step -------------------------------------------------------------------------
+    @on_loop_stream
     def step(self) -> dict[str, TokenEvent]:
         landed = self.flights.land() if self.flights is not None else None
         live = [r for r in self._live.values() if r.finished is None and r.failure is None]  # not done
@@ -343,6 +346,7 @@ class BackoffEngine:
     def _stalls(self, r: Live, level: int) -> bool:
         return chunked.stalls(self.models, r, level, self.prefill_chunk_tokens, self.collect_kl)
 
+    @on_loop_stream
     def finish(self, request_id: str) -> GenerationResult:
         """The result of a finished (or cancelled mid-way) request; frees its sessions.
         Raises the error that ended a failed request: LargeUnavailable (on_large_failure =

@@ -16,10 +16,17 @@ for it. It lands, waited for if need be, when nothing else could step, or when t
 M_L itself: a request that must catch up now (verification, an oracle, a forced level: their
 catch-ups run in the step) or a chunk of a long catch-up; an admission that prefills M_L
 waits for it to be done (`settle`).
+
+On one GPU the flight's M_L forward and M_S's steps share the device. M_S's step is a chain
+of small launch-bound kernels; queued behind a wave of M_L's wide GEMMs each would wait for
+it. So the loop's kernels go to a stream of the highest priority (`ThreadLauncher.loop_first`,
+`on_loop_stream`): the GPU schedules their blocks ahead of the flight's as SMs free up, and
+a CUDA graph replays at the priority of the stream it is launched into.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -35,6 +42,7 @@ from backoff_core.engine.state import Live
 from backoff_core.runners.static import StaticRunner
 
 Catch = Callable[[], dict[str, Outcome]]  # one catch-up: CatchUpper.run bound to its level and group
+HIGHEST_PRIORITY = -100  # torch maps a priority past the device's range to its end: the highest
 
 
 class Handle(Protocol):
@@ -60,12 +68,23 @@ def side_stream_device(large: Backend) -> torch.device | None:
 
 class ThreadLauncher:
     """One worker thread; on CUDA its kernels go to a side stream, so that they overlap the
-    step loop's own (M_S's step), and what it hands back is safe to use on the loop's stream."""
+    step loop's own (M_S's step), and what it hands back is safe to use on the loop's stream.
+    loop_first (on CUDA): the loop's kernels go to a stream of the highest priority
+    (`loop_stream`, entered by `on_loop_stream`), the side stream's being the lowest; False:
+    the loop stays on the caller's stream, of the side stream's priority. It may change
+    between steps (benchmarks/batch_scaling.py measures both)."""
 
-    def __init__(self, device: torch.device | None) -> None:
+    def __init__(self, device: torch.device | None, loop_first: bool = True) -> None:
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="catch-up")
         cuda = device is not None and device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if cuda else None
+        self._loop = torch.cuda.Stream(device, priority=HIGHEST_PRIORITY) if cuda else None
+        self.loop_first = loop_first
+
+    @property
+    def loop_stream(self) -> torch.cuda.Stream | None:
+        """Where the loop's kernels go while flights are on (None: the caller's stream)."""
+        return self._loop if self.loop_first else None
 
     def submit(self, catch: Catch) -> Handle:
         if self.stream is None:
@@ -76,6 +95,32 @@ class ThreadLauncher:
         self.stream.wait_stream(loop)  # whatever the loop queued before the launch comes first
         with torch.cuda.stream(self.stream):
             return catch()
+
+
+def on_loop_stream(method):
+    """An engine method whose kernels go to the launcher's loop stream while flights are on
+    (`ThreadLauncher.loop_stream`; launchers without one, and flights off: the caller's). The
+    loop stream first waits for what the caller queued (weights, KV storage, a previous step
+    run on another stream), and the caller's stream waits for the loop's work on the way out:
+    every tensor passed between the two is ordered, whichever stream the next call runs on."""
+
+    @functools.wraps(method)
+    def run(engine, *args, **kwargs):
+        flights = engine.flights
+        stream = getattr(flights.launcher, "loop_stream", None) if flights is not None else None
+        if stream is None:
+            return method(engine, *args, **kwargs)
+        caller = torch.cuda.current_stream(stream.device)
+        if caller == stream:  # called from within the loop (generate_many's submit and step)
+            return method(engine, *args, **kwargs)
+        stream.wait_stream(caller)
+        try:
+            with torch.cuda.stream(stream):
+                return method(engine, *args, **kwargs)
+        finally:
+            caller.wait_stream(stream)
+
+    return run
 
 
 @dataclass

@@ -40,17 +40,20 @@ def test_forwards_per_100_tokens_counts_the_large_models_forwards():
 
 
 def test_the_in_flight_rows_run_catch_ups_beside_the_steps():
-    """ "random b=0.9, in flight": the engine's catch-ups in flight on its worker thread; the
-    forwards of every request are counted as in the synchronous rows."""
+    """ "random b=0.9, in flight" (and "one priority"): the engine's catch-ups in flight on
+    its worker thread, the launcher's loop_first as the row says; the forwards of every
+    request are counted as in the synchronous rows."""
     torch.manual_seed(0)
     (small, large), tokenizer = tiny_pair()
     runner = Counted(large, "large")
     engine = BackoffEngine([ModelRunner(small, "small"), runner], tokenizer)
-    routing, wait, overlap = ROUTINGS["random b=0.9, in flight"]
-    got = throughput(engine, [5, 6, 7], 16, 24, routing, 2, wait, overlap)
-    assert engine.overlap_catch_ups and not engine.has_work()
-    assert got["tok_per_s"] > 0 and runner.forwards > 0
-    assert got["forwards_per_100_tokens"] == pytest.approx(100 * runner.forwards / (2 * 16 * 24))
+    for label, loop_first in (("random b=0.9, in flight", True), ("random b=0.9, in flight, one priority", False)):
+        routing, wait, flight = ROUTINGS[label]
+        before = runner.forwards
+        got = throughput(engine, [5, 6, 7], 16, 24, routing, 2, wait, flight)
+        assert engine.overlap_catch_ups and engine.launcher.loop_first == loop_first and not engine.has_work()
+        assert got["tok_per_s"] > 0 and runner.forwards > before
+        assert got["forwards_per_100_tokens"] == pytest.approx(100 * (runner.forwards - before) / (2 * 16 * 24))
 
 
 class _Failed:
@@ -81,7 +84,7 @@ def test_a_row_that_raises_is_reported_and_the_others_are_measured():
     engine = BackoffEngine([ModelRunner(small, "small"), ModelRunner(large, "large")], tokenizer, launcher=launcher)
     waits = {label: 0.0 if wait is None else wait for label, (_, wait, _) in ROUTINGS.items()}
     runs, errors = measure(engine, [5, 6, 7], [1, 4], 6, 1, waits)
-    flying = {label for label, (_, _, overlap) in ROUTINGS.items() if overlap}
+    flying = {label for label, (_, _, flight) in ROUTINGS.items() if flight}
     assert set(errors) == flying and launcher.launched >= len(flying)
     assert all("illegal memory access" in error for error in errors.values())
     assert set(runs) == set(ROUTINGS) - flying

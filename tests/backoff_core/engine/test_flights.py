@@ -6,6 +6,7 @@ lands the flight early, cancelling and failing in flight."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import pytest
@@ -194,7 +195,7 @@ def test_a_side_stream_over_static_kv_only(pair, tokenizer):
     assert side_stream_device(ModelRunner(large, "large")) is None
     engine = BackoffEngine([ModelRunner(small, "small"), ModelRunner(large, "large")], tokenizer)
     engine.overlap_catch_ups = True
-    assert engine.launcher.stream is None
+    assert engine.launcher.stream is None and engine.launcher.loop_stream is None  # the loop: the caller's
 
 
 def test_turned_on_and_off_between_steps(pair, tokenizer):
@@ -254,3 +255,53 @@ def test_a_request_cancelled_while_its_catch_up_runs_is_closed_after_it(pair, to
     assert steps == [{"C"}, set()]
     assert large.calls == [["A"]] and errors == []
     assert engine.live_ids() == ["C"] and "A" not in large.runner.request_ids()
+
+
+class _Stream:
+    """A CUDA stream's bookkeeping without a GPU: what waited for what (`log`)."""
+
+    device = torch.device("cuda", 0)
+
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log = name, log
+
+    def wait_stream(self, other: "_Stream") -> None:
+        self.log.append(f"{self.name} waits for {other.name}")
+
+
+def test_the_loops_calls_run_on_the_launchers_loop_stream(pair, tokenizer, monkeypatch):
+    """flight.on_loop_stream, on streams that record instead of a GPU: with flights on and a
+    launcher's loop stream (ThreadLauncher.loop_first on CUDA), each of the engine's device
+    calls (submit_many, step, finish) runs M_S on it, the loop's stream waiting for the
+    caller's on the way in and the caller's for the loop's on the way out; without one (or
+    flights off), on the caller's, nothing waited for."""
+    log: list[str] = []
+    caller, loop = _Stream("caller", log), _Stream("loop", log)
+    current = [caller]
+
+    @contextlib.contextmanager
+    def on(stream):
+        current.append(stream)
+        try:
+            yield
+        finally:
+            current.pop()
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    launcher = Lagged(2)
+    engine, _ = _engine(pair, tokenizer, launcher)
+    small, extend, seen = engine.models[0], engine.models[0].extend, []
+    monkeypatch.setattr(small, "extend", lambda *a, **k: seen.append(current[-1].name) or extend(*a, **k))
+    reqs = [request((3 + i, 4, 5), 8, "random", seed=i, temperature=1.0, rate=0.5) for i in range(3)]
+
+    launcher.loop_stream = loop
+    engine.generate_many(reqs)
+    calls = len(log) // 2
+    assert seen and set(seen) == {"loop"} and current == [caller]
+    assert calls > 3 and log == ["loop waits for caller", "caller waits for loop"] * calls
+    for loop_stream, overlap in ((None, True), (loop, False)):  # no loop stream; flights off
+        launcher.loop_stream, engine.overlap_catch_ups = loop_stream, overlap
+        log.clear(), seen.clear()
+        engine.generate_many(reqs)
+        assert seen and set(seen) == {"caller"} and log == []
