@@ -79,3 +79,16 @@ def test_the_packaged_default_routing_is_the_serve_configs():
     small = next(d for d in config["applications"][0]["deployments"] if d["name"] == "SmallModel")
     assert small["user_config"]["router"] == DEFAULT_ROUTING.router
     assert tuple(small["user_config"]["thresholds"]) == DEFAULT_ROUTING.thresholds
+
+
+@pytest.mark.parametrize("name", ["backoff_everyday_qa", "backoff_python_qa"])
+def test_short_answers_score_the_same_as_a_chat_turn(docs, name):
+    """As a chat turn (--apply_chat_template) the reply repeats the prompt's "A:" cue ("A:
+    yellow") where the completion of the prompt is " yellow": both score as the answer, and a
+    wrong answer behind the cue still scores 0."""
+    task, items = docs[name]
+    for doc in items[:20]:
+        answer, wrong = doc["answers"][0], "zzz-not-an-answer"
+        for reply in (f" {answer}", f"A: {answer}", f"A:{answer}", f" A: {answer} "):
+            assert task.process_results(doc, [reply])["exact_match"] == 1.0, (reply, doc)
+        assert task.process_results(doc, [f"A: {wrong}"])["exact_match"] == 0.0, doc
