@@ -17,9 +17,10 @@ Batched catch-ups (docs/batched-catch-ups.md): "random b=0.9" runs the engine's 
 (catch_up_wait_ms, --catch-up-wait-ms), "random b=0.9, catch-ups at once" runs each in the step
 that routes it (0), and "random b=0.9, waits up to 1 s" lets the half-of-live rule alone end
 the waits. Catch-ups in flight (engine `overlap_catch_ups`, flight.py): "random b=0.9, in
-flight" runs each catch-up beside M_S's next steps (no hold) with the loop's CUDA stream of the
-highest priority (ThreadLauncher.loop_first), "in flight, one priority" with the loop's stream
-of the flight's, "held and in flight" after the default hold. All in the same run, for the ratios.
+flight" runs each catch-up beside M_S's next steps (no hold), "in flight, loop first" and
+"flight first" with the GPU scheduling M_S's or M_L's kernels first (CUDA stream priority,
+ThreadLauncher.first), "held and in flight" after the default hold. All in the same run, for
+the ratios.
 """
 
 from __future__ import annotations
@@ -41,20 +42,22 @@ from backoff_core.types import GenerationRequest, KVSpec, RoutingParams, Samplin
 
 PROMPT = "Write a short paragraph about the history of the Python programming language."
 B09 = RoutingParams(router="random", rate=0.9)
-# label -> (routing, the engine's catch_up_wait_ms: None keeps --catch-up-wait-ms, how its catch-ups
-# fly: None synchronous, else overlap_catch_ups with the loop's stream first or of one priority
-# with the flight's, flight.ThreadLauncher.loop_first); the rows in flight last: never run on a
-# GPU before, a failure there costs no other row
-LOOP_FIRST, ONE_PRIORITY = "loop first", "one priority"
+# how a row's catch-ups fly (overlap_catch_ups) -> flight.ThreadLauncher.first: whose kernels
+# the GPU schedules first, by stream priority (None: neither, the engine's default)
+FLIGHTS = {"one priority": None, "loop first": "loop", "flight first": "flight"}
+# label -> (routing, the engine's catch_up_wait_ms: None keeps --catch-up-wait-ms, a key of
+# FLIGHTS or None: synchronous); the rows in flight last: never run on a GPU before, a failure
+# there costs no other row
 ROUTINGS = {
     "always-large": (RoutingParams(router="always-large"), None, None),
     "random b=0.9": (B09, None, None),
     "random b=0.9, catch-ups at once": (B09, 0.0, None),
     "random b=0.9, waits up to 1 s": (B09, 1000.0, None),
     "always-small": (RoutingParams(router="always-small"), None, None),
-    "random b=0.9, in flight": (B09, 0.0, LOOP_FIRST),
-    "random b=0.9, in flight, one priority": (B09, 0.0, ONE_PRIORITY),
-    "random b=0.9, held and in flight": (B09, None, LOOP_FIRST),
+    "random b=0.9, in flight": (B09, 0.0, "one priority"),
+    "random b=0.9, in flight, loop first": (B09, 0.0, "loop first"),
+    "random b=0.9, in flight, flight first": (B09, 0.0, "flight first"),
+    "random b=0.9, held and in flight": (B09, None, "one priority"),
 }
 
 
@@ -69,7 +72,7 @@ def throughput(
     engine.catch_up_wait_ms = wait_ms
     engine.overlap_catch_ups = flight is not None
     if flight is not None:
-        engine.launcher.loop_first = flight == LOOP_FIRST
+        engine.launcher.first = FLIGHTS[flight]
     rates, forwards, generated, gaps = [], 0.0, 0, []
     for rep in range(repeats):
         reqs = [

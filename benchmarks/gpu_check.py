@@ -16,9 +16,8 @@ benchmarks/gpu_sim.py). And what the engine's graphs do not hold but gpu_sim pri
 (`probes`): M_S's replays at k 4, 8 and 16 (a prompt's prefill in fewer rows), and each model's
 prompt prefill run eagerly against the same prefill in graphs (what a forward no graph holds
 costs). And how M_S's steps and an M_L forward slow each other side by side on one GPU
-(`sharing`: catch-ups in flight; gpu_sim --what-if shared), with the loop's stream of the
-flight's priority and of the highest (`loop_first`, as the engine runs flights). Writes
-DIR/gpu_check.json.
+(`sharing`: catch-ups in flight; gpu_sim --what-if shared), the two streams of one priority
+and with either first (`first`: flight.ThreadLauncher.first). Writes DIR/gpu_check.json.
 """
 
 from __future__ import annotations
@@ -225,23 +224,28 @@ def sharing(runners: list[StaticRunner], repeats: int = 5) -> dict:
     are replayed back to back on the loop's, enough of them to outlast it. small_slowdown: M_S's
     replay beside M_L's over alone (the replays that ended while M_L's ran; the first, if none
     did); large_slowdown: M_L's beside M_S's over alone. Medians of `repeats`. At the top
-    level with the loop's stream of the side stream's priority; under `loop_first` with the
-    loop's stream of the highest, as the engine runs flights (flight.ThreadLauncher)."""
+    level the two streams of one priority, as the engine runs flights by default; under
+    `first`, "loop" and "flight": that side's stream of the highest priority
+    (flight.ThreadLauncher.first)."""
     small, large = runners[0].graphs, runners[-1].graphs
     s_key, l_key = commonest(small, True, 1), commonest(large, False, 8)
     s_alone, l_alone = small.replay_ms(s_key, repeats), large.replay_ms(l_key, repeats)
     graphs = small._graphs[s_key], large._graphs[l_key]
     n = int(4 * l_alone / s_alone) + 4  # M_S's replays outlast M_L's even if M_L is slowed 3x
-    side = torch.cuda.Stream()
+    low, high = torch.cuda.Stream(), torch.cuda.Stream(priority=HIGHEST_PRIORITY)
     shapes = {
         "small": {"rows": s_key.rows, "k": s_key.k, "L": s_key.length, "dense": s_key.dense},
         "large": {"rows": l_key.rows, "k": l_key.k, "L": l_key.length, "dense": l_key.dense},
         "small_ms": round(s_alone, 3),
         "large_ms": round(l_alone, 3),
     }
-    equal = _side_by_side(graphs, n, side, torch.cuda.current_stream(), repeats, (s_alone, l_alone))
-    first = _side_by_side(graphs, n, side, torch.cuda.Stream(priority=HIGHEST_PRIORITY), repeats, (s_alone, l_alone))
-    return shapes | equal | {"loop_first": first}
+    alone = s_alone, l_alone
+    equal = _side_by_side(graphs, n, low, torch.cuda.current_stream(), repeats, alone)
+    first = {
+        "loop": _side_by_side(graphs, n, low, high, repeats, alone),
+        "flight": _side_by_side(graphs, n, high, torch.cuda.current_stream(), repeats, alone),
+    }
+    return shapes | equal | {"first": first}
 
 
 def _side_by_side(graphs, n: int, side, loop, repeats: int, alone: tuple[float, float]) -> dict:

@@ -9,8 +9,9 @@ gpu_check.json's M_S step anatomy. Buckets the run did not measure are estimated
 third run (an eager M_L forward of 16x74 in catch_up_anatomy.json took ~65 ms beyond its
 graph's compute; M_S's was never timed and is taken as the same). How M_S's steps and M_L's
 forwards slow each other side by side on one GPU: gpu_check.json's `sharing` probe, where the
-run has it, with the loop's stream first (`loop_first`) as the engine runs flights, where the
-probe measured that (`GpuCosts.sharing`; gpu_sim --what-if shared).
+run has it (`GpuCosts.sharing`, the two streams of one priority as the engine's flights run by
+default; gpu_sim --what-if shared), and with either side's stream first (`sharing_first`,
+ThreadLauncher.first; gpu_sim_sharing.py reads them all).
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ class GpuCosts:
     source: str = ""
     small_k: dict[tuple[int, int], float] = field(default_factory=dict)  # (rows, k > 2) -> M_S replay ms
     sharing: tuple[float, float] | None = None  # M_S's and M_L's slowdowns side by side on one GPU (probe)
+    # the same with "loop" or "flight" scheduled first (ThreadLauncher.first), where measured
+    sharing_first: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     def large_ms(self, key: GraphKey, real: int, eager: bool) -> float:
         """A replay's measured time. Buckets the grid lacks: a gathered batch of more rows than
@@ -132,15 +135,15 @@ class GpuCosts:
                 "small_eager_ms": prefill["small"]["eager"],
             }
             sources.append(f"{folder}/gpu_check.json probes")
-        shared = check.get("sharing")
-        if isinstance(shared, dict):  # as the engine runs flights: the loop's stream first, where measured
-            shared = shared.get("loop_first", shared)
-        sharing = (shared["small_slowdown"], shared["large_slowdown"]) if isinstance(shared, dict) else None
+        shared = check.get("sharing")  # a failed probe is a string
+        shared = shared if isinstance(shared, dict) else {}
+        first = {side: _slowdowns(probe) for side, probe in shared.get("first", {}).items()}
         return cls(
             large=large,
             small_rows=small_rows,
             small_k=small_k,
-            sharing=sharing,
+            sharing=_slowdowns(shared),
+            sharing_first={side: slowdowns for side, slowdowns in first.items() if slowdowns},
             large_eager_ms=host.pop("large_eager_ms", eager["large_eager_ms"]),
             small_eager_ms=host.pop("small_eager_ms", eager["small_eager_ms"]),
             host_ms=host.pop("host_ms", 0.25),
@@ -148,3 +151,8 @@ class GpuCosts:
             host_ms_per_catch_up=host.pop("host_ms_per_catch_up", 0.35),
             source=", ".join(sources),
         )
+
+
+def _slowdowns(probe: dict | None) -> tuple[float, float] | None:
+    """(M_S's, M_L's) slowdown of a `sharing` probe's entry, None where it has none."""
+    return (probe["small_slowdown"], probe["large_slowdown"]) if probe and "small_slowdown" in probe else None

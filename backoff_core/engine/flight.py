@@ -18,10 +18,13 @@ catch-ups run in the step) or a chunk of a long catch-up; an admission that pref
 waits for it to be done (`settle`).
 
 On one GPU the flight's M_L forward and M_S's steps share the device. M_S's step is a chain
-of small launch-bound kernels; queued behind a wave of M_L's wide GEMMs each would wait for
-it. So the loop's kernels go to a stream of the highest priority (`ThreadLauncher.loop_first`,
-`on_loop_stream`): the GPU schedules their blocks ahead of the flight's as SMs free up, and
-a CUDA graph replays at the priority of the stream it is launched into.
+of small launch-bound kernels; queued behind a wave of M_L's wide GEMMs each waits for it,
+and each slows the flight that its requests wait for. `ThreadLauncher.first` can have the GPU
+schedule one side's blocks first by stream priority (a CUDA graph replays at the priority of
+the stream it is launched into): the loop's (`on_loop_stream` enters its stream) or the
+flight's. Which is faster, if either, is for a GPU to measure (benchmarks/batch_scaling.py has
+a row of each; benchmarks/gpu_sim_sharing.py what each slowdown would cost), so neither is the
+default.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from backoff_core.runners.static import StaticRunner
 
 Catch = Callable[[], dict[str, Outcome]]  # one catch-up: CatchUpper.run bound to its level and group
 HIGHEST_PRIORITY = -100  # torch maps a priority past the device's range to its end: the highest
+FIRST = (None, "loop", "flight")  # ThreadLauncher.first: whose kernels the GPU schedules first
 
 
 class Handle(Protocol):
@@ -69,40 +73,60 @@ def side_stream_device(large: Backend) -> torch.device | None:
 class ThreadLauncher:
     """One worker thread; on CUDA its kernels go to a side stream, so that they overlap the
     step loop's own (M_S's step), and what it hands back is safe to use on the loop's stream.
-    loop_first (on CUDA): the loop's kernels go to a stream of the highest priority
-    (`loop_stream`, entered by `on_loop_stream`), the side stream's being the lowest; False:
-    the loop stays on the caller's stream, of the side stream's priority. It may change
-    between steps (benchmarks/batch_scaling.py measures both)."""
 
-    def __init__(self, device: torch.device | None, loop_first: bool = True) -> None:
+    first (on CUDA): whose kernels the GPU schedules first where both have blocks waiting, by
+    stream priority. None (the default): neither, the loop on the caller's stream and the side
+    stream of the same priority. "loop": the loop's calls run on `loop_stream`, of the highest
+    priority (entered by `on_loop_stream`). "flight": the side stream is of the highest. It may
+    change between steps while no flight is out (benchmarks/batch_scaling.py has a row of each)."""
+
+    def __init__(self, device: torch.device | None, first: str | None = None) -> None:
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="catch-up")
         cuda = device is not None and device.type == "cuda"
-        self.stream = torch.cuda.Stream(device) if cuda else None
-        self._loop = torch.cuda.Stream(device, priority=HIGHEST_PRIORITY) if cuda else None
-        self.loop_first = loop_first
+        # priority -> a stream: 0 the side stream (but where the flight goes first); the
+        # highest, the stream of whichever side goes first
+        self._streams = {p: torch.cuda.Stream(device, priority=p) for p in (0, HIGHEST_PRIORITY)} if cuda else {}
+        self.first = first
+
+    @property
+    def first(self) -> str | None:
+        return self._first
+
+    @first.setter
+    def first(self, first: str | None) -> None:
+        if first not in FIRST:
+            raise ValueError(f"first must be one of {FIRST}, got {first!r}")
+        self._first = first
+
+    @property
+    def stream(self) -> torch.cuda.Stream | None:
+        """The flights' side stream (None: no CUDA, a plain worker thread)."""
+        return self._streams.get(HIGHEST_PRIORITY if self.first == "flight" else 0)
 
     @property
     def loop_stream(self) -> torch.cuda.Stream | None:
         """Where the loop's kernels go while flights are on (None: the caller's stream)."""
-        return self._loop if self.loop_first else None
+        return self._streams.get(HIGHEST_PRIORITY) if self.first == "loop" else None
 
     def submit(self, catch: Catch) -> Handle:
-        if self.stream is None:
+        side = self.stream
+        if side is None:
             return self.pool.submit(catch)
-        return _OnStream(self.pool.submit(self._on_stream, catch, torch.cuda.current_stream()), self.stream)
+        return _OnStream(self.pool.submit(self._on_stream, catch, torch.cuda.current_stream(), side), side)
 
-    def _on_stream(self, catch: Catch, loop: torch.cuda.Stream) -> dict[str, Outcome]:
-        self.stream.wait_stream(loop)  # whatever the loop queued before the launch comes first
-        with torch.cuda.stream(self.stream):
+    def _on_stream(self, catch: Catch, loop: torch.cuda.Stream, side: torch.cuda.Stream) -> dict[str, Outcome]:
+        side.wait_stream(loop)  # whatever the loop queued before the launch comes first
+        with torch.cuda.stream(side):
             return catch()
 
 
 def on_loop_stream(method):
     """An engine method whose kernels go to the launcher's loop stream while flights are on
-    (`ThreadLauncher.loop_stream`; launchers without one, and flights off: the caller's). The
-    loop stream first waits for what the caller queued (weights, KV storage, a previous step
-    run on another stream), and the caller's stream waits for the loop's work on the way out:
-    every tensor passed between the two is ordered, whichever stream the next call runs on."""
+    (`ThreadLauncher.loop_stream`, with first="loop"; launchers without one, and flights off:
+    the caller's). The loop stream first waits for what the caller queued (weights, KV
+    storage, a previous step run on another stream), and the caller's stream waits for the
+    loop's work on the way out: every tensor passed between the two is ordered, whichever
+    stream the next call runs on."""
 
     @functools.wraps(method)
     def run(engine, *args, **kwargs):

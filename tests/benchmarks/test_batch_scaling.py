@@ -40,18 +40,18 @@ def test_forwards_per_100_tokens_counts_the_large_models_forwards():
 
 
 def test_the_in_flight_rows_run_catch_ups_beside_the_steps():
-    """ "random b=0.9, in flight" (and "one priority"): the engine's catch-ups in flight on
-    its worker thread, the launcher's loop_first as the row says; the forwards of every
-    request are counted as in the synchronous rows."""
+    """ "random b=0.9, in flight" (and "loop first", "flight first"): the engine's catch-ups
+    in flight on its worker thread, the launcher's `first` as the row says; the forwards of
+    every request are counted as in the synchronous rows."""
     torch.manual_seed(0)
     (small, large), tokenizer = tiny_pair()
     runner = Counted(large, "large")
     engine = BackoffEngine([ModelRunner(small, "small"), runner], tokenizer)
-    for label, loop_first in (("random b=0.9, in flight", True), ("random b=0.9, in flight, one priority", False)):
-        routing, wait, flight = ROUTINGS[label]
+    for label, first in (("in flight", None), ("in flight, loop first", "loop"), ("in flight, flight first", "flight")):
+        routing, wait, flight = ROUTINGS[f"random b=0.9, {label}"]
         before = runner.forwards
         got = throughput(engine, [5, 6, 7], 16, 24, routing, 2, wait, flight)
-        assert engine.overlap_catch_ups and engine.launcher.loop_first == loop_first and not engine.has_work()
+        assert engine.overlap_catch_ups and engine.launcher.first == first and not engine.has_work()
         assert got["tok_per_s"] > 0 and runner.forwards > before
         assert got["forwards_per_100_tokens"] == pytest.approx(100 * (runner.forwards - before) / (2 * 16 * 24))
 

@@ -136,9 +136,8 @@ def test_measured_slowdowns_price_the_sharing():
 
 def test_gpu_costs_read_the_sharing_probe(tmp_path):
     """GpuCosts.sharing: gpu_check.json's `sharing` (M_S's and M_L's slowdowns side by side),
-    its `loop_first` where the probe measured the loop's stream first (as the engine runs
-    flights), None where the run has none or the probe failed (--what-if shared then prices
-    it fairly)."""
+    None where the run has none or the probe failed (--what-if shared then prices it fairly);
+    sharing_first: its `first` entries (the loop's or the flight's stream first), where measured."""
     for name in ("gpu_check.json", "catch_up_anatomy.json"):
         (tmp_path / name).write_text((GPU_RESULTS / name).read_text())
     check = json.loads((tmp_path / "gpu_check.json").read_text())
@@ -149,9 +148,14 @@ def test_gpu_costs_read_the_sharing_probe(tmp_path):
     check["sharing"] = {"small_slowdown": 1.25, "large_slowdown": 1.1}
     (tmp_path / "gpu_check.json").write_text(json.dumps(check))
     assert GpuCosts.from_results(tmp_path).sharing == (1.25, 1.1)
-    check["sharing"]["loop_first"] = {"small_slowdown": 1.05, "large_slowdown": 1.2}  # as the engine flies
+    assert GpuCosts.from_results(tmp_path).sharing_first == {}
+    check["sharing"]["first"] = {
+        "loop": {"small_slowdown": 1.05, "large_slowdown": 1.2},
+        "flight": {"small_slowdown": 1.8, "large_slowdown": 1.0},
+    }
     (tmp_path / "gpu_check.json").write_text(json.dumps(check))
-    assert GpuCosts.from_results(tmp_path).sharing == (1.05, 1.2)
+    costs = GpuCosts.from_results(tmp_path)
+    assert costs.sharing == (1.25, 1.1) and costs.sharing_first == {"loop": (1.05, 1.2), "flight": (1.8, 1.0)}
 
 
 def test_in_flight_on_a_shared_gpu_keeps_the_device_busy_at_most_all_the_time():

@@ -196,6 +196,11 @@ def test_a_side_stream_over_static_kv_only(pair, tokenizer):
     engine = BackoffEngine([ModelRunner(small, "small"), ModelRunner(large, "large")], tokenizer)
     engine.overlap_catch_ups = True
     assert engine.launcher.stream is None and engine.launcher.loop_stream is None  # the loop: the caller's
+    for first in ("loop", "flight"):  # no stream to prioritise without CUDA
+        engine.launcher.first = first
+        assert engine.launcher.stream is None and engine.launcher.loop_stream is None
+    with pytest.raises(ValueError, match="first must be one of"):
+        engine.launcher.first = "large"
 
 
 def test_turned_on_and_off_between_steps(pair, tokenizer):
@@ -271,7 +276,7 @@ class _Stream:
 
 def test_the_loops_calls_run_on_the_launchers_loop_stream(pair, tokenizer, monkeypatch):
     """flight.on_loop_stream, on streams that record instead of a GPU: with flights on and a
-    launcher's loop stream (ThreadLauncher.loop_first on CUDA), each of the engine's device
+    launcher's loop stream (ThreadLauncher first="loop" on CUDA), each of the engine's device
     calls (submit_many, step, finish) runs M_S on it, the loop's stream waiting for the
     caller's on the way in and the caller's for the loop's on the way out; without one (or
     flights off), on the caller's, nothing waited for."""

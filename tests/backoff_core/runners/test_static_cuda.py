@@ -130,28 +130,30 @@ def streams_of(monkeypatch, runner) -> list[torch.cuda.Stream]:
     return seen
 
 
-@pytest.mark.parametrize("loop_first", [True, False])
+@pytest.mark.parametrize("first", [None, "loop", "flight"])
 @pytest.mark.parametrize("wait_ms", [0.0, 40.0])
-def test_catch_ups_in_flight_on_a_side_stream_give_the_synchronous_tokens(engine, wait_ms, loop_first, monkeypatch):
+def test_catch_ups_in_flight_on_a_side_stream_give_the_synchronous_tokens(engine, wait_ms, first, monkeypatch):
     """overlap_catch_ups: M_L's catch-ups run on the worker thread's own CUDA stream beside
-    M_S's steps (engine/flight.py), and with loop_first every M_S forward on the loop's stream
-    of higher priority (else on the caller's); sampled, random routing at 50%, 12 requests:
-    every token and source is the synchronous loop's, and no session is left open."""
+    M_S's steps (engine/flight.py); every M_S forward on the loop's stream (the caller's, or
+    with first="loop" a stream of its own), and the stream that goes first of higher
+    priority than the other; sampled, random routing at 50%, 12 requests: every token and
+    source is the synchronous loop's, and no session is left open."""
     reqs = [request(p, 16, "random", rate=0.5, seed=7 + i, temperature=1.0) for i, p in enumerate(PROMPTS * 4)]
     engine.catch_up_wait_ms = wait_ms
     sync = engine.generate_many(reqs)
     caller = torch.cuda.current_stream()
     engine.overlap_catch_ups = True
-    engine.launcher.loop_first = loop_first
+    engine.launcher.first = first
     small, large = streams_of(monkeypatch, engine.models[0]), streams_of(monkeypatch, engine.models[1])
     try:
         flying = engine.generate_many(reqs)
         side, loop = engine.launcher.stream, engine.launcher.loop_stream or caller
         assert side is not None and side != loop  # a side stream, not the loop's
         assert set(small) == {loop} and side in large and set(large) <= {side, loop}
-        assert (loop.priority < side.priority) == loop_first, (loop.priority, side.priority)
+        priorities = {"loop": loop.priority < side.priority, "flight": side.priority < loop.priority}
+        assert priorities == {"loop": first == "loop", "flight": first == "flight"}, (loop.priority, side.priority)
     finally:
-        engine.launcher.loop_first = True
+        engine.launcher.first = None
         engine.overlap_catch_ups = False
         engine.catch_up_wait_ms = 40.0
     assert torch.cuda.current_stream() == caller  # the caller's stream is its own again
@@ -177,7 +179,7 @@ def test_the_sharing_probe_replays_both_models_side_by_side(engine):
     """benchmarks/gpu_check.sharing (what gpu_sim --what-if shared reads): M_S's full-batch
     step graph and M_L's gathered k=8 graph, each timed alone, then side by side on two
     streams as a flight runs beside the loop's steps, the loop's stream of the flight's
-    priority and of the highest (loop_first). Slowdowns positive and finite, and the
+    priority and with either first (`first`: "loop", "flight"). Slowdowns positive and finite, and the
     engine's tokens unchanged after it (its replays run on harmless inputs)."""
     from benchmarks.gpu_check import sharing
 
@@ -186,7 +188,8 @@ def test_the_sharing_probe_replays_both_models_side_by_side(engine):
     got = sharing(engine.models, repeats=3)
     assert (got["small"]["dense"], got["small"]["k"], got["large"]["dense"], got["large"]["k"]) == (True, 1, False, 8)
     assert got["small_ms"] > 0 and got["large_ms"] > 0
-    for side_by_side in (got, got["loop_first"]):  # the loop's stream of equal, then of the highest priority
+    assert set(got["first"]) == {"loop", "flight"}
+    for side_by_side in (got, *got["first"].values()):  # one priority, then each side first
         assert side_by_side["small_steps_within"] >= 1
         assert 0.2 < side_by_side["small_slowdown"] < 1000 and 0.2 < side_by_side["large_slowdown"] < 1000, got
     after = engine.generate_many(reqs)
