@@ -3,6 +3,7 @@ much M_S's steps and a flight's M_L forward slow each other side by side.
 
     python benchmarks/gpu_sim_sharing.py                  # the grid at the H100's measured costs
     python benchmarks/gpu_sim_sharing.py --slowdowns 1 1.5 2 --repeats 1
+    python benchmarks/gpu_sim_sharing.py --unpadded       # M_L's forwards without padding (not built)
 
 gpu_sim.py --what-if shared prices one pair of slowdowns (a, b): gpu_check.json's `sharing`
 probe where a run measured it, else fair sharing (2, 2). Before a GPU has measured them,
@@ -11,8 +12,10 @@ and 64 for every pair, beside the synchronous default and the flights on two tim
 on a GPU of its own), all at the same costs and seeds. So the probe's figures read off as a
 prediction the moment they exist (`measured`: the row simulated at the probe's own (a, b),
 of one priority and with either side first, where the run has them), and a stream priority
-(flight.ThreadLauncher.first) is worth what it moves (a, b) across the grid. Deterministic (the clock is the costs). Writes benchmarks/results/gpu_sim_sharing.json
-and .png.
+(flight.ThreadLauncher.first) is worth what it moves (a, b) across the grid. --unpadded: the
+same with M_L's forwards priced without padding (gpu_sim --what-if unpadded, a layout not
+built). Deterministic (the clock is the costs). Writes
+benchmarks/results/gpu_sim_sharing[-unpadded].json and .png.
 """
 
 from __future__ import annotations
@@ -58,11 +61,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3, help="seeds per cell (the median)")
     ap.add_argument("--costs", default=str(GPU_RESULTS), help="folder of the GPU run's json files")
+    ap.add_argument("--unpadded", action="store_true", help="M_L's forwards priced as gpu_sim --what-if unpadded")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     costs = GpuCosts.from_results(Path(args.costs))
     streams = (1, 64)
-    sim = build(costs)
+    sim = build(costs, large_cost=costs.unpadded_ms if args.unpadded else None)
     reference = {
         "synchronous, held (the default)": ratio(sim, SYNCHRONOUS, streams, args.tokens, args.repeats),
         "in flight, two timelines": ratio(sim, IN_FLIGHT, streams, args.tokens, args.repeats),
@@ -80,6 +84,7 @@ def main() -> None:
         "what": "simulated (gpu_sim.py): random b=0.9 in flight (no hold) on one GPU, M_S's step a times "
         "slower beside a flight and the flight b times slower beside M_S's step; tok/s at n = 1 and 64",
         "costs": costs.source,
+        "unpadded": args.unpadded,  # M_L's forwards at their real tokens' price (a layout not built)
         "tokens": args.tokens,
         "reference": reference,
         "grid": grid,  # "a,b" -> {tok_per_s, ratio}
@@ -88,9 +93,10 @@ def main() -> None:
     _print(report, args.slowdowns)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_sim_sharing.json").write_text(json.dumps(report, indent=1) + "\n")
-    _plot(report, args.slowdowns, out / "gpu_sim_sharing.png")
-    print(f"saved {out / 'gpu_sim_sharing'}.json and .png")
+    stem = out / ("gpu_sim_sharing" + ("-unpadded" if args.unpadded else ""))
+    stem.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
+    _plot(report, args.slowdowns, stem.with_suffix(".png"))
+    print(f"saved {stem}.json and .png")
 
 
 def _print(report: dict, slowdowns: list[float]) -> None:
@@ -118,7 +124,8 @@ def _plot(report: dict, slowdowns: list[float], path: Path) -> None:
         for j, v in enumerate(row):
             ax.text(j, i, f"{v:.1f}x", ha="center", va="center", color="white" if v < max(map(max, values)) else "k")
     sync = report["reference"]["synchronous, held (the default)"]["ratio"]
-    ax.set_title(f"b=0.9 in flight on one GPU, 64 streams vs one\n(synchronous default {sync:.1f}x; goal 20x)")
+    priced = ", M_L unpadded" if report["unpadded"] else ""
+    ax.set_title(f"b=0.9 in flight on one GPU{priced}, 64 streams vs one\n(synchronous {sync:.1f}x; goal 20x)")
     fig.colorbar(image, ax=ax)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
