@@ -48,7 +48,7 @@ LOCAL_SERVE_ENV = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "60", **SERVE_PATH_E
 # (an HTTP body is otherwise fetched from the proxy by one more call); the proxy keeps the
 # usual ports on the head node only. A node's first Ingress replica takes the port after the
 # proxy's (8001 / 9001 by default), the next one the port after that, up to DIRECT_PORTS of
-# each. benchmarks/serve_overhead.py, 2 ms step, proxy -> direct: time to first token over
+# each (a port another process holds is skipped: Serve takes the first free one of the range). benchmarks/serve_overhead.py, 2 ms step, proxy -> direct: time to first token over
 # in-process +13.4 -> +5-7 ms HTTP, +6.9 -> +4.3 gRPC; 16 streams 0.78 -> 0.85 (HTTP), 0.84 ->
 # 0.90 (gRPC) of the in-process rate (README, "serve_overhead").
 DIRECT_PORTS = 100
@@ -237,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.update(direct_ingress_env(http, grpc))
         print(
             f"backoff serve: direct ingress: the Ingress replica serves HTTP on port {http + 1} and gRPC "
-            f"on port {grpc + 1} (more replicas: the next ports); {http} and {grpc} go through the proxy",
+            f"on port {grpc + 1} (a port taken, or more replicas: the next free ones, up to {DIRECT_PORTS} "
+            f"further); {http} and {grpc} go through the proxy",
             file=sys.stderr,
         )
     start_ray(args.address, args.metrics_port)
