@@ -100,6 +100,13 @@ def _reference(engine, router: str, max_tokens: int, thresholds=None):
 
 # -- probes -----------------------------------------------------------------------------------
 
+# Parsing a Serve config with an autoscaling policy (a deploy, serve.status()) registers and then
+# unregisters the policy's module for cloudpickle in one global set (ray/serve/config.py,
+# AutoscalingPolicy.serialize_policy), so two threads parsing at once can fail with "... is not
+# registered for pickle by value" (a full run did, deploying while Recorder polled): this
+# module's calls that parse configs take turns.
+_PARSING = threading.RLock()
+
 
 def _infos(deployment: str) -> dict:
     """info() of every live replica of a deployment, by replica id."""
@@ -113,7 +120,8 @@ def _infos(deployment: str) -> dict:
 
 def _running() -> dict[str, int]:
     """RUNNING replicas per deployment, as Serve's controller sees them."""
-    app = serve.status().applications.get(APP)
+    with _PARSING:
+        app = serve.status().applications.get(APP)
     if app is None:
         return {}
     return {name: d.replica_states.get("RUNNING", 0) for name, d in app.deployments.items()}
@@ -327,7 +335,8 @@ def test_autoscaling_follows_a_burst(served, tmp_path):
     burst_s, streams = 40.0, 12
     larges = {i.pid for i in _infos("LargeModel").values()}
     with Recorder() as rec:
-        deploy(served.config, served.config_path.with_name("autoscale.yaml"), APP)
+        with _PARSING:  # Recorder's polls wait (the deploy's own wait until running included)
+            deploy(served.config, served.config_path.with_name("autoscale.yaml"), APP)
         _wait(lambda: _running().get("SmallModel") == 1 and _running().get("Ingress") == 1, 120, "scaled to 1")
         rec.mark("burst")
 
