@@ -137,13 +137,12 @@ class GpuCosts:
             sources.append(f"{folder}/gpu_check.json probes")
         shared = check.get("sharing")  # a failed probe is a string
         shared = shared if isinstance(shared, dict) else {}
-        first = {side: _slowdowns(probe) for side, probe in shared.get("first", {}).items()}
         return cls(
             large=large,
             small_rows=small_rows,
             small_k=small_k,
             sharing=_slowdowns(shared),
-            sharing_first={side: slowdowns for side, slowdowns in first.items() if slowdowns},
+            sharing_first={side: s for side, probe in shared.get("first", {}).items() if (s := _slowdowns(probe))},
             large_eager_ms=host.pop("large_eager_ms", eager["large_eager_ms"]),
             small_eager_ms=host.pop("small_eager_ms", eager["small_eager_ms"]),
             host_ms=host.pop("host_ms", 0.25),

@@ -175,9 +175,12 @@ def run_batch(sim: Sim, n: int, tokens: int, routing: RoutingParams, seed: int =
     }
 
 
-def scaling(sim: Sim, streams: list[int], tokens: int, repeats: int) -> dict:
+def scaling(sim: Sim, streams: list[int], tokens: int, repeats: int, labels: list[str] | None = None) -> dict:
+    """Rows of ROUTINGS (labels; default every one) at every n: the median run of `repeats`
+    seeds, with the median tok/s."""
     rows: dict[str, dict[str, dict]] = {}
-    for label, (routing, wait, overlap) in tqdm(ROUTINGS.items(), desc="routings"):
+    picked = {label: ROUTINGS[label] for label in labels} if labels is not None else ROUTINGS
+    for label, (routing, wait, overlap) in tqdm(picked.items(), desc="routings", disable=len(picked) == 1):
         _configure(sim.engine, wait, overlap)
         rows[label] = {}
         for n in streams:

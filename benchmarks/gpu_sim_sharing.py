@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -35,20 +34,17 @@ from tqdm import tqdm  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.gpu_costs import GPU_RESULTS, GpuCosts  # noqa: E402
-from benchmarks.gpu_sim import ROUTINGS, Sim, _configure, build, run_batch  # noqa: E402
+from benchmarks.gpu_sim import Sim, build, scaling  # noqa: E402
 
 IN_FLIGHT, SYNCHRONOUS = "random b=0.9, in flight", "random b=0.9"
 
 
 def ratio(sim: Sim, label: str, streams: tuple[int, int], tokens: int, repeats: int) -> dict:
-    """One row of gpu_sim's ROUTINGS at n = streams: median tok/s over seeds, and top over one."""
-    routing, wait, overlap = ROUTINGS[label]
-    _configure(sim.engine, wait, overlap)
+    """One row of gpu_sim's ROUTINGS at n = streams (gpu_sim.scaling): median tok/s over
+    seeds, and top over one."""
     tok = {
-        n: statistics.median(run_batch(sim, n, tokens, routing, seed)["tok_per_s"] for seed in range(repeats))
-        for n in streams
+        int(n): cell["tok_per_s"] for n, cell in scaling(sim, list(streams), tokens, repeats, [label])[label].items()
     }
-    _configure(sim.engine)
     return {
         "tok_per_s": {str(n): round(v, 1) for n, v in tok.items()},
         "ratio": round(tok[streams[1]] / tok[streams[0]], 2),
