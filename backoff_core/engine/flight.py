@@ -135,8 +135,6 @@ def on_loop_stream(method):
         if stream is None:
             return method(engine, *args, **kwargs)
         caller = torch.cuda.current_stream(stream.device)
-        if caller == stream:  # called from within the loop (generate_many's submit and step)
-            return method(engine, *args, **kwargs)
         stream.wait_stream(caller)
         try:
             with torch.cuda.stream(stream):
