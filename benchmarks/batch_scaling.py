@@ -19,8 +19,10 @@ that routes it (0), and "random b=0.9, waits up to 1 s" lets the half-of-live ru
 the waits. Catch-ups in flight (engine `overlap_catch_ups`, flight.py): "random b=0.9, in
 flight" runs each catch-up beside M_S's next steps (no hold), "in flight, loop first" and
 "flight first" with the GPU scheduling M_S's or M_L's kernels first (CUDA stream priority,
-ThreadLauncher.first), "held and in flight" after the default hold. All in the same run, for
-the ratios.
+ThreadLauncher.first), "held and in flight" after the default hold. Ragged catch-ups
+(static_ragged.py, opt-in): "random b=0.9, ragged" runs M_L's catch-ups as ragged forwards,
+their tokens unpadded, after the default hold, and "ragged, in flight" in flight; their first
+use captures M_L's ragged graphs (static KV only). All in the same run, for the ratios.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ from tqdm import tqdm
 from backoff_core.engine.engine import CATCH_UP_WAIT_MS, BackoffEngine
 from backoff_core.models.loading import LoadSpec, load_chain
 from backoff_core.models.prompts import encode_prompt
+from backoff_core.runners.static import StaticRunner
+from backoff_core.runners.static_ragged import RaggedKey
 from backoff_core.types import GenerationRequest, KVSpec, RoutingParams, SamplingParams
 
 PROMPT = "Write a short paragraph about the history of the Python programming language."
@@ -58,7 +62,11 @@ ROUTINGS = {
     "random b=0.9, in flight, loop first": (B09, 0.0, "loop first"),
     "random b=0.9, in flight, flight first": (B09, 0.0, "flight first"),
     "random b=0.9, held and in flight": (B09, None, "one priority"),
+    # last: their first use captures M_L's ragged graphs (compiling FlexAttention)
+    "random b=0.9, ragged": (B09, None, None),
+    "random b=0.9, ragged, in flight": (B09, 0.0, "one priority"),
 }
+RAGGED = {label for label in ROUTINGS if "ragged" in label}  # M_L's catch-ups as ragged forwards
 
 
 def throughput(
@@ -121,6 +129,7 @@ def measure(
             errors[label] = f"skipped: the engine still had work after {next(iter(errors))!r} failed"
             continue
         try:
+            _ragged(engine, label in RAGGED)
             throughput(engine, prompt_ids, 2, 4, routing, 1, waits[label], flight)
             runs[label] = {
                 str(n): throughput(engine, prompt_ids, n, tokens, routing, repeats, waits[label], flight)
@@ -130,7 +139,23 @@ def measure(
             errors[label] = f"{type(exc).__name__}: {exc}"
             print(f"{label}: FAILED, {errors[label]}")
             _cancel_all(engine)
+    _ragged(engine, False)
     return runs, errors
+
+
+def _ragged(engine, on: bool) -> None:
+    """M_L's catch-ups as ragged forwards or not; its ragged graphs captured at the first."""
+    large = engine.models[-1]
+    if not on:
+        if isinstance(large, StaticRunner):
+            large.ragged = False
+        return
+    if not isinstance(large, StaticRunner):
+        raise ValueError("ragged catch-ups need static KV storage (--kv-budget)")
+    if large.graphs is not None and not any(isinstance(key, RaggedKey) for key in large.graphs.ms):
+        graphs, seconds = large.capture_ragged()
+        print(f"{large.name}: {graphs} ragged graphs captured and timed in {seconds:.1f} s")
+    large.ragged = True
 
 
 def _cancel_all(engine) -> None:

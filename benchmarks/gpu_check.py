@@ -17,7 +17,9 @@ benchmarks/gpu_sim.py). And what the engine's graphs do not hold but gpu_sim pri
 prompt prefill run eagerly against the same prefill in graphs (what a forward no graph holds
 costs). And how M_S's steps and an M_L forward slow each other side by side on one GPU
 (`sharing`: catch-ups in flight; gpu_sim --what-if shared), the two streams of one priority
-and with either first (`first`: flight.ThreadLauncher.first). Writes DIR/gpu_check.json.
+and with either first (`first`: flight.ThreadLauncher.first). Last, M_L's ragged forwards
+(`ragged`: static_ragged.py, each token bucket's replay time and the logits against the
+padded path; gpu_sim --what-if ragged prices them so). Writes DIR/gpu_check.json.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from backoff_core.models.prompts import encode_prompt
 from backoff_core.runners.factory import make_runner
 from backoff_core.runners.graph_plan import GraphKey
 from backoff_core.runners.static import StaticRunner
+from backoff_core.runners.static_ragged import RaggedKey
 from backoff_core.types import GenerationRequest, KVSpec, RoutingParams, SamplingParams, Verification
 from benchmarks.gpu_plan import plan
 
@@ -284,11 +287,44 @@ def _side_by_side(graphs, n: int, side, loop, repeats: int, alone: tuple[float, 
 
 def replay_table(runner: StaticRunner) -> list[dict]:
     """Every captured graph's replay time (ms), as warmup measured it."""
+    padded = {k: ms for k, ms in runner.graphs.ms.items() if isinstance(k, GraphKey)}
     return [
         {"dense": k.dense, "rows": k.rows, "k": k.k, "L": k.length, "last_only": k.last_only, "layer": k.hidden_layer}
         | {"ms": round(ms, 3)}
-        for k, ms in sorted(runner.graphs.ms.items(), key=lambda kv: (kv[0].dense, kv[0].rows, kv[0].k, kv[0].length))
+        for k, ms in sorted(padded.items(), key=lambda kv: (kv[0].dense, kv[0].rows, kv[0].k, kv[0].length))
     ]
+
+
+@torch.inference_mode()
+def ragged_probe(runner: StaticRunner, prompt_ids: list[int]) -> dict:
+    """M_L's ragged forwards (static_ragged.py, opt-in): one graph per token bucket captured
+    (compiling FlexAttention) and timed (`replay_ms`, gpu_sim's price of them), beside the
+    dense view of as many token slots at the shortest L (`dense_ms`: the estimate before);
+    and a catch-up of six items of 2 to 37 tokens, ragged against the padded path (logits'
+    relative error, bf16)."""
+    graphs, seconds = runner.capture_ragged(progress=False)
+    ms = {k.tokens: round(v, 3) for k, v in runner.graphs.ms.items() if isinstance(k, RaggedKey)}
+    views = {k: v for k, v in runner.graphs.ms.items() if isinstance(k, GraphKey) and k.dense and k.last_only}
+    shortest = min(k.length for k in views)
+    dense = {}
+    for tokens in ms:
+        fits = [(k.rows * k.k, v) for k, v in views.items() if k.length == shortest and k.rows * k.k >= tokens]
+        if fits:
+            dense[tokens] = round(min(fits)[1], 3)
+    logits = {}
+    for ragged in (False, True):
+        runner.ragged = ragged
+        sids = [f"ragged-probe-{ragged}-{i}" for i in range(6)]
+        for request_id in sids:
+            runner.open(request_id)
+        runner.extend([(r, list(prompt_ids)) for r in sids], last_only=True)
+        items = [(r, list(prompt_ids[: 2 + 7 * i])) for i, r in enumerate(sids)]
+        logits[ragged] = torch.stack([e.last for e in runner.extend(items, last_only=True)])
+        for request_id in sids:
+            runner.close(request_id)
+    runner.ragged = False
+    err = float((logits[True] - logits[False]).norm() / logits[False].norm())
+    return {"graphs": graphs, "capture_s": round(seconds, 1), "replay_ms": ms, "dense_ms": dense, "rel_err": err}
 
 
 def main() -> None:
@@ -357,6 +393,11 @@ def main() -> None:
         report["probes"] = f"failed: {exc!r}"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")  # before the first ragged compile
+    try:
+        report["ragged"] = ragged_probe(runners[-1], prompt)
+    except Exception as exc:  # noqa: BLE001 - a diagnostic, as above
+        report["ragged"] = f"failed: {exc!r}"
     (out / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
 

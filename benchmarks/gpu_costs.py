@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from backoff_core.runners.graph_plan import GraphKey
+from backoff_core.runners.static_ragged import RaggedKey
 
 GPU_RESULTS = Path("benchmarks/results/gpu")
 
@@ -43,13 +44,17 @@ class GpuCosts:
     sharing: tuple[float, float] | None = None  # M_S's and M_L's slowdowns side by side on one GPU (probe)
     # the same with "loop" or "flight" scheduled first (ThreadLauncher.first), where measured
     sharing_first: dict[str, tuple[float, float]] = field(default_factory=dict)
+    ragged: dict[int, float] = field(default_factory=dict)  # tokens -> M_L ragged replay ms (gpu_check `ragged`)
 
-    def large_ms(self, key: GraphKey, real: int, eager: bool) -> float:
+    def large_ms(self, key: GraphKey | RaggedKey, real: int, eager: bool) -> float:
         """A replay's measured time. Buckets the grid lacks: a gathered batch of more rows than
         it measured gathered, at its dense view's time plus the gathering's cost scaled by rows
         (gathered - dense, at the largest rows measured both ways, same k and L); anything
         else (full logits, other k) at the measured bucket of the same L with the nearest
-        token slots, rows x k."""
+        token slots, rows x k. A ragged forward (static_ragged.py): its measured replay where the
+        run has one (gpu_check's `ragged` probe), else `ragged_ms`."""
+        if isinstance(key, RaggedKey):
+            return self.ragged.get(key.tokens) or self.ragged_ms(key.tokens)
         ms = self.large.get((key.dense, key.rows, key.k, key.length))
         if ms is None and not key.dense and (True, key.rows, key.k, key.length) in self.large:
             measured = [r for d, r, k, n in self.large if not d and k == key.k and n == key.length]
@@ -79,6 +84,14 @@ class GpuCosts:
                 GraphKey(True, key.rows, key.k, key.length, key.last_only, key.hidden_layer), real, eager
             )
         return min(dense)[1] + (self.large_eager_ms if eager else 0.0)
+
+    def ragged_ms(self, tokens: int) -> float:
+        """An estimate of a ragged M_L forward of `tokens` (a token bucket, padding included)
+        before a GPU has timed one: the measured dense view with the fewest token slots that
+        hold them at the shortest L (its attention reads each slot's own blocks, no length
+        bucket), as `unpadded_ms` prices the real tokens alone."""
+        shortest = min(n for *_, n in self.large)
+        return self.unpadded_ms(GraphKey(True, 1, tokens, shortest, True, None), tokens, False)
 
     def small_ms(self, key: GraphKey, eager: bool) -> float:
         if eager:
@@ -135,12 +148,15 @@ class GpuCosts:
                 "small_eager_ms": prefill["small"]["eager"],
             }
             sources.append(f"{folder}/gpu_check.json probes")
+        ragged = check.get("ragged")  # a failed probe is a string
+        ragged = {int(t): ms for t, ms in ragged["replay_ms"].items()} if isinstance(ragged, dict) else {}
         shared = check.get("sharing")  # a failed probe is a string
         shared = shared if isinstance(shared, dict) else {}
         return cls(
             large=large,
             small_rows=small_rows,
             small_k=small_k,
+            ragged=ragged,
             sharing=_slowdowns(shared),
             sharing_first={side: s for side, probe in shared.get("first", {}).items() if (s := _slowdowns(probe))},
             large_eager_ms=host.pop("large_eager_ms", eager["large_eager_ms"]),

@@ -46,6 +46,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 from backoff_core.engine.engine import CATCH_UP_WAIT_MS, BackoffEngine
@@ -78,11 +79,13 @@ def build(
     wait_ms: float = CATCH_UP_WAIT_MS,
     large_cost: Callable[[GraphKey, int, bool], float] | None = None,
     sharing: tuple[float, float] | None = None,
+    ragged: bool = False,
 ) -> Sim:
     """The engine over the GPU path's runners (factory.make_runner's settings), on the CPU;
     its catch-ups in flight (when turned on) are SimLauncher's (sharing: on one GPU with
     M_S's steps, their slowdowns beside each other). large_cost: what an M_L forward costs
-    (default: costs.large_ms, what the GPU measured)."""
+    (default: costs.large_ms, what the GPU measured). ragged: M_L's catch-ups as ragged
+    forwards (static_ragged.py), each costing costs.large_ms of its RaggedKey."""
     large_cost = large_cost or costs.large_ms
     (small_model, large_model), tokenizer = tiny_pair()  # their tokens do not matter: random routing
     clock = SimClock()
@@ -90,8 +93,16 @@ def build(
     small_cost = lambda key, real, eager: costs.small_ms(key, eager)  # noqa: E731
     for model, name, small in ((small_model, "small", True), (large_model, "large", False)):
         runner = StaticRunner(
-            model, name, kv_budget_tokens=kv_budget, max_len=max_len, evict_idle=not small, fuse_projections=small
+            model,
+            name,
+            kv_budget_tokens=kv_budget,
+            max_len=max_len,
+            evict_idle=not small,
+            fuse_projections=small,
+            ragged=ragged and not small,
         )
+        if ragged and not small:  # its tokens do not matter: skip eager FlexAttention's every score
+            runner._forward._flex = _no_attention
         cost = small_cost if small else large_cost
         runner.graphs = SimGraphs(runner._forward, runner.graph_max_rows, K_BUCKETS[-1], cost=cost)
         if small:
@@ -106,7 +117,14 @@ def build(
     return Sim(engine, clock, small_log, large_log, costs)
 
 
+def _no_attention(q, keys, values, block_mask, scale):
+    """The ragged forward's attention in the simulator, where only shapes and bookkeeping count."""
+    return torch.zeros_like(q)
+
+
 WHAT_IF = {  # --what-if: another price of M_L's forwards than the GPU's measured one, or another device
+    "ragged": "M_L's catch-ups as ragged forwards (static_ragged.py, built, opt-in), each at its measured "
+    "replay where the run timed one, else at the measured dense view of its token bucket (GpuCosts.ragged_ms)",
     "unpadded": "an M_L forward costs what its real tokens alone would in the measured dense view, "
     "no padding, no gathered keys (GpuCosts.unpadded_ms; a layout that does not exist)",
     "shared": "catch-ups in flight share one GPU with M_S's steps, each slowed beside the other as "
@@ -301,7 +319,12 @@ def main() -> None:
     args = ap.parse_args()
     costs = GpuCosts.from_results(Path(args.costs))
     sharing = (costs.sharing or FAIR) if "shared" in args.what_if else None
-    sim = build(costs, large_cost=costs.unpadded_ms if "unpadded" in args.what_if else None, sharing=sharing)
+    sim = build(
+        costs,
+        large_cost=costs.unpadded_ms if "unpadded" in args.what_if else None,
+        sharing=sharing,
+        ragged="ragged" in args.what_if,
+    )
     streams = [int(s) for s in args.streams.split(",")]
     rows = scaling(sim, streams, args.tokens, args.repeats)
     base, top = str(streams[0]), str(streams[-1])

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 from backoff_core.runners.cuda_graphs import CudaGraphs
 from backoff_core.runners.graph_plan import GraphKey
 from backoff_core.runners.static import StaticRunner
+from backoff_core.runners.static_ragged import RaggedKey
 
 
 @dataclass
@@ -107,20 +108,22 @@ class SimGraphs(CudaGraphs):
     def _record(self, key: GraphKey):
         return SimpleNamespace(replay=lambda: self._body(key))
 
-    def replay_ms(self, key: GraphKey, repeats: int = 3) -> float:
-        return self.cost(key, key.rows * key.k, False)
+    def replay_ms(self, key: GraphKey | RaggedKey, repeats: int = 3) -> float:
+        return self.cost(key, key.tokens if isinstance(key, RaggedKey) else key.rows * key.k, False)
 
 
 @dataclass
 class ForwardLog:
-    """Every forward of one runner: (model, dense, rows, k, L, eager, real tokens, ms)."""
+    """Every forward of one runner: (dense, rows, k, L, eager, real tokens, ms); a ragged
+    forward of T tokens as (False, 1, T, 0, ...)."""
 
     entries: list[tuple] = field(default_factory=list)
 
     def by_shape(self) -> dict[str, dict]:
         out: dict[str, dict] = {}
         for dense, rows, k, length, eager, real, ms in self.entries:
-            name = f"{'dense' if dense else 'gather'} {rows}x{k} L{length}{' eager' if eager else ''}"
+            name = f"{'dense' if dense else 'gather'} {rows}x{k} L{length}" if length else f"ragged {k}"
+            name += " eager" if eager else ""
             s = out.setdefault(name, {"count": 0, "ms": 0.0, "real": 0})
             s["count"] += 1
             s["ms"] += ms
@@ -145,5 +148,15 @@ def instrument(
         log.entries.append((k.dense, k.rows, k.k, k.length, eager, real, ms))
         return run(plan, columns)
 
+    def ragged(key, ids, positions, token_slots, last):
+        real = int((positions != scratch).sum())
+        ms = cost(key, real, False)
+        advance(ms)
+        log.entries.append((False, 1, key.tokens, 0, False, real, ms))
+        return replay_ragged(key, ids, positions, token_slots, last)
+
     runner._run = timed
+    if runner.graphs is not None:
+        replay_ragged = runner.graphs.replay_ragged
+        runner.graphs.replay_ragged = ragged
     return log

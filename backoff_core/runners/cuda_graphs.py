@@ -8,8 +8,9 @@ makes the graphs' own memory pure scratch, so all of them share one memory pool
 intermediates; captures go largest first so smaller graphs reuse its blocks (the vLLM
 recipe). Replay = copy the inputs in, `graph.replay()`, copy the outputs out.
 
-Uploads: the four inputs are laid out in ONE device buffer `inputs` (ids | positions |
-slots | last_col), mirrored by one pinned host buffer; a step writes its inputs into the
+Uploads: the inputs are laid out in ONE device buffer `inputs` (ids | positions | slots |
+last_col | token_slots, the last for ragged forwards: static_ragged.py), mirrored by one
+pinned host buffer; a step writes its inputs into the
 pinned mirror and moves them with one asynchronous copy. Before the host writes the mirror
 again it waits on the event of the last copy (which has long finished by then: the step
 read its tokens back in between), so a copy in flight is never overwritten.
@@ -28,6 +29,7 @@ from tqdm import tqdm
 
 from backoff_core.runners.graph_plan import GraphKey
 from backoff_core.runners.static_forward import Batch, StaticForward
+from backoff_core.runners.static_ragged import RaggedBatch, RaggedKey
 
 __all__ = ["CudaGraphs", "GraphKey"]
 
@@ -45,10 +47,14 @@ class CudaGraphs:
         self.width = int(model.config.hidden_size)
         n = max_rows * max_k
         self.n = n
-        # ids [n] | positions [n] | slots [max_rows] | last_col [max_rows], one upload
-        self.inputs = torch.zeros(2 * n + 2 * max_rows, dtype=torch.long, device=dev)
+        # ids [n] | positions [n] | slots [max_rows] | last_col [max_rows] | token_slots [n], one upload
+        self.inputs = torch.zeros(3 * n + 2 * max_rows, dtype=torch.long, device=dev)
         self.ids, self.positions = self.inputs[:n], self.inputs[n : 2 * n]
-        self.slots, self.last_col = self.inputs[2 * n : 2 * n + max_rows], self.inputs[2 * n + max_rows :]
+        self.slots, self.last_col = (
+            self.inputs[2 * n : 2 * n + max_rows],
+            self.inputs[2 * n + max_rows : 2 * (n + max_rows)],
+        )
+        self.token_slots = self.inputs[2 * (n + max_rows) :]  # a ragged forward's slot of each token
         self.positions.fill_(kv.scratch)
         self.staging = torch.zeros(self.inputs.shape, dtype=torch.long, pin_memory=dev.type == "cuda")
         self._uploaded = torch.cuda.Event() if dev.type == "cuda" else None
@@ -58,8 +64,8 @@ class CudaGraphs:
         self.hidden = torch.zeros(n * self.width, dtype=dtype, device=dev)
         self.pool = None  # one memory pool shared by every graph (created at the first capture)
         self._side = None  # the side stream of the warm-up runs
-        self._graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
-        self.ms: dict[GraphKey, float] = {}  # each graph's replay time (time_replays), for layouts
+        self._graphs: dict[GraphKey | RaggedKey, torch.cuda.CUDAGraph] = {}
+        self.ms: dict[GraphKey | RaggedKey, float] = {}  # each graph's replay time (time_replays), for layouts
 
     def __contains__(self, key: GraphKey) -> bool:
         return key in self._graphs
@@ -67,7 +73,9 @@ class CudaGraphs:
     def __len__(self) -> int:
         return len(self._graphs)
 
-    def fits(self, key: GraphKey) -> bool:
+    def fits(self, key: GraphKey | RaggedKey) -> bool:
+        if isinstance(key, RaggedKey):
+            return key.tokens <= self.n
         return key.rows <= self.max_rows and key.k <= self.max_k
 
     # -- static buffers ------------------------------------------------------------------
@@ -84,13 +92,22 @@ class CudaGraphs:
             hidden_layer=key.hidden_layer,
         )
 
-    def _outputs(self, key: GraphKey) -> tuple[torch.Tensor, torch.Tensor]:
+    def _ragged_batch(self, key: RaggedKey) -> RaggedBatch:
+        t = key.tokens
+        return RaggedBatch(self.ids[:t], self.positions[:t], self.token_slots[:t], self.last_col)
+
+    def _outputs(self, key: GraphKey | RaggedKey) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(key, RaggedKey):  # every row's last logits: [max_rows, 1, V]
+            return self.logits[: self.max_rows * self.vocab].view(self.max_rows, 1, self.vocab), self.hidden[:0]
         k_out = 1 if key.last_only else key.k
         logits = self.logits[: key.rows * k_out * self.vocab].view(key.rows, k_out, self.vocab)
         hidden = self.hidden[: key.rows * key.k * self.width].view(key.rows, key.k, self.width)
         return logits, hidden
 
-    def _body(self, key: GraphKey) -> None:
+    def _body(self, key: GraphKey | RaggedKey) -> None:
+        if isinstance(key, RaggedKey):
+            self._outputs(key)[0].copy_(self.forward.ragged(self._ragged_batch(key))[:, None])
+            return
         logits, hidden = self.forward(self._batch(key))
         out_logits, out_hidden = self._outputs(key)
         out_logits.copy_(logits)
@@ -99,14 +116,15 @@ class CudaGraphs:
 
     # -- capture / replay ----------------------------------------------------------------
     @torch.inference_mode()
-    def capture(self, keys: list[GraphKey], progress: bool = True) -> float:
+    def capture(self, keys: list[GraphKey | RaggedKey], progress: bool = True) -> float:
         """Capture every key not yet captured (largest first); returns the seconds taken."""
         todo = sorted({k for k in keys if k not in self._graphs and self.fits(k)}, key=lambda k: -k.size)
         start = time.perf_counter()
         for key in tqdm(todo, desc=f"{self.forward.kv.name}: capturing CUDA graphs", disable=not progress):
             # harmless inputs: every token at the scratch column; dense rows are their slots
             self.positions.fill_(self.forward.kv.scratch)
-            if key.dense:
+            self.token_slots.zero_()
+            if getattr(key, "dense", False):
                 self.slots.copy_(torch.arange(self.max_rows, device=self.slots.device))
             else:
                 self.slots.zero_()
@@ -117,7 +135,7 @@ class CudaGraphs:
         self.positions.fill_(self.forward.kv.scratch)  # the graphs' padding stays harmless
         return time.perf_counter() - start
 
-    def _record(self, key: GraphKey) -> torch.cuda.CUDAGraph:
+    def _record(self, key: GraphKey | RaggedKey) -> torch.cuda.CUDAGraph:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
             self._side = torch.cuda.Stream()
@@ -130,7 +148,7 @@ class CudaGraphs:
             self._body(key)
         return graph
 
-    def time_replays(self, keys: list[GraphKey]) -> float:
+    def time_replays(self, keys: list[GraphKey | RaggedKey]) -> float:
         """Time every captured graph of `keys` into `ms` (static_layout.choose weighs the
         layouts of an extend by them); returns the seconds taken."""
         start = time.perf_counter()
@@ -140,11 +158,13 @@ class CudaGraphs:
         return time.perf_counter() - start
 
     @torch.inference_mode()
-    def replay_ms(self, key: GraphKey, repeats: int = 3) -> float:
+    def replay_ms(self, key: GraphKey | RaggedKey, repeats: int = 3) -> float:
         """The median GPU time of one replay of a captured graph (CUDA events; a replay
         first, untimed), on harmless inputs: every token at the scratch column, as after
         capture. At load (time_replays), never during a step."""
         self.positions.fill_(self.forward.kv.scratch)
+        self.token_slots.zero_()
+        self.last_col.zero_()
         graph = self._graphs[key]
         graph.replay()
         times = []
@@ -157,9 +177,10 @@ class CudaGraphs:
             times.append(start.elapsed_time(end))
         return sorted(times)[len(times) // 2]
 
-    def upload(self, ids, positions, slots, last_col) -> Batch:
-        """Host inputs (ids, positions: [rows, k]; slots, last_col: [rows]) -> the static
-        device buffers viewed at those shapes, in one copy from the pinned mirror."""
+    def upload(self, ids, positions, slots, last_col, token_slots=None) -> Batch:
+        """Host inputs (ids, positions: [rows, k]; slots, last_col: [rows]; a ragged forward's
+        token_slots: [rows * k]) -> the static device buffers viewed at those shapes, in one
+        copy from the pinned mirror."""
         rows, k = ids.shape
         n, m = self.n, self.max_rows
         if self._uploaded is not None:
@@ -167,8 +188,10 @@ class CudaGraphs:
         host = self.staging
         host[: rows * k].copy_(ids.reshape(-1))
         host[n : n + rows * k].copy_(positions.reshape(-1))
-        host[2 * n : 2 * n + rows].copy_(slots)
-        host[2 * n + m : 2 * n + m + rows].copy_(last_col)
+        host[2 * n : 2 * n + len(slots)].copy_(slots)
+        host[2 * n + m : 2 * n + m + len(last_col)].copy_(last_col)
+        if token_slots is not None:
+            host[2 * (n + m) : 2 * (n + m) + rows * k].copy_(token_slots)
         self.inputs.copy_(host, non_blocking=True)
         if self._uploaded is not None:
             self._uploaded.record()
@@ -193,3 +216,11 @@ class CudaGraphs:
         logits, hidden = self._outputs(key)
         logits = logits.to(torch.float32, copy=True)
         return logits, (hidden.clone() if key.hidden_layer is not None else None)
+
+    def replay_ragged(self, key: RaggedKey, ids, positions, token_slots, last) -> torch.Tensor:
+        """A ragged forward (host tensors: ids, positions, token_slots [tokens]; last
+        [max_rows]) -> float32 logits [max_rows, V], a copy."""
+        t = key.tokens
+        self.upload(ids.view(1, t), positions.view(1, t), ids[:0], last, token_slots)
+        self._graphs[key].replay()
+        return self._outputs(key)[0][:, 0].to(torch.float32, copy=True)

@@ -50,6 +50,7 @@ from backoff_core.runners.sessions import Session, SessionTable
 from backoff_core.runners.static_forward import Batch, StaticForward, check_supported
 from backoff_core.runners.static_kv import KVCapacityError, StaticKV, next_power_of_two
 from backoff_core.runners.static_layout import Plan, blocks, choose, lay_out, read_out
+from backoff_core.runners.static_ragged import RaggedExtends, check_ragged
 from backoff_core.types import PrefixCacheSpec
 
 __all__ = ["KVCapacityError", "StaticRunner"]
@@ -64,12 +65,13 @@ class _SlotSession(Session):
     slot: int | None  # its row of the static storage; None until its first extend (evict_idle)
 
 
-class StaticRunner(PrefixCaching, SessionTable[_SlotSession]):
+class StaticRunner(PrefixCaching, RaggedExtends, SessionTable[_SlotSession]):
     """Holds one model, its static KV storage and its sessions. Thread-safe: one forward
     at a time. kv_budget_tokens: KV positions to preallocate across all sessions;
     max_len: positions per slot (a session holds at most max_len - 1: one is scratch).
     fuse_projections: q/k/v and gate/up as one GEMM each over copies of their weights
-    (static_forward.py: fewer kernels a step, for a small model whose step they bound)."""
+    (static_forward.py: fewer kernels a step, for a small model whose step they bound).
+    ragged: catch-ups as ragged forwards, their tokens unpadded (static_ragged.py; opt-in)."""
 
     def __init__(
         self,
@@ -83,6 +85,7 @@ class StaticRunner(PrefixCaching, SessionTable[_SlotSession]):
         evict_idle: bool = False,
         prefix_cache: PrefixCacheSpec | None = PrefixCacheSpec(),
         fuse_projections: bool = False,
+        ragged: bool = False,
     ) -> None:
         check_supported(model, max_len)  # before allocating anything
         super().__init__()
@@ -104,6 +107,11 @@ class StaticRunner(PrefixCaching, SessionTable[_SlotSession]):
         # (last_only, hidden_layer) -> the k captured for it, ascending (warmup)
         self._captured_ks: dict[tuple[bool, int | None], tuple[int, ...]] = {}
         self.prefix_cache = PrefixCache(prefix_cache or PrefixCacheSpec(0))  # None: off
+        # catch-ups (last logits, several tokens) as ragged forwards (static_ragged.py); with
+        # graphs, warmup() captures one per token bucket; may change between extends
+        self.ragged = ragged
+        if ragged:
+            check_ragged(self.kv.max_len, self.device)
 
     @property
     def max_positions(self) -> int:
@@ -192,7 +200,8 @@ class StaticRunner(PrefixCaching, SessionTable[_SlotSession]):
         if self.graphs is None:
             return 0, 0.0
         wanted = kinds([self._layer(n) for n in hidden_layers], last_only, ks)
-        keys = plan_keys(self.kv.slots, self.kv.max_len, self.graph_max_rows, wanted, budget)
+        ragged = self._ragged_keys() if self.ragged else []
+        keys = plan_keys(self.kv.slots, self.kv.max_len, self.graph_max_rows, wanted, budget - len(ragged))
         with self._lock:
             seconds = self.graphs.capture(keys, progress)
             captured: dict[tuple[bool, int | None], set[int]] = {}
@@ -200,6 +209,8 @@ class StaticRunner(PrefixCaching, SessionTable[_SlotSession]):
                 captured.setdefault((key.last_only, key.hidden_layer), set()).add(key.k)
             self._captured_ks = {v: tuple(sorted(ks)) for v, ks in captured.items()}
             seconds += self.graphs.time_replays(keys)  # what static_layout.choose weighs
+            if ragged:  # after the others: a first compile of FlexAttention that fails costs them nothing
+                seconds += self.capture_ragged(progress)[1]
         if progress:
             print(
                 f"{self.name}: {len(self.graphs)} CUDA graphs captured and timed in {seconds:.1f} s "
@@ -246,6 +257,10 @@ class StaticRunner(PrefixCaching, SessionTable[_SlotSession]):
             layer = self._layer(hidden_layer)
             if scoring is not None and any(sc is not None for sc in scoring):
                 out = self._extend_scored(sessions, new_ids, layer, last_only, scoring)
+                self._remember(sessions, new_ids)
+                return out
+            if self._goes_ragged(new_ids, layer, last_only):
+                out = self._extend_ragged(sessions, new_ids)
                 self._remember(sessions, new_ids)
                 return out
             plans = self._plans(sessions, new_ids, layer, last_only)

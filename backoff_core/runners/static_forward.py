@@ -48,6 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from backoff_core.runners.static_kv import StaticKV
+from backoff_core.runners.static_ragged import RaggedBatch, attention_fn, block_mask, ragged_attention
 
 # Model types whose forward is LlamaModel's: embeddings unscaled, pre-norm blocks, one
 # rotary embedding, plain causal attention. Others with the same module names (Gemma
@@ -160,6 +161,7 @@ class StaticForward:
         self.key_index = torch.arange(kv.max_len, device=kv.keys[0].device)  # [M]
         fused = [FusedLayer.of(layer) for layer in base.layers] if fuse_projections else []
         self.fused: list[FusedLayer] | None = fused if fused and all(f is not None for f in fused) else None
+        self._flex = None  # the ragged forward's attention (static_ragged.attention_fn), at its first use
 
     def fused_nbytes(self) -> int:
         """Bytes the fused projections' copies hold (0 without them)."""
@@ -170,10 +172,7 @@ class StaticForward:
         base = self.model.model
         rows, k = b.input_ids.shape
         h = base.embed_tokens(b.input_ids)  # [B, K, d]
-        cos, sin = base.rotary_emb(h, b.positions)  # [B, K, D] each
-        if self.fused is not None:  # rotate_half's negation, folded into sin once a forward
-            half = sin.shape[-1] // 2
-            sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        cos, sin = self._rope_tables(h, b.positions)  # [B, K, D] each
         mask = self.mask(b.positions, b.length, h.dtype)  # [B, 1, G*K, L], shared by every layer
         hidden = h if b.hidden_layer == 0 else None
         for i, layer in enumerate(base.layers):
@@ -189,6 +188,34 @@ class StaticForward:
         elif b.last_only:
             h = h[torch.arange(rows, device=h.device), b.last_col][:, None]  # [B, 1, d]
         return self.model.lm_head(h), hidden
+
+    def ragged(self, b: RaggedBatch) -> torch.Tensor:
+        """A ragged extend (static_ragged.py): its T tokens as one sequence, each attending over
+        its own slot; returns the logits after each item's last token, [R, V]."""
+        base = self.model.model
+        h = base.embed_tokens(b.input_ids[None])  # [1, T, d]
+        cos, sin = self._rope_tables(h, b.positions[None])  # [1, T, D] each
+        mask = block_mask(b, self.kv.slots, self.kv.kv_heads, self.groups, self.kv.max_len)  # shared by every layer
+        if self._flex is None:
+            self._flex = attention_fn(h.device)
+        for i, layer in enumerate(base.layers):
+            attn = layer.self_attn
+            q, key, value = self._project(i, attn, self.norm(layer.input_layernorm, h), cos, sin)  # [1, T, heads, D]
+            keys, values = self.kv.keys[i], self.kv.values[i]  # [S, kvh, M, D]
+            keys[b.slots, :, b.positions] = key[0]  # in place at [slot, :, position]: [T, kvh, D]
+            values[b.slots, :, b.positions] = value[0]
+            h = h + attn.o_proj(ragged_attention(self._flex, q[0], keys, values, mask, attn.scaling))[None]
+            h = h + self._mlp(i, layer.mlp, self.norm(layer.post_attention_layernorm, h))
+        return self.model.lm_head(self.norm(base.norm, h[0, b.last]))  # the norm is per token: [R, d]
+
+    def _rope_tables(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, K, D] at positions [B, K]; with fused projections, rotate_half's
+        negation folded into sin once a forward."""
+        cos, sin = self.model.model.rotary_emb(h, positions)
+        if self.fused is not None:
+            half = sin.shape[-1] // 2
+            sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        return cos, sin
 
     def norm(self, module, x: torch.Tensor) -> torch.Tensor:
         """module(x) for an HF Llama RMSNorm: float32 normalisation, cast back, times weight."""
@@ -217,21 +244,7 @@ class StaticForward:
     def _attention(self, i: int, attn, x: torch.Tensor, cos, sin, mask, b: Batch) -> torch.Tensor:
         rows, k, _ = x.shape
         kvh, g, d = self.kv.kv_heads, self.groups, self.kv.head_dim
-        if self.fused is None:
-            q = attn.q_proj(x).view(rows, k, self.heads, d)
-            key = attn.k_proj(x).view(rows, k, kvh, d)
-            value = attn.v_proj(x).view(rows, k, kvh, d)
-            q, key = self.rope(q, key, cos, sin, unsqueeze_dim=2)  # [B, K, H, D] layout
-        else:  # one GEMM, and the rope over the q and k heads side by side (the same formula)
-            qkv = F.linear(x, self.fused[i].qkv, self.fused[i].qkv_bias)  # [B, K, (H + 2 kvh) D]
-            qk = qkv[..., : (self.heads + kvh) * d].view(rows, k, self.heads + kvh, d)
-            value = qkv[..., (self.heads + kvh) * d :].view(rows, k, kvh, d)
-            # HF's q * cos + rotate_half(q) * sin, with rotate_half(x) = cat(-x2, x1): here
-            # cat(x2, x1) * cat(-sin1, sin2), the same products ((-a) * b == a * (-b) exactly)
-            half = d // 2
-            swapped = torch.cat((qk[..., half:], qk[..., :half]), dim=-1)
-            qk = (qk * cos.unsqueeze(2)) + (swapped * sin.unsqueeze(2))
-            q, key = qk[:, :, : self.heads], qk[:, :, self.heads :]
+        q, key, value = self._project(i, attn, x, cos, sin)
         keys, values = self.kv.keys[i], self.kv.values[i]  # [S, kvh, M, D]
         # in place at [slot, :, position]: the indexed result is [B, K, kvh, D]
         keys[b.slots[:, None], :, b.positions] = key
@@ -245,3 +258,24 @@ class StaticForward:
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling)
         out = out.view(rows, kvh, g, k, d).permute(0, 3, 1, 2, 4).reshape(rows, k, self.heads * d)
         return attn.o_proj(out)
+
+    def _project(self, i: int, attn, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, K, d] -> q [B, K, H, D], key and value [B, K, kvh, D], rope applied."""
+        rows, k, _ = x.shape
+        kvh, d = self.kv.kv_heads, self.kv.head_dim
+        if self.fused is None:
+            q = attn.q_proj(x).view(rows, k, self.heads, d)
+            key = attn.k_proj(x).view(rows, k, kvh, d)
+            value = attn.v_proj(x).view(rows, k, kvh, d)
+            q, key = self.rope(q, key, cos, sin, unsqueeze_dim=2)  # [B, K, H, D] layout
+            return q, key, value
+        # one GEMM, and the rope over the q and k heads side by side (the same formula)
+        qkv = F.linear(x, self.fused[i].qkv, self.fused[i].qkv_bias)  # [B, K, (H + 2 kvh) D]
+        qk = qkv[..., : (self.heads + kvh) * d].view(rows, k, self.heads + kvh, d)
+        value = qkv[..., (self.heads + kvh) * d :].view(rows, k, kvh, d)
+        # HF's q * cos + rotate_half(q) * sin, with rotate_half(x) = cat(-x2, x1): here
+        # cat(x2, x1) * cat(-sin1, sin2), the same products ((-a) * b == a * (-b) exactly)
+        half = d // 2
+        swapped = torch.cat((qk[..., half:], qk[..., :half]), dim=-1)
+        qk = (qk * cos.unsqueeze(2)) + (swapped * sin.unsqueeze(2))
+        return qk[:, :, : self.heads], qk[:, :, self.heads :], value

@@ -8,8 +8,9 @@ import torch
 
 from backoff_core.engine.engine import BackoffEngine
 from backoff_core.runners.dynamic import ModelRunner
+from backoff_core.runners.static import StaticRunner
 from backoff_core.types import RoutingParams
-from benchmarks.batch_scaling import ROUTINGS, measure, throughput
+from benchmarks.batch_scaling import RAGGED, ROUTINGS, _ragged, measure, throughput
 from benchmarks.step_overhead import tiny_pair
 
 
@@ -84,9 +85,35 @@ def test_a_row_that_raises_is_reported_and_the_others_are_measured():
     engine = BackoffEngine([ModelRunner(small, "small"), ModelRunner(large, "large")], tokenizer, launcher=launcher)
     waits = {label: 0.0 if wait is None else wait for label, (_, wait, _) in ROUTINGS.items()}
     runs, errors = measure(engine, [5, 6, 7], [1, 4], 6, 1, waits)
-    flying = {label for label, (_, _, flight) in ROUTINGS.items() if flight}
-    assert set(errors) == flying and launcher.launched >= len(flying)
-    assert all("illegal memory access" in error for error in errors.values())
-    assert set(runs) == set(ROUTINGS) - flying
+    flying = {label for label, (_, _, flight) in ROUTINGS.items() if flight} - RAGGED
+    assert set(errors) == flying | RAGGED and launcher.launched >= len(flying)
+    assert all("illegal memory access" in errors[label] for label in flying)
+    assert all("need static KV storage" in errors[label] for label in RAGGED)  # ModelRunners here
+    assert set(runs) == set(ROUTINGS) - flying - RAGGED
     assert all(figures["tok_per_s"] > 0 for row in runs.values() for figures in row.values())
     assert not engine.has_work() and not engine.live_ids() and not engine.flights.busy
+
+
+def test_the_ragged_rows_run_m_ls_catch_ups_ragged_and_only_those():
+    """Over static KV (the CPU: no graphs to capture), "random b=0.9, ragged" runs M_L's
+    catch-ups as ragged forwards; every other row, and the engine after measure, padded."""
+    torch.manual_seed(0)
+    (small, large), tokenizer = tiny_pair()
+    runners = [
+        StaticRunner(m, n, kv_budget_tokens=16 * 128, max_len=128) for m, n in ((small, "small"), (large, "large"))
+    ]
+    engine = BackoffEngine(runners, tokenizer)
+    seen, inner = [], runners[1]._forward.ragged
+    runners[1]._forward.ragged = lambda batch: seen.append(batch.input_ids.shape[0]) or inner(batch)
+    rows = {
+        label: ROUTINGS[label] for label in ("random b=0.9", "random b=0.9, ragged", "random b=0.9, ragged, in flight")
+    }
+    for label, (routing, wait, flight) in rows.items():
+        before = len(seen)
+        _ragged(engine, label in RAGGED)
+        got = throughput(engine, [5, 6, 7], 8, 12, routing, 1, 40.0 if wait is None else wait, flight)
+        assert got["tok_per_s"] > 0
+        assert (len(seen) > before) == (label in RAGGED), label
+    waits = {label: 40.0 for label in ROUTINGS}
+    measure(engine, [5, 6, 7], [2], 4, 1, waits)
+    assert runners[1].ragged is False

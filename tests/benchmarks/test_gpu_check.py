@@ -1,6 +1,7 @@
 """benchmarks/gpu_check.py's probes, on the CPU (graphs replayed eagerly): they time M_S at
-the k the engine does not capture and each model's prefill with and without its graphs, and
-benchmarks/gpu_costs.py prices gpu_sim's forwards by them where a run has them."""
+the k the engine does not capture, each model's prefill with and without its graphs, and M_L's
+ragged forwards, and benchmarks/gpu_costs.py prices gpu_sim's forwards by them where a run has
+them."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import pytest
 
 from backoff_core.runners.graph_plan import K_BUCKETS, GraphKey
 from backoff_core.runners.static import StaticRunner
-from benchmarks.gpu_check import PROBE_KS, commonest, probes
+from backoff_core.runners.static_ragged import RaggedKey
+from benchmarks.gpu_check import PROBE_KS, commonest, probes, ragged_probe
 from benchmarks.gpu_costs import GPU_RESULTS, GpuCosts
 from benchmarks.step_overhead import tiny_pair
 from tests.support.eager_graphs import EagerGraphs
@@ -108,3 +110,35 @@ def test_the_sharing_probe_picks_the_full_step_and_the_commonest_catch_up():
     assert commonest(Timed(keys), False, 8) == GraphKey(False, 64, 8, 256, True, None)
     with pytest.raises(ValueError, match="no gathered graph of k=4"):
         commonest(Timed(keys), False, 4)
+
+
+def test_the_ragged_probe_times_every_bucket_and_matches_the_padded_logits():
+    """M_L's ragged graphs captured and timed after warmup's (one per token bucket that fits
+    the buffers), each beside the dense view of as many token slots; the catch-up's logits
+    equal the padded path's; the runner is left padded, its probe sessions closed."""
+    (_, large), _ = tiny_pair()
+    runner = StaticRunner(large, "large", kv_budget_tokens=8 * 128, max_len=128)
+    runner.graphs = EagerGraphs(runner._forward, runner.graph_max_rows, K_BUCKETS[-1])
+    runner.warmup(last_only=(True,), progress=False)
+    got = ragged_probe(runner, list(range(2, 2 + 43)))
+    assert got["graphs"] == 3 and set(got["replay_ms"]) == {32, 64, 128}  # 8 rows x 16: 128 tokens
+    assert got["replay_ms"] == {t: 8.0 + t / 64 for t in (32, 64, 128)}  # EagerGraphs' default cost
+    assert got["dense_ms"] == {32: 8.5, 64: 9.0, 128: 10.0}  # dense 2x16, 4x16, 8x16
+    assert got["rel_err"] < 1e-5
+    assert runner.ragged is False and runner.request_ids() == []
+
+
+def test_gpu_costs_price_ragged_forwards_as_measured_or_at_their_dense_view(tmp_path):
+    for name in ("gpu_check.json", "catch_up_anatomy.json"):
+        shutil.copy(GPU_RESULTS / name, tmp_path / name)
+    before = GpuCosts.from_results(tmp_path)
+    shortest = min(n for *_, n in before.large)
+    for tokens in (32, 200, 1024):  # no ragged probe yet: the dense view of the bucket's slots
+        dense = [ms for (d, r, k, n), ms in before.large.items() if d and n == shortest and r * k >= tokens]
+        assert before.large_ms(RaggedKey(tokens), tokens, False) == min(dense)
+    check = json.loads((tmp_path / "gpu_check.json").read_text())
+    check["ragged"] = {"graphs": 2, "capture_s": 30.0, "replay_ms": {"32": 7.5, "64": 8.25}, "rel_err": 0.004}
+    (tmp_path / "gpu_check.json").write_text(json.dumps(check))
+    costs = GpuCosts.from_results(tmp_path)
+    assert costs.large_ms(RaggedKey(64), 50, False) == 8.25
+    assert costs.large_ms(RaggedKey(128), 100, False) == before.large_ms(RaggedKey(128), 100, False)  # not timed

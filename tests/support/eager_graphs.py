@@ -10,6 +10,7 @@ import torch
 from backoff_core.runners.cuda_graphs import CudaGraphs
 from backoff_core.runners.dynamic import ModelRunner
 from backoff_core.runners.static import StaticRunner
+from backoff_core.runners.static_ragged import RaggedKey
 
 TOL = dict(atol=1e-4, rtol=1e-4)
 
@@ -18,11 +19,12 @@ class EagerGraphs(CudaGraphs):
     """CudaGraphs whose 'graph' re-runs the captured body on the static buffers: the
     buckets, static inputs and output copies of the real thing, without a GPU. replay_ms
     comes from `cost(key)` (no events on the CPU): a device's timings, written down (by
-    default rows x k token slots, plus a fixed 8 per forward: a large model's weights)."""
+    default rows x k token slots, or a ragged forward's tokens, plus a fixed 8 per forward: a
+    large model's weights)."""
 
     def __init__(self, *args, cost=None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.cost = cost or (lambda key: 8.0 + key.rows * key.k / 64)
+        self.cost = cost or (lambda key: 8.0 + (key.tokens if isinstance(key, RaggedKey) else key.rows * key.k) / 64)
         self.timed: list = []  # the keys replay_ms was asked about
 
     def _record(self, key):

@@ -28,7 +28,11 @@ INDEX_OPS = {"index", "index_put", "index_put_", "_index_put_impl_"}
 
 
 class HostSyncs(TorchDispatchMode):
-    """Records every aten op a function dispatches, and which of them would sync."""
+    """Records every aten op a function dispatches, and which of them would sync. A higher
+    order op (FlexAttention's) is recorded by name and run as one: on a GPU it is one compiled
+    kernel, whose inside the fullgraph compile checks."""
+
+    supports_higher_order_operators = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -37,6 +41,9 @@ class HostSyncs(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if isinstance(func, torch._ops.HigherOrderOperator):
+            self.ops.append(func.name())
+            return func(*args, **kwargs)
         name = func.overloadpacket.__name__
         self.ops.append(name)
         if name in SYNC_OPS or name.startswith(SYNC_PREFIXES):

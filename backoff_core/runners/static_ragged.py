@@ -1,0 +1,217 @@
+"""Ragged extends: an extend's new tokens flat, without padding to rows (opt-in, M_L's
+catch-ups: StaticRunner(ragged=True)).
+
+The blocks layout (static_layout.py) pads each item's tokens to rows of k, the rows to a power
+of two, and gathers a copy of each row's slot for its attention: on the H100 at b=0.9 a third
+of M_L's token slots held padding (docs/gpu.md). Here the T new tokens of an extend run as one
+sequence [1, T] through the embeddings, projections, MLP and LM head, padded only to a token
+bucket (RAGGED_TOKENS), and each token attends over its own slot up to its own position,
+read straight from the storage: FlexAttention over a layer's K/V seen as ONE sequence of
+slots x kv_heads x max_len keys, with a block mask built in the forward from the tokens'
+slots and positions, so a query block reads only its tokens' slots' blocks up to their
+positions. No gathered copies, no length bucket, no rows.
+
+  queries  [1, 1, kvh * T * G, D], ordered (kv head, token, group): a query block holds one kv
+           head's queries of consecutive tokens (an item's tokens are consecutive), so it
+           reads few key blocks;
+  keys     storage [S, kvh, M, D] viewed [1, 1, S * kvh * M, D] (contiguous: no copy);
+  visible  key (s, h, p) to query (h', t): s == slot[t], h == h', p <= position[t]; a padding
+           token (position = the scratch column, slot 0) sees the scratch key alone.
+
+On CUDA the attention is torch.compile(flex_attention) (Triton kernels, compiled at warm-up
+and captured in the graph); elsewhere the eager flex_attention, which materialises the whole
+score matrix: right for tests over tiny models, not a CPU path for real ones (the runner
+keeps its blocks layout there unless asked). Nothing reads a device value to the host, so a
+CUDA graph can capture it (test_capture_safety.py).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from backoff_core.runners.extension import Extension, LastRows
+
+# token buckets of a ragged forward (one CUDA graph each): an extend's T new tokens run in the
+# smallest that holds them; M_L's catch-ups at 64 streams and b=0.9 carry ~100-600 tokens
+RAGGED_TOKENS = (32, 64, 128, 192, 256, 384, 512, 768, 1024)
+BLOCK = 128  # FlexAttention's block (queries and keys); a slot's keys are max_len / BLOCK blocks
+
+
+@dataclass(frozen=True)
+class RaggedKey:
+    """A ragged forward's CUDA graph: its token bucket fixes every shape."""
+
+    tokens: int
+
+    @property
+    def size(self) -> int:  # captures go largest first (cuda_graphs.py)
+        return self.tokens
+
+
+@dataclass(frozen=True)
+class RaggedBatch:
+    """One ragged forward's inputs, on the model's device (T: a token bucket; R: max items)."""
+
+    input_ids: torch.Tensor  # [T] long; padding tokens: any id
+    positions: torch.Tensor  # [T] long: rope position and KV column (padding: the scratch column)
+    slots: torch.Tensor  # [T] long: each token's storage slot (padding: 0)
+    last: torch.Tensor  # [R] long: index in [0, T) of each item's last token (unused rows: 0)
+
+
+def ragged_bucket(tokens: int) -> int | None:
+    """The smallest token bucket that holds `tokens`, or None past the largest."""
+    return next((b for b in RAGGED_TOKENS if b >= tokens), None)
+
+
+def lay_out_ragged(
+    held: Sequence[int], slots: Sequence[int], new_ids: Sequence[Sequence[int]], scratch: int, rows: int
+) -> tuple[int, list[torch.Tensor]]:
+    """An extend's items end to end (host tensors): (T, [ids, positions, token slots: [T];
+    last: [rows], each item's last token]); the tokens past the items, to the bucket T, are
+    padding at the scratch column of slot 0."""
+    counts = np.fromiter(map(len, new_ids), np.int64, len(new_ids))
+    ends = np.cumsum(counts)
+    total = int(ends[-1])
+    t = ragged_bucket(total)
+    ids = np.zeros(t, np.int64)
+    ids[:total] = np.fromiter((i for item in new_ids for i in item), np.int64, total)
+    positions = np.full(t, scratch, np.int64)
+    within = np.arange(total) - np.repeat(ends - counts, counts)  # each token's index in its item
+    positions[:total] = np.repeat(np.asarray(held, np.int64), counts) + within
+    token_slots = np.zeros(t, np.int64)
+    token_slots[:total] = np.repeat(np.asarray(slots, np.int64), counts)
+    last = np.zeros(rows, np.int64)
+    last[: len(counts)] = ends - 1
+    return t, [torch.from_numpy(a) for a in (ids, positions, token_slots, last)]
+
+
+def block_size(max_len: int) -> int:
+    """Key blocks must not straddle two (slot, kv head) runs of max_len keys."""
+    return math.gcd(max_len, BLOCK)
+
+
+def check_ragged(max_len: int, device: torch.device) -> None:
+    """On CUDA, FlexAttention's kernels take blocks of BLOCK: a slot's keys must fill whole ones."""
+    if device.type == "cuda" and max_len % BLOCK:
+        raise ValueError(f"ragged extends on CUDA need max_len a multiple of {BLOCK}, got {max_len}")
+
+
+def block_mask(b: RaggedBatch, slots: int, kv_heads: int, groups: int, max_len: int) -> BlockMask:
+    """The visibility above as a FlexAttention BlockMask, built on the device with fixed shapes:
+    marks [query blocks, key blocks] set where a token's queries meet its slot's blocks from
+    the first it sees to the last, then each query block's key blocks listed (argsort)."""
+    t = b.input_ids.shape[0]
+    dev = b.positions.device
+    block = block_size(max_len)
+    scratch = max_len - 1
+    per = max_len // block  # key blocks per (slot, kv head)
+    q_len, kv_len = kv_heads * t * groups, slots * kv_heads * max_len
+    q_blocks, kv_blocks = -(-q_len // block), slots * kv_heads * per
+    slot, position = b.slots, b.positions  # [T]
+    padding = position >= scratch
+    hi = position // block  # [T]: the last block a token sees
+    lo = torch.where(padding, hi, torch.zeros_like(hi))  # padding: the scratch block alone
+    head = torch.arange(kv_heads, device=dev)[:, None, None]  # [kvh, 1, 1]
+    token = torch.arange(t, device=dev)[None, :, None]  # [1, T, 1]
+    pb = torch.arange(per, device=dev)[None, None, :]  # [1, 1, per]
+    kb = ((slot[None, :, None] * kv_heads + head) * per + pb).expand(kv_heads, t, per)  # [kvh, T, per]
+    seen = (pb >= lo[None, :, None]) & (pb <= hi[None, :, None])  # [kvh, T, per]
+    first_row = (head * t + token) * groups  # [kvh, T, 1]: the token's first query row
+    marks = torch.zeros(q_blocks + 1, kv_blocks, dtype=torch.bool, device=dev)  # last row: unseen
+    one = torch.ones((), dtype=torch.bool, device=dev)
+    for row in (first_row, first_row + groups - 1):  # a token's G rows span at most two blocks
+        qb = torch.where(seen, (row // block).expand(kv_heads, t, per), q_blocks)
+        marks.index_put_((qb, kb), one)
+    marks = marks[:q_blocks]
+    count = marks.sum(-1, dtype=torch.int32)  # [QB]
+    order = torch.argsort(marks.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+
+    def visible(_b, _h, q, k):
+        tok = (q // groups) % t
+        s, h, p = k // (kv_heads * max_len), (k // max_len) % kv_heads, k % max_len
+        pos = position[tok]
+        return (s == slot[tok]) & (h == q // (t * groups)) & (p <= pos) & ((pos < scratch) | (p == pos))
+
+    return BlockMask.from_kv_blocks(
+        count[None, None], order[None, None], BLOCK_SIZE=block, mask_mod=visible, seq_lengths=(q_len, kv_len)
+    )
+
+
+def attention_fn(device: torch.device):
+    """flex_attention, compiled on CUDA (its fused kernel; eager materialises every score)."""
+    if device.type != "cuda":
+        return flex_attention
+    # one compile per token bucket (static shapes), each called twice at capture: above the
+    # default limit of 8 recompiles a function, which would fall back to the eager kernel
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(RAGGED_TOKENS))
+    return torch.compile(flex_attention, dynamic=False, fullgraph=True)
+
+
+def ragged_attention(
+    flex, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: BlockMask, scale: float
+) -> torch.Tensor:
+    """q [T, kvh * G, D] (HF's head order: kv head major) over storage keys/values [S, kvh,
+    M, D] -> [T, kvh * G * D]."""
+    t, heads, d = q.shape
+    kvh = keys.shape[1]
+    g = heads // kvh
+    queries = q.view(t, kvh, g, d).permute(1, 0, 2, 3).reshape(1, 1, kvh * t * g, d)
+    out = flex(queries, keys.view(1, 1, -1, d), values.view(1, 1, -1, d), block_mask=mask, scale=scale)
+    return out.view(kvh, t, g, d).permute(1, 0, 2, 3).reshape(t, heads * d)
+
+
+class RaggedExtends:
+    """StaticRunner's ragged extends (a mixin: `ragged`, `graphs`, `graph_max_rows`, `kv`,
+    `_forward` and the pass counters are the runner's)."""
+
+    def capture_ragged(self, progress: bool = True) -> tuple[int, float]:
+        """Capture and time one graph per token bucket; a no-op without graphs. warmup() calls
+        it last when `ragged` is set; called after warmup (to measure ragged forwards beside
+        the padded ones) it adds up to len(RAGGED_TOKENS) graphs past warmup's budget.
+        Returns (graphs, seconds)."""
+        if self.graphs is None:
+            return 0, 0.0
+        check_ragged(self.kv.max_len, self.device)
+        keys = self._ragged_keys()
+        with self._lock:
+            seconds = self.graphs.capture(keys, progress) + self.graphs.time_replays(keys)
+        return len(keys), seconds
+
+    def _ragged_keys(self) -> list[RaggedKey]:
+        return [RaggedKey(t) for t in RAGGED_TOKENS if t <= self.graphs.n]
+
+    def _goes_ragged(self, new_ids: list[list[int]], layer: int | None, last_only: bool) -> bool:
+        """A catch-up (several tokens, the last logits only) with ragged on, whose tokens fit a
+        bucket (and its graph, where there are graphs) and whose items fit the output rows."""
+        if not (self.ragged and last_only and layer is None and len(new_ids) <= self.graph_max_rows):
+            return False
+        if max(map(len, new_ids)) == 1:
+            return False  # a step: one row per item pads nothing
+        tokens = ragged_bucket(sum(map(len, new_ids)))
+        return tokens is not None and (self.graphs is None or RaggedKey(tokens) in self.graphs)
+
+    def _extend_ragged(self, sessions: list, new_ids: list[list[int]]) -> list[Extension]:
+        """One ragged forward: the items' tokens end to end, padded to a token bucket at the
+        scratch column of slot 0; each item's logits after its last (one LastRows)."""
+        t, inputs = lay_out_ragged(
+            [s.length for s in sessions], [s.slot for s in sessions], new_ids, self.kv.scratch, self.graph_max_rows
+        )
+        if self.graphs is not None:
+            logits = self.graphs.replay_ragged(RaggedKey(t), *inputs)  # [max_rows, V]
+        else:
+            self.eager_passes += 1
+            logits = self._forward.ragged(RaggedBatch(*(x.to(self.device) for x in inputs))).float()
+        self.forward_passes += 1
+        now = time.monotonic()
+        for s, item in zip(sessions, new_ids):
+            s.length += len(item)
+            s.last_used = now
+        batch = LastRows(logits[: len(new_ids)], None)
+        return [Extension.row(batch, i) for i in range(len(new_ids))]

@@ -1,0 +1,234 @@
+"""Ragged extends (backoff_core/runners/static_ragged.py) on the CPU: the block mask and the
+FlexAttention over the storage read as one sequence equal a per-token reference; a
+StaticRunner(ragged=True) gives HF's own logits (ModelRunner) for catch-ups of any shape,
+through the eager forward, the graph bookkeeping replayed eagerly and FlexAttention compiled
+(as on a GPU); the engine over it generates what plain transformers does; and the body a
+CUDA graph captures traces whole with no host sync."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.attention.flex_attention as flex_module
+from torch.nn.attention.flex_attention import flex_attention
+
+from backoff_core.engine.engine import BackoffEngine
+from backoff_core.runners.dynamic import ModelRunner
+from backoff_core.runners.graph_plan import GRAPH_BUDGET, K_BUCKETS
+from backoff_core.runners.static import StaticRunner
+from backoff_core.runners.static_ragged import (
+    RAGGED_TOKENS,
+    RaggedBatch,
+    RaggedKey,
+    block_mask,
+    block_size,
+    lay_out_ragged,
+    ragged_attention,
+)
+from tests.backoff_core.runners.test_capture_safety import HostSyncs
+from tests.support.eager_graphs import EagerGraphs, assert_same
+from tests.support.helpers import engine_for, request
+from tests.support.tiny import tiny_model
+
+PROMPTS = [(1, 5, 9, 2), (3, 3, 7), (8, 1, 4, 4, 6, 2, 9), (2, 6)]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(2, hidden=64, layers=4, sharpness=30)  # 4 query heads over 2 kv heads
+
+
+def ragged_runner(model, slots=8, max_len=128, graphs=False) -> StaticRunner:
+    run = StaticRunner(model, "ragged", kv_budget_tokens=slots * max_len, max_len=max_len, ragged=True)
+    if graphs:
+        run.graphs = EagerGraphs(run._forward, run.graph_max_rows, K_BUCKETS[-1])
+        run.warmup(hidden_layers=(None, 1), progress=False)
+    return run
+
+
+def spy_ragged(run) -> list[int]:
+    """Record the token bucket of every ragged forward the runner runs."""
+    seen, inner = [], run._forward.ragged
+
+    def spy(batch):
+        seen.append(batch.input_ids.shape[0])
+        return inner(batch)
+
+    run._forward.ragged = spy
+    return seen
+
+
+# -- the attention ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kv_heads, groups, max_len", [(2, 1, 256), (2, 2, 256), (1, 3, 64), (4, 4, 384), (2, 2, 96)])
+@torch.inference_mode()
+def test_attention_equals_a_per_token_reference(kv_heads, groups, max_len):
+    """Tokens in any slots at any positions (two blocks in, one at the first position, the last
+    real one), with padding at the scratch column: each sees its own slot's keys up to its
+    position and nothing else; a padding token sees the scratch key alone."""
+    torch.manual_seed(kv_heads * 10 + groups)
+    slots, d, t = 3, 16, 24
+    keys, values = torch.randn(slots, kv_heads, max_len, d), torch.randn(slots, kv_heads, max_len, d)
+    slot = torch.randint(0, slots, (t,))
+    pos = torch.randint(0, max_len - 1, (t,))
+    pos[:3] = torch.tensor([0, max_len - 2, min(129, max_len - 2)])
+    slot[-4:], pos[-4:] = 0, max_len - 1  # padding
+    q = torch.randn(t, kv_heads * groups, d)
+    batch = RaggedBatch(torch.zeros(t, dtype=torch.long), pos, slot, torch.zeros(1, dtype=torch.long))
+    mask = block_mask(batch, slots, kv_heads, groups, max_len)
+    out = ragged_attention(flex_attention, q, keys, values, mask, 0.25).view(t, kv_heads * groups, d)
+    for i in range(t):
+        s, p = int(slot[i]), int(pos[i])
+        for head in range(kv_heads * groups):
+            h = head // groups  # HF's order: the G query heads of a kv head are consecutive
+            first = p if p == max_len - 1 else 0
+            k, v = keys[s, h, first : p + 1], values[s, h, first : p + 1]
+            expected = torch.softmax(q[i, head] @ k.T * 0.25, -1) @ v
+            torch.testing.assert_close(out[i, head], expected, atol=1e-5, rtol=1e-5)
+
+
+@torch.inference_mode()
+def test_block_mask_lists_only_the_blocks_a_query_block_needs():
+    """Hand-written: 2 kv heads, G = 2, 4 slots of 512 keys (4 blocks of 128 each), 64 tokens,
+    so a query block of 128 rows is one kv head's 64 tokens. Tokens in slot 1 up to position
+    300 (block 2) and in slot 3 at position 5 read those slots' blocks 0-2 and 0; the padding
+    reads slot 0's last block; nothing else."""
+    t, max_len = 64, 512
+    slot = torch.tensor([1] * 20 + [3] * 4 + [0] * 40)
+    pos = torch.tensor(list(range(281, 301)) + [2, 3, 4, 5] + [max_len - 1] * 40)
+    batch = RaggedBatch(torch.zeros(t, dtype=torch.long), pos, slot, torch.zeros(1, dtype=torch.long))
+    mask = block_mask(batch, 4, 2, 2, max_len)
+    count, order = mask.kv_num_blocks[0, 0], mask.kv_indices[0, 0]
+    per = max_len // block_size(max_len)  # 4 blocks per (slot, kv head)
+    for head in range(2):  # query block `head` holds kv head `head`'s queries
+        expected = {(1 * 2 + head) * per + b for b in range(3)} | {(3 * 2 + head) * per} | {head * per + 3}
+        assert set(order[head, : count[head]].tolist()) == expected
+    assert count.tolist() == [5, 5]
+
+
+def test_lay_out_ragged_puts_items_end_to_end_and_pads_at_scratch():
+    t, (ids, pos, slots, last) = lay_out_ragged([4, 0, 10], [2, 5, 0], [[7, 8], [9], [1, 2, 3]], scratch=63, rows=4)
+    assert t == RAGGED_TOKENS[0]  # 6 tokens: the smallest bucket
+    assert ids[:6].tolist() == [7, 8, 9, 1, 2, 3] and pos[:6].tolist() == [4, 5, 0, 10, 11, 12]
+    assert slots[:6].tolist() == [2, 2, 5, 0, 0, 0] and last.tolist() == [1, 2, 5, 0]
+    assert (pos[6:] == 63).all() and (slots[6:] == 0).all() and len(ids) == len(pos) == len(slots) == t
+
+
+# -- the runner -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph bookkeeping"])
+def test_catch_ups_equal_model_runner(model, graphs):
+    """Prompts, then catch-ups of 1 to 70 tokens over non-adjacent slots, crossing the 64 and
+    128 positions (two blocks of a slot in one forward): HF's logits, and the sessions carry on.
+    Steps (one token each), full logits and hidden layers keep the padded path."""
+    sids = [f"s{i}" for i in range(6)]
+    ref, run = ModelRunner(model, "ref"), ragged_runner(model, graphs=graphs)
+    for request_id in sids:
+        ref.open(request_id)
+        run.open(request_id)
+    seen = spy_ragged(run)
+    assert_same(ref, run, [(r, list(range(1, 3 + 5 * i))) for i, r in enumerate(sids)], last_only=True)
+    assert_same(ref, run, [("s4", [5, 6, 7]), ("s1", [9]), ("s5", [3] * 70)], last_only=True)
+    assert_same(ref, run, [("s2", list(range(2, 40))), ("s0", [4, 4])], last_only=True)
+    assert seen == [128, 128, 64]  # 87, 74 and 40 tokens
+    del seen[:]
+    assert_same(ref, run, [(r, [4]) for r in sids], last_only=True)  # a step
+    assert_same(ref, run, [("s0", [5, 8]), ("s3", [1])])  # full logits
+    assert_same(ref, run, [("s0", [5, 8])], last_only=True, hidden_layer=1)
+    assert seen == []
+    assert_same(ref, run, [("s5", [1, 2])], last_only=True)  # the slot the steps moved on
+    assert seen == [32]
+    assert run.eager_passes == (0 if graphs else run.forward_passes)
+
+
+def test_the_graph_set_holds_one_per_bucket_within_the_budget(model):
+    run = ragged_runner(model, slots=64, max_len=128, graphs=True)
+    keys = set(run.graphs._graphs)
+    assert {k for k in keys if isinstance(k, RaggedKey)} == {RaggedKey(t) for t in RAGGED_TOKENS}
+    assert len(keys) <= GRAPH_BUDGET
+    assert set(run.graphs.ms) == keys  # every replay timed, the ragged ones too
+
+
+def test_what_passes_the_largest_bucket_or_the_output_rows_keeps_the_padded_path(model):
+    run = ragged_runner(model, slots=8, max_len=1024)
+    ref = ModelRunner(model, "ref")
+    for request_id in ("a", "b"):
+        ref.open(request_id)
+        run.open(request_id)
+    seen = spy_ragged(run)
+    assert_same(ref, run, [("a", [1] * 600), ("b", [2] * 500)], last_only=True)  # 1100 tokens
+    assert seen == []
+    run.graph_max_rows = 1  # more items than the forward's output rows
+    assert_same(ref, run, [("a", [3, 4]), ("b", [5, 6])], last_only=True)
+    assert seen == []
+    run.graph_max_rows = 2
+    assert_same(ref, run, [("a", [3, 4]), ("b", [5, 6])], last_only=True)
+    assert seen == [32]
+
+
+@torch.inference_mode()
+def test_flex_attention_compiled_equals_model_runner(model):
+    """FlexAttention compiled (inductor; Triton on a GPU, C++ here) over the same block mask:
+    HF's logits, and one compile serves every forward of a token bucket (a new mask each)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    ref, run = ModelRunner(model, "ref"), ragged_runner(model, slots=4)
+    run._forward._flex = torch.compile(flex_attention, dynamic=False, fullgraph=True)
+    for request_id in ("a", "b", "c"):
+        ref.open(request_id)
+        run.open(request_id)
+    assert_same(ref, run, [("a", list(range(1, 9))), ("b", list(range(2, 20))), ("c", [3, 4])], last_only=True)
+    assert_same(ref, run, [("a", [5, 6]), ("c", list(range(1, 12)))], last_only=True)
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+# -- capture safety ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fuse", [False, True], ids=["modules", "fused"])
+@torch.inference_mode()
+def test_captured_body_traces_whole_and_never_syncs(fuse, monkeypatch):
+    """CudaGraphs._body of a ragged key, on the inputs a capture writes: no host-sync op in a
+    dispatch trace (the block mask's construction included), FlexAttention dispatched, and
+    torch.compile(fullgraph=True) traces it with no graph break, to the same logits."""
+    run = StaticRunner(tiny_model(3), "c", kv_budget_tokens=4 * 64, max_len=64, fuse_projections=fuse, ragged=True)
+    graphs = EagerGraphs(run._forward, 4, K_BUCKETS[-1])
+    key = RaggedKey(RAGGED_TOKENS[0])
+    graphs.positions.fill_(run.kv.scratch)
+    graphs.token_slots.zero_()
+    graphs.last_col.zero_()
+    with monkeypatch.context() as patch:  # eager flex compiles itself; the trace wants the op
+        patch.setattr(flex_module, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", True)
+        with HostSyncs() as trace:
+            graphs._body(key)
+    assert trace.syncs == [] and "flex_attention" in trace.ops
+    eager = graphs.logits.clone()
+    graphs.logits.zero_()
+    torch._dynamo.reset()
+    torch.compile(functools.partial(graphs._body, key), backend="eager", fullgraph=True)()
+    torch.testing.assert_close(graphs.logits, eager, atol=0, rtol=0)
+
+
+# -- the engine -------------------------------------------------------------------------------
+
+
+def test_engine_over_ragged_catch_ups_equals_model_runner_engine(pair, tokenizer):
+    """Random routing (catch-ups of several tokens, held and batched): the same tokens and
+    sources as the engine over ModelRunners, with the catch-ups really ragged."""
+    reqs = [request(p, 16, "random", rate=0.5, seed=s) for p in PROMPTS for s in (1, 2)]
+    expected = engine_for(pair, tokenizer).generate_many(reqs)
+    small = StaticRunner(pair[0], "small", kv_budget_tokens=16 * 64, max_len=64)
+    large = StaticRunner(pair[1], "large", kv_budget_tokens=16 * 64, max_len=64, ragged=True)
+    seen = spy_ragged(large)
+    got = BackoffEngine([small, large], tokenizer).generate_many(reqs)
+    assert [g.token_ids for g in got] == [e.token_ids for e in expected]
+    assert [g.sources for g in got] == [e.sources for e in expected]
+    assert len(seen) > 1 and np.mean(seen) >= RAGGED_TOKENS[0]
+    assert large.kv.free_slots == 16
