@@ -4,6 +4,7 @@ much M_S's steps and a flight's M_L forward slow each other side by side.
     python benchmarks/gpu_sim_sharing.py                  # the grid at the H100's measured costs
     python benchmarks/gpu_sim_sharing.py --slowdowns 1 1.5 2 --repeats 1
     python benchmarks/gpu_sim_sharing.py --unpadded       # M_L's forwards without padding (not built)
+    python benchmarks/gpu_sim_sharing.py --ragged         # M_L's catch-ups ragged (built, opt-in)
 
 gpu_sim.py --what-if shared prices one pair of slowdowns (a, b): gpu_check.json's `sharing`
 probe where a run measured it, else fair sharing (2, 2). Before a GPU has measured them,
@@ -14,8 +15,9 @@ prediction the moment they exist (`measured`: the row simulated at the probe's o
 of one priority and with either side first, where the run has them), and a stream priority
 (flight.ThreadLauncher.first) is worth what it moves (a, b) across the grid. --unpadded: the
 same with M_L's forwards priced without padding (gpu_sim --what-if unpadded, a layout not
-built). Deterministic (the clock is the costs). Writes
-benchmarks/results/gpu_sim_sharing[-unpadded].json and .png.
+built); --ragged: M_L's catch-ups as ragged forwards (gpu_sim --what-if ragged, static_ragged.py).
+Deterministic (the clock is the costs). Writes
+benchmarks/results/gpu_sim_sharing[-unpadded|-ragged].json and .png.
 """
 
 from __future__ import annotations
@@ -57,12 +59,14 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3, help="seeds per cell (the median)")
     ap.add_argument("--costs", default=str(GPU_RESULTS), help="folder of the GPU run's json files")
-    ap.add_argument("--unpadded", action="store_true", help="M_L's forwards priced as gpu_sim --what-if unpadded")
+    priced = ap.add_mutually_exclusive_group()
+    priced.add_argument("--unpadded", action="store_true", help="M_L's forwards priced as gpu_sim --what-if unpadded")
+    priced.add_argument("--ragged", action="store_true", help="M_L's catch-ups ragged, as gpu_sim --what-if ragged")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     costs = GpuCosts.from_results(Path(args.costs))
     streams = (1, 64)
-    sim = build(costs, large_cost=costs.unpadded_ms if args.unpadded else None)
+    sim = build(costs, large_cost=costs.unpadded_ms if args.unpadded else None, ragged=args.ragged)
     reference = {
         "synchronous, held (the default)": ratio(sim, SYNCHRONOUS, streams, args.tokens, args.repeats),
         "in flight, two timelines": ratio(sim, IN_FLIGHT, streams, args.tokens, args.repeats),
@@ -81,6 +85,7 @@ def main() -> None:
         "slower beside a flight and the flight b times slower beside M_S's step; tok/s at n = 1 and 64",
         "costs": costs.source,
         "unpadded": args.unpadded,  # M_L's forwards at their real tokens' price (a layout not built)
+        "ragged": args.ragged,  # M_L's catch-ups as ragged forwards (static_ragged.py)
         "tokens": args.tokens,
         "reference": reference,
         "grid": grid,  # "a,b" -> {tok_per_s, ratio}
@@ -89,7 +94,7 @@ def main() -> None:
     _print(report, args.slowdowns)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / ("gpu_sim_sharing" + ("-unpadded" if args.unpadded else ""))
+    stem = out / ("gpu_sim_sharing" + ("-unpadded" if args.unpadded else "-ragged" if args.ragged else ""))
     stem.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
     _plot(report, args.slowdowns, stem.with_suffix(".png"))
     print(f"saved {stem}.json and .png")
@@ -120,7 +125,7 @@ def _plot(report: dict, slowdowns: list[float], path: Path) -> None:
         for j, v in enumerate(row):
             ax.text(j, i, f"{v:.1f}x", ha="center", va="center", color="white" if v < max(map(max, values)) else "k")
     sync = report["reference"]["synchronous, held (the default)"]["ratio"]
-    priced = ", M_L unpadded" if report["unpadded"] else ""
+    priced = ", M_L unpadded" if report["unpadded"] else ", M_L ragged" if report.get("ragged") else ""
     ax.set_title(f"b=0.9 in flight on one GPU{priced}, 64 streams vs one\n(synchronous {sync:.1f}x; goal 20x)")
     fig.colorbar(image, ax=ax)
     fig.tight_layout()

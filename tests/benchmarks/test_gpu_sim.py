@@ -80,6 +80,23 @@ def test_what_if_unpadded_prices_m_l_forwards_by_their_real_tokens():
     assert flat["large_ms"] == flat["large_forwards"] > 0
 
 
+def test_what_if_ragged_runs_m_ls_catch_ups_as_ragged_forwards_at_their_buckets_price():
+    """--what-if ragged: the engine's M_L catch-ups of several tokens are ragged forwards
+    (static_ragged.py), each on the clock at its token bucket's price; steps of one token a
+    row keep their padded graph. At 16 streams the ragged catch-ups read fewer slots than the
+    padded ones and, priced so, finish sooner."""
+    costs = GpuCosts.from_results()
+    routing = ROUTINGS["random b=0.9"][0]
+    padded, ragged = (run_batch(build(costs, ragged=r), 16, 32, routing) for r in (False, True))
+    shapes = ragged["large_by_shape"]
+    assert shapes and all(name.startswith("ragged ") for name in shapes)
+    for name, s in shapes.items():
+        tokens = int(name.split()[1])
+        assert s["ms"] == pytest.approx(s["count"] * costs.ragged_ms(tokens)) and s["real"] <= s["count"] * tokens
+    assert not any(name.startswith("ragged") for name in padded["large_by_shape"])
+    assert ragged["large_real_share"] > padded["large_real_share"] and ragged["seconds"] < padded["seconds"]
+
+
 def test_catch_ups_in_flight_run_on_m_ls_own_timeline(sim):
     """In flight (SimLauncher), M_L's forwards no longer add to the loop's clock, which still
     holds every M_S step and the host; a lone request waits for each of its flights, so its
