@@ -31,6 +31,7 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -50,21 +51,22 @@ B09 = RoutingParams(router="random", rate=0.9)
 # the GPU schedules first, by stream priority (None: neither, the engine's default)
 FLIGHTS = {"one priority": None, "loop first": "loop", "flight first": "flight"}
 # label -> (routing, the engine's catch_up_wait_ms: None keeps --catch-up-wait-ms, a key of
-# FLIGHTS or None: synchronous); the rows in flight last: never run on a GPU before, a failure
-# there costs no other row
+# FLIGHTS or None: synchronous). In the order a GPU run needs them: the goal's row and its
+# bounds, then the levers never run on a GPU (in flight; ragged, whose first use compiles
+# FlexAttention), then the rows an earlier run measured. A row that raises costs no other,
+# and the results are saved after every row (a stage cut short keeps what it measured).
 ROUTINGS = {
     "always-large": (RoutingParams(router="always-large"), None, None),
     "random b=0.9": (B09, None, None),
-    "random b=0.9, catch-ups at once": (B09, 0.0, None),
-    "random b=0.9, waits up to 1 s": (B09, 1000.0, None),
     "always-small": (RoutingParams(router="always-small"), None, None),
     "random b=0.9, in flight": (B09, 0.0, "one priority"),
     "random b=0.9, in flight, loop first": (B09, 0.0, "loop first"),
     "random b=0.9, in flight, flight first": (B09, 0.0, "flight first"),
-    "random b=0.9, held and in flight": (B09, None, "one priority"),
-    # last: their first use captures M_L's ragged graphs (compiling FlexAttention)
     "random b=0.9, ragged": (B09, None, None),
     "random b=0.9, ragged, in flight": (B09, 0.0, "one priority"),
+    "random b=0.9, catch-ups at once": (B09, 0.0, None),
+    "random b=0.9, waits up to 1 s": (B09, 1000.0, None),
+    "random b=0.9, held and in flight": (B09, None, "one priority"),
 }
 RAGGED = {label for label in ROUTINGS if "ragged" in label}  # M_L's catch-ups as ragged forwards
 
@@ -116,15 +118,24 @@ def throughput(
 
 
 def measure(
-    engine, prompt_ids, streams: list[int], tokens: int, repeats: int, waits: dict[str, float]
+    engine,
+    prompt_ids,
+    streams: list[int],
+    tokens: int,
+    repeats: int,
+    waits: dict[str, float],
+    rows: list[str] | None = None,
+    after_row: Callable[[dict, dict], None] | None = None,
 ) -> tuple[dict[str, dict[str, dict]], dict[str, str]]:
-    """Every row of ROUTINGS at every n (each row warmed up first: allocator growth, lazy
-    initialisation): ({label: {n: throughput's figures}}, {label: the error of a row that
-    raised}). A row that raises is reported, not measured, and its requests cancelled, so
-    one failing row (a first run on new hardware) does not cost the others; after a failure
-    that leaves the engine unclean, the rows left are skipped, with that reason."""
+    """The rows of ROUTINGS (`rows`, default every one) at every n (each row warmed up first:
+    allocator growth, lazy initialisation): ({label: {n: throughput's figures}}, {label: the
+    error of a row that raised}), handed to `after_row` after each. A row that raises is
+    reported, not measured, and its requests cancelled, so one failing row (a first run on
+    new hardware) does not cost the others; after a failure that leaves the engine unclean,
+    the rows left are skipped, with that reason."""
     runs, errors = {}, {}
-    for label, (routing, _, flight) in tqdm(ROUTINGS.items(), desc="routings"):
+    picked = {label: ROUTINGS[label] for label in rows} if rows is not None else ROUTINGS
+    for label, (routing, _, flight) in tqdm(picked.items(), desc="routings"):
         if errors and engine.has_work():
             errors[label] = f"skipped: the engine still had work after {next(iter(errors))!r} failed"
             continue
@@ -139,6 +150,8 @@ def measure(
             errors[label] = f"{type(exc).__name__}: {exc}"
             print(f"{label}: FAILED, {errors[label]}")
             _cancel_all(engine)
+        if after_row is not None:
+            after_row(runs, errors)
     _ragged(engine, False)
     return runs, errors
 
@@ -203,9 +216,13 @@ def main() -> None:
         help="instead: b=0.9 with catch_up_wait_ms = MS against 0, in turn, --repeats rounds of one "
         "repeat each per n (the machine's drift hits both alike); saves batch_scaling_interleaved[-TAG].json",
     )
+    ap.add_argument("--rows", nargs="+", metavar="LABEL", help="labels of ROUTINGS to run (default: every row)")
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", default=None, help="default: benchmarks/results (benchmarks/results/gpu on cuda)")
     args = ap.parse_args()
+    rows = args.rows
+    if rows is not None and (unknown := [label for label in rows if label not in ROUTINGS]):
+        ap.error(f"unknown rows {unknown}; the rows are {list(ROUTINGS)}")
     transformers.logging.set_verbosity_error()
 
     chain = load_chain(args.small, args.large, (), LoadSpec(args.device, args.dtype))
@@ -218,7 +235,24 @@ def main() -> None:
     if args.interleave is not None:
         return _interleaved(engine, prompt_ids, streams, args)
     waits = {label: args.catch_up_wait_ms if wait is None else wait for label, (_, wait, _) in ROUTINGS.items()}
-    runs, errors = measure(engine, prompt_ids, streams, args.tokens, args.repeats, waits)
+    out = _out_dir(args)
+    stem = "batch_scaling" + (f"-{args.tag}" if args.tag else "")
+    gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else None  # before any row can break CUDA
+
+    def save(runs: dict, errors: dict) -> dict:
+        report = _report(args, kv, load_s, waits, streams, runs, errors, gpu)
+        (out / f"{stem}.json").write_text(json.dumps(report, indent=2))
+        return report
+
+    runs, errors = measure(engine, prompt_ids, streams, args.tokens, args.repeats, waits, rows, after_row=save)
+    report = save(runs, errors)
+    _print(report, streams)
+    _plot(report, streams, out / f"{stem}.png")
+    print(f"saved {out / stem}.json and .png")
+
+
+def _report(args, kv, load_s: float, waits: dict, streams: list[int], runs: dict, errors: dict, gpu) -> dict:
+    """The results file's figures (runs, errors: measure's, so far)."""
 
     def pick(key: str) -> dict[str, dict[str, float]]:
         return {label: {n: figures[key] for n, figures in row.items()} for label, row in runs.items()}
@@ -227,7 +261,7 @@ def main() -> None:
     base = str(streams[0])
     report = {
         "device": args.device,
-        "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
+        "gpu": gpu,
         "dtype": args.dtype,
         "tokens": args.tokens,
         "repeats": args.repeats,
@@ -243,12 +277,7 @@ def main() -> None:
         "scaling_vs_n1": {label: {n: v / row[base] for n, v in row.items()} for label, row in table.items()},
         "errors": errors,
     }
-    _print(report, streams)
-    out = _out_dir(args)
-    stem = "batch_scaling" + (f"-{args.tag}" if args.tag else "")
-    (out / f"{stem}.json").write_text(json.dumps(report, indent=2))
-    _plot(report, streams, out / f"{stem}.png")
-    print(f"saved {out / stem}.json and .png")
+    return report
 
 
 def _interleaved(engine, prompt_ids, streams: list[int], args) -> None:

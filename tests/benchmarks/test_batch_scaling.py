@@ -96,7 +96,8 @@ def test_a_row_that_raises_is_reported_and_the_others_are_measured():
 
 def test_the_ragged_rows_run_m_ls_catch_ups_ragged_and_only_those():
     """Over static KV (the CPU: no graphs to capture), "random b=0.9, ragged" runs M_L's
-    catch-ups as ragged forwards; every other row, and the engine after measure, padded."""
+    catch-ups as ragged forwards; every other row, and the engine after measure, padded.
+    measure runs the rows asked for, in that order, handing what it has after each."""
     torch.manual_seed(0)
     (small, large), tokenizer = tiny_pair()
     runners = [
@@ -114,6 +115,10 @@ def test_the_ragged_rows_run_m_ls_catch_ups_ragged_and_only_those():
         got = throughput(engine, [5, 6, 7], 8, 12, routing, 1, 40.0 if wait is None else wait, flight)
         assert got["tok_per_s"] > 0
         assert (len(seen) > before) == (label in RAGGED), label
-    waits = {label: 40.0 for label in ROUTINGS}
-    measure(engine, [5, 6, 7], [2], 4, 1, waits)
+    saved = []  # after every row, what is measured so far (the stage saves it then)
+    picked = ["random b=0.9, ragged", "always-small"]
+    runs, errors = measure(
+        engine, [5, 6, 7], [2], 4, 1, dict.fromkeys(ROUTINGS, 40.0), picked, lambda r, e: saved.append(list(r))
+    )
+    assert list(runs) == picked and errors == {} and saved == [picked[:1], picked]
     assert runners[1].ragged is False
