@@ -141,12 +141,15 @@ class KVSpec:
     static: preallocated storage (static_runner.py) cut into slots of `max_len` positions,
     a session owning one slot while it lives; cuda_graphs: replay captured CUDA graphs for
     one-token steps and short catch-ups (GPU). Not static: per-session caches (runner.py)
-    that count the positions they hold and evict idle sessions to stay within the budget."""
+    that count the positions they hold and evict idle sessions to stay within the budget.
+    ragged: static KV on CUDA, the largest model's catch-ups as ragged forwards, their tokens
+    unpadded (static_ragged.py; opt-in until a GPU run has measured it)."""
 
     budget_tokens: int
     max_len: int = 2048
     cuda_graphs: bool = True
     static: bool = True
+    ragged: bool = False
 
     def __post_init__(self) -> None:
         if self.max_len < 2:

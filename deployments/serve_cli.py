@@ -126,6 +126,11 @@ def _parser() -> argparse.ArgumentParser:
         "(slots on CUDA, per-session caches on CPU)",
     )
     p.add_argument("--kv-max-len", type=int, help="static KV: positions per slot (default 2048)")
+    p.add_argument(
+        "--ragged-catch-ups",
+        action="store_true",
+        help="static KV on a GPU: the large model's catch-ups as ragged forwards, unpadded (docs/gpu.md; opt-in)",
+    )
     p.add_argument("--router", help="decision function (live config)")
     p.add_argument("--threshold", help="threshold(s), comma-separated, ascending (live config)")
     p.add_argument("--target-backoff", type=float, help="target backoff rate (live config)")
@@ -184,6 +189,8 @@ def apply_overrides(config: dict, args: argparse.Namespace) -> dict:
             models[key] = value
     if args.static_kv is not None:
         models["static_kv"] = {"true": True, "false": False}.get(args.static_kv, "auto")
+    if args.ragged_catch_ups:
+        models["ragged_catch_ups"] = True
     routing = _deployment(app, "SmallModel").setdefault("user_config", {})
     if args.router is not None or args.threshold is not None:
         routing.pop("threshold", None)  # the deprecated spelling of thresholds: the command line replaces it

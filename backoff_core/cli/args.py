@@ -30,6 +30,11 @@ def model_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--max-len", type=int, default=2048, help="static KV: positions per slot (prompt + output)")
     g.add_argument("--no-cuda-graphs", action="store_true", help="static KV without CUDA graphs (eager)")
+    g.add_argument(
+        "--ragged-catch-ups",
+        action="store_true",
+        help="static KV on CUDA: the large model's catch-ups as ragged forwards, unpadded (docs/gpu.md; opt-in)",
+    )
 
 
 def routing_args(p: argparse.ArgumentParser) -> None:

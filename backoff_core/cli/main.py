@@ -153,7 +153,11 @@ def _generate(args) -> int:
     chain = load_chain(
         args.small, args.large, args.medium, LoadSpec(args.device, args.dtype, args.device_map, args.cpu_kernels)
     )
-    kv = KVSpec(args.kv_budget, args.max_len, not args.no_cuda_graphs) if args.kv_budget else None
+    kv = (
+        KVSpec(args.kv_budget, args.max_len, not args.no_cuda_graphs, ragged=args.ragged_catch_ups)
+        if args.kv_budget
+        else None
+    )
     engine = BackoffEngine.from_chain(chain, kv=kv, classifier_path=args.classifier)
     request = request_from_args(args, encode_prompt(chain.tokenizer, args.prompt, args.chat))
     result = engine.generate(request)

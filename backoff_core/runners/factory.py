@@ -47,6 +47,7 @@ def make_runner(
         evict_idle=not small,  # M_L: evict idle sessions LRU for a new one (re-prefilled later)
         prefix_cache=prefix_cache,
         fuse_projections=small,  # M_S's step is bound by its kernel count (static_forward.py)
+        ragged=_ragged(kv, model, name, small),
     )
     if small:
         from backoff_core.routing.head import ClassifierHead
@@ -56,3 +57,15 @@ def make_runner(
     else:
         runner.warmup()
     return runner
+
+
+def _ragged(kv: KVSpec, model, name: str, small: bool) -> bool:
+    """A larger model's catch-ups as ragged forwards (static_ragged.py) where asked and on CUDA;
+    on another device FlexAttention would run eagerly, materialising every score: padded there."""
+    if not kv.ragged or small:
+        return False
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        log.warning("%s: ragged catch-ups need CUDA (FlexAttention compiled); padded on %s", name, device)
+        return False
+    return True

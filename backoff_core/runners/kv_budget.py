@@ -64,6 +64,7 @@ def resolve_kv(
     cuda_graphs: bool = True,
     gpu_share: float = 1.0,
     reserve_tokens: int = 0,
+    ragged: bool = False,
 ) -> KVSpec:
     """The KVSpec a replica runs with: `auto` resolved for this model on its device.
     reserve_tokens: positions kept elsewhere (the prefix cache) that `auto` leaves room for."""
@@ -72,7 +73,7 @@ def resolve_kv(
     tokens = max(1, auto_budget(model, gpu_share) - reserve_tokens) if budget == "auto" else int(budget)
     if use_static and budget == "auto":
         tokens = max(max_len, tokens - tokens % max_len)  # whole slots
-    return KVSpec(tokens, max_len, cuda_graphs, use_static)
+    return KVSpec(tokens, max_len, cuda_graphs, use_static, ragged)
 
 
 def describe(kv: KVSpec, model) -> str:

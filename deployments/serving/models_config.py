@@ -52,6 +52,11 @@ class ModelsConfig(FrozenConfig):
     cuda_graphs: bool = Field(
         True, description="static KV on a GPU: replay captured CUDA graphs for steps and short catch-ups"
     )
+    ragged_catch_ups: bool = Field(
+        False,
+        description="static KV on a GPU: the large model's catch-ups as ragged forwards, their tokens unpadded "
+        "(FlexAttention over the slots; docs/gpu.md). Opt-in until a GPU run has measured it; ignored on the CPU",
+    )
     prefix_cache_tokens: int = Field(
         8192,
         ge=0,
@@ -72,6 +77,7 @@ class ModelsConfig(FrozenConfig):
             self.cuda_graphs,
             gpu_share,
             reserve_tokens=self.prefix_cache_tokens,  # `auto` leaves the prefix cache its room
+            ragged=self.ragged_catch_ups,
         )
 
     def prefix_spec(self) -> PrefixCacheSpec | None:

@@ -98,6 +98,17 @@ def test_static_kv_settings_reach_the_models_config():
         ModelsConfig(kv_budget_tokens=1000, kv_max_len=1024, static_kv=True)
 
 
+def test_ragged_catch_ups_reach_the_kv_spec_and_stay_off_by_default(pair):
+    base = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    models = ModelsConfig.model_validate(
+        apply_overrides(base, _parser().parse_args([]))["applications"][0]["args"]["models"]
+    )
+    assert models.ragged_catch_ups is False and models.kv_spec(pair[1]).ragged is False
+    args = _parser().parse_args(["--ragged-catch-ups", "--kv-budget", "4096", "--kv-max-len", "256"])
+    models = ModelsConfig.model_validate(apply_overrides(base, args)["applications"][0]["args"]["models"])
+    assert models.ragged_catch_ups is True and models.kv_spec(pair[1]).ragged is True
+
+
 @pytest.mark.parametrize(
     ("field", "engine_default"),
     [("prefill_chunk_tokens", "PREFILL_CHUNK_TOKENS"), ("catch_up_wait_ms", "CATCH_UP_WAIT_MS")],

@@ -10,6 +10,7 @@ from backoff_core.engine.engine import BackoffEngine
 from backoff_core.runners.dynamic import ModelRunner
 from backoff_core.runners.factory import make_runner
 from backoff_core.runners.kv_budget import bytes_per_token, kv_tokens, resolve_kv
+from backoff_core.runners.static import StaticRunner
 from backoff_core.runners.static_kv import KVCapacityError
 from backoff_core.types import KVSpec
 from deployments.serving.batcher import CatchUpBatcher
@@ -175,6 +176,17 @@ def test_batcher_refuses_a_new_session_when_static_storage_has_no_free_slot(pair
     reply = loop_thread.run(batcher.extend(CatchUpCall("c", 0, (3, 4))))
     assert reply.logits is None and "no free KV slot" in reply.refused and batcher.stats.refused == 1
     assert kv_tokens(runner) == 64
+
+
+def test_ragged_catch_ups_are_the_larger_models_and_cuda_only(pair, caplog):
+    """KVSpec.ragged: M_S never (one token a row pads nothing); M_L on the CPU stays padded,
+    with a warning (FlexAttention would run eagerly there, materialising every score)."""
+    kv = KVSpec(budget_tokens=4 * 128, max_len=128, ragged=True)
+    small = make_runner(pair[0], "small", kv, small=True)
+    with caplog.at_level("WARNING", logger="backoff_core.runners.factory"):
+        large = make_runner(pair[1], "large", kv)
+    assert isinstance(large, StaticRunner) and small.ragged is False and large.ragged is False
+    assert "ragged catch-ups need CUDA" in caplog.text
 
 
 def test_backoff_serve_prints_auto_and_takes_a_budget_and_storage():
