@@ -5,8 +5,9 @@
 #                                           # ragged catch-ups in FlexAttention) + the pair checked
 #                                           # against the plan (gpu_check.json, its ragged forwards last)
 #   bash scripts/gpu_bench.sh cost  [TAG]   # benchmarks/cost_curve.py: c_S, P_L(k), C(b), baselines
-#   bash scripts/gpu_bench.sh batch [TAG]   # benchmarks/batch_scaling.py: n = 1, 4, 16, 64, then
-#                                           # catch_up_anatomy.py: every M_L forward of 64 streams
+#   bash scripts/gpu_bench.sh batch [TAG]   # benchmarks/batch_scaling.py: n = 1, 4, 16, 64, six rows
+#                                           # (ROWS=all: every row), then catch_up_anatomy.py: every
+#                                           # M_L forward of 64 streams
 #
 # TAG names the GPU in the file names (default h100). Every stage builds the random-weight
 # 135M/8B-shaped pair in /tmp/pair itself (unless a warm machine kept it) from a copy of
@@ -44,8 +45,12 @@ cost)
         grep -v '%|' | tee "$out/cost_curve-$tag.txt" | tail -30
     ;;
 batch)
-    python3 benchmarks/batch_scaling.py "${common[@]}" --tokens 64 --repeats 2 --tag "$tag" --out "$out" 2>&1 |
-        grep -v '%|' | tee "$out/batch_scaling-$tag.txt" | tail -12
+    # the goal's row, its bounds and the levers no GPU has run (ROWS=all: every row of ROUTINGS)
+    rows=("always-large" "random b=0.9" "always-small" "random b=0.9, in flight" "random b=0.9, ragged"
+        "random b=0.9, ragged, in flight")
+    [ "${ROWS:-}" = all ] && rows=()
+    python3 benchmarks/batch_scaling.py "${common[@]}" --tokens 64 --repeats 2 --tag "$tag" --out "$out" \
+        ${rows[@]:+--rows "${rows[@]}"} 2>&1 | grep -v '%|' | tee "$out/batch_scaling-$tag.txt" | tail -14
     # the shapes, real tokens and times of M_L's forwards behind the b=0.9 row (a second load)
     python3 benchmarks/catch_up_anatomy.py "${common[@]}" --out "$out" 2>&1 | grep -v '%|' |
         tee "$out/catch_up_anatomy.txt" | grep -v '^[DG][0-9]' | tail -8

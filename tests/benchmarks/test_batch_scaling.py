@@ -122,3 +122,16 @@ def test_the_ragged_rows_run_m_ls_catch_ups_ragged_and_only_those():
     )
     assert list(runs) == picked and errors == {} and saved == [picked[:1], picked]
     assert runners[1].ragged is False
+
+
+def test_the_batch_stage_names_rows_that_exist():
+    """scripts/gpu_bench.sh batch runs a chosen set of rows by label: each must be a row (a typo
+    would stop the stage at its argument check, on a GPU's time)."""
+    import re
+    from pathlib import Path
+
+    script = (Path(__file__).parents[2] / "scripts" / "gpu_bench.sh").read_text()
+    block = re.search(r"rows=\((.*?)\)", script, re.S).group(1)
+    labels = re.findall(r'"([^"]+)"', block)
+    assert len(labels) == 6 and set(labels) <= set(ROUTINGS)
+    assert "random b=0.9" in labels and RAGGED <= set(labels)
