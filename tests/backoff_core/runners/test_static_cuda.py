@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from backoff_core.engine.engine import BackoffEngine
 from backoff_core.runners.dynamic import ModelRunner
@@ -18,12 +17,11 @@ from backoff_core.runners.static import KVCapacityError, StaticRunner
 from backoff_core.runners.static_forward import Batch
 from backoff_core.sampling import Stream, sample_rows, uniforms
 from backoff_core.types import Verification
+from tests.support.cuda_shapes import LONG, PROMPTS, SHAPES, rel_err, shaped_model
 from tests.support.helpers import request
 from tests.support.tiny import VOCAB, tiny_model
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-PROMPTS = [(3, 4, 5, 6), (7,), (9, 9, 9, 9, 9, 9, 9, 1)]
-LONG = tuple((5 * i + 1) % 48 for i in range(40))  # k = 40 > 16: an eager prefill
 
 
 def runner(model, name, slots=8, max_len=128, fuse=False, **warmup) -> StaticRunner:
@@ -256,26 +254,6 @@ def test_kv_budget_and_slot_reuse(gpu_pair):
 
 
 # -- bf16 at the real attention shapes ------------------------------------------------------
-SHAPES = {  # G = heads / kv_heads; head_dim = hidden / heads
-    "G3-135M": dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536),
-    "G4-8B": dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=2048),
-}
-
-
-def shaped_model(shape: str) -> LlamaForCausalLM:
-    """Two layers with the attention of a real model (rope theta and all), random weights."""
-    torch.manual_seed(11)
-    config = LlamaConfig(
-        vocab_size=VOCAB, num_hidden_layers=2, max_position_embeddings=2048, tie_word_embeddings=False, **SHAPES[shape]
-    )
-    with torch.device("cuda"):
-        return LlamaForCausalLM(config).eval()
-
-
-def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((got.float() - ref).norm() / ref.norm())
-
-
 @pytest.mark.parametrize("fuse", [False, True], ids=["modules", "fused"])
 @pytest.mark.parametrize("shape", list(SHAPES))
 @torch.inference_mode()

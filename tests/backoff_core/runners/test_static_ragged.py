@@ -28,9 +28,9 @@ from backoff_core.runners.static_ragged import (
     lay_out_ragged,
     ragged_attention,
 )
-from tests.backoff_core.runners.test_capture_safety import HostSyncs
 from tests.support.eager_graphs import EagerGraphs, assert_same
 from tests.support.helpers import engine_for, request
+from tests.support.host_syncs import HostSyncs
 from tests.support.tiny import tiny_model
 
 PROMPTS = [(1, 5, 9, 2), (3, 3, 7), (8, 1, 4, 4, 6, 2, 9), (2, 6)]

@@ -13,7 +13,7 @@ from backoff_core.engine.engine import BackoffEngine
 from backoff_core.runners.dynamic import ModelRunner
 from backoff_core.runners.static import StaticRunner
 from backoff_core.runners.static_ragged import RaggedKey
-from tests.backoff_core.runners.test_static_cuda import LONG, PROMPTS, SHAPES, rel_err, shaped_model
+from tests.support.cuda_shapes import LONG, PROMPTS, SHAPES, rel_err, shaped_model
 from tests.support.helpers import request
 from tests.support.tiny import VOCAB, tiny_model
 
