@@ -299,8 +299,10 @@ def replay_table(runner: StaticRunner) -> list[dict]:
 def ragged_probe(runner: StaticRunner, prompt_ids: list[int]) -> dict:
     """M_L's ragged forwards (static_ragged.py, opt-in): one graph per token bucket captured
     (compiling FlexAttention) and timed (`replay_ms`, gpu_sim's price of them), beside the
-    dense view of as many token slots at the shortest L (`dense_ms`: the estimate before);
-    and a catch-up of six items of 2 to 37 tokens, ragged against the padded path (logits'
+    dense view of as many token slots at the shortest L (`dense_ms`: the estimate before).
+    Timed on the capture's inputs, every token at the scratch column: one key block each, as
+    the batch benchmark's contexts of under 128 positions read; longer contexts read more.
+    And a catch-up of six items of 2 to 37 tokens, ragged against the padded path (logits'
     relative error, bf16)."""
     graphs, seconds = runner.capture_ragged(progress=False)
     ms = {k.tokens: round(v, 3) for k, v in runner.graphs.ms.items() if isinstance(k, RaggedKey)}
