@@ -259,8 +259,8 @@ class StaticRunner(PrefixCaching, RaggedExtends, SessionTable[_SlotSession]):
                 out = self._extend_scored(sessions, new_ids, layer, last_only, scoring)
                 self._remember(sessions, new_ids)
                 return out
-            if self._goes_ragged(new_ids, layer, last_only):
-                out = self._extend_ragged(sessions, new_ids)
+            if (runs := self._ragged_runs(new_ids, layer, last_only)) is not None:
+                out = self._extend_ragged(sessions, new_ids, runs)
                 self._remember(sessions, new_ids)
                 return out
             plans = self._plans(sessions, new_ids, layer, last_only)

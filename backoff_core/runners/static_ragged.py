@@ -187,31 +187,54 @@ class RaggedExtends:
     def _ragged_keys(self) -> list[RaggedKey]:
         return [RaggedKey(t) for t in RAGGED_TOKENS if t <= self.graphs.n]
 
-    def _goes_ragged(self, new_ids: list[list[int]], layer: int | None, last_only: bool) -> bool:
-        """A catch-up (several tokens, the last logits only) with ragged on, whose tokens fit a
-        bucket (and its graph, where there are graphs) and whose items fit the output rows."""
+    def _ragged_runs(self, new_ids: list[list[int]], layer: int | None, last_only: bool) -> list[slice] | None:
+        """A catch-up (several tokens, the last logits only) with ragged on: its items in runs of
+        consecutive ones whose tokens fill a bucket at most (a forward each, each bucket's
+        graph captured where there are graphs); None, the padded path: ragged off, other
+        logits, a step (one token a row pads nothing), more items than the output rows, or an
+        item longer than the largest bucket."""
         if not (self.ragged and last_only and layer is None and len(new_ids) <= self.graph_max_rows):
-            return False
+            return None
         if max(map(len, new_ids)) == 1:
-            return False  # a step: one row per item pads nothing
-        tokens = ragged_bucket(sum(map(len, new_ids)))
-        return tokens is not None and (self.graphs is None or RaggedKey(tokens) in self.graphs)
+            return None
+        top = RAGGED_TOKENS[-1] if self.graphs is None else max((k.tokens for k in self._ragged_keys()), default=0)
+        runs, start, tokens = [], 0, 0
+        for i, ids in enumerate(new_ids):
+            if len(ids) > top:
+                return None
+            if tokens + len(ids) > top:
+                runs.append(slice(start, i))
+                start, tokens = i, 0
+            tokens += len(ids)
+        runs.append(slice(start, len(new_ids)))
+        if self.graphs is not None and any(
+            RaggedKey(ragged_bucket(sum(map(len, new_ids[run])))) not in self.graphs for run in runs
+        ):
+            return None
+        return runs
 
-    def _extend_ragged(self, sessions: list, new_ids: list[list[int]]) -> list[Extension]:
-        """One ragged forward: the items' tokens end to end, padded to a token bucket at the
-        scratch column of slot 0; each item's logits after its last (one LastRows)."""
-        t, inputs = lay_out_ragged(
-            [s.length for s in sessions], [s.slot for s in sessions], new_ids, self.kv.scratch, self.graph_max_rows
-        )
-        if self.graphs is not None:
-            logits = self.graphs.replay_ragged(RaggedKey(t), *inputs)  # [max_rows, V]
-        else:
-            self.eager_passes += 1
-            logits = self._forward.ragged(RaggedBatch(*(x.to(self.device) for x in inputs))).float()
-        self.forward_passes += 1
+    def _extend_ragged(self, sessions: list, new_ids: list[list[int]], runs: list[slice]) -> list[Extension]:
+        """A ragged forward per run of items: their tokens end to end, padded to a token bucket
+        at the scratch column of slot 0; each item's logits after its last (one LastRows)."""
+        parts = []
+        for run in runs:
+            t, inputs = lay_out_ragged(
+                [s.length for s in sessions[run]],
+                [s.slot for s in sessions[run]],
+                new_ids[run],
+                self.kv.scratch,
+                self.graph_max_rows,
+            )
+            if self.graphs is not None:
+                logits = self.graphs.replay_ragged(RaggedKey(t), *inputs)  # [max_rows, V]
+            else:
+                self.eager_passes += 1
+                logits = self._forward.ragged(RaggedBatch(*(x.to(self.device) for x in inputs))).float()
+            self.forward_passes += 1
+            parts.append(logits[: run.stop - run.start])
         now = time.monotonic()
         for s, item in zip(sessions, new_ids):
             s.length += len(item)
             s.last_used = now
-        batch = LastRows(logits[: len(new_ids)], None)
+        batch = LastRows(parts[0] if len(parts) == 1 else torch.cat(parts), None)
         return [Extension.row(batch, i) for i in range(len(new_ids))]

@@ -143,6 +143,11 @@ def test_catch_ups_equal_model_runner(model, graphs):
     assert seen == []
     assert_same(ref, run, [("s5", [1, 2])], last_only=True)  # the slot the steps moved on
     assert seen == [32]
+    del seen[:]
+    # with graphs, past the largest bucket their buffers hold (8 rows x 16: 128 tokens): runs of
+    # items, a forward each; eager, every bucket up to 1024
+    assert_same(ref, run, [("s2", [6] * 60), ("s3", [7] * 60), ("s4", [8] * 30)], last_only=True)
+    assert seen == ([128, 32] if graphs else [192])
     assert run.eager_passes == (0 if graphs else run.forward_passes)
 
 
@@ -154,14 +159,20 @@ def test_the_graph_set_holds_one_per_bucket_within_the_budget(model):
     assert set(run.graphs.ms) == keys  # every replay timed, the ragged ones too
 
 
-def test_what_passes_the_largest_bucket_or_the_output_rows_keeps_the_padded_path(model):
-    run = ragged_runner(model, slots=8, max_len=1024)
+def test_past_the_largest_bucket_runs_of_items_each_take_a_forward(model):
+    """Items end to end past the largest bucket: runs of consecutive items, a ragged forward
+    each, HF's logits for all. An item longer than the largest bucket, or more items than the
+    forward's output rows, keep the padded path."""
+    run = ragged_runner(model, slots=2, max_len=2048)
     ref = ModelRunner(model, "ref")
     for request_id in ("a", "b"):
         ref.open(request_id)
         run.open(request_id)
     seen = spy_ragged(run)
-    assert_same(ref, run, [("a", [1] * 600), ("b", [2] * 500)], last_only=True)  # 1100 tokens
+    assert_same(ref, run, [("a", [1, 2] * 300), ("b", [2] * 500)], last_only=True)  # 1100 tokens
+    assert seen == [768, 512]  # 600 | 500
+    del seen[:]
+    assert_same(ref, run, [("a", [3] * 1100), ("b", [4, 5])], last_only=True)  # 1100 > 1024 in one item
     assert seen == []
     run.graph_max_rows = 1  # more items than the forward's output rows
     assert_same(ref, run, [("a", [3, 4]), ("b", [5, 6])], last_only=True)
