@@ -148,6 +148,12 @@ class CudaGraphs:
             self._body(key)
         return graph
 
+    def forget(self, keys: list[GraphKey | RaggedKey]) -> None:
+        """Drop these graphs and their times (a set whose capture failed part way)."""
+        for key in keys:
+            self._graphs.pop(key, None)
+            self.ms.pop(key, None)
+
     def time_replays(self, keys: list[GraphKey | RaggedKey]) -> float:
         """Time every captured graph of `keys` into `ms` (static_layout.choose weighs the
         layouts of an extend by them); returns the seconds taken."""

@@ -210,7 +210,7 @@ class StaticRunner(PrefixCaching, RaggedExtends, SessionTable[_SlotSession]):
             self._captured_ks = {v: tuple(sorted(ks)) for v, ks in captured.items()}
             seconds += self.graphs.time_replays(keys)  # what static_layout.choose weighs
             if ragged:  # after the others: a first compile of FlexAttention that fails costs them nothing
-                seconds += self.capture_ragged(progress)[1]
+                seconds += self._warm_ragged(progress)
         if progress:
             print(
                 f"{self.name}: {len(self.graphs)} CUDA graphs captured and timed in {seconds:.1f} s "

@@ -27,6 +27,7 @@ CUDA graph can capture it (test_capture_safety.py).
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Sequence
@@ -37,6 +38,8 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from backoff_core.runners.extension import Extension, LastRows
+
+log = logging.getLogger(__name__)
 
 # token buckets of a ragged forward (one CUDA graph each): an extend's T new tokens run in the
 # smallest that holds them; M_L's catch-ups at 64 streams and b=0.9 carry ~100-600 tokens
@@ -183,6 +186,17 @@ class RaggedExtends:
         with self._lock:
             seconds = self.graphs.capture(keys, progress) + self.graphs.time_replays(keys)
         return len(keys), seconds
+
+    def _warm_ragged(self, progress: bool) -> float:
+        """capture_ragged at warmup: where it fails (FlexAttention's first compile on a new
+        device, say) the runner keeps its padded graphs and path, with a warning, and serves."""
+        try:
+            return self.capture_ragged(progress)[1]
+        except Exception as exc:  # noqa: BLE001 - the padded path is whole: serve on it
+            self.graphs.forget(self._ragged_keys())
+            self.ragged = False
+            log.warning("%s: ragged catch-ups off, their graphs failed (%r); the padded path serves", self.name, exc)
+            return 0.0
 
     def _ragged_keys(self) -> list[RaggedKey]:
         return [RaggedKey(t) for t in RAGGED_TOKENS if t <= self.graphs.n]

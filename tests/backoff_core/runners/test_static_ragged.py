@@ -159,6 +159,32 @@ def test_the_graph_set_holds_one_per_bucket_within_the_budget(model):
     assert set(run.graphs.ms) == keys  # every replay timed, the ragged ones too
 
 
+def test_a_failed_ragged_capture_at_warmup_leaves_the_padded_path_serving(model, caplog):
+    """warmup with ragged set: if the ragged graphs fail (a first FlexAttention compile on a new
+    device), the padded graphs stay, ragged goes off with a warning, and extends are HF's."""
+    run = StaticRunner(model, "large", kv_budget_tokens=8 * 128, max_len=128, ragged=True)
+    run.graphs = EagerGraphs(run._forward, run.graph_max_rows, K_BUCKETS[-1])
+    body = run.graphs._body
+
+    def failing(key):
+        if isinstance(key, RaggedKey) and key.tokens == 64:
+            raise RuntimeError("triton compile failed")
+        body(key)
+
+    run.graphs._body = failing
+    with caplog.at_level("WARNING", logger="backoff_core.runners.static_ragged"):
+        graphs, _ = run.warmup(progress=False)
+    assert run.ragged is False and "ragged catch-ups off" in caplog.text
+    assert graphs == len(run.graphs) > 0 and not any(isinstance(k, RaggedKey) for k in run.graphs.ms)
+    ref = ModelRunner(model, "ref")
+    for request_id in ("a", "b"):
+        ref.open(request_id)
+        run.open(request_id)
+    seen = spy_ragged(run)
+    assert_same(ref, run, [("a", [1, 2, 3]), ("b", [4, 5])], last_only=True)
+    assert seen == [] and run.eager_passes == 0
+
+
 def test_past_the_largest_bucket_runs_of_items_each_take_a_forward(model):
     """Items end to end past the largest bucket: runs of consecutive items, a ragged forward
     each, HF's logits for all. An item longer than the largest bucket, or more items than the
