@@ -310,7 +310,7 @@ def ragged_probe(runner: StaticRunner, prompt_ids: list[int]) -> dict:
     shortest = min(k.length for k in views)
     dense = {}
     for tokens in ms:
-        fits = [(k.rows * k.k, v) for k, v in views.items() if k.length == shortest and k.rows * k.k >= tokens]
+        fits = [(k.token_slots, v) for k, v in views.items() if k.length == shortest and k.token_slots >= tokens]
         if fits:
             dense[tokens] = round(min(fits)[1], 3)
     logits = {}

@@ -109,7 +109,7 @@ class SimGraphs(CudaGraphs):
         return SimpleNamespace(replay=lambda: self._body(key))
 
     def replay_ms(self, key: GraphKey | RaggedKey, repeats: int = 3) -> float:
-        return self.cost(key, key.tokens if isinstance(key, RaggedKey) else key.rows * key.k, False)
+        return self.cost(key, key.token_slots, False)
 
 
 @dataclass

@@ -47,6 +47,11 @@ class GraphKey:
     def size(self) -> int:
         return self.rows * self.k * self.length
 
+    @property
+    def token_slots(self) -> int:
+        """Tokens the forward computes, padding included (a RaggedKey's the same)."""
+        return self.rows * self.k
+
 
 @dataclass(frozen=True)
 class Kind:

@@ -57,6 +57,10 @@ class RaggedKey:
     def size(self) -> int:  # captures go largest first (cuda_graphs.py)
         return self.tokens
 
+    @property
+    def token_slots(self) -> int:  # as GraphKey's: the tokens the forward computes
+        return self.tokens
+
 
 @dataclass(frozen=True)
 class RaggedBatch:

@@ -10,7 +10,6 @@ import torch
 from backoff_core.runners.cuda_graphs import CudaGraphs
 from backoff_core.runners.dynamic import ModelRunner
 from backoff_core.runners.static import StaticRunner
-from backoff_core.runners.static_ragged import RaggedKey
 
 TOL = dict(atol=1e-4, rtol=1e-4)
 
@@ -24,7 +23,7 @@ class EagerGraphs(CudaGraphs):
 
     def __init__(self, *args, cost=None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.cost = cost or (lambda key: 8.0 + (key.tokens if isinstance(key, RaggedKey) else key.rows * key.k) / 64)
+        self.cost = cost or (lambda key: 8.0 + key.token_slots / 64)
         self.timed: list = []  # the keys replay_ms was asked about
 
     def _record(self, key):
