@@ -7,12 +7,12 @@ forward runs:
   - storage (static_kv.py): per layer K/V [slots, kv_heads, max_len, head_dim] allocated
     once; slots = kv_budget_tokens // max_len (at least 1); a session owns the lowest free
     slot; extend writes in place at each row's own positions; crop only moves a length.
-    With evict_idle (M_L), a session takes its slot at its first extend, and when none is
-    free the least recently used sessions outside that extend are evicted (their requests
-    re-prefill at their next catch-up, as with ModelRunner's budget); without it (M_S, whose
-    sessions the step loop cannot rebuild) the slot is taken at open. No slot to be had, or a
-    session passing max_len - 1 positions: KVCapacityError (retriable), raised before
-    anything changes.
+    With evict_idle (M_L), a session takes its slot at its first extend (static_slots.py),
+    and when none is free the least recently used sessions outside that extend are evicted
+    (their requests re-prefill at their next catch-up, as with ModelRunner's budget);
+    without it (M_S, whose sessions the step loop cannot rebuild) the slot is taken at open.
+    No slot to be had, or a session passing max_len - 1 positions: KVCapacityError
+    (retriable), raised before anything changes.
   - layout (static_layout.py): rows are powers of two, new tokens per row k in {1, 2, 4, 8,
     16} (graph_plan.py; ragged rows right-padded, padding at a scratch column), keys read L
     in 256, 1024, ... up to max_len. One row per item (its slot's row of a dense view of
@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -46,11 +45,11 @@ from backoff_core.runners.extension import Extension
 from backoff_core.runners.graph_plan import GRAPH_BUDGET, K_BUCKETS, kinds, length_buckets, plan_keys
 from backoff_core.runners.prefix_cache import PrefixCache, PrefixCaching
 from backoff_core.runners.scoring import Scoring, per_item, score_rows
-from backoff_core.runners.sessions import Session, SessionTable
 from backoff_core.runners.static_forward import Batch, StaticForward, check_supported
 from backoff_core.runners.static_kv import KVCapacityError, StaticKV, next_power_of_two
 from backoff_core.runners.static_layout import Plan, blocks, choose, lay_out, read_out
 from backoff_core.runners.static_ragged import RaggedExtends, check_ragged
+from backoff_core.runners.static_slots import SlotSession, SlotSessions
 from backoff_core.types import PrefixCacheSpec
 
 __all__ = ["KVCapacityError", "StaticRunner"]
@@ -60,12 +59,7 @@ __all__ = ["KVCapacityError", "StaticRunner"]
 MAX_FORWARDS = 8
 
 
-@dataclass(kw_only=True)
-class _SlotSession(Session):
-    slot: int | None  # its row of the static storage; None until its first extend (evict_idle)
-
-
-class StaticRunner(PrefixCaching, RaggedExtends, SessionTable[_SlotSession]):
+class StaticRunner(PrefixCaching, RaggedExtends, SlotSessions):
     """Holds one model, its static KV storage and its sessions. Thread-safe: one forward
     at a time. kv_budget_tokens: KV positions to preallocate across all sessions;
     max_len: positions per slot (a session holds at most max_len - 1: one is scratch).
@@ -118,71 +112,19 @@ class StaticRunner(PrefixCaching, RaggedExtends, SessionTable[_SlotSession]):
         """Positions one session can hold (the engine refuses longer requests up front)."""
         return self.kv.max_len - 1
 
-    # -- sessions (sessions.SessionTable; a crop only moves the length) -------------------
-    def _new_session(self, request_id: str, refill: bool) -> _SlotSession:
-        # refill changes nothing here: a session needs a slot either way
-        return _SlotSession(slot=None if self.evict_idle else self.kv.take(), refill=refill)
-
-    def _release(self, session: _SlotSession) -> None:
-        if session.slot is not None:
-            self.kv.give_back(session.slot)
-
-    def _crop(self, session: _SlotSession, length: int) -> None:
+    # -- sessions (slot_sessions.SlotSessions; a crop only moves the length) --------------
+    def _crop(self, session: SlotSession, length: int) -> None:
         self._crop_prefix(session, length)
 
     # -- prefix cache (prefix_cache.PrefixCaching) ----------------------------------------
     def _adoptable(self) -> int:
         return self.kv.capacity - 1  # at least one position left to feed
 
-    def _read_kv(self, s: _SlotSession, start: int, stop: int) -> torch.Tensor:
+    def _read_kv(self, s: SlotSession, start: int, stop: int) -> torch.Tensor:
         return self.kv.read(s.slot, start, stop)
 
-    def _write_kv(self, s: _SlotSession, kv: torch.Tensor) -> None:
+    def _write_kv(self, s: SlotSession, kv: torch.Tensor) -> None:
         self.kv.write(s.slot, kv)
-
-    def _room(self, request_id: str, s: _SlotSession, n: int) -> bool:
-        try:
-            self._reserve([(request_id, [0] * n)], [s])
-        except KVCapacityError:
-            return False
-        return True
-
-    def kv_fits(self, items: list[tuple[str, int]]) -> bool:
-        """Whether these sessions, each grown by its count of new positions, can extend
-        together: each within a slot, and a slot for each that has none (every other session
-        evicted if need be)."""
-        with self._lock:
-            sessions = [self._get(request_id) for request_id, _ in items]
-            if any(s.length + n > self.kv.capacity for s, (_, n) in zip(sessions, items)):
-                return False
-            return sum(s.slot is None for s in sessions) <= self._obtainable_slots({r for r, _ in items})
-
-    def _obtainable_slots(self, extending: set[str]) -> int:
-        held = sum(s.slot is not None for r, s in self._sessions.items() if r not in extending)
-        return self.kv.free_slots + (held if self.evict_idle else 0)
-
-    def _reserve(self, items: list[tuple[str, list[int]]], sessions: list[_SlotSession]) -> None:
-        """A slot for every session of this extend (under the lock): evict the least recently
-        used sessions outside it while none is free; refuse, changing nothing, if even that
-        leaves too few."""
-        needing = [s for s in sessions if s.slot is None]
-        if len(needing) <= self.kv.free_slots:  # the common case: nothing to evict
-            for s in needing:
-                s.slot = self.kv.take()
-            return
-        extending = {request_id for request_id, _ in items}
-        if len(needing) > self._obtainable_slots(extending):
-            raise KVCapacityError(
-                f"{self.name}: no KV slot for a new session: the sessions of this extend need "
-                f"{sum(s.slot is not None for s in sessions) + len(needing)} of {self.kv.slots} slots "
-                f"(kv_budget_tokens={self.kv.budget}); retry when a request ends"
-            )
-        idle = sorted((s.last_used, r) for r, s in self._sessions.items() if r not in extending and s.slot is not None)
-        for _, request_id in idle[: max(0, len(needing) - self.kv.free_slots)]:
-            self._release(self._sessions.pop(request_id))
-            self.evictions += 1
-        for s in needing:
-            s.slot = self.kv.take()
 
     # -- warm-up --------------------------------------------------------------------------
     def warmup(
@@ -269,7 +211,7 @@ class StaticRunner(PrefixCaching, RaggedExtends, SessionTable[_SlotSession]):
             return out
 
     def _plans(
-        self, sessions: list[_SlotSession], new_ids: list[list[int]], layer: int | None, last_only: bool
+        self, sessions: list[SlotSession], new_ids: list[list[int]], layer: int | None, last_only: bool
     ) -> list[tuple[Plan, slice]]:
         """The forwards of an extend and the items each holds: one row per item (an M_S step,
         every extend without graphs), or the fastest captured layout (static_layout.choose:
@@ -303,7 +245,7 @@ class StaticRunner(PrefixCaching, RaggedExtends, SessionTable[_SlotSession]):
 
     def _extend_plans(
         self,
-        sessions: list[_SlotSession],
+        sessions: list[SlotSession],
         new_ids: list[list[int]],
         layer: int | None,
         last_only: bool,
@@ -323,7 +265,7 @@ class StaticRunner(PrefixCaching, RaggedExtends, SessionTable[_SlotSession]):
 
     def _extend_scored(
         self,
-        sessions: list[_SlotSession],
+        sessions: list[SlotSession],
         new_ids: list[list[int]],
         layer: int | None,
         last_only: bool,
@@ -364,7 +306,7 @@ class StaticRunner(PrefixCaching, RaggedExtends, SessionTable[_SlotSession]):
 
     def _plan(
         self,
-        sessions: list[_SlotSession],
+        sessions: list[SlotSession],
         new_ids: list[list[int]],
         layer: int | None,
         last_only: bool,
