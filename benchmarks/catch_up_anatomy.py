@@ -33,7 +33,7 @@ from backoff_core.models.prompts import encode_prompt
 from backoff_core.types import GenerationRequest, KVSpec, RoutingParams, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.gpu_check import replay_table  # noqa: E402
+from benchmarks.gpu_probes import replay_table  # noqa: E402
 
 PROMPT = "Write a short paragraph about the history of the Python programming language."
 
@@ -45,7 +45,7 @@ def _sync() -> None:
 
 def replay_grid(runner) -> list[dict]:
     """The replay time of every captured M_L graph that catch-ups use (last logits only, no
-    hidden layer), as warmup measured it (gpu_check.replay_table)."""
+    hidden layer), as warmup measured it (gpu_probes.replay_table)."""
     if runner.graphs is None:
         return []
     plain = [e for e in replay_table(runner) if e["last_only"] and e["layer"] is None]

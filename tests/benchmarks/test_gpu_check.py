@@ -13,8 +13,8 @@ import pytest
 from backoff_core.runners.graph_plan import K_BUCKETS, GraphKey
 from backoff_core.runners.static import StaticRunner
 from backoff_core.runners.static_ragged import RaggedKey
-from benchmarks.gpu_check import PROBE_KS, commonest, probes, ragged_probe
 from benchmarks.gpu_costs import GPU_RESULTS, GpuCosts
+from benchmarks.gpu_probes import PROBE_KS, commonest, probes, ragged_probe
 from benchmarks.step_overhead import tiny_pair
 from tests.support.eager_graphs import EagerGraphs
 

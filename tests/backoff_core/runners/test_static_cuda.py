@@ -179,7 +179,7 @@ def test_the_sharing_probe_replays_both_models_side_by_side(engine):
     streams as a flight runs beside the loop's steps, the loop's stream of the flight's
     priority and with either first (`first`: "loop", "flight"). Slowdowns positive and finite, and the
     engine's tokens unchanged after it (its replays run on harmless inputs)."""
-    from benchmarks.gpu_check import sharing
+    from benchmarks.gpu_probes import sharing
 
     reqs = [request(p, 12, "random", rate=0.5, seed=3) for p in PROMPTS]
     before = engine.generate_many(reqs)
