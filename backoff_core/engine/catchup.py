@@ -106,6 +106,21 @@ class CatchUpper:
             r.catch_ups.append(CatchUp(level, lengths[request_id], seconds, outcome.rolled_back, len(group), prompt))
         return outcomes
 
+    def for_oracles(self, routed: list[Live]) -> tuple[list[Live], dict[str, Outcome]]:
+        """Stage 3: the largest model catches up first for the routed requests whose router
+        reads its logits (KL(M_L||M_S)), a batch per router. Returns (routed without those
+        whose catch-up failed: degraded, they stay small; the outcomes)."""
+        if not any(r.router.needs_large_logits for r in routed):
+            return routed, {}
+        groups: dict[object, list[Live]] = {}
+        for r in routed:
+            if r.router.needs_large_logits:
+                groups.setdefault(r.router, []).append(r)
+        outcomes: dict[str, Outcome] = {}
+        for group in groups.values():
+            outcomes.update(self.run(len(self.models) - 1, group))
+        return [r for r in routed if not r.router.needs_large_logits or r.request_id in outcomes], outcomes
+
     def _judge(self, level: int, rows: list[tuple[Live, int, Extension]]) -> list[_Verdict]:
         """rows: (request, positions fed before this forward, its extension) -> what each
         request's step is: the first pending token verification rejects (and its

@@ -30,12 +30,11 @@ from backoff_core.engine.admission import Routers, checked
 from backoff_core.engine.backends import Backend
 from backoff_core.engine.catchup import CatchUpper, Outcome
 from backoff_core.engine.commit import CommitContext, commit_many, settle_many
-from backoff_core.engine.flight import Flights, Launcher, ThreadLauncher, on_loop_stream, side_stream_device
+from backoff_core.engine.flight import Flights, Landed, Launcher, ThreadLauncher, on_loop_stream, side_stream_device
 from backoff_core.engine.hold import CatchUpHold
-from backoff_core.engine.isolation import each
 from backoff_core.engine.logprobs import TokenTexts
 from backoff_core.engine.prompt import admission_runs_large, prefill
-from backoff_core.engine.propose import decide, forced_level, propose, small_step
+from backoff_core.engine.propose import Proposal, decide, forced_levels, propose, small_for_degraded, small_step
 from backoff_core.engine.state import Detokenizer, Live
 from backoff_core.routing.routers import DecisionFunction
 from backoff_core.runners.factory import make_runner
@@ -253,39 +252,17 @@ class BackoffEngine:
         if any(r.backlog for r in live):
             chunked.feed(self.models, [r for r in live if r.backlog], self.prefill_chunk_tokens, self.catch_up.give_up)
             live = [r for r in live if not (r.backlog or r.done)]
-        # 1. levels decided without M_S (a degraded request has M_S only). From here on, an
-        # exception while handling one request ends that request alone (isolation.py).
-        # Plain requests (the common case) skip the call: their level is never forced.
-        special = [r for r in live if r.degraded or r.finish_after_verify or r.router.forces_levels]
-        levels: dict[str, int] = {}
-        stepping = live
-        if special:
-            forced = each(special, self.models, lambda r: forced_level(r, self.num_levels))  # -1: M_S steps
-            levels = {request_id: f for request_id, f in forced.items() if f >= 0}
-            dropped = {
-                r.request_id
-                for r in special
-                if r.request_id not in forced or (forced[r.request_id] > 0 and self._stalls(r, forced[r.request_id]))
-            }
-            live = [r for r in live if r.request_id not in dropped and not r.done]
-            stepping = [r for r in live if r.request_id not in levels]
-        # a request waiting for its batched catch-up does not step (its level is decided)
-        waiting = [r for r in live if r.waiting is not None]
-        if waiting:
-            stepping = [r for r in stepping if r.waiting is None]
+        # 1. levels decided without M_S. From here on, an exception while handling one request
+        # ends that request alone (isolation.py). A request waiting for its batched catch-up
+        # does not step either (its level is decided).
+        live, levels = forced_levels(self.models, live, self.num_levels, self._stalls)
+        stepping = [r for r in live if r.request_id not in levels and r.waiting is None]
         # 2. M_S, batched
         fed = {r.request_id: r.fed[0] for r in stepping} if self.prefill_chunk_tokens else {}  # to undo a stall (5.)
         small = small_step(self.models, stepping)
         stepped = stepping if len(small.rows) == len(stepping) else [r for r in stepping if r.request_id in small]
         # 3. oracle routers: the largest model catches up first, to know KL(M_L||M_S)
-        outcomes: dict[str, Outcome] = {}
-        routed = [r for r in stepped if not r.degraded]
-        if any(r.router.needs_large_logits for r in routed):
-            for router, group in _by_router(routed).items():
-                if router.needs_large_logits:
-                    outcomes.update(self.catch_up.run(self.num_levels - 1, group))
-            # a degraded request stays small
-            routed = [r for r in routed if not r.router.needs_large_logits or r.request_id in outcomes]
+        routed, outcomes = self.catch_up.for_oracles([r for r in stepped if not r.degraded])
         # 4. decide: M_S's tokens and the routers' scores, one host copy; levels on the host
         large = {request_id: outcome.logits for request_id, outcome in outcomes.items()}
         proposal = propose(self.models, stepped, routed, small, large)
@@ -299,9 +276,28 @@ class BackoffEngine:
                 self.models, stepping, levels, outcomes, fed, routed, self.prefill_chunk_tokens, self.collect_kl
             ):
                 live = [r for r in live if not (r.backlog or r.done)]
+        live = self._catch_ups(live, levels, outcomes, proposal, landed)
+        small = small_for_degraded(self.models, live, small, proposal)  # a failed catch-up: M_S's token
+        # 6. commit
+        ctx = CommitContext(self.detok, self.token_texts, self.eos_ids, self.collect_kl)
+        return commit_many(settle_many(live, outcomes, small, proposal, ctx, self.models), ctx, self.models)
+
+    def _catch_ups(
+        self,
+        live: list[Live],
+        levels: dict[str, int],
+        outcomes: dict[str, Outcome],
+        proposal: Proposal,
+        landed: Landed | None,
+    ) -> list[Live]:
+        """Stage 5: per level, the catch-up of the requests routed there (or waiting there)
+        that the hold releases, run now or flown beside the next steps (flight.py); outcomes
+        gets theirs. Returns the requests that commit in this step: the ones that wait or fly
+        commit nothing yet, and a landed flight's take up the step that routed them."""
+        waiting = [r for r in live if r.waiting is not None]
         for r in waiting:
             levels[r.request_id] = r.waiting.level
-        if landed is not None:  # a flight back: its requests take up the step that routed them
+        if landed is not None:
             self.flights.rejoin(landed, outcomes, proposal)
         holders = self.hold.holders(live, levels, outcomes) if levels and (self.hold.wait_ms or waiting) else set()
         for level in range(1, self.num_levels) if levels else ():
@@ -319,29 +315,13 @@ class BackoffEngine:
                 self.flights.fly(level, group, proposal)
                 continue
             outcomes.update(self.catch_up.run(level, group))
-        if holders or self.flights is not None:  # the steps that wait (or fly) commit nothing yet
+        if holders or self.flights is not None:
             live = [r for r in live if r.waiting is None]
         if self.flights is not None and self.flights.busy and not live:  # nothing else commits: wait
             landed = self.flights.land(wait=True)
             self.flights.rejoin(landed, outcomes, proposal)
             live = landed.lives
-        # a catch-up failed (degraded): M_S's token instead, for those that skipped M_S
-        late = [
-            r
-            for r in live
-            if r.degraded
-            and r.failure is None
-            and r.request_id not in small
-            and r.request_id not in proposal.tokens  # a step that waited drew it then
-            and not r.finish_after_verify
-        ]
-        if late:
-            small = small.merged(small_step(self.models, late))
-            late = [r for r in late if r.request_id in small]
-            proposal.tokens.update(propose(self.models, late, [], small, {}).tokens)
-        # 6. commit
-        ctx = CommitContext(self.detok, self.token_texts, self.eos_ids, self.collect_kl)
-        return commit_many(settle_many(live, outcomes, small, proposal, ctx, self.models), ctx, self.models)
+        return live
 
     def _stalls(self, r: Live, level: int) -> bool:
         return chunked.stalls(self.models, r, level, self.prefill_chunk_tokens, self.collect_kl)
@@ -387,13 +367,6 @@ class BackoffEngine:
                 self.finish(request_id)  # raises its error
         finally:
             self.cancel(request_id)
-
-
-def _by_router(group: list[Live]) -> dict[DecisionFunction, list[Live]]:
-    out: dict[DecisionFunction, list[Live]] = {}
-    for r in group:
-        out.setdefault(r.router, []).append(r)
-    return out
 
 
 def _eos_ids(tokenizer) -> frozenset[int]:

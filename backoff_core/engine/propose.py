@@ -1,18 +1,19 @@
 """Step stages 1, 2 and 4 (levels known up front; propose, decide): M_S's forward over
 every stepping request, batched; then the draw of their tokens and the routers' scores,
-read back together in one host copy (host.py); then each routed request's level, on the host."""
+read back together in one host copy (host.py); then each routed request's level, on the host.
+After stage 5, M_S's token for a request whose catch-up failed (`small_for_degraded`)."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from backoff_core.engine.backends import Backend
 from backoff_core.engine.host import to_host
-from backoff_core.engine.isolation import batched, reopen
+from backoff_core.engine.isolation import batched, each, reopen
 from backoff_core.engine.state import Live
 from backoff_core.routing.routers import DecisionFunction, StepContext
 from backoff_core.runners.extension import last_rows
@@ -162,6 +163,26 @@ def propose(
     return Proposal(tokens, scores)
 
 
+def forced_levels(
+    models: Sequence[Backend], live: list[Live], num_levels: int, stalls: Callable[[Live, int], bool]
+) -> tuple[list[Live], dict[str, int]]:
+    """Stage 1: (live, levels): the level of each request whose step's level is known before
+    M_S runs (`forced_level`), and live without those dropped on the way (failed alone, or
+    stalled by a long catch-up: `stalls`). Plain requests (the common case) skip the call:
+    their level is never forced."""
+    special = [r for r in live if r.degraded or r.finish_after_verify or r.router.forces_levels]
+    if not special:
+        return live, {}
+    forced = each(special, models, lambda r: forced_level(r, num_levels))  # -1: M_S steps
+    levels = {request_id: f for request_id, f in forced.items() if f >= 0}
+    dropped = {
+        r.request_id
+        for r in special
+        if r.request_id not in forced or (forced[r.request_id] > 0 and stalls(r, forced[r.request_id]))
+    }
+    return [r for r in live if r.request_id not in dropped and not r.done], levels
+
+
 def forced_level(r: Live, num_levels: int) -> int:
     """Stage 1: the level of r's step if it is known before M_S runs, else -1."""
     if r.degraded:
@@ -210,3 +231,23 @@ def _context(
         else torch.zeros(len(g), dtype=torch.long, device=dev),
         uniforms=torch.from_numpy(coins).to(dev) if coins is not None else torch.zeros(len(g), device=dev),
     )
+
+
+def small_for_degraded(models: list[Backend], live: list[Live], small: SmallOut, proposal: Proposal) -> SmallOut:
+    """After the catch-ups: a request whose catch-up failed (degraded) and that skipped M_S
+    this step takes M_S's token instead; small with its rows added (proposal gets the tokens)."""
+    late = [
+        r
+        for r in live
+        if r.degraded
+        and r.failure is None
+        and r.request_id not in small
+        and r.request_id not in proposal.tokens  # a step that waited drew it then
+        and not r.finish_after_verify
+    ]
+    if not late:
+        return small
+    small = small.merged(small_step(models, late))
+    late = [r for r in late if r.request_id in small]
+    proposal.tokens.update(propose(models, late, [], small, {}).tokens)
+    return small
