@@ -137,10 +137,11 @@ class StaticRunner(PrefixCaching, RaggedExtends, SlotSessions):
     ) -> tuple[int, float]:
         """Capture the planned CUDA graphs (graph_plan.plan_keys: rows x L x the kinds of
         the given k, last_only and hidden_layer variants, whole kinds within `budget`) now,
-        at load; returns (graphs, seconds). A no-op without graphs (CPU). M_S extends by one
+        at load; returns (graphs, seconds). Without graphs (CPU, or cuda_graphs off) only a
+        compiled ragged attention compiles (compile_ragged). M_S extends by one
         token a step, or two after a fully accepted draft: ks=(1, 2), last_only=(True,)."""
-        if self.graphs is None:
-            return 0, 0.0
+        if self.graphs is None:  # a compiled ragged attention still compiles now (compile_ragged)
+            return 0, self._warm_ragged(progress) if self.ragged else 0.0
         wanted = kinds([self._layer(n) for n in hidden_layers], last_only, ks)
         ragged = self._ragged_keys() if self.ragged else []
         keys = plan_keys(self.kv.slots, self.kv.max_len, self.graph_max_rows, wanted, budget - len(ragged))

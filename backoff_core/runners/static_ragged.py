@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from tqdm import tqdm
 
 from backoff_core.runners.extension import Extension, LastRows
 
@@ -192,15 +193,37 @@ class RaggedExtends:
         return len(keys), seconds
 
     def _warm_ragged(self, progress: bool) -> float:
-        """capture_ragged at warmup: where it fails (FlexAttention's first compile on a new
-        device, say) the runner keeps its padded graphs and path, with a warning, and serves."""
+        """capture_ragged at warmup (without graphs, compile_ragged): where it fails
+        (FlexAttention's first compile on a new device, say) the runner keeps its padded graphs
+        and path, with a warning, and serves."""
         try:
-            return self.capture_ragged(progress)[1]
+            return self.capture_ragged(progress)[1] if self.graphs is not None else self.compile_ragged(progress)
         except Exception as exc:  # noqa: BLE001 - the padded path is whole: serve on it
-            self.graphs.forget(self._ragged_keys())
+            if self.graphs is not None:
+                self.graphs.forget(self._ragged_keys())
             self.ragged = False
-            log.warning("%s: ragged catch-ups off, their graphs failed (%r); the padded path serves", self.name, exc)
+            log.warning("%s: ragged catch-ups off, their warm-up failed (%r); the padded path serves", self.name, exc)
             return 0.0
+
+    def compile_ragged(self, progress: bool = True) -> float:
+        """Without graphs (`cuda_graphs=False`): one ragged forward per token bucket, every token
+        padding (the scratch column of slot 0), so a compiled attention (CUDA's) compiles now and
+        not at each bucket's first catch-up; nothing to do for the eager one. Returns seconds."""
+        flex = self._forward._flex or attention_fn(self.device)
+        if flex is flex_attention:
+            return 0.0
+        check_ragged(self.kv.max_len, self.device)
+        self._forward._flex = flex
+        start = time.perf_counter()
+        top = ragged_bucket(self.kv.slots * self.kv.max_len) or RAGGED_TOKENS[-1]  # no extend holds more
+        last = torch.zeros(self.graph_max_rows, dtype=torch.long, device=self.device)
+        with self._lock, torch.inference_mode():  # as extend() runs it: the compile's guards hold
+            for t in tqdm([t for t in RAGGED_TOKENS if t <= top], desc=f"{self.name}: ragged", disable=not progress):
+                ids = torch.zeros(t, dtype=torch.long, device=self.device)
+                self._forward.ragged(RaggedBatch(ids, torch.full_like(ids, self.kv.scratch), ids, last))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - start
 
     def _ragged_keys(self) -> list[RaggedKey]:
         return [RaggedKey(t) for t in RAGGED_TOKENS if t <= self.graphs.n]

@@ -226,6 +226,57 @@ def test_flex_attention_compiled_equals_model_runner(model):
     assert counters["stats"]["unique_graphs"] == 1
 
 
+@torch.inference_mode()
+def test_without_graphs_warmup_compiles_every_bucket_and_catch_ups_compile_nothing(model):
+    """cuda_graphs off (graphs None) with a compiled attention: warmup runs one ragged forward a
+    bucket up to the storage's capacity (2 slots x 64: buckets 32-128), so the compiles happen
+    there; catch-ups after it compile nothing and give HF's logits. The eager attention (the
+    CPU's default) has nothing to compile: no forward."""
+    from torch._dynamo.utils import counters
+
+    eager = StaticRunner(model, "eager", kv_budget_tokens=2 * 64, max_len=64, ragged=True)
+    seen = spy_ragged(eager)
+    assert eager.warmup(progress=False) == (0, 0.0) and seen == [] and eager.ragged
+
+    torch._dynamo.reset()
+    counters.clear()
+    run = StaticRunner(model, "ragged", kv_budget_tokens=2 * 64, max_len=64, ragged=True)
+    run._forward._flex = torch.compile(flex_attention, dynamic=False, fullgraph=True)
+    seen = spy_ragged(run)
+    graphs, seconds = run.warmup(progress=False)
+    assert (graphs, seen) == (0, [32, 64, 128]) and seconds > 0 and run.ragged
+    compiled = counters["stats"]["unique_graphs"]
+    assert compiled == 3
+    ref = ModelRunner(model, "ref")
+    for request_id in ("a", "b"):
+        ref.open(request_id)
+        run.open(request_id)
+    assert_same(ref, run, [("a", list(range(1, 9))), ("b", list(range(2, 40)))], last_only=True)  # 46: 64
+    assert_same(ref, run, [("a", [5, 6]), ("b", [7])], last_only=True)  # 3: 32
+    assert seen[3:] == [64, 32] and counters["stats"]["unique_graphs"] == compiled
+
+
+def test_a_failed_compile_at_warmup_without_graphs_leaves_the_padded_path_serving(model, caplog):
+    """Without graphs, an attention whose compile fails at warmup turns ragged off with a
+    warning; extends then take the padded path, with HF's logits."""
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("triton compile failed")
+
+    run = StaticRunner(model, "large", kv_budget_tokens=2 * 64, max_len=64, ragged=True)
+    run._forward._flex = failing
+    with caplog.at_level("WARNING", logger="backoff_core.runners.static_ragged"):
+        assert run.warmup(progress=False) == (0, 0.0)
+    assert run.ragged is False and "ragged catch-ups off" in caplog.text
+    ref = ModelRunner(model, "ref")
+    for request_id in ("a", "b"):
+        ref.open(request_id)
+        run.open(request_id)
+    seen = spy_ragged(run)
+    assert_same(ref, run, [("a", [1, 2, 3]), ("b", [4, 5])], last_only=True)
+    assert seen == []
+
+
 # -- capture safety ---------------------------------------------------------------------------
 
 
