@@ -147,8 +147,13 @@ def block_mask(b: RaggedBatch, slots: int, kv_heads: int, groups: int, max_len: 
         pos = position[tok]
         return (s == slot[tok]) & (h == q // (t * groups)) & (p <= pos) & ((pos < scratch) | (p == pos))
 
-    return BlockMask.from_kv_blocks(
-        count[None, None], order[None, None], BLOCK_SIZE=block, mask_mod=visible, seq_lengths=(q_len, kv_len)
+    return BlockMask.from_kv_blocks(  # the query-side lists serve the backward only: not built
+        count[None, None],
+        order[None, None],
+        BLOCK_SIZE=block,
+        mask_mod=visible,
+        seq_lengths=(q_len, kv_len),
+        compute_q_blocks=False,
     )
 
 
