@@ -27,6 +27,7 @@ CUDA graph can capture it (test_capture_safety.py).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import time
@@ -46,6 +47,10 @@ log = logging.getLogger(__name__)
 # smallest that holds them; M_L's catch-ups at 64 streams and b=0.9 carry ~100-600 tokens
 RAGGED_TOKENS = (32, 64, 128, 192, 256, 384, 512, 768, 1024)
 BLOCK = 128  # FlexAttention's block (queries and keys); a slot's keys are max_len / BLOCK blocks
+# the query-side block lists serve the backward only: not built, where this torch can skip them
+NO_Q_BLOCKS = (
+    {"compute_q_blocks": False} if "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters else {}
+)
 
 
 @dataclass(frozen=True)
@@ -147,13 +152,13 @@ def block_mask(b: RaggedBatch, slots: int, kv_heads: int, groups: int, max_len: 
         pos = position[tok]
         return (s == slot[tok]) & (h == q // (t * groups)) & (p <= pos) & ((pos < scratch) | (p == pos))
 
-    return BlockMask.from_kv_blocks(  # the query-side lists serve the backward only: not built
+    return BlockMask.from_kv_blocks(
         count[None, None],
         order[None, None],
         BLOCK_SIZE=block,
         mask_mod=visible,
         seq_lengths=(q_len, kv_len),
-        compute_q_blocks=False,
+        **NO_Q_BLOCKS,
     )
 
 

@@ -20,6 +20,7 @@ from backoff_core.runners.dynamic import ModelRunner
 from backoff_core.runners.graph_plan import GRAPH_BUDGET, K_BUCKETS
 from backoff_core.runners.static import StaticRunner
 from backoff_core.runners.static_ragged import (
+    NO_Q_BLOCKS,
     RAGGED_TOKENS,
     RaggedBatch,
     RaggedKey,
@@ -108,6 +109,7 @@ def test_block_mask_lists_only_the_blocks_a_query_block_needs():
         expected = {(1 * 2 + head) * per + b for b in range(3)} | {(3 * 2 + head) * per} | {head * per + 3}
         assert set(order[head, : count[head]].tolist()) == expected
     assert count.tolist() == [5, 5]
+    assert mask.q_indices is None or not NO_Q_BLOCKS  # the backward's lists: not built
 
 
 def test_lay_out_ragged_puts_items_end_to_end_and_pads_at_scratch():
