@@ -3,6 +3,7 @@ for it to run. Not part of `backoff serve` (serve_cli.py), which deploys a user'
 
 from __future__ import annotations
 
+import random
 import socket
 import time
 
@@ -10,12 +11,53 @@ import yaml
 
 from deployments.serve_cli import DEFAULT_CONFIG
 
+PORTS_FROM = 20000  # above Ray's worker ports (10002-19999 by default)
+_RNG = random.Random()  # not the global one, which tests seed
+_GIVEN: set[int] = set()  # ports this process handed out: two picks never collide
+
 
 def free_port() -> int:
-    """A TCP port free on loopback right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port free right now on 127.0.0.1 and on [::] (where the gRPC proxy binds), below
+    the kernel's ephemeral range. Every outgoing connection takes its local port from that
+    range, and Ray's processes open hundreds as they start: a port picked there (bind to 0)
+    and released could be one of theirs by the time the proxy binds it ("Failed to bind")."""
+    top = _ephemeral_start()
+    for _ in range(200):
+        port = _RNG.randrange(PORTS_FROM, top) if top - PORTS_FROM >= 1000 else 0
+        if port not in _GIVEN and (port := _bindable(port)):
+            _GIVEN.add(port)
+            return port
+    raise RuntimeError("no free TCP port on loopback")
+
+
+def _bindable(port: int) -> int:
+    """port (0: one the kernel picks) if it binds on 127.0.0.1 and, where there is IPv6, on
+    [::] now; else 0."""
+    try:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+            port = s.getsockname()[1]
+    except OSError:
+        return 0
+    try:
+        six = socket.socket(socket.AF_INET6)
+    except OSError:  # no IPv6 here: nothing binds there
+        return port
+    with six:
+        try:
+            six.bind(("::", port))
+        except OSError:
+            return 0
+    return port
+
+
+def _ephemeral_start() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default where unreadable)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def loopback_config(

@@ -1,0 +1,30 @@
+"""deployments/harness.py's free_port: ports the tests' Serve apps bind, picked below the
+kernel's ephemeral range (where Ray's outgoing connections take theirs) and never twice."""
+
+from __future__ import annotations
+
+import socket
+
+from deployments import harness
+
+
+def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range():
+    top = harness._ephemeral_start()
+    ports = [harness.free_port() for _ in range(50)]
+    assert len(set(ports)) == 50
+    assert all(harness.PORTS_FROM <= port < top for port in ports)
+    for port in ports[:5]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+
+
+def test_a_port_in_use_is_never_handed_out(monkeypatch):
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        busy = held.getsockname()[1]
+        picks = iter([busy, busy, 23456])
+        monkeypatch.setattr(harness, "_ephemeral_start", lambda: 60000)
+        monkeypatch.setattr(harness._RNG, "randrange", lambda lo, hi: next(picks))
+        monkeypatch.setattr(harness, "_GIVEN", set())
+        assert harness.free_port() == 23456
