@@ -62,6 +62,17 @@ def spy_ragged(run) -> list[int]:
     return seen
 
 
+def assert_serves_padded(model, run) -> None:
+    """A catch-up of two sessions gives HF's logits (ModelRunner's) with no ragged forward."""
+    ref = ModelRunner(model, "ref")
+    for request_id in ("a", "b"):
+        ref.open(request_id)
+        run.open(request_id)
+    seen = spy_ragged(run)
+    assert_same(ref, run, [("a", [1, 2, 3]), ("b", [4, 5])], last_only=True)
+    assert seen == []
+
+
 # -- the attention ----------------------------------------------------------------------------
 
 
@@ -178,13 +189,8 @@ def test_a_failed_ragged_capture_at_warmup_leaves_the_padded_path_serving(model,
         graphs, _ = run.warmup(progress=False)
     assert run.ragged is False and "ragged catch-ups off" in caplog.text
     assert graphs == len(run.graphs) > 0 and not any(isinstance(k, RaggedKey) for k in run.graphs.ms)
-    ref = ModelRunner(model, "ref")
-    for request_id in ("a", "b"):
-        ref.open(request_id)
-        run.open(request_id)
-    seen = spy_ragged(run)
-    assert_same(ref, run, [("a", [1, 2, 3]), ("b", [4, 5])], last_only=True)
-    assert seen == [] and run.eager_passes == 0
+    assert_serves_padded(model, run)
+    assert run.eager_passes == 0
 
 
 def test_past_the_largest_bucket_runs_of_items_each_take_a_forward(model):
@@ -270,13 +276,7 @@ def test_a_failed_compile_at_warmup_without_graphs_leaves_the_padded_path_servin
     with caplog.at_level("WARNING", logger="backoff_core.runners.static_ragged"):
         assert run.warmup(progress=False) == (0, 0.0)
     assert run.ragged is False and "ragged catch-ups off" in caplog.text
-    ref = ModelRunner(model, "ref")
-    for request_id in ("a", "b"):
-        ref.open(request_id)
-        run.open(request_id)
-    seen = spy_ragged(run)
-    assert_same(ref, run, [("a", [1, 2, 3]), ("b", [4, 5])], last_only=True)
-    assert seen == []
+    assert_serves_padded(model, run)
 
 
 # -- capture safety ---------------------------------------------------------------------------
