@@ -23,8 +23,8 @@ def free_port() -> int:
     and released could be one of theirs by the time the proxy binds it ("Failed to bind")."""
     top = _ephemeral_start()
     for _ in range(200):
-        port = _RNG.randrange(PORTS_FROM, top) if top - PORTS_FROM >= 1000 else 0
-        if port not in _GIVEN and (port := _bindable(port)):
+        port = _bindable(_RNG.randrange(PORTS_FROM, top) if top - PORTS_FROM >= 1000 else 0)
+        if port and port not in _GIVEN:
             _GIVEN.add(port)
             return port
     raise RuntimeError("no free TCP port on loopback")

@@ -28,3 +28,10 @@ def test_a_port_in_use_is_never_handed_out(monkeypatch):
         monkeypatch.setattr(harness._RNG, "randrange", lambda lo, hi: next(picks))
         monkeypatch.setattr(harness, "_GIVEN", set())
         assert harness.free_port() == 23456
+
+
+def test_where_the_ephemeral_range_starts_low_the_kernel_picks_and_never_twice(monkeypatch):
+    monkeypatch.setattr(harness, "_ephemeral_start", lambda: harness.PORTS_FROM + 10)
+    monkeypatch.setattr(harness, "_GIVEN", set())
+    ports = [harness.free_port() for _ in range(20)]
+    assert len(set(ports)) == 20 and all(port > 0 for port in ports)
