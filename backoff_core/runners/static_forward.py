@@ -189,6 +189,12 @@ class StaticForward:
             h = h[torch.arange(rows, device=h.device), b.last_col][:, None]  # [B, 1, d]
         return self.model.lm_head(h), hidden
 
+    def attention(self):
+        """The ragged forward's attention (static_ragged.attention_fn), made at its first use."""
+        if self._flex is None:
+            self._flex = attention_fn(self.kv.keys[0].device)
+        return self._flex
+
     def ragged(self, b: RaggedBatch) -> torch.Tensor:
         """A ragged extend (static_ragged.py): its T tokens as one sequence, each attending over
         its own slot; returns the logits after each item's last token, [R, V]."""
@@ -196,15 +202,14 @@ class StaticForward:
         h = base.embed_tokens(b.input_ids[None])  # [1, T, d]
         cos, sin = self._rope_tables(h, b.positions[None])  # [1, T, D] each
         mask = block_mask(b, self.kv.slots, self.kv.kv_heads, self.groups, self.kv.max_len)  # shared by every layer
-        if self._flex is None:
-            self._flex = attention_fn(h.device)
+        flex = self.attention()
         for i, layer in enumerate(base.layers):
             attn = layer.self_attn
             q, key, value = self._project(i, attn, self.norm(layer.input_layernorm, h), cos, sin)  # [1, T, heads, D]
             keys, values = self.kv.keys[i], self.kv.values[i]  # [S, kvh, M, D]
             keys[b.slots, :, b.positions] = key[0]  # in place at [slot, :, position]: [T, kvh, D]
             values[b.slots, :, b.positions] = value[0]
-            h = h + attn.o_proj(ragged_attention(self._flex, q[0], keys, values, mask, attn.scaling))[None]
+            h = h + attn.o_proj(ragged_attention(flex, q[0], keys, values, mask, attn.scaling))[None]
             h = h + self._mlp(i, layer.mlp, self.norm(layer.post_attention_layernorm, h))
         return self.model.lm_head(self.norm(base.norm, h[0, b.last]))  # the norm is per token: [R, d]
 

@@ -219,24 +219,27 @@ class RaggedExtends:
         """Without graphs (`cuda_graphs=False`): one ragged forward per token bucket, every token
         padding (the scratch column of slot 0), so a compiled attention (CUDA's) compiles now and
         not at each bucket's first catch-up; nothing to do for the eager one. Returns seconds."""
-        flex = self._forward._flex or attention_fn(self.device)
-        if flex is flex_attention:
+        if self._forward.attention() is flex_attention:
             return 0.0
         check_ragged(self.kv.max_len, self.device)
-        self._forward._flex = flex
         start = time.perf_counter()
-        top = ragged_bucket(self.kv.slots * self.kv.max_len) or RAGGED_TOKENS[-1]  # no extend holds more
         last = torch.zeros(self.graph_max_rows, dtype=torch.long, device=self.device)
         with self._lock, torch.inference_mode():  # as extend() runs it: the compile's guards hold
-            for t in tqdm([t for t in RAGGED_TOKENS if t <= top], desc=f"{self.name}: ragged", disable=not progress):
+            for t in tqdm(self._ragged_buckets(), desc=f"{self.name}: ragged", disable=not progress):
                 ids = torch.zeros(t, dtype=torch.long, device=self.device)
                 self._forward.ragged(RaggedBatch(ids, torch.full_like(ids, self.kv.scratch), ids, last))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - start
 
+    def _ragged_buckets(self) -> list[int]:
+        """The token buckets this runner's ragged forwards use: those its graphs' inputs hold,
+        or without graphs those up to the one that holds the whole storage (no extend holds more)."""
+        top = self.graphs.n if self.graphs is not None else ragged_bucket(self.kv.slots * self.kv.max_len)
+        return [t for t in RAGGED_TOKENS if top is None or t <= top]
+
     def _ragged_keys(self) -> list[RaggedKey]:
-        return [RaggedKey(t) for t in RAGGED_TOKENS if t <= self.graphs.n]
+        return [RaggedKey(t) for t in self._ragged_buckets()]
 
     def _ragged_runs(self, new_ids: list[list[int]], layer: int | None, last_only: bool) -> list[slice] | None:
         """A catch-up (several tokens, the last logits only) with ragged on: its items in runs of
@@ -248,7 +251,7 @@ class RaggedExtends:
             return None
         if max(map(len, new_ids)) == 1:
             return None
-        top = RAGGED_TOKENS[-1] if self.graphs is None else max((k.tokens for k in self._ragged_keys()), default=0)
+        top = max(self._ragged_buckets(), default=0)
         runs, start, tokens = [], 0, 0
         for i, ids in enumerate(new_ids):
             if len(ids) > top:
