@@ -5,7 +5,7 @@ PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint venv bench
+.PHONY: demo test lint venv bench image-check
 
 $(BIN)/backoff: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -29,3 +29,7 @@ lint: venv
 
 bench: venv
 	$(BIN)/python benchmarks/cost_curve.py
+
+# the GPU image's packages (torch 2.11, transformers 5.17) on the CPU: scripts/image_check.sh
+image-check:
+	bash scripts/image_check.sh

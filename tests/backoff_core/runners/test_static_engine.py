@@ -91,6 +91,7 @@ def test_a_model_the_static_forward_cannot_run_keeps_per_session_caches(caplog):
 
 def test_the_step_loop_refuses_a_request_without_a_slot_as_503_kv_capacity(pair, tokenizer):
     """Serving: the refusal is the request's alone, retriable (503), and names the budget."""
+    pytest.importorskip("ray")  # deployments/ (scripts/image_check.sh runs these tests without it)
     from deployments.serving.engine_loop import Admitted, EngineLoop, Failed
     from deployments.streams import failure
 

@@ -1,0 +1,26 @@
+"""scripts/image_check.sh checks, under the GPU image's packages, what scripts/gpu_bench.sh
+runs: the same scripts and the same CUDA tests, so that neither drifts from the other."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+SCRIPTS = Path(__file__).parents[2] / "scripts"
+
+
+def _files(text: str, pattern: str) -> set[str]:
+    return set(re.findall(pattern, text))
+
+
+def test_the_image_check_covers_every_script_and_cuda_test_of_the_stages():
+    stages = (SCRIPTS / "gpu_bench.sh").read_text()
+    check = (SCRIPTS / "image_check.sh").read_text()
+    run = _files(stages, r"python3 (benchmarks/\w+\.py)")
+    assert {"benchmarks/gpu_check.py", "benchmarks/batch_scaling.py", "benchmarks/cost_curve.py"} <= run
+    started = _files(re.search(r"for script in ([^;]+);", check).group(1), r"benchmarks/\w+\.py")
+    assert started == run
+    cuda_tests = _files(stages, r"tests/[\w/]+_cuda\.py")
+    assert cuda_tests and cuda_tests == _files(check, r"tests/[\w/]+_cuda\.py")
+    for path in run | cuda_tests:
+        assert (SCRIPTS.parent / path).is_file(), path
