@@ -51,10 +51,10 @@ B09 = RoutingParams(router="random", rate=0.9)
 # the GPU schedules first, by stream priority (None: neither, the engine's default)
 FLIGHTS = {"one priority": None, "loop first": "loop", "flight first": "flight"}
 # label -> (routing, the engine's catch_up_wait_ms: None keeps --catch-up-wait-ms, a key of
-# FLIGHTS or None: synchronous). In the order a GPU run needs them: the goal's row and its
-# bounds, then the levers never run on a GPU (in flight; ragged, whose first use compiles
-# FlexAttention), then the rows an earlier run measured. A row that raises costs no other,
-# and the results are saved after every row (a stage cut short keeps what it measured).
+# FLIGHTS or None: synchronous). --rows runs some, in its order (the batch stage's: the goal's
+# row, then the levers never run on a GPU, then the bounds earlier runs measured). A row that
+# raises costs no other, and the results are saved after every row (a stage cut short keeps
+# what it measured).
 ROUTINGS = {
     "always-large": (RoutingParams(router="always-large"), None, None),
     "random b=0.9": (B09, None, None),
@@ -127,7 +127,7 @@ def measure(
     rows: list[str] | None = None,
     after_row: Callable[[dict, dict], None] | None = None,
 ) -> tuple[dict[str, dict[str, dict]], dict[str, str]]:
-    """The rows of ROUTINGS (`rows`, default every one) at every n (each row warmed up first:
+    """The rows of ROUTINGS (`rows`, in its order; default every one) at every n (each row warmed up first:
     allocator growth, lazy initialisation): ({label: {n: throughput's figures}}, {label: the
     error of a row that raised}), handed to `after_row` after each. A row that raises is
     reported, not measured, and its requests cancelled, so one failing row (a first run on

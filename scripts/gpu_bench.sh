@@ -45,9 +45,11 @@ cost)
         grep -v '%|' | tee "$out/cost_curve-$tag.txt" | tail -30
     ;;
 batch)
-    # the goal's row, its bounds and the levers no GPU has run (ROWS=all: every row of ROUTINGS)
-    rows=("always-large" "random b=0.9" "always-small" "random b=0.9, in flight" "random b=0.9, ragged"
-        "random b=0.9, ragged, in flight")
+    # in this order, each row saved as it ends (a call cut short keeps the rows before): the goal's
+    # row, the levers no GPU has run (in flight, then ragged, whose first row compiles FlexAttention),
+    # then the bounds three runs measured alike (ROWS=all: every row of ROUTINGS)
+    rows=("random b=0.9" "random b=0.9, in flight" "random b=0.9, ragged" "random b=0.9, ragged, in flight"
+        "always-large" "always-small")
     [ "${ROWS:-}" = all ] && rows=()
     python3 benchmarks/batch_scaling.py "${common[@]}" --tokens 64 --repeats 2 --tag "$tag" --out "$out" \
         ${rows[@]:+--rows "${rows[@]}"} 2>&1 | grep -v '%|' | tee "$out/batch_scaling-$tag.txt" | tail -14
