@@ -14,21 +14,25 @@
 # ../shared/gpu/ placed at gpu_pair/ beside this checkout's files (PAIR_SRC overrides), loads it
 # once, and writes at most 6 files to $OUT (default benchmarks/results/gpu). Needs python3 with
 # torch, transformers, tqdm and matplotlib (no Ray, no gguf) and ~30 GB of free GPU memory
-# (benchmarks/results/gpu/plan.json: 24 GiB at these defaults).
+# (benchmarks/results/gpu/plan.json: 24 GiB at these defaults). PAIR (a pair already built),
+# DEVICE, DTYPE, KV_BUDGET, MAX_LEN and TOKENS override the defaults: scripts/image_check.sh
+# runs `cost` and `batch` so, on the CPU with a tiny pair, before a GPU's time is spent on them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 stage=${1:?usage: scripts/gpu_bench.sh tests|cost|batch [TAG]}
 tag=${2:-h100}
 out=${OUT:-benchmarks/results/gpu}
 pair_src=${PAIR_SRC:-gpu_pair}
-pair=/tmp/pair
+pair=${PAIR:-/tmp/pair}
+tokens=${TOKENS:-64}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 mkdir -p "$out"
 if [ ! -f "$pair/large/config.json" ]; then
     [ -f "$pair_src/make_pair.py" ] || { echo "no $pair_src/make_pair.py: copy ../shared/gpu/ there" >&2; exit 2; }
     python3 "$pair_src/make_pair.py" "$pair"
 fi
-common=(--small "$pair/small" --large "$pair/large" --device cuda --dtype bfloat16 --kv-budget 65536 --max-len 1024)
+common=(--small "$pair/small" --large "$pair/large" --device "${DEVICE:-cuda}" --dtype "${DTYPE:-bfloat16}"
+    --kv-budget "${KV_BUDGET:-65536}" --max-len "${MAX_LEN:-1024}")
 start=$SECONDS
 case "$stage" in
 tests)
@@ -41,7 +45,7 @@ tests)
     [ "$rc" = 0 ] || { echo "CUDA tests failed (rc $rc)"; exit "$rc"; }
     ;;
 cost)
-    python3 benchmarks/cost_curve.py "${common[@]}" --max-tokens 64 --repeats 3 --tag "$tag" --out "$out" 2>&1 |
+    python3 benchmarks/cost_curve.py "${common[@]}" --max-tokens "$tokens" --repeats 3 --tag "$tag" --out "$out" 2>&1 |
         grep -v '%|' | tee "$out/cost_curve-$tag.txt" | tail -30
     ;;
 batch)
@@ -51,7 +55,7 @@ batch)
     rows=("random b=0.9" "random b=0.9, in flight" "random b=0.9, ragged" "random b=0.9, ragged, in flight"
         "always-large" "always-small")
     [ "${ROWS:-}" = all ] && rows=()
-    python3 benchmarks/batch_scaling.py "${common[@]}" --tokens 64 --repeats 2 --tag "$tag" --out "$out" \
+    python3 benchmarks/batch_scaling.py "${common[@]}" --tokens "$tokens" --repeats 2 --tag "$tag" --out "$out" \
         ${rows[@]:+--rows "${rows[@]}"} 2>&1 | grep -v '%|' | tee "$out/batch_scaling-$tag.txt" | tail -14
     # the shapes, real tokens and times of M_L's forwards behind the b=0.9 row (a second load)
     python3 benchmarks/catch_up_anatomy.py "${common[@]}" --out "$out" 2>&1 | grep -v '%|' |

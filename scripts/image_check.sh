@@ -6,11 +6,15 @@
 #
 #   1. every script the three stages of scripts/gpu_bench.sh run starts (--help: its imports);
 #   2. the CUDA tests the `tests` stage runs are collected (they skip here: no GPU);
-#   3. the runners' and the benchmarks' tests pass, ragged catch-ups with FlexAttention
+#   3. the stages `cost` and `batch` of gpu_bench.sh run end to end, the script itself, on the
+#      CPU over a tiny random pair with the GPU pair's tokenizer (../shared/gpu/tok), 16 tokens:
+#      every row of the batch stage measured, none in its `errors`;
+#   4. the runners' and the benchmarks' tests pass, ragged catch-ups with FlexAttention
 #      compiled by inductor among them (tests that need Ray skip).
 #
-#   bash scripts/image_check.sh        # or: make image-check
+#   bash scripts/image_check.sh [PYTEST ARGS]     # or: make image-check
 #
+# (`tests` and gpu_check.py need a GPU: step 2 and the tests of step 4 cover what they import.)
 # The venv (IMAGE_VENV, default /tmp/backoff-image-venv) is built at the first call: torch's
 # CUDA wheel and its nvidia packages, ~3 GB from the package index. TORCH and TRANSFORMERS pick
 # other versions (a new image).
@@ -36,4 +40,45 @@ done
 echo "the stages' scripts start"
 "$py" -m pytest -q -p no:cacheprovider --collect-only -m cuda tests/backoff_core/runners/test_static_cuda.py \
     tests/backoff_core/runners/test_static_ragged_cuda.py | tail -1
+
+tok=${GPU_TOKENIZER:-../shared/gpu/tok}
+[ -f "$tok/tokenizer.json" ] || { echo "no $tok/tokenizer.json: ../shared/gpu/ beside the checkout" >&2; exit 2; }
+dry=$(mktemp -d)
+trap 'rm -rf "$dry"' EXIT
+"$py" - "$tok" "$dry/pair" <<'PY'
+import sys
+
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+tok = AutoTokenizer.from_pretrained(sys.argv[1])
+shapes = {  # the real pair's kinds of shape, tiny: GQA, M_S's tied embeddings
+    "small": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, tie_word_embeddings=True),
+    "large": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=8,
+                  num_key_value_heads=2, tie_word_embeddings=False),
+}
+for name, shape in shapes.items():
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tok), max_position_embeddings=2048, bos_token_id=tok.bos_token_id,
+                         eos_token_id=tok.eos_token_id, **shape)
+    LlamaForCausalLM(config).save_pretrained(f"{sys.argv[2]}/{name}")
+    tok.save_pretrained(f"{sys.argv[2]}/{name}")
+PY
+for stage in cost batch; do
+    PATH=$venv/bin:$PATH PAIR=$dry/pair OUT=$dry/out DEVICE=cpu DTYPE=float32 KV_BUDGET=16384 MAX_LEN=256 TOKENS=16 \
+        bash scripts/gpu_bench.sh "$stage" dry >"$dry/$stage.txt" 2>&1 || { cat "$dry/$stage.txt"; exit 1; }
+    tail -1 "$dry/$stage.txt"
+done
+"$py" - "$dry/out" <<'PY'
+import json
+import sys
+
+out = sys.argv[1]
+batch = json.load(open(f"{out}/batch_scaling-dry.json"))
+assert not batch["errors"], batch["errors"]
+assert all(len(row) == 4 for row in batch["tok_per_s"].values()) and len(batch["tok_per_s"]) == 6, batch["tok_per_s"]
+assert json.load(open(f"{out}/catch_up_anatomy.json")) and json.load(open(f"{out}/cost_curve-dry.json"))
+print(f"dry run of cost and batch: {len(batch['tok_per_s'])} rows at n = 1 / 4 / 16 / 64, no errors")
+PY
 "$py" -m pytest -q -p no:cacheprovider --tb=short tests/backoff_core/runners tests/benchmarks "$@"

@@ -24,3 +24,15 @@ def test_the_image_check_covers_every_script_and_cuda_test_of_the_stages():
     assert cuda_tests and cuda_tests == _files(check, r"tests/[\w/]+_cuda\.py")
     for path in run | cuda_tests:
         assert (SCRIPTS.parent / path).is_file(), path
+
+
+def test_gpu_bench_takes_every_setting_the_dry_run_gives_it():
+    """The dry run (image_check.sh step 3) runs gpu_bench.sh on the CPU by its environment:
+    a setting the script ignored would send the dry run to /tmp/pair, CUDA and the 8B's budget."""
+    stages = (SCRIPTS / "gpu_bench.sh").read_text()
+    check = (SCRIPTS / "image_check.sh").read_text()
+    given = re.search(r"\n\s*(PATH=.*?)bash scripts/gpu_bench\.sh", check, re.S).group(1)
+    names = set(re.findall(r"\b([A-Z_]+)=", given)) - {"PATH"}
+    assert names == {"PAIR", "OUT", "DEVICE", "DTYPE", "KV_BUDGET", "MAX_LEN", "TOKENS"}
+    for name in names:
+        assert "${" + name + ":-" in stages, name

@@ -45,7 +45,8 @@ def test_plan_matches_the_gpu_bench_defaults_and_the_measured_run(computed):
     """The last GPU run measured the plan of its own code (gpu_check.json's "plan"): the
     estimator is held to that run; the committed plan.json is the current code's."""
     script = (Path(__file__).parents[3] / "scripts" / "gpu_bench.sh").read_text()
-    assert re.search(rf"--kv-budget {KV_BUDGET}\b", script) and re.search(rf"--max-len {MAX_LEN}\b", script)
+    assert re.search(rf'--kv-budget "\$\{{KV_BUDGET:-{KV_BUDGET}\}}"', script)  # the default, unless overridden
+    assert re.search(rf'--max-len "\$\{{MAX_LEN:-{MAX_LEN}\}}"', script)
     check = json.loads((RESULTS / "gpu_check.json").read_text())
     measured = check["measured"]
     for name, figures in check["plan"].items():
