@@ -2,8 +2,9 @@
 decoding (float32, tiny G=2 pair), close to a float32 reference in bf16 at the real
 attention shapes (G=3: the 135M shape's 9/3 heads of 64; G=4: the 8B shape's 32/8 heads of
 128), on the memory-efficient SDPA kernel, with every forward of a step replayed from a
-graph; and the counter hash gives the same numbers on CUDA as on the CPU. Skipped where no
-GPU is present (`pytest -m cuda` selects these; scripts/gpu_bench.sh tests runs them)."""
+graph; and the counter hash gives the same numbers on CUDA as on the CPU. On the GPU where
+one is present (`pytest -m cuda` selects these; scripts/gpu_bench.sh tests runs them), and
+rehearsed on the CPU always (tests/support/cuda_shapes.py), but for what only a GPU has."""
 
 from __future__ import annotations
 
@@ -17,25 +18,34 @@ from backoff_core.runners.static import KVCapacityError, StaticRunner
 from backoff_core.runners.static_forward import Batch
 from backoff_core.sampling import Stream, sample_rows, uniforms
 from backoff_core.types import Verification
-from tests.support.cuda_shapes import LONG, PROMPTS, SHAPES, rel_err, shaped_model
+from tests.support.cuda_shapes import DEVICES, LONG, PROMPTS, SHAPES, cuda_only, rel_err, shaped_model, with_graphs
 from tests.support.helpers import request
 from tests.support.tiny import VOCAB, tiny_model
-
-pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 def runner(model, name, slots=8, max_len=128, fuse=False, **warmup) -> StaticRunner:
     run = StaticRunner(
         model, name, kv_budget_tokens=slots * max_len, max_len=max_len, cuda_graphs=True, fuse_projections=fuse
     )
-    graphs, _ = run.warmup(progress=False, **warmup)
+    graphs, _ = with_graphs(run).warmup(progress=False, **warmup)
     assert graphs > 0 and run.graphs is not None
     return run
 
 
+@pytest.fixture(scope="module", params=DEVICES)
+def device(request) -> str:
+    return request.param
+
+
+def needs_cuda(device: str) -> None:
+    if device != "cuda":
+        pytest.skip("CUDA streams and events: nothing to rehearse on the CPU")
+
+
 @pytest.fixture(scope="module")
-def gpu_pair():
-    return (tiny_model(1, sharpness=30).cuda().float(), tiny_model(2, hidden=64, layers=4, sharpness=30).cuda().float())
+def gpu_pair(device):
+    small, large = tiny_model(1, sharpness=30), tiny_model(2, hidden=64, layers=4, sharpness=30)
+    return small.to(device).float(), large.to(device).float()
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +60,7 @@ def engine(gpu_pair, tokenizer):
 @torch.inference_mode()
 def greedy(model, prompt, n) -> tuple[int, ...]:
     out = model.generate(
-        torch.tensor([list(prompt)], device="cuda"),
+        torch.tensor([list(prompt)], device=model.device),
         max_new_tokens=n,
         do_sample=False,
         eos_token_id=None,
@@ -62,7 +72,7 @@ def greedy(model, prompt, n) -> tuple[int, ...]:
 @torch.inference_mode()
 def full_logits(model, ids) -> torch.Tensor:
     """[len(ids), V] logits of a plain forward over the whole sequence (no cache)."""
-    return model(torch.tensor([list(ids)], device="cuda")).logits[0].float()
+    return model(torch.tensor([list(ids)], device=model.device)).logits[0].float()
 
 
 @pytest.mark.parametrize("prompt", [*PROMPTS, LONG])
@@ -130,12 +140,13 @@ def streams_of(monkeypatch, runner) -> list[torch.cuda.Stream]:
 
 @pytest.mark.parametrize("first", [None, "loop", "flight"])
 @pytest.mark.parametrize("wait_ms", [0.0, 40.0])
-def test_catch_ups_in_flight_on_a_side_stream_give_the_synchronous_tokens(engine, wait_ms, first, monkeypatch):
+def test_catch_ups_in_flight_on_a_side_stream_give_the_synchronous_tokens(device, engine, wait_ms, first, monkeypatch):
     """overlap_catch_ups: M_L's catch-ups run on the worker thread's own CUDA stream beside
     M_S's steps (engine/flight.py); every M_S forward on the loop's stream (the caller's, or
     with first="loop" a stream of its own), and the stream that goes first of higher
     priority than the other; sampled, random routing at 50%, 12 requests: every token and
     source is the synchronous loop's, and no session is left open."""
+    needs_cuda(device)
     reqs = [request(p, 16, "random", rate=0.5, seed=7 + i, temperature=1.0) for i, p in enumerate(PROMPTS * 4)]
     engine.catch_up_wait_ms = wait_ms
     sync = engine.generate_many(reqs)
@@ -173,7 +184,7 @@ def test_catch_ups_in_flight_over_per_session_caches_stay_on_the_loops_stream(gp
     assert [(r.token_ids, r.sources) for r in flying] == [(r.token_ids, r.sources) for r in sync]
 
 
-def test_the_sharing_probe_replays_both_models_side_by_side(engine):
+def test_the_sharing_probe_replays_both_models_side_by_side(device, engine):
     """benchmarks/gpu_check.sharing (what gpu_sim --what-if shared reads): M_S's full-batch
     step graph and M_L's gathered k=8 graph, each timed alone, then side by side on two
     streams as a flight runs beside the loop's steps, the loop's stream of the flight's
@@ -181,6 +192,7 @@ def test_the_sharing_probe_replays_both_models_side_by_side(engine):
     engine's tokens unchanged after it (its replays run on harmless inputs)."""
     from benchmarks.gpu_probes import sharing
 
+    needs_cuda(device)
     reqs = [request(p, 12, "random", rate=0.5, seed=3) for p in PROMPTS]
     before = engine.generate_many(reqs)
     got = sharing(engine.models, repeats=3)
@@ -257,12 +269,12 @@ def test_kv_budget_and_slot_reuse(gpu_pair):
 @pytest.mark.parametrize("fuse", [False, True], ids=["modules", "fused"])
 @pytest.mark.parametrize("shape", list(SHAPES))
 @torch.inference_mode()
-def test_bf16_real_shapes_match_a_float32_reference(shape, fuse):
+def test_bf16_real_shapes_match_a_float32_reference(device, shape, fuse):
     """Every kind of extend the engine makes (steps, ragged catch-ups, verification's full
     logits, a 40-token catch-up in blocks), replayed from bf16 graphs: as close to the float32
     model as HF's own bf16 forward is, and no forward eager."""
-    model32 = shaped_model(shape).float()
-    model16 = shaped_model(shape).to(torch.bfloat16)
+    model32 = shaped_model(shape, device).float()
+    model16 = shaped_model(shape, device).to(torch.bfloat16)
     run = runner(model16, shape, slots=4, max_len=256, fuse=fuse)
     seqs = {"a": list(PROMPTS[2]), "b": [7], "c": list(PROMPTS[0])}
     for request_id in seqs:
@@ -281,7 +293,7 @@ def test_bf16_real_shapes_match_a_float32_reference(shape, fuse):
         out = run.extend(list(items.items()), last_only=last_only)
         for (request_id, ids), ext in zip(items.items(), out):
             done[request_id] += ids
-            full = torch.tensor([done[request_id]], device="cuda")
+            full = torch.tensor([done[request_id]], device=device)
             ref = model32(full).logits[0, -len(ext.logits) :]
             hf16 = model16(full).logits[0, -len(ext.logits) :]
             assert ext.logits.dtype == torch.float32 and ext.logits.shape == ref.shape
@@ -292,12 +304,13 @@ def test_bf16_real_shapes_match_a_float32_reference(shape, fuse):
 @pytest.mark.parametrize("fuse", [False, True], ids=["modules", "fused"])
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("dense", [True, False])
+@cuda_only
 @torch.inference_mode()
 def test_attention_runs_on_the_memory_efficient_kernel(shape, dense, fuse):
     """The additive mask keeps SDPA off its math fallback: with only the efficient (and
     flash) kernels allowed, the static forward still runs, in bf16 at the real shapes (q
     from the modules' projections or a view of the fused ones)."""
-    model = shaped_model(shape).to(torch.bfloat16)
+    model = shaped_model(shape, "cuda").to(torch.bfloat16)
     run = StaticRunner(model, shape, kv_budget_tokens=4 * 256, max_len=256, cuda_graphs=False, fuse_projections=fuse)
     for k in (1, 4):
         batch = Batch(
@@ -317,6 +330,7 @@ def test_attention_runs_on_the_memory_efficient_kernel(shape, dense, fuse):
 
 
 # -- the counter hash on CUDA and on the CPU ----------------------------------------------------
+@cuda_only
 def test_counter_hash_gives_the_same_numbers_on_cuda_and_cpu():
     gen = torch.Generator().manual_seed(0)
     seeds = [int(x) for x in torch.randint(0, 2**62, (4096,), generator=gen)] + [0, 1, 2**32 - 1, 2**63 - 1]

@@ -2,7 +2,9 @@
 CUDA graphs, one per token bucket. Catch-ups replay them with ModelRunner's logits (float32,
 tiny G=2 model), as close to a float32 reference in bf16 at the real attention shapes (G=3,
 G=4) as HF's own bf16 forward, and the engine over them generates the padded path's tokens.
-Skipped where no GPU is present (`pytest -m cuda`; scripts/gpu_bench.sh tests runs them)."""
+On the GPU where one is present (`pytest -m cuda`; scripts/gpu_bench.sh tests runs them), and
+rehearsed on the CPU always, eager FlexAttention in the graphs' bookkeeping
+(tests/support/cuda_shapes.py)."""
 
 from __future__ import annotations
 
@@ -13,16 +15,14 @@ from backoff_core.engine.engine import BackoffEngine
 from backoff_core.runners.dynamic import ModelRunner
 from backoff_core.runners.static import StaticRunner
 from backoff_core.runners.static_ragged import RaggedKey
-from tests.support.cuda_shapes import LONG, PROMPTS, SHAPES, rel_err, shaped_model
+from tests.support.cuda_shapes import DEVICES, LONG, PROMPTS, SHAPES, rel_err, shaped_model, with_graphs
 from tests.support.helpers import request
 from tests.support.tiny import VOCAB, tiny_model
-
-pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 def runner(model, name, slots=8, max_len=128, ragged=True, **warmup) -> StaticRunner:
     run = StaticRunner(model, name, kv_budget_tokens=slots * max_len, max_len=max_len, cuda_graphs=True, ragged=ragged)
-    run.warmup(progress=False, **warmup)
+    with_graphs(run).warmup(progress=False, **warmup)
     return run
 
 
@@ -32,9 +32,15 @@ def spy_replays(run) -> list[RaggedKey]:
     return seen
 
 
+@pytest.fixture(scope="module", params=DEVICES)
+def device(request) -> str:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def gpu_pair():
-    return (tiny_model(1, sharpness=30).cuda().float(), tiny_model(2, hidden=64, layers=4, sharpness=30).cuda().float())
+def gpu_pair(device):
+    small, large = tiny_model(1, sharpness=30), tiny_model(2, hidden=64, layers=4, sharpness=30)
+    return small.to(device).float(), large.to(device).float()
 
 
 def test_catch_ups_replay_ragged_graphs_with_model_runners_logits(gpu_pair):
@@ -60,11 +66,11 @@ def test_catch_ups_replay_ragged_graphs_with_model_runners_logits(gpu_pair):
 
 @pytest.mark.parametrize("shape", list(SHAPES))
 @torch.inference_mode()
-def test_bf16_real_shapes_match_a_float32_reference(shape):
+def test_bf16_real_shapes_match_a_float32_reference(device, shape):
     """Prompts and catch-ups of several items, every one a ragged replay in bf16: as close to
     the float32 model as HF's own bf16 forward is."""
-    model32 = shaped_model(shape).float()
-    model16 = shaped_model(shape).to(torch.bfloat16)
+    model32 = shaped_model(shape, device).float()
+    model16 = shaped_model(shape, device).to(torch.bfloat16)
     run = runner(model16, shape, slots=4, max_len=256)
     seqs = {"a": list(PROMPTS[2]), "b": [7], "c": list(PROMPTS[0])}
     for request_id in seqs:
@@ -76,7 +82,7 @@ def test_bf16_real_shapes_match_a_float32_reference(shape):
         out = run.extend(list(items.items()), last_only=True)
         for (request_id, ids), ext in zip(items.items(), out):
             done[request_id] += ids
-            full = torch.tensor([done[request_id]], device="cuda")
+            full = torch.tensor([done[request_id]], device=device)
             ref = model32(full).logits[0, -1:]
             hf16 = model16(full).logits[0, -1:]
             assert ext.logits.dtype == torch.float32 and ext.logits.shape == ref.shape
