@@ -7,7 +7,7 @@ tests) and, rehearsed, on the CPU in every run of the suite: the same test over 
 runners, their CUDA graphs' bookkeeping replayed eagerly (EagerGraphs: the buckets, static
 inputs, layouts and replay counts of the real thing), so an expectation that does not hold
 fails here and not on a GPU's first run. What only a GPU has (CUDA streams, events, kernels)
-is tested on the GPU alone (CUDA_ONLY)."""
+is tested on the GPU alone (`cuda_only`, or a test that skips its CPU half)."""
 
 from __future__ import annotations
 
