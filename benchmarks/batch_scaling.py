@@ -22,7 +22,9 @@ flight" runs each catch-up beside M_S's next steps (no hold), "in flight, loop f
 ThreadLauncher.first), "held and in flight" after the default hold. Ragged catch-ups
 (static_ragged.py, opt-in): "random b=0.9, ragged" runs M_L's catch-ups as ragged forwards,
 their tokens unpadded, after the default hold, and "ragged, in flight" in flight; their first
-use captures M_L's ragged graphs (static KV only). All in the same run, for the ratios.
+use captures M_L's ragged graphs (static KV only) and compares a ragged catch-up's logits with
+the padded path's ("ragged_rel_err": a row that is fast and wrong is not a win; above
+RAGGED_SUSPECT it is flagged). All in the same run, for the ratios.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from backoff_core.models.prompts import encode_prompt
 from backoff_core.runners.static import StaticRunner
 from backoff_core.runners.static_ragged import RaggedKey
 from backoff_core.types import GenerationRequest, KVSpec, RoutingParams, SamplingParams
+from benchmarks.gpu_probes import ragged_rel_err
 
 PROMPT = "Write a short paragraph about the history of the Python programming language."
 B09 = RoutingParams(router="random", rate=0.9)
@@ -69,6 +72,10 @@ ROUTINGS = {
     "random b=0.9, held and in flight": (B09, None, "one priority"),
 }
 RAGGED = {label for label in ROUTINGS if "ragged" in label}  # M_L's catch-ups as ragged forwards
+# ragged vs padded logits past this relative error: flagged (bf16 noise: the padded path's own
+# logits were 0.038 from HF's on the H100, gpu_check.json; one position off by one moved the tiny
+# pair's 0.08, a token reading another slot's keys 0.13)
+RAGGED_SUSPECT = 0.1
 
 
 def throughput(
@@ -126,14 +133,17 @@ def measure(
     waits: dict[str, float],
     rows: list[str] | None = None,
     after_row: Callable[[dict, dict], None] | None = None,
+    checks: dict | None = None,
 ) -> tuple[dict[str, dict[str, dict]], dict[str, str]]:
     """The rows of ROUTINGS (`rows`, in its order; default every one) at every n (each row warmed up first:
     allocator growth, lazy initialisation): ({label: {n: throughput's figures}}, {label: the
     error of a row that raised}), handed to `after_row` after each. A row that raises is
     reported, not measured, and its requests cancelled, so one failing row (a first run on
     new hardware) does not cost the others; after a failure that leaves the engine unclean,
-    the rows left are skipped, with that reason."""
+    the rows left are skipped, with that reason. The first ragged row first puts the ragged
+    catch-up's logits against the padded path's in `checks` ("ragged_rel_err")."""
     runs, errors = {}, {}
+    checks = {} if checks is None else checks
     picked = {label: ROUTINGS[label] for label in rows} if rows is not None else ROUTINGS
     for label, (routing, _, flight) in tqdm(picked.items(), desc="routings"):
         if errors and engine.has_work():
@@ -141,6 +151,11 @@ def measure(
             continue
         try:
             _ragged(engine, label in RAGGED)
+            if label in RAGGED and "ragged_rel_err" not in checks:
+                checks["ragged_rel_err"] = err = ragged_rel_err(engine.models[-1], list(prompt_ids))
+                engine.models[-1].ragged = True  # the check leaves the runner padded
+                flag = f" (over {RAGGED_SUSPECT}: suspect)" if not err <= RAGGED_SUSPECT else ""
+                print(f"{label}: ragged catch-up logits vs padded, relative error {err:.4f}{flag}")
             throughput(engine, prompt_ids, 2, 4, routing, 1, waits[label], flight)
             runs[label] = {
                 str(n): throughput(engine, prompt_ids, n, tokens, routing, repeats, waits[label], flight)
@@ -239,12 +254,14 @@ def main() -> None:
     stem = "batch_scaling" + (f"-{args.tag}" if args.tag else "")
     gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else None  # before any row can break CUDA
 
+    checks: dict = {}
+
     def save(runs: dict, errors: dict) -> dict:
-        report = _report(args, kv, load_s, waits, streams, runs, errors, gpu)
+        report = _report(args, kv, load_s, waits, streams, runs, errors, gpu) | checks
         (out / f"{stem}.json").write_text(json.dumps(report, indent=2))
         return report
 
-    runs, errors = measure(engine, prompt_ids, streams, args.tokens, args.repeats, waits, rows, after_row=save)
+    runs, errors = measure(engine, prompt_ids, streams, args.tokens, args.repeats, waits, rows, save, checks)
     report = save(runs, errors)
     _print(report, streams)
     _plot(report, streams, out / f"{stem}.png")

@@ -57,6 +57,7 @@ batch)
     [ "${ROWS:-}" = all ] && rows=()
     python3 benchmarks/batch_scaling.py "${common[@]}" --tokens "$tokens" --repeats 2 --tag "$tag" --out "$out" \
         ${rows[@]:+--rows "${rows[@]}"} 2>&1 | grep -v '%|' | tee "$out/batch_scaling-$tag.txt" | tail -14
+    grep -h "relative error" "$out/batch_scaling-$tag.txt" || true # the ragged check, printed before the table
     # the shapes, real tokens and times of M_L's forwards behind the b=0.9 row (a second load)
     python3 benchmarks/catch_up_anatomy.py "${common[@]}" --out "$out" 2>&1 | grep -v '%|' |
         tee "$out/catch_up_anatomy.txt" | grep -v '^[DG][0-9]' | tail -8

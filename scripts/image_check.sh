@@ -78,6 +78,7 @@ out = sys.argv[1]
 batch = json.load(open(f"{out}/batch_scaling-dry.json"))
 assert not batch["errors"], batch["errors"]
 assert all(len(row) == 4 for row in batch["tok_per_s"].values()) and len(batch["tok_per_s"]) == 6, batch["tok_per_s"]
+assert batch["ragged_rel_err"] < 1e-4, batch["ragged_rel_err"]  # float32: ragged logits are the padded path's
 assert json.load(open(f"{out}/catch_up_anatomy.json")) and json.load(open(f"{out}/cost_curve-dry.json"))
 print(f"dry run of cost and batch: {len(batch['tok_per_s'])} rows at n = 1 / 4 / 16 / 64, no errors")
 PY

@@ -10,7 +10,7 @@ from backoff_core.engine.engine import BackoffEngine
 from backoff_core.runners.dynamic import ModelRunner
 from backoff_core.runners.static import StaticRunner
 from backoff_core.types import RoutingParams
-from benchmarks.batch_scaling import RAGGED, ROUTINGS, _ragged, measure, throughput
+from benchmarks.batch_scaling import RAGGED, RAGGED_SUSPECT, ROUTINGS, _ragged, measure, throughput
 from benchmarks.step_overhead import tiny_pair
 
 
@@ -115,13 +115,55 @@ def test_the_ragged_rows_run_m_ls_catch_ups_ragged_and_only_those():
         got = throughput(engine, [5, 6, 7], 8, 12, routing, 1, 40.0 if wait is None else wait, flight)
         assert got["tok_per_s"] > 0
         assert (len(seen) > before) == (label in RAGGED), label
-    saved = []  # after every row, what is measured so far (the stage saves it then)
+    saved, checks = [], {}  # after every row, what is measured so far (the stage saves it then)
     picked = ["random b=0.9, ragged", "always-small"]
     runs, errors = measure(
-        engine, [5, 6, 7], [2], 4, 1, dict.fromkeys(ROUTINGS, 40.0), picked, lambda r, e: saved.append(list(r))
+        engine, [5, 6, 7], [2], 4, 1, dict.fromkeys(ROUTINGS, 40.0), picked, lambda r, e: saved.append(list(r)), checks
     )
     assert list(runs) == picked and errors == {} and saved == [picked[:1], picked]
     assert runners[1].ragged is False
+    assert checks["ragged_rel_err"] < 1e-5  # float32: the ragged catch-up's logits are the padded path's
+
+
+def _static_engine():
+    torch.manual_seed(0)
+    (small, large), tokenizer = tiny_pair()
+    runners = [
+        StaticRunner(m, n, kv_budget_tokens=16 * 128, max_len=128) for m, n in ((small, "small"), (large, "large"))
+    ]
+    return BackoffEngine(runners, tokenizer), runners
+
+
+def test_a_ragged_forward_that_is_fast_and_wrong_is_flagged_before_its_row_is_timed(capsys):
+    """The batch stage measures ragged catch-ups before any test has run them on the GPU: the
+    first ragged row puts their logits against the padded path's, and a wrong one (here its
+    logits negated) is flagged in the results beside its timing."""
+    engine, runners = _static_engine()
+    inner = runners[1]._forward.ragged
+    runners[1]._forward.ragged = lambda batch: -inner(batch)
+    checks = {}
+    picked = ["random b=0.9, ragged", "random b=0.9, ragged, in flight"]
+    runs, errors = measure(engine, [5, 6, 7], [2], 4, 1, dict.fromkeys(ROUTINGS, 40.0), picked, None, checks)
+    assert checks["ragged_rel_err"] == pytest.approx(2.0, rel=1e-4) and checks["ragged_rel_err"] > RAGGED_SUSPECT
+    assert "relative error 2.0000 (over 0.1: suspect)" in capsys.readouterr().out
+    assert list(runs) == picked and errors == {}  # checked once, then both rows timed
+
+
+def test_a_ragged_check_that_raises_costs_its_rows_and_no_slot():
+    """A ragged forward that raises in the check (a first kernel on a new GPU): the ragged rows
+    are reported, the probe's sessions closed, and a later row still fits its streams in the
+    slots (16 here)."""
+    engine, runners = _static_engine()
+
+    def broken(batch):
+        raise RuntimeError("CUDA error: misaligned address")
+
+    runners[1]._forward.ragged = broken
+    picked = ["random b=0.9, ragged", "random b=0.9, ragged, in flight", "random b=0.9"]
+    runs, errors = measure(engine, [5, 6, 7], [16], 4, 1, dict.fromkeys(ROUTINGS, 40.0), picked)
+    assert set(errors) == set(picked[:2]) and all("misaligned address" in e for e in errors.values())
+    assert list(runs) == ["random b=0.9"] and runs["random b=0.9"]["16"]["tok_per_s"] > 0
+    assert runners[1].request_ids() == [] and runners[1].ragged is False
 
 
 def test_the_batch_stage_names_rows_that_exist():
