@@ -3,8 +3,12 @@ runs: the same scripts and the same CUDA tests, so that neither drifts from the 
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
 from pathlib import Path
+
+import pytest
 
 SCRIPTS = Path(__file__).parents[2] / "scripts"
 
@@ -36,3 +40,41 @@ def test_gpu_bench_takes_every_setting_the_dry_run_gives_it():
     assert names == {"PAIR", "OUT", "DEVICE", "DTYPE", "KV_BUDGET", "MAX_LEN", "TOKENS"}
     for name in names:
         assert "${" + name + ":-" in stages, name
+
+
+FAKE_PYTHON = """#!/bin/sh
+echo "$*" >> "$CALLS"
+case "$*" in *"$FAIL"*) echo failing; exit 3;; esac
+echo "1 passed"
+"""
+
+
+@pytest.mark.parametrize("fail", ["gpu_check.py", "test_static_ragged_cuda.py", "nothing"])
+def test_the_tests_stage_keeps_the_most_when_a_part_fails_or_the_call_is_cut(tmp_path, fail):
+    """`gpu_bench.sh tests` over a stand-in python3 and nvidia-smi: the padded path's CUDA tests,
+    then gpu_check.py (what the simulator reads), then the ragged CUDA tests, whose compiles were
+    never timed on a GPU; a part that fails costs none after it, and the stage then fails."""
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    (bin_ / "python3").write_text(FAKE_PYTHON)
+    (bin_ / "nvidia-smi").write_text("#!/bin/sh\necho H100\n")
+    for tool in bin_.iterdir():
+        tool.chmod(0o755)
+    (tmp_path / "pair" / "large").mkdir(parents=True)
+    (tmp_path / "pair" / "large" / "config.json").write_text("{}")
+    env = {
+        **os.environ,
+        "PATH": f"{bin_}:{os.environ['PATH']}",
+        "PAIR": str(tmp_path / "pair"),
+        "OUT": str(tmp_path / "out"),
+        "CALLS": str(tmp_path / "calls"),
+        "FAIL": fail,
+    }
+    done = subprocess.run(["bash", str(SCRIPTS / "gpu_bench.sh"), "tests"], env=env, capture_output=True, text=True)
+    calls = (tmp_path / "calls").read_text().splitlines()
+    order = [re.search(r"(test_static_cuda|gpu_check|test_static_ragged_cuda)\.py", c).group(1) for c in calls]
+    assert order == ["test_static_cuda", "gpu_check", "test_static_ragged_cuda"]
+    assert (done.returncode == 0) == (fail == "nothing"), done.stdout + done.stderr
+    assert (tmp_path / "out" / "cuda_tests.txt").read_text().count("passed") == 2 - (
+        fail == "test_static_ragged_cuda.py"
+    )
