@@ -219,18 +219,20 @@ class CatchUpBatcher:
 
     # -- the forward thread -----------------------------------------------------------------
     def _close(self, session_key: str) -> None:
-        self.runner.close(session_key)
+        # the records first, the runner's session last: whoever sees a session gone (info(),
+        # from the event loop's thread) sees its records gone with it
         self._owners.pop(session_key, None)
         self._opened_empty.discard(session_key)
         self._closed[session_key] = None
         while len(self._closed) > 65536:
             self._closed.popitem(last=False)
+        self.runner.close(session_key)
 
     def _free_orphans(self) -> list[str]:
         session_keys = [session_key for session_key, owner in self._owners.items() if owner not in self._leases]
         for session_key in session_keys:
+            self.stats.orphans_freed += 1  # counted before it goes, as _close's records
             self._close(session_key)
-        self.stats.orphans_freed += len(session_keys)
         return session_keys
 
     def _forward(self, calls: list[CatchUpCall]) -> list[CatchUpReply]:

@@ -112,8 +112,11 @@ def test_evicting_beyond_the_multiplexer_bound_frees_the_oldest(monkeypatch, mod
 
 def test_the_sweeper_frees_the_sessions_of_a_silent_owner_only(large, lt):
     """A SmallModel replica that stops renewing (it died) loses its sessions after lease_s;
-    one that renews keeps them."""
+    one that renews keeps them. Whoever sees a session gone sees its records gone with it
+    (the runner's close made slow here: the forward thread frees it while info() reads)."""
     handle = FakeHandle([large], lt)
+    close = large.runner.close
+    large.runner.close = lambda session_key: close(session_key) or time.sleep(0.3)
     large.reconfigure({"lease_s": 1.0})  # the sweeper wakes every lease_s / 4
     _extend(handle, CatchUpCall("dead#1", 0, (3, 4), owner="small-dead")).result(10)
     _extend(handle, CatchUpCall("live#1", 0, (5, 6), owner="small-live")).result(10)
