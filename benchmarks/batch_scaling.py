@@ -150,12 +150,7 @@ def measure(
             errors[label] = f"skipped: the engine still had work after {next(iter(errors))!r} failed"
             continue
         try:
-            _ragged(engine, label in RAGGED)
-            if label in RAGGED and "ragged_rel_err" not in checks:
-                checks["ragged_rel_err"] = err = ragged_rel_err(engine.models[-1], list(prompt_ids))
-                engine.models[-1].ragged = True  # the check leaves the runner padded
-                flag = f" (over {RAGGED_SUSPECT}: suspect)" if not err <= RAGGED_SUSPECT else ""
-                print(f"{label}: ragged catch-up logits vs padded, relative error {err:.4f}{flag}")
+            _ragged(engine, label in RAGGED, prompt_ids, checks)
             throughput(engine, prompt_ids, 2, 4, routing, 1, waits[label], flight)
             runs[label] = {
                 str(n): throughput(engine, prompt_ids, n, tokens, routing, repeats, waits[label], flight)
@@ -171,8 +166,9 @@ def measure(
     return runs, errors
 
 
-def _ragged(engine, on: bool) -> None:
-    """M_L's catch-ups as ragged forwards or not; its ragged graphs captured at the first."""
+def _ragged(engine, on: bool, prompt_ids=(), checks: dict | None = None) -> None:
+    """M_L's catch-ups as ragged forwards or not; at the first, its ragged graphs captured,
+    then (with `checks`) a ragged catch-up's logits put against the padded path's."""
     large = engine.models[-1]
     if not on:
         if isinstance(large, StaticRunner):
@@ -183,6 +179,10 @@ def _ragged(engine, on: bool) -> None:
     if large.graphs is not None and not any(isinstance(key, RaggedKey) for key in large.graphs.ms):
         graphs, seconds = large.capture_ragged()
         print(f"{large.name}: {graphs} ragged graphs captured and timed in {seconds:.1f} s")
+    if checks is not None and "ragged_rel_err" not in checks:
+        checks["ragged_rel_err"] = err = ragged_rel_err(large, list(prompt_ids))
+        flag = f" (over {RAGGED_SUSPECT}: suspect)" if not err <= RAGGED_SUSPECT else ""
+        print(f"{large.name}: ragged catch-up logits vs padded, relative error {err:.4f}{flag}")
     large.ragged = True
 
 

@@ -193,21 +193,20 @@ def ragged_rel_err(runner: StaticRunner, prompt_ids: list[int]) -> float:
     """Six sessions take the prompt, then a catch-up of six items of 2 to 37 tokens, once
     ragged and once padded: the relative error of the catch-up's logits, ragged against
     padded (the runner is left padded, its probe sessions closed, whatever raises)."""
-    logits, opened = {}, []
+    logits = {}
     try:
         for ragged in (False, True):
             runner.ragged = ragged
             sids = [f"ragged-probe-{ragged}-{i}" for i in range(6)]
-            for request_id in sids:
-                runner.open(request_id)
-                opened.append(request_id)
-            runner.extend([(r, list(prompt_ids)) for r in sids], last_only=True)
-            items = [(r, list(prompt_ids[: 2 + 7 * i])) for i, r in enumerate(sids)]
-            logits[ragged] = torch.stack([e.last for e in runner.extend(items, last_only=True)]).float()
-            while opened:  # six slots at a time
-                runner.close(opened.pop())
+            try:
+                for request_id in sids:
+                    runner.open(request_id)
+                runner.extend([(r, list(prompt_ids)) for r in sids], last_only=True)
+                items = [(r, list(prompt_ids[: 2 + 7 * i])) for i, r in enumerate(sids)]
+                logits[ragged] = torch.stack([e.last for e in runner.extend(items, last_only=True)]).float()
+            finally:  # six slots at a time (closing one that never opened does nothing)
+                for request_id in sids:
+                    runner.close(request_id)
     finally:
         runner.ragged = False
-        while opened:
-            runner.close(opened.pop())
     return float((logits[True] - logits[False]).norm() / logits[False].norm())

@@ -94,16 +94,20 @@ def test_a_row_that_raises_is_reported_and_the_others_are_measured():
     assert not engine.has_work() and not engine.live_ids() and not engine.flights.busy
 
 
-def test_the_ragged_rows_run_m_ls_catch_ups_ragged_and_only_those():
-    """Over static KV (the CPU: no graphs to capture), "random b=0.9, ragged" runs M_L's
-    catch-ups as ragged forwards; every other row, and the engine after measure, padded.
-    measure runs the rows asked for, in that order, handing what it has after each."""
+def _static_engine():
     torch.manual_seed(0)
     (small, large), tokenizer = tiny_pair()
     runners = [
         StaticRunner(m, n, kv_budget_tokens=16 * 128, max_len=128) for m, n in ((small, "small"), (large, "large"))
     ]
-    engine = BackoffEngine(runners, tokenizer)
+    return BackoffEngine(runners, tokenizer), runners
+
+
+def test_the_ragged_rows_run_m_ls_catch_ups_ragged_and_only_those():
+    """Over static KV (the CPU: no graphs to capture), "random b=0.9, ragged" runs M_L's
+    catch-ups as ragged forwards; every other row, and the engine after measure, padded.
+    measure runs the rows asked for, in that order, handing what it has after each."""
+    engine, runners = _static_engine()
     seen, inner = [], runners[1]._forward.ragged
     runners[1]._forward.ragged = lambda batch: seen.append(batch.input_ids.shape[0]) or inner(batch)
     rows = {
@@ -123,15 +127,6 @@ def test_the_ragged_rows_run_m_ls_catch_ups_ragged_and_only_those():
     assert list(runs) == picked and errors == {} and saved == [picked[:1], picked]
     assert runners[1].ragged is False
     assert checks["ragged_rel_err"] < 1e-5  # float32: the ragged catch-up's logits are the padded path's
-
-
-def _static_engine():
-    torch.manual_seed(0)
-    (small, large), tokenizer = tiny_pair()
-    runners = [
-        StaticRunner(m, n, kv_budget_tokens=16 * 128, max_len=128) for m, n in ((small, "small"), (large, "large"))
-    ]
-    return BackoffEngine(runners, tokenizer), runners
 
 
 def test_a_ragged_forward_that_is_fast_and_wrong_is_flagged_before_its_row_is_timed(capsys):
