@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -23,6 +22,7 @@ from transformers import (
 
 from backoff_core.runners.static_forward import Batch, FusedLayer, StaticForward, check_supported
 from backoff_core.runners.static_kv import StaticKV
+from tests.support.ops import Ops
 from tests.support.tiny import TINY_SHAPE, VOCAB, tiny_model
 
 TOL = dict(atol=1e-4, rtol=1e-4)
@@ -128,24 +128,6 @@ def test_check_supported_accepts_llama_and_a_window_that_never_binds(model):
 def test_check_supported_raises_value_error_naming_the_reason(make, says):
     with pytest.raises(ValueError, match=says):
         check_supported(make(), MAX_LEN)
-
-
-class Ops(TorchDispatchMode):
-    """Counts the ops a forward dispatches that make a new tensor (on a GPU, each is a
-    kernel): not views, and a dtype cast (`to`, which torch lists as a possible view) only
-    when it copies."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if not func.is_view:
-            self.count += 1
-        elif func.overloadpacket.__name__ == "to":  # a cast copies; a same-dtype `to` aliases
-            self.count += out.untyped_storage().data_ptr() != args[0].untyped_storage().data_ptr()
-        return out
 
 
 def _ops_per_layer(fuse: bool, dtype=torch.float32, norms=None) -> float:
