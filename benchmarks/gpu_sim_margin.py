@@ -6,7 +6,7 @@ at 64 streams falls under 20x one stream (the GPU engine's open goal)? gpu_sim.p
 - `factor`: the whole forward by a factor (the flex kernel or the projections slower);
 - `per_token_us`: a cost a token (attention or index_put_ that scale with the tokens).
 
-    python benchmarks/gpu_sim_margin.py    # -> benchmarks/results/gpu_sim_margin.json
+    python benchmarks/gpu_sim_margin.py    # -> benchmarks/results/gpu_sim_margin.{json,png}
 
 For each way it prints the ratio at a few points and the break-even, found by bisection (the
 simulator is deterministic for its seeds). The price it starts from is the one gpu_sim uses:
@@ -24,7 +24,11 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from tqdm import tqdm
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -94,6 +98,28 @@ def probe_over_estimate(costs: GpuCosts) -> dict[str, float]:
     return {str(t): round(ms / costs.ragged_ms(t), 3) for t, ms in sorted(costs.ragged.items())}
 
 
+LABELS = {"per_forward_ms": "+ ms a forward", "factor": "x the whole forward", "per_token_us": "+ µs a token"}
+
+
+def plot(table: dict, goal: float, path: Path) -> None:
+    """One panel a way: the ratio against how much dearer, the goal and the break-even marked."""
+    fig, axes = plt.subplots(1, len(WAYS), figsize=(12, 3.6), sharey=True)
+    for ax, (way, row) in zip(axes, table["ways"].items()):
+        xs = [NEUTRAL[way]] + [float(x) for x in row["points"]]
+        ys = [table["as_priced"]["ratio"]] + [cell["ratio"] for cell in row["points"].values()]
+        ax.plot(xs, ys, "o-")
+        ax.axhline(goal, color="grey", linestyle="--", label=f"goal {goal:g}x")
+        if row["break_even"] is not None:
+            ax.axvline(row["break_even"], color="red", linestyle=":", label=f"break-even {row['break_even']:g}")
+        ax.set_xlabel(f"ragged forward {LABELS[way]}")
+        ax.legend(fontsize=8)
+    axes[0].set_ylabel("64 streams vs one (simulated)")
+    fig.suptitle("random b=0.9, ragged catch-ups: the ratio as a ragged M_L forward gets dearer")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--costs", default=str(GPU_RESULTS), help="the GPU run's results folder")
@@ -130,7 +156,8 @@ def main() -> None:
         "probe_over_estimate": measured,
     } | table
     out.write_text(json.dumps(payload, indent=2) + "\n")
-    print(f"saved {out}")
+    plot(table, args.goal, out.with_suffix(".png"))
+    print(f"saved {out} and .png")
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ def test_the_sweep_saves_every_way_and_a_dearer_m_l_scales_less(tmp_path, monkey
     gpu_sim_margin.main()
     saved = json.loads(out.read_text())
     assert (saved["streams"], saved["tokens"], saved["goal"]) == (8, 16, 3.0)
+    assert out.with_suffix(".png").stat().st_size > 0
     priced = saved["as_priced"]["ratio"]
     assert priced > 1  # 8 streams outrun one
     assert set(saved["ways"]) == set(gpu_sim_margin.WAYS)
