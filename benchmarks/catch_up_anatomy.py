@@ -124,7 +124,8 @@ def main() -> None:
     grid = replay_grid(large)
     prompt_ids = encode_prompt(chain.tokenizer, PROMPT, chat=bool(chain.tokenizer.chat_template))
     routing = RoutingParams(router="random", rate=0.9)
-    report = {"device": args.device, "streams": args.streams, "tokens": args.tokens, "grid": grid}
+    gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else None  # which GPU the grid is of
+    report = {"device": args.device, "gpu": gpu, "streams": args.streams, "tokens": args.tokens, "grid": grid}
     for label, wait in (("batched", engine.catch_up_wait_ms), ("at once", 0.0)):
         engine.catch_up_wait_ms = wait
         large_log, small_log = record_forwards(large), record_forwards(small)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,6 +46,7 @@ class GpuCosts:
     # the same with "loop" or "flight" scheduled first (ThreadLauncher.first), where measured
     sharing_first: dict[str, tuple[float, float]] = field(default_factory=dict)
     ragged: dict[int, float] = field(default_factory=dict)  # tokens -> M_L ragged replay ms (gpu_check `ragged`)
+    gpu: str = ""  # the GPU the run measured on (gpu_check.json's "gpu")
 
     def large_ms(self, key: GraphKey | RaggedKey, real: int, eager: bool) -> float:
         """A replay's measured time. Buckets the grid lacks: a gathered batch of more rows than
@@ -124,6 +126,10 @@ class GpuCosts:
             anatomy = json.loads((folder / "catch_up_anatomy.json").read_text())
             large = {(g["dense"], g["rows"], g["k"], g["L"]): g["ms"] for g in anatomy["grid"]}
             sources.append(f"{folder}/catch_up_anatomy.json")
+            if anatomy.get("gpu") and anatomy["gpu"] != check.get("gpu"):  # runs before 2026-11-26 name none
+                mixed = f"M_L's grid from {anatomy['gpu']}, the rest from {check.get('gpu')}"
+                warnings.warn(f"{folder}: two GPUs' costs mixed: {mixed} (run the `tests` stage on one)", stacklevel=2)
+                sources.append(f"MIXED: {mixed}")
         if plain.get("small"):
             small = {
                 r: ms
@@ -165,6 +171,7 @@ class GpuCosts:
             host_ms_per_row=host.pop("host_ms_per_row", 0.007),
             host_ms_per_catch_up=host.pop("host_ms_per_catch_up", 0.35),
             source=", ".join(sources),
+            gpu=check.get("gpu") or "",
         )
 
 

@@ -272,9 +272,18 @@ def sustained(sim: Sim, streams: list[int], tokens: int) -> dict:
     return out
 
 
-def validate(rows: dict, measured_path: Path) -> dict:
+def measured_on(folder: Path, gpu: str) -> Path | None:
+    """The batch_scaling-TAG.json in `folder` measured on the GPU the costs come from (its
+    "gpu"), so the simulation is set beside the same card's throughput; None where no file is."""
+    for path in sorted(folder.glob("batch_scaling-*.json")):
+        if json.loads(path.read_text()).get("gpu") == gpu:
+            return path
+    return None
+
+
+def validate(rows: dict, measured_path: Path | None) -> dict:
     """The simulated tok/s over what the GPU run measured, per routing and n."""
-    if not measured_path.exists():
+    if measured_path is None or not measured_path.exists():
         return {}
     measured = json.loads(measured_path.read_text())["tok_per_s"]
     return {
@@ -285,21 +294,22 @@ def validate(rows: dict, measured_path: Path) -> dict:
 
 
 def check_shapes(sim: Sim, tokens: int, anatomy_path: Path) -> dict:
-    """One run of 64 streams at b=0.9 (engine default) set beside the recorded H100 run's
-    M_L forwards: how many, how many real tokens, their share of the slots."""
+    """One run of 64 streams at b=0.9 (engine default) set beside the recorded GPU run's
+    M_L forwards (catch_up_anatomy.json): how many, how many real tokens, their share of the
+    slots."""
     recorded = json.loads(anatomy_path.read_text())
     out = {}
     for label, wait in (("batched", CATCH_UP_WAIT_MS), ("at once", 0.0)):
         sim.engine.catch_up_wait_ms = wait
         runs = [run_batch(sim, recorded["streams"], tokens, ROUTINGS["random b=0.9"][0], seed) for seed in range(3)]
-        h100 = recorded[label]["large"]
+        measured = recorded[label]["large"]
         out[label] = {
             "simulated": {
                 "forwards": statistics.median(r["large_forwards"] for r in runs),
                 "real_share": round(statistics.median(r["large_real_share"] for r in runs), 3),
                 "ms": round(statistics.median(r["large_ms"] for r in runs), 1),
             },
-            "h100": {"forwards": h100["forwards"], "real_share": h100["real_share"], "ms": h100["ms"]},
+            "gpu_run": {k: measured[k] for k in ("forwards", "real_share", "ms")} | {"gpu": recorded.get("gpu")},
         }
     sim.engine.catch_up_wait_ms = CATCH_UP_WAIT_MS
     return out
@@ -343,7 +353,7 @@ def main() -> None:
         "scaling_vs_n1": {
             label: round(row[top]["tok_per_s"] / row[base]["tok_per_s"], 2) for label, row in rows.items()
         },
-        "sim_over_gpu_run": validate(rows, Path(args.costs) / "batch_scaling-h100.json"),
+        "sim_over_gpu_run": validate(rows, measured_on(Path(args.costs), costs.gpu)),
         "at_top_n": {
             label: {k: v for k, v in row[top].items() if k != "large_by_shape"}
             | {"large_by_shape": row[top]["large_by_shape"]}
@@ -393,7 +403,7 @@ def _print(report: dict, streams: list[int]) -> None:
     if "forwards_vs_gpu_run" in report:
         print("\nM_L forwards at 64 streams, b=0.9: simulated (this checkout) vs the GPU run (catch_up_anatomy.json)")
         for label, c in report["forwards_vs_gpu_run"].items():
-            print(f"  {label}: {c['simulated']} vs {c['h100']}")
+            print(f"  {label}: {c['simulated']} vs {c['gpu_run']}")
 
 
 if __name__ == "__main__":

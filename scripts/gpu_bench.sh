@@ -10,7 +10,8 @@
 #                                           # (ROWS=all: every row), then catch_up_anatomy.py: every
 #                                           # M_L forward of 64 streams
 #
-# TAG names the GPU in the file names (default h100). Every stage builds the random-weight
+# TAG names the GPU in the file names (default: its model from nvidia-smi, h100 or h200, say; a
+# GPU without such a name: gpu), so an H200's run never overwrites an H100's figures. Every stage builds the random-weight
 # 135M/8B-shaped pair in /tmp/pair itself (unless a warm machine kept it) from a copy of
 # ../shared/gpu/ placed at gpu_pair/ beside this checkout's files (PAIR_SRC overrides), loads it
 # once, and writes at most 6 files to $OUT (default benchmarks/results/gpu). Needs python3 with
@@ -21,7 +22,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 stage=${1:?usage: scripts/gpu_bench.sh tests|cost|batch [TAG]}
-tag=${2:-h100}
+gpu_model() { # "NVIDIA H100 80GB HBM3" -> h100, "NVIDIA H200" -> h200, "NVIDIA L40S" -> l40s
+    local model
+    model=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -oE '\b[A-Z][0-9]{2,3}[A-Z]?\b' | head -1 || true)
+    echo "${model:-gpu}" | tr '[:upper:]' '[:lower:]'
+}
+tag=${2:-$(gpu_model)}
 out=${OUT:-benchmarks/results/gpu}
 pair_src=${PAIR_SRC:-gpu_pair}
 pair=${PAIR:-/tmp/pair}

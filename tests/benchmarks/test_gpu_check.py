@@ -13,10 +13,11 @@ import pytest
 from backoff_core.runners.graph_plan import K_BUCKETS, GraphKey
 from backoff_core.runners.static import StaticRunner
 from backoff_core.runners.static_ragged import RaggedKey
-from benchmarks.gpu_costs import GPU_RESULTS, GpuCosts
+from benchmarks.gpu_costs import GpuCosts
 from benchmarks.gpu_probes import PROBE_KS, commonest, probes, ragged_probe
 from benchmarks.step_overhead import tiny_pair
 from tests.support.eager_graphs import EagerGraphs
+from tests.support.gpu_runs import RUN3
 
 
 def _graphs(runner: StaticRunner) -> EagerGraphs:
@@ -52,7 +53,7 @@ def test_probes_time_m_s_at_every_k_and_each_prefill_with_and_without_graphs():
 
 def test_gpu_costs_read_the_probes_where_a_run_has_them(tmp_path):
     for name in ("gpu_check.json", "catch_up_anatomy.json"):
-        shutil.copy(GPU_RESULTS / name, tmp_path / name)
+        shutil.copy(RUN3 / name, tmp_path / name)
     check = json.loads((tmp_path / "gpu_check.json").read_text())
     before = GpuCosts.from_results(tmp_path)
     assert (before.large_eager_ms, before.small_eager_ms) == (65.0, 66.0)  # the estimates
@@ -130,7 +131,7 @@ def test_the_ragged_probe_times_every_bucket_and_matches_the_padded_logits():
 
 def test_gpu_costs_price_ragged_forwards_as_measured_or_at_their_dense_view(tmp_path):
     for name in ("gpu_check.json", "catch_up_anatomy.json"):
-        shutil.copy(GPU_RESULTS / name, tmp_path / name)
+        shutil.copy(RUN3 / name, tmp_path / name)
     before = GpuCosts.from_results(tmp_path)
     shortest = min(n for *_, n in before.large)
     for tokens in (32, 200, 1024):  # no ragged probe yet: the dense view of the bucket's slots

@@ -1,34 +1,37 @@
 """benchmarks/gpu_sim.py: the engine's own forwards at a GPU run's measured costs. Its clock
 is the forwards' costs and the host's, nothing else; the engine's waits read it; and at the
 routings whose forwards the blocks layout did not change, it lands within 15% of what the
-H100 measured (batch_scaling-h100.json), which is what makes its other figures worth reading."""
+H100 measured (its third run, tests/fixtures/gpu_h100_run3), which is what makes its other
+figures worth reading."""
 
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 
 from backoff_core.engine.engine import CATCH_UP_WAIT_MS
 from backoff_core.runners.graph_plan import GraphKey
-from benchmarks.gpu_costs import GPU_RESULTS, GpuCosts
-from benchmarks.gpu_sim import ROUTINGS, build, run_batch, run_sustained
+from benchmarks.gpu_costs import GpuCosts
+from benchmarks.gpu_sim import ROUTINGS, build, measured_on, run_batch, run_sustained, validate
 from benchmarks.gpu_sim_device import FAIR, SimClock, SimLauncher
+from tests.support.gpu_runs import RUN3
 
 
 @pytest.fixture(scope="module")
 def sim():
-    return build(GpuCosts.from_results())
+    return build(GpuCosts.from_results(RUN3))
 
 
 def test_the_clock_is_the_forwards_and_the_host():
-    runs = [run_batch(build(GpuCosts.from_results()), 8, 16, ROUTINGS["random b=0.9"][0]) for _ in range(2)]
+    runs = [run_batch(build(GpuCosts.from_results(RUN3)), 8, 16, ROUTINGS["random b=0.9"][0]) for _ in range(2)]
     got = runs[0]
     assert got["large_forwards"] > 0 and got["small_forwards"] >= 16
     assert 1e3 * got["seconds"] == pytest.approx(got["large_ms"] + got["small_ms"] + got["host_ms"])
     assert runs[1] == got  # from the same state, the same figures: no wall clock in them
     assert 0 < got["drain_share"] < 1
-    alone = run_batch(build(GpuCosts.from_results()), 1, 16, ROUTINGS["random b=0.9"][0])
+    alone = run_batch(build(GpuCosts.from_results(RUN3)), 1, 16, ROUTINGS["random b=0.9"][0])
     assert alone["drain_share"] == 0  # one stream: its end is the first and the last
 
 
@@ -47,7 +50,7 @@ def test_the_engine_waits_by_the_simulated_clock(sim):
 @pytest.mark.parametrize("label", ["always-small", "always-large"])
 @pytest.mark.parametrize("n", [1, 16])
 def test_it_lands_near_what_the_h100_measured(sim, label, n):
-    measured = json.loads((GPU_RESULTS / "batch_scaling-h100.json").read_text())["tok_per_s"][label][str(n)]
+    measured = json.loads((RUN3 / "batch_scaling-h100.json").read_text())["tok_per_s"][label][str(n)]
     routing = ROUTINGS[label][0]
     got = run_batch(sim, n, 64, routing)["tok_per_s"]
     assert 0.85 <= got / measured <= 1.15, (got, measured)
@@ -71,7 +74,7 @@ def test_what_if_unpadded_prices_m_l_forwards_by_their_real_tokens():
     """--what-if unpadded: an M_L forward at the measured dense view with the fewest token
     slots that hold its real tokens (no padding, no gathering), and the clock charges
     whatever price build() is given."""
-    costs = GpuCosts.from_results()
+    costs = GpuCosts.from_results(RUN3)
     gathered = GraphKey(False, 64, 8, 256, True, None)  # 512 slots, 100 of them real
     fewest = min((r * k, ms) for (d, r, k, n), ms in costs.large.items() if d and n == 256 and r * k >= 100)
     assert fewest[0] == 128 and costs.unpadded_ms(gathered, 100, False) == fewest[1]
@@ -85,7 +88,7 @@ def test_what_if_ragged_runs_m_ls_catch_ups_as_ragged_forwards_at_their_buckets_
     (static_ragged.py), each on the clock at its token bucket's price; steps of one token a
     row keep their padded graph. At 16 streams the ragged catch-ups read fewer slots than the
     padded ones and, priced so, finish sooner."""
-    costs = GpuCosts.from_results()
+    costs = GpuCosts.from_results(RUN3)
     routing = ROUTINGS["random b=0.9"][0]
     padded, ragged = (run_batch(build(costs, ragged=r), 16, 32, routing) for r in (False, True))
     shapes = ragged["large_by_shape"]
@@ -156,7 +159,7 @@ def test_gpu_costs_read_the_sharing_probe(tmp_path):
     None where the run has none or the probe failed (--what-if shared then prices it fairly);
     sharing_first: its `first` entries (the loop's or the flight's stream first), where measured."""
     for name in ("gpu_check.json", "catch_up_anatomy.json"):
-        (tmp_path / name).write_text((GPU_RESULTS / name).read_text())
+        (tmp_path / name).write_text((RUN3 / name).read_text())
     check = json.loads((tmp_path / "gpu_check.json").read_text())
     assert GpuCosts.from_results(tmp_path).sharing is None
     check["sharing"] = "failed: RuntimeError('x')"
@@ -181,10 +184,39 @@ def test_in_flight_on_a_shared_gpu_keeps_the_device_busy_at_most_all_the_time():
     routing = ROUTINGS["random b=0.9"][0]
     figures = {}
     for shared in (False, True):
-        sim = build(GpuCosts.from_results(), wait_ms=0.0, sharing=FAIR if shared else None)
+        sim = build(GpuCosts.from_results(RUN3), wait_ms=0.0, sharing=FAIR if shared else None)
         sim.engine.overlap_catch_ups = True
         figures[shared] = run_batch(sim, 16, 32, routing)
     one_gpu = figures[True]
     assert one_gpu["large_forwards"] > 0 and figures[False]["large_forwards"] > 0
     assert 1e3 * one_gpu["seconds"] >= one_gpu["small_ms"] + one_gpu["large_ms"] - 1e-6
     assert one_gpu["tok_per_s"] < figures[False]["tok_per_s"]
+
+
+def test_the_simulation_is_set_beside_the_same_gpus_throughput(tmp_path):
+    """gpu_sim's `sim_over_gpu_run` reads the batch_scaling file the costs' GPU measured, none
+    where that GPU measured none (an H200's costs are never set beside an H100's tok/s)."""
+    for tag, gpu in (("h100", "NVIDIA H100 80GB HBM3"), ("h200", "NVIDIA H200")):
+        (tmp_path / f"batch_scaling-{tag}.json").write_text(json.dumps({"gpu": gpu, "tok_per_s": {}}))
+    assert measured_on(tmp_path, "NVIDIA H200") == tmp_path / "batch_scaling-h200.json"
+    assert measured_on(RUN3, GpuCosts.from_results(RUN3).gpu) == RUN3 / "batch_scaling-h100.json"
+    assert measured_on(tmp_path, "NVIDIA A100-SXM4-80GB") is None
+    assert validate({"always-small": {"1": {"tok_per_s": 1.0}}}, None) == {}
+
+
+def test_gpu_costs_warn_where_two_gpus_costs_mix(tmp_path):
+    """A `batch` stage alone on another GPU brings a new M_L grid (catch_up_anatomy.json) beside
+    the last `tests` stage's M_S costs (gpu_check.json): said, loudly, and named in the source."""
+    for name in ("gpu_check.json", "catch_up_anatomy.json"):
+        (tmp_path / name).write_text((RUN3 / name).read_text())
+    anatomy = json.loads((tmp_path / "catch_up_anatomy.json").read_text())
+    anatomy["gpu"] = GpuCosts.from_results(RUN3).gpu
+    (tmp_path / "catch_up_anatomy.json").write_text(json.dumps(anatomy))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert "MIXED" not in GpuCosts.from_results(tmp_path).source  # one GPU
+    anatomy["gpu"] = "NVIDIA H200"
+    (tmp_path / "catch_up_anatomy.json").write_text(json.dumps(anatomy))
+    with pytest.warns(UserWarning, match="two GPUs' costs mixed: M_L's grid from NVIDIA H200"):
+        costs = GpuCosts.from_results(tmp_path)
+    assert "MIXED" in costs.source and costs.gpu == "NVIDIA H100 80GB HBM3"

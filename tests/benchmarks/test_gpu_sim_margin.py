@@ -12,7 +12,8 @@ import pytest
 
 from backoff_core.runners.static_ragged import RAGGED_TOKENS
 from benchmarks import gpu_sim_margin
-from benchmarks.gpu_costs import GPU_RESULTS, GpuCosts
+from benchmarks.gpu_costs import GpuCosts
+from tests.support.gpu_runs import RUN3
 
 
 def test_break_even_bisects_to_where_a_falling_ratio_meets_the_goal():
@@ -29,8 +30,8 @@ def test_break_even_bisects_to_where_a_falling_ratio_meets_the_goal():
 
 
 def test_the_price_starts_from_the_probe_where_the_run_timed_the_ragged_graphs():
-    costs = GpuCosts.from_results(GPU_RESULTS)
-    assert costs.ragged == {}  # the committed run predates the probe: the dense-view estimate
+    costs = GpuCosts.from_results(RUN3)
+    assert costs.ragged == {}  # the third run predates the probe: the dense-view estimate
     assert gpu_sim_margin.base_prices(costs) == {t: costs.ragged_ms(t) for t in RAGGED_TOKENS}
     assert gpu_sim_margin.probe_over_estimate(costs) == {}
     probed = dataclasses.replace(costs, ragged={32: 2 * costs.ragged_ms(32)})
@@ -42,7 +43,7 @@ def test_the_price_starts_from_the_probe_where_the_run_timed_the_ragged_graphs()
 def test_the_sweep_saves_every_way_and_a_dearer_m_l_scales_less(tmp_path, monkeypatch):
     out = tmp_path / "margin.json"
     argv = ["gpu_sim_margin.py", "--streams", "8", "--tokens", "16", "--seeds", "1", "--steps", "3"]
-    monkeypatch.setattr(sys, "argv", argv + ["--goal", "3", "--out", str(out)])
+    monkeypatch.setattr(sys, "argv", argv + ["--goal", "3", "--out", str(out), "--costs", str(RUN3)])
     gpu_sim_margin.main()
     saved = json.loads(out.read_text())
     assert (saved["streams"], saved["tokens"], saved["goal"]) == (8, 16, 3.0)

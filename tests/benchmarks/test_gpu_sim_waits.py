@@ -7,11 +7,13 @@ import json
 import sys
 
 from benchmarks import gpu_sim_waits
+from tests.support.gpu_runs import RUN3
 
 
 def test_the_sweep_saves_each_layout_and_bound_and_a_zero_bound_batches_nothing(tmp_path, monkeypatch):
     out = tmp_path / "waits.json"
-    argv = ["gpu_sim_waits.py", "--streams", "8", "--tokens", "16", "--waits", "0,1000", "--out", str(out)]
+    argv = ["gpu_sim_waits.py", "--streams", "8", "--tokens", "16", "--waits", "0,1000", "--costs", str(RUN3)]
+    argv += ["--out", str(out)]
     monkeypatch.setattr(sys, "argv", argv)
     gpu_sim_waits.main()
     saved = json.loads(out.read_text())

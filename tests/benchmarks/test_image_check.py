@@ -49,20 +49,18 @@ echo "1 passed"
 """
 
 
-@pytest.mark.parametrize("fail", ["gpu_check.py", "test_static_ragged_cuda.py", "nothing"])
-def test_the_tests_stage_keeps_the_most_when_a_part_fails_or_the_call_is_cut(tmp_path, fail):
-    """`gpu_bench.sh tests` over a stand-in python3 and nvidia-smi: the padded path's CUDA tests,
-    then gpu_check.py (what the simulator reads), then the ragged CUDA tests, whose compiles were
-    never timed on a GPU; a part that fails costs none after it, and the stage then fails."""
+def stand_ins(tmp_path, gpu: str, fail: str) -> dict[str, str]:
+    """The environment of a gpu_bench.sh run over a stand-in python3 (records its calls in
+    $CALLS, fails those that name $FAIL) and nvidia-smi (names `gpu`), with a built pair."""
     bin_ = tmp_path / "bin"
     bin_.mkdir()
     (bin_ / "python3").write_text(FAKE_PYTHON)
-    (bin_ / "nvidia-smi").write_text("#!/bin/sh\necho H100\n")
+    (bin_ / "nvidia-smi").write_text(f'#!/bin/sh\necho "{gpu}"\n')
     for tool in bin_.iterdir():
         tool.chmod(0o755)
     (tmp_path / "pair" / "large").mkdir(parents=True)
     (tmp_path / "pair" / "large" / "config.json").write_text("{}")
-    env = {
+    return {
         **os.environ,
         "PATH": f"{bin_}:{os.environ['PATH']}",
         "PAIR": str(tmp_path / "pair"),
@@ -70,6 +68,14 @@ def test_the_tests_stage_keeps_the_most_when_a_part_fails_or_the_call_is_cut(tmp
         "CALLS": str(tmp_path / "calls"),
         "FAIL": fail,
     }
+
+
+@pytest.mark.parametrize("fail", ["gpu_check.py", "test_static_ragged_cuda.py", "nothing"])
+def test_the_tests_stage_keeps_the_most_when_a_part_fails_or_the_call_is_cut(tmp_path, fail):
+    """`gpu_bench.sh tests` over a stand-in python3 and nvidia-smi: the padded path's CUDA tests,
+    then gpu_check.py (what the simulator reads), then the ragged CUDA tests, whose compiles were
+    never timed on a GPU; a part that fails costs none after it, and the stage then fails."""
+    env = stand_ins(tmp_path, "H100", fail)
     done = subprocess.run(["bash", str(SCRIPTS / "gpu_bench.sh"), "tests"], env=env, capture_output=True, text=True)
     calls = (tmp_path / "calls").read_text().splitlines()
     order = [re.search(r"(test_static_cuda|gpu_check|test_static_ragged_cuda)\.py", c).group(1) for c in calls]
@@ -78,3 +84,20 @@ def test_the_tests_stage_keeps_the_most_when_a_part_fails_or_the_call_is_cut(tmp
     assert (tmp_path / "out" / "cuda_tests.txt").read_text().count("passed") == 2 - (
         fail == "test_static_ragged_cuda.py"
     )
+
+
+@pytest.mark.parametrize(
+    ("gpu", "args", "tag"),
+    [("NVIDIA H200", [], "h200"), ("NVIDIA H100 80GB HBM3", [], "h100"), ("NVIDIA H200", ["mine"], "mine")],
+)
+def test_the_files_are_named_by_the_gpu_they_ran_on(tmp_path, gpu, args, tag):
+    """`gpu_bench.sh batch` over a stand-in python3 and nvidia-smi: the tag in the file names is
+    the GPU's model unless one is given, so an H200's run never overwrites the H100's figures."""
+    env = stand_ins(tmp_path, gpu, "nothing to fail")
+    done = subprocess.run(
+        ["bash", str(SCRIPTS / "gpu_bench.sh"), "batch", *args], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    batch = next(c for c in (tmp_path / "calls").read_text().splitlines() if "batch_scaling.py" in c)
+    assert f"--tag {tag} " in batch
+    assert (tmp_path / "out" / f"batch_scaling-{tag}.txt").exists()

@@ -6,7 +6,6 @@ the choice at the H100's measured costs, and ModelRunner's outputs whatever the 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,10 +13,11 @@ import pytest
 from backoff_core.runners.graph_plan import K_BUCKETS, GraphKey
 from backoff_core.runners.static_layout import choose, lay_out_blocks
 from tests.support.eager_graphs import EagerGraphs, assert_same, both, spy_layouts
+from tests.support.gpu_runs import RUN3
 from tests.support.tiny import tiny_model
 
 SCRATCH = 255
-ANATOMY = Path(__file__).parents[3] / "benchmarks" / "results" / "gpu" / "catch_up_anatomy.json"
+ANATOMY = RUN3 / "catch_up_anatomy.json"
 
 
 def test_blocks_lay_out_each_item_on_consecutive_rows():
