@@ -38,6 +38,7 @@ checkouts compare exactly on any machine. Writes benchmarks/results/gpu_sim.json
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -115,6 +116,20 @@ def build(
     large_log = instrument(runners[1], launcher.advance, large_cost)
     engine = BackoffEngine(runners, tokenizer, catch_up_wait_ms=wait_ms, clock=clock.now, launcher=launcher)
     return Sim(engine, clock, small_log, large_log, costs)
+
+
+def scaled(costs: GpuCosts, share: float) -> GpuCosts:
+    """`costs` with M_L's forwards (padded and ragged, timed or estimated) at `share` of their
+    time: another card's M_L from this one's run, where M_L is bound by its weights' bandwidth."""
+    if share == 1.0:
+        return costs
+    return dataclasses.replace(
+        costs,
+        large={key: ms * share for key, ms in costs.large.items()},
+        ragged={tokens: ms * share for tokens, ms in costs.ragged.items()},
+        large_eager_ms=costs.large_eager_ms * share,
+        source=f"{costs.source}; M_L's forwards x{share:g}",
+    )
 
 
 def _no_attention(q, keys, values, block_mask, scale):
@@ -326,8 +341,15 @@ def main() -> None:
     ap.add_argument("--what-if", nargs="+", choices=sorted(WHAT_IF), default=[], help="one or both of: " + str(WHAT_IF))
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tag", default="")
+    ap.add_argument(
+        "--large-scale",
+        type=float,
+        default=1.0,
+        help="M_L's forwards at this share of the run's times (0.7: an H200, whose 1.43x bandwidth "
+        "M_L's bandwidth-bound forwards follow, from an H100's run; M_S's launch-bound steps kept)",
+    )
     args = ap.parse_args()
-    costs = GpuCosts.from_results(Path(args.costs))
+    costs = scaled(GpuCosts.from_results(Path(args.costs)), args.large_scale)
     sharing = (costs.sharing or FAIR) if "shared" in args.what_if else None
     sim = build(
         costs,
@@ -353,7 +375,9 @@ def main() -> None:
         "scaling_vs_n1": {
             label: round(row[top]["tok_per_s"] / row[base]["tok_per_s"], 2) for label, row in rows.items()
         },
-        "sim_over_gpu_run": validate(rows, measured_on(Path(args.costs), costs.gpu)),
+        "large_scale": args.large_scale,  # M_L's forwards at this share of the run's times
+        # beside what the run measured, only at the run's own costs
+        "sim_over_gpu_run": validate(rows, measured_on(Path(args.costs), costs.gpu)) if args.large_scale == 1 else {},
         "at_top_n": {
             label: {k: v for k, v in row[top].items() if k != "large_by_shape"}
             | {"large_by_shape": row[top]["large_by_shape"]}
