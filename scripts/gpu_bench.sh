@@ -9,6 +9,8 @@
 #   bash scripts/gpu_bench.sh batch [TAG]   # benchmarks/batch_scaling.py: n = 1, 4, 16, 64, six rows
 #                                           # (ROWS=all: every row), then catch_up_anatomy.py: every
 #                                           # M_L forward of 64 streams
+#   bash scripts/gpu_bench.sh all   [TAG]   # one device call: batch, then tests with what is left of
+#                                           # DEADLINE seconds (default 570, under a call's 600)
 #
 # TAG names the GPU in the file names (default: its model from nvidia-smi, h100 or h200, say; a
 # GPU without such a name: gpu), so an H200's run never overwrites an H100's figures. Every stage builds the random-weight
@@ -20,8 +22,9 @@
 # DEVICE, DTYPE, KV_BUDGET, MAX_LEN and TOKENS override the defaults: scripts/image_check.sh
 # runs `cost` and `batch` so, on the CPU with a tiny pair, before a GPU's time is spent on them.
 set -euo pipefail
+self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$0")/.."
-stage=${1:?usage: scripts/gpu_bench.sh tests|cost|batch [TAG]}
+stage=${1:?usage: scripts/gpu_bench.sh tests|cost|batch|all [TAG]}
 gpu_model() { # "NVIDIA H100 80GB HBM3" -> h100, "NVIDIA H200" -> h200, "NVIDIA L40S" -> l40s
     local model
     model=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -oE '\b[A-Z][0-9]{2,3}[A-Z]?\b' | head -1 || true)
@@ -76,8 +79,25 @@ batch)
     python3 benchmarks/catch_up_anatomy.py "${common[@]}" --out "$out" 2>&1 | grep -v '%|' |
         tee "$out/catch_up_anatomy.txt" | grep -v '^[DG][0-9]' | tail -8
     ;;
+all)
+    # one device call (a loan's 15 minutes hold one call of 10 and the machine's start, and it goes
+    # back 30 s after a call): batch first, the open goal's stage, then tests with what is left of
+    # DEADLINE seconds, the pair's build included. Each stage runs under `timeout`, which stops its
+    # whole process group; both write as they go, so a stage cut short keeps what it wrote.
+    deadline=${DEADLINE:-570} min_left=${MIN_LEFT:-60} rc=0
+    timeout --kill-after=10 $((deadline > SECONDS ? deadline - SECONDS : 1)) bash "$self" batch "$tag" || rc=$?
+    left=$((deadline - SECONDS))
+    if [ "$left" -ge "$min_left" ]; then
+        timeout --kill-after=10 "$left" bash "$self" tests "$tag" || rc=$?
+    else
+        echo "no time left for the tests stage ($left s of $deadline): run it alone"
+    fi
+    [ "$rc" = 124 ] && echo "a stage was cut at the deadline ($deadline s): what it wrote is kept"
+    echo "stage all: $SECONDS s in all"
+    exit "$rc"
+    ;;
 *)
-    echo "unknown stage $stage: tests, cost or batch" >&2
+    echo "unknown stage $stage: tests, cost, batch or all" >&2
     exit 2
     ;;
 esac

@@ -44,6 +44,7 @@ def test_gpu_bench_takes_every_setting_the_dry_run_gives_it():
 
 FAKE_PYTHON = """#!/bin/sh
 echo "$*" >> "$CALLS"
+case "$*" in *"${SLOW:-no such call}"*) echo $$ >> "$CALLS.slow"; sleep 30;; esac
 case "$*" in *"$FAIL"*) echo failing; exit 3;; esac
 echo "1 passed"
 """
@@ -101,3 +102,53 @@ def test_the_files_are_named_by_the_gpu_they_ran_on(tmp_path, gpu, args, tag):
     batch = next(c for c in (tmp_path / "calls").read_text().splitlines() if "batch_scaling.py" in c)
     assert f"--tag {tag} " in batch
     assert (tmp_path / "out" / f"batch_scaling-{tag}.txt").exists()
+
+
+SCRIPTS_OF_ALL = ["batch_scaling", "catch_up_anatomy", "test_static_cuda", "gpu_check", "test_static_ragged_cuda"]
+
+
+def _called(tmp_path) -> list[str]:
+    pattern = "|".join(SCRIPTS_OF_ALL)
+    calls = (tmp_path / "calls").read_text().splitlines()
+    return [re.search(rf"({pattern})\.py", c).group(1) for c in calls]
+
+
+def _stopped(tmp_path) -> bool:
+    """Every slow stand-in the run started is gone, or dead and not yet reaped (a zombie: its
+    parent was stopped with it, and a container's first process may not reap)."""
+    for pid in (tmp_path / "calls.slow").read_text().split():
+        stat = Path(f"/proc/{pid}/stat")
+        if stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            return False
+    return True
+
+
+@pytest.mark.parametrize(
+    ("slow", "deadline", "called", "kept"),
+    [
+        (None, "570", SCRIPTS_OF_ALL, 2),  # both stages whole
+        ("batch_scaling.py", "3", ["batch_scaling"], 0),  # batch cut at the deadline: no time for tests
+        ("gpu_check.py", "6", SCRIPTS_OF_ALL[:4], 1),  # tests cut in gpu_check: the padded tests kept
+    ],
+    ids=["whole", "batch-cut", "tests-cut"],
+)
+def test_all_runs_batch_then_tests_to_a_deadline_in_one_call(tmp_path, slow, deadline, called, kept):
+    """`gpu_bench.sh all` over stand-ins: batch, then tests with what is left of DEADLINE; a stage
+    past it is stopped, the python it started included (no orphan holds the GPU), and the
+    stage's files so far are kept; the call then fails with timeout's 124."""
+    env = stand_ins(tmp_path, "NVIDIA H200", "nothing to fail") | {"DEADLINE": deadline, "MIN_LEFT": "1"}
+    if slow:
+        env["SLOW"] = slow
+    log = tmp_path / "log"
+    with log.open("w") as sink:  # not a pipe: the run is over when the script is, orphans or not
+        done = subprocess.run(["bash", str(SCRIPTS / "gpu_bench.sh"), "all"], env=env, stdout=sink, stderr=sink)
+    stopped, said = _stopped(tmp_path) if slow else True, log.read_text()
+    assert _called(tmp_path) == called
+    assert done.returncode == (0 if slow is None else 124), said
+    out = tmp_path / "out"
+    assert (out / "batch_scaling-h200.txt").exists()
+    tests_log = out / "cuda_tests.txt"
+    assert (tests_log.read_text().count("passed") if tests_log.exists() else 0) == kept
+    assert stopped  # the stage's python went with it
+    assert ("cut at the deadline" in said) == bool(slow)
+    assert ("no time left for the tests stage" in said) == (slow == "batch_scaling.py")
