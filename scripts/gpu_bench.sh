@@ -13,12 +13,13 @@
 #                                           # DEADLINE seconds (default 570, under a call's 600)
 #
 # TAG names the GPU in the file names (default: its model from nvidia-smi, h100 or h200, say; a
-# GPU without such a name: gpu), so an H200's run never overwrites an H100's figures. Every stage builds the random-weight
-# 135M/8B-shaped pair in /tmp/pair itself (unless a warm machine kept it) from a copy of
-# ../shared/gpu/ placed at gpu_pair/ beside this checkout's files (PAIR_SRC overrides), loads it
-# once, and writes at most 6 files to $OUT (default benchmarks/results/gpu). Needs python3 with
-# torch, transformers, tqdm and matplotlib (no Ray, no gguf) and ~30 GB of free GPU memory
-# (benchmarks/results/gpu/plan.json: 24 GiB at these defaults). PAIR (a pair already built),
+# GPU without such a name: gpu), so an H200's run never overwrites an H100's figures. Every
+# stage builds the random-weight 135M/8B-shaped pair in /tmp/pair itself (unless a warm machine
+# kept it) from a copy of ../shared/gpu/ placed at gpu_pair/ beside this checkout's files
+# (PAIR_SRC overrides), loads it once, and writes at most 6 files to $OUT (default
+# benchmarks/results/gpu). Needs python3 with torch, transformers, tqdm and matplotlib (no Ray,
+# no gguf) and ~30 GB of free GPU memory (benchmarks/results/gpu/plan.json: 24 GiB at these
+# defaults). PAIR (a pair already built),
 # DEVICE, DTYPE, KV_BUDGET, MAX_LEN and TOKENS override the defaults: scripts/image_check.sh
 # runs `cost` and `batch` so, on the CPU with a tiny pair, before a GPU's time is spent on them.
 set -euo pipefail
@@ -27,7 +28,8 @@ cd "$(dirname "$0")/.."
 stage=${1:?usage: scripts/gpu_bench.sh tests|cost|batch|all [TAG]}
 gpu_model() { # "NVIDIA H100 80GB HBM3" -> h100, "NVIDIA H200" -> h200, "NVIDIA L40S" -> l40s
     local model
-    model=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -oE '\b[A-Z][0-9]{2,3}[A-Z]?\b' | head -1 || true)
+    model=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 |
+        grep -oE '\b[A-Z][0-9]{2,3}[A-Z]?\b' | head -1 || true)
     echo "${model:-gpu}" | tr '[:upper:]' '[:lower:]'
 }
 tag=${2:-$(gpu_model)}
