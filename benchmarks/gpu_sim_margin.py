@@ -77,6 +77,8 @@ def break_even(at: Callable[[float], float], low: float, high: float, goal: floa
 
 
 def margins(costs: GpuCosts, streams: int, tokens: int, seeds: int, goal: float = GOAL, steps: int = 10) -> dict:
+    """The ratio as priced, then for each way of WAYS the ratio at its POINTS and the break-even
+    where it falls under `goal` (searched up to its LIMIT)."""
     base = base_prices(costs)
 
     def at(way: str, x: float) -> dict:
