@@ -17,6 +17,7 @@ ThreadLauncher.first; gpu_sim_sharing.py reads them all).
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import json
 import warnings
 from dataclasses import dataclass, field
@@ -94,6 +95,20 @@ class GpuCosts:
         bucket), as `unpadded_ms` prices the real tokens alone."""
         shortest = min(n for *_, n in self.large)
         return self.unpadded_ms(GraphKey(True, 1, tokens, shortest, True, None), tokens, False)
+
+    def scaled(self, share: float) -> GpuCosts:
+        """These costs with M_L's forwards (padded and ragged, timed or estimated) at `share` of
+        their time, M_S's steps and the host kept: another card's M_L from this one's run, where
+        M_L is bound by its weights' bandwidth (0.7: an H200's 1.43x against an H100's run)."""
+        if share == 1.0:
+            return self
+        return dataclasses.replace(
+            self,
+            large={key: ms * share for key, ms in self.large.items()},
+            ragged={tokens: ms * share for tokens, ms in self.ragged.items()},
+            large_eager_ms=self.large_eager_ms * share,
+            source=f"{self.source}; M_L's forwards x{share:g}",
+        )
 
     def small_ms(self, key: GraphKey, eager: bool) -> float:
         if eager:
@@ -173,6 +188,15 @@ class GpuCosts:
             source=", ".join(sources),
             gpu=check.get("gpu") or "",
         )
+
+
+def measured_on(folder: Path, gpu: str) -> Path | None:
+    """The batch_scaling-TAG.json in `folder` measured on `gpu` (its "gpu"), so a simulation at
+    a run's costs is set beside the same card's throughput; None where no file is."""
+    for path in sorted(folder.glob("batch_scaling-*.json")):
+        if json.loads(path.read_text()).get("gpu") == gpu:
+            return path
+    return None
 
 
 def _slowdowns(probe: dict | None) -> tuple[float, float] | None:

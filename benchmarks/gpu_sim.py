@@ -38,7 +38,6 @@ checkouts compare exactly on any machine. Writes benchmarks/results/gpu_sim.json
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys
@@ -57,7 +56,7 @@ from backoff_core.types import GenerationRequest, RoutingParams, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.batch_scaling import plot_scaling  # noqa: E402
-from benchmarks.gpu_costs import GPU_RESULTS, GpuCosts  # noqa: E402
+from benchmarks.gpu_costs import GPU_RESULTS, GpuCosts, measured_on  # noqa: E402
 from benchmarks.gpu_sim_device import FAIR, ForwardLog, SimClock, SimGraphs, SimLauncher, instrument  # noqa: E402
 from benchmarks.step_overhead import tiny_pair  # noqa: E402
 
@@ -116,20 +115,6 @@ def build(
     large_log = instrument(runners[1], launcher.advance, large_cost)
     engine = BackoffEngine(runners, tokenizer, catch_up_wait_ms=wait_ms, clock=clock.now, launcher=launcher)
     return Sim(engine, clock, small_log, large_log, costs)
-
-
-def scaled(costs: GpuCosts, share: float) -> GpuCosts:
-    """`costs` with M_L's forwards (padded and ragged, timed or estimated) at `share` of their
-    time: another card's M_L from this one's run, where M_L is bound by its weights' bandwidth."""
-    if share == 1.0:
-        return costs
-    return dataclasses.replace(
-        costs,
-        large={key: ms * share for key, ms in costs.large.items()},
-        ragged={tokens: ms * share for tokens, ms in costs.ragged.items()},
-        large_eager_ms=costs.large_eager_ms * share,
-        source=f"{costs.source}; M_L's forwards x{share:g}",
-    )
 
 
 def _no_attention(q, keys, values, block_mask, scale):
@@ -287,15 +272,6 @@ def sustained(sim: Sim, streams: list[int], tokens: int) -> dict:
     return out
 
 
-def measured_on(folder: Path, gpu: str) -> Path | None:
-    """The batch_scaling-TAG.json in `folder` measured on the GPU the costs come from (its
-    "gpu"), so the simulation is set beside the same card's throughput; None where no file is."""
-    for path in sorted(folder.glob("batch_scaling-*.json")):
-        if json.loads(path.read_text()).get("gpu") == gpu:
-            return path
-    return None
-
-
 def validate(rows: dict, measured_path: Path | None) -> dict:
     """The simulated tok/s over what the GPU run measured, per routing and n."""
     if measured_path is None or not measured_path.exists():
@@ -341,15 +317,9 @@ def main() -> None:
     ap.add_argument("--what-if", nargs="+", choices=sorted(WHAT_IF), default=[], help="one or both of: " + str(WHAT_IF))
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tag", default="")
-    ap.add_argument(
-        "--large-scale",
-        type=float,
-        default=1.0,
-        help="M_L's forwards at this share of the run's times (0.7: an H200, whose 1.43x bandwidth "
-        "M_L's bandwidth-bound forwards follow, from an H100's run; M_S's launch-bound steps kept)",
-    )
+    ap.add_argument("--large-scale", type=float, default=1.0, help="M_L's forwards at this share (GpuCosts.scaled)")
     args = ap.parse_args()
-    costs = scaled(GpuCosts.from_results(Path(args.costs)), args.large_scale)
+    costs = GpuCosts.from_results(Path(args.costs)).scaled(args.large_scale)
     sharing = (costs.sharing or FAIR) if "shared" in args.what_if else None
     sim = build(
         costs,

@@ -80,10 +80,14 @@ def margins(costs: GpuCosts, streams: int, tokens: int, seeds: int, goal: float 
     """The ratio as priced, then for each way of WAYS the ratio at its POINTS and the break-even
     where it falls under `goal` (searched up to its LIMIT)."""
     base = base_prices(costs)
+    known: dict[tuple, dict] = {}  # prices -> ratio: every way's NEUTRAL is the price as is
 
     def at(way: str, x: float) -> dict:
         prices = {t: WAYS[way](ms, t, x) for t, ms in base.items()}
-        return ratio(costs, prices, streams, tokens, seeds)
+        key = tuple(prices.values())
+        if key not in known:
+            known[key] = ratio(costs, prices, streams, tokens, seeds)
+        return known[key]
 
     out = {"base_ms": {str(t): round(ms, 3) for t, ms in base.items()}, "as_priced": at("factor", 1.0), "ways": {}}
     for way in tqdm(WAYS, desc="ways"):

@@ -15,8 +15,8 @@ import pytest
 from backoff_core.engine.engine import CATCH_UP_WAIT_MS
 from backoff_core.runners.graph_plan import GraphKey
 from backoff_core.runners.static_ragged import RaggedKey
-from benchmarks.gpu_costs import GpuCosts
-from benchmarks.gpu_sim import ROUTINGS, build, measured_on, run_batch, run_sustained, scaled, validate
+from benchmarks.gpu_costs import GpuCosts, measured_on
+from benchmarks.gpu_sim import ROUTINGS, build, run_batch, run_sustained, validate
 from benchmarks.gpu_sim_device import FAIR, SimClock, SimLauncher
 from tests.support.gpu_runs import RUN3
 
@@ -225,11 +225,11 @@ def test_gpu_costs_warn_where_two_gpus_costs_mix(tmp_path):
 
 
 def test_another_cards_m_l_is_the_runs_forwards_scaled_and_m_s_kept():
-    """gpu_sim --large-scale: M_L's forwards (graphs, eager, ragged timed or estimated) at a share
+    """GpuCosts.scaled (gpu_sim --large-scale): M_L's forwards (graphs, eager, ragged timed or estimated) at a share
     of the run's times, M_S's steps and the host as measured; 1 is the run itself."""
     costs = GpuCosts.from_results(RUN3)
-    assert scaled(costs, 1.0) is costs
-    half = scaled(dataclasses.replace(costs, ragged={64: 8.0}), 0.5)
+    assert costs.scaled(1.0) is costs
+    half = dataclasses.replace(costs, ragged={64: 8.0}).scaled(0.5)
     key = GraphKey(False, 16, 8, 256, True, None)
     assert half.large_ms(key, 100, eager=True) == pytest.approx(0.5 * costs.large_ms(key, 100, eager=True))
     assert half.large_ms(RaggedKey(64), 50, False) == 4.0  # timed by the probe

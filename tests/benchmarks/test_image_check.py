@@ -71,6 +71,15 @@ def stand_ins(tmp_path, gpu: str, fail: str) -> dict[str, str]:
     }
 
 
+SCRIPTS_OF_ALL = ["batch_scaling", "catch_up_anatomy", "test_static_cuda", "gpu_check", "test_static_ragged_cuda"]
+
+
+def _called(tmp_path) -> list[str]:
+    pattern = "|".join(SCRIPTS_OF_ALL)
+    calls = (tmp_path / "calls").read_text().splitlines()
+    return [re.search(rf"({pattern})\.py", c).group(1) for c in calls]
+
+
 @pytest.mark.parametrize("fail", ["gpu_check.py", "test_static_ragged_cuda.py", "nothing"])
 def test_the_tests_stage_keeps_the_most_when_a_part_fails_or_the_call_is_cut(tmp_path, fail):
     """`gpu_bench.sh tests` over a stand-in python3 and nvidia-smi: the padded path's CUDA tests,
@@ -78,9 +87,7 @@ def test_the_tests_stage_keeps_the_most_when_a_part_fails_or_the_call_is_cut(tmp
     never timed on a GPU; a part that fails costs none after it, and the stage then fails."""
     env = stand_ins(tmp_path, "H100", fail)
     done = subprocess.run(["bash", str(SCRIPTS / "gpu_bench.sh"), "tests"], env=env, capture_output=True, text=True)
-    calls = (tmp_path / "calls").read_text().splitlines()
-    order = [re.search(r"(test_static_cuda|gpu_check|test_static_ragged_cuda)\.py", c).group(1) for c in calls]
-    assert order == ["test_static_cuda", "gpu_check", "test_static_ragged_cuda"]
+    assert _called(tmp_path) == ["test_static_cuda", "gpu_check", "test_static_ragged_cuda"]
     assert (done.returncode == 0) == (fail == "nothing"), done.stdout + done.stderr
     assert (tmp_path / "out" / "cuda_tests.txt").read_text().count("passed") == 2 - (
         fail == "test_static_ragged_cuda.py"
@@ -102,15 +109,6 @@ def test_the_files_are_named_by_the_gpu_they_ran_on(tmp_path, gpu, args, tag):
     batch = next(c for c in (tmp_path / "calls").read_text().splitlines() if "batch_scaling.py" in c)
     assert f"--tag {tag} " in batch
     assert (tmp_path / "out" / f"batch_scaling-{tag}.txt").exists()
-
-
-SCRIPTS_OF_ALL = ["batch_scaling", "catch_up_anatomy", "test_static_cuda", "gpu_check", "test_static_ragged_cuda"]
-
-
-def _called(tmp_path) -> list[str]:
-    pattern = "|".join(SCRIPTS_OF_ALL)
-    calls = (tmp_path / "calls").read_text().splitlines()
-    return [re.search(rf"({pattern})\.py", c).group(1) for c in calls]
 
 
 def _stopped(tmp_path) -> bool:
