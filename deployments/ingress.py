@@ -44,10 +44,18 @@ from clients.wire.types import ChatCompletionRequest, CompletionRequest, Generat
 from deployments.http_errors import error_response, install_http_errors
 from deployments.serving.access import ClientError, Edge, EdgeGate, check_limits, peer_host
 from deployments.serving.admission import Overloaded
-from deployments.serving.completions import CompletionStream, Echo, PbStream, check_batch, completion_body, tagged
+from deployments.serving.completions import (
+    CompletionStream,
+    Echo,
+    PbStream,
+    check_batch,
+    check_choices,
+    completion_body,
+    tagged,
+)
 from deployments.serving.config import AppArgs, handle_options
 from deployments.serving.engine_loop import Admitted, Failed, Rejected
-from deployments.serving.formats import ChatStream, error_body, pb_response, response_body
+from deployments.serving.formats import ChatStream, chat_body, error_body, pb_response
 from deployments.serving.grpc_service import Undecodable
 from deployments.serving.playground import mount_playground, routing_info
 from deployments.serving.requests import ServeRequest, serve_request
@@ -170,14 +178,15 @@ class Ingress:
 
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest, request: Request):
-        prompts = prompts_of(body.prompt)  # one, or a batch: one choice each
-        check_batch(self.edge.limits, prompts)
+        prompts = prompts_of(body.prompt)  # one, or a batch: n choices each
+        check_batch(self.edge.limits, prompts, body.n)
         return await self._http(body, request, chat=False, contents=[{"prompt": p} for p in prompts])
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest, request: Request):
         if body.max_completion_tokens is not None and body.max_tokens is None:
             body = body.model_copy(update={"max_tokens": body.max_completion_tokens})
+        check_choices(self.edge.limits, 1, body.n)
         return await self._http(body, request, chat=True, contents=[{"messages": body.messages}])
 
     async def _http(self, body, request: Request, chat: bool, contents: list[dict]):
@@ -191,16 +200,16 @@ class Ingress:
         params = body.generate_params()  # chat's (logprobs, top_logprobs) become one count
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         client = getattr(request.state, "client", None) or f"peer:{peer_host(request.client)}"  # set by EdgeGate
-        opened = await self._open(request_id, params, client, body.stream, contents)
+        opened = await self._open(request_id, params, client, body.stream, contents, body.n)
         created = int(time.time())
         if not body.stream:
             results = await collect_all([s for _, s in opened])
             if chat:
-                return response_body(request_id, self.model_name, created, results[0], chat)
+                return chat_body(request_id, self.model_name, created, results)
             echoes = [Echo.of(a, r) for (a, _), r in zip(opened, results)]
             return completion_body(request_id, self.model_name, created, list(zip(results, echoes)))
         if chat:
-            out = ChatStream(request_id, self.model_name, created)
+            out = ChatStream(request_id, self.model_name, created, body.n)
         else:
             echo_logprobs = params.echo and params.logprobs is not None
             out = CompletionStream(request_id, self.model_name, created, [a for a, _ in opened], echo_logprobs)
@@ -332,19 +341,23 @@ class Ingress:
 
     # -- both -------------------------------------------------------------------------------
     async def _open(
-        self, request_id: str, params: GenerateParams, client: str, tokens: bool, contents: list[dict]
+        self, request_id: str, params: GenerateParams, client: str, tokens: bool, contents: list[dict], choices: int = 1
     ) -> list[tuple[Admitted, AsyncIterator]]:
-        """Check the limits, take one of the client's slots and send one request per prompt
-        (`contents`: a batch's, all at once) to the SmallModels; returns their streams once
-        every one is admitted, else closes them and raises the first prompt's refusal. The
-        slot is freed when the last stream ends or is closed. tokens=False (unary): no
-        TokenEvents, only the result."""
+        """Check the limits, take one of the client's slots and send one request per prompt and
+        choice (`contents`: a batch's prompts; `choices`: n each, choice j seeded by
+        requests.choice_seed; all at once) to the SmallModels; returns their streams once
+        every one is admitted, in the order prompt i's choice j at i * n + j (OpenAI's
+        `index`), else closes them and raises the first refusal. The slot is freed when the
+        last stream ends or is closed. tokens=False (unary): no TokenEvents, only the result."""
         for content in contents:
             check_limits(self.edge.limits, params, **content)
-        ids = [request_id] if len(contents) == 1 else [f"{request_id}-{i}" for i in range(len(contents))]
+        each = [(c, j) for c in contents for j in range(choices)]
+        ids = [request_id] if len(each) == 1 else [f"{request_id}-{i}" for i in range(len(each))]
         try:
             default = self.args.default_max_tokens
-            requests = [serve_request(r, params, default_max_tokens=default, **c) for r, c in zip(ids, contents)]
+            requests = [
+                serve_request(r, params, default_max_tokens=default, choice=j, **c) for r, (c, j) in zip(ids, each)
+            ]
         except ValueError as exc:
             raise ClientError(str(exc)) from None
         release = self.edge.slots.take(client)
@@ -359,8 +372,8 @@ class Ingress:
             raise
         opened = [o for o in outcomes if not isinstance(o, BaseException)]
         refused = [o for o in outcomes if isinstance(o, BaseException)]
-        if refused and len(outcomes) > 1 and isinstance(refused[0], ClientError):  # say which prompt
-            i = next(i for i, o in enumerate(outcomes) if o is refused[0])
+        if refused and len(contents) > 1 and isinstance(refused[0], ClientError):  # say which prompt
+            i = next(i for i, o in enumerate(outcomes) if o is refused[0]) // choices
             refused[0] = ClientError(f"prompt {i}: {refused[0].message}", "prompt")
         if refused:
             release()

@@ -308,16 +308,14 @@ class _OpenAIRequest(GenerateParams):
     model: Unicode | None = Field(None, description="served model name (see GET /v1/models)")
     stream: Bool = Field(False, description="stream tokens as server-sent events")
     stream_options: StreamOptions | None = Field(None, description="streaming options")
-    n: Int = Field(1, description="completions per prompt (only 1 is supported)")
+    n: Int = Field(
+        1,
+        ge=1,
+        description="choices per prompt, each sampled independently (with `seed`, choice j draws from "
+        "a seed derived from (seed, j)); prompts x n within limits.max_batch_prompts",
+    )
     presence_penalty: Float = Field(0.0, description="not supported: must be 0")
     frequency_penalty: Float = Field(0.0, description="not supported: must be 0")
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("only n=1 is supported")
-        return v
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod

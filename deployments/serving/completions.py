@@ -24,7 +24,6 @@ from clients.wire.openai import (
     CompletionResponse,
     PromptTrace,
 )
-from clients.wire.types import PromptTokensDetails, Usage
 from deployments.serving.access import ClientError
 from deployments.serving.config import LimitsConfig
 from deployments.serving.engine_loop import Admitted
@@ -36,28 +35,39 @@ from deployments.serving.formats import (
     pb_chunks,
     pb_echo_chunk,
     pb_final_chunk,
-    usage_of,
+    summed_usage,
 )
 
 
-def check_batch(limits: LimitsConfig, prompts: Sequence[str | list[int]]) -> None:
-    """A batch's own caps (ClientError naming the limit); each prompt also meets check_limits."""
-    if len(prompts) > limits.max_batch_prompts:
-        raise ClientError(
-            f"the batch has {len(prompts)} prompts; the limit is {limits.max_batch_prompts} (limits.max_batch_prompts)",
-            "prompt",
-        )
-    ids = sum(len(p) for p in prompts if isinstance(p, list))
+def check_choices(limits: LimitsConfig, prompts: int, n: int) -> None:
+    """prompts x n requests within limits.max_batch_prompts (ClientError naming the field)."""
+    if prompts * n <= limits.max_batch_prompts:
+        return
+    if n == 1:
+        message = f"the batch has {prompts} prompts"
+    else:
+        message = f"{prompts} prompt{'s' if prompts > 1 else ''} x n={n} are {prompts * n} choices"
+    raise ClientError(
+        f"{message}; the limit is {limits.max_batch_prompts} (limits.max_batch_prompts)", "n" if n > 1 else "prompt"
+    )
+
+
+def check_batch(limits: LimitsConfig, prompts: Sequence[str | list[int]], n: int = 1) -> None:
+    """A batch's own caps, its prompts counted n times each (ClientError naming the limit);
+    each prompt also meets check_limits."""
+    check_choices(limits, len(prompts), n)
+    times = f" (x n={n})" if n > 1 else ""
+    ids = n * sum(len(p) for p in prompts if isinstance(p, list))
     if ids > limits.max_batch_prompt_tokens:
         raise ClientError(
-            f"the batch's prompts have {ids} tokens together; the limit is {limits.max_batch_prompt_tokens} "
+            f"the batch's prompts have {ids} tokens together{times}; the limit is {limits.max_batch_prompt_tokens} "
             "(limits.max_batch_prompt_tokens)",
             "prompt",
         )
-    chars = sum(len(p) for p in prompts if isinstance(p, str))
+    chars = n * sum(len(p) for p in prompts if isinstance(p, str))
     if chars > limits.max_prompt_chars:
         raise ClientError(
-            f"the batch's prompts have {chars} characters together; the limit is {limits.max_prompt_chars} "
+            f"the batch's prompts have {chars} characters together{times}; the limit is {limits.max_prompt_chars} "
             "(limits.max_prompt_chars)",
             "prompt",
         )
@@ -97,20 +107,6 @@ async def tagged(streams: Sequence[AsyncIterator]) -> AsyncIterator[tuple[int, o
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def summed_usage(results: Sequence[GenerationResult]) -> Usage:
-    """A batch's usage: every count summed, degraded when any prompt was."""
-    usages = [usage_of(r) for r in results]
-    counts = {
-        f: sum(getattr(u, f) for u in usages)
-        for f in ("prompt_tokens", "completion_tokens", "total_tokens", "small_tokens", "large_tokens", "large_calls")
-    }
-    reasons = "; ".join(dict.fromkeys(u.degraded_reason for u in usages if u.degraded_reason))
-    cached = PromptTokensDetails(cached_tokens=sum(u.prompt_tokens_details.cached_tokens for u in usages))
-    return Usage(
-        **counts, degraded=any(u.degraded for u in usages), degraded_reason=reasons, prompt_tokens_details=cached
-    )
 
 
 @dataclass(frozen=True)

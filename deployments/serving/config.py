@@ -200,8 +200,9 @@ class LimitsConfig(_Config):
     max_batch_prompts: int = Field(
         32,
         ge=1,
-        description="prompts in one /v1/completions batch (a list of strings or of token-id lists); each is a "
-        "request in the step loop, so the default stays within one SmallModel replica's admission",
+        description="requests one call opens: the prompts of a /v1/completions batch (a list of strings or of "
+        "token-id lists) times n, or a chat's n choices; each is a request in the step loop, so the default "
+        "stays within one SmallModel replica's admission",
     )
     max_batch_prompt_tokens: int = Field(
         32_768,

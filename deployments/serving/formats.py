@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from collections.abc import Sequence
 from json.encoder import encode_basestring_ascii
 
 from backoff_core.types import GenerationResult, Logprob, TokenEvent, TokenLogprobs
@@ -108,18 +109,43 @@ def _event_logprobs(event: TokenEvent) -> tuple[TokenLogprobs, ...] | None:
     return None if event.logprobs is None else (event.logprobs,)
 
 
+def summed_usage(results: Sequence[GenerationResult]) -> Usage:
+    """The usage of several choices (a batch's prompts, n choices): every count summed,
+    degraded when any choice was."""
+    usages = [usage_of(r) for r in results]
+    counts = {
+        f: sum(getattr(u, f) for u in usages)
+        for f in ("prompt_tokens", "completion_tokens", "total_tokens", "small_tokens", "large_tokens", "large_calls")
+    }
+    reasons = "; ".join(dict.fromkeys(u.degraded_reason for u in usages if u.degraded_reason))
+    cached = PromptTokensDetails(cached_tokens=sum(u.prompt_tokens_details.cached_tokens for u in usages))
+    return Usage(
+        **counts, degraded=any(u.degraded for u in usages), degraded_reason=reasons, prompt_tokens_details=cached
+    )
+
+
+def chat_body(request_id: str, model: str, created: int, results: Sequence[GenerationResult]) -> dict:
+    """A unary chat completion of one choice or n: choice i is result i's; usage sums them."""
+    choices = [
+        ChatChoice(
+            index=i,
+            message=ChatMessageOut(content=r.text),
+            finish_reason=r.finish_reason.value,
+            backoff=_trace(r),
+            logprobs=chat_logprobs(r.logprobs),
+        )
+        for i, r in enumerate(results)
+    ]
+    usage = usage_of(results[0]) if len(results) == 1 else summed_usage(results)
+    return json_safe(
+        ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices, usage=usage).model_dump()
+    )
+
+
 def response_body(request_id: str, model: str, created: int, result: GenerationResult, chat: bool) -> dict:
     reason = result.finish_reason.value
     if chat:
-        choice = ChatChoice(
-            message=ChatMessageOut(content=result.text),
-            finish_reason=reason,
-            backoff=_trace(result),
-            logprobs=chat_logprobs(result.logprobs),
-        )
-        body = ChatCompletionResponse(
-            id=request_id, created=created, model=model, choices=[choice], usage=usage_of(result)
-        )
+        return chat_body(request_id, model, created, [result])
     else:
         choice = CompletionChoice(
             text=result.text,
@@ -141,9 +167,11 @@ def chunk_body(request_id: str, model: str, created: int, event: TokenEvent, cha
     )
     if chat:
         delta = ChatDelta(role="assistant" if event.index == 0 else None, content=event.text)
-        choice = ChatChunkChoice(delta=delta, backoff=trace, logprobs=chat_logprobs(_event_logprobs(event)))
+        one_chat = ChatChunkChoice(
+            index=choice, delta=delta, backoff=trace, logprobs=chat_logprobs(_event_logprobs(event))
+        )
         return json_safe(
-            ChatCompletionChunk(id=request_id, created=created, model=model, choices=[choice]).model_dump()
+            ChatCompletionChunk(id=request_id, created=created, model=model, choices=[one_chat]).model_dump()
         )
     one = CompletionChunkChoice(
         index=choice, text=event.text, backoff=trace, logprobs=completion_logprobs(_event_logprobs(event))
@@ -208,25 +236,36 @@ class TokenChunks:
 
 
 class ChatStream:
-    """A streamed chat completion's SSE text (one choice), in the interface of
-    completions.CompletionStream that the Ingress drives."""
+    """A streamed chat completion's SSE text, in the interface of completions.CompletionStream
+    that the Ingress drives. One choice: its last chunk has finish_reason and usage. n choices:
+    each choice's chunks carry its `index` and its last chunk its finish_reason, then one chunk
+    with no choice and the summed usage (as a completions batch ends)."""
 
-    def __init__(self, request_id: str, model: str, created: int) -> None:
+    def __init__(self, request_id: str, model: str, created: int, choices: int = 1) -> None:
         self.request_id, self.model, self.created = request_id, model, created
-        self.chunks = TokenChunks(request_id, model, created, chat=True)
+        self.chunks = [TokenChunks(request_id, model, created, chat=True, choice=i) for i in range(choices)]
+        self.results: list[GenerationResult | None] = [None] * choices
 
     def start(self) -> str:
         return ""
 
     def tokens(self, i: int, events: tuple[TokenEvent, ...]) -> str:
-        return self.chunks.sse(events)
+        return self.chunks[i].sse(events)
 
     def finished(self, i: int, result: GenerationResult) -> str:
-        body = final_chunk_body(self.request_id, self.model, self.created, result, chat=True)
+        self.results[i] = result
+        body = final_chunk_body(self.request_id, self.model, self.created, result, chat=True, choice=i)
+        if len(self.results) > 1:
+            body["usage"] = None
         return f"data: {json.dumps(body, allow_nan=False)}\n\n"
 
     def end(self) -> str:
-        return ""
+        """n choices: the usage chunk, once every choice has finished."""
+        if len(self.results) == 1 or any(r is None for r in self.results):
+            return ""
+        usage = summed_usage([r for r in self.results if r is not None])
+        chunk = ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=[], usage=usage)
+        return f"data: {json.dumps(json_safe(chunk.model_dump()), allow_nan=False)}\n\n"
 
 
 def _scalar(value) -> str:
@@ -244,7 +283,7 @@ def final_chunk_body(
     """The last chunk: no token, finish_reason and usage (whatever stream_options say)."""
     reason, usage = result.finish_reason.value, usage_of(result)
     if chat:
-        last_chat = ChatChunkChoice(delta=ChatDelta(), finish_reason=reason)
+        last_chat = ChatChunkChoice(index=choice, delta=ChatDelta(), finish_reason=reason)
         return json_safe(
             ChatCompletionChunk(
                 id=request_id, created=created, model=model, choices=[last_chat], usage=usage

@@ -41,6 +41,23 @@ class ServeRequest:
             raise ValueError("a request needs exactly one of prompt, prompt_ids and messages")
 
 
+MASK_64 = (1 << 64) - 1
+
+
+def choice_seed(seed: int | None, choice: int) -> int | None:
+    """The seed of choice `choice` of a request with `n` choices: the request's own for the
+    first (n = 1 is unchanged), else splitmix64's finaliser over (seed, choice), so the choices
+    draw apart and a seeded request gives the same n choices again. No seed: None (each
+    request draws a fresh one)."""
+    if seed is None or choice == 0:
+        return seed
+    z = (seed + choice * 0x9E3779B97F4A7C15) & MASK_64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK_64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK_64
+    z ^= z >> 31
+    return z - (1 << 64) if z >> 63 else z  # an int64, as the request's own seed
+
+
 def serve_request(
     request_id: str,
     params: GenerateParams,
@@ -48,8 +65,10 @@ def serve_request(
     prompt: str | list[int] | None = None,
     messages: list[ChatMessage] | None = None,
     default_max_tokens: int = 64,
+    choice: int = 0,
 ) -> ServeRequest:
-    """Edge params -> ServeRequest. Raises ValueError on values the core refuses."""
+    """Edge params -> ServeRequest (`choice`: which of a request's n choices; its seed is
+    choice_seed's). Raises ValueError on values the core refuses."""
     max_tokens = default_max_tokens if params.max_tokens is None else params.max_tokens
     # echo with logprobs: the prompt's routed teacher-forced logprobs; max_tokens 0 (echo alone
     # is the prompt, scored or not) has the core score it, as the core generates nothing else
@@ -61,7 +80,7 @@ def serve_request(
         temperature=1.0 if params.temperature is None else params.temperature,
         top_k=params.top_k or 0,
         top_p=1.0 if params.top_p is None else params.top_p,
-        seed=params.seed,
+        seed=choice_seed(params.seed, choice),
         stop=tuple(params.stop or ()),
         ignore_eos=params.ignore_eos,
         logprobs=params.logprobs,

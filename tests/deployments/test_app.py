@@ -171,7 +171,7 @@ def test_grpc_unary_stream_and_invalid_argument(served):
     "body, param",
     [
         ({"prompt": "w3", "max_tokens": 0}, "max_tokens"),
-        ({"prompt": "w3", "n": 2}, "n"),
+        ({"prompt": "w3", "n": 0}, "n"),
         ({"prompt": "w3", "temperature": -1}, "temperature"),
         ({"prompt": "w3", "router": "nope"}, None),
         ({"prompt": [3] * 600, "max_tokens": 8}, None),  # over the context window

@@ -27,6 +27,7 @@ from clients.grpc_client import BackoffGrpcClient  # noqa: E402
 from clients.http_client import BackoffHTTPClient  # noqa: E402
 from clients.wire import backoff_pb2 as pb  # noqa: E402
 from clients.wire import backoff_pb2_grpc as pb_grpc  # noqa: E402
+from deployments.serving.requests import choice_seed  # noqa: E402
 from tests.support.served_app import TINY_PAIR, ServedApp, deployment_config  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -117,6 +118,76 @@ def test_a_batch_shares_the_step_loop(served):
     assert steps < 48, f"{steps} steps for a batch of four: the prompts ran one after another"
 
 
+# -- n choices -------------------------------------------------------------------------------
+SAMPLED = dict(temperature=1.0, seed=11, extra_body={"ignore_eos": True})
+
+
+def test_n_choices_are_n_requests_seeded_apart_and_choice_0_is_the_request_alone(served, openai_client):
+    done = openai_client.completions.create(model="backoff", prompt=[5, 6, 7], max_tokens=8, n=3, **SAMPLED)
+    assert [c.index for c in done.choices] == [0, 1, 2]
+    texts = [c.text for c in done.choices]
+    assert len(set(texts)) == 3, texts  # drawn apart (8 tokens over the tiny vocabulary at temperature 1)
+    again = openai_client.completions.create(model="backoff", prompt=[5, 6, 7], max_tokens=8, n=3, **SAMPLED)
+    assert [c.text for c in again.choices] == texts  # a seeded request gives the same n choices
+    # choice j is the single request seeded choice_seed(seed, j): choice 0 the request's own seed
+    for j, text in enumerate(texts):
+        seed = choice_seed(11, j)
+        alone = openai_client.completions.create(
+            model="backoff", prompt=[5, 6, 7], max_tokens=8, **{**SAMPLED, "seed": seed}
+        )
+        assert alone.choices[0].text == text, j
+    assert done.usage.prompt_tokens == 9 and done.usage.completion_tokens == 24
+
+
+def test_a_batch_with_n_orders_prompt_i_choice_j_at_i_times_n_plus_j(served, openai_client):
+    batch = [[5, 6], [7, 8, 9]]
+    done = openai_client.completions.create(model="backoff", prompt=batch, max_tokens=5, n=2, **OA)
+    singles = [openai_client.completions.create(model="backoff", prompt=p, max_tokens=5, **OA) for p in batch]
+    assert [c.index for c in done.choices] == [0, 1, 2, 3]
+    greedy = [s.choices[0].text for s in singles]
+    assert [c.text for c in done.choices] == [greedy[0], greedy[0], greedy[1], greedy[1]]
+    assert done.usage.prompt_tokens == 10 and done.usage.completion_tokens == 20
+
+
+def test_chat_n_choices_unary_and_streamed_agree_and_the_stream_ends_with_their_usage(served, openai_client):
+    messages = [{"role": "user", "content": "w3 w4"}]
+    unary = openai_client.chat.completions.create(model="backoff", messages=messages, max_tokens=6, n=2, **SAMPLED)
+    assert [c.index for c in unary.choices] == [0, 1]
+    assert unary.choices[0].message.content != unary.choices[1].message.content
+    assert unary.usage.completion_tokens == 12
+    chunks = list(
+        openai_client.chat.completions.create(
+            model="backoff", messages=messages, max_tokens=6, n=2, stream=True, **SAMPLED
+        )
+    )
+    text, finished = {0: "", 1: ""}, {}
+    for c in chunks:
+        for choice in c.choices:
+            text[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finished[choice.index] = choice.finish_reason
+    assert [text[0], text[1]] == [c.message.content for c in unary.choices]
+    assert finished == {0: "length", 1: "length"}
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens == unary.usage.prompt_tokens
+
+
+@pytest.mark.parametrize(
+    "path, body, says",
+    [
+        ("/v1/completions", {"prompt": "w3", "n": 5}, "1 prompt x n=5 are 5 choices"),
+        ("/v1/completions", {"prompt": ["w3", "w4"], "n": 3}, "2 prompts x n=3 are 6 choices"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w3"}], "n": 5}, "n=5"),
+    ],
+)
+def test_n_past_the_batch_limit_is_a_400_naming_n(served, path, body, says):
+    for stream in (False, True):
+        response = _post(served, {**body, "max_tokens": 2, "stream": stream}, path)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "n" and says in error["message"] and "limits.max_batch_prompts" in error["message"]
+
+
 # -- echo ------------------------------------------------------------------------------------
 def test_echo_with_max_tokens_0_is_the_prompt_scored_by_m_l(served, openai_client):
     ids = [5, 9, 14, 3, 22, 7]
@@ -191,7 +262,7 @@ def test_our_clients_and_grpc_carry_echo(served, openai_client, capsys):
         ("/v1/completions", {"best_of": 2}, "best_of"),
         ("/v1/completions", {"suffix": "w9"}, "suffix"),
         ("/v1/completions", {"logit_bias": {"5": 10}}, "logit_bias"),
-        ("/v1/completions", {"n": 2}, "n"),
+        ("/v1/completions", {"n": 0}, "n"),
         ("/v1/completions", {"presence_penalty": 0.5}, "presence_penalty"),
         ("/v1/completions", {"frequency_penalty": 0.5}, "frequency_penalty"),
         ("/v1/completions", {"max_tokens": 0}, "max_tokens"),  # 0 only with echo

@@ -59,7 +59,9 @@ CHAT = "/v1/chat/completions"
         ({"prompt": W, "seed": 2**64}, "/v1/completions", 400, "seed", ""),
         ({"prompt": W, "router": 7}, "/v1/completions", 400, "router", ""),
         ({"prompt": W, "backoff_threshold": "high"}, "/v1/completions", 400, "backoff_threshold", ""),
-        ({"prompt": W, "n": 2}, "/v1/completions", 400, "n", "n=1"),
+        ({"prompt": W, "n": 0}, "/v1/completions", 400, "n", "greater than or equal to 1"),
+        ({"prompt": W, "n": 33}, "/v1/completions", 400, "n", "limits.max_batch_prompts"),
+        ({"prompt": [W, W], "n": 17}, "/v1/completions", 400, "n", "34 choices"),
         ({"prompt": W, "presence_penalty": 0.5}, "/v1/completions", 400, "presence_penalty", ""),
         # temperatures and top_p
         ({"prompt": W, "temperature": -0.5}, "/v1/completions", 400, "temperature", ""),

@@ -103,7 +103,7 @@ def test_openai_request_validation():
     assert CompletionRequest(prompt="x", stop="\n").stop == ["\n"]
     assert CompletionRequest(prompt="x", thresholds=0.5).thresholds == [0.5]
     assert CompletionRequest(prompt="x", user="someone", logit_bias={}).prompt == "x"  # ignored extras
-    for bad in ({"n": 2}, {"max_tokens": 0}, {"top_p": 0}, {"target_backoff": 1.5}, {"presence_penalty": 1}):
+    for bad in ({"n": 0}, {"max_tokens": 0}, {"top_p": 0}, {"target_backoff": 1.5}, {"presence_penalty": 1}):
         with pytest.raises(ValueError):
             CompletionRequest(prompt="x", **bad)
     merged = merge_params(GenerateParams(max_tokens=5, seed=1), {"seed": 2})
@@ -127,7 +127,7 @@ def _param(body: dict) -> str:
         ("thresholds", [1.0000001e38, -1e39, 1e308, [0.5, 1e300], [], "high", True], [1e38, -1e38, -0.0, [0.1, 0.2]]),
         ("backoff_threshold", [1.0000001e38, -1e39, 1e308, [0.5, 1e300], [], "high"], [1e38, -1e38, -0.0, [0.1, 0.2]]),
         ("target_backoff", [-1e-9, 1.0000001, 1e308], [0, 1, -0.0]),
-        ("n", [2, 0, 1.0, True], [1]),
+        ("n", [0, -1, 1.0, True], [1, 2, 2**40]),  # the Ingress refuses prompts x n past its limit
         ("presence_penalty", [0.5, -2, 1e308], [0, -0.0]),
         ("frequency_penalty", [0.5, -2], [0]),
     ],

@@ -22,13 +22,13 @@ from deployments.serving.completions import (
     Echo,
     PbStream,
     check_batch,
+    check_choices,
     completion_body,
-    summed_usage,
     tagged,
 )
 from deployments.serving.config import LimitsConfig
 from deployments.serving.engine_loop import Admitted
-from deployments.serving.formats import pb_response
+from deployments.serving.formats import pb_response, summed_usage
 from tests.support.helpers import engine_for, request
 
 pytest.importorskip("openai")
@@ -117,6 +117,20 @@ def test_a_batch_is_bounded_by_count_tokens_and_characters():
         with pytest.raises(ClientError) as err:
             check_batch(limits, prompts)
         assert says in err.value.message and err.value.param == "prompt" and err.value.status == 400
+    # n choices a prompt: each prompt counted n times
+    check_batch(limits, [[1] * 5], n=2)
+    check_choices(limits, 1, 3)
+    for prompts, n, param, says in [
+        ([[1]] * 2, 2, "n", "2 prompts x n=2 are 4 choices; the limit is 3 (limits.max_batch_prompts)"),
+        ([[1] * 6], 2, "prompt", "12 tokens together (x n=2); the limit is 10"),
+        (["abcde"], 2, "prompt", "10 characters together (x n=2); the limit is 8"),
+    ]:
+        with pytest.raises(ClientError) as err:
+            check_batch(limits, prompts, n)
+        assert says in err.value.message and err.value.param == param, err.value.message
+    with pytest.raises(ClientError) as err:
+        check_choices(limits, 1, 4)  # a chat's n
+    assert err.value.message.startswith("1 prompt x n=4 are 4 choices") and err.value.param == "n"
 
 
 def test_tagged_merges_streams_as_their_items_come_and_cancels_the_rest():

@@ -21,7 +21,7 @@ from deployments.serve_cli import DEFAULT_CONFIG, _parser, apply_overrides
 from deployments.serving.config import AppArgs, ReplicaConfig, RoutingConfig
 from deployments.serving.formats import response_body, usage_of
 from deployments.serving.models_config import ModelsConfig
-from deployments.serving.requests import RoutingOverrides, routing_params, serve_request
+from deployments.serving.requests import RoutingOverrides, choice_seed, routing_params, serve_request
 
 
 def test_packaged_config_is_a_valid_serve_config():
@@ -171,6 +171,20 @@ def test_edge_params_become_core_records():
         serve_request("id", GenerateParams(top_k=0, temperature=float("inf")), prompt="p")
 
 
+def test_choice_seeds_keep_choice_0_and_draw_the_others_apart_within_int64():
+    assert choice_seed(None, 3) is None  # unseeded: each request draws a fresh seed
+    assert [choice_seed(s, 0) for s in (0, -5, 2**63 - 1)] == [0, -5, 2**63 - 1]  # n = 1 unchanged
+    for seed in (0, 1, -1, 7, 2**63 - 1, -(2**63)):
+        seeds = [choice_seed(seed, j) for j in range(64)]
+        assert len(set(seeds)) == 64 and all(-(2**63) <= x < 2**63 for x in seeds)
+        assert seeds == [choice_seed(seed, j) for j in range(64)]  # a pure function
+        GenerateParams(seed=seeds[-1])  # a seed the edge itself takes
+    # neighbouring seeds do not share choices (seed + j would: seed 1's choice 0 = seed 0's choice 1)
+    assert not {choice_seed(0, j) for j in range(1, 64)} & {choice_seed(1, j) for j in range(64)}
+    req = serve_request("id", GenerateParams(seed=9), prompt="p", choice=2)
+    assert req.sampling.seed == choice_seed(9, 2) != 9
+
+
 def test_placement_follows_the_cluster():
     rc = ReplicaConfig(custom_resource="large_gpu", num_replicas=2)
     cpu = replica_options(rc, {"CPU": 2})
@@ -242,7 +256,7 @@ def test_usage_reports_the_cached_prompt_tokens_on_http_and_grpc():
     """OpenAI's usage.prompt_tokens_details.cached_tokens (what guidellm and others read); on
     gRPC Usage.cached_prompt_tokens; a batch sums them."""
     from clients.wire.proto import usage_from_pb, usage_to_pb
-    from deployments.serving.completions import summed_usage
+    from deployments.serving.formats import summed_usage
 
     def result(cached: int) -> GenerationResult:
         return GenerationResult(

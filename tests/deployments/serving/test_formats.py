@@ -16,7 +16,7 @@ from clients.http_client import _body
 from clients.wire.openai import delta_from_chunk, generation_from_body
 from clients.wire.proto import delta_from_pb, generation_from_pb, params_from_pb, request_to_pb
 from clients.wire.types import ChatCompletionRequest, CompletionRequest, GenerateParams
-from deployments.serving.formats import chunk_body, pb_chunk, pb_response, response_body
+from deployments.serving.formats import ChatStream, chat_body, chunk_body, pb_chunk, pb_response, response_body
 from deployments.serving.requests import serve_request
 from tests.support.helpers import engine_for, request
 
@@ -85,6 +85,29 @@ def test_stream_chunks_carry_their_tokens_entry(run, chat):
     assert [d.logprobs.logprob for d in deltas] == [e.chosen.logprob for e in result.logprobs]
     assert [d.logprobs.token_id for d in deltas] == list(result.token_ids)
     assert [d.source for d in deltas] == list(result.sources)
+
+
+def test_n_chat_choices_are_indexed_in_the_body_and_the_stream_ends_with_their_summed_usage(run):
+    result, events = run
+    other = dataclasses.replace(result, text=result.text[::-1])
+    body = chat_body("id", "m", 0, [result, other])
+    parsed = ChatCompletion.model_validate(body)
+    assert [c.index for c in parsed.choices] == [0, 1]
+    assert [c.message.content for c in parsed.choices] == [result.text, other.text]
+    assert parsed.usage.completion_tokens == 2 * len(result.token_ids)
+    assert chat_body("id", "m", 0, [result]) == response_body("id", "m", 0, result, chat=True)
+
+    stream = ChatStream("id", "m", 0, choices=2)
+    sse = stream.tokens(1, tuple(events[:2])) + stream.tokens(0, tuple(events[:1])) + stream.finished(1, other)
+    assert stream.end() == ""  # choice 0 has not finished
+    sse += stream.finished(0, result) + stream.end()
+    chunks = [ChatCompletionChunk.model_validate_json(line[6:]) for line in sse.split("\n\n") if line]
+    assert [c.choices[0].index for c in chunks if c.choices] == [1, 1, 0, 1, 0]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][3:] == ["length", "length"]
+    assert all(c.usage is None for c in chunks[:-1]) and chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens == 2 * len(result.token_ids)
+    one = ChatStream("id", "m", 0)
+    assert ChatCompletionChunk.model_validate_json(one.finished(0, result)[6:]).usage is not None and one.end() == ""
 
 
 def test_not_asked_is_null_everywhere(pair, tokenizer):
