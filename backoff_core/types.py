@@ -50,6 +50,8 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # token ids that end the request as EOS does (kept in the output), ignore_eos or not
+    stop_token_ids: tuple[int, ...] = ()
     # log-probabilities of each committed token under its source model's raw distribution
     # (logprobs.py), with this many top alternatives (0..MAX_TOP_LOGPROBS); None: none (free)
     logprobs: int | None = None

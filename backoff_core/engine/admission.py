@@ -53,6 +53,8 @@ def checked(
         )
     if any(not 0 <= t < vocab for t in request.prompt_ids):
         raise ValueError(f"prompt token ids must be in [0, {vocab})")
+    if any(not 0 <= t < vocab for t in request.sampling.stop_token_ids):
+        raise ValueError(f"stop_token_ids must be in [0, {vocab})")
     if request.sampling.prompt_logprobs is not None and not router.scores_prompts:
         raise ValueError(f"the {router.name} router makes no decision on a prompt: prompt_logprobs needs another")
     routing = request.routing
@@ -70,7 +72,7 @@ def checked(
         # a calibrated router starts from its calibration table, then the controller steers;
         # it is told the horizon only where the request cannot end before max_tokens
         s = request.sampling
-        horizon = s.max_tokens if s.ignore_eos and not s.stop else None
+        horizon = s.max_tokens if s.ignore_eos and not s.stop and not s.stop_token_ids else None
         controller = RateController(routing.target_backoff, thresholds[0], prior=rate_prior(router), horizon=horizon)
         thresholds = (controller.threshold,)
     return Live(

@@ -167,10 +167,10 @@ def finish(c: Commit, ctx: CommitContext, values) -> TokenEvent:
 
 def check_stop(r: Live, token: int, ctx: CommitContext) -> None:
     """Set r.finished (or finish_after_verify while drafts await verification) at EOS, a stop
-    string or max_tokens. Only a request with stop strings reads its text."""
+    token id, a stop string or max_tokens. Only a request with stop strings reads its text."""
     params = r.request.sampling
     reason = None
-    if token in ctx.eos_ids and not params.ignore_eos:
+    if (token in ctx.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
         reason = FinishReason.STOP
     elif params.stop:
         text = ctx.detok.decoded(r, hold=True)  # the event reads it again

@@ -104,7 +104,6 @@ REFUSED_COMPLETIONS: dict[str, tuple[_Neutral, str]] = {
     "repetition_penalty": (lambda v: v == 1, "repetition_penalty is not supported (only 1)"),
     "min_p": (lambda v: v == 0, "min_p is not supported (only 0)"),
     "use_beam_search": (_falsy, "beam search is not supported"),
-    "stop_token_ids": (_falsy, "stop_token_ids is not supported (send stop strings)"),
     "guided_json": (_falsy, "guided decoding is not supported"),
     "guided_regex": (_falsy, "guided decoding is not supported"),
     "guided_choice": (_falsy, "guided decoding is not supported"),

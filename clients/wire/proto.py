@@ -30,6 +30,7 @@ def request_to_pb(
         model=model or "",
         ignore_eos=params.ignore_eos,
         stop=params.stop or [],
+        stop_token_ids=params.stop_token_ids or [],
         thresholds=params.thresholds or [],
         echo=params.echo,
     )
@@ -53,6 +54,7 @@ def params_from_pb(msg: pb.GenerateRequest) -> GenerateParams:
     return GenerateParams(
         **fields,
         stop=list(msg.stop) or None,
+        stop_token_ids=list(msg.stop_token_ids) or None,
         ignore_eos=msg.ignore_eos,
         thresholds=list(msg.thresholds) or None,
         backoff_threshold=list(msg.backoff_threshold) or None,

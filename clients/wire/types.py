@@ -55,6 +55,8 @@ Float = Annotated[float, Field(strict=True, allow_inf_nan=False)]
 Bool = Annotated[bool, Field(strict=True)]
 Unicode = Annotated[str, Field(strict=True), AfterValidator(_unicode)]
 Text = Annotated[Unicode, Field(min_length=1)]
+TokenId = Annotated[Int, Field(ge=0, lt=2**31)]  # the vocabulary's own bound is the SmallModel's to check
+MAX_STOP_TOKEN_IDS = 64
 
 # Numeric ranges are decided here, at the edge, so that every accepted value is computed
 # finitely inside (logits are float32: 1/T, or a threshold of 1e308, would overflow there).
@@ -158,6 +160,12 @@ class GenerateParams(_NullIsDefault):
     )
     stop: list[Text] | None = Field(None, description="stop strings (the text is cut before them)")
     ignore_eos: Bool = Field(False, description="keep generating past the end-of-sequence token")
+    stop_token_ids: list[TokenId] | None = Field(
+        None,
+        max_length=MAX_STOP_TOKEN_IDS,
+        description="token ids that end the generation as EOS does (the token is kept), with ignore_eos too; "
+        "each in the model's vocabulary",
+    )
     router: Text | None = Field(None, description="decision function (router) for this request")
     thresholds: Thresholds | None = Field(
         None,

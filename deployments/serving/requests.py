@@ -82,6 +82,7 @@ def serve_request(
         top_p=1.0 if params.top_p is None else params.top_p,
         seed=choice_seed(params.seed, choice),
         stop=tuple(params.stop or ()),
+        stop_token_ids=tuple(params.stop_token_ids or ()),
         ignore_eos=params.ignore_eos,
         logprobs=params.logprobs,
         prompt_logprobs=prompt_logprobs,

@@ -188,6 +188,40 @@ def test_n_past_the_batch_limit_is_a_400_naming_n(served, path, body, says):
         assert error["param"] == "n" and says in error["message"] and "limits.max_batch_prompts" in error["message"]
 
 
+# -- stop token ids --------------------------------------------------------------------------
+def test_stop_token_ids_end_the_answer_at_the_token_over_http_and_grpc(served, openai_client):
+    plain = _post(served, {"prompt": [5, 6], "max_tokens": 12, **GREEDY}).json()["choices"][0]
+    ids = plain["backoff"]["token_ids"]
+    i = next(i for i in range(2, len(ids)) if ids[i] not in ids[:i])  # a token not seen before it
+    body = {"prompt": [5, 6], "max_tokens": 12, "stop_token_ids": [ids[i]], **GREEDY}  # ignore_eos too
+    stopped = _post(served, body).json()["choices"][0]
+    assert stopped["backoff"]["token_ids"] == ids[: i + 1] and stopped["finish_reason"] == "stop"
+    streamed = list(
+        openai_client.completions.create(
+            model="backoff", prompt=[5, 6], max_tokens=12, stream=True, **{**OA, "extra_body": body}
+        )
+    )
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == stopped["text"]
+    with grpc.insecure_channel(served.grpc_target) as channel:
+        stub = pb_grpc.BackoffStub(channel)
+        request = pb.GenerateRequest(
+            prompt_ids=[5, 6], max_tokens=12, temperature=0, ignore_eos=True, stop_token_ids=[ids[i]]
+        )
+        response = stub.Generate(request, metadata=(("application", "backoff"),), timeout=30)
+        assert list(response.token_ids) == ids[: i + 1] and response.finish_reason == "stop"
+        for bad in ([999], [2**31]):  # outside the vocabulary; outside an int32
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Generate(
+                    pb.GenerateRequest(prompt_ids=[5], max_tokens=2, stop_token_ids=bad),
+                    metadata=(("application", "backoff"),),
+                    timeout=30,
+                )
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "stop_token_ids" in err.value.details()
+    for bad, says in (([999], "stop_token_ids must be in [0, 48)"), ([-1], "stop_token_ids.0")):
+        response = _post(served, {"prompt": [5], "max_tokens": 2, "stop_token_ids": bad})
+        assert response.status_code == 400 and says in json.dumps(response.json()["error"]), response.text
+
+
 # -- echo ------------------------------------------------------------------------------------
 def test_echo_with_max_tokens_0_is_the_prompt_scored_by_m_l(served, openai_client):
     ids = [5, 9, 14, 3, 22, 7]

@@ -21,6 +21,32 @@ def test_eos_stops_generation(pair, tokenizer):
     assert result.finish_reason == FinishReason.STOP
 
 
+@pytest.mark.parametrize(
+    "routing",
+    [
+        dict(router="always-large"),
+        dict(router="random", rate=0.5),
+        dict(router="random", rate=0.6, verification=Verification.KL, tolerance=0.3),  # drafts await verification
+    ],
+)
+def test_a_stop_token_id_ends_the_request_at_its_first_occurrence_even_with_ignore_eos(pair, tokenizer, routing):
+    engine = engine_for(pair, tokenizer)
+    plain = engine.generate(request(PROMPT, 16, seed=3, **routing))  # ignore_eos=True
+    ids = plain.token_ids
+    i = next(i for i in range(3, len(ids)) if ids[i] not in ids[:i])  # a token not seen before it
+    sampling = SamplingParams(max_tokens=16, seed=3, ignore_eos=True, stop_token_ids=(ids[i],))
+    result = engine.generate(GenerationRequest(PROMPT, sampling, RoutingParams(**routing)))
+    # the plain run up to the stop token, which it keeps (its text too, as EOS's would be)
+    assert result.token_ids == ids[: i + 1] and result.finish_reason == FinishReason.STOP
+    assert result.text == engine.generate(request(PROMPT, i + 1, seed=3, **routing)).text
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_refused(pair, tokenizer):
+    sampling = SamplingParams(max_tokens=4, stop_token_ids=(10**6,))
+    with pytest.raises(ValueError, match="stop_token_ids must be in"):
+        engine_for(pair, tokenizer).generate(GenerationRequest(PROMPT, sampling, RoutingParams(router="always-small")))
+
+
 def test_stop_string_cuts_text(pair, tokenizer):
     engine = engine_for(pair, tokenizer)
     plain = engine.generate(request(PROMPT, 12, "always-large"))
