@@ -77,6 +77,7 @@ def distributions(
 ) -> torch.Tensor:
     """logits: [B, V], one SamplingParams per row -> probabilities [B, V] (float32).
 
+    A row's logit_bias is added first (greedy: the argmax of the biased logits).
     Every row is a proper distribution whatever finite parameters it has: a temperature
     under the floor is greedy, top-p always keeps the most likely token, and a row whose
     logits are not finite falls back to its argmax over the finite ones.
@@ -90,8 +91,10 @@ def distributions(
 
 def _distributions(logits, params, noise=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """-> (probabilities [B, V] float32, the uploaded noise column [B] float64 or None)."""
-    logits = torch.nan_to_num(logits.float(), nan=float("-inf"))
+    logits = torch.nan_to_num(logits.float(), nan=float("-inf"))  # a copy: the bias adds in place
     b, v = logits.shape
+    if any(p.logit_bias for p in params):
+        _add_bias(logits, params)
     # [B, V]; not F.one_hot, which checks its input's range with a host read on a CPU
     one_hot = torch.zeros_like(logits).scatter_(-1, argmax_last(logits)[:, None], 1.0)
     rows = [_row(p, v) for p in params]
@@ -107,6 +110,15 @@ def _distributions(logits, params, noise=None) -> tuple[torch.Tensor, torch.Tens
     probs = torch.softmax(scaled, dim=-1)
     bad = ~torch.isfinite(probs).all(-1)  # e.g. every logit -inf
     return torch.where((greedy | bad)[:, None], one_hot, probs), (col[:, 4] if noise is not None else None)
+
+
+def _add_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
+    """logits [B, V] += each row's logit_bias, in place: one upload of (row, id, bias) triples."""
+    triples = [(float(i), float(t), b) for i, p in enumerate(params) for t, b in p.logit_bias]
+    # [3, N] float64: rows and ids are exact in it (ids < 2^31)
+    table = torch.tensor(triples, dtype=torch.float64).T.to(logits.device, non_blocking=True)
+    rows, ids = table[0].long(), table[1].long()
+    logits.index_put_((rows, ids), table[2].float(), accumulate=True)
 
 
 def _truncate(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -219,7 +231,7 @@ def draw(
     the caller reads it with the rest of its stage, engine/host.py), drawn from its own
     distribution at its own (seed, position). One upload (parameters and noise together);
     greedy rows need neither."""
-    if all(p.greedy for p in params):  # the one-hot's draw is its argmax
+    if all(p.greedy and not p.logit_bias for p in params):  # the one-hot's draw is its argmax
         return argmax_last(logits.float(), nan_lowest=True)
     probs, u = _distributions(logits, params, draw_noise(seeds, positions, stream))
     return _invert(probs, u)

@@ -28,6 +28,7 @@ def level_names(num_levels: int) -> list[str]:
 
 
 MAX_TOP_LOGPROBS = 20
+LOGIT_BIAS_MAX = 100.0  # OpenAI's range of a logit_bias value
 
 # A temperature below this samples greedily: logits / T would overflow float32 long before T
 # reaches 0, and at 1e-4 any logit gap over ~0.01 already gives the argmax all the mass.
@@ -52,6 +53,10 @@ class SamplingParams:
     ignore_eos: bool = False
     # token ids that end the request as EOS does (kept in the output), ignore_eos or not
     stop_token_ids: tuple[int, ...] = ()
+    # (token id, bias) pairs, ascending ids: added to every level's logits before temperature,
+    # top-k and top-p (OpenAI's logit_bias, in [-LOGIT_BIAS_MAX, LOGIT_BIAS_MAX]; -100 bans a
+    # token, +100 all but forces it); the routers' scores and logprobs read the raw logits
+    logit_bias: tuple[tuple[int, float], ...] = ()
     # log-probabilities of each committed token under its source model's raw distribution
     # (logprobs.py), with this many top alternatives (0..MAX_TOP_LOGPROBS); None: none (free)
     logprobs: int | None = None
@@ -83,6 +88,11 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if any(not -LOGIT_BIAS_MAX <= b <= LOGIT_BIAS_MAX for _, b in self.logit_bias):  # NaN too
+            raise ValueError(f"logit_bias values must be in [-{LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}]")
+        ids = [t for t, _ in self.logit_bias]
+        if ids != sorted(set(ids)) or any(t < 0 for t in ids):
+            raise ValueError("logit_bias token ids must be distinct, ascending and >= 0")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"logprobs (top alternatives) must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
 

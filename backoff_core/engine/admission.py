@@ -55,6 +55,8 @@ def checked(
         raise ValueError(f"prompt token ids must be in [0, {vocab})")
     if any(not 0 <= t < vocab for t in request.sampling.stop_token_ids):
         raise ValueError(f"stop_token_ids must be in [0, {vocab})")
+    if any(not 0 <= t < vocab for t, _ in request.sampling.logit_bias):
+        raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
     if request.sampling.prompt_logprobs is not None and not router.scores_prompts:
         raise ValueError(f"the {router.name} router makes no decision on a prompt: prompt_logprobs needs another")
     routing = request.routing

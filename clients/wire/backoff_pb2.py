@@ -24,37 +24,41 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x63lients/wire/backoff.proto\x12\x07\x62\x61\x63koff\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xb1\x04\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12&\n\x08messages\x18\x02 \x03(\x0b\x32\x14.backoff.ChatMessage\x12\x17\n\nmax_tokens\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x04 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x06 \x01(\rH\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x13\n\x06router\x18\n \x01(\tH\x05\x88\x01\x01\x12\x1d\n\x11\x62\x61\x63koff_threshold\x18\x0b \x03(\x01\x42\x02\x18\x01\x12\x1b\n\x0etarget_backoff\x18\x0c \x01(\x01H\x06\x88\x01\x01\x12\r\n\x05model\x18\r \x01(\t\x12\x12\n\nprompt_ids\x18\x0e \x03(\r\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\x07\x88\x01\x01\x12\x12\n\nthresholds\x18\x10 \x03(\x01\x12\x0c\n\x04\x65\x63ho\x18\x11 \x01(\x08\x12\x19\n\x0cprefix_cache\x18\x12 \x01(\x08H\x08\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x13 \x03(\rB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\t\n\x07_routerB\x11\n\x0f_target_backoffB\x0b\n\t_logprobsB\x0f\n\r_prefix_cache\"\xd9\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\x12\x14\n\x0csmall_tokens\x18\x04 \x01(\r\x12\x14\n\x0clarge_tokens\x18\x05 \x01(\r\x12\x13\n\x0blarge_calls\x18\x06 \x01(\r\x12\x10\n\x08\x64\x65graded\x18\x07 \x01(\x08\x12\x17\n\x0f\x64\x65graded_reason\x18\x08 \x01(\t\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\t \x01(\r\"\xbb\x02\n\x10GenerateResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x1d\n\x05usage\x18\x04 \x01(\x0b\x32\x0e.backoff.Usage\x12\x11\n\ttoken_ids\x18\x05 \x03(\r\x12\x0f\n\x07sources\x18\x06 \x03(\r\x12\x12\n\nnum_levels\x18\x07 \x01(\r\x12\x12\n\nthresholds\x18\x08 \x03(\x01\x12(\n\x08logprobs\x18\t \x03(\x0b\x32\x16.backoff.TokenLogprobs\x12/\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x16.backoff.TokenLogprobs\x12\x16\n\x0eprompt_sources\x18\x0b \x03(\x05\x12\x18\n\x10prompt_token_ids\x18\x0c \x03(\r\"\xf0\x02\n\rGenerateChunk\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08token_id\x18\x03 \x01(\r\x12\x0e\n\x06source\x18\x04 \x01(\r\x12\r\n\x05index\x18\x05 \x01(\r\x12\x11\n\tretracted\x18\x06 \x01(\r\x12\x16\n\x0eretracted_text\x18\x07 \x01(\t\x12\x15\n\rfinish_reason\x18\x08 \x01(\t\x12\x1d\n\x05usage\x18\t \x01(\x0b\x32\x0e.backoff.Usage\x12(\n\x08logprobs\x18\n \x01(\x0b\x32\x16.backoff.TokenLogprobs\x12&\n\x06tokens\x18\x14 \x03(\x0b\x32\x16.backoff.GenerateChunk\x12/\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32\x16.backoff.TokenLogprobs\x12\x16\n\x0eprompt_sources\x18\x0c \x03(\x05\x12\x18\n\x10prompt_token_ids\x18\r \x03(\r\"P\n\x07Logprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x13\n\x0btoken_bytes\x18\x03 \x01(\x0c\x12\x0f\n\x07logprob\x18\x04 \x01(\x01\"e\n\rTokenLogprobs\x12 \n\x06\x63hosen\x18\x01 \x01(\x0b\x32\x10.backoff.Logprob\x12\x1d\n\x03top\x18\x02 \x03(\x0b\x32\x10.backoff.Logprob\x12\x13\n\x0btext_offset\x18\x03 \x01(\r\"\x0f\n\rModelsRequest\" \n\x0eModelsResponse\x12\x0e\n\x06models\x18\x01 \x03(\t\"\x0f\n\rHealthRequest\",\n\x0eHealthResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t2\x86\x02\n\x07\x42\x61\x63koff\x12?\n\x08Generate\x12\x18.backoff.GenerateRequest\x1a\x19.backoff.GenerateResponse\x12\x44\n\x0eGenerateStream\x12\x18.backoff.GenerateRequest\x1a\x16.backoff.GenerateChunk0\x01\x12\x39\n\x06Models\x12\x16.backoff.ModelsRequest\x1a\x17.backoff.ModelsResponse\x12\x39\n\x06Health\x12\x16.backoff.HealthRequest\x1a\x17.backoff.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x63lients/wire/backoff.proto\x12\x07\x62\x61\x63koff\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xa0\x05\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12&\n\x08messages\x18\x02 \x03(\x0b\x32\x14.backoff.ChatMessage\x12\x17\n\nmax_tokens\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x04 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x06 \x01(\rH\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x13\n\x06router\x18\n \x01(\tH\x05\x88\x01\x01\x12\x1d\n\x11\x62\x61\x63koff_threshold\x18\x0b \x03(\x01\x42\x02\x18\x01\x12\x1b\n\x0etarget_backoff\x18\x0c \x01(\x01H\x06\x88\x01\x01\x12\r\n\x05model\x18\r \x01(\t\x12\x12\n\nprompt_ids\x18\x0e \x03(\r\x12\x15\n\x08logprobs\x18\x0f \x01(\rH\x07\x88\x01\x01\x12\x12\n\nthresholds\x18\x10 \x03(\x01\x12\x0c\n\x04\x65\x63ho\x18\x11 \x01(\x08\x12\x19\n\x0cprefix_cache\x18\x12 \x01(\x08H\x08\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x13 \x03(\r\x12;\n\nlogit_bias\x18\x14 \x03(\x0b\x32\'.backoff.GenerateRequest.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\t\n\x07_routerB\x11\n\x0f_target_backoffB\x0b\n\t_logprobsB\x0f\n\r_prefix_cache\"\xd9\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\x12\x14\n\x0csmall_tokens\x18\x04 \x01(\r\x12\x14\n\x0clarge_tokens\x18\x05 \x01(\r\x12\x13\n\x0blarge_calls\x18\x06 \x01(\r\x12\x10\n\x08\x64\x65graded\x18\x07 \x01(\x08\x12\x17\n\x0f\x64\x65graded_reason\x18\x08 \x01(\t\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\t \x01(\r\"\xbb\x02\n\x10GenerateResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x1d\n\x05usage\x18\x04 \x01(\x0b\x32\x0e.backoff.Usage\x12\x11\n\ttoken_ids\x18\x05 \x03(\r\x12\x0f\n\x07sources\x18\x06 \x03(\r\x12\x12\n\nnum_levels\x18\x07 \x01(\r\x12\x12\n\nthresholds\x18\x08 \x03(\x01\x12(\n\x08logprobs\x18\t \x03(\x0b\x32\x16.backoff.TokenLogprobs\x12/\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x16.backoff.TokenLogprobs\x12\x16\n\x0eprompt_sources\x18\x0b \x03(\x05\x12\x18\n\x10prompt_token_ids\x18\x0c \x03(\r\"\xf0\x02\n\rGenerateChunk\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08token_id\x18\x03 \x01(\r\x12\x0e\n\x06source\x18\x04 \x01(\r\x12\r\n\x05index\x18\x05 \x01(\r\x12\x11\n\tretracted\x18\x06 \x01(\r\x12\x16\n\x0eretracted_text\x18\x07 \x01(\t\x12\x15\n\rfinish_reason\x18\x08 \x01(\t\x12\x1d\n\x05usage\x18\t \x01(\x0b\x32\x0e.backoff.Usage\x12(\n\x08logprobs\x18\n \x01(\x0b\x32\x16.backoff.TokenLogprobs\x12&\n\x06tokens\x18\x14 \x03(\x0b\x32\x16.backoff.GenerateChunk\x12/\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32\x16.backoff.TokenLogprobs\x12\x16\n\x0eprompt_sources\x18\x0c \x03(\x05\x12\x18\n\x10prompt_token_ids\x18\r \x03(\r\"P\n\x07Logprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x13\n\x0btoken_bytes\x18\x03 \x01(\x0c\x12\x0f\n\x07logprob\x18\x04 \x01(\x01\"e\n\rTokenLogprobs\x12 \n\x06\x63hosen\x18\x01 \x01(\x0b\x32\x10.backoff.Logprob\x12\x1d\n\x03top\x18\x02 \x03(\x0b\x32\x10.backoff.Logprob\x12\x13\n\x0btext_offset\x18\x03 \x01(\r\"\x0f\n\rModelsRequest\" \n\x0eModelsResponse\x12\x0e\n\x06models\x18\x01 \x03(\t\"\x0f\n\rHealthRequest\",\n\x0eHealthResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t2\x86\x02\n\x07\x42\x61\x63koff\x12?\n\x08Generate\x12\x18.backoff.GenerateRequest\x1a\x19.backoff.GenerateResponse\x12\x44\n\x0eGenerateStream\x12\x18.backoff.GenerateRequest\x1a\x16.backoff.GenerateChunk0\x01\x12\x39\n\x06Models\x12\x16.backoff.ModelsRequest\x1a\x17.backoff.ModelsResponse\x12\x39\n\x06Health\x12\x16.backoff.HealthRequest\x1a\x17.backoff.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'clients.wire.backoff_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._loaded_options = None
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_GENERATEREQUEST'].fields_by_name['backoff_threshold']._loaded_options = None
   _globals['_GENERATEREQUEST'].fields_by_name['backoff_threshold']._serialized_options = b'\030\001'
   _globals['_CHATMESSAGE']._serialized_start=39
   _globals['_CHATMESSAGE']._serialized_end=83
   _globals['_GENERATEREQUEST']._serialized_start=86
-  _globals['_GENERATEREQUEST']._serialized_end=647
-  _globals['_USAGE']._serialized_start=650
-  _globals['_USAGE']._serialized_end=867
-  _globals['_GENERATERESPONSE']._serialized_start=870
-  _globals['_GENERATERESPONSE']._serialized_end=1185
-  _globals['_GENERATECHUNK']._serialized_start=1188
-  _globals['_GENERATECHUNK']._serialized_end=1556
-  _globals['_LOGPROB']._serialized_start=1558
-  _globals['_LOGPROB']._serialized_end=1638
-  _globals['_TOKENLOGPROBS']._serialized_start=1640
-  _globals['_TOKENLOGPROBS']._serialized_end=1741
-  _globals['_MODELSREQUEST']._serialized_start=1743
-  _globals['_MODELSREQUEST']._serialized_end=1758
-  _globals['_MODELSRESPONSE']._serialized_start=1760
-  _globals['_MODELSRESPONSE']._serialized_end=1792
-  _globals['_HEALTHREQUEST']._serialized_start=1794
-  _globals['_HEALTHREQUEST']._serialized_end=1809
-  _globals['_HEALTHRESPONSE']._serialized_start=1811
-  _globals['_HEALTHRESPONSE']._serialized_end=1855
-  _globals['_BACKOFF']._serialized_start=1858
-  _globals['_BACKOFF']._serialized_end=2120
+  _globals['_GENERATEREQUEST']._serialized_end=758
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=590
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=638
+  _globals['_USAGE']._serialized_start=761
+  _globals['_USAGE']._serialized_end=978
+  _globals['_GENERATERESPONSE']._serialized_start=981
+  _globals['_GENERATERESPONSE']._serialized_end=1296
+  _globals['_GENERATECHUNK']._serialized_start=1299
+  _globals['_GENERATECHUNK']._serialized_end=1667
+  _globals['_LOGPROB']._serialized_start=1669
+  _globals['_LOGPROB']._serialized_end=1749
+  _globals['_TOKENLOGPROBS']._serialized_start=1751
+  _globals['_TOKENLOGPROBS']._serialized_end=1852
+  _globals['_MODELSREQUEST']._serialized_start=1854
+  _globals['_MODELSREQUEST']._serialized_end=1869
+  _globals['_MODELSRESPONSE']._serialized_start=1871
+  _globals['_MODELSRESPONSE']._serialized_end=1903
+  _globals['_HEALTHREQUEST']._serialized_start=1905
+  _globals['_HEALTHREQUEST']._serialized_end=1920
+  _globals['_HEALTHRESPONSE']._serialized_start=1922
+  _globals['_HEALTHRESPONSE']._serialized_end=1966
+  _globals['_BACKOFF']._serialized_start=1969
+  _globals['_BACKOFF']._serialized_end=2231
 # @@protoc_insertion_point(module_scope)

@@ -31,6 +31,7 @@ def request_to_pb(
         ignore_eos=params.ignore_eos,
         stop=params.stop or [],
         stop_token_ids=params.stop_token_ids or [],
+        logit_bias={int(t): b for t, b in (params.logit_bias or {}).items()},
         thresholds=params.thresholds or [],
         echo=params.echo,
     )
@@ -55,6 +56,7 @@ def params_from_pb(msg: pb.GenerateRequest) -> GenerateParams:
         **fields,
         stop=list(msg.stop) or None,
         stop_token_ids=list(msg.stop_token_ids) or None,
+        logit_bias={str(t): b for t, b in sorted(msg.logit_bias.items())} or None,
         ignore_eos=msg.ignore_eos,
         thresholds=list(msg.thresholds) or None,
         backoff_threshold=list(msg.backoff_threshold) or None,

@@ -57,6 +57,21 @@ Unicode = Annotated[str, Field(strict=True), AfterValidator(_unicode)]
 Text = Annotated[Unicode, Field(min_length=1)]
 TokenId = Annotated[Int, Field(ge=0, lt=2**31)]  # the vocabulary's own bound is the SmallModel's to check
 MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 300  # entries of one logit_bias (OpenAI's cap)
+LOGIT_BIAS_MAX = 100.0  # a bias's range, OpenAI's (backoff_core.types.LOGIT_BIAS_MAX)
+
+
+def _bias_key(key: str) -> str:
+    """A logit_bias key: a token id written in decimal (JSON's keys are strings), < 2^31."""
+    if not (key.isascii() and key.isdigit() and int(key) < 2**31):
+        raise ValueError(f"logit_bias keys are token ids (decimal, in [0, 2^31)), got {key!r}")
+    return key
+
+
+LogitBias = dict[
+    Annotated[str, Field(strict=True), AfterValidator(_bias_key)],
+    Annotated[Float, Field(ge=-LOGIT_BIAS_MAX, le=LOGIT_BIAS_MAX)],
+]
 
 # Numeric ranges are decided here, at the edge, so that every accepted value is computed
 # finitely inside (logits are float32: 1/T, or a threshold of 1e308, would overflow there).
@@ -165,6 +180,12 @@ class GenerateParams(_NullIsDefault):
         max_length=MAX_STOP_TOKEN_IDS,
         description="token ids that end the generation as EOS does (the token is kept), with ignore_eos too; "
         "each in the model's vocabulary",
+    )
+    logit_bias: LogitBias | None = Field(
+        None,
+        max_length=MAX_LOGIT_BIAS,
+        description="token id (a decimal string) -> bias in [-100, 100], added to every model's logits before "
+        "temperature, top-k and top-p (-100 bans the token, 100 all but forces it); logprobs stay the raw ones",
     )
     router: Text | None = Field(None, description="decision function (router) for this request")
     thresholds: Thresholds | None = Field(

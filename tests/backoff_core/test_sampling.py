@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -258,3 +259,79 @@ def test_pure_backoff_sampling_is_not_the_large_distribution(soft_pair, tokenize
     counts = torch.bincount(torch.tensor([r.token_ids[0] for r in results]), minlength=p1.shape[0]).float()
     stat, df = chi_square(counts, p1)
     assert stat > chi_square_critical(df)
+
+
+# -- logit_bias ----------------------------------------------------------------------------------
+def _biased(bias: dict[int, float], **kw) -> SamplingParams:
+    return SamplingParams(logit_bias=tuple(sorted(bias.items())), **kw)
+
+
+def test_logit_bias_is_added_before_temperature_top_k_and_top_p():
+    logits = torch.log(torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05]))
+    bias = {0: -100.0, 3: 1.5}
+    shifted = logits + torch.tensor([-100.0, 0, 0, 1.5, 0])
+    for kw in (dict(temperature=1.0), dict(temperature=0.5, top_k=2), dict(temperature=1.0, top_p=0.7), {}):
+        got = distribution(logits, _biased(bias, **kw))
+        torch.testing.assert_close(got, distribution(shifted, SamplingParams(**kw)))
+    assert distribution(logits, _biased(bias))[3] == 1.0  # greedy: the argmax of the biased logits
+    # a batch: each row its own bias, or none
+    rows = [_biased(bias, temperature=1.0), SamplingParams(temperature=1.0), _biased({4: 3.0})]
+    p = distributions(logits.expand(3, 5), rows)
+    for i in range(3):
+        torch.testing.assert_close(p[i], distribution(logits, rows[i]))
+    tokens = draw(logits.expand(3, 5), [_biased({4: 100.0}), SamplingParams(), _biased({0: -100.0})], [1] * 3, [0] * 3)
+    assert tokens.tolist() == [4, 0, 1]  # greedy rows with a bias take its argmax too
+
+
+def test_biased_draws_follow_the_biased_distribution():
+    logits = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1]))
+    params = _biased({0: -100.0, 3: 1.0}, temperature=1.0)
+    n = 4000
+    tokens = draw(logits.expand(n, 4), [params] * n, list(range(n)), [3] * n)
+    counts = torch.bincount(tokens, minlength=4).float()
+    expected = distribution(logits, params)
+    assert counts[0] == 0
+    stat, df = chi_square(counts, expected)
+    assert stat < chi_square_critical(df)
+    stat, df = chi_square(counts[1:], distribution(logits, SamplingParams(temperature=1.0))[1:] / 0.6)
+    assert stat > chi_square_critical(df)  # the unbiased distribution's shape is told apart
+
+
+def test_speculative_sampling_with_a_bias_matches_the_large_models_biased_distribution(soft_pair, tokenizer):
+    """Exact verification compares the biased distributions of both models: the tokens follow M_L's
+    biased distribution (a ban on its likeliest first token and a lift of another)."""
+    small, large = soft_pair
+    plain = SamplingParams(temperature=1.0, max_tokens=2)
+    p1, _ = _large_marginals(large, PROMPT, plain)
+    top = int(p1.argmax())
+    lift = int(p1.argsort()[p1.shape[0] // 2])  # a middling token
+    params = _biased({top: -100.0, lift: 2.0}, temperature=1.0, max_tokens=2)
+    b1, b2 = _large_marginals(large, PROMPT, params)
+    assert b1[top] < 1e-30 and b1[lift] > 2 * p1[lift]
+    engine = engine_for(soft_pair, tokenizer)
+    reqs = []
+    for s in range(2000):
+        r = request(PROMPT, 2, "draft", seed=s, temperature=1.0, draft_tokens=1, verification=Verification.EXACT)
+        reqs.append(dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, logit_bias=params.logit_bias)))
+    results = []
+    for i in range(0, len(reqs), 500):
+        results += engine.generate_many(reqs[i : i + 500])
+    assert any(r.rollbacks for r in results) and any(0 in r.sources for r in results)
+    vocab = b1.shape[0]
+    for position, probs in ((0, b1), (1, b2)):
+        counts = torch.bincount(torch.tensor([r.token_ids[position] for r in results]), minlength=vocab).float()
+        stat, df = chi_square(counts, probs)
+        assert stat < chi_square_critical(df), (position, stat, df)
+    assert all(r.token_ids[0] != top for r in results)
+
+
+@pytest.mark.parametrize(
+    "routing", [dict(router="always-small"), dict(router="always-large"), dict(router="random", rate=0.5)]
+)
+def test_a_forcing_bias_makes_every_level_emit_the_token(pair, tokenizer, routing):
+    engine = engine_for(pair, tokenizer)
+    r = request(PROMPT, 8, seed=2, **routing)
+    forced = dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, logit_bias=((7, 100.0),)))
+    result = engine.generate(forced)
+    assert result.token_ids == (7,) * 8
+    assert engine.generate(r).token_ids != (7,) * 8  # not what it says unbiased

@@ -222,6 +222,33 @@ def test_stop_token_ids_end_the_answer_at_the_token_over_http_and_grpc(served, o
         assert response.status_code == 400 and says in json.dumps(response.json()["error"]), response.text
 
 
+# -- logit bias ------------------------------------------------------------------------------
+def test_logit_bias_forces_and_bans_tokens_over_http_and_grpc(served, openai_client):
+    done = openai_client.completions.create(model="backoff", prompt=[5, 6], max_tokens=6, logit_bias={"9": 100}, **OA)
+    assert done.choices[0].backoff["token_ids"] == [9] * 6
+    chat = openai_client.chat.completions.create(
+        model="backoff", messages=[{"role": "user", "content": "w3"}], max_tokens=4, logit_bias={"11": 100}, **SAMPLED
+    )
+    assert chat.choices[0].backoff["token_ids"] == [11] * 4
+    plain = _post(served, {"prompt": [5, 6], "max_tokens": 8, **GREEDY}).json()["choices"][0]["backoff"]["token_ids"]
+    banned = _post(served, {"prompt": [5, 6], "max_tokens": 8, "logit_bias": {str(plain[0]): -100}, **GREEDY})
+    ids = banned.json()["choices"][0]["backoff"]["token_ids"]
+    assert plain[0] not in ids and ids != plain
+    with grpc.insecure_channel(served.grpc_target) as channel:
+        stub = pb_grpc.BackoffStub(channel)
+        request = pb.GenerateRequest(prompt_ids=[5, 6], max_tokens=5, temperature=0, ignore_eos=True)
+        request.logit_bias[13] = 100.0
+        response = stub.Generate(request, metadata=(("application", "backoff"),), timeout=30)
+        assert list(response.token_ids) == [13] * 5
+        request.logit_bias[999] = 1.0  # outside the vocabulary
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Generate(request, metadata=(("application", "backoff"),), timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "logit_bias" in err.value.details()
+    for bad, says in (({"999": 1}, "logit_bias token ids must be in [0, 48)"), ({"5": 101}, "logit_bias.5")):
+        response = _post(served, {"prompt": [5], "max_tokens": 2, "logit_bias": bad})
+        assert response.status_code == 400 and says in json.dumps(response.json()["error"]), response.text
+
+
 # -- echo ------------------------------------------------------------------------------------
 def test_echo_with_max_tokens_0_is_the_prompt_scored_by_m_l(served, openai_client):
     ids = [5, 9, 14, 3, 22, 7]
@@ -295,7 +322,7 @@ def test_our_clients_and_grpc_carry_echo(served, openai_client, capsys):
     [
         ("/v1/completions", {"best_of": 2}, "best_of"),
         ("/v1/completions", {"suffix": "w9"}, "suffix"),
-        ("/v1/completions", {"logit_bias": {"5": 10}}, "logit_bias"),
+        ("/v1/completions", {"min_p": 0.1}, "min_p"),
         ("/v1/completions", {"n": 0}, "n"),
         ("/v1/completions", {"presence_penalty": 0.5}, "presence_penalty"),
         ("/v1/completions", {"frequency_penalty": 0.5}, "frequency_penalty"),
@@ -303,7 +330,7 @@ def test_our_clients_and_grpc_carry_echo(served, openai_client, capsys):
         ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
         ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ("/v1/chat/completions", {"echo": True}, "echo"),
-        ("/v1/chat/completions", {"logit_bias": {"5": 10}}, "logit_bias"),
+        ("/v1/chat/completions", {"repetition_penalty": 1.2}, "repetition_penalty"),
     ],
 )
 def test_fields_we_do_not_implement_are_refused_by_name(served, path, extra, param):

@@ -69,6 +69,7 @@ FIELDS = [
     "stream_options",
     "user",
     "logit_bias",
+    "stop_token_ids",
 ]
 _scalars = (
     st.none()
@@ -149,6 +150,9 @@ def grpc_cases(draw) -> tuple[str, bytes, str | None]:
     if not msg.HasField("max_tokens") and draw(st.booleans()):
         msg.max_tokens = 4
     msg.stop.extend(draw(st.lists(_text, max_size=6)))
+    msg.stop_token_ids.extend(draw(st.lists(st.integers(0, 60) | st.integers(0, 2**32 - 1), max_size=3)))
+    biases = st.floats(allow_nan=True, allow_infinity=True) | st.floats(-100, 100)
+    msg.logit_bias.update(draw(st.dictionaries(st.integers(0, 60) | st.integers(0, 2**32 - 1), biases, max_size=3)))
     msg.backoff_threshold.extend(draw(st.lists(st.floats(allow_nan=True, allow_infinity=True), max_size=3)))
     msg.model = draw(st.sampled_from(["", "", "backoff", "gpt-9"]))
     msg.ignore_eos = draw(st.booleans())

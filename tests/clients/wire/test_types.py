@@ -83,6 +83,7 @@ def test_params_survive_the_protobuf_round_trip(max_tokens, temperature, top_p, 
         target_backoff=target,
         stop=["\n"],
         stop_token_ids=[0, 7, 2**31 - 1],
+        logit_bias={"3": -100.0, "12": 2.5},
     )
     back = params_from_pb(request_to_pb(params, prompt="hi"))
     assert back.model_dump() == params.model_dump()
@@ -129,6 +130,11 @@ def _param(body: dict) -> str:
         ("backoff_threshold", [1.0000001e38, -1e39, 1e308, [0.5, 1e300], [], "high"], [1e38, -1e38, -0.0, [0.1, 0.2]]),
         ("target_backoff", [-1e-9, 1.0000001, 1e308], [0, 1, -0.0]),
         ("stop_token_ids", [[-1], [2**31], [1.0], [True], 5, ["5"], [0] * 65], [[0], [2**31 - 1], [], [1] * 64]),
+        (
+            "logit_bias",
+            [{"x": 1}, {"-1": 1}, {"5": 101}, {"5": "1"}, {"2147483648": 1}, [5], {str(i): 1 for i in range(301)}],
+            [{}, {"5": 100}, {"0": -100.0, "7": 0}],
+        ),
         ("n", [0, -1, 1.0, True], [1, 2, 2**40]),  # the Ingress refuses prompts x n past its limit
         ("presence_penalty", [0.5, -2, 1e308], [0, -0.0]),
         ("frequency_penalty", [0.5, -2], [0]),

@@ -77,7 +77,7 @@ def test_a_bad_prompt_says_which_item(prompt, says):
     [
         (CompletionRequest, "best_of", 3),
         (CompletionRequest, "suffix", "x"),
-        (CompletionRequest, "logit_bias", {"5": 1}),
+        (CompletionRequest, "repetition_penalty", 1.1),
         (CompletionRequest, "min_tokens", 2),
         (CompletionRequest, "guided_json", {"type": "object"}),
         (CompletionRequest, "prompt_logprobs", 1),
