@@ -7,6 +7,7 @@ nothing inside `backoff_core` passes dicts. Level 0 is the smallest model, N-1 t
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from dataclasses import dataclass, field
@@ -55,8 +56,12 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     # (token id, bias) pairs, ascending ids: added to every level's logits before temperature,
     # top-k and top-p (OpenAI's logit_bias, in [-LOGIT_BIAS_MAX, LOGIT_BIAS_MAX]; -100 bans a
-    # token, +100 all but forces it); the routers' scores and logprobs read the raw logits
+    # token, +100 all but forces it; -inf, which min_tokens uses, a true ban); the routers'
+    # scores and logprobs read the raw logits
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # tokens generated before EOS, a stop token id or a stop string may end the request (vLLM's
+    # min_tokens): until then EOS and the stop ids are banned from every level's distribution
+    min_tokens: int = 0
     # log-probabilities of each committed token under its source model's raw distribution
     # (logprobs.py), with this many top alternatives (0..MAX_TOP_LOGPROBS); None: none (free)
     logprobs: int | None = None
@@ -88,8 +93,10 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
-        if any(not -LOGIT_BIAS_MAX <= b <= LOGIT_BIAS_MAX for _, b in self.logit_bias):  # NaN too
+        if any(not (-LOGIT_BIAS_MAX <= b <= LOGIT_BIAS_MAX or b == -math.inf) for _, b in self.logit_bias):  # NaN too
             raise ValueError(f"logit_bias values must be in [-{LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}]")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens = {self.max_tokens}], got {self.min_tokens}")
         ids = [t for t, _ in self.logit_bias]
         if ids != sorted(set(ids)) or any(t < 0 for t in ids):
             raise ValueError("logit_bias token ids must be distinct, ascending and >= 0")
@@ -99,6 +106,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < TEMPERATURE_FLOOR
+
+    def banning(self, ids: frozenset[int]) -> SamplingParams:
+        """These params with `ids` banned (a bias of -inf over any of theirs): min_tokens' early
+        positions."""
+        bias = dict(self.logit_bias) | dict.fromkeys(ids, -math.inf)
+        return dataclasses.replace(self, logit_bias=tuple(sorted(bias.items())))
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ def checked(
     num_levels: int,
     context_window: int | None,
     vocab: int,
+    eos_ids: frozenset[int] = frozenset(),
 ) -> Live:
     """request's record for `router`, checked (ValueError on bad input); no session is opened."""
     total = len(request.prompt_ids) + request.sampling.max_tokens
@@ -77,7 +78,10 @@ def checked(
         horizon = s.max_tokens if s.ignore_eos and not s.stop and not s.stop_token_ids else None
         controller = RateController(routing.target_backoff, thresholds[0], prior=rate_prior(router), horizon=horizon)
         thresholds = (controller.threshold,)
+    s = request.sampling
+    ends = (frozenset() if s.ignore_eos else eos_ids) | frozenset(s.stop_token_ids)
     return Live(
+        early_sampling=s.banning(ends) if s.min_tokens and ends else None,
         request=request,
         request_id=request_id,
         router=router,

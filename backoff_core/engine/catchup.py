@@ -135,7 +135,7 @@ class CatchUpper:
         ]
         token = draw(
             last_rows([ext for _, _, ext in rows])[0],  # [B, V]
-            [r.request.sampling for r, _, _ in rows],
+            [r.sampling_at(len(r.tokens)) for r, _, _ in rows],
             [r.seed for r, _, _ in rows],
             [len(r.tokens) for r, _, _ in rows],
         )  # [B]
@@ -198,7 +198,7 @@ class CatchUpper:
             return ()
         level_logits = torch.stack([c[2] for c in checks])  # [R, V]
         source_logits = torch.stack([c[3] for c in checks])
-        params = [c[0].request.sampling for c in checks]
+        params = [c[0].sampling_at(c[1]) for c in checks]
         q, p = distributions(level_logits, params), distributions(source_logits, params)
         x = torch.tensor([c[0].tokens[c[1]] for c in checks]).to(q.device, non_blocking=True)[:, None]  # [R, 1]
         exact = [c[0].request.routing.verification != Verification.KL for c in checks]

@@ -170,11 +170,14 @@ def check_stop(r: Live, token: int, ctx: CommitContext) -> None:
     token id, a stop string or max_tokens. Only a request with stop strings reads its text."""
     params = r.request.sampling
     reason = None
-    if (token in ctx.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
+    if len(r.tokens) - r.prompt_len < params.min_tokens:  # only max_tokens ends it yet (min <= max)
+        if params.stop:  # a stop string must end past the text of the first min_tokens (as vLLM's)
+            r.stop_from = len(ctx.detok.decoded(r, hold=True))
+    elif (token in ctx.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
         reason = FinishReason.STOP
     elif params.stop:
         text = ctx.detok.decoded(r, hold=True)  # the event reads it again
-        hits = [text.find(s) for s in params.stop if s in text]
+        hits = [i for s in params.stop if (i := text.find(s, max(0, r.stop_from - len(s) + 1))) >= 0]
         if hits:
             r.cut_at = min(hits)
             reason = FinishReason.STOP

@@ -205,7 +205,13 @@ class BackoffEngine:
             raise ValueError(f"request id {request_id!r} is already live")
         vocab = self.models[0].vocab_size
         return checked(
-            request, request_id, router or self.routers(request), self.num_levels, self.context_window, vocab
+            request,
+            request_id,
+            router or self.routers(request),
+            self.num_levels,
+            self.context_window,
+            vocab,
+            self.eos_ids,
         )
 
     @on_loop_stream

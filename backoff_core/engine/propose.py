@@ -120,7 +120,7 @@ def propose(
     def together(g: Sequence[Live]) -> list[tuple[int, float | None]]:
         logits, _ = small.take([r.request_id for r in g])  # [B, V]
         seeds, positions = [r.seed for r in g], [len(r.tokens) for r in g]
-        tokens = draw(logits, [r.request.sampling for r in g], seeds, positions)
+        tokens = draw(logits, [r.sampling_at(p) for r, p in zip(g, positions)], seeds, positions)
         groups: dict[DecisionFunction, list[int]] = {}  # router -> its rows of g
         router = g[0].router
         if all_routed and all(r.router is router for r in g):  # the common step: one router for all

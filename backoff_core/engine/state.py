@@ -19,6 +19,7 @@ from backoff_core.types import (
     FinishReason,
     GenerationRequest,
     GenerationResult,
+    SamplingParams,
     Timings,
     TokenEvent,
     TokenLogprobs,
@@ -72,6 +73,7 @@ class Live:
     finish_after_verify: FinishReason | None = None  # unverified drafts to check first
     text: str = ""  # text streamed so far (stable prefix)
     cut_at: int | None = None  # stop string: text length to keep
+    stop_from: int = 0  # min_tokens: the text length of its first min_tokens; a stop string must end past it
     degraded: str = ""  # why the larger models were given up ("": they were not); M_S only since
     # the error that ends this request alone (finish() raises it): LargeUnavailable with
     # on_large_failure = "fail", or whatever handling this one request raised (isolation.py)
@@ -84,6 +86,9 @@ class Live:
     verifies: bool = field(init=False)  # request.routing.verification is not NONE (read every step)
     decode_state: tuple | None = None  # Detokenizer's incremental text of the generated ids (incremental.py)
     waiting: Waiting | None = None  # its step waits for a batched catch-up; it does not step meanwhile
+    # min_tokens: request.sampling with EOS and the stop ids banned, for the positions before
+    # prompt_len + min_tokens (admission.checked; None: no min_tokens)
+    early_sampling: SamplingParams | None = None
 
     def __post_init__(self) -> None:
         self.prompt_len = len(self.request.prompt_ids)
@@ -96,6 +101,13 @@ class Live:
     @property
     def generated(self) -> list[int]:
         return self.tokens[self.prompt_len :]
+
+    def sampling_at(self, position: int) -> SamplingParams:
+        """The params a token at `position` is drawn (or verified) with: min_tokens bans EOS and
+        the stop ids before prompt_len + min_tokens."""
+        if self.early_sampling is not None and position < self.prompt_len + self.request.sampling.min_tokens:
+            return self.early_sampling
+        return self.request.sampling
 
     def drafts(self) -> int:
         """Tokens of smaller models committed since the largest model last read the sequence."""

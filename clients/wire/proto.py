@@ -16,6 +16,7 @@ _OPTIONAL = (
     "target_backoff",
     "logprobs",
     "prefix_cache",
+    "min_tokens",
 )
 
 

@@ -181,6 +181,13 @@ class GenerateParams(_NullIsDefault):
         description="token ids that end the generation as EOS does (the token is kept), with ignore_eos too; "
         "each in the model's vocabulary",
     )
+    min_tokens: Int | None = Field(
+        None,
+        ge=0,
+        le=UINT32_MAX,
+        description="tokens generated before EOS, a stop token id or a stop string may end the request (EOS and "
+        "the stop ids are banned until then); at most max_tokens",
+    )
     logit_bias: LogitBias | None = Field(
         None,
         max_length=MAX_LOGIT_BIAS,

@@ -83,6 +83,7 @@ def serve_request(
         seed=choice_seed(params.seed, choice),
         stop=tuple(params.stop or ()),
         stop_token_ids=tuple(params.stop_token_ids or ()),
+        min_tokens=params.min_tokens or 0,
         logit_bias=tuple(sorted((int(t), float(b)) for t, b in (params.logit_bias or {}).items())),
         ignore_eos=params.ignore_eos,
         logprobs=params.logprobs,

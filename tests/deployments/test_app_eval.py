@@ -217,6 +217,17 @@ def test_stop_token_ids_end_the_answer_at_the_token_over_http_and_grpc(served, o
                     timeout=30,
                 )
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "stop_token_ids" in err.value.details()
+    # min_tokens holds the stop token back for its first tokens, over HTTP and gRPC
+    held = _post(served, {**body, "stop_token_ids": [ids[1]], "min_tokens": 5}).json()["choices"][0]
+    assert len(held["backoff"]["token_ids"]) >= 5 and ids[1] not in held["backoff"]["token_ids"][:5]
+    with grpc.insecure_channel(served.grpc_target) as channel:
+        request = pb.GenerateRequest(
+            prompt_ids=[5, 6], max_tokens=12, temperature=0, ignore_eos=True, stop_token_ids=[ids[1]], min_tokens=5
+        )
+        response = pb_grpc.BackoffStub(channel).Generate(request, metadata=(("application", "backoff"),), timeout=30)
+        assert list(response.token_ids) == held["backoff"]["token_ids"]
+    refused = _post(served, {"prompt": [5], "max_tokens": 2, "min_tokens": 3})
+    assert refused.status_code == 400 and "min_tokens must be in [0, max_tokens = 2]" in refused.text
     for bad, says in (([999], "stop_token_ids must be in [0, 48)"), ([-1], "stop_token_ids.0")):
         response = _post(served, {"prompt": [5], "max_tokens": 2, "stop_token_ids": bad})
         assert response.status_code == 400 and says in json.dumps(response.json()["error"]), response.text

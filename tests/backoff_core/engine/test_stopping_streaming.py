@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
+import torch
 
 from backoff_core.types import FinishReason, GenerationRequest, RoutingParams, SamplingParams, Verification
 from tests.support.helpers import engine_for, hf_greedy, request
@@ -45,6 +48,69 @@ def test_stop_token_ids_outside_the_vocabulary_are_refused(pair, tokenizer):
     sampling = SamplingParams(max_tokens=4, stop_token_ids=(10**6,))
     with pytest.raises(ValueError, match="stop_token_ids must be in"):
         engine_for(pair, tokenizer).generate(GenerationRequest(PROMPT, sampling, RoutingParams(router="always-small")))
+
+
+def test_min_tokens_is_transformers_min_new_tokens_under_always_large(pair, tokenizer):
+    _, large = pair
+    full = hf_greedy(large, PROMPT, 12)
+    eos = full[2]
+    engine = engine_for(pair, tokenizer)
+    engine.eos_ids = frozenset({eos})
+    sampling = SamplingParams(max_tokens=12, min_tokens=6)
+    result = engine.generate(GenerationRequest(PROMPT, sampling, RoutingParams(router="always-large")))
+    out = large.generate(
+        torch.tensor([list(PROMPT)]),
+        max_new_tokens=12,
+        min_new_tokens=6,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=0,
+    )
+    assert result.token_ids == tuple(out[0, len(PROMPT) :].tolist())
+    assert eos not in result.token_ids[:6] and result.token_ids[:2] == full[:2]
+    plain = engine.generate(
+        GenerationRequest(PROMPT, SamplingParams(max_tokens=12), RoutingParams(router="always-large"))
+    )
+    assert plain.token_ids == full[:3]  # without min_tokens it ends at the third
+
+
+@pytest.mark.parametrize(
+    "routing",
+    [dict(router="random", rate=0.5), dict(router="random", rate=0.6, verification=Verification.EXACT, draft_tokens=2)],
+)
+def test_min_tokens_bans_eos_and_stop_ids_at_every_level_until_reached(pair, tokenizer, routing):
+    engine = engine_for(pair, tokenizer)
+    runs = [engine.generate(request(PROMPT, 10, seed=s, temperature=1.0, **routing)) for s in range(40)]
+    firsts = [t for r in runs for t in r.token_ids[:4]]
+    eos, stop_id = sorted(set(firsts), key=firsts.count)[-2:]  # the two tokens the runs draw most early
+    engine.eos_ids = frozenset({eos})
+    sampling = SamplingParams(max_tokens=10, temperature=1.0, min_tokens=4, stop_token_ids=(stop_id,))
+    ended_early = 0
+    for s in range(40):
+        sampled = dataclasses.replace(sampling, seed=s)
+        result = engine.generate(GenerationRequest(PROMPT, sampled, RoutingParams(**routing)))
+        assert len(result.token_ids) >= 4 and not {eos, stop_id} & set(result.token_ids[:4]), result.token_ids
+        ended_early += result.finish_reason == FinishReason.STOP
+    assert ended_early  # they do end the request once min_tokens is reached
+
+
+def test_min_tokens_holds_stop_strings_back_and_must_not_pass_max_tokens(pair, tokenizer):
+    engine = engine_for(pair, tokenizer)
+    plain = engine.generate(request(PROMPT, 12, "always-large"))
+    stop = plain.text.split()[1]
+    first = plain.text.index(stop)
+    for min_tokens in (6, 12):  # a stop string within the first min_tokens' text never ends the request
+        held = SamplingParams(max_tokens=12, stop=(stop,), min_tokens=min_tokens, ignore_eos=True)
+        result = engine.generate(GenerationRequest(PROMPT, held, RoutingParams(router="always-large")))
+        head = engine.generate(request(PROMPT, min_tokens, "always-large")).text
+        later = plain.text.find(stop, len(head) - len(stop) + 1)  # one that ends past them does
+        assert first < len(head)
+        if later < 0:
+            assert result.token_ids == plain.token_ids and result.finish_reason == FinishReason.LENGTH
+        else:
+            assert result.text == plain.text[:later] and result.finish_reason == FinishReason.STOP
+    with pytest.raises(ValueError, match="min_tokens must be in"):
+        SamplingParams(max_tokens=3, min_tokens=4)
 
 
 def test_stop_string_cuts_text(pair, tokenizer):

@@ -84,6 +84,7 @@ def test_params_survive_the_protobuf_round_trip(max_tokens, temperature, top_p, 
         stop=["\n"],
         stop_token_ids=[0, 7, 2**31 - 1],
         logit_bias={"3": -100.0, "12": 2.5},
+        min_tokens=None if max_tokens is None else max_tokens // 2,
     )
     back = params_from_pb(request_to_pb(params, prompt="hi"))
     assert back.model_dump() == params.model_dump()
@@ -135,6 +136,7 @@ def _param(body: dict) -> str:
             [{"x": 1}, {"-1": 1}, {"5": 101}, {"5": "1"}, {"2147483648": 1}, [5], {str(i): 1 for i in range(301)}],
             [{}, {"5": 100}, {"0": -100.0, "7": 0}],
         ),
+        ("min_tokens", [-1, 1.0, True, 2**32], [0, 5, 2**32 - 1]),  # past max_tokens: a 400 at the Ingress
         ("n", [0, -1, 1.0, True], [1, 2, 2**40]),  # the Ingress refuses prompts x n past its limit
         ("presence_penalty", [0.5, -2, 1e308], [0, -0.0]),
         ("frequency_penalty", [0.5, -2], [0]),
