@@ -93,6 +93,8 @@ def _distributions(logits, params, noise=None) -> tuple[torch.Tensor, torch.Tens
     """-> (probabilities [B, V] float32, the uploaded noise column [B] float64 or None)."""
     logits = torch.nan_to_num(logits.float(), nan=float("-inf"))  # a copy: the bias adds in place
     b, v = logits.shape
+    if any(p.repeated for p in params):
+        _repetition(logits, params)
     if any(p.logit_bias for p in params):
         _add_bias(logits, params)
     # [B, V]; not F.one_hot, which checks its input's range with a host read on a CPU
@@ -110,6 +112,16 @@ def _distributions(logits, params, noise=None) -> tuple[torch.Tensor, torch.Tens
     probs = torch.softmax(scaled, dim=-1)
     bad = ~torch.isfinite(probs).all(-1)  # e.g. every logit -inf
     return torch.where((greedy | bad)[:, None], one_hot, probs), (col[:, 4] if noise is not None else None)
+
+
+def _repetition(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
+    """HF's repetition penalty in place: each row's `repeated` ids' logits / p where positive,
+    * p elsewhere; one upload of (row, id, p) triples."""
+    triples = [(float(i), float(t), p.repetition_penalty) for i, p in enumerate(params) for t in p.repeated]
+    table = torch.tensor(triples, dtype=torch.float64).T.to(logits.device, non_blocking=True)  # [3, N]
+    rows, ids, penalty = table[0].long(), table[1].long(), table[2].float()
+    x = logits[rows, ids]
+    logits.index_put_((rows, ids), torch.where(x > 0, x / penalty, x * penalty))
 
 
 def _add_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
@@ -231,7 +243,7 @@ def draw(
     the caller reads it with the rest of its stage, engine/host.py), drawn from its own
     distribution at its own (seed, position). One upload (parameters and noise together);
     greedy rows need neither."""
-    if all(p.greedy and not p.logit_bias for p in params):  # the one-hot's draw is its argmax
+    if all(p.greedy and not p.logit_bias and not p.repeated for p in params):  # the one-hot's draw: its argmax
         return argmax_last(logits.float(), nan_lowest=True)
     probs, u = _distributions(logits, params, draw_noise(seeds, positions, stream))
     return _invert(probs, u)

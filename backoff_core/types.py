@@ -7,9 +7,11 @@ nothing inside `backoff_core` passes dicts. Level 0 is the smallest model, N-1 t
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -62,6 +64,15 @@ class SamplingParams:
     # tokens generated before EOS, a stop token id or a stop string may end the request (vLLM's
     # min_tokens): until then EOS and the stop ids are banned from every level's distribution
     min_tokens: int = 0
+    # penalties on tokens already in the sequence, as vLLM applies them: repetition (HF's: a
+    # seen token's logit / p where positive, * p where not; prompt and generated tokens) first,
+    # then presence and frequency (OpenAI's: -presence once a generated token has appeared,
+    # -frequency per time), added with logit_bias. Live.sampling_at turns them into `repeated`
+    # and logit_bias entries at each position (penalizing); sampling.py reads only those.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    repeated: tuple[int, ...] = ()  # derived (penalizing): the ids the repetition penalty divides
     # log-probabilities of each committed token under its source model's raw distribution
     # (logprobs.py), with this many top alternatives (0..MAX_TOP_LOGPROBS); None: none (free)
     logprobs: int | None = None
@@ -93,8 +104,12 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
-        if any(not (-LOGIT_BIAS_MAX <= b <= LOGIT_BIAS_MAX or b == -math.inf) for _, b in self.logit_bias):  # NaN too
-            raise ValueError(f"logit_bias values must be in [-{LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}]")
+        if any(math.isnan(b) or b == math.inf for _, b in self.logit_bias):  # the edge keeps users' to +-100
+            raise ValueError("logit_bias values must be numbers under +inf")
+        if not (math.isfinite(self.presence_penalty) and math.isfinite(self.frequency_penalty)):
+            raise ValueError("presence_penalty and frequency_penalty must be finite")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens = {self.max_tokens}], got {self.min_tokens}")
         ids = [t for t, _ in self.logit_bias]
@@ -106,6 +121,21 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < TEMPERATURE_FLOOR
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty) or self.repetition_penalty != 1.0
+
+    def penalizing(self, tokens: Sequence[int], prompt_len: int) -> SamplingParams:
+        """These params at the position after `tokens` (prompt + generated so far): the
+        penalties as `repeated` ids (repetition: every token) and logit_bias entries (presence
+        and frequency: the generated ones), added to its own bias."""
+        bias = dict(self.logit_bias)
+        if self.presence_penalty or self.frequency_penalty:
+            for t, n in collections.Counter(tokens[prompt_len:]).items():
+                bias[t] = bias.get(t, 0.0) - self.presence_penalty - self.frequency_penalty * n
+        repeated = tuple(sorted(set(tokens))) if self.repetition_penalty != 1.0 else ()
+        return dataclasses.replace(self, logit_bias=tuple(sorted(bias.items())), repeated=repeated)
 
     def banning(self, ids: frozenset[int]) -> SamplingParams:
         """These params with `ids` banned (a bias of -inf over any of theirs): min_tokens' early

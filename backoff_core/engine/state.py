@@ -104,10 +104,11 @@ class Live:
 
     def sampling_at(self, position: int) -> SamplingParams:
         """The params a token at `position` is drawn (or verified) with: min_tokens bans EOS and
-        the stop ids before prompt_len + min_tokens."""
-        if self.early_sampling is not None and position < self.prompt_len + self.request.sampling.min_tokens:
-            return self.early_sampling
-        return self.request.sampling
+        the stop ids before prompt_len + min_tokens; penalties read the tokens before it."""
+        s = self.request.sampling
+        if self.early_sampling is not None and position < self.prompt_len + s.min_tokens:
+            s = self.early_sampling
+        return s.penalizing(self.tokens[:position], self.prompt_len) if s.penalized else s
 
     def drafts(self) -> int:
         """Tokens of smaller models committed since the largest model last read the sequence."""

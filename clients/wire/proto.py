@@ -17,6 +17,9 @@ _OPTIONAL = (
     "logprobs",
     "prefix_cache",
     "min_tokens",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
 )
 
 

@@ -188,6 +188,18 @@ class GenerateParams(_NullIsDefault):
         description="tokens generated before EOS, a stop token id or a stop string may end the request (EOS and "
         "the stop ids are banned until then); at most max_tokens",
     )
+    presence_penalty: Float | None = Field(
+        None, ge=-2.0, le=2.0, description="subtracted once from a generated token's logit once it has appeared"
+    )
+    frequency_penalty: Float | None = Field(
+        None, ge=-2.0, le=2.0, description="subtracted from a generated token's logit per time it has appeared"
+    )
+    repetition_penalty: Float | None = Field(
+        None,
+        ge=0.01,
+        le=10.0,
+        description="HF's: a seen token's logit (prompt or generated) / p where positive, * p where not; 1 = off",
+    )
     logit_bias: LogitBias | None = Field(
         None,
         max_length=MAX_LOGIT_BIAS,
@@ -350,15 +362,6 @@ class _OpenAIRequest(GenerateParams):
         description="choices per prompt, each sampled independently (with `seed`, choice j draws from "
         "a seed derived from (seed, j)); prompts x n within limits.max_batch_prompts",
     )
-    presence_penalty: Float = Field(0.0, description="not supported: must be 0")
-    frequency_penalty: Float = Field(0.0, description="not supported: must be 0")
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, v: float) -> float:
-        if v != 0.0:
-            raise ValueError("penalties are not supported")
-        return v
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -28,6 +28,7 @@ from clients.http_client import BackoffHTTPClient  # noqa: E402
 from clients.wire import backoff_pb2 as pb  # noqa: E402
 from clients.wire import backoff_pb2_grpc as pb_grpc  # noqa: E402
 from deployments.serving.requests import choice_seed  # noqa: E402
+from tests.support.helpers import penalized_greedy  # noqa: E402
 from tests.support.served_app import TINY_PAIR, ServedApp, deployment_config  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -260,6 +261,36 @@ def test_logit_bias_forces_and_bans_tokens_over_http_and_grpc(served, openai_cli
         assert response.status_code == 400 and says in json.dumps(response.json()["error"]), response.text
 
 
+# -- penalties -------------------------------------------------------------------------------
+def test_penalties_over_http_and_grpc_are_the_reference_decoding_of_m_l(served, openai_client):
+    from transformers import AutoModelForCausalLM
+
+    large = AutoModelForCausalLM.from_pretrained(served.model_dirs["large"]).eval()
+    want = penalized_greedy(large, [5, 6], 10, presence=1.0, frequency=0.5, repetition=1.4)
+    assert want != penalized_greedy(large, [5, 6], 10)  # they change this run
+    done = openai_client.completions.create(
+        model="backoff",
+        prompt=[5, 6],
+        max_tokens=10,
+        presence_penalty=1.0,
+        frequency_penalty=0.5,
+        **{**OA, "extra_body": {**OA["extra_body"], "repetition_penalty": 1.4}},
+    )
+    assert tuple(done.choices[0].backoff["token_ids"]) == want
+    with grpc.insecure_channel(served.grpc_target) as channel:
+        request = pb.GenerateRequest(
+            prompt_ids=[5, 6],
+            max_tokens=10,
+            temperature=0,
+            ignore_eos=True,
+            presence_penalty=1.0,
+            frequency_penalty=0.5,
+            repetition_penalty=1.4,
+        )
+        response = pb_grpc.BackoffStub(channel).Generate(request, metadata=(("application", "backoff"),), timeout=30)
+        assert tuple(response.token_ids) == want
+
+
 # -- echo ------------------------------------------------------------------------------------
 def test_echo_with_max_tokens_0_is_the_prompt_scored_by_m_l(served, openai_client):
     ids = [5, 9, 14, 3, 22, 7]
@@ -335,13 +366,13 @@ def test_our_clients_and_grpc_carry_echo(served, openai_client, capsys):
         ("/v1/completions", {"suffix": "w9"}, "suffix"),
         ("/v1/completions", {"min_p": 0.1}, "min_p"),
         ("/v1/completions", {"n": 0}, "n"),
-        ("/v1/completions", {"presence_penalty": 0.5}, "presence_penalty"),
-        ("/v1/completions", {"frequency_penalty": 0.5}, "frequency_penalty"),
+        ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
+        ("/v1/completions", {"guided_regex": "w[0-9]"}, "guided_regex"),
         ("/v1/completions", {"max_tokens": 0}, "max_tokens"),  # 0 only with echo
         ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
         ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ("/v1/chat/completions", {"echo": True}, "echo"),
-        ("/v1/chat/completions", {"repetition_penalty": 1.2}, "repetition_penalty"),
+        ("/v1/chat/completions", {"min_p": 0.1}, "min_p"),
     ],
 )
 def test_fields_we_do_not_implement_are_refused_by_name(served, path, extra, param):

@@ -62,7 +62,8 @@ CHAT = "/v1/chat/completions"
         ({"prompt": W, "n": 0}, "/v1/completions", 400, "n", "greater than or equal to 1"),
         ({"prompt": W, "n": 33}, "/v1/completions", 400, "n", "limits.max_batch_prompts"),
         ({"prompt": [W, W], "n": 17}, "/v1/completions", 400, "n", "34 choices"),
-        ({"prompt": W, "presence_penalty": 0.5}, "/v1/completions", 400, "presence_penalty", ""),
+        ({"prompt": W, "presence_penalty": 2.5}, "/v1/completions", 400, "presence_penalty", ""),
+        ({"prompt": W, "repetition_penalty": 0}, "/v1/completions", 400, "repetition_penalty", ""),
         # temperatures and top_p
         ({"prompt": W, "temperature": -0.5}, "/v1/completions", 400, "temperature", ""),
         (b'{"prompt": "w3", "temperature": NaN}', "/v1/completions", 400, "temperature", "finite"),
@@ -123,7 +124,7 @@ def test_unknown_openai_fields_are_ignored_and_streams_refuse_like_unary(served)
     ok = post(served, body)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
     # a field that would change the answer and is not implemented is refused, never ignored
-    assert openai_error(post(served, {**body, "repetition_penalty": 1.2}))["param"] == "repetition_penalty"
+    assert openai_error(post(served, {**body, "min_p": 0.1}))["param"] == "min_p"
     stream = post(served, {"prompt": W, "max_tokens": 10**9, "stream": True})
     assert "limits.max_tokens" in openai_error(stream)["message"]
 

@@ -29,6 +29,23 @@ def hf_greedy(model, prompt, n) -> tuple[int, ...]:
     return tuple(out[0, len(prompt) :].tolist())
 
 
+def penalized_greedy(model, prompt, n, presence=0.0, frequency=0.0, repetition=1.0) -> tuple[int, ...]:
+    """Greedy decoding with vLLM's penalties, by hand over plain transformers: repetition (HF's,
+    over prompt and generated tokens) on the raw logits, then -presence and -frequency x count
+    over the generated ones."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([ids])).logits[0, -1].float()
+            seen = torch.tensor(sorted(set(ids)))
+            x = logits[seen]
+            logits[seen] = torch.where(x > 0, x / repetition, x * repetition)
+            for t in set(ids[len(prompt) :]):
+                logits[t] -= presence + frequency * ids[len(prompt) :].count(t)
+            ids.append(int(logits.argmax()))
+    return tuple(ids[len(prompt) :])
+
+
 class Recording(ModelRunner):
     """A ModelRunner that keeps (session, tokens before, new ids, logits) of every extend."""
 

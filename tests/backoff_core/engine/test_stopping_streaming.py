@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from backoff_core.types import FinishReason, GenerationRequest, RoutingParams, SamplingParams, Verification
-from tests.support.helpers import engine_for, hf_greedy, request
+from tests.support.helpers import engine_for, hf_greedy, penalized_greedy, request
 
 PROMPT = (3, 4, 5, 6)
 
@@ -111,6 +111,25 @@ def test_min_tokens_holds_stop_strings_back_and_must_not_pass_max_tokens(pair, t
             assert result.text == plain.text[:later] and result.finish_reason == FinishReason.STOP
     with pytest.raises(ValueError, match="min_tokens must be in"):
         SamplingParams(max_tokens=3, min_tokens=4)
+
+
+@pytest.mark.parametrize("level, router", [(0, "always-small"), (1, "always-large")])
+@pytest.mark.parametrize(
+    "penalties", [dict(repetition=1.5), dict(presence=1.5), dict(frequency=1.5), dict(presence=0.5, repetition=1.3)]
+)
+def test_penalties_are_vllms_over_plain_transformers(pair, tokenizer, level, router, penalties):
+    model = pair[level]
+    want = penalized_greedy(model, PROMPT, 14, **penalties)
+    assert want != hf_greedy(model, PROMPT, 14)  # the penalties change this run
+    sampling = SamplingParams(
+        max_tokens=14,
+        ignore_eos=True,
+        presence_penalty=penalties.get("presence", 0.0),
+        frequency_penalty=penalties.get("frequency", 0.0),
+        repetition_penalty=penalties.get("repetition", 1.0),
+    )
+    result = engine_for(pair, tokenizer).generate(GenerationRequest(PROMPT, sampling, RoutingParams(router=router)))
+    assert result.token_ids == want
 
 
 def test_stop_string_cuts_text(pair, tokenizer):

@@ -85,6 +85,9 @@ def test_params_survive_the_protobuf_round_trip(max_tokens, temperature, top_p, 
         stop_token_ids=[0, 7, 2**31 - 1],
         logit_bias={"3": -100.0, "12": 2.5},
         min_tokens=None if max_tokens is None else max_tokens // 2,
+        presence_penalty=0.5,
+        frequency_penalty=-1.25,
+        repetition_penalty=1.3,
     )
     back = params_from_pb(request_to_pb(params, prompt="hi"))
     assert back.model_dump() == params.model_dump()
@@ -106,7 +109,7 @@ def test_openai_request_validation():
     assert CompletionRequest(prompt="x", stop="\n").stop == ["\n"]
     assert CompletionRequest(prompt="x", thresholds=0.5).thresholds == [0.5]
     assert CompletionRequest(prompt="x", user="someone", logit_bias={}).prompt == "x"  # ignored extras
-    for bad in ({"n": 0}, {"max_tokens": 0}, {"top_p": 0}, {"target_backoff": 1.5}, {"presence_penalty": 1}):
+    for bad in ({"n": 0}, {"max_tokens": 0}, {"top_p": 0}, {"target_backoff": 1.5}, {"presence_penalty": 3}):
         with pytest.raises(ValueError):
             CompletionRequest(prompt="x", **bad)
     merged = merge_params(GenerateParams(max_tokens=5, seed=1), {"seed": 2})
@@ -138,8 +141,9 @@ def _param(body: dict) -> str:
         ),
         ("min_tokens", [-1, 1.0, True, 2**32], [0, 5, 2**32 - 1]),  # past max_tokens: a 400 at the Ingress
         ("n", [0, -1, 1.0, True], [1, 2, 2**40]),  # the Ingress refuses prompts x n past its limit
-        ("presence_penalty", [0.5, -2, 1e308], [0, -0.0]),
-        ("frequency_penalty", [0.5, -2], [0]),
+        ("presence_penalty", [2.0000001, -2.5, 1e308, "1"], [0, -0.0, -2, 2, 0.5]),
+        ("frequency_penalty", [2.5, -3], [0, -2, 1.5]),
+        ("repetition_penalty", [0, 0.0099, 10.5, -1], [0.01, 1, 1.3, 10]),
     ],
 )
 def test_every_numeric_field_has_a_range_and_refusals_name_it(field, bad, good):
