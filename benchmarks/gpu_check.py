@@ -173,6 +173,25 @@ def main() -> None:
     prompt = encode_prompt(chain.tokenizer, "Write a short paragraph about the history of Python.", chat=True)
     error = logits_error(chain, runners[-1], prompt)
     eager_before = [r.eager_passes for r in runners]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "load_s": round(load_s, 1),
+        "plan": plan(args.kv_budget, args.max_len)["models"],
+        "measured": measured,
+        "memory_reserved_gib": round(torch.cuda.memory_reserved() / GIB, 3),
+        "large_logits_rel_err_vs_hf_bf16": error,
+        "replay_ms": {name: replay_table(r) for name, r in zip(("small", "large"), runners)},
+    }
+
+    def save() -> None:
+        """The report so far: a stage cut at its deadline keeps every section finished before."""
+        (out / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")
+
+    save()  # the graphs' replay times first: what gpu_sim prices every forward by
     runs = {}
     for label, routing in ROUTINGS.items():
         reqs = [
@@ -188,40 +207,22 @@ def main() -> None:
             "seconds": round(time.perf_counter() - t, 3),
             "from_small": sum(r.sources.count(0) for r in results),
         }
-    report = {
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "load_s": round(load_s, 1),
-        "plan": plan(args.kv_budget, args.max_len)["models"],
-        "measured": measured,
-        "memory_reserved_gib": round(torch.cuda.memory_reserved() / GIB, 3),
-        "large_logits_rel_err_vs_hf_bf16": error,
-        "eager_passes_after_load": [r.eager_passes - e for r, e in zip(runners, eager_before)],
-        "forward_passes": [r.forward_passes for r in runners],
-        "generate_many_4x": runs,
-        "replay_ms": {name: replay_table(r) for name, r in zip(("small", "large"), runners)},
-    }
-    try:
-        report["step_anatomy"] = anatomy(chain, runners, prompt)
-    except Exception as exc:  # noqa: BLE001 - a diagnostic: keep the checks above either way
-        report["step_anatomy"] = f"failed: {exc!r}"
-    try:
-        report["sharing"] = sharing(runners)
-    except Exception as exc:  # noqa: BLE001 - a diagnostic, as above
-        report["sharing"] = f"failed: {exc!r}"
-    try:
-        report["probes"] = probes(chain.models[0], runners, prompt)
-    except Exception as exc:  # noqa: BLE001 - a diagnostic, as above
-        report["probes"] = f"failed: {exc!r}"
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")  # before the first ragged compile
-    try:
-        report["ragged"] = ragged_probe(runners[-1], prompt)
-    except Exception as exc:  # noqa: BLE001 - a diagnostic, as above
-        report["ragged"] = f"failed: {exc!r}"
-    (out / "gpu_check.json").write_text(json.dumps(report, indent=2) + "\n")
+    report["eager_passes_after_load"] = [r.eager_passes - e for r, e in zip(runners, eager_before)]
+    report["forward_passes"] = [r.forward_passes for r in runners]
+    report["generate_many_4x"] = runs
+    save()
+    # diagnostics, each saved as it ends (the ragged one last: its first compiles are unmeasured)
+    for name, section in (
+        ("step_anatomy", lambda: anatomy(chain, runners, prompt)),
+        ("sharing", lambda: sharing(runners)),
+        ("probes", lambda: probes(chain.models[0], runners, prompt)),
+        ("ragged", lambda: ragged_probe(runners[-1], prompt)),
+    ):
+        try:
+            report[name] = section()
+        except Exception as exc:  # noqa: BLE001 - a diagnostic: keep the checks above either way
+            report[name] = f"failed: {exc!r}"
+        save()
     print(json.dumps(report, indent=2))
 
 

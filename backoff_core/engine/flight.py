@@ -112,10 +112,13 @@ class ThreadLauncher:
         side = self.stream
         if side is None:
             return self.pool.submit(catch)
-        return _OnStream(self.pool.submit(self._on_stream, catch, torch.cuda.current_stream(), side), side)
+        # what the loop queued before the launch, marked now: the worker waits for that and not
+        # for the steps the loop queues before the worker thread runs (it records no later)
+        queued = torch.cuda.current_stream().record_event()
+        return _OnStream(self.pool.submit(self._on_stream, catch, queued, side), side)
 
-    def _on_stream(self, catch: Catch, loop: torch.cuda.Stream, side: torch.cuda.Stream) -> dict[str, Outcome]:
-        side.wait_stream(loop)  # whatever the loop queued before the launch comes first
+    def _on_stream(self, catch: Catch, queued: torch.cuda.Event, side: torch.cuda.Stream) -> dict[str, Outcome]:
+        side.wait_event(queued)
         with torch.cuda.stream(side):
             return catch()
 
@@ -154,9 +157,11 @@ class _OnStream:
         return self.future.done()
 
     def result(self) -> dict[str, Outcome]:
-        outcomes = self.future.result()
         loop = torch.cuda.current_stream()
-        loop.wait_stream(self.stream)
+        try:
+            outcomes = self.future.result()
+        finally:  # a catch-up that raised may have queued kernels too: the loop waits for them
+            loop.wait_stream(self.stream)
         for outcome in outcomes.values():  # made on the side stream, freed after the loop's use
             outcome.logits.record_stream(loop)
         return outcomes

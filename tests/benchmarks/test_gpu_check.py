@@ -143,3 +143,57 @@ def test_gpu_costs_price_ragged_forwards_as_measured_or_at_their_dense_view(tmp_
     costs = GpuCosts.from_results(tmp_path)
     assert costs.large_ms(RaggedKey(64), 50, False) == 8.25
     assert costs.large_ms(RaggedKey(128), 100, False) == before.large_ms(RaggedKey(128), 100, False)  # not timed
+
+
+class _Cut(BaseException):
+    """The stage's deadline: `timeout` kills the process, which no `except Exception` sees."""
+
+
+def test_gpu_check_saves_each_section_as_it_ends_so_a_cut_keeps_them(tmp_path, monkeypatch):
+    """gpu_check.main over stand-ins of its GPU parts: the replay times are saved before the
+    first routing runs, and a stage cut inside the `probes` section keeps every section before it."""
+    import types
+
+    import benchmarks.gpu_check as gc
+
+    written: list[set[str]] = []
+    (small, large), tokenizer = tiny_pair()
+    chain = types.SimpleNamespace(models=[small, large], tokenizer=tokenizer, context_window=512)
+    monkeypatch.setattr(gc, "load_chain", lambda *a, **k: chain)
+    monkeypatch.setattr(gc, "logits_error", lambda *a: 0.01)
+    monkeypatch.setattr(gc, "plan", lambda *a: {"models": {}})
+    monkeypatch.setattr(gc, "replay_table", lambda runner: [{"ms": 1.0}])
+    monkeypatch.setattr(gc, "encode_prompt", lambda *a, **k: [3, 4, 5])
+
+    class Engine:
+        def __init__(self, *a, **k) -> None:
+            pass
+
+        def generate_many(self, reqs):
+            save = tmp_path / "gpu_check.json"
+            written.append(set(json.loads(save.read_text())) if save.exists() else set())
+            return [types.SimpleNamespace(token_ids=(1, 2), sources=[0, 1]) for _ in reqs]
+
+    monkeypatch.setattr(gc, "BackoffEngine", Engine)
+    monkeypatch.setattr(gc, "anatomy", lambda *a: {"steps": 1})
+    monkeypatch.setattr(gc, "sharing", lambda runners: (_ for _ in ()).throw(RuntimeError("no second stream")))
+
+    def cut(*a):
+        raise _Cut
+
+    monkeypatch.setattr(gc, "probes", cut)
+    monkeypatch.setattr(gc, "ragged_probe", lambda *a: pytest.fail("the stage was cut before it"))
+    runner = types.SimpleNamespace(eager_passes=0, forward_passes=0)
+    monkeypatch.setattr(gc, "build", lambda chain, kv: ([runner, runner], {"graphs": [1, 2]}))
+    cuda = types.SimpleNamespace(
+        synchronize=lambda: None, get_device_name=lambda: "stand-in", memory_reserved=lambda: 0
+    )
+    monkeypatch.setattr(gc.torch, "cuda", cuda)
+    monkeypatch.setattr("sys.argv", ["gpu_check.py", "--small", "s", "--large", "l", "--out", str(tmp_path)])
+
+    with pytest.raises(_Cut):
+        gc.main()
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert "replay_ms" in written[0]  # saved before the first routing ran
+    assert report["generate_many_4x"] and report["step_anatomy"] == {"steps": 1}
+    assert report["sharing"].startswith("failed: RuntimeError") and "probes" not in report and "ragged" not in report

@@ -7,13 +7,14 @@ lands the flight early, cancelling and failing in flight."""
 from __future__ import annotations
 
 import contextlib
+import threading
 from dataclasses import dataclass
 
 import pytest
 import torch
 
 from backoff_core.engine.engine import BackoffEngine
-from backoff_core.engine.flight import side_stream_device
+from backoff_core.engine.flight import ThreadLauncher, side_stream_device
 from backoff_core.runners.dynamic import ModelRunner
 from backoff_core.runners.static import StaticRunner
 from backoff_core.types import Verification
@@ -272,6 +273,52 @@ class _Stream:
 
     def wait_stream(self, other: "_Stream") -> None:
         self.log.append(f"{self.name} waits for {other.name}")
+
+    def record_event(self) -> str:
+        self.log.append(f"{self.name} recorded")
+        return f"{self.name}'s event {len(self.log)}"
+
+    def wait_event(self, event: str) -> None:
+        self.log.append(f"{self.name} waits for {event}")
+
+
+def test_a_flight_on_a_side_stream_waits_for_what_the_loop_queued_at_launch_and_the_loop_for_it(monkeypatch):
+    """ThreadLauncher on streams that record instead of a GPU: the side stream waits for an
+    event the loop recorded at submit (not for the loop's stream when the worker gets to run,
+    by then holding later steps), and the loop waits for the side stream when the flight lands,
+    also when the catch-up raised (its kernels may still run)."""
+    log: list[str] = []
+    loop, side = _Stream("loop", log), _Stream("side", log)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: loop)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    launcher = ThreadLauncher(None)
+    launcher._streams = {0: side}  # as on CUDA: first=None flies on the priority-0 stream
+    started = threading.Event()
+    release = threading.Event()
+
+    def catch():
+        started.set()
+        release.wait(5)
+        log.append("catch-up ran")
+        return {}
+
+    handle = launcher.submit(catch)
+    started.wait(5)
+    log.append("loop queued its next step")  # while the flight is out
+    release.set()
+    assert handle.result() == {}
+    assert log == [
+        "loop recorded",
+        "side waits for loop's event 1",
+        "loop queued its next step",
+        "catch-up ran",
+        "loop waits for side",
+    ]
+    log.clear()
+    failing = launcher.submit(lambda: (_ for _ in ()).throw(RuntimeError("catch-up failed")))
+    with pytest.raises(RuntimeError):
+        failing.result()
+    assert log[-1] == "loop waits for side"
 
 
 def test_the_loops_calls_run_on_the_launchers_loop_stream(pair, tokenizer, monkeypatch):
