@@ -228,6 +228,20 @@ def _large_marginals(large, prompt, params):
     return p1, p1 @ p2_given
 
 
+def _assert_drawn_from(engine, reqs, marginals) -> list:
+    """Run the draft-and-verify requests (in batches of 500) and check, by a chi-square test,
+    that their tokens at positions 0 and 1 follow `marginals` (P(x1), P(x2))."""
+    results = []
+    for i in range(0, len(reqs), 500):
+        results += engine.generate_many(reqs[i : i + 500])
+    assert any(r.rollbacks for r in results) and any(0 in r.sources for r in results)
+    for position, probs in enumerate(marginals):
+        counts = torch.bincount(torch.tensor([r.token_ids[position] for r in results]), minlength=len(probs)).float()
+        stat, df = chi_square(counts, probs)
+        assert stat < chi_square_critical(df), (position, stat, df)
+    return results
+
+
 @pytest.mark.parametrize("draft_tokens", [1, 3])
 def test_speculative_sampling_matches_large_distribution(soft_pair, tokenizer, draft_tokens):
     _, large = soft_pair
@@ -238,15 +252,7 @@ def test_speculative_sampling_matches_large_distribution(soft_pair, tokenizer, d
         request(PROMPT, 2, "draft", seed=s, temperature=1.0, draft_tokens=draft_tokens, verification=Verification.EXACT)
         for s in range(3000)
     ]
-    results = []
-    for i in range(0, len(reqs), 500):
-        results += engine.generate_many(reqs[i : i + 500])
-    assert any(r.rollbacks for r in results) and any(0 in r.sources for r in results)
-    vocab = p1.shape[0]
-    for position, probs in ((0, p1), (1, p2)):
-        counts = torch.bincount(torch.tensor([r.token_ids[position] for r in results]), minlength=vocab).float()
-        stat, df = chi_square(counts, probs)
-        assert stat < chi_square_critical(df), (position, stat, df)
+    _assert_drawn_from(engine, reqs, (p1, p2))
 
 
 def test_pure_backoff_sampling_is_not_the_large_distribution(soft_pair, tokenizer):
@@ -313,15 +319,7 @@ def test_speculative_sampling_with_a_bias_matches_the_large_models_biased_distri
     for s in range(2000):
         r = request(PROMPT, 2, "draft", seed=s, temperature=1.0, draft_tokens=1, verification=Verification.EXACT)
         reqs.append(dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, logit_bias=params.logit_bias)))
-    results = []
-    for i in range(0, len(reqs), 500):
-        results += engine.generate_many(reqs[i : i + 500])
-    assert any(r.rollbacks for r in results) and any(0 in r.sources for r in results)
-    vocab = b1.shape[0]
-    for position, probs in ((0, b1), (1, b2)):
-        counts = torch.bincount(torch.tensor([r.token_ids[position] for r in results]), minlength=vocab).float()
-        stat, df = chi_square(counts, probs)
-        assert stat < chi_square_critical(df), (position, stat, df)
+    results = _assert_drawn_from(engine, reqs, (b1, b2))
     assert all(r.token_ids[0] != top for r in results)
 
 
