@@ -40,7 +40,7 @@ class Stream(enum.IntEnum):
 
 
 def distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """logits: [..., V] -> probabilities [..., V] after temperature, top-k and top-p."""
+    """logits: [..., V] -> probabilities [..., V] after temperature, min-p, top-k and top-p."""
     flat = logits.reshape(-1, logits.shape[-1])
     return distributions(flat, [params] * flat.shape[0]).reshape(logits.shape)
 
@@ -66,10 +66,11 @@ def argmax_last(x: torch.Tensor, nan_lowest: bool = False) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=4096)
-def _row(params: SamplingParams, vocab: int) -> tuple[float, float, float, float]:
-    """One row of a batch's parameter upload: (greedy, temperature, top_k, top_p)."""
+def _row(params: SamplingParams, vocab: int) -> tuple[float, float, float, float, float]:
+    """One row of a batch's parameter upload: (greedy, temperature, top_k, top_p, min_p)."""
     top_k = params.top_k if 0 < params.top_k < vocab else vocab
-    return (float(params.greedy), 1.0 if params.greedy else params.temperature, float(top_k), params.top_p)
+    temperature = 1.0 if params.greedy else params.temperature
+    return (float(params.greedy), temperature, float(top_k), params.top_p, params.min_p)
 
 
 def distributions(
@@ -103,15 +104,18 @@ def _distributions(logits, params, noise=None) -> tuple[torch.Tensor, torch.Tens
     if all(r[0] for r in rows) and noise is None:  # greedy everywhere: nothing to upload
         return one_hot, None
     table = [r + (u,) for r, u in zip(rows, noise)] if noise is not None else rows
-    # [B, 4 or 5] float64: greedy, temperature, top_k, top_p (, noise); exact for every field
+    # [B, 5 or 6] float64: greedy, temperature, top_k, top_p, min_p (, noise); exact for every field
     col = torch.tensor(table, dtype=torch.float64).to(logits.device, non_blocking=True)
     greedy = col[:, 0] != 0  # [B]
     scaled = logits / col[:, 1, None].float()  # float32 temperature, as the parameters round it
+    if any(r[4] > 0 for r in rows):  # min_p: logit >= the row's max + log(min_p) (log 0 = -inf: none dropped)
+        floor = scaled.max(-1, keepdim=True).values + col[:, 4, None].float().log()  # [B, 1]
+        scaled = scaled.masked_fill(scaled < floor, float("-inf"))
     if any(r[2] < v or r[3] < 1.0 for r in rows):
         scaled = _truncate(scaled, col[:, 2].long(), col[:, 3])
     probs = torch.softmax(scaled, dim=-1)
     bad = ~torch.isfinite(probs).all(-1)  # e.g. every logit -inf
-    return torch.where((greedy | bad)[:, None], one_hot, probs), (col[:, 4] if noise is not None else None)
+    return torch.where((greedy | bad)[:, None], one_hot, probs), (col[:, 5] if noise is not None else None)
 
 
 def _repetition(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:

@@ -99,7 +99,6 @@ def _falsy(v: Any) -> bool:
 REFUSED_COMPLETIONS: dict[str, tuple[_Neutral, str]] = {
     "best_of": (lambda v: v == 1, "only best_of=1 is supported"),
     "suffix": (_falsy, "suffix (insertion) is not supported"),
-    "min_p": (lambda v: v == 0, "min_p is not supported (only 0)"),
     "use_beam_search": (_falsy, "beam search is not supported"),
     "guided_json": (_falsy, "guided decoding is not supported"),
     "guided_regex": (_falsy, "guided decoding is not supported"),

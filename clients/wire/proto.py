@@ -20,6 +20,7 @@ _OPTIONAL = (
     "presence_penalty",
     "frequency_penalty",
     "repetition_penalty",
+    "min_p",
 )
 
 

@@ -169,6 +169,9 @@ class GenerateParams(_NullIsDefault):
     )
     temperature: Float | None = Field(None, ge=0.0, le=TEMPERATURE_MAX, description="0 = greedy; [0, 2] as in OpenAI")
     top_p: Float | None = Field(None, gt=0.0, le=1.0, description="nucleus sampling mass")
+    min_p: Float | None = Field(
+        None, ge=0.0, le=1.0, description="drop tokens under min_p x the likeliest's probability (0 = off)"
+    )
     top_k: Int | None = Field(None, ge=0, le=UINT32_MAX, description="keep the k most likely tokens (0 = off)")
     seed: Int | None = Field(
         None, ge=-(2**63), lt=2**63, description="seed of this request's sampler (reproducible output; an int64)"

@@ -80,6 +80,7 @@ def serve_request(
         temperature=1.0 if params.temperature is None else params.temperature,
         top_k=params.top_k or 0,
         top_p=1.0 if params.top_p is None else params.top_p,
+        min_p=params.min_p or 0.0,
         seed=choice_seed(params.seed, choice),
         stop=tuple(params.stop or ()),
         stop_token_ids=tuple(params.stop_token_ids or ()),

@@ -88,6 +88,24 @@ def test_top_k_and_top_p_on_a_hand_written_vector():
     torch.testing.assert_close(p, torch.tensor([1.0, 0, 0, 0, 0]))
 
 
+def test_min_p_keeps_tokens_within_its_share_of_the_likeliest_after_temperature():
+    probs = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])
+    logits = torch.log(probs)
+    # at temperature 1: keep p >= 0.3 x 0.5 = 0.15 (tokens 0, 1, 2), renormalised
+    got = distribution(logits, SamplingParams(temperature=1.0, min_p=0.3))
+    torch.testing.assert_close(got, torch.tensor([0.5, 0.2, 0.15, 0, 0]) / 0.85)
+    # after temperature 0.5 the shares are squared: 0.2^2/0.5^2 = 0.16 >= 0.15 keeps token 1 only
+    sharp = distribution(logits, SamplingParams(temperature=0.5, min_p=0.15))
+    kept = torch.tensor([0.25, 0.04, 0, 0, 0])
+    torch.testing.assert_close(sharp, kept / kept.sum())
+    # beside top-k in a batch, each row its own; min_p 0 and 1 are off and the argmax alone
+    rows = [SamplingParams(temperature=1.0, min_p=0.3, top_k=2), SamplingParams(temperature=1.0, min_p=0.0)]
+    p = distributions(logits.expand(2, 5), rows)
+    torch.testing.assert_close(p[0], torch.tensor([0.5, 0.2, 0, 0, 0]) / 0.7)
+    torch.testing.assert_close(p[1], probs)
+    assert distribution(logits, SamplingParams(temperature=1.0, min_p=1.0)).tolist() == [1.0, 0, 0, 0, 0]
+
+
 def test_temperature_sharpens_and_flattens():
     logits = torch.log(torch.tensor([0.6, 0.3, 0.1]))
     cold = distribution(logits, SamplingParams(temperature=0.5))

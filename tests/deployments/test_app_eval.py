@@ -291,6 +291,21 @@ def test_penalties_over_http_and_grpc_are_the_reference_decoding_of_m_l(served, 
         assert tuple(response.token_ids) == want
 
 
+def test_min_p_1_samples_the_argmax_over_http_and_grpc(served):
+    greedy = _post(served, {"prompt": [5, 6], "max_tokens": 8, **GREEDY}).json()["choices"][0]["backoff"]["token_ids"]
+    body = {"prompt": [5, 6], "max_tokens": 8, "temperature": 1.0, "ignore_eos": True, "seed": 4}
+    sampled = _post(served, body).json()["choices"][0]["backoff"]["token_ids"]
+    assert sampled != greedy  # temperature 1 alone draws apart
+    only_top = _post(served, {**body, "min_p": 1.0}).json()["choices"][0]["backoff"]["token_ids"]
+    assert only_top == greedy
+    with grpc.insecure_channel(served.grpc_target) as channel:
+        request = pb.GenerateRequest(
+            prompt_ids=[5, 6], max_tokens=8, temperature=1.0, ignore_eos=True, seed=4, min_p=1.0
+        )
+        response = pb_grpc.BackoffStub(channel).Generate(request, metadata=(("application", "backoff"),), timeout=30)
+        assert list(response.token_ids) == greedy
+
+
 # -- echo ------------------------------------------------------------------------------------
 def test_echo_with_max_tokens_0_is_the_prompt_scored_by_m_l(served, openai_client):
     ids = [5, 9, 14, 3, 22, 7]
@@ -364,7 +379,7 @@ def test_our_clients_and_grpc_carry_echo(served, openai_client, capsys):
     [
         ("/v1/completions", {"best_of": 2}, "best_of"),
         ("/v1/completions", {"suffix": "w9"}, "suffix"),
-        ("/v1/completions", {"min_p": 0.1}, "min_p"),
+        ("/v1/completions", {"guided_choice": ["w3", "w4"]}, "guided_choice"),
         ("/v1/completions", {"n": 0}, "n"),
         ("/v1/completions", {"use_beam_search": True}, "use_beam_search"),
         ("/v1/completions", {"guided_regex": "w[0-9]"}, "guided_regex"),
@@ -372,7 +387,7 @@ def test_our_clients_and_grpc_carry_echo(served, openai_client, capsys):
         ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
         ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ("/v1/chat/completions", {"echo": True}, "echo"),
-        ("/v1/chat/completions", {"min_p": 0.1}, "min_p"),
+        ("/v1/chat/completions", {"guided_json": {"type": "object"}}, "guided_json"),
     ],
 )
 def test_fields_we_do_not_implement_are_refused_by_name(served, path, extra, param):

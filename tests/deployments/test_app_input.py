@@ -124,7 +124,7 @@ def test_unknown_openai_fields_are_ignored_and_streams_refuse_like_unary(served)
     ok = post(served, body)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
     # a field that would change the answer and is not implemented is refused, never ignored
-    assert openai_error(post(served, {**body, "min_p": 0.1}))["param"] == "min_p"
+    assert openai_error(post(served, {**body, "guided_choice": ["a"]}))["param"] == "guided_choice"
     stream = post(served, {"prompt": W, "max_tokens": 10**9, "stream": True})
     assert "limits.max_tokens" in openai_error(stream)["message"]
 

@@ -88,6 +88,7 @@ def test_params_survive_the_protobuf_round_trip(max_tokens, temperature, top_p, 
         presence_penalty=0.5,
         frequency_penalty=-1.25,
         repetition_penalty=1.3,
+        min_p=0.05,
     )
     back = params_from_pb(request_to_pb(params, prompt="hi"))
     assert back.model_dump() == params.model_dump()
@@ -144,6 +145,7 @@ def _param(body: dict) -> str:
         ("presence_penalty", [2.0000001, -2.5, 1e308, "1"], [0, -0.0, -2, 2, 0.5]),
         ("frequency_penalty", [2.5, -3], [0, -2, 1.5]),
         ("repetition_penalty", [0, 0.0099, 10.5, -1], [0.01, 1, 1.3, 10]),
+        ("min_p", [-0.1, 1.0000001, "0.1", 1e308], [0, 0.05, 1]),
     ],
 )
 def test_every_numeric_field_has_a_range_and_refusals_name_it(field, bad, good):

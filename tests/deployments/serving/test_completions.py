@@ -77,7 +77,7 @@ def test_a_bad_prompt_says_which_item(prompt, says):
     [
         (CompletionRequest, "best_of", 3),
         (CompletionRequest, "suffix", "x"),
-        (CompletionRequest, "min_p", 0.1),
+        (CompletionRequest, "guided_regex", "a+"),
         (CompletionRequest, "use_beam_search", True),
         (CompletionRequest, "guided_json", {"type": "object"}),
         (CompletionRequest, "prompt_logprobs", 1),
