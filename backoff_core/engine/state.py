@@ -84,6 +84,7 @@ class Live:
     prompt_text: str | None = None
     prompt_len: int = field(init=False)  # len(request.prompt_ids), read several times a step
     verifies: bool = field(init=False)  # request.routing.verification is not NONE (read every step)
+    fixed_sampling: SamplingParams | None = field(init=False)  # sampling_at's answer at every position, or None
     decode_state: tuple | None = None  # Detokenizer's incremental text of the generated ids (incremental.py)
     waiting: Waiting | None = None  # its step waits for a batched catch-up; it does not step meanwhile
     # min_tokens: request.sampling with EOS and the stop ids banned, for the positions before
@@ -93,6 +94,8 @@ class Live:
     def __post_init__(self) -> None:
         self.prompt_len = len(self.request.prompt_ids)
         self.verifies = self.request.routing.verification != Verification.NONE
+        s = self.request.sampling  # the params of every position, unless min_tokens or penalties vary them
+        self.fixed_sampling = s if self.early_sampling is None and not s.penalized else None
 
     @property
     def done(self) -> bool:
@@ -105,6 +108,8 @@ class Live:
     def sampling_at(self, position: int) -> SamplingParams:
         """The params a token at `position` is drawn (or verified) with: min_tokens bans EOS and
         the stop ids before prompt_len + min_tokens; penalties read the tokens before it."""
+        if self.fixed_sampling is not None:  # the common case: one attribute read a row
+            return self.fixed_sampling
         s = self.request.sampling
         if self.early_sampling is not None and position < self.prompt_len + s.min_tokens:
             s = self.early_sampling
