@@ -242,6 +242,15 @@ def test_logit_bias_forces_and_bans_tokens_over_http_and_grpc(served, openai_cli
         model="backoff", messages=[{"role": "user", "content": "w3"}], max_tokens=4, logit_bias={"11": 100}, **SAMPLED
     )
     assert chat.choices[0].backoff["token_ids"] == [11] * 4
+    # our own clients carry the sampling fields over both transports
+    with BackoffHTTPClient(served.url) as http, BackoffGrpcClient(served.grpc_target, application="backoff") as rpc:
+        for client in (http, rpc):
+            fields = dict(max_tokens=6, temperature=0, ignore_eos=True, logit_bias={"9": 100}, min_p=0.5)
+            assert client.complete([5, 6], **fields).token_ids == [9] * 6
+            stopped = client.complete([5, 6], **{**fields, "stop_token_ids": [9], "min_tokens": 3})
+            # the stop id is banned for the first 3 tokens (over its +100 bias), then ends the request
+            assert len(stopped.token_ids) == 4 and stopped.token_ids[3] == 9 and 9 not in stopped.token_ids[:3]
+            assert stopped.finish_reason == "stop"
     plain = _post(served, {"prompt": [5, 6], "max_tokens": 8, **GREEDY}).json()["choices"][0]["backoff"]["token_ids"]
     banned = _post(served, {"prompt": [5, 6], "max_tokens": 8, "logit_bias": {str(plain[0]): -100}, **GREEDY})
     ids = banned.json()["choices"][0]["backoff"]["token_ids"]
