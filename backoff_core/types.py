@@ -31,7 +31,6 @@ def level_names(num_levels: int) -> list[str]:
 
 
 MAX_TOP_LOGPROBS = 20
-LOGIT_BIAS_MAX = 100.0  # OpenAI's range of a logit_bias value
 
 # A temperature below this samples greedily: logits / T would overflow float32 long before T
 # reaches 0, and at 1e-4 any logit gap over ~0.01 already gives the argmax all the mass.
@@ -58,9 +57,9 @@ class SamplingParams:
     # token ids that end the request as EOS does (kept in the output), ignore_eos or not
     stop_token_ids: tuple[int, ...] = ()
     # (token id, bias) pairs, ascending ids: added to every level's logits before temperature,
-    # top-k and top-p (OpenAI's logit_bias, in [-LOGIT_BIAS_MAX, LOGIT_BIAS_MAX]; -100 bans a
-    # token, +100 all but forces it; -inf, which min_tokens uses, a true ban); the routers'
-    # scores and logprobs read the raw logits
+    # top-k and top-p (OpenAI's logit_bias: the edge takes [-100, 100]; -100 bans a token, +100
+    # all but forces it; -inf, which min_tokens uses, a true ban; penalties add larger values
+    # here); the routers' scores and logprobs read the raw logits
     logit_bias: tuple[tuple[int, float], ...] = ()
     # tokens generated before EOS, a stop token id or a stop string may end the request (vLLM's
     # min_tokens): until then EOS and the stop ids are banned from every level's distribution

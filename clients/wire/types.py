@@ -58,7 +58,7 @@ Text = Annotated[Unicode, Field(min_length=1)]
 TokenId = Annotated[Int, Field(ge=0, lt=2**31)]  # the vocabulary's own bound is the SmallModel's to check
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 300  # entries of one logit_bias (OpenAI's cap)
-LOGIT_BIAS_MAX = 100.0  # a bias's range, OpenAI's (backoff_core.types.LOGIT_BIAS_MAX)
+LOGIT_BIAS_MAX = 100.0  # a bias's range, OpenAI's
 
 
 def _bias_key(key: str) -> str:
