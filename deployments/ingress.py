@@ -17,7 +17,6 @@ UNAVAILABLE; other failures are 500 / INTERNAL. The client may retry either.
 """
 
 import asyncio
-import json
 import logging
 import os
 import time
@@ -55,7 +54,7 @@ from deployments.serving.completions import (
 )
 from deployments.serving.config import AppArgs, handle_options
 from deployments.serving.engine_loop import Admitted, Failed, Rejected
-from deployments.serving.formats import ChatStream, chat_body, error_body, pb_response
+from deployments.serving.formats import ChatStream, chat_body, error_body, pb_response, sse
 from deployments.serving.grpc_service import Undecodable
 from deployments.serving.playground import mount_playground, routing_info
 from deployments.serving.requests import ServeRequest, serve_request
@@ -90,10 +89,6 @@ class IngressInfo:
     pid: int
     replica: str
     open_by_client: dict[str, int]  # requests open per client id (key digest prefix or peer host)
-
-
-def _sse(body: dict) -> str:
-    return f"data: {json.dumps(body, allow_nan=False)}\n\n"  # bodies are json_safe: a leak is an error
 
 
 def _events(item) -> tuple[TokenEvent, ...]:
@@ -233,12 +228,10 @@ class Ingress:
             if text := out.end():
                 yield text
         except ServerFailure as exc:  # after admission (the 200 is out): report in-band, as OpenAI does
-            yield _sse(error_body(exc.message, "server_error", code=exc.code))
+            yield sse(error_body(exc.message, "server_error", code=exc.code))
         except Exception as exc:  # noqa: BLE001 - a bug here still ends the stream in the OpenAI shape
             log.exception("SSE stream failed")
-            yield _sse(
-                error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error", code="internal_error")
-            )
+            yield sse(error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error", code="internal_error"))
         finally:
             await merged.aclose()
             for stream in streams:  # closed early (a disconnect while a chunk was sent): cancels their requests

@@ -9,7 +9,6 @@ them as it batches any concurrent requests; their items are merged here as they 
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
@@ -35,7 +34,9 @@ from deployments.serving.formats import (
     pb_chunks,
     pb_echo_chunk,
     pb_final_chunk,
+    sse,
     summed_usage,
+    usage_chunk,
 )
 
 
@@ -185,10 +186,6 @@ def completion_body(
     return json_safe(body.model_dump())
 
 
-def _sse(body: dict) -> str:
-    return f"data: {json.dumps(body, allow_nan=False)}\n\n"
-
-
 class CompletionStream:
     """The SSE text of a streamed completion of one prompt or a batch. Each choice's chunks
     carry its `index`; an echo choice starts with one chunk of the prompt's text (with its
@@ -222,7 +219,7 @@ class CompletionStream:
             backoff=PromptTrace(prompt_token_ids=list(echo.token_ids), prompt_sources=sources),
         )
         chunk = CompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=[choice])
-        return _sse(json_safe(chunk.model_dump()))
+        return sse(json_safe(chunk.model_dump()))
 
     def start(self) -> str:
         """The echo chunks that need no result (text alone), before any token."""
@@ -245,18 +242,11 @@ class CompletionStream:
             out = self._echo_chunk(i, result)
             if self.held[i]:
                 out += self.chunks[i].sse(tuple(self.held[i]))
-        body = final_chunk_body(self.request_id, self.model, self.created, result, False, choice=i)
-        if self.batch:
-            body["usage"] = None
-        return out + _sse(body)
+        body = final_chunk_body(self.request_id, self.model, self.created, result, False, choice=i, one=not self.batch)
+        return out + sse(body)
 
     def end(self) -> str:
-        """A batch's usage chunk, once every choice has finished."""
-        if not self.batch or any(r is None for r in self.results):
-            return ""
-        usage = summed_usage([r for r in self.results if r is not None])
-        chunk = CompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=[], usage=usage)
-        return _sse(json_safe(chunk.model_dump()))
+        return usage_chunk(self.request_id, self.model, self.created, self.results, chat=False)
 
 
 class PbStream:

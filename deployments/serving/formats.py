@@ -194,7 +194,7 @@ class TokenChunks:
         self.choice = choice  # the choice's index (a batch's prompt)
         self.template = chunk_body(request_id, model, created, TokenEvent(0, 0, "", 1), chat, choice)
         marks = {f: json.dumps(f"\x00{f}\x00") for f in self.FIELDS}  # "\u0000text\u0000": in no envelope
-        text = self._sse_one(self._fill(**{f: f"\x00{f}\x00" for f in self.FIELDS}))
+        text = sse(self._fill(**{f: f"\x00{f}\x00" for f in self.FIELDS}))
         at = sorted((text.index(m), f) for f, m in marks.items())
         self._order = tuple(f for _, f in at)  # the fields as json.dumps wrote them
         pieces, pos = [], 0
@@ -202,10 +202,6 @@ class TokenChunks:
             pieces.append(text[pos:i])
             pos = i + len(marks[f])
         self._pieces = (*pieces, text[pos:])  # len(FIELDS) + 1: the text around the values
-
-    @staticmethod
-    def _sse_one(body: dict) -> str:
-        return f"data: {json.dumps(body, allow_nan=False)}\n\n"
 
     def _fill(self, **values) -> dict:
         """The template with a token's own values (a fresh dict: the template is shared)."""
@@ -227,7 +223,7 @@ class TokenChunks:
         out: list[str] = []
         for e in events:
             if e.index == 0 or e.logprobs is not None:
-                out.append(self._sse_one(self.body(e)))
+                out.append(sse(self.body(e)))
                 continue
             out.append(self._pieces[0])
             for field, piece in zip(self._order, self._pieces[1:]):
@@ -254,18 +250,11 @@ class ChatStream:
 
     def finished(self, i: int, result: GenerationResult) -> str:
         self.results[i] = result
-        body = final_chunk_body(self.request_id, self.model, self.created, result, chat=True, choice=i)
-        if len(self.results) > 1:
-            body["usage"] = None
-        return f"data: {json.dumps(body, allow_nan=False)}\n\n"
+        one = len(self.results) == 1
+        return sse(final_chunk_body(self.request_id, self.model, self.created, result, True, choice=i, one=one))
 
     def end(self) -> str:
-        """n choices: the usage chunk, once every choice has finished."""
-        if len(self.results) == 1 or any(r is None for r in self.results):
-            return ""
-        usage = summed_usage([r for r in self.results if r is not None])
-        chunk = ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=[], usage=usage)
-        return f"data: {json.dumps(json_safe(chunk.model_dump()), allow_nan=False)}\n\n"
+        return usage_chunk(self.request_id, self.model, self.created, self.results, chat=True)
 
 
 def _scalar(value) -> str:
@@ -278,10 +267,11 @@ def _scalar(value) -> str:
 
 
 def final_chunk_body(
-    request_id: str, model: str, created: int, result: GenerationResult, chat: bool, choice: int = 0
+    request_id: str, model: str, created: int, result: GenerationResult, chat: bool, choice: int = 0, one: bool = True
 ) -> dict:
-    """The last chunk: no token, finish_reason and usage (whatever stream_options say)."""
-    reason, usage = result.finish_reason.value, usage_of(result)
+    """A choice's last chunk: no token, finish_reason, and its usage (whatever stream_options
+    say) where it is the stream's one choice (one=False: usage_chunk sums the choices')."""
+    reason, usage = result.finish_reason.value, usage_of(result) if one else None
     if chat:
         last_chat = ChatChunkChoice(index=choice, delta=ChatDelta(), finish_reason=reason)
         return json_safe(
@@ -293,6 +283,23 @@ def final_chunk_body(
     return json_safe(
         CompletionChunk(id=request_id, created=created, model=model, choices=[last], usage=usage).model_dump()
     )
+
+
+def sse(body: dict) -> str:
+    """One server-sent event of a JSON body (json_safe'd: a NaN or inf left in is an error)."""
+    return f"data: {json.dumps(body, allow_nan=False)}\n\n"
+
+
+def usage_chunk(
+    request_id: str, model: str, created: int, results: Sequence[GenerationResult | None], chat: bool
+) -> str:
+    """The event that ends a stream of several choices (a batch's prompts, n each): no choice,
+    their usage summed, once every one has finished; '' before that, and for one choice."""
+    if len(results) == 1 or any(r is None for r in results):
+        return ""
+    kind = ChatCompletionChunk if chat else CompletionChunk
+    chunk = kind(id=request_id, created=created, model=model, choices=[], usage=summed_usage(results))
+    return sse(json_safe(chunk.model_dump()))
 
 
 def error_body(
