@@ -118,23 +118,27 @@ def _distributions(logits, params, noise=None) -> tuple[torch.Tensor, torch.Tens
     return torch.where((greedy | bad)[:, None], one_hot, probs), (col[:, 5] if noise is not None else None)
 
 
+def _upload(triples: list[tuple[int, int, float]], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """(row, token id, value) triples -> rows, ids [N] long and values [N] float32 on `device`,
+    in one upload ([3, N] float64: rows and ids, < 2^31, are exact in it)."""
+    table = torch.tensor(triples, dtype=torch.float64).T.to(device, non_blocking=True)
+    return table[0].long(), table[1].long(), table[2].float()
+
+
 def _repetition(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
     """HF's repetition penalty in place: each row's `repeated` ids' logits / p where positive,
-    * p elsewhere; one upload of (row, id, p) triples."""
-    triples = [(float(i), float(t), p.repetition_penalty) for i, p in enumerate(params) for t in p.repeated]
-    table = torch.tensor(triples, dtype=torch.float64).T.to(logits.device, non_blocking=True)  # [3, N]
-    rows, ids, penalty = table[0].long(), table[1].long(), table[2].float()
+    * p elsewhere."""
+    rows, ids, penalty = _upload(
+        [(i, t, p.repetition_penalty) for i, p in enumerate(params) for t in p.repeated], logits.device
+    )
     x = logits[rows, ids]
     logits.index_put_((rows, ids), torch.where(x > 0, x / penalty, x * penalty))
 
 
 def _add_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
-    """logits [B, V] += each row's logit_bias, in place: one upload of (row, id, bias) triples."""
-    triples = [(float(i), float(t), b) for i, p in enumerate(params) for t, b in p.logit_bias]
-    # [3, N] float64: rows and ids are exact in it (ids < 2^31)
-    table = torch.tensor(triples, dtype=torch.float64).T.to(logits.device, non_blocking=True)
-    rows, ids = table[0].long(), table[1].long()
-    logits.index_put_((rows, ids), table[2].float(), accumulate=True)
+    """logits [B, V] += each row's logit_bias, in place."""
+    rows, ids, bias = _upload([(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias], logits.device)
+    logits.index_put_((rows, ids), bias, accumulate=True)
 
 
 def _truncate(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -52,12 +52,14 @@ def checked(
             f"prompt ({len(request.prompt_ids)} tokens) + max_tokens ({request.sampling.max_tokens}) "
             f"exceeds the context window of {context_window} tokens"
         )
-    if any(not 0 <= t < vocab for t in request.prompt_ids):
-        raise ValueError(f"prompt token ids must be in [0, {vocab})")
-    if any(not 0 <= t < vocab for t in request.sampling.stop_token_ids):
-        raise ValueError(f"stop_token_ids must be in [0, {vocab})")
-    if any(not 0 <= t < vocab for t, _ in request.sampling.logit_bias):
-        raise ValueError(f"logit_bias token ids must be in [0, {vocab})")
+    s = request.sampling
+    for what, ids in (
+        ("prompt token ids", request.prompt_ids),
+        ("stop_token_ids", s.stop_token_ids),
+        ("logit_bias token ids", [t for t, _ in s.logit_bias]),
+    ):
+        if any(not 0 <= t < vocab for t in ids):
+            raise ValueError(f"{what} must be in [0, {vocab})")
     if request.sampling.prompt_logprobs is not None and not router.scores_prompts:
         raise ValueError(f"the {router.name} router makes no decision on a prompt: prompt_logprobs needs another")
     routing = request.routing
@@ -74,11 +76,9 @@ def checked(
             raise ValueError("target_backoff needs exactly two models")
         # a calibrated router starts from its calibration table, then the controller steers;
         # it is told the horizon only where the request cannot end before max_tokens
-        s = request.sampling
         horizon = s.max_tokens if s.ignore_eos and not s.stop and not s.stop_token_ids else None
         controller = RateController(routing.target_backoff, thresholds[0], prior=rate_prior(router), horizon=horizon)
         thresholds = (controller.threshold,)
-    s = request.sampling
     ends = (frozenset() if s.ignore_eos else eos_ids) | frozenset(s.stop_token_ids)
     return Live(
         early_sampling=s.banning(ends) if s.min_tokens and ends else None,
