@@ -37,9 +37,10 @@ from backoff_core.types import GenerationResult, TokenEvent
 from clients.wire import backoff_pb2 as pb
 from clients.wire.errors import describe_validation
 from clients.wire.openai import ModelCard, ModelList
+from clients.wire.openai_requests import ChatCompletionRequest, CompletionRequest
 from clients.wire.prompts import prompts_of
 from clients.wire.proto import params_from_pb, prompt_from_pb
-from clients.wire.types import ChatCompletionRequest, CompletionRequest, GenerateParams
+from clients.wire.types import GenerateParams
 from deployments.http_errors import error_response, install_http_errors
 from deployments.serving.access import ClientError, Edge, EdgeGate, check_limits, peer_host
 from deployments.serving.admission import Overloaded

@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from clients.wire import backoff_pb2 as pb
 from clients.wire.errors import describe_validation
-from clients.wire.types import ChatCompletionRequest, CompletionRequest
+from clients.wire.openai_requests import ChatCompletionRequest, CompletionRequest
 
 # finite floats where float32 arithmetic breaks: subnormals, 1/T overflow, beyond float32's max
 EXTREME_FLOATS = st.sampled_from(

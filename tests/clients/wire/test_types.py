@@ -25,8 +25,9 @@ from clients.wire.errors import (
     from_grpc,
     from_http,
 )
+from clients.wire.openai_requests import ChatCompletionRequest, CompletionRequest
 from clients.wire.proto import params_from_pb, prompt_from_pb, request_to_pb
-from clients.wire.types import ChatCompletionRequest, ChatMessage, CompletionRequest, GenerateParams, merge_params
+from clients.wire.types import ChatMessage, GenerateParams, merge_params
 
 ROOT = Path(__file__).resolve().parents[3]
 

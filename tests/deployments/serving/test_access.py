@@ -10,7 +10,8 @@ from pydantic import SecretStr, ValidationError
 from backoff_core.models.prompts import encode_chat
 from clients.wire import backoff_pb2 as pb
 from clients.wire.errors import describe_validation
-from clients.wire.types import ChatCompletionRequest, ChatMessage, CompletionRequest, GenerateParams
+from clients.wire.openai_requests import ChatCompletionRequest, CompletionRequest
+from clients.wire.types import ChatMessage, GenerateParams
 from deployments.serving.access import Access, ClientError, ClientSlots, check_limits
 from deployments.serving.config import AccessConfig, AppArgs, LimitsConfig
 from deployments.serving.grpc_service import Undecodable, _lenient

@@ -13,9 +13,9 @@ from pydantic import ValidationError
 
 from clients.wire.errors import describe_validation
 from clients.wire.openai import delta_from_chunk, generation_from_body
+from clients.wire.openai_requests import ChatCompletionRequest, CompletionRequest
 from clients.wire.prompts import is_batch, prompts_of
 from clients.wire.proto import deltas_from_pb, generation_from_pb
-from clients.wire.types import ChatCompletionRequest, CompletionRequest
 from deployments.serving.access import ClientError
 from deployments.serving.completions import (
     CompletionStream,

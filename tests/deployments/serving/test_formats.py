@@ -14,8 +14,9 @@ from backoff_core.engine.logprobs import LOGPROB_FLOOR
 from backoff_core.types import Logprob, TokenEvent, TokenLogprobs
 from clients.http_client import _body
 from clients.wire.openai import delta_from_chunk, generation_from_body
+from clients.wire.openai_requests import ChatCompletionRequest, CompletionRequest
 from clients.wire.proto import delta_from_pb, generation_from_pb, params_from_pb, request_to_pb
-from clients.wire.types import ChatCompletionRequest, CompletionRequest, GenerateParams
+from clients.wire.types import GenerateParams
 from deployments.serving.formats import ChatStream, chat_body, chunk_body, pb_chunk, pb_response, response_body
 from deployments.serving.requests import serve_request
 from tests.support.helpers import engine_for, request

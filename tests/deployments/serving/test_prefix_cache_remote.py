@@ -8,8 +8,9 @@ import pytest
 from backoff_core.engine.engine import BackoffEngine
 from backoff_core.runners.dynamic import ModelRunner
 from backoff_core.types import PrefixCacheSpec, Verification
+from clients.wire.openai_requests import CompletionRequest
 from clients.wire.proto import params_from_pb, request_to_pb
-from clients.wire.types import CompletionRequest, GenerateParams
+from clients.wire.types import GenerateParams
 from deployments.serving.config import RoutingConfig
 from deployments.serving.models_config import ModelsConfig
 from deployments.serving.remote import RemoteLarge
