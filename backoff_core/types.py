@@ -192,6 +192,9 @@ class RoutingParams:
             raise ValueError(f"tolerance must be >= 0, got {self.tolerance}")
 
 
+RAGGED_MODES = ("auto", "on", "off")  # KVSpec.ragged
+
+
 @dataclass(frozen=True)
 class KVSpec:
     """The KV budget of one model: `budget_tokens` positions it may hold across sessions.
@@ -199,16 +202,19 @@ class KVSpec:
     a session owning one slot while it lives; cuda_graphs: replay captured CUDA graphs for
     one-token steps and short catch-ups (GPU). Not static: per-session caches (runner.py)
     that count the positions they hold and evict idle sessions to stay within the budget.
-    ragged: static KV on CUDA, the largest model's catch-ups as ragged forwards, their tokens
-    unpadded (static_ragged.py; opt-in until a GPU run has measured it)."""
+    ragged: static KV on CUDA, the larger model's catch-ups as ragged forwards, their tokens
+    unpadded (static_ragged.py): "auto" (with CUDA graphs: each catch-up ragged where its ragged
+    replays were timed faster than its padded layout's), "on" (wherever they apply), "off"."""
 
     budget_tokens: int
     max_len: int = 2048
     cuda_graphs: bool = True
     static: bool = True
-    ragged: bool = False
+    ragged: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.ragged not in RAGGED_MODES:
+            raise ValueError(f"ragged must be one of {', '.join(RAGGED_MODES)}, got {self.ragged!r}")
         if self.max_len < 2:
             raise ValueError(f"the KV slot length (max_len) must be >= 2, got {self.max_len}")
         if self.budget_tokens < 1:

@@ -20,11 +20,13 @@ the waits. Catch-ups in flight (engine `overlap_catch_ups`, flight.py): "random 
 flight" runs each catch-up beside M_S's next steps (no hold), "in flight, loop first" and
 "flight first" with the GPU scheduling M_S's or M_L's kernels first (CUDA stream priority,
 ThreadLauncher.first), "held and in flight" after the default hold. Ragged catch-ups
-(static_ragged.py, opt-in): "random b=0.9, ragged" runs M_L's catch-ups as ragged forwards,
-their tokens unpadded, after the default hold, and "ragged, in flight" in flight; their first
-use captures M_L's ragged graphs (static KV only) and compares a ragged catch-up's logits with
-the padded path's ("ragged_rel_err": a row that is fast and wrong is not a win; above
-RAGGED_SUSPECT it is flagged). All in the same run, for the ratios.
+(static_ragged.py): every row runs the default, KVSpec ragged "auto" (on CUDA with graphs, a
+catch-up ragged where its replays were timed faster than its padded layout's; padded on the
+CPU), but ", padded" rows (M_L's catch-ups padded alone: "off") and ", ragged" rows (ragged
+wherever they apply: "on"). The first row that may run ragged captures M_L's ragged graphs if
+the load did not, and compares a ragged catch-up's logits with the padded path's
+("ragged_rel_err": a row that is fast and wrong is not a win; above RAGGED_TOLERANCE it is
+flagged). All in the same run, for the ratios.
 """
 
 from __future__ import annotations
@@ -44,9 +46,8 @@ from backoff_core.engine.engine import CATCH_UP_WAIT_MS, BackoffEngine
 from backoff_core.models.loading import LoadSpec, load_chain
 from backoff_core.models.prompts import encode_prompt
 from backoff_core.runners.static import StaticRunner
-from backoff_core.runners.static_ragged import RaggedKey
+from backoff_core.runners.static_ragged import RAGGED_TOLERANCE, RaggedKey
 from backoff_core.types import GenerationRequest, KVSpec, RoutingParams, SamplingParams
-from benchmarks.gpu_probes import ragged_rel_err
 
 PROMPT = "Write a short paragraph about the history of the Python programming language."
 B09 = RoutingParams(router="random", rate=0.9)
@@ -61,6 +62,7 @@ FLIGHTS = {"one priority": None, "loop first": "loop", "flight first": "flight"}
 ROUTINGS = {
     "always-large": (RoutingParams(router="always-large"), None, None),
     "random b=0.9": (B09, None, None),
+    "random b=0.9, padded": (B09, None, None),
     "always-small": (RoutingParams(router="always-small"), None, None),
     "random b=0.9, in flight": (B09, 0.0, "one priority"),
     "random b=0.9, in flight, loop first": (B09, 0.0, "loop first"),
@@ -71,11 +73,11 @@ ROUTINGS = {
     "random b=0.9, waits up to 1 s": (B09, 1000.0, None),
     "random b=0.9, held and in flight": (B09, None, "one priority"),
 }
-RAGGED = {label for label in ROUTINGS if "ragged" in label}  # M_L's catch-ups as ragged forwards
-# ragged vs padded logits past this relative error: flagged (bf16 noise: the padded path's own
-# logits were 0.038 from HF's on the H100, gpu_check.json; one position off by one moved the tiny
-# pair's 0.08, a token reading another slot's keys 0.13)
-RAGGED_SUSPECT = 0.1
+
+
+def ragged_mode(label: str) -> str:
+    """A row's KVSpec.ragged for M_L's catch-ups: "on" (", ragged"), "off" (", padded"), else the default "auto"."""
+    return "on" if ", ragged" in label else "off" if ", padded" in label else "auto"
 
 
 def throughput(
@@ -150,7 +152,7 @@ def measure(
             errors[label] = f"skipped: the engine still had work after {next(iter(errors))!r} failed"
             continue
         try:
-            _ragged(engine, label in RAGGED, prompt_ids, checks)
+            _ragged(engine, ragged_mode(label), prompt_ids, checks)
             throughput(engine, prompt_ids, 2, 4, routing, 1, waits[label], flight)
             runs[label] = {
                 str(n): throughput(engine, prompt_ids, n, tokens, routing, repeats, waits[label], flight)
@@ -162,28 +164,33 @@ def measure(
             _cancel_all(engine)
         if after_row is not None:
             after_row(runs, errors)
-    _ragged(engine, False)
+    _ragged(engine, "auto")
     return runs, errors
 
 
-def _ragged(engine, on: bool, prompt_ids=(), checks: dict | None = None) -> None:
-    """M_L's catch-ups as ragged forwards or not; at the first, its ragged graphs captured,
-    then (with `checks`) a ragged catch-up's logits put against the padded path's."""
+def _ragged(engine, mode: str, prompt_ids=(), checks: dict | None = None) -> None:
+    """M_L's catch-ups as KVSpec.ragged `mode` has them: "off" padded; "auto" ragged where its
+    captured graphs were timed faster (padded without graphs, or where the load's warm-up
+    turned them off); "on" ragged wherever they apply, its graphs captured if the load did not.
+    The first time they may run ragged (with `checks`), a ragged catch-up's logits are put
+    against the padded path's."""
     large = engine.models[-1]
-    if not on:
-        if isinstance(large, StaticRunner):
-            large.ragged = False
-        return
     if not isinstance(large, StaticRunner):
-        raise ValueError("ragged catch-ups need static KV storage (--kv-budget)")
-    if large.graphs is not None and not any(isinstance(key, RaggedKey) for key in large.graphs.ms):
+        if mode == "on":
+            raise ValueError("ragged catch-ups need static KV storage (--kv-budget)")
+        return
+    captured = large.graphs is not None and any(isinstance(key, RaggedKey) for key in large.graphs.ms)
+    if mode == "off" or (mode == "auto" and not captured):
+        large.ragged = False
+        return
+    if large.graphs is not None and not captured:
         graphs, seconds = large.capture_ragged()
         print(f"{large.name}: {graphs} ragged graphs captured and timed in {seconds:.1f} s")
     if checks is not None and "ragged_rel_err" not in checks:
-        checks["ragged_rel_err"] = err = ragged_rel_err(large, list(prompt_ids))
-        flag = f" (over {RAGGED_SUSPECT}: suspect)" if not err <= RAGGED_SUSPECT else ""
+        checks["ragged_rel_err"] = err = large.ragged_rel_err(list(prompt_ids))
+        flag = f" (over {RAGGED_TOLERANCE}: suspect)" if not err <= RAGGED_TOLERANCE else ""
         print(f"{large.name}: ragged catch-up logits vs padded, relative error {err:.4f}{flag}")
-    large.ragged = True
+    large.ragged, large.ragged_if_faster = True, mode == "auto"
 
 
 def _cancel_all(engine) -> None:

@@ -8,7 +8,8 @@ Two parts, one load:
      only, no hidden layer), dense and gathered rows x k x L, as the runner timed them at
      load (CUDA events, median of 3; what static_layout.choose weighs);
   2. a run of n streams (--streams, default 64) at random b=0.9 with the engine's default
-     catch_up_wait_ms, every M_L forward recorded: its bucket (dense, rows, k, L), the real new
+     catch_up_wait_ms, every M_L forward recorded: its bucket (dense, rows, k, L; a ragged
+     forward of T tokens as 1 x T, L 0: KVSpec ragged "auto", the default), the real new
      tokens among its rows x k, and its wall time (synchronised).
 The sum over the run says how much of M_L's time the padding took (rows x k - real tokens).
 Writes DIR/catch_up_anatomy.json. On the CPU (no graphs) the grid is empty; the run still
@@ -78,8 +79,38 @@ def record_forwards(runner) -> list[dict]:
         )
         return out
 
+    def timed_ragged(key, ids, positions, token_slots, last):  # a ragged forward (KVSpec ragged "auto")
+        _sync()
+        t = time.perf_counter()
+        out = replay_ragged(key, ids, positions, token_slots, last)
+        _sync()
+        real = positions != scratch
+        log.append(
+            {
+                "dense": False,
+                "rows": 1,
+                "k": key.tokens,
+                "L": 0,
+                "last_only": True,
+                "items": len(set(token_slots[real].tolist())),  # an item a slot
+                "real": int(real.sum()),
+                "ms": 1e3 * (time.perf_counter() - t),
+            }
+        )
+        return out
+
     runner._run = timed
+    if runner.graphs is not None:
+        replay_ragged = runner.graphs.replay_ragged
+        runner.graphs.replay_ragged = timed_ragged
     return log
+
+
+def unwrap(runner) -> None:
+    """Undo record_forwards."""
+    runner.__dict__.pop("_run", None)
+    if runner.graphs is not None:
+        runner.graphs.__dict__.pop("replay_ragged", None)
 
 
 def summarise(log: list[dict]) -> dict:
@@ -87,7 +118,8 @@ def summarise(log: list[dict]) -> dict:
     real = sum(f["real"] for f in log)
     by_shape = collections.defaultdict(lambda: {"count": 0, "ms": 0.0, "real": 0, "items": 0})
     for f in log:
-        s = by_shape[f"{'dense' if f['dense'] else 'gather'} {f['rows']}x{f['k']} L{f['L']}"]
+        name = f"{'dense' if f['dense'] else 'gather'} {f['rows']}x{f['k']} L{f['L']}" if f["L"] else f"ragged {f['k']}"
+        s = by_shape[name]
         s["count"] += 1
         s["ms"] += f["ms"]
         s["real"] += f["real"]
@@ -140,8 +172,8 @@ def main() -> None:
         results = engine.generate_many(reqs)
         _sync()
         seconds = time.perf_counter() - t
-        large._run = type(large)._run.__get__(large)
-        small._run = type(small)._run.__get__(small)
+        unwrap(large)
+        unwrap(small)
         report[label] = {
             "catch_up_wait_ms": wait,
             "seconds": round(seconds, 3),

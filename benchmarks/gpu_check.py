@@ -182,6 +182,8 @@ def main() -> None:
         "load_s": round(load_s, 1),
         "plan": plan(args.kv_budget, args.max_len)["models"],
         "measured": measured,
+        # KVSpec ragged "auto" (the default): whether M_L kept its ragged graphs past warm-up's check
+        "ragged_at_load": bool(runners[-1].ragged),
         "memory_reserved_gib": round(torch.cuda.memory_reserved() / GIB, 3),
         "large_logits_rel_err_vs_hf_bf16": error,
         "replay_ms": {name: replay_table(r) for name, r in zip(("small", "large"), runners)},
@@ -211,7 +213,7 @@ def main() -> None:
     report["forward_passes"] = [r.forward_passes for r in runners]
     report["generate_many_4x"] = runs
     save()
-    # diagnostics, each saved as it ends (the ragged one last: its first compiles are unmeasured)
+    # diagnostics, each saved as it ends (the ragged one last: it captures what the load did not)
     for name, section in (
         ("step_anatomy", lambda: anatomy(chain, runners, prompt)),
         ("sharing", lambda: sharing(runners)),

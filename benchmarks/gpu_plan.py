@@ -6,7 +6,8 @@ Builds the 135M- and 8B-shaped models of ../shared/gpu/make_pair.py on the meta 
 memory, no weights) and a StaticRunner's storage and graph plan for each at the defaults
 of scripts/gpu_bench.sh (KV_BUDGET tokens per model in slots of MAX_LEN, bf16), exactly as
 factory.make_runner would: M_S graphs for k = 1, 2 (last logits only), M_L every catch-up
-kind within graph_plan.GRAPH_BUDGET. Writes
+kind within graph_plan.GRAPH_BUDGET, its ragged catch-ups' token buckets included (KVSpec
+ragged "auto", the default on CUDA). Writes
     {"models": {name: {"graphs", "kv_gib", "weights_gib", "pool_gib", "fused_gib"}}, "total_gib"}
 fused_gib: M_S's fused q/k/v and gate/up copies (static_forward.py; M_L keeps its modules).
 pool_gib estimates what capturing adds beside the KV storage: the graphs' static output
@@ -26,9 +27,10 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from backoff_core.runners.graph_plan import K_BUCKETS, GraphKey, kinds, plan_keys
+from backoff_core.runners.graph_plan import GRAPH_BUDGET, K_BUCKETS, GraphKey, kinds, plan_keys
 from backoff_core.runners.static_forward import StaticForward
 from backoff_core.runners.static_kv import StaticKV
+from backoff_core.runners.static_ragged import RAGGED_TOKENS
 
 # make_pair.py's shapes (SmolLM2-135M, Llama-3-8B) with the SmolLM2 tokenizer's vocabulary
 VOCAB = 49152
@@ -83,15 +85,23 @@ def plan_model(name: str, kv_budget: int = KV_BUDGET, max_len: int = MAX_LEN) ->
     kv = StaticKV(model, kv_budget, max_len, name)
     element = 2  # bf16
     small = name == "small"
-    wanted = kinds((None,), (True,), (1, 2)) if small else kinds((None,), (True, False), K_BUCKETS)
+    # M_L's catch-ups ragged where timed faster (KVSpec ragged "auto", the default on CUDA): one
+    # graph per token bucket that CudaGraphs' buffers hold, within the budget (StaticRunner.warmup)
+    wanted = kinds((None,), (True,), (1, 2)) if small else kinds((None,), (True, False), K_BUCKETS, ragged=True)
     rows = min(GRAPH_MAX_ROWS, 1 << max(0, kv.slots - 1).bit_length())
-    keys = plan_keys(kv.slots, max_len, rows, wanted)
+    ragged = [] if small else [t for t in RAGGED_TOKENS if t <= rows * K_BUCKETS[-1]]
+    keys = plan_keys(kv.slots, max_len, rows, wanted, GRAPH_BUDGET - len(ragged))
     buffers = rows * K_BUCKETS[-1] * (VOCAB + model.config.hidden_size) * element  # CudaGraphs' outputs
-    pool = 2 * max(estimate_pool(model.config, k, element) for k in keys) + buffers
+    # a ragged forward of t tokens: a one-row forward's activations of t tokens, no mask of L
+    # (its block mask is a few KB), and its rows' logits (the buffers above)
+    peaks = [estimate_pool(model.config, k, element) for k in keys]
+    peaks += [estimate_pool(model.config, GraphKey(True, 1, t, 0, True, None), element) for t in ragged]
+    pool = 2 * max(peaks) + buffers
     weights = sum(p.numel() for p in model.parameters()) * element
     fused = StaticForward(model, kv, fuse_projections=small).fused_nbytes()  # as factory.make_runner
     return {
-        "graphs": len(keys),
+        "graphs": len(keys) + len(ragged),
+        "ragged_graphs": len(ragged),
         "slots": kv.slots,
         "kv_gib": round(kv.nbytes() / GIB, 3),
         "weights_gib": round(weights / GIB, 3),

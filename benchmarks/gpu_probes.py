@@ -170,7 +170,9 @@ def ragged_probe(runner: StaticRunner, prompt_ids: list[int]) -> dict:
     Timed on the capture's inputs, every token at the scratch column: one key block each, as
     the batch benchmark's contexts of under 128 positions read; longer contexts read more.
     And a catch-up of six items of 2 to 37 tokens, ragged against the padded path (logits'
-    relative error, bf16)."""
+    relative error, bf16: StaticRunner.ragged_rel_err, warm-up's check). With KVSpec ragged
+    "auto" (the default) the load captured them: `at_load`, and capture_s is ~0."""
+    at_load = any(isinstance(k, RaggedKey) for k in runner.graphs.ms)
     graphs, seconds = runner.capture_ragged(progress=False)
     ms = {k.tokens: round(v, 3) for k, v in runner.graphs.ms.items() if isinstance(k, RaggedKey)}
     views = {k: v for k, v in runner.graphs.ms.items() if isinstance(k, GraphKey) and k.dense and k.last_only}
@@ -182,31 +184,9 @@ def ragged_probe(runner: StaticRunner, prompt_ids: list[int]) -> dict:
             dense[tokens] = round(min(fits)[1], 3)
     return {
         "graphs": graphs,
+        "at_load": at_load,
         "capture_s": round(seconds, 1),
         "replay_ms": ms,
         "dense_ms": dense,
-        "rel_err": ragged_rel_err(runner, prompt_ids),
+        "rel_err": runner.ragged_rel_err(prompt_ids),
     }
-
-
-def ragged_rel_err(runner: StaticRunner, prompt_ids: list[int]) -> float:
-    """Six sessions take the prompt, then a catch-up of six items of 2 to 37 tokens, once
-    ragged and once padded: the relative error of the catch-up's logits, ragged against
-    padded (the runner is left padded, its probe sessions closed, whatever raises)."""
-    logits = {}
-    try:
-        for ragged in (False, True):
-            runner.ragged = ragged
-            sids = [f"ragged-probe-{ragged}-{i}" for i in range(6)]
-            try:
-                for request_id in sids:
-                    runner.open(request_id)
-                runner.extend([(r, list(prompt_ids)) for r in sids], last_only=True)
-                items = [(r, list(prompt_ids[: 2 + 7 * i])) for i, r in enumerate(sids)]
-                logits[ragged] = torch.stack([e.last for e in runner.extend(items, last_only=True)]).float()
-            finally:  # six slots at a time (closing one that never opened does nothing)
-                for request_id in sids:
-                    runner.close(request_id)
-    finally:
-        runner.ragged = False
-    return float((logits[True] - logits[False]).norm() / logits[False].norm())

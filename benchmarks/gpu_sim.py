@@ -79,13 +79,15 @@ def build(
     wait_ms: float = CATCH_UP_WAIT_MS,
     large_cost: Callable[[GraphKey, int, bool], float] | None = None,
     sharing: tuple[float, float] | None = None,
-    ragged: bool = False,
+    ragged: str = "auto",
 ) -> Sim:
     """The engine over the GPU path's runners (factory.make_runner's settings), on the CPU;
     its catch-ups in flight (when turned on) are SimLauncher's (sharing: on one GPU with
     M_S's steps, their slowdowns beside each other). large_cost: what an M_L forward costs
     (default: costs.large_ms, what the GPU measured). ragged: M_L's catch-ups as ragged
-    forwards (static_ragged.py), each costing costs.large_ms of its RaggedKey."""
+    forwards (static_ragged.py), each costing large_cost of its RaggedKey, as KVSpec.ragged
+    has it on CUDA: "auto" (the default: each catch-up ragged where its forwards' prices are
+    lower than its padded layout's), "on" (wherever they apply), "off"."""
     large_cost = large_cost or costs.large_ms
     (small_model, large_model), tokenizer = tiny_pair()  # their tokens do not matter: random routing
     clock = SimClock()
@@ -99,10 +101,12 @@ def build(
             max_len=max_len,
             evict_idle=not small,
             fuse_projections=small,
-            ragged=ragged and not small,
+            ragged=ragged != "off" and not small,
+            ragged_if_faster=ragged == "auto",
         )
-        if ragged and not small:  # its tokens do not matter: skip eager FlexAttention's every score
+        if runner.ragged:  # its tokens do not matter: skip eager FlexAttention's every score, and warmup's check
             runner._forward._flex = _no_attention
+            runner.ragged_rel_err = lambda prompt_ids=None: 0.0
         cost = small_cost if small else large_cost
         runner.graphs = SimGraphs(runner._forward, runner.graph_max_rows, K_BUCKETS[-1], cost=cost)
         if small:
@@ -117,14 +121,24 @@ def build(
     return Sim(engine, clock, small_log, large_log, costs)
 
 
+def ragged_mode(what_if: list[str]) -> str:
+    """KVSpec.ragged for a --what-if: "on" (ragged), "off" (padded; unpadded prices padded
+    layouts), else the engine's default on CUDA, "auto"."""
+    if "ragged" in what_if:
+        return "on"
+    return "off" if {"padded", "unpadded"} & set(what_if) else "auto"
+
+
 def _no_attention(q, keys, values, block_mask, scale):
     """The ragged forward's attention in the simulator, where only shapes and bookkeeping count."""
     return torch.zeros_like(q)
 
 
 WHAT_IF = {  # --what-if: another price of M_L's forwards than the GPU's measured one, or another device
-    "ragged": "M_L's catch-ups as ragged forwards (static_ragged.py, built, opt-in), each at its measured "
-    "replay where the run timed one, else at the measured dense view of its token bucket (GpuCosts.ragged_ms)",
+    "ragged": "M_L's catch-ups as ragged forwards wherever they apply (static_ragged.py; KVSpec ragged 'on'), "
+    "each at its measured replay where the run timed one, else at the measured dense view of its token bucket "
+    "(GpuCosts.ragged_ms); without a what-if, 'auto': ragged where priced lower than the padded layout",
+    "padded": "M_L's catch-ups padded alone (KVSpec ragged 'off': the blocks layout, no ragged forward)",
     "unpadded": "an M_L forward costs what its real tokens alone would in the measured dense view, "
     "no padding, no gathered keys (GpuCosts.unpadded_ms; a layout that does not exist)",
     "shared": "catch-ups in flight share one GPU with M_S's steps, each slowed beside the other as "
@@ -325,7 +339,7 @@ def main() -> None:
         costs,
         large_cost=costs.unpadded_ms if "unpadded" in args.what_if else None,
         sharing=sharing,
-        ragged="ragged" in args.what_if,
+        ragged=ragged_mode(args.what_if),
     )
     streams = [int(s) for s in args.streams.split(",")]
     rows = scaling(sim, streams, args.tokens, args.repeats)

@@ -57,7 +57,7 @@ def base_prices(costs: GpuCosts) -> dict[int, float]:
 def ratio(costs: GpuCosts, prices: dict[int, float], streams: int, tokens: int, seeds: int) -> dict:
     """random b=0.9 with ragged catch-ups at `prices`: the median tok/s of `seeds` batches at
     one stream and at `streams`, and their ratio."""
-    sim = build(dataclasses.replace(costs, ragged=prices), ragged=True)
+    sim = build(dataclasses.replace(costs, ragged=prices), ragged="on")
     one = statistics.median(run_batch(sim, 1, tokens, B09, seed)["tok_per_s"] for seed in range(seeds))
     top = statistics.median(run_batch(sim, streams, tokens, B09, seed)["tok_per_s"] for seed in range(seeds))
     return {"one_tok_per_s": round(one, 1), "top_tok_per_s": round(top, 1), "ratio": round(top / one, 3)}

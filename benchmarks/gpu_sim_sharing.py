@@ -66,7 +66,7 @@ def main() -> None:
     args = ap.parse_args()
     costs = GpuCosts.from_results(Path(args.costs))
     streams = (1, 64)
-    sim = build(costs, large_cost=costs.unpadded_ms if args.unpadded else None, ragged=args.ragged)
+    sim = build(costs, large_cost=costs.unpadded_ms if args.unpadded else None, ragged="on" if args.ragged else "off")
     reference = {
         "synchronous, held (the default)": ratio(sim, SYNCHRONOUS, streams, args.tokens, args.repeats),
         "in flight, two timelines": ratio(sim, IN_FLIGHT, streams, args.tokens, args.repeats),

@@ -30,7 +30,7 @@ def sweep(costs: GpuCosts, waits: tuple[float, ...], streams: int, tokens: int, 
     requests together (tok/s, its ratio to one stream, M_L forwards) and one kept-busy run."""
     out: dict[str, dict[str, dict]] = {}
     for layout in tqdm(("blocks", "ragged"), desc="layouts"):
-        sim = build(costs, ragged=layout == "ragged")
+        sim = build(costs, ragged="on" if layout == "ragged" else "off")
         one = statistics.median(run_batch(sim, 1, tokens, B09, seed)["tok_per_s"] for seed in range(seeds))
         rows = {}
         for wait in waits:

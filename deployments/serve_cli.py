@@ -15,6 +15,8 @@ from pathlib import Path
 
 import yaml
 
+from backoff_core.types import RAGGED_MODES
+
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "serve_config.yaml"
 
 # Catch-up replies carry [k, V] float32 logits (V = 49152 for the default pair: 196 KB a
@@ -128,8 +130,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-max-len", type=int, help="static KV: positions per slot (default 2048)")
     p.add_argument(
         "--ragged-catch-ups",
-        action="store_true",
-        help="static KV on a GPU: the large model's catch-ups as ragged forwards, unpadded (docs/gpu.md; opt-in)",
+        nargs="?",
+        choices=RAGGED_MODES,
+        const="on",
+        help="static KV on a GPU: the large model's catch-ups as ragged forwards, unpadded (docs/gpu.md): auto "
+        "(the default; with CUDA graphs, each catch-up ragged where its replays were timed faster), on (alone: "
+        "on), off",
     )
     p.add_argument("--router", help="decision function (live config)")
     p.add_argument("--threshold", help="threshold(s), comma-separated, ascending (live config)")
@@ -189,8 +195,8 @@ def apply_overrides(config: dict, args: argparse.Namespace) -> dict:
             models[key] = value
     if args.static_kv is not None:
         models["static_kv"] = {"true": True, "false": False}.get(args.static_kv, "auto")
-    if args.ragged_catch_ups:
-        models["ragged_catch_ups"] = True
+    if args.ragged_catch_ups is not None:
+        models["ragged_catch_ups"] = args.ragged_catch_ups
     routing = _deployment(app, "SmallModel").setdefault("user_config", {})
     if args.router is not None or args.threshold is not None:
         routing.pop("threshold", None)  # the deprecated spelling of thresholds: the command line replaces it

@@ -50,8 +50,9 @@ case "$stage" in
 tests)
     nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version --format=csv >"$out/gpu.txt"
     # in this order, so that a call cut short keeps the most: the padded path's CUDA tests (18 s in
-    # the third run), the pair against the plan with its probes (gpu_check.json is written before
-    # its ragged compiles), then the ragged CUDA tests (FlexAttention's compiles, never timed on a GPU)
+    # the third run), the pair against the plan with its probes (its load captures M_L's ragged
+    # graphs, the default `auto`: FlexAttention's compiles, cached where `batch` ran first in the
+    # same call; a failed one leaves the padded path), then the ragged CUDA tests
     pytest=(python3 -m pytest -q -s -m cuda --tb=short -p no:cacheprovider)
     rc=0 check=0
     "${pytest[@]}" tests/backoff_core/runners/test_static_cuda.py >"$out/cuda_tests.txt" 2>&1 || rc=$?
@@ -69,9 +70,11 @@ cost)
     ;;
 batch)
     # in this order, each row saved as it ends (a call cut short keeps the rows before): the goal's
-    # row, the levers no GPU has run (in flight, then ragged, whose first row compiles FlexAttention),
-    # then the bounds three runs measured alike (ROWS=all: every row of ROUTINGS)
-    rows=("random b=0.9" "random b=0.9, in flight" "random b=0.9, ragged" "random b=0.9, ragged, in flight"
+    # row (the default: M_L's catch-ups ragged where their graphs were timed faster, which the load
+    # captured, compiling FlexAttention, and checked), then its two choices alone (padded: the third
+    # run's successor; ragged wherever they apply), in flight, then the bounds three runs measured
+    # alike (ROWS=all: every row of ROUTINGS)
+    rows=("random b=0.9" "random b=0.9, padded" "random b=0.9, ragged" "random b=0.9, in flight"
         "always-large" "always-small")
     [ "${ROWS:-}" = all ] && rows=()
     python3 benchmarks/batch_scaling.py "${common[@]}" --tokens "$tokens" --repeats 2 --tag "$tag" --out "$out" \

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from backoff_core.types import Verification
+from backoff_core.types import RAGGED_MODES, Verification
 
 
 def model_args(p: argparse.ArgumentParser) -> None:
@@ -32,8 +32,12 @@ def model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-cuda-graphs", action="store_true", help="static KV without CUDA graphs (eager)")
     g.add_argument(
         "--ragged-catch-ups",
-        action="store_true",
-        help="static KV on CUDA: the large model's catch-ups as ragged forwards, unpadded (docs/gpu.md; opt-in)",
+        nargs="?",
+        choices=RAGGED_MODES,
+        const="on",
+        default="auto",
+        help="static KV on CUDA: the large model's catch-ups as ragged forwards, unpadded (docs/gpu.md): auto "
+        "(default; with CUDA graphs, each catch-up ragged where its replays were timed faster), on (alone: on), off",
     )
 
 

@@ -7,6 +7,7 @@ import logging
 from backoff_core.runners.dynamic import ModelRunner
 from backoff_core.runners.static import StaticRunner
 from backoff_core.runners.static_forward import check_supported
+from backoff_core.runners.static_ragged import check_ragged
 from backoff_core.types import KVSpec, PrefixCacheSpec
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ def make_runner(
         prefix_cache=prefix_cache,
         fuse_projections=small,  # M_S's step is bound by its kernel count (static_forward.py)
         ragged=_ragged(kv, model, name, small),
+        ragged_if_faster=kv.ragged == "auto",
     )
     if small:
         from backoff_core.routing.head import ClassifierHead
@@ -60,12 +62,22 @@ def make_runner(
 
 
 def _ragged(kv: KVSpec, model, name: str, small: bool) -> bool:
-    """A larger model's catch-ups as ragged forwards (static_ragged.py) where asked and on CUDA;
-    on another device FlexAttention would run eagerly, materialising every score: padded there."""
-    if not kv.ragged or small:
+    """A larger model's catch-ups as ragged forwards (static_ragged.py) on CUDA: "on", or "auto"
+    with CUDA graphs (whose measured replays choose, per catch-up, ragged or padded) and a
+    max_len of whole FlexAttention blocks. On another device FlexAttention would run eagerly,
+    materialising every score: padded there ("on" warns)."""
+    if kv.ragged == "off" or small:
         return False
     device = next(model.parameters()).device
     if device.type != "cuda":
-        log.warning("%s: ragged catch-ups need CUDA (FlexAttention compiled); padded on %s", name, device)
+        if kv.ragged == "on":
+            log.warning("%s: ragged catch-ups need CUDA (FlexAttention compiled); padded on %s", name, device)
         return False
-    return True
+    if kv.ragged == "on":
+        return True  # StaticRunner refuses a max_len FlexAttention's blocks do not fill, naming it
+    try:
+        check_ragged(kv.max_len, device)
+    except ValueError as exc:
+        log.info("%s: ragged catch-ups off (%s)", name, exc)
+        return False
+    return kv.cuda_graphs

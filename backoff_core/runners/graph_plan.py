@@ -15,6 +15,9 @@ the meta-device plan (benchmarks/gpu_plan.py) alike:
     none of it. Catch-ups that only need their last logits first (k = 1 .. 16, the M_S step
     and M_L's backoff catch-ups), then verification's full logits at the k that drafts of
     3-7 tokens need (4, 8), then 2 and 16. Kinds are taken whole while they fit the budget.
+    With ragged catch-ups (static_ragged.py: one graph per token bucket, in the same budget)
+    the last-logits k = 16 kind goes last: the long catch-ups it pads are what ragged
+    forwards take, and verification's k = 8 keeps its place.
 An extend whose k has no captured kind runs in the smallest captured k above it (padded),
 or in chunks of the largest one (static.py), so only long prompt prefills run eagerly.
 """
@@ -77,15 +80,21 @@ def row_buckets(slots: int, graph_max_rows: int) -> list[tuple[bool, int]]:
     return [(True, r) for r in dense] + [(False, r) for r in gather]
 
 
-def kinds(hidden_layers=(None,), last_only=(True, False), ks: tuple[int, ...] = K_BUCKETS) -> list[Kind]:
+def kinds(
+    hidden_layers=(None,), last_only=(True, False), ks: tuple[int, ...] = K_BUCKETS, ragged: bool = False
+) -> list[Kind]:
     """The kinds asked for, in capture priority (module docstring). One new token's logits
-    are the last ones either way: k = 1 is always a last_only kind."""
+    are the last ones either way: k = 1 is always a last_only kind. ragged: the runner's
+    catch-ups may run ragged, and the last-logits kinds of the largest k go last."""
+    last = [k for k in ks if not (ragged and k == K_BUCKETS[-1])]
     out: list[Kind] = []
     if True in last_only:
-        out += [Kind(k, True, layer) for k in ks for layer in hidden_layers]
+        out += [Kind(k, True, layer) for k in last for layer in hidden_layers]
     if False in last_only:
         full = [k for k in VERIFY_PRIORITY if k in ks] + [k for k in ks if k not in VERIFY_PRIORITY]
         out += [Kind(k, k == 1, layer) for k in full for layer in hidden_layers]
+    if True in last_only:
+        out += [Kind(k, True, layer) for k in ks if k not in last for layer in hidden_layers]
     return list(dict.fromkeys(out))  # deduplicated, in order
 
 

@@ -64,7 +64,7 @@ def resolve_kv(
     cuda_graphs: bool = True,
     gpu_share: float = 1.0,
     reserve_tokens: int = 0,
-    ragged: bool = False,
+    ragged: str = "auto",
 ) -> KVSpec:
     """The KVSpec a replica runs with: `auto` resolved for this model on its device.
     reserve_tokens: positions kept elsewhere (the prefix cache) that `auto` leaves room for."""

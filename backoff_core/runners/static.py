@@ -33,6 +33,7 @@ others raise ValueError here, and the caller keeps ModelRunner for them.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 
@@ -65,7 +66,10 @@ class StaticRunner(PrefixCaching, RaggedExtends, SlotSessions):
     max_len: positions per slot (a session holds at most max_len - 1: one is scratch).
     fuse_projections: q/k/v and gate/up as one GEMM each over copies of their weights
     (static_forward.py: fewer kernels a step, for a small model whose step they bound).
-    ragged: catch-ups as ragged forwards, their tokens unpadded (static_ragged.py; opt-in)."""
+    ragged: catch-ups as ragged forwards, their tokens unpadded (static_ragged.py), wherever they
+    apply; with ragged_if_faster, only where their replays were measured faster than the padded
+    layout's (static_ragged.RaggedExtends._ragged_faster; without graphs nothing is timed, and
+    the padded path runs)."""
 
     def __init__(
         self,
@@ -80,6 +84,7 @@ class StaticRunner(PrefixCaching, RaggedExtends, SlotSessions):
         prefix_cache: PrefixCacheSpec | None = PrefixCacheSpec(),
         fuse_projections: bool = False,
         ragged: bool = False,
+        ragged_if_faster: bool = False,
     ) -> None:
         check_supported(model, max_len)  # before allocating anything
         super().__init__()
@@ -104,6 +109,7 @@ class StaticRunner(PrefixCaching, RaggedExtends, SlotSessions):
         # catch-ups (last logits, several tokens) as ragged forwards (static_ragged.py); with
         # graphs, warmup() captures one per token bucket; may change between extends
         self.ragged = ragged
+        self.ragged_if_faster = ragged_if_faster
         if ragged:
             check_ragged(self.kv.max_len, self.device)
 
@@ -142,7 +148,7 @@ class StaticRunner(PrefixCaching, RaggedExtends, SlotSessions):
         token a step, or two after a fully accepted draft: ks=(1, 2), last_only=(True,)."""
         if self.graphs is None:  # a compiled ragged attention still compiles now (compile_ragged)
             return 0, self._warm_ragged(progress) if self.ragged else 0.0
-        wanted = kinds([self._layer(n) for n in hidden_layers], last_only, ks)
+        wanted = kinds([self._layer(n) for n in hidden_layers], last_only, ks, ragged=self.ragged)
         ragged = self._ragged_keys() if self.ragged else []
         keys = plan_keys(self.kv.slots, self.kv.max_len, self.graph_max_rows, wanted, budget - len(ragged))
         with self._lock:
@@ -202,26 +208,30 @@ class StaticRunner(PrefixCaching, RaggedExtends, SlotSessions):
                 out = self._extend_scored(sessions, new_ids, layer, last_only, scoring)
                 self._remember(sessions, new_ids)
                 return out
-            if (runs := self._ragged_runs(new_ids, layer, last_only)) is not None:
+            runs = self._ragged_runs(new_ids, layer, last_only)
+            if runs is None or self.ragged_if_faster:
+                plans, padded_ms = self._plans(sessions, new_ids, layer, last_only)
+                if runs is not None and not self._ragged_faster(new_ids, runs, padded_ms):
+                    runs = None
+            if runs is not None:
                 out = self._extend_ragged(sessions, new_ids, runs)
-                self._remember(sessions, new_ids)
-                return out
-            plans = self._plans(sessions, new_ids, layer, last_only)
-            out = self._extend_plans(sessions, new_ids, layer, last_only, plans)
+            else:
+                out = self._extend_plans(sessions, new_ids, layer, last_only, plans)
             self._remember(sessions, new_ids)
             return out
 
     def _plans(
         self, sessions: list[SlotSession], new_ids: list[list[int]], layer: int | None, last_only: bool
-    ) -> list[tuple[Plan, slice]]:
-        """The forwards of an extend and the items each holds: one row per item (an M_S step,
-        every extend without graphs), or the fastest captured layout (static_layout.choose:
-        blocks of k, or the dense view), or, with none in MAX_FORWARDS forwards, one eager
-        forward (a long prompt prefill, compute-bound there anyway)."""
+    ) -> tuple[list[tuple[Plan, slice]], float | None]:
+        """The forwards of an extend, the items each holds, and their measured replay ms: one row
+        per item (an M_S step, every extend without graphs: None, untimed), or the fastest
+        captured layout (static_layout.choose: blocks of k, or the dense view), or, with none in
+        MAX_FORWARDS forwards, one eager forward (a long prompt prefill, compute-bound there
+        anyway; inf)."""
         n = len(new_ids)
         k_max = max(map(len, new_ids))
         if self.graphs is None or k_max == 1:
-            return [(self._plan(sessions, new_ids, layer, last_only), slice(0, n))]
+            return [(self._plan(sessions, new_ids, layer, last_only), slice(0, n))], None
         held = np.fromiter((s.length for s in sessions), np.int64, n)
         slot = np.fromiter((s.slot for s in sessions), np.int64, n)
         counts = np.fromiter(map(len, new_ids), np.int64, n)
@@ -239,10 +249,11 @@ class StaticRunner(PrefixCaching, RaggedExtends, SlotSessions):
             last_only=last_only,
         )
         if layout is None:  # one eager forward, one row per item (the dense rule of lay_out)
-            return [(self._plan(sessions, new_ids, layer, last_only), slice(0, n))]
+            return [(self._plan(sessions, new_ids, layer, last_only), slice(0, n))], math.inf
         if layout.dense:
-            return [(self._plan(sessions, new_ids, layer, last_only, dense=True), slice(0, n))]
-        return blocks(held, slot, new_ids, counts, layout, self.length_buckets, self.kv.scratch, layer, last_only)
+            return [(self._plan(sessions, new_ids, layer, last_only, dense=True), slice(0, n))], layout.cost
+        plans = blocks(held, slot, new_ids, counts, layout, self.length_buckets, self.kv.scratch, layer, last_only)
+        return plans, layout.cost
 
     def _extend_plans(
         self,

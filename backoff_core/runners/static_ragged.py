@@ -46,6 +46,9 @@ log = logging.getLogger(__name__)
 # token buckets of a ragged forward (one CUDA graph each): an extend's T new tokens run in the
 # smallest that holds them; M_L's catch-ups at 64 streams and b=0.9 carry ~100-600 tokens
 RAGGED_TOKENS = (32, 64, 128, 192, 256, 384, 512, 768, 1024)
+# a ragged catch-up's logits this far from the padded path's (relative, over the check's items)
+# are wrong, not rounding: bf16 rounds to ~1e-2 (warm-up's check turns ragged off past it)
+RAGGED_TOLERANCE = 0.1
 BLOCK = 128  # FlexAttention's block (queries and keys); a slot's keys are max_len / BLOCK blocks
 # the query-side block lists serve the backward only: not built, where this torch can skip them
 NO_Q_BLOCKS = (
@@ -203,11 +206,21 @@ class RaggedExtends:
         return len(keys), seconds
 
     def _warm_ragged(self, progress: bool) -> float:
-        """capture_ragged at warmup (without graphs, compile_ragged): where it fails
-        (FlexAttention's first compile on a new device, say) the runner keeps its padded graphs
-        and path, with a warning, and serves."""
+        """capture_ragged at warmup (without graphs, compile_ragged), then, where something was
+        compiled, a catch-up checked against the padded path's (ragged_rel_err). Where either
+        fails (FlexAttention's first compile on a new device, a kernel that computes wrong) the
+        runner keeps its padded graphs and path, with a warning, and serves."""
         try:
-            return self.capture_ragged(progress)[1] if self.graphs is not None else self.compile_ragged(progress)
+            if self.graphs is None and self._forward.attention() is flex_attention:
+                return 0.0  # the eager attention: nothing compiles, nothing new to check
+            start = time.perf_counter()
+            if self.graphs is not None:
+                self.capture_ragged(progress)
+            else:
+                self.compile_ragged(progress)
+            if (err := self.ragged_rel_err()) > RAGGED_TOLERANCE:
+                raise ValueError(f"a catch-up's logits {err:.3f} from the padded path's (over {RAGGED_TOLERANCE})")
+            return time.perf_counter() - start
         except Exception as exc:  # noqa: BLE001 - the padded path is whole: serve on it
             if self.graphs is not None:
                 self.graphs.forget(self._ragged_keys())
@@ -215,12 +228,40 @@ class RaggedExtends:
             log.warning("%s: ragged catch-ups off, their warm-up failed (%r); the padded path serves", self.name, exc)
             return 0.0
 
+    def ragged_rel_err(self, prompt_ids: Sequence[int] | None = None) -> float:
+        """Up to six sessions take a prompt (default: fixed ids), then one catch-up of items of 2
+        to 37 tokens, once ragged and once padded: the relative error of its last logits,
+        ragged against padded. Runs as serving does (its own sessions, closed after; the pass
+        counters as they were), with the runner's ragged settings restored, whatever raises."""
+        cap = self.kv.max_len - 1
+        prompt = list(prompt_ids) if prompt_ids is not None else [(7 * j + 3) % self.vocab_size for j in range(40)]
+        prompt = prompt[: max(1, cap // 2)]
+        n = min(6, self.kv.slots)
+        settings = (self.ragged, self.ragged_if_faster, self.forward_passes, self.eager_passes)
+        logits = {}
+        try:
+            for ragged in (False, True):
+                self.ragged, self.ragged_if_faster = ragged, False
+                sids = [f"ragged-check-{ragged}-{i}" for i in range(n)]
+                try:
+                    for request_id in sids:
+                        self.open(request_id)
+                    self.extend([(r, prompt) for r in sids], last_only=True)
+                    items = [(r, prompt[: min(2 + 7 * i, cap - len(prompt))]) for i, r in enumerate(sids)]
+                    logits[ragged] = torch.stack([e.last for e in self.extend(items, last_only=True)]).float()
+                finally:  # closing one that never opened does nothing
+                    for request_id in sids:
+                        self.close(request_id)
+        finally:
+            self.ragged, self.ragged_if_faster, self.forward_passes, self.eager_passes = settings
+        return float((logits[True] - logits[False]).norm() / logits[False].norm())
+
     def compile_ragged(self, progress: bool = True) -> float:
         """Without graphs (`cuda_graphs=False`): one ragged forward per token bucket, every token
         padding (the scratch column of slot 0), so a compiled attention (CUDA's) compiles now and
         not at each bucket's first catch-up; nothing to do for the eager one. Returns seconds."""
         if self._forward.attention() is flex_attention:
-            return 0.0
+            return 0.0  # eager: nothing to compile
         check_ragged(self.kv.max_len, self.device)
         start = time.perf_counter()
         last = torch.zeros(self.graph_max_rows, dtype=torch.long, device=self.device)
@@ -266,6 +307,15 @@ class RaggedExtends:
         ):
             return None
         return runs
+
+    def _ragged_faster(self, new_ids: list[list[int]], runs: list[slice], padded_ms: float | None) -> bool:
+        """Whether the ragged forwards of `runs` replay faster than the padded layout's forwards
+        (padded_ms: their measured replays summed, inf for an eager forward, None untimed: no
+        graphs). A tie, or nothing timed, keeps the padded path."""
+        if padded_ms is None or self.graphs is None:
+            return False
+        ragged_ms = sum(self.graphs.ms.get(RaggedKey(ragged_bucket(sum(map(len, new_ids[r])))), math.inf) for r in runs)
+        return ragged_ms < padded_ms
 
     def _extend_ragged(self, sessions: list, new_ids: list[list[int]], runs: list[slice]) -> list[Extension]:
         """A ragged forward per run of items: their tokens end to end, padded to a token bucket

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from backoff_core.types import KVSpec, PrefixCacheSpec
 
@@ -52,10 +52,12 @@ class ModelsConfig(FrozenConfig):
     cuda_graphs: bool = Field(
         True, description="static KV on a GPU: replay captured CUDA graphs for steps and short catch-ups"
     )
-    ragged_catch_ups: bool = Field(
-        False,
+    ragged_catch_ups: Literal["auto", "on", "off"] = Field(
+        "auto",
         description="static KV on a GPU: the large model's catch-ups as ragged forwards, their tokens unpadded "
-        "(FlexAttention over the slots; docs/gpu.md). Opt-in until a GPU run has measured it; ignored on the CPU",
+        "(FlexAttention over the slots; docs/gpu.md): auto = with CUDA graphs, each catch-up ragged where its "
+        "replays were timed faster than its padded layout's; on = wherever they apply; off. true/false read as "
+        "on/off. Ignored on the CPU",
     )
     prefix_cache_tokens: int = Field(
         8192,
@@ -85,6 +87,12 @@ class ModelsConfig(FrozenConfig):
         if self.prefix_cache_tokens == 0:
             return None
         return PrefixCacheSpec(self.prefix_cache_tokens, self.prefix_block_tokens)
+
+    @field_validator("ragged_catch_ups", mode="before")
+    @classmethod
+    def _ragged_bool(cls, value):
+        """true / false, the spelling before "auto": on / off."""
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
 
     @model_validator(mode="after")
     def _both_or_neither(self) -> "ModelsConfig":

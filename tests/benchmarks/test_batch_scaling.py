@@ -9,8 +9,9 @@ import torch
 from backoff_core.engine.engine import BackoffEngine
 from backoff_core.runners.dynamic import ModelRunner
 from backoff_core.runners.static import StaticRunner
+from backoff_core.runners.static_ragged import RAGGED_TOLERANCE
 from backoff_core.types import RoutingParams
-from benchmarks.batch_scaling import RAGGED, RAGGED_SUSPECT, ROUTINGS, _ragged, measure, throughput
+from benchmarks.batch_scaling import ROUTINGS, _ragged, measure, ragged_mode, throughput
 from benchmarks.step_overhead import tiny_pair
 
 
@@ -85,11 +86,12 @@ def test_a_row_that_raises_is_reported_and_the_others_are_measured():
     engine = BackoffEngine([ModelRunner(small, "small"), ModelRunner(large, "large")], tokenizer, launcher=launcher)
     waits = {label: 0.0 if wait is None else wait for label, (_, wait, _) in ROUTINGS.items()}
     runs, errors = measure(engine, [5, 6, 7], [1, 4], 6, 1, waits)
-    flying = {label for label, (_, _, flight) in ROUTINGS.items() if flight} - RAGGED
-    assert set(errors) == flying | RAGGED and launcher.launched >= len(flying)
+    ragged = {label for label in ROUTINGS if ragged_mode(label) == "on"}
+    flying = {label for label, (_, _, flight) in ROUTINGS.items() if flight} - ragged
+    assert set(errors) == flying | ragged and launcher.launched >= len(flying)
     assert all("illegal memory access" in errors[label] for label in flying)
-    assert all("need static KV storage" in errors[label] for label in RAGGED)  # ModelRunners here
-    assert set(runs) == set(ROUTINGS) - flying - RAGGED
+    assert all("need static KV storage" in errors[label] for label in ragged)  # ModelRunners here
+    assert set(runs) == set(ROUTINGS) - flying - ragged
     assert all(figures["tok_per_s"] > 0 for row in runs.values() for figures in row.values())
     assert not engine.has_work() and not engine.live_ids() and not engine.flights.busy
 
@@ -104,21 +106,22 @@ def _static_engine():
 
 
 def test_the_ragged_rows_run_m_ls_catch_ups_ragged_and_only_those():
-    """Over static KV (the CPU: no graphs to capture), "random b=0.9, ragged" runs M_L's
-    catch-ups as ragged forwards; every other row, and the engine after measure, padded.
-    measure runs the rows asked for, in that order, handing what it has after each."""
+    """Over static KV (the CPU: no graphs to capture, no timings), ", ragged" rows run M_L's
+    catch-ups as ragged forwards ("on"); ", padded" rows ("off") and the default rows ("auto":
+    ragged only where timed faster, so nowhere without graphs), and the engine after measure,
+    padded. measure runs the rows asked for, in that order, handing what it has after each."""
     engine, runners = _static_engine()
     seen, inner = [], runners[1]._forward.ragged
     runners[1]._forward.ragged = lambda batch: seen.append(batch.input_ids.shape[0]) or inner(batch)
-    rows = {
-        label: ROUTINGS[label] for label in ("random b=0.9", "random b=0.9, ragged", "random b=0.9, ragged, in flight")
-    }
-    for label, (routing, wait, flight) in rows.items():
+    labels = ("random b=0.9", "random b=0.9, padded", "random b=0.9, ragged", "random b=0.9, ragged, in flight")
+    assert [ragged_mode(label) for label in labels] == ["auto", "off", "on", "on"]
+    for label in labels:
+        routing, wait, flight = ROUTINGS[label]
         before = len(seen)
-        _ragged(engine, label in RAGGED)
+        _ragged(engine, ragged_mode(label))
         got = throughput(engine, [5, 6, 7], 8, 12, routing, 1, 40.0 if wait is None else wait, flight)
         assert got["tok_per_s"] > 0
-        assert (len(seen) > before) == (label in RAGGED), label
+        assert (len(seen) > before) == (ragged_mode(label) == "on"), label
     saved, checks = [], {}  # after every row, what is measured so far (the stage saves it then)
     picked = ["random b=0.9, ragged", "always-small"]
     runs, errors = measure(
@@ -139,7 +142,7 @@ def test_a_ragged_forward_that_is_fast_and_wrong_is_flagged_before_its_row_is_ti
     checks = {}
     picked = ["random b=0.9, ragged", "random b=0.9, ragged, in flight"]
     runs, errors = measure(engine, [5, 6, 7], [2], 4, 1, dict.fromkeys(ROUTINGS, 40.0), picked, None, checks)
-    assert checks["ragged_rel_err"] == pytest.approx(2.0, rel=1e-4) and checks["ragged_rel_err"] > RAGGED_SUSPECT
+    assert checks["ragged_rel_err"] == pytest.approx(2.0, rel=1e-4) and checks["ragged_rel_err"] > RAGGED_TOLERANCE
     assert "relative error 2.0000 (over 0.1: suspect)" in capsys.readouterr().out
     assert list(runs) == picked and errors == {}  # checked once, then both rows timed
 
@@ -171,4 +174,5 @@ def test_the_batch_stage_names_rows_that_exist():
     block = re.search(r"rows=\((.*?)\)", script, re.S).group(1)
     labels = re.findall(r'"([^"]+)"', block)
     assert len(labels) == 6 and set(labels) <= set(ROUTINGS)
-    assert labels[0] == "random b=0.9" and RAGGED <= set(labels)  # the goal's row first: a cut-off run keeps it
+    assert labels[0] == "random b=0.9"  # the goal's row first (the default, "auto"): a cut-off run keeps it
+    assert {ragged_mode(label) for label in labels} == {"auto", "off", "on"}  # the default beside both of its choices

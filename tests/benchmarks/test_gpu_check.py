@@ -183,7 +183,7 @@ def test_gpu_check_saves_each_section_as_it_ends_so_a_cut_keeps_them(tmp_path, m
 
     monkeypatch.setattr(gc, "probes", cut)
     monkeypatch.setattr(gc, "ragged_probe", lambda *a: pytest.fail("the stage was cut before it"))
-    runner = types.SimpleNamespace(eager_passes=0, forward_passes=0)
+    runner = types.SimpleNamespace(eager_passes=0, forward_passes=0, ragged=True)
     monkeypatch.setattr(gc, "build", lambda chain, kv: ([runner, runner], {"graphs": [1, 2]}))
     cuda = types.SimpleNamespace(
         synchronize=lambda: None, get_device_name=lambda: "stand-in", memory_reserved=lambda: 0
@@ -195,5 +195,6 @@ def test_gpu_check_saves_each_section_as_it_ends_so_a_cut_keeps_them(tmp_path, m
         gc.main()
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     assert "replay_ms" in written[0]  # saved before the first routing ran
+    assert "ragged_at_load" in written[0] and report["ragged_at_load"] is True  # M_L kept its ragged graphs (auto)
     assert report["generate_many_4x"] and report["step_anatomy"] == {"steps": 1}
     assert report["sharing"].startswith("failed: RuntimeError") and "probes" not in report and "ragged" not in report

@@ -14,7 +14,7 @@ import pytest
 
 from backoff_core.engine.engine import CATCH_UP_WAIT_MS
 from backoff_core.runners.graph_plan import GraphKey
-from backoff_core.runners.static_ragged import RaggedKey
+from backoff_core.runners.static_ragged import RAGGED_TOKENS, RaggedKey
 from benchmarks.gpu_costs import GpuCosts, measured_on
 from benchmarks.gpu_sim import ROUTINGS, build, run_batch, run_sustained, validate
 from benchmarks.gpu_sim_device import FAIR, SimClock, SimLauncher
@@ -92,7 +92,7 @@ def test_what_if_ragged_runs_m_ls_catch_ups_as_ragged_forwards_at_their_buckets_
     padded ones and, priced so, finish sooner."""
     costs = GpuCosts.from_results(RUN3)
     routing = ROUTINGS["random b=0.9"][0]
-    padded, ragged = (run_batch(build(costs, ragged=r), 16, 32, routing) for r in (False, True))
+    padded, ragged = (run_batch(build(costs, ragged=r), 16, 32, routing) for r in ("off", "on"))
     shapes = ragged["large_by_shape"]
     assert shapes and all(name.startswith("ragged ") for name in shapes)
     for name, s in shapes.items():
@@ -100,6 +100,26 @@ def test_what_if_ragged_runs_m_ls_catch_ups_as_ragged_forwards_at_their_buckets_
         assert s["ms"] == pytest.approx(s["count"] * costs.ragged_ms(tokens)) and s["real"] <= s["count"] * tokens
     assert not any(name.startswith("ragged") for name in padded["large_by_shape"])
     assert ragged["large_real_share"] > padded["large_real_share"] and ragged["seconds"] < padded["seconds"]
+
+
+def test_auto_the_default_takes_whichever_its_prices_say():
+    """KVSpec ragged "auto" (build's default, the engine's on CUDA): each catch-up ragged where
+    its ragged forwards are priced lower than its padded layout. At the dense-view estimate
+    (no GPU has timed a ragged forward yet) that is every catch-up ragged, the "on" run's
+    forwards exactly; with ragged forwards priced far dearer, none, and about the padded ("off")
+    run's time (less the k = 16 last-logits graphs whose budget ragged's took: graph_plan)."""
+    costs = GpuCosts.from_results(RUN3)
+    routing = ROUTINGS["random b=0.9"][0]
+
+    def shapes(c, mode):
+        got = run_batch(build(c, ragged=mode), 16, 32, routing)
+        return got["seconds"], {name: s["count"] for name, s in got["large_by_shape"].items()}
+
+    assert shapes(costs, "auto") == shapes(costs, "on")
+    dear = dataclasses.replace(costs, ragged={t: 1e3 for t in RAGGED_TOKENS})
+    seconds, forwards = shapes(dear, "auto")
+    assert forwards and not any(name.startswith("ragged") for name in forwards)
+    assert seconds == pytest.approx(shapes(dear, "off")[0], rel=0.03)
 
 
 def test_catch_ups_in_flight_run_on_m_ls_own_timeline(sim):

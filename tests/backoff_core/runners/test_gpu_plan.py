@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from backoff_core.runners.graph_plan import GRAPH_BUDGET, K_BUCKETS, kinds, length_buckets, plan_keys, row_buckets
+from backoff_core.runners.static_ragged import RAGGED_TOKENS
 from benchmarks.gpu_plan import KV_BUDGET, MAX_LEN, plan
 
 RESULTS = Path(__file__).parents[3] / "benchmarks" / "results" / "gpu"
@@ -39,6 +40,9 @@ def test_plan_fits_the_budgets(computed):
     # M_S's fused copies: per layer q/k/v [576 + 2 * 192, 576] and gate/up [2 * 1536, 576] in bf16
     assert computed["models"]["small"]["fused_gib"] == round(30 * (960 + 3072) * 576 * 2 / 2**30, 3) == 0.13
     assert computed["models"]["large"]["fused_gib"] == 0  # M_L keeps its modules
+    # M_L's ragged catch-ups (KVSpec ragged "auto", the default on CUDA): every token bucket, in the budget
+    assert computed["models"]["large"]["ragged_graphs"] == len(RAGGED_TOKENS)
+    assert computed["models"]["small"]["ragged_graphs"] == 0
 
 
 def test_plan_matches_the_gpu_bench_defaults_and_the_measured_run(computed):
@@ -74,3 +78,20 @@ def test_graph_budget_takes_whole_kinds_in_priority_order():
     assert len(keys) == 7 * 14 * 2  # 7 whole kinds of 28; the 8th would pass 200
     assert {(k.k, k.last_only) for k in keys} == {(k.k, k.last_only) for k in wanted[:7]}
     assert len(plan_keys(64, 1024, 64, wanted, budget=10**6)) == 9 * 28
+
+
+def test_with_ragged_catch_ups_the_long_last_logits_kind_goes_last():
+    """Ragged catch-ups (one graph per token bucket, in the same budget) take the long
+    catch-ups the k = 16 last-logits kind pads: that kind goes after verification's, so at the
+    defaults the budget left (200 - 9) keeps verification's k = 8 and drops it."""
+    wanted = kinds((None,), (True, False), K_BUCKETS, ragged=True)
+    assert [(k.k, k.last_only) for k in wanted] == [(1, True), (2, True), (4, True), (8, True)] + [
+        (4, False),
+        (8, False),
+        (2, False),
+        (16, False),
+        (16, True),
+    ]
+    keys = plan_keys(64, 1024, 64, wanted, budget=GRAPH_BUDGET - len(RAGGED_TOKENS))
+    assert {(k.k, k.last_only) for k in keys} == {(1, True), (2, True), (4, True), (8, True), (4, False), (8, False)}
+    assert kinds((None,), (True,), (1, 2), ragged=True) == kinds((None,), (True,), (1, 2))  # M_S: no k = 16

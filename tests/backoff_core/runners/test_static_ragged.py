@@ -194,6 +194,76 @@ def test_a_failed_ragged_capture_at_warmup_leaves_the_padded_path_serving(model,
     assert run.eager_passes == 0
 
 
+def test_a_ragged_forward_that_computes_wrong_is_turned_off_at_warmup(model, caplog):
+    """Warm-up checks a catch-up ragged against padded (StaticRunner.ragged_rel_err): a kernel
+    that compiles and captures but computes wrong (here its logits negated) turns ragged off
+    with a warning naming the error, and leaves no session, pass or graph of it behind."""
+    run = StaticRunner(model, "large", kv_budget_tokens=8 * 128, max_len=128, ragged=True, ragged_if_faster=True)
+    run.graphs = EagerGraphs(run._forward, run.graph_max_rows, K_BUCKETS[-1])
+    inner = run._forward.ragged
+    run._forward.ragged = lambda batch: -inner(batch)
+    with caplog.at_level("WARNING", logger="backoff_core.runners.static_ragged"):
+        run.warmup(progress=False)
+    assert run.ragged is False and "ragged catch-ups off" in caplog.text and "from the padded path's" in caplog.text
+    assert run.request_ids() == [] and run.forward_passes == run.eager_passes == 0
+    assert not any(isinstance(k, RaggedKey) for k in run.graphs.ms)
+    assert_serves_padded(model, run)
+
+
+def test_a_right_ragged_forward_passes_warmups_check(model):
+    run = ragged_runner(model, graphs=True)
+    assert run.ragged and run.ragged_rel_err() < 1e-5  # float32: the padded path's logits
+    assert run.request_ids() == [] and run.forward_passes == 0
+
+
+def auto_runner(model, cost):
+    """ragged_if_faster (KVSpec ragged "auto") over graphs timed by `cost(key)`, with three sessions."""
+    run = StaticRunner(model, "large", kv_budget_tokens=8 * 128, max_len=128, ragged=True, ragged_if_faster=True)
+    run.graphs = EagerGraphs(run._forward, run.graph_max_rows, K_BUCKETS[-1], cost=cost)
+    run.warmup(progress=False)
+    ref = ModelRunner(model, "ref")
+    for request_id, prompt in zip("abc", PROMPTS):
+        for r in (ref, run):
+            r.open(request_id)
+            r.extend([(request_id, list(prompt))], last_only=True)
+    return run, ref
+
+
+CATCH_UP = [("a", [1, 2, 3]), ("b", [4] * 12), ("c", [5, 6])]  # 17 tokens: a 32-token ragged forward
+
+
+@pytest.mark.parametrize(
+    "ragged_ms, takes",
+    [(0.5, True), (2.0, False), (1.0, False)],
+    ids=["ragged faster", "padded faster", "a tie keeps padded"],
+)
+def test_auto_takes_ragged_where_its_replays_were_timed_faster(model, ragged_ms, takes):
+    """KVSpec ragged "auto": a catch-up runs ragged only where its ragged forwards' measured
+    replays sum to less than the padded layout's (static_layout.choose's cost); a step or full
+    logits never; either way HF's logits."""
+    run, ref = auto_runner(model, lambda key: ragged_ms if isinstance(key, RaggedKey) else 1.0)
+    seen = spy_ragged(run)
+    assert_same(ref, run, CATCH_UP, last_only=True)
+    assert seen == ([32] if takes else [])
+    assert_same(ref, run, [("a", [7]), ("b", [8]), ("c", [9])], last_only=True)  # a step
+    assert_same(ref, run, [("a", [1, 2])])  # full logits
+    assert seen == ([32] if takes else []) and run.eager_passes == 0
+
+
+def test_auto_takes_ragged_where_the_padded_path_has_no_graph(model):
+    """A catch-up whose padded layout has no captured graph (an eager forward: inf) runs ragged
+    however slow its replay was timed; without graphs (nothing timed) auto keeps padded."""
+    run, ref = auto_runner(model, lambda key: 100.0 if isinstance(key, RaggedKey) else 1.0)
+    for key in [k for k in run.graphs.ms if isinstance(k, GraphKey)]:
+        del run.graphs.ms[key]  # untimed: choose finds no layout
+    seen = spy_ragged(run)
+    assert_same(ref, run, CATCH_UP, last_only=True)
+    assert seen == [32] and run.eager_passes == 0
+
+    untimed = StaticRunner(model, "large", kv_budget_tokens=4 * 64, max_len=64, ragged=True, ragged_if_faster=True)
+    assert_serves_padded(model, untimed)
+
+
 def test_past_the_largest_bucket_runs_of_items_each_take_a_forward(model):
     """Items end to end past the largest bucket: runs of consecutive items, a ragged forward
     each, HF's logits for all. An item longer than the largest bucket, or more items than the
@@ -253,7 +323,9 @@ def test_without_graphs_warmup_compiles_every_bucket_and_catch_ups_compile_nothi
     run._forward._flex = torch.compile(flex_attention, dynamic=False, fullgraph=True)
     seen = spy_ragged(run)
     graphs, seconds = run.warmup(progress=False)
-    assert (graphs, seen) == (0, [32, 64, 128]) and seconds > 0 and run.ragged
+    # a forward a bucket, then warm-up's check: two sessions' prompts (62 tokens), a catch-up of 11
+    assert (graphs, seen) == (0, [32, 64, 128, 64, 32]) and seconds > 0 and run.ragged
+    assert run.forward_passes == 0 and run.request_ids() == []  # the check leaves no trace
     compiled = counters["stats"]["unique_graphs"]
     assert compiled == 3
     ref = ModelRunner(model, "ref")
@@ -262,7 +334,7 @@ def test_without_graphs_warmup_compiles_every_bucket_and_catch_ups_compile_nothi
         run.open(request_id)
     assert_same(ref, run, [("a", list(range(1, 9))), ("b", list(range(2, 40)))], last_only=True)  # 46: 64
     assert_same(ref, run, [("a", [5, 6]), ("b", [7])], last_only=True)  # 3: 32
-    assert seen[3:] == [64, 32] and counters["stats"]["unique_graphs"] == compiled
+    assert seen[5:] == [64, 32] and counters["stats"]["unique_graphs"] == compiled
 
 
 def test_a_failed_compile_at_warmup_without_graphs_leaves_the_padded_path_serving(model, caplog):

@@ -12,7 +12,7 @@ import yaml
 from pydantic import ValidationError
 from ray.serve.schema import ServeDeploySchema
 
-from backoff_core.types import CatchUp, FinishReason, GenerationResult, Timings
+from backoff_core.types import CatchUp, FinishReason, GenerationResult, KVSpec, Timings
 from clients.wire.types import ChatMessage, GenerateParams
 from deployments import serve_cli
 from deployments.affinity import rendezvous
@@ -98,15 +98,32 @@ def test_static_kv_settings_reach_the_models_config():
         ModelsConfig(kv_budget_tokens=1000, kv_max_len=1024, static_kv=True)
 
 
-def test_ragged_catch_ups_reach_the_kv_spec_and_stay_off_by_default(pair):
+@pytest.mark.parametrize(
+    "argv, mode",
+    [
+        ([], "auto"),
+        (["--ragged-catch-ups"], "on"),
+        (["--ragged-catch-ups", "off"], "off"),
+        (["--ragged-catch-ups", "auto"], "auto"),
+    ],
+)
+def test_ragged_catch_ups_reach_the_kv_spec_auto_by_default(pair, argv, mode):
     base = yaml.safe_load(DEFAULT_CONFIG.read_text())
-    models = ModelsConfig.model_validate(
-        apply_overrides(base, _parser().parse_args([]))["applications"][0]["args"]["models"]
-    )
-    assert models.ragged_catch_ups is False and models.kv_spec(pair[1]).ragged is False
-    args = _parser().parse_args(["--ragged-catch-ups", "--kv-budget", "4096", "--kv-max-len", "256"])
+    args = _parser().parse_args(argv + ["--kv-budget", "4096", "--kv-max-len", "256"])
     models = ModelsConfig.model_validate(apply_overrides(base, args)["applications"][0]["args"]["models"])
-    assert models.ragged_catch_ups is True and models.kv_spec(pair[1]).ragged is True
+    assert models.ragged_catch_ups == mode and models.kv_spec(pair[1]).ragged == mode
+
+
+def test_ragged_catch_ups_read_the_old_booleans_and_refuse_the_rest():
+    """true / false, the spelling before "auto", read as on / off; anything else is refused, naming the field."""
+    assert ModelsConfig(ragged_catch_ups=True).ragged_catch_ups == "on"
+    assert ModelsConfig(ragged_catch_ups=False).ragged_catch_ups == "off"
+    with pytest.raises(ValidationError, match="ragged_catch_ups"):
+        ModelsConfig(ragged_catch_ups="sometimes")
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["--ragged-catch-ups", "sometimes"])
+    with pytest.raises(ValueError, match="ragged must be one of auto, on, off"):
+        KVSpec(1024, 256, ragged=True)
 
 
 @pytest.mark.parametrize(

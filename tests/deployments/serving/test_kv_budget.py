@@ -5,6 +5,7 @@ of static slots is tested with the StaticRunner (test_static_runner.py)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from backoff_core.engine.engine import BackoffEngine
 from backoff_core.runners.dynamic import ModelRunner
@@ -178,15 +179,18 @@ def test_batcher_refuses_a_new_session_when_static_storage_has_no_free_slot(pair
     assert kv_tokens(runner) == 64
 
 
-def test_ragged_catch_ups_are_the_larger_models_and_cuda_only(pair, caplog):
-    """KVSpec.ragged: M_S never (one token a row pads nothing); M_L on the CPU stays padded,
-    with a warning (FlexAttention would run eagerly there, materialising every score)."""
-    kv = KVSpec(budget_tokens=4 * 128, max_len=128, ragged=True)
+@pytest.mark.parametrize("mode, warns", [("on", True), ("auto", False), ("off", False)])
+def test_ragged_catch_ups_are_the_larger_models_and_cuda_only(pair, caplog, mode, warns):
+    """KVSpec.ragged: M_S never (one token a row pads nothing); M_L on the CPU stays padded
+    (FlexAttention would run eagerly there, materialising every score), with a warning where
+    "on" asked for them; "auto", the default, says nothing."""
+    kv = KVSpec(budget_tokens=4 * 128, max_len=128, ragged=mode)
     small = make_runner(pair[0], "small", kv, small=True)
     with caplog.at_level("WARNING", logger="backoff_core.runners.factory"):
         large = make_runner(pair[1], "large", kv)
     assert isinstance(large, StaticRunner) and small.ragged is False and large.ragged is False
-    assert "ragged catch-ups need CUDA" in caplog.text
+    assert ("ragged catch-ups need CUDA" in caplog.text) is warns
+    assert KVSpec(budget_tokens=4 * 128, max_len=128).ragged == "auto"
 
 
 def test_backoff_serve_prints_auto_and_takes_a_budget_and_storage():
@@ -224,3 +228,26 @@ def test_the_small_models_budget_refuses_new_requests_and_never_evicts_a_live_on
     alone = engine_for(pair, tokenizer)
     assert [engine.finish(request_id).token_ids for request_id in rids] == [alone.generate(r).token_ids for r in reqs]
     engine.generate(request([9, 9], max_tokens=4))  # room again once they ended
+
+
+@pytest.mark.parametrize(
+    "mode, max_len, graphs, small, want",
+    [
+        ("auto", 1024, True, False, True),
+        ("auto", 1000, True, False, False),  # FlexAttention's blocks of 128 must fill a slot: padded
+        ("auto", 1024, False, False, False),  # no graphs, nothing timed to choose by: padded
+        ("on", 1024, False, False, True),
+        ("off", 1024, True, False, False),
+        ("auto", 1024, True, True, False),  # M_S: one token a row pads nothing
+    ],
+)
+def test_where_a_cuda_model_gets_ragged_catch_ups(mode, max_len, graphs, small, want):
+    """factory._ragged on a CUDA model (its device is all it reads): "auto" needs CUDA graphs and
+    a max_len of whole blocks, and turns off quietly without them; "on" is the runner's to refuse."""
+    from types import SimpleNamespace
+
+    from backoff_core.runners.factory import _ragged
+
+    model = SimpleNamespace(parameters=lambda: iter([SimpleNamespace(device=torch.device("cuda"))]))
+    kv = KVSpec(budget_tokens=4 * max_len, max_len=max_len, cuda_graphs=graphs, ragged=mode)
+    assert _ragged(kv, model, "large", small) is want
