@@ -169,7 +169,8 @@ def measure(
 
 
 def _ragged(engine, mode: str, prompt_ids=(), checks: dict | None = None) -> None:
-    """M_L's catch-ups as KVSpec.ragged `mode` has them: "off" padded; "auto" ragged where its
+    """M_L's catch-ups as KVSpec.ragged `mode` has them: "off" padded (over the padded plan an
+    "off" runner captures: the graphs the ragged ones displaced are added); "auto" ragged where its
     captured graphs were timed faster (padded without graphs, or where the load's warm-up
     turned them off); "on" ragged wherever they apply, its graphs captured if the load did not.
     The first time they may run ragged (with `checks`), a ragged catch-up's logits are put
@@ -182,6 +183,8 @@ def _ragged(engine, mode: str, prompt_ids=(), checks: dict | None = None) -> Non
     captured = large.graphs is not None and any(isinstance(key, RaggedKey) for key in large.graphs.ms)
     if mode == "off" or (mode == "auto" and not captured):
         large.ragged = False
+        if mode == "off" and (seconds := large.capture_padded()):  # the graphs ragged's had displaced
+            print(f"{large.name}: the padded plan's k = 16 graphs captured and timed in {seconds:.1f} s")
         return
     if large.graphs is not None and not captured:
         graphs, seconds = large.capture_ragged()

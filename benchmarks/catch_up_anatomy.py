@@ -87,6 +87,7 @@ def record_forwards(runner) -> list[dict]:
         real = positions != scratch
         log.append(
             {
+                "ragged": True,
                 "dense": False,
                 "rows": 1,
                 "k": key.tokens,
@@ -118,7 +119,11 @@ def summarise(log: list[dict]) -> dict:
     real = sum(f["real"] for f in log)
     by_shape = collections.defaultdict(lambda: {"count": 0, "ms": 0.0, "real": 0, "items": 0})
     for f in log:
-        name = f"{'dense' if f['dense'] else 'gather'} {f['rows']}x{f['k']} L{f['L']}" if f["L"] else f"ragged {f['k']}"
+        name = (
+            f"ragged {f['k']}"
+            if f.get("ragged")
+            else f"{'dense' if f['dense'] else 'gather'} {f['rows']}x{f['k']} L{f['L']}"
+        )
         s = by_shape[name]
         s["count"] += 1
         s["ms"] += f["ms"]

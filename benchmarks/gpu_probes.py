@@ -164,7 +164,7 @@ def replay_table(runner: StaticRunner) -> list[dict]:
 
 @torch.inference_mode()
 def ragged_probe(runner: StaticRunner, prompt_ids: list[int]) -> dict:
-    """M_L's ragged forwards (static_ragged.py, opt-in): one graph per token bucket captured
+    """M_L's ragged forwards (static_ragged.py; `auto` by default): one graph per token bucket captured
     (compiling FlexAttention) and timed (`replay_ms`, gpu_sim's price of them), beside the
     dense view of as many token slots at the shortest L (`dense_ms`: the estimate before).
     Timed on the capture's inputs, every token at the scratch column: one key block each, as

@@ -1,10 +1,11 @@
 """Catch-ups in flight on one GPU: the simulated 64-streams-vs-one ratio over a grid of how
 much M_S's steps and a flight's M_L forward slow each other side by side.
 
-    python benchmarks/gpu_sim_sharing.py                  # the grid at the H100's measured costs
+    python benchmarks/gpu_sim_sharing.py                  # the grid at the H100's measured costs, padded
     python benchmarks/gpu_sim_sharing.py --slowdowns 1 1.5 2 --repeats 1
     python benchmarks/gpu_sim_sharing.py --unpadded       # M_L's forwards without padding (not built)
-    python benchmarks/gpu_sim_sharing.py --ragged         # M_L's catch-ups ragged (built, opt-in)
+    python benchmarks/gpu_sim_sharing.py --ragged         # M_L's catch-ups ragged (the default's choice
+                                                          # at these prices: KVSpec ragged "auto")
 
 gpu_sim.py --what-if shared prices one pair of slowdowns (a, b): gpu_check.json's `sharing`
 probe where a run measured it, else fair sharing (2, 2). Before a GPU has measured them,

@@ -43,12 +43,12 @@ from transformers import PreTrainedModel
 
 from backoff_core.runners.cuda_graphs import CudaGraphs
 from backoff_core.runners.extension import Extension
-from backoff_core.runners.graph_plan import GRAPH_BUDGET, K_BUCKETS, kinds, length_buckets, plan_keys
+from backoff_core.runners.graph_plan import GRAPH_BUDGET, K_BUCKETS, GraphKey, kinds, length_buckets, plan_keys
 from backoff_core.runners.prefix_cache import PrefixCache, PrefixCaching
 from backoff_core.runners.scoring import Scoring, per_item, score_rows
 from backoff_core.runners.static_forward import Batch, StaticForward, check_supported
 from backoff_core.runners.static_kv import KVCapacityError, StaticKV, next_power_of_two
-from backoff_core.runners.static_layout import Plan, blocks, choose, lay_out, read_out
+from backoff_core.runners.static_layout import Layout, Plan, blocks, choose, lay_out, read_out
 from backoff_core.runners.static_ragged import RaggedExtends, check_ragged
 from backoff_core.runners.static_slots import SlotSession, SlotSessions
 from backoff_core.types import PrefixCacheSpec
@@ -148,17 +148,10 @@ class StaticRunner(PrefixCaching, RaggedExtends, SlotSessions):
         token a step, or two after a fully accepted draft: ks=(1, 2), last_only=(True,)."""
         if self.graphs is None:  # a compiled ragged attention still compiles now (compile_ragged)
             return 0, self._warm_ragged(progress) if self.ragged else 0.0
-        wanted = kinds([self._layer(n) for n in hidden_layers], last_only, ks, ragged=self.ragged)
-        ragged = self._ragged_keys() if self.ragged else []
-        keys = plan_keys(self.kv.slots, self.kv.max_len, self.graph_max_rows, wanted, budget - len(ragged))
+        self._wanted = ([self._layer(n) for n in hidden_layers], last_only, ks, budget)
         with self._lock:
-            seconds = self.graphs.capture(keys, progress)
-            captured: dict[tuple[bool, int | None], set[int]] = {}
-            for key in keys:
-                captured.setdefault((key.last_only, key.hidden_layer), set()).add(key.k)
-            self._captured_ks = {v: tuple(sorted(ks)) for v, ks in captured.items()}
-            seconds += self.graphs.time_replays(keys)  # what static_layout.choose weighs
-            if ragged:  # after the others: a first compile of FlexAttention that fails costs them nothing
+            seconds = self._capture_planned(self.ragged, progress)
+            if self.ragged:  # after the others: a first compile of FlexAttention that fails costs them nothing
                 seconds += self._warm_ragged(progress)
         if progress:
             print(
@@ -166,6 +159,32 @@ class StaticRunner(PrefixCaching, RaggedExtends, SlotSessions):
                 f"({self.kv.slots} slots x {self.kv.max_len} positions, {self.kv.nbytes() / 2**30:.2f} GiB KV)"
             )
         return len(self.graphs), seconds
+
+    def _capture_planned(self, ragged: bool, progress: bool = False) -> float:
+        """Capture and time warmup's plan of padded graphs (with ragged ones beside them, the
+        budget less theirs and the k = 16 last-logits kind last: graph_plan.kinds); what is
+        captured already stays. Returns seconds."""
+        layers, last_only, ks, budget = self._wanted
+        wanted = kinds(layers, last_only, ks, ragged=ragged)
+        spare = budget - (len(self._ragged_keys()) if ragged else 0)
+        keys = plan_keys(self.kv.slots, self.kv.max_len, self.graph_max_rows, wanted, spare)
+        seconds = self.graphs.capture(keys, progress)
+        captured: dict[tuple[bool, int | None], set[int]] = {}
+        for key in self.graphs.ms.keys() | set(keys):
+            if isinstance(key, GraphKey):
+                captured.setdefault((key.last_only, key.hidden_layer), set()).add(key.k)
+        self._captured_ks = {variant: tuple(sorted(got)) for variant, got in captured.items()}
+        return seconds + self.graphs.time_replays(keys)  # what static_layout.choose weighs
+
+    def capture_padded(self, progress: bool = False) -> float:
+        """The padded plan of a runner without ragged catch-ups (the k = 16 last-logits kind that
+        the ragged graphs' budget displaced): captured and timed where warmup's plan left it out.
+        Called when ragged goes off after warmup (its check failed; a benchmark's padded rows).
+        Returns seconds (0: nothing to do)."""
+        if self.graphs is None or not hasattr(self, "_wanted"):
+            return 0.0
+        with self._lock:
+            return self._capture_planned(False, progress)
 
     def _ks(self, last_only: bool, layer: int | None) -> tuple[int, ...]:
         """The k an extend may be bucketed to: those captured for its variant (k = 1's logits
@@ -209,36 +228,32 @@ class StaticRunner(PrefixCaching, RaggedExtends, SlotSessions):
                 self._remember(sessions, new_ids)
                 return out
             runs = self._ragged_runs(new_ids, layer, last_only)
+            layout, padded_ms = None, None
             if runs is None or self.ragged_if_faster:
-                plans, padded_ms = self._plans(sessions, new_ids, layer, last_only)
-                if runs is not None and not self._ragged_faster(new_ids, runs, padded_ms):
-                    runs = None
-            if runs is not None:
+                layout, padded_ms = self._layout(sessions, new_ids, layer, last_only)
+            if runs is not None and (not self.ragged_if_faster or self._ragged_faster(new_ids, runs, padded_ms)):
                 out = self._extend_ragged(sessions, new_ids, runs)
             else:
+                plans = self._plans(sessions, new_ids, layer, last_only, layout)
                 out = self._extend_plans(sessions, new_ids, layer, last_only, plans)
             self._remember(sessions, new_ids)
             return out
 
-    def _plans(
+    def _layout(
         self, sessions: list[SlotSession], new_ids: list[list[int]], layer: int | None, last_only: bool
-    ) -> tuple[list[tuple[Plan, slice]], float | None]:
-        """The forwards of an extend, the items each holds, and their measured replay ms: one row
-        per item (an M_S step, every extend without graphs: None, untimed), or the fastest
-        captured layout (static_layout.choose: blocks of k, or the dense view), or, with none in
-        MAX_FORWARDS forwards, one eager forward (a long prompt prefill, compute-bound there
-        anyway; inf)."""
+    ) -> tuple[Layout | None, float | None]:
+        """The padded forwards an extend would run, and their measured replay ms summed: the
+        fastest captured layout (static_layout.choose: blocks of k, or the dense view); None with
+        one row per item: an M_S step or any extend without graphs (None: untimed), or, with no
+        layout in MAX_FORWARDS forwards, one eager forward (a long prompt prefill,
+        compute-bound there anyway: inf)."""
         n = len(new_ids)
-        k_max = max(map(len, new_ids))
-        if self.graphs is None or k_max == 1:
-            return [(self._plan(sessions, new_ids, layer, last_only), slice(0, n))], None
-        held = np.fromiter((s.length for s in sessions), np.int64, n)
-        slot = np.fromiter((s.slot for s in sessions), np.int64, n)
-        counts = np.fromiter(map(len, new_ids), np.int64, n)
+        if self.graphs is None or max(map(len, new_ids)) == 1:
+            return None, None
         layout = choose(
-            held,
-            slot,
-            counts,
+            np.fromiter((s.length for s in sessions), np.int64, n),
+            np.fromiter((s.slot for s in sessions), np.int64, n),
+            np.fromiter(map(len, new_ids), np.int64, n),
             ks=self._ks(last_only, layer),
             cost=self.graphs.ms.get,
             length_buckets=self.length_buckets,
@@ -248,12 +263,24 @@ class StaticRunner(PrefixCaching, RaggedExtends, SlotSessions):
             layer=layer,
             last_only=last_only,
         )
-        if layout is None:  # one eager forward, one row per item (the dense rule of lay_out)
-            return [(self._plan(sessions, new_ids, layer, last_only), slice(0, n))], math.inf
-        if layout.dense:
-            return [(self._plan(sessions, new_ids, layer, last_only, dense=True), slice(0, n))], layout.cost
-        plans = blocks(held, slot, new_ids, counts, layout, self.length_buckets, self.kv.scratch, layer, last_only)
-        return plans, layout.cost
+        return layout, (math.inf if layout is None else layout.cost)
+
+    def _plans(
+        self,
+        sessions: list[SlotSession],
+        new_ids: list[list[int]],
+        layer: int | None,
+        last_only: bool,
+        layout: Layout | None,
+    ) -> list[tuple[Plan, slice]]:
+        """The forwards of an extend (its `_layout`) and the items each holds."""
+        n = len(new_ids)
+        if layout is None or layout.dense:  # one row per item: lay_out's rule, or the dense view
+            return [(self._plan(sessions, new_ids, layer, last_only, dense=True if layout else None), slice(0, n))]
+        held = np.fromiter((s.length for s in sessions), np.int64, n)
+        slot = np.fromiter((s.slot for s in sessions), np.int64, n)
+        counts = np.fromiter(map(len, new_ids), np.int64, n)
+        return blocks(held, slot, new_ids, counts, layout, self.length_buckets, self.kv.scratch, layer, last_only)
 
     def _extend_plans(
         self,

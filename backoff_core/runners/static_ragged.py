@@ -1,5 +1,6 @@
-"""Ragged extends: an extend's new tokens flat, without padding to rows (opt-in, M_L's
-catch-ups: StaticRunner(ragged=True)).
+"""Ragged extends: an extend's new tokens flat, without padding to rows (M_L's catch-ups:
+StaticRunner(ragged=True); KVSpec ragged "auto", the default on CUDA, takes them per catch-up
+where their replays were timed faster than the padded layout's, ragged_if_faster).
 
 The blocks layout (static_layout.py) pads each item's tokens to rows of k, the rows to a power
 of two, and gathers a copy of each row's slot for its attention: on the H100 at b=0.9 a third
@@ -20,8 +21,10 @@ positions. No gathered copies, no length bucket, no rows.
 
 On CUDA the attention is torch.compile(flex_attention) (Triton kernels, compiled at warm-up
 and captured in the graph); elsewhere the eager flex_attention, which materialises the whole
-score matrix: right for tests over tiny models, not a CPU path for real ones (the runner
-keeps its blocks layout there unless asked). Nothing reads a device value to the host, so a
+score matrix: right for tests over tiny models, not a CPU path for real ones (the factory
+keeps the blocks layout there). Replays are timed at load on the capture's inputs, every query
+reading one key block; a catch-up over long contexts reads more, but at the 8B shape its
+attention is ~1% of the forward's work (docs/gpu.md), so `auto` chooses on the rest. Nothing reads a device value to the host, so a
 CUDA graph can capture it (test_capture_safety.py).
 """
 
@@ -189,7 +192,7 @@ def ragged_attention(
 
 
 class RaggedExtends:
-    """StaticRunner's ragged extends (a mixin: `ragged`, `graphs`, `graph_max_rows`, `kv`,
+    """StaticRunner's ragged extends (a mixin: `ragged`, `ragged_if_faster`, `graphs`, `graph_max_rows`, `kv`,
     `_forward` and the pass counters are the runner's)."""
 
     def capture_ragged(self, progress: bool = True) -> tuple[int, float]:
@@ -209,7 +212,8 @@ class RaggedExtends:
         """capture_ragged at warmup (without graphs, compile_ragged), then, where something was
         compiled, a catch-up checked against the padded path's (ragged_rel_err). Where either
         fails (FlexAttention's first compile on a new device, a kernel that computes wrong) the
-        runner keeps its padded graphs and path, with a warning, and serves."""
+        runner keeps its padded graphs and path, with a warning, and serves; its padded plan
+        then gets back the graphs the ragged ones had displaced (capture_padded)."""
         try:
             if self.graphs is None and self._forward.attention() is flex_attention:
                 return 0.0  # the eager attention: nothing compiles, nothing new to check
@@ -226,18 +230,20 @@ class RaggedExtends:
                 self.graphs.forget(self._ragged_keys())
             self.ragged = False
             log.warning("%s: ragged catch-ups off, their warm-up failed (%r); the padded path serves", self.name, exc)
-            return 0.0
+            return self.capture_padded(progress)  # the padded graphs the ragged ones had displaced
 
     def ragged_rel_err(self, prompt_ids: Sequence[int] | None = None) -> float:
         """Up to six sessions take a prompt (default: fixed ids), then one catch-up of items of 2
         to 37 tokens, once ragged and once padded: the relative error of its last logits,
-        ragged against padded. Runs as serving does (its own sessions, closed after; the pass
-        counters as they were), with the runner's ragged settings restored, whatever raises."""
+        ragged against padded (raises if the catch-up would not run ragged). Runs as serving
+        does (its own sessions, closed after; the pass and eviction counters as they were; after
+        load, idle sessions of a runner that evicts may be evicted for its slots), with the
+        runner's ragged settings restored, whatever raises."""
         cap = self.kv.max_len - 1
         prompt = list(prompt_ids) if prompt_ids is not None else [(7 * j + 3) % self.vocab_size for j in range(40)]
         prompt = prompt[: max(1, cap // 2)]
         n = min(6, self.kv.slots)
-        settings = (self.ragged, self.ragged_if_faster, self.forward_passes, self.eager_passes)
+        settings = (self.ragged, self.ragged_if_faster, self.forward_passes, self.eager_passes, self.evictions)
         logits = {}
         try:
             for ragged in (False, True):
@@ -248,12 +254,14 @@ class RaggedExtends:
                         self.open(request_id)
                     self.extend([(r, prompt) for r in sids], last_only=True)
                     items = [(r, prompt[: min(2 + 7 * i, cap - len(prompt))]) for i, r in enumerate(sids)]
+                    if ragged and self._ragged_runs([ids for _, ids in items], None, True) is None:
+                        raise ValueError("the check's catch-up has no ragged forward to run (a bucket not captured)")
                     logits[ragged] = torch.stack([e.last for e in self.extend(items, last_only=True)]).float()
                 finally:  # closing one that never opened does nothing
                     for request_id in sids:
                         self.close(request_id)
         finally:
-            self.ragged, self.ragged_if_faster, self.forward_passes, self.eager_passes = settings
+            self.ragged, self.ragged_if_faster, self.forward_passes, self.eager_passes, self.evictions = settings
         return float((logits[True] - logits[False]).norm() / logits[False].norm())
 
     def compile_ragged(self, progress: bool = True) -> float:

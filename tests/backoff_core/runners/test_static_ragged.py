@@ -212,8 +212,56 @@ def test_a_ragged_forward_that_computes_wrong_is_turned_off_at_warmup(model, cap
 
 def test_a_right_ragged_forward_passes_warmups_check(model):
     run = ragged_runner(model, graphs=True)
-    assert run.ragged and run.ragged_rel_err() < 1e-5  # float32: the padded path's logits
+    seen = spy_ragged(run)
+    assert run.ragged and run.ragged_rel_err() < 1e-5 and seen  # float32: the padded path's logits
     assert run.request_ids() == [] and run.forward_passes == 0
+
+
+def test_a_check_with_no_ragged_forward_to_run_fails(model, caplog):
+    """Warm-up's check must run its catch-up ragged: where it would not (a bucket missing), it
+    fails rather than compare the padded path with itself, and ragged goes off."""
+    run = StaticRunner(model, "large", kv_budget_tokens=8 * 128, max_len=128, ragged=True)
+    run.graphs = EagerGraphs(run._forward, run.graph_max_rows, K_BUCKETS[-1])
+    run._ragged_runs = lambda *args: None
+    with caplog.at_level("WARNING", logger="backoff_core.runners.static_ragged"):
+        run.warmup(progress=False)
+    assert run.ragged is False and "no ragged forward to run" in caplog.text
+
+
+# 8 slots x 128: 8 row buckets x one length a kind, 9 kinds (72 graphs); ragged: 3 buckets
+TIGHT = 74
+
+
+def kinds_captured(run) -> set[tuple[int, bool]]:
+    return {(k.k, k.last_only) for k in run.graphs.ms if isinstance(k, GraphKey)}
+
+
+def test_a_tight_budget_gives_ragged_graphs_the_long_last_logits_kind_and_takes_it_back(model, caplog):
+    """Within a budget that holds every padded kind but not the ragged graphs too, warmup drops
+    the k = 16 last-logits kind (graph_plan.kinds(ragged=True)); where ragged then goes off
+    (its check fails here: logits negated), that kind is captured after all, as a runner
+    without ragged catch-ups has it; capture_padded does the same on demand."""
+    padded = StaticRunner(model, "large", kv_budget_tokens=8 * 128, max_len=128)
+    padded.graphs = EagerGraphs(padded._forward, padded.graph_max_rows, K_BUCKETS[-1])
+    padded.warmup(progress=False, budget=TIGHT)
+    assert (16, True) in kinds_captured(padded) and len(padded.graphs) == 72
+
+    run = ragged_runner(model, graphs=False)
+    run.graphs = EagerGraphs(run._forward, run.graph_max_rows, K_BUCKETS[-1])
+    run.warmup(progress=False, budget=TIGHT)
+    assert run.ragged and (16, True) not in kinds_captured(run) and len(run.graphs) == 64 + 3
+    run.ragged = False
+    assert run.capture_padded() >= 0 and kinds_captured(run) == kinds_captured(padded)
+    assert run._ks(True, None) == padded._ks(True, None) == K_BUCKETS
+
+    wrong = StaticRunner(model, "large", kv_budget_tokens=8 * 128, max_len=128, ragged=True, ragged_if_faster=True)
+    wrong.graphs = EagerGraphs(wrong._forward, wrong.graph_max_rows, K_BUCKETS[-1])
+    inner = wrong._forward.ragged
+    wrong._forward.ragged = lambda batch: -inner(batch)
+    with caplog.at_level("WARNING", logger="backoff_core.runners.static_ragged"):
+        wrong.warmup(progress=False, budget=TIGHT)
+    assert wrong.ragged is False and kinds_captured(wrong) == kinds_captured(padded)
+    assert set(wrong.graphs.ms) == set(padded.graphs.ms)
 
 
 def auto_runner(model, cost):
