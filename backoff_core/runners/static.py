@@ -105,6 +105,7 @@ class StaticRunner(PrefixCaching, RaggedExtends, SlotSessions):
         self.graphs = CudaGraphs(self._forward, self.graph_max_rows, K_BUCKETS[-1]) if use_graphs else None
         # (last_only, hidden_layer) -> the k captured for it, ascending (warmup)
         self._captured_ks: dict[tuple[bool, int | None], tuple[int, ...]] = {}
+        self._wanted: tuple | None = None  # warmup's (hidden layers, last_only, ks, budget): capture_padded re-plans
         self.prefix_cache = PrefixCache(prefix_cache or PrefixCacheSpec(0))  # None: off
         # catch-ups (last logits, several tokens) as ragged forwards (static_ragged.py); with
         # graphs, warmup() captures one per token bucket; may change between extends
@@ -181,7 +182,7 @@ class StaticRunner(PrefixCaching, RaggedExtends, SlotSessions):
         the ragged graphs' budget displaced): captured and timed where warmup's plan left it out.
         Called when ragged goes off after warmup (its check failed; a benchmark's padded rows).
         Returns seconds (0: nothing to do)."""
-        if self.graphs is None or not hasattr(self, "_wanted"):
+        if self.graphs is None or self._wanted is None:
             return 0.0
         with self._lock:
             return self._capture_planned(False, progress)
