@@ -21,6 +21,7 @@ import enum
 import functools
 import secrets
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -37,6 +38,18 @@ class Stream(enum.IntEnum):
     ROUTER = 1  # the random router's coin
     ACCEPT = 2  # exact rejection sampling's accept test
     REPLACE = 3  # the token that replaces a rejected one
+
+
+@dataclass(frozen=True)
+class Penalties:
+    """What presence, frequency and repetition penalties read for the penalized rows of a
+    batch, each at its own position (engine/penalties.py builds it from the requests' counts
+    on the device): nothing in it is host data that grows with the sequence."""
+
+    rows: torch.Tensor  # [P] long: the penalized rows' indices in the batch
+    counts: torch.Tensor  # [P, V] float32: how often each id occurs among the row's generated tokens
+    seen: torch.Tensor | None  # [P, V] bool: ids in the row's prompt or generated tokens; None: no row repeats
+    at: tuple[int, ...]  # the same indices as host data: which rows' params apply
 
 
 def distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -74,11 +87,15 @@ def _row(params: SamplingParams, vocab: int) -> tuple[float, float, float, float
 
 
 def distributions(
-    logits: torch.Tensor, params: Sequence[SamplingParams], noise: Sequence[float] | None = None
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    noise: Sequence[float] | None = None,
+    penalties: Penalties | None = None,
 ) -> torch.Tensor:
     """logits: [B, V], one SamplingParams per row -> probabilities [B, V] (float32).
 
-    A row's logit_bias is added first (greedy: the argmax of the biased logits).
+    The penalties apply first (repetition, then presence and frequency), then a row's
+    logit_bias (greedy: the argmax of the penalized, biased logits).
     Every row is a proper distribution whatever finite parameters it has: a temperature
     under the floor is greedy, top-p always keeps the most likely token, and a row whose
     logits are not finite falls back to its argmax over the finite ones.
@@ -86,16 +103,16 @@ def distributions(
     row that `draw` rides along), and which ops run is decided from them on the host:
     nothing here waits for the device.
     """
-    probs, _ = _distributions(logits, params, noise)
+    probs, _ = _distributions(logits, params, noise, penalties)
     return probs
 
 
-def _distributions(logits, params, noise=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _distributions(logits, params, noise=None, penalties=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """-> (probabilities [B, V] float32, the uploaded noise column [B] float64 or None)."""
     logits = torch.nan_to_num(logits.float(), nan=float("-inf"))  # a copy: the bias adds in place
     b, v = logits.shape
-    if any(p.repeated for p in params):
-        _repetition(logits, params)
+    if penalties is not None:
+        _penalize(logits, params, penalties)
     if any(p.logit_bias for p in params):
         _add_bias(logits, params)
     # [B, V]; not F.one_hot, which checks its input's range with a host read on a CPU
@@ -125,14 +142,23 @@ def _upload(triples: list[tuple[int, int, float]], device: torch.device) -> tupl
     return table[0].long(), table[1].long(), table[2].float()
 
 
-def _repetition(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
-    """HF's repetition penalty in place: each row's `repeated` ids' logits / p where positive,
-    * p elsewhere."""
-    rows, ids, penalty = _upload(
-        [(i, t, p.repetition_penalty) for i, p in enumerate(params) for t in p.repeated], logits.device
-    )
-    x = logits[rows, ids]
-    logits.index_put_((rows, ids), torch.where(x > 0, x / penalty, x * penalty))
+def _penalize(logits: torch.Tensor, params: Sequence[SamplingParams], pen: Penalties) -> None:
+    """logits [B, V], in place, at the penalized rows: HF's repetition penalty (a seen id's
+    logit / p where positive, * p elsewhere), then - presence (an id generated at least once)
+    - frequency x its count, in float64 and rounded once, as vLLM applies them."""
+    # [P, 3] float64: repetition, presence, frequency of each penalized row; one upload
+    col = torch.tensor(
+        [(params[i].repetition_penalty, params[i].presence_penalty, params[i].frequency_penalty) for i in pen.at],
+        dtype=torch.float64,
+    ).to(logits.device, non_blocking=True)
+    x = logits.index_select(0, pen.rows)  # [P, V]
+    if pen.seen is not None:
+        p = col[:, 0, None].float()  # [P, 1]; 1.0 divides and multiplies exactly
+        x = torch.where(pen.seen, torch.where(x > 0, x / p, x * p), x)
+    if any(params[i].presence_penalty or params[i].frequency_penalty for i in pen.at):
+        counts = pen.counts.double()
+        x = x - (col[:, 1, None] * (counts > 0) + col[:, 2, None] * counts).float()
+    logits.index_copy_(0, pen.rows, x)
 
 
 def _add_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
@@ -246,14 +272,15 @@ def draw(
     seeds: Sequence[int],
     positions: Sequence[int],
     stream: Stream = Stream.TOKEN,
+    penalties: Penalties | None = None,
 ) -> torch.Tensor:
     """logits: [B, V] -> the token of each row [B] (on the logits' device, not read back:
     the caller reads it with the rest of its stage, engine/host.py), drawn from its own
     distribution at its own (seed, position). One upload (parameters and noise together);
     greedy rows need neither."""
-    if all(p.greedy and not p.logit_bias and not p.repeated for p in params):  # the one-hot's draw: its argmax
+    if penalties is None and all(p.greedy and not p.logit_bias for p in params):  # the one-hot's draw: its argmax
         return argmax_last(logits.float(), nan_lowest=True)
-    probs, u = _distributions(logits, params, draw_noise(seeds, positions, stream))
+    probs, u = _distributions(logits, params, draw_noise(seeds, positions, stream), penalties)
     return _invert(probs, u)
 
 

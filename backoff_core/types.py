@@ -7,11 +7,9 @@ nothing inside `backoff_core` passes dicts. Level 0 is the smallest model, N-1 t
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import enum
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -67,12 +65,12 @@ class SamplingParams:
     # penalties on tokens already in the sequence, as vLLM applies them: repetition (HF's: a
     # seen token's logit / p where positive, * p where not; prompt and generated tokens) first,
     # then presence and frequency (OpenAI's: -presence once a generated token has appeared,
-    # -frequency per time), added with logit_bias. Live.sampling_at turns them into `repeated`
-    # and logit_bias entries at each position (penalizing); sampling.py reads only those.
+    # -frequency per time), then logit_bias. Their counts live on the logits' device, one row
+    # a request, updated by the tokens committed or dropped since its last draw
+    # (engine/penalties.py), so a draw's host work does not grow with the sequence.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    repeated: tuple[int, ...] = ()  # derived (penalizing): the ids the repetition penalty divides
     # log-probabilities of each committed token under its source model's raw distribution
     # (logprobs.py), with this many top alternatives (0..MAX_TOP_LOGPROBS); None: none (free)
     logprobs: int | None = None
@@ -127,17 +125,6 @@ class SamplingParams:
     @property
     def penalized(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty) or self.repetition_penalty != 1.0
-
-    def penalizing(self, tokens: Sequence[int], prompt_len: int) -> SamplingParams:
-        """These params at the position after `tokens` (prompt + generated so far): the
-        penalties as `repeated` ids (repetition: every token) and logit_bias entries (presence
-        and frequency: the generated ones), added to its own bias."""
-        bias = dict(self.logit_bias)
-        if self.presence_penalty or self.frequency_penalty:
-            for t, n in collections.Counter(tokens[prompt_len:]).items():
-                bias[t] = bias.get(t, 0.0) - self.presence_penalty - self.frequency_penalty * n
-        repeated = tuple(sorted(set(tokens))) if self.repetition_penalty != 1.0 else ()
-        return dataclasses.replace(self, logit_bias=tuple(sorted(bias.items())), repeated=repeated)
 
     def banning(self, ids: frozenset[int]) -> SamplingParams:
         """These params with `ids` banned (a bias of -inf over any of theirs): min_tokens' early

@@ -19,6 +19,7 @@ import torch
 from backoff_core.engine.backends import Backend, LargeUnavailable, SessionLost
 from backoff_core.engine.host import to_host
 from backoff_core.engine.isolation import batched, each, fail, reopen
+from backoff_core.engine.penalties import penalties_at
 from backoff_core.engine.prompt import adopt_prefix
 from backoff_core.engine.state import Live
 from backoff_core.runners.extension import Extension, last_rows
@@ -133,11 +134,14 @@ class CatchUpper:
             for r, b, ext in (rows if self.collect_kl else ())
             for j in self._kl_at(level, r, b)
         ]
+        logits = last_rows([ext for _, _, ext in rows])[0]  # [B, V]
+        at = [(r, len(r.tokens)) for r, _, _ in rows]
         token = draw(
-            last_rows([ext for _, _, ext in rows])[0],  # [B, V]
-            [r.sampling_at(len(r.tokens)) for r, _, _ in rows],
+            logits,
+            [r.sampling_at(p) for r, p in at],
             [r.seed for r, _, _ in rows],
-            [len(r.tokens) for r, _, _ in rows],
+            [p for _, p in at],
+            penalties=penalties_at(at, logits),
         )  # [B]
         recorded = kl_divergence(torch.stack([c[1] for c in kls]), torch.stack([c[2] for c in kls])) if kls else None
         read = to_host(token, *([recorded] if kls else []), *self._tests(checks))
@@ -199,7 +203,11 @@ class CatchUpper:
         level_logits = torch.stack([c[2] for c in checks])  # [R, V]
         source_logits = torch.stack([c[3] for c in checks])
         params = [c[0].sampling_at(c[1]) for c in checks]
-        q, p = distributions(level_logits, params), distributions(source_logits, params)
+        penalties = penalties_at([(c[0], c[1]) for c in checks], level_logits)
+        q, p = (
+            distributions(level_logits, params, None, penalties),
+            distributions(source_logits, params, None, penalties),
+        )
         x = torch.tensor([c[0].tokens[c[1]] for c in checks]).to(q.device, non_blocking=True)[:, None]  # [R, 1]
         exact = [c[0].request.routing.verification != Verification.KL for c in checks]
         if all(exact):

@@ -14,6 +14,7 @@ import torch
 from backoff_core.engine.backends import Backend
 from backoff_core.engine.host import to_host
 from backoff_core.engine.isolation import batched, each, reopen
+from backoff_core.engine.penalties import penalties_at
 from backoff_core.engine.state import Live
 from backoff_core.routing.routers import DecisionFunction, StepContext
 from backoff_core.runners.extension import last_rows
@@ -120,7 +121,8 @@ def propose(
     def together(g: Sequence[Live]) -> list[tuple[int, float | None]]:
         logits, _ = small.take([r.request_id for r in g])  # [B, V]
         seeds, positions = [r.seed for r in g], [len(r.tokens) for r in g]
-        tokens = draw(logits, [r.sampling_at(p) for r, p in zip(g, positions)], seeds, positions)
+        params = [r.sampling_at(p) for r, p in zip(g, positions)]
+        tokens = draw(logits, params, seeds, positions, penalties=penalties_at(list(zip(g, positions)), logits))
         groups: dict[DecisionFunction, list[int]] = {}  # router -> its rows of g
         router = g[0].router
         if all_routed and all(r.router is router for r in g):  # the common step: one router for all

@@ -38,6 +38,18 @@ class Waiting(NamedTuple):
 
 
 @dataclass
+class PenaltyCounts:
+    """One penalized request's counts of presence, frequency and repetition penalties, on the
+    logits' device (penalties.py keeps them)."""
+
+    counts: torch.Tensor  # [V] float32: each id's count among tokens[prompt_len:upto]
+    prompt: torch.Tensor  # [V] bool: the prompt's ids (repetition reads them)
+    upto: int  # the position the counts are as of
+    # ids counted but truncated since (a rollback, Live.truncate): subtracted at the next batch
+    dropped: list[int] = field(default_factory=list)
+
+
+@dataclass
 class Live:
     request: GenerationRequest
     request_id: str
@@ -90,12 +102,15 @@ class Live:
     # min_tokens: request.sampling with EOS and the stop ids banned, for the positions before
     # prompt_len + min_tokens (admission.checked; None: no min_tokens)
     early_sampling: SamplingParams | None = None
+    # presence, frequency and repetition penalties' counts on the device (penalties.py; None:
+    # not penalized, or no draw yet)
+    penalty: PenaltyCounts | None = None
 
     def __post_init__(self) -> None:
         self.prompt_len = len(self.request.prompt_ids)
         self.verifies = self.request.routing.verification != Verification.NONE
-        s = self.request.sampling  # the params of every position, unless min_tokens or penalties vary them
-        self.fixed_sampling = s if self.early_sampling is None and not s.penalized else None
+        s = self.request.sampling  # the params of every position, unless min_tokens varies them
+        self.fixed_sampling = s if self.early_sampling is None else None
 
     @property
     def done(self) -> bool:
@@ -107,13 +122,12 @@ class Live:
 
     def sampling_at(self, position: int) -> SamplingParams:
         """The params a token at `position` is drawn (or verified) with: min_tokens bans EOS and
-        the stop ids before prompt_len + min_tokens; penalties read the tokens before it."""
+        the stop ids before prompt_len + min_tokens. Penalties are not in them: they read the
+        tokens before `position` on the device (penalties.py)."""
         if self.fixed_sampling is not None:  # the common case: one attribute read a row
             return self.fixed_sampling
         s = self.request.sampling
-        if self.early_sampling is not None and position < self.prompt_len + s.min_tokens:
-            s = self.early_sampling
-        return s.penalizing(self.tokens[:position], self.prompt_len) if s.penalized else s
+        return self.early_sampling if position < self.prompt_len + s.min_tokens else s
 
     def drafts(self) -> int:
         """Tokens of smaller models committed since the largest model last read the sequence."""
@@ -123,6 +137,9 @@ class Live:
     def truncate(self, position: int) -> int:
         """Drop committed tokens from `position` on; returns how many were dropped."""
         dropped = len(self.tokens) - position
+        if self.penalty is not None and self.penalty.upto > position:  # counted, now gone
+            self.penalty.dropped += self.tokens[position : self.penalty.upto]
+            self.penalty.upto = position
         del self.tokens[position:]
         self.decode_state = None  # its text covered the dropped ids
         del self.sources[position - self.prompt_len :]

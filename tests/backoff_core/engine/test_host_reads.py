@@ -129,6 +129,13 @@ SCENARIOS = {
     ),
     "three levels": (True, True, {}, dict(temperature=1.0, logprobs=0), dict(router="random", thresholds=(0.4, 0.7))),
     "classifier": (True, False, dict(hidden_size=32), {}, dict(router="classifier")),
+    "penalties, draft, exact": (  # counts on the device (penalties.py), rollbacks and earlier positions
+        True,
+        False,
+        {},
+        dict(temperature=1.0, repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2),
+        dict(router="draft", verification=Verification.EXACT),
+    ),
 }
 
 
