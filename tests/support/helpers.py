@@ -36,8 +36,8 @@ def penalized_greedy(model, prompt, n, presence=0.0, frequency=0.0, repetition=1
     ids = list(prompt)
     with torch.no_grad():
         for _ in range(n):
-            logits = model(torch.tensor([ids])).logits[0, -1].float()
-            seen = torch.tensor(sorted(set(ids)))
+            logits = model(torch.tensor([ids], device=model.device)).logits[0, -1].float()
+            seen = torch.tensor(sorted(set(ids)), device=model.device)
             x = logits[seen]
             logits[seen] = torch.where(x > 0, x / repetition, x * repetition)
             for t in set(ids[len(prompt) :]):

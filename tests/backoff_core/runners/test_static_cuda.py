@@ -8,6 +8,8 @@ rehearsed on the CPU always (tests/support/cuda_shapes.py), but for what only a 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -17,9 +19,9 @@ from backoff_core.runners.dynamic import ModelRunner
 from backoff_core.runners.static import KVCapacityError, StaticRunner
 from backoff_core.runners.static_forward import Batch
 from backoff_core.sampling import Stream, sample_rows, uniforms
-from backoff_core.types import Verification
+from backoff_core.types import GenerationRequest, RoutingParams, SamplingParams, Verification
 from tests.support.cuda_shapes import DEVICES, LONG, PROMPTS, SHAPES, cuda_only, rel_err, shaped_model, with_graphs
-from tests.support.helpers import request
+from tests.support.helpers import penalized_greedy, request
 from tests.support.tiny import VOCAB, tiny_model
 
 
@@ -117,6 +119,20 @@ def test_speculative_greedy_is_large_alone(engine, gpu_pair, draft_tokens):
     assert sum(r.rollbacks for r in results) > 0
 
 
+def test_penalized_speculative_greedy_is_large_alone_with_the_penalties(engine, gpu_pair):
+    """Penalties' counts on the device (engine/penalties.py): drafts verified exactly at earlier
+    positions and rolled back give M_L's own penalized greedy decoding, for each request of a
+    batch."""
+    want = [penalized_greedy(gpu_pair[1], p, 16, presence=0.4, frequency=0.3, repetition=1.3) for p in PROMPTS]
+    sampling = SamplingParams(
+        max_tokens=16, ignore_eos=True, presence_penalty=0.4, frequency_penalty=0.3, repetition_penalty=1.3
+    )
+    routing = RoutingParams(router="draft", draft_tokens=3, verification=Verification.EXACT)
+    results = engine.generate_many([GenerationRequest(p, sampling, routing) for p in PROMPTS])
+    assert [r.token_ids for r in results] == want
+    assert sum(r.rollbacks for r in results) > 0
+
+
 def test_batched_equals_alone(engine):
     reqs = [request(p, 12, r, rate=0.5, seed=4) for p in PROMPTS for r in ("random", "always-small", "always-large")]
     alone = [engine.generate(r) for r in reqs]
@@ -170,6 +186,29 @@ def test_catch_ups_in_flight_on_a_side_stream_give_the_synchronous_tokens(device
     assert [r.sources for r in flying] == [r.sources for r in sync]
     assert 0 < sum(r.sources.count(1) for r in flying)
     assert [m.request_ids() for m in engine.models] == [[], []]
+
+
+def test_penalized_catch_ups_in_flight_give_the_synchronous_tokens(device, engine):
+    """Penalties' counts on the device (engine/penalties.py) folded on the flight's side stream
+    and read on the loop's, and the reverse (a fold records the stream that read the counts it
+    frees); on the CPU, folded on the flight's worker thread. Sampled, random routing at 50%:
+    every token the synchronous loop's."""
+    sampling = SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True, frequency_penalty=0.6)
+    routing = RoutingParams(router="random", rate=0.5)
+    reqs = [
+        GenerationRequest(p, dataclasses.replace(sampling, seed=7 + i, repetition_penalty=1.0 + 0.2 * (i % 2)), routing)
+        for i, p in enumerate(PROMPTS * 4)
+    ]
+    sync = engine.generate_many(reqs)
+    engine.overlap_catch_ups = True
+    try:
+        flying = engine.generate_many(reqs)
+        flown = engine.flights.launched
+    finally:
+        engine.overlap_catch_ups = False
+    assert [r.token_ids for r in flying] == [r.token_ids for r in sync]
+    assert 0 < sum(r.sources.count(1) for r in flying)
+    assert flown > 0  # some catch-ups flew
 
 
 def test_catch_ups_in_flight_over_per_session_caches_stay_on_the_loops_stream(gpu_pair, tokenizer):
