@@ -41,7 +41,6 @@ import argparse
 import json
 import statistics
 import sys
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.batch_scaling import plot_scaling  # noqa: E402
 from benchmarks.gpu_costs import GPU_RESULTS, GpuCosts, measured_on  # noqa: E402
 from benchmarks.gpu_sim_device import FAIR, ForwardLog, SimClock, SimGraphs, SimLauncher, instrument  # noqa: E402
+from benchmarks.gpu_sim_report import print_report, validate  # noqa: E402
 from benchmarks.step_overhead import tiny_pair  # noqa: E402
 
 PROMPT_TOKENS = 43  # the batch benchmarks' prompt in the GPU pair's tokenizer (chat template)
@@ -286,18 +286,6 @@ def sustained(sim: Sim, streams: list[int], tokens: int) -> dict:
     return out
 
 
-def validate(rows: dict, measured_path: Path | None) -> dict:
-    """The simulated tok/s over what the GPU run measured, per routing and n."""
-    if measured_path is None or not measured_path.exists():
-        return {}
-    measured = json.loads(measured_path.read_text())["tok_per_s"]
-    return {
-        label: {n: round(cell["tok_per_s"] / measured[label][n], 3) for n, cell in row.items() if n in measured[label]}
-        for label, row in rows.items()
-        if label in measured
-    }
-
-
 def check_shapes(sim: Sim, tokens: int, anatomy_path: Path) -> dict:
     """One run of 64 streams at b=0.9 (engine default) set beside the recorded GPU run's
     M_L forwards (catch_up_anatomy.json): how many, how many real tokens, their share of the
@@ -376,7 +364,7 @@ def main() -> None:
         report["sustained_ms_at_top_n"] = {label: row[top]["ms"] for label, row in kept_busy.items()}
     if args.check:
         report["forwards_vs_gpu_run"] = check_shapes(sim, args.tokens, Path(args.costs) / "catch_up_anatomy.json")
-    _print(report, streams)
+    print_report(report, streams)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = "gpu_sim" + (f"-{args.tag}" if args.tag else "")
@@ -384,34 +372,6 @@ def main() -> None:
     title = "Batch scaling at the H100's measured costs (simulated)"
     plot_scaling(report["tok_per_s"], streams, out / f"{stem}.png", "simulated tokens / s", title)
     print(f"saved {out / stem}.json and .png")
-
-
-def _print(report: dict, streams: list[int]) -> None:
-    print(f"\n{'routing (simulated tok/s)':34s} " + " ".join(f"{'n=' + str(n):>9s}" for n in streams) + "  x n=1")
-    for label, row in report["tok_per_s"].items():
-        cells = " ".join(f"{row[str(n)]:9.0f}" for n in streams)
-        print(f"{label:34s} {cells}  x{report['scaling_vs_n1'][label]:.1f}")
-    if report["sim_over_gpu_run"]:
-        print("\nsimulated (this checkout) / measured by the GPU run (its own checkout)")
-        for label, row in report["sim_over_gpu_run"].items():
-            print(f"{label:34s} " + " ".join(f"{row.get(str(n), float('nan')):9.2f}" for n in streams))
-    for label, cell in report["at_top_n"].items():
-        shapes = Counter({k: v["count"] for k, v in cell["large_by_shape"].items()})
-        print(
-            f"{label}: {cell['steps']} steps, M_L {cell['large_forwards']} forwards {cell['large_ms']:.0f} ms "
-            f"(real {cell['large_real_share']:.0%}), M_S {cell['small_forwards']} forwards {cell['small_ms']:.0f} ms, "
-            f"host {cell['host_ms']:.0f} ms, the drain {cell['drain_share']:.0%} of it; {dict(shapes.most_common(6))}"
-        )
-    if "sustained_tok_per_s" in report:
-        print("\nn streams kept busy (simulated tok/s)")
-        for label, row in report["sustained_tok_per_s"].items():
-            cells = " ".join(f"{row[str(n)]:9.0f}" for n in streams)
-            print(f"{label:34s} {cells}  x{row[str(streams[-1])] / row[str(streams[0])]:.1f}")
-        print(f"where the time went at n={streams[-1]} (ms): {report['sustained_ms_at_top_n']}")
-    if "forwards_vs_gpu_run" in report:
-        print("\nM_L forwards at 64 streams, b=0.9: simulated (this checkout) vs the GPU run (catch_up_anatomy.json)")
-        for label, c in report["forwards_vs_gpu_run"].items():
-            print(f"  {label}: {c['simulated']} vs {c['gpu_run']}")
 
 
 if __name__ == "__main__":
