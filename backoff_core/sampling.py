@@ -18,9 +18,8 @@ the replacement after a rejection.
 from __future__ import annotations
 
 import enum
-import functools
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -78,12 +77,35 @@ def argmax_last(x: torch.Tensor, nan_lowest: bool = False) -> torch.Tensor:
     return torch.from_numpy(best.astype(np.int64, copy=False))
 
 
-@functools.lru_cache(maxsize=4096)
-def _row(params: SamplingParams, vocab: int) -> tuple[float, float, float, float, float]:
+class _ByIdentity:
+    """A cache of `make(obj, *extra)` keyed by obj's identity, not its hash: hashing params with
+    a 300-entry logit_bias for every row of every draw costs what the cache saves. It holds obj,
+    so its id is not reused while cached, and forgets everything past `size` entries. A request
+    draws with the same params objects at every step, so it misses once."""
+
+    def __init__(self, make: Callable, size: int = 4096) -> None:
+        self.make, self.size, self.entries = make, size, {}
+
+    def __call__(self, obj, *extra):
+        key = (id(obj), *extra)
+        hit = self.entries.get(key)
+        if hit is not None and hit[0] is obj:
+            return hit[1]
+        if len(self.entries) >= self.size:  # dict ops are atomic: a flight's thread may call too
+            self.entries.clear()
+        value = self.make(obj, *extra)
+        self.entries[key] = (obj, value)
+        return value
+
+
+def _make_row(params: SamplingParams, vocab: int) -> tuple[float, float, float, float, float]:
     """One row of a batch's parameter upload: (greedy, temperature, top_k, top_p, min_p)."""
     top_k = params.top_k if 0 < params.top_k < vocab else vocab
     temperature = 1.0 if params.greedy else params.temperature
     return (float(params.greedy), temperature, float(top_k), params.top_p, params.min_p)
+
+
+_row = _ByIdentity(_make_row)
 
 
 def distributions(
@@ -135,13 +157,6 @@ def _distributions(logits, params, noise=None, penalties=None) -> tuple[torch.Te
     return torch.where((greedy | bad)[:, None], one_hot, probs), (col[:, 5] if noise is not None else None)
 
 
-def _upload(triples: list[tuple[int, int, float]], device: torch.device) -> tuple[torch.Tensor, ...]:
-    """(row, token id, value) triples -> rows, ids [N] long and values [N] float32 on `device`,
-    in one upload ([3, N] float64: rows and ids, < 2^31, are exact in it)."""
-    table = torch.tensor(triples, dtype=torch.float64).T.to(device, non_blocking=True)
-    return table[0].long(), table[1].long(), table[2].float()
-
-
 def _penalize(logits: torch.Tensor, params: Sequence[SamplingParams], pen: Penalties) -> None:
     """logits [B, V], in place, at the penalized rows: HF's repetition penalty (a seen id's
     logit / p where positive, * p elsewhere), then - presence (an id generated at least once)
@@ -161,10 +176,23 @@ def _penalize(logits: torch.Tensor, params: Sequence[SamplingParams], pen: Penal
     logits.index_copy_(0, pen.rows, x)
 
 
+def _make_bias_table(bias: tuple[tuple[int, float], ...]) -> np.ndarray:
+    """A logit_bias as [2, N] float64 (ids < 2^31 are exact in it): made once per request's
+    bias, up to 300 entries (the edge's cap), not entry by entry at every draw."""
+    return np.array(bias, dtype=np.float64).reshape(-1, 2).T
+
+
+_bias_table = _ByIdentity(_make_bias_table, size=1024)
+
+
 def _add_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
-    """logits [B, V] += each row's logit_bias, in place."""
-    rows, ids, bias = _upload([(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias], logits.device)
-    logits.index_put_((rows, ids), bias, accumulate=True)
+    """logits [B, V] += each row's logit_bias, in place: one upload of [3, N] float64 (row, id,
+    bias), built from each distinct bias's cached arrays, not entry by entry."""
+    at = [i for i, p in enumerate(params) if p.logit_bias]
+    tables = [_bias_table(params[i].logit_bias) for i in at]
+    rows = np.repeat(np.array(at, dtype=np.float64), [t.shape[1] for t in tables])
+    table = torch.from_numpy(np.vstack([rows, np.hstack(tables)])).to(logits.device, non_blocking=True)
+    logits.index_put_((table[0].long(), table[1].long()), table[2].float(), accumulate=True)
 
 
 def _truncate(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

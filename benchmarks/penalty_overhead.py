@@ -1,4 +1,5 @@
-"""Host time per step with presence, frequency and repetition penalties, over a long generation.
+"""Host time per step with presence, frequency and repetition penalties (and a long
+logit_bias), over a long generation.
 
     python benchmarks/penalty_overhead.py     # 64 streams, 512 tokens each: plain vs penalized
 
@@ -9,7 +10,9 @@ step_overhead.py (tiny pair, static KV, forwards replayed, so what is timed is t
 work: engine steps on the thread's CPU clock) at 64 streams, random b=0.9 with the default
 batched catch-ups, sampled at temperature 0.8, once plain and once per penalty, and reports
 the median host ms per step in each quarter of the generation, and each row's last quarter
-over the plain row's (a ratio measured in the same run).
+over the plain row's (a ratio measured in the same run). A logit_bias of 300 ids (the edge's
+cap) does not grow with the length, but was uploaded entry by entry at every draw (sampling.py
+now caches each request's as one array).
 
 Saves benchmarks/results/penalty_overhead.{json,png}. The tiny pair's vocabulary is 512 ids,
 so a sequence has at most 512 distinct ones: a real vocabulary makes a recount dearer still.
@@ -37,6 +40,7 @@ ROWS = {
     "presence + frequency": dict(presence_penalty=0.3, frequency_penalty=0.5),
     "repetition": dict(repetition_penalty=1.1),
     "all three": dict(presence_penalty=0.3, frequency_penalty=0.5, repetition_penalty=1.1),
+    "logit_bias, 300 ids": dict(logit_bias=tuple((t, -1.0) for t in range(10, 310))),  # the edge's cap
 }
 
 
@@ -62,6 +66,12 @@ def run(engine, streams, prompt, tokens, penalties, seed) -> list[tuple[float, f
     for request_id in ids:
         engine.finish(request_id)
     return per_step
+
+
+def _described(params: dict) -> dict:
+    """A row's sampling parameters for the report, a logit_bias by its size."""
+    bias = params.get("logit_bias")
+    return params | ({"logit_bias": f"{len(bias)} ids, {bias[0][1]:+g} each"} if bias else {})
 
 
 def main() -> None:
@@ -104,7 +114,7 @@ def main() -> None:
         "prompt_tokens": args.prompt,
         "tokens": args.tokens,
         "routing": "random b=0.9, batched catch-ups, temperature 0.8",
-        "rows": {name: {**ROWS[name], **row} for name, row in table.items()},
+        "rows": {name: {**_described(ROWS[name]), **row} for name, row in table.items()},
         "load_average": [load, os.getloadavg()[0]],
     }
     (out / "penalty_overhead.json").write_text(json.dumps(report, indent=2))

@@ -307,6 +307,27 @@ def test_logit_bias_is_added_before_temperature_top_k_and_top_p():
     assert tokens.tolist() == [4, 0, 1]  # greedy rows with a bias take its argmax too
 
 
+def test_each_rows_bias_table_is_its_own_past_the_caches_size(monkeypatch):
+    """A bias's [2, N] table and a row's parameters are cached by the object's identity
+    (sampling._ByIdentity): rows with equal but distinct biases, the same object twice, and
+    more distinct biases than the cache holds each add their own entries."""
+    monkeypatch.setattr(sampling._bias_table, "size", 8)
+    monkeypatch.setattr(sampling._row, "size", 8)
+    torch.manual_seed(0)
+    v = 40
+    logits = torch.randn(30, v)
+    rows = [_biased({(3 * i + j) % v: float(j - i) for j in range(1 + i % 5)}, temperature=1.0) for i in range(28)]
+    rows += [rows[0], _biased(dict(rows[0].logit_bias), temperature=1.0)]  # the same object; an equal one
+    dense = torch.zeros(30, v)
+    for i, p in enumerate(rows):
+        for t, b in p.logit_bias:
+            dense[i, t] += b
+    for _ in range(2):  # the second pass reads the cache (or what is left of it)
+        got = distributions(logits, rows)
+        torch.testing.assert_close(got, distributions(logits + dense, [SamplingParams(temperature=1.0)] * 30))
+    assert len(sampling._bias_table.entries) <= 8 and len(sampling._row.entries) <= 8
+
+
 def test_biased_draws_follow_the_biased_distribution():
     logits = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1]))
     params = _biased({0: -100.0, 3: 1.0}, temperature=1.0)

@@ -1,5 +1,5 @@
-"""benchmarks/penalty_overhead.py end to end at a small size: its rows run penalized (the
-tokens differ from the plain row's) and its figures and plot are saved."""
+"""benchmarks/penalty_overhead.py end to end at a small size: its rows run penalized or
+biased (the tokens differ from the plain row's) and its figures and plot are saved."""
 
 from __future__ import annotations
 
@@ -37,5 +37,6 @@ def test_the_rows_run_penalized_and_the_figures_are_saved(tmp_path, monkeypatch)
     assert report["rows"]["plain"]["last_quarter_over_plain"] == 1.0
     assert (tmp_path / "penalty_overhead.png").stat().st_size > 0
     plain = runs[()]
-    for key in (("frequency_penalty", "presence_penalty"), ("repetition_penalty",)):
+    assert report["rows"]["logit_bias, 300 ids"]["logit_bias"] == "300 ids, -1 each"
+    for key in (("frequency_penalty", "presence_penalty"), ("repetition_penalty",), ("logit_bias",)):
         assert runs[key] != plain  # the penalties changed what was drawn
