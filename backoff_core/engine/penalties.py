@@ -25,7 +25,7 @@ def penalties_at(rows: Sequence[tuple[Live, int]], logits: torch.Tensor) -> Pena
     """rows: (request, the position its row of `logits` [B, V] draws at) per row -> the
     penalized rows' counts and seen masks at their positions, None if no row is penalized.
     Brings each request's counts up to its furthest row."""
-    at = tuple(i for i, (r, _) in enumerate(rows) if r.request.sampling.penalized)
+    at = tuple(i for i, (r, _) in enumerate(rows) if r.penalized)
     if not at:
         return None
     vocab, device = logits.shape[-1], logits.device

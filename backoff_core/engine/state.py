@@ -96,6 +96,7 @@ class Live:
     prompt_text: str | None = None
     prompt_len: int = field(init=False)  # len(request.prompt_ids), read several times a step
     verifies: bool = field(init=False)  # request.routing.verification is not NONE (read every step)
+    penalized: bool = field(init=False)  # request.sampling has penalties (read at every draw)
     fixed_sampling: SamplingParams | None = field(init=False)  # sampling_at's answer at every position, or None
     decode_state: tuple | None = None  # Detokenizer's incremental text of the generated ids (incremental.py)
     waiting: Waiting | None = None  # its step waits for a batched catch-up; it does not step meanwhile
@@ -109,6 +110,7 @@ class Live:
     def __post_init__(self) -> None:
         self.prompt_len = len(self.request.prompt_ids)
         self.verifies = self.request.routing.verification != Verification.NONE
+        self.penalized = self.request.sampling.penalized
         s = self.request.sampling  # the params of every position, unless min_tokens varies them
         self.fixed_sampling = s if self.early_sampling is None else None
 
