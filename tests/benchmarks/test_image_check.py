@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -111,14 +112,23 @@ def test_the_files_are_named_by_the_gpu_they_ran_on(tmp_path, gpu, args, tag):
     assert (tmp_path / "out" / f"batch_scaling-{tag}.txt").exists()
 
 
-def _stopped(tmp_path) -> bool:
+def _stopped(tmp_path, grace_s: float = 5.0) -> bool:
     """Every slow stand-in the run started is gone, or dead and not yet reaped (a zombie: its
-    parent was stopped with it, and a container's first process may not reap)."""
-    for pid in (tmp_path / "calls.slow").read_text().split():
-        stat = Path(f"/proc/{pid}/stat")
-        if stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z":
-            return False
-    return True
+    parent was stopped with it, and a container's first process may not reap), within
+    grace_s: the signal reaches it at once, but on a loaded machine it may take a moment to exit."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        alive = [pid for pid in (tmp_path / "calls.slow").read_text().split() if _running(pid)]
+        if not alive or time.monotonic() > deadline:
+            return not alive
+        time.sleep(0.05)
+
+
+def _running(pid: str) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 @pytest.mark.parametrize(
