@@ -48,7 +48,10 @@ class Penalties:
     rows: torch.Tensor  # [P] long: the penalized rows' indices in the batch
     counts: torch.Tensor  # [P, V] float32: how often each id occurs among the row's generated tokens
     seen: torch.Tensor | None  # [P, V] bool: ids in the row's prompt or generated tokens; None: no row repeats
-    at: tuple[int, ...]  # the same indices as host data: which rows' params apply
+    repetition: torch.Tensor | None  # [P, 1] float32: each row's repetition penalty (with seen)
+    # [P, V] float32: presence x (count > 0) + frequency x count, in float64 rounded once; None: neither
+    subtract: torch.Tensor | None
+    at: tuple[int, ...]  # the same indices as host data
 
 
 def distribution(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -134,7 +137,7 @@ def _distributions(logits, params, noise=None, penalties=None) -> tuple[torch.Te
     logits = torch.nan_to_num(logits.float(), nan=float("-inf"))  # a copy: the bias adds in place
     b, v = logits.shape
     if penalties is not None:
-        _penalize(logits, params, penalties)
+        _penalize(logits, penalties)
     if any(p.logit_bias for p in params):
         _add_bias(logits, params)
     # [B, V]; not F.one_hot, which checks its input's range with a host read on a CPU
@@ -157,22 +160,16 @@ def _distributions(logits, params, noise=None, penalties=None) -> tuple[torch.Te
     return torch.where((greedy | bad)[:, None], one_hot, probs), (col[:, 5] if noise is not None else None)
 
 
-def _penalize(logits: torch.Tensor, params: Sequence[SamplingParams], pen: Penalties) -> None:
+def _penalize(logits: torch.Tensor, pen: Penalties) -> None:
     """logits [B, V], in place, at the penalized rows: HF's repetition penalty (a seen id's
-    logit / p where positive, * p elsewhere), then - presence (an id generated at least once)
-    - frequency x its count, in float64 and rounded once, as vLLM applies them."""
-    # [P, 3] float64: repetition, presence, frequency of each penalized row; one upload
-    col = torch.tensor(
-        [(params[i].repetition_penalty, params[i].presence_penalty, params[i].frequency_penalty) for i in pen.at],
-        dtype=torch.float64,
-    ).to(logits.device, non_blocking=True)
+    logit / p where positive, * p elsewhere; 1.0 divides and multiplies exactly), then what
+    presence and frequency subtract, as vLLM applies them. Everything was computed and
+    uploaded with the Penalties, once for every distribution of the batch."""
     x = logits.index_select(0, pen.rows)  # [P, V]
     if pen.seen is not None:
-        p = col[:, 0, None].float()  # [P, 1]; 1.0 divides and multiplies exactly
-        x = torch.where(pen.seen, torch.where(x > 0, x / p, x * p), x)
-    if any(params[i].presence_penalty or params[i].frequency_penalty for i in pen.at):
-        counts = pen.counts.double()
-        x = x - (col[:, 1, None] * (counts > 0) + col[:, 2, None] * counts).float()
+        x = torch.where(pen.seen, torch.where(x > 0, x / pen.repetition, x * pen.repetition), x)
+    if pen.subtract is not None:
+        x = x - pen.subtract
     logits.index_copy_(0, pen.rows, x)
 
 

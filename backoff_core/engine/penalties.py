@@ -56,11 +56,20 @@ def penalties_at(rows: Sequence[tuple[Live, int]], logits: torch.Tensor) -> Pena
         state = states[k]
         if state.counts.shape[0] == vocab:  # not a cut or padded row: that would lose or add ids
             state.counts, state.upto, state.dropped = counts[k], rows[at[k]][1], []
-    seen = None
-    if any(rows[i][0].request.sampling.repetition_penalty != 1.0 for i in at):
+    params = [rows[i][0].request.sampling for i in at]
+    # [P, 4] float64: row, repetition, presence, frequency (rows < 2^31 are exact in it); one upload
+    table = torch.tensor(
+        [(i, s.repetition_penalty, s.presence_penalty, s.frequency_penalty) for i, s in zip(at, params)],
+        dtype=torch.float64,
+    ).to(device, non_blocking=True)
+    seen = repetition = subtract = None
+    if any(s.repetition_penalty != 1.0 for s in params):
         seen = (counts > 0) | _stack([s.prompt for s in states], vocab, device)
-    index = torch.tensor(at).to(device, non_blocking=True)
-    return Penalties(rows=index, counts=counts, seen=seen, at=at)
+        repetition = table[:, 1, None].float()
+    if any(s.presence_penalty or s.frequency_penalty for s in params):
+        exact = counts.double()
+        subtract = (table[:, 2, None] * (exact > 0) + table[:, 3, None] * exact).float()
+    return Penalties(table[:, 0].long(), counts, seen, repetition, subtract, at)
 
 
 def _stack(rows: list[torch.Tensor], vocab: int, device: torch.device) -> torch.Tensor:
