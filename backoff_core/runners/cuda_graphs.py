@@ -121,19 +121,25 @@ class CudaGraphs:
         todo = sorted({k for k in keys if k not in self._graphs and self.fits(k)}, key=lambda k: -k.size)
         start = time.perf_counter()
         for key in tqdm(todo, desc=f"{self.forward.kv.name}: capturing CUDA graphs", disable=not progress):
-            # harmless inputs: every token at the scratch column; dense rows are their slots
-            self.positions.fill_(self.forward.kv.scratch)
-            self.token_slots.zero_()
-            if getattr(key, "dense", False):
-                self.slots.copy_(torch.arange(self.max_rows, device=self.slots.device))
-            else:
-                self.slots.zero_()
-            self.last_col.zero_()
+            self._harmless(key)
             self._graphs[key] = self._record(key)
         if self.ids.is_cuda:
             torch.cuda.synchronize()
         self.positions.fill_(self.forward.kv.scratch)  # the graphs' padding stays harmless
         return time.perf_counter() - start
+
+    def _harmless(self, key: GraphKey | RaggedKey) -> None:
+        """Inputs that write and read nothing of a session: every token at the scratch column;
+        a dense view's rows are its slots, a gathered (or ragged) forward's rows all slot 0.
+        A gathered forward has up to next_power_of_two(slots) rows, so a dense view's slot ids
+        left in the buffer would gather past the storage (on a GPU: a device-side assert)."""
+        self.positions.fill_(self.forward.kv.scratch)
+        self.token_slots.zero_()
+        if getattr(key, "dense", False):
+            self.slots.copy_(torch.arange(self.max_rows, device=self.slots.device))
+        else:
+            self.slots.zero_()
+        self.last_col.zero_()
 
     def _record(self, key: GraphKey | RaggedKey) -> torch.cuda.CUDAGraph:
         if self.pool is None:
@@ -166,11 +172,9 @@ class CudaGraphs:
     @torch.inference_mode()
     def replay_ms(self, key: GraphKey | RaggedKey, repeats: int = 3) -> float:
         """The median GPU time of one replay of a captured graph (CUDA events; a replay
-        first, untimed), on harmless inputs: every token at the scratch column, as after
-        capture. At load (time_replays), never during a step."""
-        self.positions.fill_(self.forward.kv.scratch)
-        self.token_slots.zero_()
-        self.last_col.zero_()
+        first, untimed), on the harmless inputs it was captured on. At load (time_replays),
+        never during a step."""
+        self._harmless(key)
         graph = self._graphs[key]
         graph.replay()
         times = []

@@ -9,10 +9,12 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
+from backoff_core.runners.cuda_graphs import CudaGraphs
 from backoff_core.runners.graph_plan import K_BUCKETS, GraphKey
 from backoff_core.runners.static_layout import choose, lay_out_blocks
-from tests.support.eager_graphs import EagerGraphs, assert_same, both, spy_layouts
+from tests.support.eager_graphs import EagerGraphs, assert_same, both, spy_layouts, static
 from tests.support.gpu_runs import RUN3
 from tests.support.tiny import tiny_model
 
@@ -126,3 +128,33 @@ def test_warmup_times_every_graph_and_extends_follow_the_times():
         assert_same(ref, run, items, **kwargs)
         assert seen == layouts, items
     assert run.eager_passes == 8  # the prefills before the capture only
+
+
+class _Event:
+    """torch.cuda.Event on the CPU: what replay_ms asks of one, with no time passing."""
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        pass
+
+    def record(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end) -> float:
+        return 1.0
+
+
+def test_replays_are_timed_on_the_inputs_their_graphs_were_captured_on(monkeypatch):
+    # 6 slots: gathered forwards of up to 8 rows (the next power of two), dense views of up to 4.
+    # A dense capture leaves its rows' slot ids 0..7 in the buffer; a gathered graph timed on
+    # them would gather slots 6 and 7, past the storage (on a GPU: a device-side assert at load)
+    model = tiny_model(2, hidden=64, layers=2)
+    run = static(model, slots=6)
+    run.graphs = EagerGraphs(run._forward, run.graph_max_rows, max_k=2)
+    run.graphs.capture([GraphKey(True, 4, 1, 128, True, None), GraphKey(False, 8, 1, 128, True, None)], progress=False)
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    for key in sorted(run.graphs._graphs, key=lambda k: not k.dense):  # the dense one first, as a capture may end
+        assert CudaGraphs.replay_ms(run.graphs, key) == 1.0  # the real replay_ms, the body run eagerly
+        assert run.graphs.slots.max() < (run.kv.slots if not key.dense else run.graphs.max_rows)
