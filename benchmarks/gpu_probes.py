@@ -77,8 +77,14 @@ def commonest(graphs, dense: bool, k: int) -> GraphKey:
     """The timed graph of a kind (last logits, no hidden layer) with the most rows, at the
     shortest key length: M_S's step of a full batch (dense, k = 1), or M_L's catch-up of 64
     rows of 8 in blocks (gathered, k = 8; the commonest at 64 streams, catch_up_anatomy)."""
-    keys = [
-        key for key in graphs.ms if key.dense == dense and key.k == k and key.last_only and key.hidden_layer is None
+    keys = [  # M_L's ragged graphs (RaggedKey, captured at load under `auto`) are of no kind here
+        key
+        for key in graphs.ms
+        if isinstance(key, GraphKey)
+        and key.dense == dense
+        and key.k == k
+        and key.last_only
+        and key.hidden_layer is None
     ]
     if not keys:
         raise ValueError(f"no {'dense' if dense else 'gathered'} graph of k={k} was captured and timed")

@@ -91,8 +91,9 @@ def test_gpu_costs_read_the_probes_where_a_run_has_them(tmp_path):
 
 def test_the_sharing_probe_picks_the_full_step_and_the_commonest_catch_up():
     """gpu_check.commonest: the timed graph of a kind with the most rows at the shortest key
-    length (last logits, no hidden layer): M_S's dense k=1 step, M_L's gathered k=8 blocks;
-    none of the kind: a clear error (the probe is then reported as failed)."""
+    length (last logits, no hidden layer): M_S's dense k=1 step, M_L's gathered k=8 blocks,
+    whatever ragged graphs M_L holds beside them; none of the kind: a clear error (the probe
+    is then reported as failed)."""
 
     class Timed:
         def __init__(self, keys):
@@ -106,6 +107,8 @@ def test_the_sharing_probe_picks_the_full_step_and_the_commonest_catch_up():
         GraphKey(False, 64, 8, 256, True, None),
         GraphKey(False, 64, 8, 256, False, None),  # full logits
         GraphKey(True, 64, 8, 256, True, None),
+        RaggedKey(512),  # M_L's ragged graphs, timed beside the padded ones under `auto` (the default on CUDA)
+        RaggedKey(32),
     ]
     assert commonest(Timed(keys), True, 1) == GraphKey(True, 64, 1, 256, True, None)
     assert commonest(Timed(keys), False, 8) == GraphKey(False, 64, 8, 256, True, None)
