@@ -11,6 +11,7 @@ import dataclasses
 import enum
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
 class Verification(str, enum.Enum):
@@ -241,10 +242,13 @@ class GenerationRequest:
             raise ValueError("the prompt must contain at least one token")
 
 
-@dataclass(frozen=True)
-class Logprob:
+class Logprob(NamedTuple):
     """A token and its log-probability under the raw next-token distribution (log_softmax
-    of the logits at temperature 1) of the model that produced the step's token."""
+    of the logits at temperature 1) of the model that produced the step's token.
+
+    A NamedTuple, as TokenLogprobs: a request keeps 1 + logprobs of them a token for its life
+    (~200 k at 64 streams, 512 tokens and logprobs 5), built once each in the step loop; a
+    tuple is built ~3x faster than a frozen dataclass and holds no instance dict."""
 
     token_id: int
     token: str  # the token alone as text; bytes that are no whole UTF-8 character as \xNN escapes
@@ -252,10 +256,10 @@ class Logprob:
     logprob: float  # finite: -inf (underflow, a masked logit) is logprobs.LOGPROB_FLOOR
 
 
-@dataclass(frozen=True)
-class TokenLogprobs:
+class TokenLogprobs(NamedTuple):
     """One committed token's log-probability and the top alternatives of the same (source
-    model's) distribution, most likely first; the source itself is the token's `source`."""
+    model's) distribution, most likely first; the source itself is the token's `source`.
+    A NamedTuple, as Logprob."""
 
     chosen: Logprob
     top: tuple[Logprob, ...]  # SamplingParams.logprobs of them

@@ -5,7 +5,6 @@ step, so it is kept to plain Python on host data: no tensor is sliced unless rea
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -162,7 +161,8 @@ def finish(c: Commit, ctx: CommitContext, values) -> TokenEvent:
         values=values,
     )
     r.logprobs.append(entry)
-    return dataclasses.replace(event, logprobs=entry)
+    e = event  # dataclasses.replace, written out: it costs ~10x TokenEvent's own __init__
+    return TokenEvent(e.token_id, e.source, e.text, e.index, e.retracted, e.retracted_text, entry)
 
 
 def check_stop(r: Live, token: int, ctx: CommitContext) -> None:

@@ -54,10 +54,16 @@ class TokenTexts:
         self._cache: dict[int, tuple[str, bytes]] = {}
 
     def __call__(self, token_id: int) -> tuple[str, bytes]:
-        if token_id not in self._cache:
-            raw = self._bytes(token_id)
-            self._cache[token_id] = (raw.decode("utf-8", errors="backslashreplace"), raw)
-        return self._cache[token_id]
+        if (known := self._cache.get(token_id)) is not None:
+            return known
+        raw = self._bytes(token_id)
+        self._cache[token_id] = known = (raw.decode("utf-8", errors="backslashreplace"), raw)
+        return known
+
+    def logprob(self, token_id: int, value: float) -> Logprob:
+        """token_id's Logprob entry (1 + logprobs of them a request and step that asks)."""
+        text, raw = self(token_id)
+        return Logprob(token_id, text, raw, value)
 
     def _bytes(self, token_id: int) -> bytes:
         token = self.tokenizer.convert_ids_to_tokens(token_id)
@@ -117,13 +123,5 @@ def token_logprobs(
     logprob_values read for this row (else it reads them: one host copy)."""
     if values is None:
         values = logprob_values([logits], [token], [top_n])[0]
-
-    def entry(token_id: int, value: float) -> Logprob:
-        text, raw = texts(token_id)
-        return Logprob(token_id=token_id, token=text, token_bytes=raw, logprob=value)
-
-    return TokenLogprobs(
-        chosen=entry(token, values.chosen),
-        top=tuple(entry(i, v) for i, v in zip(values.top_ids, values.top_values)),
-        text_offset=text_offset,
-    )
+    entry = texts.logprob
+    return TokenLogprobs(entry(token, values.chosen), tuple(map(entry, values.top_ids, values.top_values)), text_offset)

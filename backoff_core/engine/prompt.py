@@ -36,7 +36,7 @@ from backoff_core.routing.routers import StepContext
 from backoff_core.runners.dynamic import Extension
 from backoff_core.runners.scoring import Scored, Scoring, score_rows
 from backoff_core.sampling import Stream, uniforms
-from backoff_core.types import Logprob, TokenLogprobs
+from backoff_core.types import TokenLogprobs
 
 PREFILL_TOKENS = 2048  # padded positions per prefill forward (full M_S logits: ~400 MB at V = 49152)
 
@@ -242,9 +242,7 @@ def _entries(
     prompt = r.request.prompt_ids
     text, offsets = prompt_offsets(prompt, texts, decode)
 
-    def entry(token_id: int, value: float) -> Logprob:
-        token, raw = texts(token_id)
-        return Logprob(token_id=token_id, token=token, token_bytes=raw, logprob=value)
+    entry = texts.logprob
 
     rows: dict[int, TokenLogprobs] = {}
     for rows_l, s in scored.values():
