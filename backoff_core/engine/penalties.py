@@ -37,12 +37,14 @@ def penalties_at(rows: Sequence[tuple[Live, int]], logits: torch.Tensor) -> Pena
     for k, (i, state) in enumerate(zip(at, states)):
         r, position = rows[i]
         tokens = r.tokens
+        # an id past this width (a wider model's token) counts nothing here, as in _fit; on a
+        # GPU an index past the row would be a device-side assert, not one request's error
         if state.dropped:
-            deltas += [(k, t, -1.0) for t in state.dropped]
+            deltas += [(k, t, -1.0) for t in state.dropped if t < vocab]
         if position > state.upto:
-            deltas += [(k, t, 1.0) for t in tokens[state.upto : position]]
+            deltas += [(k, t, 1.0) for t in tokens[state.upto : position] if t < vocab]
         elif position < state.upto:
-            deltas += [(k, t, -1.0) for t in tokens[position : state.upto]]
+            deltas += [(k, t, -1.0) for t in tokens[position : state.upto] if t < vocab]
         best = furthest.get(r.request_id)
         if best is None or position > rows[at[best]][1]:
             furthest[r.request_id] = k

@@ -86,6 +86,14 @@ def test_a_row_narrower_or_wider_than_the_counts_is_cut_or_padded():
     assert narrow.counts[0].tolist() == [0, 0, 1, 0, 0, 0, 0, 0]  # 11 past the width counts nothing
     wide = penalties_at([(r, 5)], torch.zeros(1, V + 4))
     assert wide.counts[0].tolist()[V - 1 :] == [1, 0, 0, 0, 0]
+    # opened narrow, then a wider model's id past the width: counted nothing (not an index
+    # past the row, which a GPU turns into a device-side assert), rolled back the same
+    n = live("n")
+    penalties_at([(n, 3)], torch.zeros(1, 8))
+    n.tokens += [2, 11, 3]
+    assert penalties_at([(n, 6)], torch.zeros(1, 8)).counts[0].tolist() == [0, 0, 1, 1, 0, 0, 0, 0]
+    n.truncate(4)
+    assert penalties_at([(n, 4)], torch.zeros(1, 8)).counts[0].tolist() == [0, 0, 1, 0, 0, 0, 0, 0]
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
