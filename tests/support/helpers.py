@@ -39,7 +39,9 @@ def penalized_greedy(model, prompt, n, presence=0.0, frequency=0.0, repetition=1
             logits = model(torch.tensor([ids], device=model.device)).logits[0, -1].float()
             seen = torch.tensor(sorted(set(ids)), device=model.device)
             x = logits[seen]
-            logits[seen] = torch.where(x > 0, x / repetition, x * repetition)
+            # by a tensor, as the engine: CUDA divides by a Python scalar as x * (1 / p), an ulp off
+            p = torch.tensor(repetition, device=model.device)
+            logits[seen] = torch.where(x > 0, x / p, x * p)
             for t in set(ids[len(prompt) :]):
                 logits[t] -= presence + frequency * ids[len(prompt) :].count(t)
             ids.append(int(logits.argmax()))
