@@ -150,8 +150,17 @@ class CudaGraphs:
             self._body(key)
         torch.cuda.current_stream().wait_stream(self._side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            self._body(key)
+        stream = torch.cuda.current_stream()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                self._body(key)
+        except BaseException:
+            # where the body broke the capture, torch.cuda.graph's __exit__ raises from
+            # capture_end before it restores the stream: restore it here, so that what runs
+            # next (the padded path, where a ragged capture fails: static_ragged._warm_ragged)
+            # runs on the stream it ran on, not on the abandoned capture's
+            torch.cuda.set_stream(stream)
+            raise
         return graph
 
     def forget(self, keys: list[GraphKey | RaggedKey]) -> None:
