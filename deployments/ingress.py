@@ -33,6 +33,7 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
 
+from backoff_core.engine.gc_heap import GCStats, GCWatch
 from backoff_core.types import GenerationResult, TokenEvent
 from clients.wire import backoff_pb2 as pb
 from clients.wire.errors import describe_validation
@@ -90,6 +91,7 @@ class IngressInfo:
     pid: int
     replica: str
     open_by_client: dict[str, int]  # requests open per client id (key digest prefix or peer host)
+    gc: GCStats | None = None  # the collector's pauses since start (Ray Serve's freeze included) and the heap frozen
 
 
 def _events(item) -> tuple[TokenEvent, ...]:
@@ -137,12 +139,14 @@ class Ingress:
         self.model_name = self.args.models.served_name
         self.router = router.options(stream=True, **handle_options(self.args.handle_transport))
         self.router_unary = router
+        self.gc = GCWatch.shared()  # Ray Serve freezes the startup heap once __init__ returns (gc_heap.py)
 
     def info(self) -> IngressInfo:
         return IngressInfo(
             pid=os.getpid(),
             replica=serve.get_replica_context().replica_id.unique_id,
             open_by_client=dict(self.edge.slots.open),
+            gc=self.gc.stats(),
         )
 
     async def _chain_ok(self) -> str:

@@ -31,6 +31,7 @@ import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from backoff_core.engine.gc_heap import GCStats, GCWatch
 from backoff_core.models.kernels import trim_heap
 from backoff_core.runners.factory import make_runner
 from backoff_core.runners.kv_budget import describe, kv_evictions, kv_tokens
@@ -75,6 +76,7 @@ class LargeInfo:
     kv_evictions: int = 0  # idle sessions evicted to make room
     kv_refused: int = 0  # new sessions refused for want of room
     node: str = ""  # the Ray node the replica runs on
+    gc: GCStats | None = None  # the collector's pauses since load (Ray Serve's freeze included) and the heap frozen
 
 
 class _Registration:
@@ -100,6 +102,7 @@ class LargeModel:
         self.batcher = CatchUpBatcher(self.runner, on_forward=self._forwarded)
         self.reconfigure({})
         self._sweeper: asyncio.Task | None = None
+        self.gc = GCWatch.shared()  # Ray Serve freezes the startup heap once __init__ returns (gc_heap.py)
 
     def reconfigure(self, user_config: dict) -> None:
         self.config = CatchUpConfig.model_validate(user_config or {})
@@ -163,6 +166,7 @@ class LargeModel:
             kv_evictions=kv_evictions(self.runner),
             kv_refused=s.refused,
             node=ray.get_runtime_context().get_node_id(),
+            gc=self.gc.stats(),
         )
 
     def _start_sweeper(self) -> None:

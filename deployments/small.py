@@ -33,6 +33,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from backoff_core.engine.engine import BackoffEngine
+from backoff_core.engine.gc_heap import GCStats, GCWatch
 from backoff_core.models.prompts import encode_chat, encode_prompt
 from backoff_core.routing.routers import build_router
 from backoff_core.runners.factory import make_runner
@@ -115,6 +116,7 @@ class SmallInfo:
     served: int = 0  # requests that reached generate() (prefix routing: where they went)
     recent: tuple[str, ...] = ()  # ids of the last RECENT_IDS of them, oldest first
     flights: int = 0  # catch-ups run in flight beside the steps (overlap_catch_ups)
+    gc: GCStats | None = None  # the collector's pauses since load (Ray Serve's freeze included) and the heap frozen
 
 
 @serve.deployment(max_ongoing_requests=64)
@@ -161,6 +163,7 @@ class SmallModel:
         self._served_count = 0
         self.loop: EngineLoop[RoutingConfig] = EngineLoop(engine, self._admit, self.args.routing, self._finished)
         self.reconfigure(self.args.routing.model_dump())
+        self.gc = GCWatch.shared()  # Ray Serve freezes the startup heap once __init__ returns (gc_heap.py)
         self.loop.start()
 
     def reconfigure(self, user_config: dict) -> None:
@@ -267,6 +270,7 @@ class SmallModel:
             served=self._served_count,
             recent=tuple(self._served),
             flights=getattr(getattr(self.loop.engine, "flights", None), "launched", 0),
+            gc=self.gc.stats(),
         )
 
     def _start_renewals(self) -> None:

@@ -136,6 +136,18 @@ def test_concurrent_requests_share_steps_and_match_in_process(served, local):
     assert router_info().steps - before < 6 * 16  # M_S steps of concurrent requests were batched
 
 
+def test_every_replica_froze_its_startup_heap(served):
+    # Ray Serve froze what each replica's process loaded once its __init__ returned
+    # (engine/gc_heap.py), so that a full collection walks only what serving made since (a
+    # replica's own info says so: a setting, RAY_SERVE_FREEZE_GC_ON_STARTUP, can turn it off)
+    small, larges = router_info(), large_infos()
+    ingress = serve.get_deployment_handle("Ingress", "backoff").info.remote().result(timeout_s=30)
+    for info in (small, ingress, *larges.values()):
+        assert info.gc.frozen > 10_000, info.replica  # torch and Ray alone hold more
+        assert len(info.gc.collections) == 3 and all(c >= 0 for c in info.gc.collections)
+    assert len({small.pid, ingress.pid, *(i.pid for i in larges.values())}) == 2 + len(larges)
+
+
 def test_grpc_unary_stream_and_invalid_argument(served):
     with BackoffGrpcClient(served.grpc_target, application="backoff") as client:
         unary = client.complete("w3 w4 w5", max_tokens=10, temperature=0, ignore_eos=True)
