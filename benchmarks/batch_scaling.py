@@ -153,6 +153,9 @@ def measure(
             continue
         try:
             _ragged(engine, ragged_mode(label), prompt_ids, checks)
+            # M_L's graphs the row ran with: a padded row adds the k = 16 kind that ragged's
+            # displaced, and the rows after it keep it (the report says so, row by row)
+            checks.setdefault("large_graphs", {})[label] = _large_graphs(engine)
             throughput(engine, prompt_ids, 2, 4, routing, 1, waits[label], flight)
             runs[label] = {
                 str(n): throughput(engine, prompt_ids, n, tokens, routing, repeats, waits[label], flight)
@@ -160,7 +163,7 @@ def measure(
             }
         except Exception as exc:  # noqa: BLE001 - reported in the results, the other rows go on
             errors[label] = f"{type(exc).__name__}: {exc}"
-            print(f"{label}: FAILED, {errors[label]}")
+            tqdm.write(f"{label}: FAILED, {errors[label]}")
             _cancel_all(engine)
         if after_row is not None:
             after_row(runs, errors)
@@ -184,16 +187,25 @@ def _ragged(engine, mode: str, prompt_ids=(), checks: dict | None = None) -> Non
     if mode == "off" or (mode == "auto" and not captured):
         large.ragged = False
         if mode == "off" and (seconds := large.capture_padded()):  # the graphs ragged's had displaced
-            print(f"{large.name}: the padded plan's k = 16 graphs captured and timed in {seconds:.1f} s")
+            tqdm.write(f"{large.name}: the padded plan's k = 16 graphs captured and timed in {seconds:.1f} s")
         return
     if large.graphs is not None and not captured:
         graphs, seconds = large.capture_ragged()
-        print(f"{large.name}: {graphs} ragged graphs captured and timed in {seconds:.1f} s")
+        tqdm.write(f"{large.name}: {graphs} ragged graphs captured and timed in {seconds:.1f} s")
     if checks is not None and "ragged_rel_err" not in checks:
         checks["ragged_rel_err"] = err = large.ragged_rel_err(list(prompt_ids))
         flag = f" (over {RAGGED_TOLERANCE}: suspect)" if not err <= RAGGED_TOLERANCE else ""
-        print(f"{large.name}: ragged catch-up logits vs padded, relative error {err:.4f}{flag}")
+        tqdm.write(f"{large.name}: ragged catch-up logits vs padded, relative error {err:.4f}{flag}")
     large.ragged, large.ragged_if_faster = True, mode == "auto"
+
+
+def _large_graphs(engine) -> dict | None:
+    """M_L's captured graphs now: padded and ragged counts (None without graphs)."""
+    large = engine.models[-1]
+    if not isinstance(large, StaticRunner) or large.graphs is None:
+        return None
+    ragged = sum(isinstance(key, RaggedKey) for key in large.graphs.ms)
+    return {"padded": len(large.graphs.ms) - ragged, "ragged": ragged}
 
 
 def _cancel_all(engine) -> None:
@@ -264,7 +276,7 @@ def main() -> None:
     stem = "batch_scaling" + (f"-{args.tag}" if args.tag else "")
     gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else None  # before any row can break CUDA
 
-    checks: dict = {}
+    checks: dict = {"large_graphs_at_load": _large_graphs(engine)}  # ragged 0 under auto: its warm-up turned it off
 
     def save(runs: dict, errors: dict) -> dict:
         report = _report(args, kv, load_s, waits, streams, runs, errors, gpu) | checks

@@ -32,6 +32,10 @@ gpu_model() { # "NVIDIA H100 80GB HBM3" -> h100, "NVIDIA H200" -> h200, "NVIDIA 
         grep -oE '\b[A-Z][0-9]{2,3}[A-Z]?\b' | head -1 || true)
     echo "${model:-gpu}" | tr '[:upper:]' '[:lower:]'
 }
+# progress bars out of the saved text: a bar redraws after a carriage return, and what the
+# scripts print while one runs (tqdm.write) follows its last one; line-buffered, so that a
+# stage cut at a deadline keeps its last lines; never a failure of its own (pipefail)
+progress_out() { sed -u 's/.*\r//' | { grep --line-buffered -v '%|' || true; }; }
 tag=${2:-$(gpu_model)}
 out=${OUT:-benchmarks/results/gpu}
 pair_src=${PAIR_SRC:-gpu_pair}
@@ -57,7 +61,7 @@ tests)
     rc=0 check=0
     "${pytest[@]}" tests/backoff_core/runners/test_static_cuda.py >"$out/cuda_tests.txt" 2>&1 || rc=$?
     tail -15 "$out/cuda_tests.txt"
-    python3 benchmarks/gpu_check.py "${common[@]}" --out "$out" 2>&1 | grep -v '%|' | tee "$out/gpu_check.txt" |
+    python3 benchmarks/gpu_check.py "${common[@]}" --out "$out" 2>&1 | progress_out | tee "$out/gpu_check.txt" |
         tail -60 || check=$?
     "${pytest[@]}" tests/backoff_core/runners/test_static_ragged_cuda.py >>"$out/cuda_tests.txt" 2>&1 || rc=$?
     tail -10 "$out/cuda_tests.txt"
@@ -66,7 +70,7 @@ tests)
     ;;
 cost)
     python3 benchmarks/cost_curve.py "${common[@]}" --max-tokens "$tokens" --repeats 3 --tag "$tag" --out "$out" 2>&1 |
-        grep -v '%|' | tee "$out/cost_curve-$tag.txt" | tail -30
+        progress_out | tee "$out/cost_curve-$tag.txt" | tail -30
     ;;
 batch)
     # in this order, each row saved as it ends (a call cut short keeps the rows before): the goal's
@@ -78,10 +82,10 @@ batch)
         "always-large" "always-small")
     [ "${ROWS:-}" = all ] && rows=()
     python3 benchmarks/batch_scaling.py "${common[@]}" --tokens "$tokens" --repeats 2 --tag "$tag" --out "$out" \
-        ${rows[@]:+--rows "${rows[@]}"} 2>&1 | grep -v '%|' | tee "$out/batch_scaling-$tag.txt" | tail -14
+        ${rows[@]:+--rows "${rows[@]}"} 2>&1 | progress_out | tee "$out/batch_scaling-$tag.txt" | tail -14
     grep -h "relative error" "$out/batch_scaling-$tag.txt" || true # the ragged check, printed before the table
     # the shapes, real tokens and times of M_L's forwards behind the b=0.9 row (a second load)
-    python3 benchmarks/catch_up_anatomy.py "${common[@]}" --out "$out" 2>&1 | grep -v '%|' |
+    python3 benchmarks/catch_up_anatomy.py "${common[@]}" --out "$out" 2>&1 | progress_out |
         tee "$out/catch_up_anatomy.txt" | grep -v '^[DG][0-9]' | tail -8
     ;;
 all)

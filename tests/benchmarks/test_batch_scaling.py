@@ -8,11 +8,13 @@ import torch
 
 from backoff_core.engine.engine import BackoffEngine
 from backoff_core.runners.dynamic import ModelRunner
+from backoff_core.runners.graph_plan import K_BUCKETS
 from backoff_core.runners.static import StaticRunner
 from backoff_core.runners.static_ragged import RAGGED_TOLERANCE
 from backoff_core.types import RoutingParams
-from benchmarks.batch_scaling import ROUTINGS, _ragged, measure, ragged_mode, throughput
+from benchmarks.batch_scaling import ROUTINGS, _large_graphs, _ragged, measure, ragged_mode, throughput
 from benchmarks.step_overhead import tiny_pair
+from tests.support.eager_graphs import EagerGraphs
 
 
 class Counted(ModelRunner):
@@ -176,3 +178,24 @@ def test_the_batch_stage_names_rows_that_exist():
     assert len(labels) == 6 and set(labels) <= set(ROUTINGS)
     assert labels[0] == "random b=0.9"  # the goal's row first (the default, "auto"): a cut-off run keeps it
     assert {ragged_mode(label) for label in labels} == {"auto", "off", "on"}  # the default beside both of its choices
+
+
+def test_the_report_names_m_ls_graphs_at_load_and_row_by_row():
+    """M_L's graphs as each row ran: at load the ragged plan (the ragged buckets' graphs, here
+    the five that fit, in place of a padded kind: a tight budget); the padded row captures the
+    padded plan's, and the rows after it keep them, so the report says so."""
+    engine, runners = _static_engine()
+    large = runners[1]
+    large.ragged, large.ragged_if_faster = True, True  # KVSpec ragged "auto", the default on CUDA
+    large.graphs = EagerGraphs(large._forward, large.graph_max_rows, K_BUCKETS[-1])
+    large.warmup(progress=False, budget=74)  # every padded kind would take 90
+    at_load = _large_graphs(engine)
+    assert at_load == {"padded": 60, "ragged": 5}
+    checks = {}
+    picked = ["random b=0.9", "random b=0.9, padded", "random b=0.9, in flight"]
+    runs, errors = measure(engine, [5, 6, 7], [2], 4, 1, dict.fromkeys(ROUTINGS, 40.0), picked, None, checks)
+    assert list(runs) == picked and errors == {}
+    grown = {"padded": 70, "ragged": 5}  # the padded plan within 74
+    assert checks["large_graphs"] == dict(zip(picked, [at_load, grown, grown]))
+    caches = BackoffEngine([runners[0], ModelRunner(large.model, "large")], engine.tokenizer)
+    assert _large_graphs(caches) is None  # per-session caches: no graphs

@@ -47,6 +47,7 @@ FAKE_PYTHON = """#!/bin/sh
 echo "$*" >> "$CALLS"
 case "$*" in *"${SLOW:-no such call}"*) echo $$ >> "$CALLS.slow"; sleep 30;; esac
 case "$*" in *"$FAIL"*) echo failing; exit 3;; esac
+printf 'rows  0%%|  | 0/6\rrows 17%%|# | 1/6\r          \rnoted while a bar ran (tqdm.write)\nrows 100%%|##| 6/6\n'
 echo "1 passed"
 """
 
@@ -109,7 +110,10 @@ def test_the_files_are_named_by_the_gpu_they_ran_on(tmp_path, gpu, args, tag):
     assert done.returncode == 0, done.stdout + done.stderr
     batch = next(c for c in (tmp_path / "calls").read_text().splitlines() if "batch_scaling.py" in c)
     assert f"--tag {tag} " in batch
-    assert (tmp_path / "out" / f"batch_scaling-{tag}.txt").exists()
+    saved = (tmp_path / "out" / f"batch_scaling-{tag}.txt").read_text()
+    # the progress bars left out, and what was written while one ran kept (its line follows
+    # the bar's carriage returns)
+    assert "noted while a bar ran (tqdm.write)\n1 passed" in saved and "%|" not in saved
 
 
 def _stopped(tmp_path, grace_s: float = 5.0) -> bool:
