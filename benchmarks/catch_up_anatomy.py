@@ -163,6 +163,8 @@ def main() -> None:
     routing = RoutingParams(router="random", rate=0.9)
     gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else None  # which GPU the grid is of
     report = {"device": args.device, "gpu": gpu, "streams": args.streams, "tokens": args.tokens, "grid": grid}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     for label, wait in (("batched", engine.catch_up_wait_ms), ("at once", 0.0)):
         engine.catch_up_wait_ms = wait
         large_log, small_log = record_forwards(large), record_forwards(small)
@@ -187,9 +189,8 @@ def main() -> None:
             "small": summarise(small_log),
         }
         print(label, json.dumps({k: v for k, v in report[label].items()}, indent=1)[:3000])
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "catch_up_anatomy.json").write_text(json.dumps(report, indent=1) + "\n")
+        # saved after each label: a stage cut at its deadline keeps the grid and the batched run
+        (out / "catch_up_anatomy.json").write_text(json.dumps(report, indent=1) + "\n")
     print(
         "grid:", *(f"{'D' if g['dense'] else 'G'}{g['rows']}x{g['k']} L{g['L']}: {g['ms']} ms" for g in grid), sep="\n"
     )

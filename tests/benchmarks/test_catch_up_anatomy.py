@@ -1,14 +1,20 @@
 """benchmarks/catch_up_anatomy.py's record of M_L's forwards: padded and ragged alike (KVSpec
 ragged "auto", the default on CUDA, runs catch-ups ragged where timed faster), over the
-runner's graph bookkeeping replayed eagerly on the CPU."""
+runner's graph bookkeeping replayed eagerly on the CPU; its report saved as it goes."""
 
 from __future__ import annotations
 
+import json
+import sys
+
+from backoff_core.engine.engine import BackoffEngine
 from backoff_core.runners.graph_plan import K_BUCKETS
 from backoff_core.runners.static import StaticRunner
 from backoff_core.runners.static_ragged import RaggedKey
+from benchmarks import catch_up_anatomy
 from benchmarks.catch_up_anatomy import record_forwards, summarise, unwrap
 from tests.support.eager_graphs import EagerGraphs
+from tests.support.served_app import TINY_PAIR, save_tiny_models
 from tests.support.tiny import tiny_model
 
 
@@ -31,3 +37,26 @@ def test_padded_and_ragged_forwards_are_recorded_and_unwrapped():
     unwrap(run)
     run.extend([("a", [1, 2])], last_only=True)
     assert len(log) == 2  # no longer recorded
+
+
+def test_the_report_is_saved_after_each_label(tmp_path, monkeypatch):
+    """catch_up_anatomy.main over a saved tiny pair: the grid and each label's record, saved as
+    each label ends, so that a stage cut at its deadline during the second keeps the first."""
+    dirs = save_tiny_models(tmp_path / "pair", TINY_PAIR)
+    out = tmp_path / "out"
+    argv = ["catch_up_anatomy.py", "--small", dirs["small"], "--large", dirs["large"], "--kv-budget", "1024"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--max-len", "128", "--streams", "3", "--tokens", "6", "--out", str(out)])
+    saved = []
+    generate_many = BackoffEngine.generate_many
+
+    def noting(engine, requests):  # what the file holds as each label's run starts
+        path = out / "catch_up_anatomy.json"
+        saved.append(sorted(json.loads(path.read_text())) if path.exists() else None)
+        return generate_many(engine, requests)
+
+    monkeypatch.setattr(BackoffEngine, "generate_many", noting)
+    catch_up_anatomy.main()
+    report = json.loads((out / "catch_up_anatomy.json").read_text())
+    assert saved[0] is None and "batched" in saved[1] and "at once" not in saved[1]
+    assert report["batched"]["tokens"] == report["at once"]["tokens"] == 3 * 6
+    assert report["batched"]["large"]["forwards"] > 0
