@@ -8,9 +8,10 @@ collection walks all of them with the GIL held, so every stream waits
 (backoff_core/engine/gc_heap.py). Ray Serve freezes that heap in every replica once it has
 loaded; this measures what the freeze is worth to the step loop. It runs the step loop of
 step_overhead.py (tiny pair, static KV, forwards replayed: the host's work alone) at 64
-streams, random b=0.9 with the default batched catch-ups, sampled at temperature 0.8: once
-plain, and once with `logprobs` 5, whose entries live as long as their request, so they
-survive into the oldest generation and bring its collections on. Each row runs in turn with
+streams, random b=0.9 with the default batched catch-ups, sampled at temperature 0.8
+(penalty_overhead.run, on the wall clock): once plain, and once with `logprobs` 5, whose
+entries live as long as their request, so they survive into the oldest generation and bring
+its collections on. Each row runs in turn with
 the heap as loaded, then frozen (`freeze_startup_heap`; unfrozen again after), `--pairs`
 times. It reports, per run, the collections of each generation, their pauses summed and the
 longest (gc.callbacks), the steps' wall time (the median, the longest, the sum), and per
@@ -32,11 +33,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from backoff_core.engine.engine import CATCH_UP_WAIT_MS, BackoffEngine
 from backoff_core.engine.gc_heap import GCWatch, freeze_startup_heap
-from backoff_core.runners.factory import make_runner
-from backoff_core.types import GenerationRequest, KVSpec, RoutingParams, SamplingParams
-from benchmarks.step_overhead import replay_forward, tiny_pair
+from benchmarks.penalty_overhead import replayed_engine, run
 
 ROWS = {"plain": {}, "logprobs 5": {"logprobs": 5}}
 
@@ -47,29 +45,6 @@ def serving_heap() -> None:
     import deployments.app  # noqa: F401 - imported for its objects
 
 
-def run(engine, streams: int, prompt: int, tokens: int, params: dict, seed: int) -> list[float]:
-    """-> the wall ms of each step (a collection pauses whichever step it falls in)."""
-    routing = RoutingParams(router="random", rate=0.9)
-    ids = [
-        engine.submit(
-            GenerationRequest(
-                tuple(3 + (i + j) % 500 for j in range(prompt)),
-                SamplingParams(max_tokens=tokens, seed=seed + i, ignore_eos=True, temperature=0.8, **params),
-                routing,
-            )
-        )
-        for i in range(streams)
-    ]
-    steps = []
-    while engine.has_work():
-        start = time.perf_counter()
-        engine.step()
-        steps.append((time.perf_counter() - start) * 1e3)
-    for request_id in ids:
-        engine.finish(request_id)
-    return steps
-
-
 def measured(engine, args, params: dict, frozen: bool) -> dict:
     """One run of a row, the heap frozen (and unfrozen after) or as it is."""
     gc.collect()  # each run starts from the same empty young generations
@@ -78,7 +53,7 @@ def measured(engine, args, params: dict, frozen: bool) -> dict:
     tracked = len(gc.get_objects())
     watch = GCWatch()  # the run's own: the collections above are not its pauses
     try:
-        steps = run(engine, args.streams, args.prompt, args.tokens, params, 1000)
+        steps = [ms for _, ms in run(engine, args.streams, args.prompt, args.tokens, params, 1000, time.perf_counter)]
     finally:
         after = watch.stats()
         watch.close()
@@ -107,15 +82,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     serving_heap()
-    (small, large), tokenizer = tiny_pair()
-    max_len = 1 << (args.prompt + args.tokens - 1).bit_length()
-    kv = KVSpec(args.streams * max_len, max_len)
-    runners = [make_runner(small, "small", kv, small=True), make_runner(large, "large", kv)]
-    for runner in runners:
-        replay_forward(runner)
-    engine = BackoffEngine(runners, tokenizer)
-    engine.catch_up_wait_ms = CATCH_UP_WAIT_MS
-    run(engine, 2, 8, 8, {"logprobs": 5}, 0)  # warm-up
+    engine = replayed_engine(args.streams, args.prompt + args.tokens)
+    run(engine, 2, 8, 8, {"logprobs": 5}, 0, time.perf_counter)  # warm-up
     load = os.getloadavg()[0]
     rows: dict[str, list[dict]] = {name: [] for name in ROWS}
     plan = [(name, frozen) for name in ROWS for _ in range(args.pairs) for frozen in (False, True)]

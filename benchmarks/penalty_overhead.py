@@ -44,8 +44,9 @@ ROWS = {
 }
 
 
-def run(engine, streams, prompt, tokens, penalties, seed) -> list[tuple[float, float]]:
-    """-> (share of the generation done, host ms) per step."""
+def run(engine, streams, prompt, tokens, penalties, seed, clock=time.thread_time) -> list[tuple[float, float]]:
+    """-> (share of the generation done, host ms by `clock`) per step (gc_pauses.py: the wall
+    clock, on which a collection's pause counts, as everything else the thread waits for)."""
     routing = RoutingParams(router="random", rate=0.9)
     ids = [
         engine.submit(
@@ -59,13 +60,28 @@ def run(engine, streams, prompt, tokens, penalties, seed) -> list[tuple[float, f
     ]
     per_step, made = [], 0
     while engine.has_work():
-        start = time.thread_time()
+        start = clock()
         events = engine.step()
-        per_step.append((made / (streams * tokens), (time.thread_time() - start) * 1e3))
+        per_step.append((made / (streams * tokens), (clock() - start) * 1e3))
         made += len(events)
     for request_id in ids:
         engine.finish(request_id)
     return per_step
+
+
+def replayed_engine(streams: int, length: int) -> BackoffEngine:
+    """The tiny pair over static KV of `streams` slots holding `length` positions, forwards
+    replayed (step_overhead.replay_forward: the host's work alone), catch-ups batched (the
+    engine's default wait)."""
+    (small, large), tokenizer = tiny_pair()
+    max_len = 1 << (length - 1).bit_length()
+    kv = KVSpec(streams * max_len, max_len)
+    runners = [make_runner(small, "small", kv, small=True), make_runner(large, "large", kv)]
+    for runner in runners:
+        replay_forward(runner)
+    engine = BackoffEngine(runners, tokenizer)
+    engine.catch_up_wait_ms = CATCH_UP_WAIT_MS
+    return engine
 
 
 def _described(params: dict) -> dict:
@@ -82,14 +98,7 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    (small, large), tokenizer = tiny_pair()
-    max_len = 1 << (args.prompt + args.tokens - 1).bit_length()
-    kv = KVSpec(args.streams * max_len, max_len)
-    runners = [make_runner(small, "small", kv, small=True), make_runner(large, "large", kv)]
-    for runner in runners:
-        replay_forward(runner)
-    engine = BackoffEngine(runners, tokenizer)
-    engine.catch_up_wait_ms = CATCH_UP_WAIT_MS
+    engine = replayed_engine(args.streams, args.prompt + args.tokens)
     run(engine, 2, 8, 8, ROWS["all three"], 0)  # warm-up
     load = os.getloadavg()[0]
     table, curves = {}, {}
