@@ -15,11 +15,12 @@ collection then walks only what was made since. Garbage is collected first, sinc
 cycle could never be freed. Objects made later are tracked and collected as before: this
 is not gc.disable(). Ray Serve (2.60) does exactly this in every replica once its __init__
 returns (RAY_SERVE_FREEZE_GC_ON_STARTUP, on by default), and vLLM after its warm-up
-(vllm/utils/gc_utils.py, freeze_gc_heap); the in-process benchmarks of the served path call
-it here (benchmarks/gc_pauses.py measures both heaps).
+(vllm/utils/gc_utils.py, freeze_gc_heap); benchmarks/gc_pauses.py calls it here to measure the
+step loop over both heaps.
 
 `GCWatch` records every collection's generation and duration (gc.callbacks): the replicas'
-info() reports it, with how many objects are frozen.
+info() reports it, with how many objects are frozen (installed in their __init__, so Ray
+Serve's collection at the freeze is its first full one).
 """
 
 from __future__ import annotations
