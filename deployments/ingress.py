@@ -24,7 +24,6 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-import grpc
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
@@ -42,6 +41,7 @@ from clients.wire.openai_requests import ChatCompletionRequest, CompletionReques
 from clients.wire.prompts import prompts_of
 from clients.wire.proto import params_from_pb, prompt_from_pb
 from clients.wire.types import GenerateParams
+from deployments.grpc_errors import set_grpc_status
 from deployments.http_errors import error_response, install_http_errors
 from deployments.serving.access import ClientError, Edge, EdgeGate, check_limits, peer_host
 from deployments.serving.admission import Overloaded
@@ -78,13 +78,6 @@ app.add_middleware(EdgeGate, edge=_replica_edge)
 install_http_errors(app)  # outermost: an unhandled error is a 500 with the OpenAI body
 mount_playground(app)  # GET /playground: the page (static files, no key needed to load it)
 
-# HTTP status of a client error -> its gRPC status (anything else 4xx: INVALID_ARGUMENT)
-GRPC_CODES = {
-    401: grpc.StatusCode.UNAUTHENTICATED,
-    404: grpc.StatusCode.NOT_FOUND,
-    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
-}
-
 
 @dataclass(frozen=True)
 class IngressInfo:
@@ -96,26 +89,6 @@ class IngressInfo:
 
 def _events(item) -> tuple[TokenEvent, ...]:
     return item if isinstance(item, tuple) else (item,)
-
-
-def _set_status(context: RayServegRPCContext, exc: Exception) -> None:
-    if isinstance(exc, ClientError):
-        context.set_code(GRPC_CODES.get(exc.status, grpc.StatusCode.INVALID_ARGUMENT))
-        context.set_details(exc.message)
-        if exc.headers.get("Retry-After"):
-            context.set_trailing_metadata([("retry-after", exc.headers["Retry-After"])])
-    elif isinstance(exc, OverloadedError):
-        context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)
-        context.set_details(str(exc))
-        # reaches the client on unary calls; Serve's proxy drops it when a stream raises
-        context.set_trailing_metadata([("retry-after", exc.retry_after)])
-    elif isinstance(exc, ServerFailure) and exc.status == 503:
-        context.set_code(grpc.StatusCode.UNAVAILABLE)
-        context.set_details(exc.message)
-    else:
-        context.set_code(grpc.StatusCode.INTERNAL)
-        internal = not isinstance(exc, ServerFailure)  # a bug: say what was raised
-        context.set_details(f"internal error: {type(exc).__name__}: {exc}" if internal else str(exc))
 
 
 def _first_error(exc: Exception) -> str:
@@ -256,7 +229,7 @@ class Ingress:
         except Exception as exc:  # noqa: BLE001 - client errors, failures, and a bug as INTERNAL with a message
             if not isinstance(exc, (ClientError, ServerFailure)):
                 log.exception("Generate failed")
-            _set_status(grpc_context, exc)
+            set_grpc_status(grpc_context, exc)
             return pb.GenerateResponse()
 
     async def GenerateStream(
@@ -266,7 +239,7 @@ class Ingress:
         try:
             admitted, stream = await self._open_pb(request_id, request, grpc_context)
         except Exception as exc:  # noqa: BLE001 - as in Generate
-            _set_status(grpc_context, exc)
+            set_grpc_status(grpc_context, exc)
             raise  # nothing was streamed: Serve sends the status set above only with an exception
         out = PbStream(request_id, admitted, prompt_logprobs=request.HasField("logprobs"))
         try:
@@ -284,7 +257,7 @@ class Ingress:
         except Exception as exc:  # noqa: BLE001 - a ServerFailure, or a bug: INTERNAL with a message
             if not isinstance(exc, ServerFailure):
                 log.exception("GenerateStream failed")
-            _set_status(grpc_context, exc)
+            set_grpc_status(grpc_context, exc)
             raise
         finally:
             await stream.aclose()
@@ -295,7 +268,7 @@ class Ingress:
         try:
             _grpc_client(self.edge, grpc_context)
         except ClientError as exc:
-            _set_status(grpc_context, exc)
+            set_grpc_status(grpc_context, exc)
             return pb.ModelsResponse()
         return pb.ModelsResponse(models=[self.model_name])
 
@@ -306,7 +279,7 @@ class Ingress:
             try:
                 _grpc_client(self.edge, grpc_context)
             except ClientError as exc:
-                _set_status(grpc_context, exc)
+                set_grpc_status(grpc_context, exc)
                 return pb.HealthResponse()
         problem = await self._chain_ok()
         return pb.HealthResponse(ok=not problem, detail=problem or "ok")

@@ -1,0 +1,38 @@
+"""The gRPC edge's errors as statuses: our client errors (their HTTP status mapped, anything
+else 4xx INVALID_ARGUMENT), overload (RESOURCE_EXHAUSTED with its retry-after), an unavailable
+chain (UNAVAILABLE) and any other failure (INTERNAL); http_errors.py is the HTTP edge's twin."""
+
+from __future__ import annotations
+
+import grpc
+from ray.serve.grpc_util import RayServegRPCContext
+
+from deployments.serving.access import ClientError
+from deployments.streams import OverloadedError, ServerFailure
+
+# HTTP status of a client error -> its gRPC status (anything else 4xx: INVALID_ARGUMENT)
+GRPC_CODES = {
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    404: grpc.StatusCode.NOT_FOUND,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+
+
+def set_grpc_status(context: RayServegRPCContext, exc: Exception) -> None:
+    if isinstance(exc, ClientError):
+        context.set_code(GRPC_CODES.get(exc.status, grpc.StatusCode.INVALID_ARGUMENT))
+        context.set_details(exc.message)
+        if exc.headers.get("Retry-After"):
+            context.set_trailing_metadata([("retry-after", exc.headers["Retry-After"])])
+    elif isinstance(exc, OverloadedError):
+        context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)
+        context.set_details(str(exc))
+        # reaches the client on unary calls; Serve's proxy drops it when a stream raises
+        context.set_trailing_metadata([("retry-after", exc.retry_after)])
+    elif isinstance(exc, ServerFailure) and exc.status == 503:
+        context.set_code(grpc.StatusCode.UNAVAILABLE)
+        context.set_details(exc.message)
+    else:
+        context.set_code(grpc.StatusCode.INTERNAL)
+        internal = not isinstance(exc, ServerFailure)  # a bug: say what was raised
+        context.set_details(f"internal error: {type(exc).__name__}: {exc}" if internal else str(exc))
