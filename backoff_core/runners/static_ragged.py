@@ -36,6 +36,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -72,6 +73,13 @@ class RaggedKey:
     @property
     def token_slots(self) -> int:  # as GraphKey's: the tokens the forward computes
         return self.tokens
+
+
+class RaggedRun(NamedTuple):
+    """Consecutive items of a catch-up that one ragged forward runs: their tokens fill `key`'s bucket."""
+
+    items: slice
+    key: RaggedKey
 
 
 @dataclass(frozen=True)
@@ -290,7 +298,7 @@ class RaggedExtends:
     def _ragged_keys(self) -> list[RaggedKey]:
         return [RaggedKey(t) for t in self._ragged_buckets()]
 
-    def _ragged_runs(self, new_ids: list[list[int]], layer: int | None, last_only: bool) -> list[slice] | None:
+    def _ragged_runs(self, new_ids: list[list[int]], layer: int | None, last_only: bool) -> list[RaggedRun] | None:
         """A catch-up (several tokens, the last logits only) with ragged on: its items in runs of
         consecutive ones whose tokens fill a bucket at most (a forward each, each bucket's
         graph captured where there are graphs); None, the padded path: ragged off, other
@@ -306,30 +314,27 @@ class RaggedExtends:
             if len(ids) > top:
                 return None
             if tokens + len(ids) > top:
-                runs.append(slice(start, i))
+                runs.append(RaggedRun(slice(start, i), RaggedKey(ragged_bucket(tokens))))
                 start, tokens = i, 0
             tokens += len(ids)
-        runs.append(slice(start, len(new_ids)))
-        if self.graphs is not None and any(
-            RaggedKey(ragged_bucket(sum(map(len, new_ids[run])))) not in self.graphs for run in runs
-        ):
+        runs.append(RaggedRun(slice(start, len(new_ids)), RaggedKey(ragged_bucket(tokens))))
+        if self.graphs is not None and any(run.key not in self.graphs for run in runs):
             return None
         return runs
 
-    def _ragged_faster(self, new_ids: list[list[int]], runs: list[slice], padded_ms: float | None) -> bool:
+    def _ragged_faster(self, runs: list[RaggedRun], padded_ms: float | None) -> bool:
         """Whether the ragged forwards of `runs` replay faster than the padded layout's forwards
         (padded_ms: their measured replays summed, inf for an eager forward, None untimed: no
         graphs). A tie, or nothing timed, keeps the padded path."""
         if padded_ms is None or self.graphs is None:
             return False
-        ragged_ms = sum(self.graphs.ms.get(RaggedKey(ragged_bucket(sum(map(len, new_ids[r])))), math.inf) for r in runs)
-        return ragged_ms < padded_ms
+        return sum(self.graphs.ms.get(run.key, math.inf) for run in runs) < padded_ms
 
-    def _extend_ragged(self, sessions: list, new_ids: list[list[int]], runs: list[slice]) -> list[Extension]:
+    def _extend_ragged(self, sessions: list, new_ids: list[list[int]], runs: list[RaggedRun]) -> list[Extension]:
         """A ragged forward per run of items: their tokens end to end, padded to a token bucket
         at the scratch column of slot 0; each item's logits after its last (one LastRows)."""
         parts = []
-        for run in runs:
+        for run, _ in runs:
             t, inputs = lay_out_ragged(
                 [s.length for s in sessions[run]],
                 [s.slot for s in sessions[run]],
