@@ -9,8 +9,9 @@
   :data:`STUDENT_DIR`; sharing the 28 M-parameter embedding keeps the file at ~28 MB and
   makes both models' logits live in the same output space.
 
-Both are ordinary ``transformers`` ``LlamaForCausalLM`` objects: forward with
-``past_key_values``, ``generate()``, ``output_hidden_states`` all work unchanged.
+Both are ordinary ``transformers`` ``LlamaForCausalLM`` objects: forward with a KV cache
+(``cache``; ``past_key_values`` before transformers 5.24), ``generate()`` and
+``output_hidden_states`` all work unchanged.
 """
 
 from __future__ import annotations

@@ -124,7 +124,11 @@ class ModelRunner(PrefixCaching, SessionTable[_CachedSession]):
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.num_layers = int(model.config.num_hidden_layers)
         self.forward_passes = 0
-        self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+        params = inspect.signature(model.forward).parameters
+        self._keeps_logits = "logits_to_keep" in params
+        # the KV cache's keyword: `cache` since transformers 5.24 (`past_key_values` warns, and
+        # goes in 5.40), `past_key_values` before
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self.kv_budget_tokens = kv_budget_tokens  # None: unbounded
         self.evict_idle = evict_idle
         self.evictions = 0  # idle sessions freed to make room
@@ -262,7 +266,7 @@ class ModelRunner(PrefixCaching, SessionTable[_CachedSession]):
             kwargs["logits_to_keep"] = 1 if keep == -1 else torch.tensor(keep, device=self.device)
         return self.model(
             input_ids=input_ids,
-            past_key_values=past,
+            **{self._cache_kw: past},
             use_cache=True,
             output_hidden_states=hidden_layer is not None,
             **kwargs,
@@ -308,7 +312,7 @@ class ModelRunner(PrefixCaching, SessionTable[_CachedSession]):
         keep = _keep(new_lens, last_only, scoring)
         out = self._forward(input_ids, past, hidden_layer, keep, attention_mask=mask, position_ids=position_ids)
         kept = _kept(out.logits, keep, k_max)
-        layers = out.past_key_values.layers
+        layers = getattr(out, self._cache_kw).layers
         results = []
         for i, (s, p, k) in enumerate(zip(sessions, past_lens, new_lens)):
             lo, hi = p_max - p, p_max + k

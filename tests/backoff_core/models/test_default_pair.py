@@ -15,6 +15,7 @@ from backoff_core.models.default_pair import (
     load_default_small,
     read_student_config,
 )
+from backoff_core.runners.dynamic import ModelRunner
 
 MAX_STUDENT_BYTES = 48 * 1024 * 1024  # issue 24: committed student weights may grow to 48 MB
 
@@ -97,14 +98,15 @@ def test_small_greedy_generate_is_deterministic(pair):
 
 
 def test_small_kv_cache_matches_full_forward(pair):
-    """Decoding with past_key_values gives the logits of a full recompute (the catch-up
-    invariant of DESIGN.md §2 relies on this for both models)."""
+    """Decoding with a KV cache gives the logits of a full recompute (the catch-up invariant
+    of DESIGN.md §2 relies on this for both models)."""
     small, _, tokenizer = pair
+    kw = ModelRunner(small)._cache_kw  # the cache's keyword in this transformers
     ids = tokenizer("def add(a, b):\n    return a + b\n", return_tensors="pt").input_ids  # [1, T]
     with torch.inference_mode():
         full = small(ids).logits  # [1, T, V]
         prefix = small(ids[:, :-3], use_cache=True)
-        rest = small(ids[:, -3:], past_key_values=prefix.past_key_values, use_cache=True).logits
+        rest = small(ids[:, -3:], **{kw: getattr(prefix, kw)}, use_cache=True).logits
     torch.testing.assert_close(rest, full[:, -3:], atol=1e-4, rtol=1e-4)
 
 

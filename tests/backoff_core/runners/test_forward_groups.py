@@ -3,8 +3,10 @@ padded forwards (`forward_groups`), each row with the logits it gets alone."""
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import random
+import warnings
 
 import pytest
 import torch
@@ -80,7 +82,7 @@ def test_a_split_extend_gives_each_row_its_logits_alone(pair, last_only):
     forward = large.forward
 
     def counted(*args, **kwargs):
-        pasts.append(kwargs["past_key_values"].get_seq_length())
+        pasts.append(kwargs[split._cache_kw].get_seq_length())
         return forward(*args, **kwargs)
 
     items = [("a", [12, 13]), ("long", [14]), ("b", [15, 16]), ("c", [17, 18])]
@@ -95,3 +97,19 @@ def test_a_split_extend_gives_each_row_its_logits_alone(pair, last_only):
         torch.testing.assert_close(ext.logits, one.logits, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(ext.hidden, one.hidden, atol=1e-5, rtol=1e-5)
         assert split.length(item[0]) == alone.length(item[0]) == len(prompts[item[0]]) + len(item[1])
+
+
+def test_the_cache_goes_under_this_transformers_name(pair):
+    """The cache is passed under the keyword this transformers' forward declares (`cache`
+    since 5.24, where `past_key_values` warns and goes in 5.40), alone and batched: no
+    FutureWarning, the same logits."""
+    large = pair[1]
+    runner = ModelRunner(large, "named")
+    assert runner._cache_kw in inspect.signature(large.forward).parameters
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        for request_id, ids in {"a": [3, 4, 5], "b": list(range(5, 25))}.items():
+            runner.open(request_id)
+            runner.extend([(request_id, ids)])
+        runner.extend([("a", [6, 7]), ("b", [8])], last_only=True)
+    assert runner.forward_passes == 3
