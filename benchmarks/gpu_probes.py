@@ -173,8 +173,10 @@ def ragged_probe(runner: StaticRunner, prompt_ids: list[int]) -> dict:
     """M_L's ragged forwards (static_ragged.py; `auto` by default): one graph per token bucket captured
     (compiling FlexAttention) and timed (`replay_ms`, gpu_sim's price of them), beside the
     dense view of as many token slots at the shortest L (`dense_ms`: the estimate before).
-    Timed on the capture's inputs, every token at the scratch column: one key block each, as
-    the batch benchmark's contexts of under 128 positions read; longer contexts read more.
+    Timed on the capture's inputs, every token at the scratch column: one key block a query
+    block; and laid out far over the free slots (`far`: the most key blocks a query block read
+    there, and the replay's ms), the other end of the line `auto` prices a catch-up's ragged
+    forward on by the key blocks its query blocks read (StaticRunner._ragged_ms).
     And a catch-up of six items of 2 to 37 tokens, ragged against the padded path (logits'
     relative error, bf16: StaticRunner.ragged_rel_err, warm-up's check). With KVSpec ragged
     "auto" (the default) the load captured them: `at_load`, and capture_s is ~0."""
@@ -193,6 +195,7 @@ def ragged_probe(runner: StaticRunner, prompt_ids: list[int]) -> dict:
         "at_load": at_load,
         "capture_s": round(seconds, 1),
         "replay_ms": ms,
+        "far": {k.tokens: {"blocks": read, "ms": round(v, 3)} for k, (read, v) in runner.graphs.far.items()},
         "dense_ms": dense,
         "rel_err": runner.ragged_rel_err(prompt_ids),
     }

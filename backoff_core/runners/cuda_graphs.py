@@ -23,13 +23,15 @@ token at the scratch column, so capturing never disturbs a live session.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import torch
 from tqdm import tqdm
 
 from backoff_core.runners.graph_plan import GraphKey
+from backoff_core.runners.ragged_reads import far_layout, key_blocks_read
 from backoff_core.runners.static_forward import Batch, StaticForward
-from backoff_core.runners.static_ragged import RaggedBatch, RaggedKey
+from backoff_core.runners.static_ragged import RaggedBatch, RaggedKey, block_size
 
 __all__ = ["CudaGraphs", "GraphKey"]
 
@@ -66,6 +68,9 @@ class CudaGraphs:
         self._side = None  # the side stream of the warm-up runs
         self._graphs: dict[GraphKey | RaggedKey, torch.cuda.CUDAGraph] = {}
         self.ms: dict[GraphKey | RaggedKey, float] = {}  # each graph's replay time (time_replays), for layouts
+        # a ragged graph's replay on inputs that read far (far_layout): (the most key blocks a
+        # query block read there, ms); its `ms` read one block a query block
+        self.far: dict[RaggedKey, tuple[int, float]] = {}
 
     def __contains__(self, key: GraphKey) -> bool:
         return key in self._graphs
@@ -168,22 +173,36 @@ class CudaGraphs:
         for key in keys:
             self._graphs.pop(key, None)
             self.ms.pop(key, None)
+            self.far.pop(key, None)
 
-    def time_replays(self, keys: list[GraphKey | RaggedKey]) -> float:
+    def time_replays(self, keys: list[GraphKey | RaggedKey], free: Sequence[int] = ()) -> float:
         """Time every captured graph of `keys` into `ms` (static_layout.choose weighs the
-        layouts of an extend by them); returns the seconds taken."""
+        layouts of an extend by them), and with `free` slots (no session's: a ragged graph
+        timed far writes a column of them) each ragged graph again on far inputs into `far`;
+        returns the seconds taken."""
         start = time.perf_counter()
+        kv = self.forward.kv
         for key in keys:
             if key in self._graphs and key not in self.ms:
                 self.ms[key] = self.replay_ms(key)
+            if free and isinstance(key, RaggedKey) and key in self._graphs and key not in self.far:
+                positions, slots = far_layout(key.tokens, free, kv.max_len)
+                read = key_blocks_read(positions, slots, self.forward.groups, block_size(kv.max_len))
+                self.far[key] = (read, self.replay_ms(key, far=free))
+                self._harmless(key)  # the graphs' padding stays harmless
         return time.perf_counter() - start
 
     @torch.inference_mode()
-    def replay_ms(self, key: GraphKey | RaggedKey, repeats: int = 3) -> float:
+    def replay_ms(self, key: GraphKey | RaggedKey, repeats: int = 3, far: Sequence[int] | None = None) -> float:
         """The median GPU time of one replay of a captured graph (CUDA events; a replay
-        first, untimed), on the harmless inputs it was captured on. At load (time_replays),
-        never during a step."""
+        first, untimed), on the harmless inputs it was captured on, or a ragged graph's with
+        its tokens laid out far over the `far` slots (static_ragged.far_layout: slots no
+        session holds). At load (time_replays), never during a step."""
         self._harmless(key)
+        if far is not None:
+            positions, slots = far_layout(key.tokens, far, self.forward.kv.max_len)
+            self.positions[: key.tokens].copy_(torch.from_numpy(positions))
+            self.token_slots[: key.tokens].copy_(torch.from_numpy(slots))
         graph = self._graphs[key]
         graph.replay()
         times = []

@@ -232,7 +232,9 @@ class StaticRunner(PrefixCaching, RaggedExtends, SlotSessions):
             layout, padded_ms = None, None
             if runs is None or self.ragged_if_faster:
                 layout, padded_ms = self._layout(sessions, new_ids, layer, last_only)
-            if runs is not None and (not self.ragged_if_faster or self._ragged_faster(runs, padded_ms)):
+            if runs is not None and (
+                not self.ragged_if_faster or self._ragged_faster(runs, padded_ms, sessions, new_ids)
+            ):
                 out = self._extend_ragged(sessions, new_ids, runs)
             else:
                 plans = self._plans(sessions, new_ids, layer, last_only, layout)

@@ -92,6 +92,10 @@ class StaticKV:
     def free_slots(self) -> int:
         return len(self._free)
 
+    def free_slot_ids(self) -> list[int]:
+        """The slots no session holds, lowest first."""
+        return sorted(self._free)
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 

@@ -22,10 +22,14 @@ positions. No gathered copies, no length bucket, no rows.
 On CUDA the attention is torch.compile(flex_attention) (Triton kernels, compiled at warm-up
 and captured in the graph); elsewhere the eager flex_attention, which materialises the whole
 score matrix: right for tests over tiny models, not a CPU path for real ones (the factory
-keeps the blocks layout there). Replays are timed at load on the capture's inputs, every query
-reading one key block; a catch-up over long contexts reads more, but at the 8B shape its
-attention is ~1% of the forward's work (docs/gpu.md), so `auto` chooses on the rest. Nothing reads a device value to the host, so a
-CUDA graph can capture it (test_capture_safety.py).
+keeps the blocks layout there). Replays are timed at load twice: on the capture's inputs,
+every query block reading one key block, and laid out far (ragged_reads.py), every query block
+reading every block of as many slots as it holds tokens. A query block is one program of the
+kernel, which walks its key blocks one after another, and a catch-up has few of them (T * kvh
+* G / BLOCK), so `auto` prices a catch-up's ragged forward between the two by the most key
+blocks one of its query blocks reads: its FLOPs are ~1% of the 8B forward's,
+but the walk is serial. Nothing reads a device value to the host, so a CUDA graph can capture
+it (test_capture_safety.py).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from tqdm import tqdm
 
 from backoff_core.runners.extension import Extension, LastRows
+from backoff_core.runners.ragged_reads import item_tokens, key_blocks_read, priced
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +58,9 @@ RAGGED_TOKENS = (32, 64, 128, 192, 256, 384, 512, 768, 1024)
 # a ragged catch-up's logits this far from the padded path's (relative, over the check's items)
 # are wrong, not rounding: bf16 rounds to ~1e-2 (warm-up's check turns ragged off past it)
 RAGGED_TOLERANCE = 0.1
+# warm-up's check (ragged_rel_err): its sessions' prompt lengths, each capped at half a slot; at
+# max_len 1024 they reach blocks 0-2 of their slots, so the check reads past a slot's first block
+CHECK_PROMPTS = (40, 300, 77, 200, 140, 260)
 BLOCK = 128  # FlexAttention's block (queries and keys); a slot's keys are max_len / BLOCK blocks
 # the query-side block lists serve the backward only: not built, where this torch can skip them
 NO_Q_BLOCKS = (
@@ -180,8 +188,8 @@ def attention_fn(device: torch.device):
     """flex_attention, compiled on CUDA (its fused kernel; eager materialises every score)."""
     if device.type != "cuda":
         return flex_attention
-    # one compile per token bucket (static shapes), each called twice at capture: above the
-    # default limit of 8 recompiles a function, which would fall back to the eager kernel
+    # one compile per token bucket (static shapes): past the default limit of 8 a function, a
+    # fullgraph compile raises (FailOnRecompileLimitHit; warm-up would turn ragged off)
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(RAGGED_TOKENS))
     return torch.compile(flex_attention, dynamic=False, fullgraph=True)
 
@@ -212,8 +220,8 @@ class RaggedExtends:
             return 0, 0.0
         check_ragged(self.kv.max_len, self.device)
         keys = self._ragged_keys()
-        with self._lock:
-            seconds = self.graphs.capture(keys, progress) + self.graphs.time_replays(keys)
+        with self._lock:  # timed far over the slots no session holds (all of them at load)
+            seconds = self.graphs.capture(keys, progress) + self.graphs.time_replays(keys, self.kv.free_slot_ids())
         return len(keys), seconds
 
     def _warm_ragged(self, progress: bool) -> float:
@@ -241,16 +249,18 @@ class RaggedExtends:
             return self.capture_padded(progress)  # the padded graphs the ragged ones had displaced
 
     def ragged_rel_err(self, prompt_ids: Sequence[int] | None = None) -> float:
-        """Up to six sessions take a prompt (default: fixed ids), then one catch-up of items of 2
-        to 37 tokens, once ragged and once padded: the relative error of its last logits,
-        ragged against padded (raises if the catch-up would not run ragged). Runs as serving
-        does (its own sessions, closed after; the pass and eviction counters as they were; after
-        load, idle sessions of a runner that evicts may be evicted for its slots), with the
-        runner's ragged settings restored, whatever raises."""
+        """Up to six sessions take prompts of CHECK_PROMPTS tokens (up to half a slot; from
+        `prompt_ids` repeated, default fixed ids), so that their keys fill several key blocks at
+        the real max_len, then one catch-up of items of 2 to 37 tokens, once ragged and once
+        padded: the relative error of its last logits, ragged against padded (raises if the
+        catch-up would not run ragged). Runs as serving does (its own sessions, closed after;
+        the pass and eviction counters as they were; after load, idle sessions of a runner that
+        evicts may be evicted for its slots), with the runner's ragged settings restored,
+        whatever raises."""
         cap = self.kv.max_len - 1
-        prompt = list(prompt_ids) if prompt_ids is not None else [(7 * j + 3) % self.vocab_size for j in range(40)]
-        prompt = prompt[: max(1, cap // 2)]
-        n = min(6, self.kv.slots)
+        base = list(prompt_ids) if prompt_ids is not None else [(7 * j + 3) % self.vocab_size for j in range(40)]
+        n = min(len(CHECK_PROMPTS), self.kv.slots)
+        prompts = [(base * (length // len(base) + 1))[: max(1, min(length, cap // 2))] for length in CHECK_PROMPTS[:n]]
         settings = (self.ragged, self.ragged_if_faster, self.forward_passes, self.eager_passes, self.evictions)
         logits = {}
         try:
@@ -260,8 +270,8 @@ class RaggedExtends:
                 try:
                     for request_id in sids:
                         self.open(request_id)
-                    self.extend([(r, prompt) for r in sids], last_only=True)
-                    items = [(r, prompt[: min(2 + 7 * i, cap - len(prompt))]) for i, r in enumerate(sids)]
+                    self.extend(list(zip(sids, prompts)), last_only=True)
+                    items = [(r, base[: min(2 + 7 * i, cap - len(p))]) for i, (r, p) in enumerate(zip(sids, prompts))]
                     if ragged and self._ragged_runs([ids for _, ids in items], None, True) is None:
                         raise ValueError("the check's catch-up has no ragged forward to run (a bucket not captured)")
                     logits[ragged] = torch.stack([e.last for e in self.extend(items, last_only=True)]).float()
@@ -322,13 +332,28 @@ class RaggedExtends:
             return None
         return runs
 
-    def _ragged_faster(self, runs: list[RaggedRun], padded_ms: float | None) -> bool:
+    def _ragged_faster(self, runs: list[RaggedRun], padded_ms: float | None, sessions: list, new_ids: list) -> bool:
         """Whether the ragged forwards of `runs` replay faster than the padded layout's forwards
         (padded_ms: their measured replays summed, inf for an eager forward, None untimed: no
         graphs). A tie, or nothing timed, keeps the padded path."""
         if padded_ms is None or self.graphs is None:
             return False
-        return sum(self.graphs.ms.get(run.key, math.inf) for run in runs) < padded_ms
+        return sum(self._ragged_ms(run, sessions, new_ids) for run in runs) < padded_ms
+
+    def _ragged_ms(self, run: RaggedRun, sessions: list, new_ids: list) -> float:
+        """A ragged forward's estimated replay: its bucket's time at one key block a query block,
+        plus the far timing's extra (CudaGraphs.far) in proportion to the key blocks past the
+        first that its query blocks read at most (key_blocks_read); the near time alone where
+        nothing was timed far."""
+        near = self.graphs.ms.get(run.key, math.inf)
+        if (far := self.graphs.far.get(run.key)) is None or not math.isfinite(near):
+            return near
+        counts = np.fromiter(map(len, new_ids[run.items]), np.int64)
+        held = np.fromiter((s.length for s in sessions[run.items]), np.int64, len(counts))
+        slots = np.fromiter((s.slot for s in sessions[run.items]), np.int64, len(counts))
+        positions, token_slots = item_tokens(held, slots, counts)
+        read = key_blocks_read(positions, token_slots, self._forward.groups, block_size(self.kv.max_len))
+        return priced(near, far, read)
 
     def _extend_ragged(self, sessions: list, new_ids: list[list[int]], runs: list[RaggedRun]) -> list[Extension]:
         """A ragged forward per run of items: their tokens end to end, padded to a token bucket

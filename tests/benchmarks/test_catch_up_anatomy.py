@@ -29,6 +29,7 @@ def test_padded_and_ragged_forwards_are_recorded_and_unwrapped():
     run.extend([("a", [1, 2, 3]), ("b", [4, 5])], last_only=True)  # padded: the 2 x 4 dense view (8.1) beats 8.5
     # now every ragged forward is timed cheaper than any padded layout
     run.graphs.ms = {key: 0.1 if isinstance(key, RaggedKey) else 1.0 for key in run.graphs.ms}
+    run.graphs.far = {}  # and not timed far: priced at that however far they read
     run.extend([("a", [6] * 20), ("b", [7] * 9)], last_only=True)  # ragged: 29 tokens of a 32-token forward
     assert [(f["rows"], f["k"], f["L"], f["items"], f["real"]) for f in log] == [(2, 4, 128, 2, 5), (1, 32, 0, 2, 29)]
     summary = summarise(log)

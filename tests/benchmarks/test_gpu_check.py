@@ -128,6 +128,8 @@ def test_the_ragged_probe_times_every_bucket_and_matches_the_padded_logits():
     assert got["graphs"] == 3 and set(got["replay_ms"]) == {32, 64, 128}  # 8 rows x 16: 128 tokens
     assert got["replay_ms"] == {t: 8.0 + t / 64 for t in (32, 64, 128)}  # EagerGraphs' default cost
     assert got["dense_ms"] == {32: 8.5, 64: 9.0, 128: 10.0}  # dense 2x16, 4x16, 8x16
+    # timed far too, over the 8 free slots (G = 2: 64 tokens a query block, one block a slot)
+    assert got["far"] == {t: {"blocks": 8, "ms": 8.0 + t / 64} for t in (32, 64, 128)}
     assert got["rel_err"] < 1e-5
     assert runner.ragged is False and runner.request_ids() == []
 

@@ -19,20 +19,22 @@ class EagerGraphs(CudaGraphs):
     buckets, static inputs and output copies of the real thing, without a GPU. replay_ms
     comes from `cost(key)` (no events on the CPU): a device's timings, written down (by
     default rows x k token slots, or a ragged forward's tokens, plus a fixed 8 per forward: a
-    large model's weights)."""
+    large model's weights). A ragged graph timed far (its inputs laid out by far_layout) takes
+    `far_cost(key)`, by default the near cost: attention's walk over key blocks costs nothing."""
 
-    def __init__(self, *args, cost=None, **kwargs) -> None:
+    def __init__(self, *args, cost=None, far_cost=None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.cost = cost or (lambda key: 8.0 + key.token_slots / 64)
-        self.timed: list = []  # the keys replay_ms was asked about
+        self.far_cost = far_cost or self.cost
+        self.timed: list = []  # the keys replay_ms was asked about ((key, "far") timed far)
 
     def _record(self, key):
         self._body(key)  # the warm-up run, as on the GPU
         return SimpleNamespace(replay=lambda: self._body(key))
 
-    def replay_ms(self, key, repeats: int = 3) -> float:
-        self.timed.append(key)
-        return self.cost(key)
+    def replay_ms(self, key, repeats: int = 3, far=None) -> float:
+        self.timed.append(key if far is None else (key, "far"))
+        return self.cost(key) if far is None else self.far_cost(key)
 
 
 def static(model, slots=8, max_len=128, name="static") -> StaticRunner:
@@ -69,3 +71,19 @@ def spy_layouts(run) -> list[tuple[bool, int, int]]:
 
     run._run = spy
     return seen
+
+
+class NoTimeEvent:
+    """torch.cuda.Event on the CPU: what replay_ms asks of one, with no time passing."""
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        pass
+
+    def record(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end) -> float:
+        return 1.0

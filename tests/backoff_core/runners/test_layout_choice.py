@@ -14,7 +14,7 @@ import torch
 from backoff_core.runners.cuda_graphs import CudaGraphs
 from backoff_core.runners.graph_plan import K_BUCKETS, GraphKey
 from backoff_core.runners.static_layout import choose, lay_out_blocks
-from tests.support.eager_graphs import EagerGraphs, assert_same, both, spy_layouts, static
+from tests.support.eager_graphs import EagerGraphs, NoTimeEvent, assert_same, both, spy_layouts, static
 from tests.support.gpu_runs import RUN3
 from tests.support.tiny import tiny_model
 
@@ -130,22 +130,6 @@ def test_warmup_times_every_graph_and_extends_follow_the_times():
     assert run.eager_passes == 8  # the prefills before the capture only
 
 
-class _Event:
-    """torch.cuda.Event on the CPU: what replay_ms asks of one, with no time passing."""
-
-    def __init__(self, enable_timing: bool = False) -> None:
-        pass
-
-    def record(self) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-    def elapsed_time(self, end) -> float:
-        return 1.0
-
-
 def test_replays_are_timed_on_the_inputs_their_graphs_were_captured_on(monkeypatch):
     # 6 slots: gathered forwards of up to 8 rows (the next power of two), dense views of up to 4.
     # A dense capture leaves its rows' slot ids 0..7 in the buffer; a gathered graph timed on
@@ -154,7 +138,7 @@ def test_replays_are_timed_on_the_inputs_their_graphs_were_captured_on(monkeypat
     run = static(model, slots=6)
     run.graphs = EagerGraphs(run._forward, run.graph_max_rows, max_k=2)
     run.graphs.capture([GraphKey(True, 4, 1, 128, True, None), GraphKey(False, 8, 1, 128, True, None)], progress=False)
-    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "Event", NoTimeEvent)
     for key in sorted(run.graphs._graphs, key=lambda k: not k.dense):  # the dense one first, as a capture may end
         assert CudaGraphs.replay_ms(run.graphs, key) == 1.0  # the real replay_ms, the body run eagerly
         assert run.graphs.slots.max() < (run.kv.slots if not key.dense else run.graphs.max_rows)

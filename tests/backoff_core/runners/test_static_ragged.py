@@ -16,8 +16,10 @@ import torch.nn.attention.flex_attention as flex_module
 from torch.nn.attention.flex_attention import flex_attention
 
 from backoff_core.engine.engine import BackoffEngine
+from backoff_core.runners.cuda_graphs import CudaGraphs
 from backoff_core.runners.dynamic import ModelRunner
 from backoff_core.runners.graph_plan import GRAPH_BUDGET, K_BUCKETS, GraphKey
+from backoff_core.runners.ragged_reads import far_layout, key_blocks_read
 from backoff_core.runners.static import StaticRunner
 from backoff_core.runners.static_ragged import (
     NO_Q_BLOCKS,
@@ -29,7 +31,7 @@ from backoff_core.runners.static_ragged import (
     lay_out_ragged,
     ragged_attention,
 )
-from tests.support.eager_graphs import EagerGraphs, assert_same
+from tests.support.eager_graphs import EagerGraphs, NoTimeEvent, assert_same
 from tests.support.helpers import engine_for, request
 from tests.support.host_syncs import HostSyncs
 from tests.support.ops import Ops
@@ -215,6 +217,25 @@ def test_a_right_ragged_forward_passes_warmups_check(model):
     seen = spy_ragged(run)
     assert run.ragged and run.ragged_rel_err() < 1e-5 and seen  # float32: the padded path's logits
     assert run.request_ids() == [] and run.forward_passes == 0
+
+
+def test_warmups_check_reads_past_a_slots_first_key_block(model):
+    """At a real max_len the check's prompts fill several key blocks of their slots (up to
+    half a slot each), so its ragged catch-up reads a slot's later blocks and cuts causally
+    inside one, as long contexts do; HF's logits there too (float32)."""
+    run = ragged_runner(model, slots=6, max_len=768)
+    furthest, inner = [], run._forward.ragged
+
+    def spy(batch):
+        real = batch.positions < run.kv.scratch
+        furthest.append(int(batch.positions[real].max()))
+        return inner(batch)
+
+    run._forward.ragged = spy
+    assert run.ragged_rel_err() < 1e-5
+    catch_up = furthest[-1]  # the prompts' forward, then the catch-up's
+    assert catch_up >= 300 + 9 - 1 and catch_up // block_size(768) >= 2  # block 2 of a slot
+    assert run.request_ids() == []
 
 
 def test_a_check_with_no_ragged_forward_to_run_fails(model, caplog):
@@ -472,3 +493,105 @@ def test_engine_over_ragged_catch_ups_equals_model_runner_engine(pair, tokenizer
     assert [g.sources for g in got] == [e.sources for e in expected]
     assert len(seen) > 1 and np.mean(seen) >= RAGGED_TOKENS[0]
     assert large.kv.free_slots == 16
+
+
+# -- pricing a ragged forward by the key blocks it reads ----------------------------------------
+
+
+def test_key_blocks_read_by_hand():
+    """G = 4, blocks of 128: a query block holds 32 tokens. Per query block, each slot read
+    counts its blocks up to its furthest position; the most of any query block."""
+    # tokens 0-9: slot 2 at 300-309 (blocks 0-2: 3); 10-31: slot 5 at 0-21 (1): query block 0 reads 4
+    # tokens 32-41: slot 7 at 130-139 (2): query block 1 reads 2
+    positions = np.r_[300:310, 0:22, 130:140]
+    slots = np.r_[[2] * 10, [5] * 22, [7] * 10]
+    assert key_blocks_read(positions, slots, groups=4, block=128) == 4
+    # one item across two query blocks: each reads its own furthest position's blocks
+    assert key_blocks_read(np.r_[100:140], np.full(40, 1), groups=4, block=128) == 2
+    # G = 3: token 42's rows 126-128 span query blocks 0 and 1; its slot counts in both
+    positions, slots = np.r_[0:43], np.r_[[0] * 42, [3]]
+    assert key_blocks_read(positions, slots, groups=3, block=128) == 2
+    assert key_blocks_read(np.r_[0:42, 500], slots, groups=3, block=128) == 1 + 4
+    # the far layout: 32 tokens a query block, each in another free slot, every block of each
+    positions, slots = far_layout(64, free=range(40), max_len=512)
+    assert (positions == 510).all() and list(slots[:3]) == [0, 1, 2] and slots[40] == 0
+    assert key_blocks_read(positions, slots, groups=4, block=128) == 32 * 4
+    assert key_blocks_read(*far_layout(64, free=[3, 5], max_len=512), groups=4, block=128) == 2 * 4
+
+
+@pytest.mark.parametrize("kv_heads, groups, max_len", [(2, 4, 512), (1, 2, 256), (4, 1, 384)])
+def test_key_blocks_read_is_the_block_masks_longest_row(kv_heads, groups, max_len):
+    """What the host counts is what the device's block mask lists: the most key blocks of any
+    of its query blocks (kv_num_blocks), over random catch-ups that fill a token bucket."""
+    rng = np.random.default_rng(kv_heads * groups)
+    slots_n, t = 6, 128
+    for _ in range(20):
+        counts = rng.multinomial(t, np.ones(5) / 5)
+        counts = counts[counts > 0]
+        held = rng.integers(0, max_len - 1 - counts, size=len(counts))
+        slot_of = rng.choice(slots_n, size=len(counts), replace=False)
+        _, (ids, positions, token_slots, last) = lay_out_ragged(
+            held, slot_of, [[1] * c for c in counts], max_len - 1, 8
+        )
+        mask = block_mask(RaggedBatch(ids, positions, token_slots, last), slots_n, kv_heads, groups, max_len)
+        block = block_size(max_len)
+        assert key_blocks_read(positions.numpy(), token_slots.numpy(), groups, block) == int(mask.kv_num_blocks.max())
+
+
+def test_ragged_graphs_are_timed_far_over_free_slots_only(model, monkeypatch):
+    """Warm-up times each ragged graph twice: as captured (one key block a query block) and
+    laid out far over the free slots, with the key blocks read there; a far replay after load
+    (capture_ragged beside live sessions) writes only slots no session holds."""
+    run = StaticRunner(model, "large", kv_budget_tokens=6 * 256, max_len=256, ragged=True, ragged_if_faster=True)
+    run.graphs = EagerGraphs(run._forward, run.graph_max_rows, K_BUCKETS[-1])
+    run.warmup(progress=False)
+    ragged = [k for k in run.graphs.ms if isinstance(k, RaggedKey)]
+    assert ragged and set(run.graphs.far) == set(ragged)
+    g = run._forward.groups  # 2: 64 tokens a query block, 6 slots of two blocks each
+    assert {key: read for key, (read, _) in run.graphs.far.items()} == {key: 6 * 2 for key in ragged}
+    assert [t for t in run.graphs.timed if isinstance(t, tuple)] == [(key, "far") for key in ragged]
+
+    for request_id, prompt in zip("ab", PROMPTS):
+        run.open(request_id)
+        run.extend([(request_id, list(prompt) * 40)], last_only=True)  # past the first block
+    live = [run._sessions[r].slot for r in "ab"]
+    before = [(k[live].clone(), v[live].clone()) for k, v in zip(run.kv.keys, run.kv.values)]
+    monkeypatch.setattr(torch.cuda, "Event", NoTimeEvent)
+    free = run.kv.free_slot_ids()
+    assert not set(free) & set(live) and g == 2
+    CudaGraphs.replay_ms(run.graphs, RaggedKey(64), far=free)  # the real replay_ms, the body run eagerly
+    for (k, v), (k0, v0) in zip(zip(run.kv.keys, run.kv.values), before):
+        assert torch.equal(k[live], k0) and torch.equal(v[live], v0)
+    assert run.kv.keys[0][free, :, 254].abs().sum() > 0  # the far column of free slots was written
+
+
+def test_auto_prices_a_ragged_forward_by_the_key_blocks_it_reads(model):
+    """`auto` over ragged graphs cheap as timed near (0.5 ms against the padded 1.0) but dear
+    far: a catch-up whose query blocks read few key blocks runs ragged; one over long contexts
+    in several slots, whose query block reads many, runs padded. HF's logits either way."""
+    cheap_near = lambda key: 0.5 if isinstance(key, RaggedKey) else 1.0  # noqa: E731
+    run = StaticRunner(model, "large", kv_budget_tokens=6 * 512, max_len=512, ragged=True, ragged_if_faster=True)
+    run.graphs = EagerGraphs(run._forward, run.graph_max_rows, K_BUCKETS[-1], cost=cheap_near, far_cost=lambda key: 5.0)
+    run.warmup(progress=False)
+    ref = ModelRunner(model, "ref")
+    for request_id, n in zip("abcd", (3, 300, 400, 5)):
+        for r in (ref, run):
+            r.open(request_id)
+            r.extend([(request_id, [(3 * j + 1) % 40 for j in range(n)])], last_only=True)
+    seen, eager = spy_ragged(run), run.eager_passes  # the long prompts ran eagerly
+    far_read = run.graphs.far[RaggedKey(32)][0]
+    assert far_read == 6 * 4  # G = 2: 64 tokens a query block over 6 slots of 4 blocks
+
+    def priced(items) -> float:
+        new_ids = [ids for _, ids in items]
+        (only,) = run._ragged_runs(new_ids, None, True)
+        return run._ragged_ms(only, [run._sessions[r] for r, _ in items], new_ids)
+
+    short = [("a", [1, 2, 3]), ("d", [4, 5])]  # a block of each of two slots
+    assert priced(short) == pytest.approx(0.5 + 4.5 * (2 - 1) / (far_read - 1))  # under the padded 1.0
+    assert_same(ref, run, short, last_only=True)
+    assert seen == [32]
+    long = [("b", [1, 2, 3]), ("c", [4, 5]), ("a", [6])]  # blocks 0-2 and 0-3 of two slots, 0 of a third
+    assert priced(long) == pytest.approx(0.5 + 4.5 * (3 + 4 + 1 - 1) / (far_read - 1))  # over 1.0
+    assert_same(ref, run, long, last_only=True)
+    assert seen == [32] and run.eager_passes == eager

@@ -64,6 +64,25 @@ def test_catch_ups_replay_ragged_graphs_with_model_runners_logits(gpu_pair):
     assert seen == [RaggedKey(64), RaggedKey(64)] and run.eager_passes == eager
 
 
+def test_catch_ups_over_long_contexts_read_a_slots_later_key_blocks(gpu_pair):
+    """Sessions of 150, 300 and 450 positions in slots 1, 3 and 6 (blocks of 128), between
+    short ones: a catch-up's query blocks walk several key blocks of each slot, not adjacent,
+    and cut causally inside a later one; one replay, ModelRunner's logits."""
+    model = gpu_pair[1]
+    run, ref = runner(model, "large", max_len=512), ModelRunner(model, "ref")
+    lengths = {"s0": 5, "a": 150, "s2": 3, "b": 300, "s4": 4, "s5": 2, "c": 450, "s7": 6}
+    for request_id, n in lengths.items():
+        for r in (run, ref):
+            r.open(request_id)
+            r.extend([(request_id, [(5 * j + len(request_id)) % VOCAB for j in range(n)])])
+    assert [run._sessions[r].slot for r in ("a", "b", "c")] == [1, 3, 6]
+    seen, eager = spy_replays(run), run.eager_passes
+    items = [("a", [1] * 9), ("b", [2, 3] * 7), ("c", [4] * 20), ("s5", [5, 6])]
+    for g, e in zip(run.extend(items, last_only=True), ref.extend(items, last_only=True)):
+        torch.testing.assert_close(g.logits, e.logits, atol=1e-3, rtol=1e-3)
+    assert seen == [RaggedKey(64)] and run.eager_passes == eager
+
+
 @pytest.mark.parametrize("shape", list(SHAPES))
 @torch.inference_mode()
 def test_bf16_real_shapes_match_a_float32_reference(device, shape):
