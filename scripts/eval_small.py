@@ -35,6 +35,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
 
 from backoff_core.learning import corpus
 from backoff_core.models.default_pair import STUDENT_DIR, load_default_large, load_default_small
+from backoff_core.runners.dynamic import cache_keyword
 
 KL_BUCKETS = (0.0, 0.5, 1.0, 2.0, float("inf"))  # nats; [lo, hi)
 CARD_START, CARD_END = "<!-- eval:start -->", "<!-- eval:end -->"
@@ -200,17 +201,18 @@ def evaluate_chat(small, large, convs: list[tuple[list[int], int]]) -> Stats:
 @torch.inference_mode()
 def decode_step_latency(model, prompt: torch.Tensor, steps: int) -> list[float]:
     """Seconds per single-token forward with KV cache after prefilling prompt: [1, P]."""
+    kw = cache_keyword(model)
     out = model(prompt, use_cache=True)
-    cache, token = out.past_key_values, out.logits[:, -1:].argmax(-1)  # token: [1, 1]
+    cache, token = getattr(out, kw), out.logits[:, -1:].argmax(-1)  # token: [1, 1]
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        out = model(token, past_key_values=cache, use_cache=True)
+        out = model(token, **{kw: cache}, use_cache=True)
         token = out.logits[:, -1:].argmax(-1)
         if prompt.is_cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-        cache = out.past_key_values
+        cache = getattr(out, kw)
     return times
 
 

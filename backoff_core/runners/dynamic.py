@@ -104,6 +104,12 @@ class _CachedSession(Session):
         return [(layer.keys, layer.values) for layer in self.cache.layers]
 
 
+def cache_keyword(model: PreTrainedModel) -> str:
+    """The keyword of the KV cache in the model's forward and outputs: `cache` since
+    transformers 5.24 (where `past_key_values` warns, and goes in 5.40), `past_key_values` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 class ModelRunner(PrefixCaching, SessionTable[_CachedSession]):
     """Holds one model and its sessions. Thread-safe: one forward at a time."""
 
@@ -124,11 +130,8 @@ class ModelRunner(PrefixCaching, SessionTable[_CachedSession]):
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.num_layers = int(model.config.num_hidden_layers)
         self.forward_passes = 0
-        params = inspect.signature(model.forward).parameters
-        self._keeps_logits = "logits_to_keep" in params
-        # the KV cache's keyword: `cache` since transformers 5.24 (`past_key_values` warns, and
-        # goes in 5.40), `past_key_values` before
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self._cache_kw = cache_keyword(model)
         self.kv_budget_tokens = kv_budget_tokens  # None: unbounded
         self.evict_idle = evict_idle
         self.evictions = 0  # idle sessions freed to make room

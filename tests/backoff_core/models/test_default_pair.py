@@ -15,7 +15,7 @@ from backoff_core.models.default_pair import (
     load_default_small,
     read_student_config,
 )
-from backoff_core.runners.dynamic import ModelRunner
+from backoff_core.runners.dynamic import cache_keyword
 
 MAX_STUDENT_BYTES = 48 * 1024 * 1024  # issue 24: committed student weights may grow to 48 MB
 
@@ -101,7 +101,7 @@ def test_small_kv_cache_matches_full_forward(pair):
     """Decoding with a KV cache gives the logits of a full recompute (the catch-up invariant
     of DESIGN.md §2 relies on this for both models)."""
     small, _, tokenizer = pair
-    kw = ModelRunner(small)._cache_kw  # the cache's keyword in this transformers
+    kw = cache_keyword(small)  # the cache's keyword in this transformers
     ids = tokenizer("def add(a, b):\n    return a + b\n", return_tensors="pt").input_ids  # [1, T]
     with torch.inference_mode():
         full = small(ids).logits  # [1, T, V]
