@@ -84,14 +84,17 @@ def _load_large_cached(device: str, dtype: torch.dtype) -> tuple[PreTrainedModel
 
 
 def load_default_large(
-    device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, private: bool = False
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """M_L and its tokenizer (vocab 49152, ChatML template), cached per (device, dtype).
 
     The cache returns the *same* model object to every caller in the process: do not
-    modify its weights.
+    modify its weights or modules. `private`: a model of the caller's own, loaded past the
+    cache (which it neither reads nor fills), for a caller that converts it in place
+    (loading.py: oneDNN's linear layers).
     """
-    return _load_large_cached(str(torch.device(device)), dtype)
+    load = _load_large_cached.__wrapped__ if private else _load_large_cached
+    return load(str(torch.device(device)), dtype)
 
 
 # ---------------------------------------------------------------------------------------
@@ -182,10 +185,10 @@ def load_default_small(
 
 
 def load_default_pair(
-    device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, private: bool = False
 ) -> tuple[LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase]:
-    """(M_S, M_L, tokenizer), ready for inference on ``device``."""
-    large, tokenizer = load_default_large(device, dtype)
+    """(M_S, M_L, tokenizer), ready for inference on ``device`` (`private`: load_default_large's)."""
+    large, tokenizer = load_default_large(device, dtype, private)
     return load_default_small(large), large, tokenizer
 
 

@@ -42,12 +42,13 @@ _biasless: "weakref.WeakKeyDictionary[MkldnnLinear, bool]" = weakref.WeakKeyDict
 def applies(model: nn.Module) -> bool:
     """oneDNN linear fits a float32 model on the CPU of a torch built with oneDNN."""
     weight = next((p for p in model.parameters()), None)
-    return (
-        weight is not None
-        and weight.device.type == "cpu"
-        and weight.dtype == torch.float32
-        and torch.backends.mkldnn.is_available()
-    )
+    return weight is not None and converts(weight.device, weight.dtype)
+
+
+def converts(device: str | torch.device, dtype: torch.dtype, kernels: str = "mkldnn") -> bool:
+    """Whether use_cpu_kernels(kernels) would convert a model on `device` in `dtype`."""
+    on_cpu = torch.device(device).type == "cpu"
+    return kernels != "default" and on_cpu and dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
 def use_cpu_kernels(model: nn.Module, kernels: str = "mkldnn") -> nn.Module:

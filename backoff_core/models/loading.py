@@ -15,7 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from backoff_core.models.default_pair import DEFAULT_PAIR_NAMES, load_default_large, load_default_pair
 from backoff_core.models.gguf_cache import load_gguf
-from backoff_core.models.kernels import use_cpu_kernels
+from backoff_core.models.kernels import converts, use_cpu_kernels
 
 DTYPES = {
     "float32": torch.float32,
@@ -133,7 +133,9 @@ def chain_names(small: str | None, large: str | None, medium: list[str] = ()) ->
 
 
 def _default_pair(spec: LoadSpec) -> tuple[PreTrainedModel, PreTrainedModel, object]:
-    small, large, tok = load_default_pair(device=spec.torch_device(), dtype=spec.torch_dtype())
+    # converted in place: then a pair of our own, so the process's cached M_L stays as it was
+    private = converts(spec.torch_device(), spec.torch_dtype(), spec.cpu_kernels)
+    small, large, tok = load_default_pair(device=spec.torch_device(), dtype=spec.torch_dtype(), private=private)
     return (
         use_cpu_kernels(small, spec.cpu_kernels),
         use_cpu_kernels(large, spec.cpu_kernels),
@@ -186,5 +188,6 @@ def load_level(names: tuple[str, ...] | None, level: int, spec: LoadSpec = LoadS
         return load_model(names[level], spec)[0]
     if level == 0:
         return _default_pair(spec)[0]
-    large = load_default_large(device=spec.torch_device(), dtype=spec.torch_dtype())[0]
+    private = converts(spec.torch_device(), spec.torch_dtype(), spec.cpu_kernels)
+    large = load_default_large(device=spec.torch_device(), dtype=spec.torch_dtype(), private=private)[0]
     return use_cpu_kernels(large, spec.cpu_kernels)

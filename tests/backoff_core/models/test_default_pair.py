@@ -45,6 +45,26 @@ def test_large_is_cached(pair):
     assert again is large and tokenizer_again is tokenizer
 
 
+def test_a_chain_converted_to_cpu_kernels_leaves_the_cached_pair_as_it_was(pair):
+    """load_chain converts its models' linear layers to oneDNN in place (CPU, float32): the
+    default pair's come from a load of their own, so the process's cached M_L (and a pair
+    loaded from it before or after) keeps its dense layers, its weights and its sharing."""
+    from torch import nn
+
+    from backoff_core.models.loading import LoadSpec, load_chain
+
+    small, large, _ = pair
+    chain = load_chain(None, None)
+    assert chain.models[1] is not large and type(chain.models[1].lm_head) is not nn.Linear  # converted
+    assert chain.models[0].lm_head is chain.models[1].lm_head  # and still shared
+    cached, _ = default_pair.load_default_large()
+    assert cached is large and type(large.lm_head) is nn.Linear and large.lm_head.weight.data_ptr() != 0
+    again, _, _ = load_default_pair()
+    assert again.lm_head.weight.data_ptr() == large.lm_head.weight.data_ptr()
+    kept = load_chain(None, None, spec=LoadSpec(cpu_kernels="default"))  # not converted: the cached one
+    assert kept.models[1] is large
+
+
 def test_tokenizer_vocabulary(pair):
     small, large, tokenizer = pair
     assert len(tokenizer) == 49152
