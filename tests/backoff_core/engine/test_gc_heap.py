@@ -37,7 +37,8 @@ def test_freeze_collects_garbage_first_then_takes_the_rest_out_of_collections(un
     tracked = len(gc.get_objects())
     frozen = freeze_startup_heap()
     assert garbage() is None  # freed, not made permanent
-    assert frozen == gc.get_freeze_count() > 0
+    # what was frozen, less what has been freed since (another thread's objects may go)
+    assert frozen >= gc.get_freeze_count() > 0.99 * frozen
     # a collection's lists no longer hold the heap: what it walks shrank by what was frozen
     after = gc.get_objects()
     assert all(o is not kept for o in after)
