@@ -196,7 +196,7 @@ class CudaGraphs:
     def replay_ms(self, key: GraphKey | RaggedKey, repeats: int = 3, far: Sequence[int] | None = None) -> float:
         """The median GPU time of one replay of a captured graph (CUDA events; a replay
         first, untimed), on the harmless inputs it was captured on, or a ragged graph's with
-        its tokens laid out far over the `far` slots (static_ragged.far_layout: slots no
+        its tokens laid out far over the `far` slots (ragged_reads.far_layout: slots no
         session holds). At load (time_replays), never during a step."""
         self._harmless(key)
         if far is not None:

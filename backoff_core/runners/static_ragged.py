@@ -118,10 +118,10 @@ def lay_out_ragged(
     ids = np.zeros(t, np.int64)
     ids[:total] = np.fromiter((i for item in new_ids for i in item), np.int64, total)
     positions = np.full(t, scratch, np.int64)
-    within = np.arange(total) - np.repeat(ends - counts, counts)  # each token's index in its item
-    positions[:total] = np.repeat(np.asarray(held, np.int64), counts) + within
     token_slots = np.zeros(t, np.int64)
-    token_slots[:total] = np.repeat(np.asarray(slots, np.int64), counts)
+    positions[:total], token_slots[:total] = item_tokens(
+        np.asarray(held, np.int64), np.asarray(slots, np.int64), counts
+    )
     last = np.zeros(rows, np.int64)
     last[: len(counts)] = ends - 1
     return t, [torch.from_numpy(a) for a in (ids, positions, token_slots, last)]
