@@ -227,7 +227,10 @@ def run_config(config: dict, blocking: bool = True) -> None:
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="backoff-serve-", delete=False) as f:
         yaml.safe_dump(config, f, sort_keys=False)
     argv = ["run", f.name] + ([] if blocking else ["--non-blocking"])
-    cli.main(args=argv, prog_name="serve", standalone_mode=False)
+    try:
+        cli.main(args=argv, prog_name="serve", standalone_mode=False)
+    finally:  # `serve run` reads it before it deploys: one file per command would pile up in /tmp
+        os.unlink(f.name)
 
 
 def main(argv: list[str] | None = None) -> int:

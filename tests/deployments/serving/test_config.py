@@ -379,3 +379,29 @@ def test_direct_ingress_puts_its_ports_in_the_environment_ray_starts_with(capsys
         "9101",
     )
     assert "HTTP on port 8101 and gRPC on port 9101" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_serve_run_reads_its_config_file_and_the_file_is_gone_after(monkeypatch, fails):
+    """run_config hands `serve run` the config in a temporary file, which is deleted once
+    `serve run` returns or raises (before, each `backoff serve` left one in /tmp)."""
+    from ray.serve.scripts import cli
+
+    seen = {}
+
+    def serve_run(args, prog_name, standalone_mode):
+        seen["path"], seen["config"] = args[1], yaml.safe_load(open(args[1]).read())
+        seen["args"] = args
+        if fails:
+            raise RuntimeError("the deploy failed")
+
+    monkeypatch.setattr(serve_cli, "local_serve_env", lambda: None)
+    monkeypatch.setattr(cli, "main", serve_run)
+    config = {"applications": [{"name": "backoff", "args": {"models": {"small": "s"}}}]}
+    if fails:
+        with pytest.raises(RuntimeError, match="deploy failed"):
+            serve_cli.run_config(config, blocking=False)
+    else:
+        serve_cli.run_config(config, blocking=False)
+    assert seen["config"] == config and seen["args"] == ["run", seen["path"], "--non-blocking"]
+    assert not os.path.exists(seen["path"])
