@@ -230,7 +230,7 @@ def run_config(config: dict, blocking: bool = True) -> None:
     try:
         cli.main(args=argv, prog_name="serve", standalone_mode=False)
     finally:  # `serve run` reads it before it deploys: one file per command would pile up in /tmp
-        os.unlink(f.name)
+        Path(f.name).unlink(missing_ok=True)
 
 
 def main(argv: list[str] | None = None) -> int:

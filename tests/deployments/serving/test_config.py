@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import yaml
@@ -390,7 +391,7 @@ def test_serve_run_reads_its_config_file_and_the_file_is_gone_after(monkeypatch,
     seen = {}
 
     def serve_run(args, prog_name, standalone_mode):
-        seen["path"], seen["config"] = args[1], yaml.safe_load(open(args[1]).read())
+        seen["path"], seen["config"] = args[1], yaml.safe_load(Path(args[1]).read_text())
         seen["args"] = args
         if fails:
             raise RuntimeError("the deploy failed")
@@ -404,4 +405,4 @@ def test_serve_run_reads_its_config_file_and_the_file_is_gone_after(monkeypatch,
     else:
         serve_cli.run_config(config, blocking=False)
     assert seen["config"] == config and seen["args"] == ["run", seen["path"], "--non-blocking"]
-    assert not os.path.exists(seen["path"])
+    assert not Path(seen["path"]).exists()
