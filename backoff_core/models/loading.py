@@ -51,6 +51,11 @@ class LoadSpec:
             raise ValueError(f"device {self.device!r} asked for, but no CUDA device is available")
         return self.device
 
+    def converts_in_place(self) -> bool:
+        """Whether use_cpu_kernels converts the models this spec loads in place (kernels.converts):
+        then the default pair is loaded past its in-process cache (`private`)."""
+        return converts(self.torch_device(), self.torch_dtype(), self.cpu_kernels)
+
 
 def _where(name: str) -> tuple[str, dict]:
     """(path or id, from_pretrained keywords) for a directory, a cached hub id or a .gguf file."""
@@ -134,7 +139,7 @@ def chain_names(small: str | None, large: str | None, medium: list[str] = ()) ->
 
 def _default_pair(spec: LoadSpec) -> tuple[PreTrainedModel, PreTrainedModel, object]:
     # converted in place: then a pair of our own, so the process's cached M_L stays as it was
-    private = converts(spec.torch_device(), spec.torch_dtype(), spec.cpu_kernels)
+    private = spec.converts_in_place()
     small, large, tok = load_default_pair(device=spec.torch_device(), dtype=spec.torch_dtype(), private=private)
     return (
         use_cpu_kernels(small, spec.cpu_kernels),
@@ -188,6 +193,6 @@ def load_level(names: tuple[str, ...] | None, level: int, spec: LoadSpec = LoadS
         return load_model(names[level], spec)[0]
     if level == 0:
         return _default_pair(spec)[0]
-    private = converts(spec.torch_device(), spec.torch_dtype(), spec.cpu_kernels)
+    private = spec.converts_in_place()
     large = load_default_large(device=spec.torch_device(), dtype=spec.torch_dtype(), private=private)[0]
     return use_cpu_kernels(large, spec.cpu_kernels)
