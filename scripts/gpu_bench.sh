@@ -9,6 +9,8 @@
 #   bash scripts/gpu_bench.sh batch [TAG]   # benchmarks/batch_scaling.py: n = 1, 4, 16, 64, six rows
 #                                           # (ROWS=all: every row), then catch_up_anatomy.py: every
 #                                           # M_L forward of 64 streams
+#   bash scripts/gpu_bench.sh timeline    # benchmarks/step_timeline.py: where 64 streams' wall time
+#                                           # goes (forwards' device time, device idle, host profile)
 #   bash scripts/gpu_bench.sh all   [TAG]   # one device call: batch, then tests with what is left of
 #                                           # DEADLINE seconds (default 570, under a call's 600)
 #
@@ -25,7 +27,7 @@
 set -euo pipefail
 self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$0")/.."
-stage=${1:?usage: scripts/gpu_bench.sh tests|cost|batch|all [TAG]}
+stage=${1:?usage: scripts/gpu_bench.sh tests|cost|batch|timeline|all [TAG]}
 gpu_model() { # "NVIDIA H100 80GB HBM3" -> h100, "NVIDIA H200" -> h200, "NVIDIA L40S" -> l40s
     local model
     model=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 |
@@ -88,6 +90,10 @@ batch)
     python3 benchmarks/catch_up_anatomy.py "${common[@]}" --out "$out" 2>&1 | progress_out |
         tee "$out/catch_up_anatomy.txt" | grep -v '^[DG][0-9]' | tail -8
     ;;
+timeline)
+    python3 benchmarks/step_timeline.py "${common[@]}" --out "$out" 2>&1 | progress_out |
+        tee "$out/step_timeline.txt" | tail -100
+    ;;
 all)
     # one device call (a loan's 15 minutes hold one call of 10 and the machine's start, and it goes
     # back 30 s after a call): batch first, the open goal's stage, then tests with what is left of
@@ -106,7 +112,7 @@ all)
     exit "$rc"
     ;;
 *)
-    echo "unknown stage $stage: tests, cost, batch or all" >&2
+    echo "unknown stage $stage: tests, cost, batch, timeline or all" >&2
     exit 2
     ;;
 esac

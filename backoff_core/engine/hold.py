@@ -8,8 +8,8 @@ waits at a level end, for all of them, in the first step where:
     all ride along;
   - the oldest would pass `wait_ms` by waiting one more step (taken to last as long as the
     last one), so where a step takes longer than `wait_ms` nothing waits;
-  - half the live requests or more would wait (M_S would step a half-empty batch; a lone
-    request never waits).
+  - `max_share` of the live requests or more would wait (default half: M_S would step a
+    half-empty batch; a lone request never waits).
 Nothing else changes: every draw is a pure function of (seed, position), so the tokens are
 those of catch-ups run at once.
 """
@@ -22,9 +22,14 @@ from backoff_core.engine.propose import Proposal
 from backoff_core.engine.state import Live, Waiting
 
 
+# the share of the live requests that ends the waits (hold.split): the default half
+MAX_SHARE = 0.5
+
+
 class CatchUpHold:
     def __init__(self, wait_ms: float, clock: Callable[[], float], collect_kl: bool) -> None:
         self.wait_ms = wait_ms  # 0: every catch-up runs in the step that routes it
+        self.max_share = MAX_SHARE  # the waits end where this share of the live requests would wait
         self.clock = clock  # read once a step (tick), while wait_ms is set
         self.collect_kl = collect_kl
         self.now = self.step_s = 0.0  # this step's start, and the time since the last one's
@@ -63,7 +68,7 @@ class CatchUpHold:
         oldest = min((r.waiting.since for r in group if r.waiting is not None), default=self.now)
         if (
             self.wait_ms  # 0 (set between steps): the waiting ones catch up now
-            and 2 * len(holders) < live
+            and len(holders) < self.max_share * live
             and self.now - oldest + self.step_s <= self.wait_ms / 1e3
             and all(r.request_id in holders for r in group)
         ):

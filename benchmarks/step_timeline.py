@@ -1,0 +1,252 @@
+"""Where a batch's wall time goes on a GPU: the forwards' device time, the host's waits on the
+device, and the host's own work, per routing, for n streams together (batch_scaling.py's run).
+
+    python benchmarks/step_timeline.py --small S --large L --device cuda --dtype bfloat16 \
+        --kv-budget 65536 --max-len 1024 --out benchmarks/results/gpu     # scripts/gpu_bench.sh timeline
+
+The simulator (gpu_sim.py) prices every forward at its replay time and each step at a host
+time fitted on the CPU; the fourth H100 run measured 64 streams at b=0.9 at 0.79 of what it
+predicted (and always-large at 0.83), so something the replays do not time costs ~3 ms per M_L
+forward. Each row runs three times after a warm-up, the same requests each time:
+  plain     tok/s as batch_scaling.py measures it (nothing added);
+  events    a CUDA event pair around every graph replay and eager forward of both models
+            (read after the run: no sync added), and the host's time blocked in the step
+            loop's device-to-host reads (host.to_host, the one way to the host);
+  profile   cProfile over the run: the host functions that take the time (the reads'
+            blocking shows under `tolist`).
+Then `wall = forwards' device time + device idle`; the idle is the host's work that the
+device waits for. Rows: the goal's (random b=0.9, catch-ups held as the engine's default,
+`max_share` of the live requests ending the waits: 1/2 and 1/3), always-large and
+always-small. Saves step_timeline.json (and prints the table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from backoff_core.engine import catchup, logprobs, prompt, propose  # noqa: E402
+from backoff_core.engine.engine import BackoffEngine  # noqa: E402
+from backoff_core.models.loading import LoadSpec, load_chain  # noqa: E402
+from backoff_core.models.prompts import encode_prompt  # noqa: E402
+from backoff_core.types import GenerationRequest, KVSpec, RoutingParams, SamplingParams  # noqa: E402
+from benchmarks.batch_scaling import PROMPT  # noqa: E402
+
+B09 = RoutingParams(router="random", rate=0.9)
+# label -> (routing, the hold's max_share: None keeps the engine's)
+ROWS = {
+    "random b=0.9": (B09, None),
+    "random b=0.9, max_share 1/3": (B09, 1 / 3),
+    "always-large": (RoutingParams(router="always-large"), None),
+    "always-small": (RoutingParams(router="always-small"), None),
+}
+READERS = (catchup, logprobs, prompt, propose)  # the modules that read through to_host
+
+
+def mark() -> torch.cuda.Event | float:
+    """A point on the device's timeline: a CUDA event recorded on the current stream (read
+    after the run: no sync), or on the CPU, where forwards run synchronously, the clock."""
+    if not torch.cuda.is_available():
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class Timeline:
+    """CUDA events around the runners' forwards, and the host's time blocked in to_host."""
+
+    def __init__(self, engine: BackoffEngine) -> None:
+        self.engine = engine
+        self.pairs: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        self.read_s = 0.0
+        self.reads = 0
+        self._undo: list = []
+
+    def __enter__(self) -> Timeline:
+        for runner in self.engine.models:  # a padded forward (a replay or eager); a ragged one
+            self._wrap(runner, "_run", f"{runner.name} padded")
+            if getattr(runner, "graphs", None) is not None:
+                self._wrap(runner.graphs, "replay_ragged", f"{runner.name} ragged")
+        for module in READERS:
+            self._wrap_read(module)
+        return self
+
+    def start(self) -> None:
+        """What the run's clock counts starts here."""
+        self.pairs.clear()
+        self.read_s, self.reads = 0.0, 0
+
+    def _wrap(self, owner, name: str, label: str) -> None:
+        inner = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            start = mark()
+            out = inner(*args, **kwargs)
+            self.pairs.append((label, start, mark()))
+            return out
+
+        setattr(owner, name, timed)
+        self._undo.append((owner, name, inner))
+
+    def _wrap_read(self, module) -> None:
+        inner = module.to_host
+
+        def read(*parts):
+            t = time.perf_counter()
+            out = inner(*parts)
+            self.read_s += time.perf_counter() - t
+            self.reads += 1
+            return out
+
+        module.to_host = read
+        self._undo.append((module, "to_host", inner))
+
+    def __exit__(self, *exc) -> None:
+        for owner, name, inner in reversed(self._undo):
+            if name == "to_host":
+                setattr(owner, name, inner)
+            else:
+                delattr(owner, name)  # the instance's wrapper: the class's method again
+
+    def device_ms(self) -> dict[str, dict]:
+        """{label: {"count", "ms"}} of the forwards timed."""
+        _sync()
+        out: dict[str, dict] = {}
+        for label, start, end in self.pairs:
+            row = out.setdefault(label, {"count": 0, "ms": 0.0})
+            row["count"] += 1
+            row["ms"] += start.elapsed_time(end) if isinstance(start, torch.cuda.Event) else 1e3 * (end - start)
+        return {label: {"count": v["count"], "ms": round(v["ms"], 1)} for label, v in out.items()}
+
+
+def run(
+    engine: BackoffEngine, prompt_ids, n: int, tokens: int, routing: RoutingParams, timeline: Timeline | None = None
+) -> tuple[float, int, int]:
+    """n requests together, as batch_scaling.throughput runs them (admission, the prompts'
+    forwards, outside the clock and the timeline): (seconds, tokens, steps)."""
+    reqs = [
+        GenerationRequest(tuple(prompt_ids), SamplingParams(max_tokens=tokens, seed=i, ignore_eos=True), routing)
+        for i in range(n)
+    ]
+    rids = [engine.submit(r) for r in reqs]
+    _sync()
+    if timeline is not None:
+        timeline.start()
+    start, steps = time.perf_counter(), 0
+    while engine.has_work():
+        engine.step()
+        steps += 1
+    _sync()
+    seconds = time.perf_counter() - start
+    return seconds, sum(len(engine.finish(r).token_ids) for r in rids), steps
+
+
+def top(profile: cProfile.Profile, key: str, count: int) -> list[str]:
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats(key).print_stats(count)
+    lines = text.getvalue().splitlines()
+    at = next((i for i, line in enumerate(lines) if line.lstrip().startswith("ncalls")), 0)
+    return [line.rstrip() for line in lines[at : at + count + 1]]
+
+
+def measure(engine: BackoffEngine, prompt_ids, n: int, tokens: int, routing: RoutingParams, repeats: int) -> dict:
+    run(engine, prompt_ids, 2, 4, routing)  # warm-up: allocator growth, lazy initialisation
+    plain = [run(engine, prompt_ids, n, tokens, routing) for _ in range(repeats)]
+    seconds = statistics.median(s for s, _, _ in plain)
+    with Timeline(engine) as timeline:
+        timed_s, done, steps = run(engine, prompt_ids, n, tokens, routing, timeline)
+    forwards = timeline.device_ms()
+    device = sum(v["ms"] for v in forwards.values())
+    profile = cProfile.Profile()
+    profile.enable()
+    run(engine, prompt_ids, n, tokens, routing)
+    profile.disable()
+    return {
+        "tok_per_s": round(done / seconds, 1),
+        "seconds": round(seconds, 4),
+        "steps": steps,
+        "events_run": {
+            "seconds": round(timed_s, 4),
+            "forwards_device_ms": round(device, 1),
+            "device_idle_ms": round(1e3 * timed_s - device, 1),
+            "host_blocked_in_reads_ms": round(1e3 * timeline.read_s, 1),
+            "reads": timeline.reads,
+            "forwards": forwards,
+        },
+        "profile_tottime": top(profile, "tottime", 25),
+        "profile_cumtime": top(profile, "cumulative", 40),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--small")
+    ap.add_argument("--large")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")  # on the CPU (a dry run, image_check.sh): float32
+    ap.add_argument("--kv-budget", type=int, default=65536)
+    ap.add_argument("--max-len", type=int, default=1024)
+    ap.add_argument("--streams", default="1,64", help="comma-separated concurrency levels n")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--rows", nargs="+", metavar="LABEL", default=list(ROWS), help=f"of {list(ROWS)}")
+    ap.add_argument("--out", default="benchmarks/results/gpu")
+    args = ap.parse_args()
+    if unknown := [label for label in args.rows if label not in ROWS]:
+        ap.error(f"unknown rows {unknown}; the rows are {list(ROWS)}")
+    transformers.logging.set_verbosity_error()
+    chain = load_chain(args.small, args.large, (), LoadSpec(args.device, args.dtype))
+    engine = BackoffEngine.from_chain(chain, kv=KVSpec(args.kv_budget, args.max_len))
+    prompt_ids = encode_prompt(chain.tokenizer, PROMPT, chat=bool(chain.tokenizer.chat_template))
+    streams = [int(s) for s in args.streams.split(",")]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    default_share = engine.hold.max_share
+    gpu = torch.cuda.get_device_name() if args.device.startswith("cuda") else None
+    report = {"device": args.device, "gpu": gpu, "tokens": args.tokens, "repeats": args.repeats, "rows": {}}
+    for label in args.rows:
+        routing, share = ROWS[label]
+        engine.hold.max_share = default_share if share is None else share
+        report["rows"][label] = row = {}
+        for n in streams:
+            row[str(n)] = cell = measure(engine, prompt_ids, n, args.tokens, routing, args.repeats)
+            e = cell["events_run"]
+            print(
+                f"{label:30s} n={n:<3d} {cell['tok_per_s']:8.0f} tok/s  {cell['steps']:4d} steps  "
+                f"wall {1e3 * e['seconds']:6.1f} ms = forwards {e['forwards_device_ms']:6.1f} + idle "
+                f"{e['device_idle_ms']:6.1f}; blocked in {e['reads']} reads {e['host_blocked_in_reads_ms']:6.1f}  "
+                f"{ {k: (v['count'], v['ms']) for k, v in e['forwards'].items()} }",
+                flush=True,
+            )
+            (out / "step_timeline.json").write_text(json.dumps(report, indent=1) + "\n")
+        base = row[str(streams[0])]["tok_per_s"]
+        row["x_first"] = {str(n): round(row[str(n)]["tok_per_s"] / base, 2) for n in streams}
+        print(f"{label:30s} x n={streams[0]}: {row['x_first']}", flush=True)
+    engine.hold.max_share = default_share
+    (out / "step_timeline.json").write_text(json.dumps(report, indent=1) + "\n")
+    for label, row in report["rows"].items():
+        cell = row[str(streams[-1])]
+        print(f"\n{label}, n={streams[-1]}: host functions by own time")
+        print("\n".join(cell["profile_tottime"][:18]))
+    print(f"saved {out / 'step_timeline.json'}")
+
+
+if __name__ == "__main__":
+    main()
