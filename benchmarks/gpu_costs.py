@@ -11,7 +11,11 @@ graph's compute; M_S's was never timed and is taken as the same). How M_S's step
 forwards slow each other side by side on one GPU: gpu_check.json's `sharing` probe, where the
 run has it (`GpuCosts.sharing`, the two streams of one priority as the engine's flights run by
 default; gpu_sim --what-if shared), and with either side's stream first (`sharing_first`,
-ThreadLauncher.first; gpu_sim_sharing.py reads them all).
+ThreadLauncher.first; gpu_sim_sharing.py reads them all). A step's host work: fitted to the
+run's step_timeline.json where it has one (`fit_host`: the time beyond the forwards per step,
+per request stepped and per catch-up, from always-small at n = 1 and at the most streams and
+always-large at the most), else the CPU-era constants (0.25 ms, 7 us a request, 0.35 ms a
+catch-up), which the fourth H100 run found ~3x short at 64 streams.
 """
 
 from __future__ import annotations
@@ -171,6 +175,10 @@ class GpuCosts:
             sources.append(f"{folder}/gpu_check.json probes")
         ragged = check.get("ragged")  # a failed probe is a string
         ragged = {int(t): ms for t, ms in ragged["replay_ms"].items()} if isinstance(ragged, dict) else {}
+        timeline = folder / "step_timeline.json"
+        if timeline.exists():  # the keyword arguments given stand
+            host = fit_host(json.loads(timeline.read_text())) | host
+            sources.append(f"{timeline} (the host)")
         shared = check.get("sharing")  # a failed probe is a string
         shared = shared if isinstance(shared, dict) else {}
         return cls(
@@ -188,6 +196,32 @@ class GpuCosts:
             source=", ".join(sources),
             gpu=check.get("gpu") or "",
         )
+
+
+def fit_host(timeline: dict) -> dict[str, float]:
+    """step_timeline.json -> GpuCosts' host constants (ms). A run's time beyond its forwards'
+    (the median plain run's wall less the forwards' device time of the timed run, the same
+    requests: the host's work the device waits for, and the draws' kernels, which the
+    simulator prices with the host) is `a * steps + b * rows stepped + c * catch-up forwards`,
+    every generated token one row stepped. always-small at n = 1 and at the most streams give
+    a (per step) and b (per row); always-large at the most streams, one catch-up a step,
+    gives c from what it spends beyond that."""
+    tokens, rows = timeline["tokens"], timeline["rows"]
+    counts = sorted(int(n) for n in rows["always-small"] if n.isdigit())
+
+    def beyond(label: str, n: int) -> tuple[float, int, int, int]:  # (ms, steps, rows stepped, M_L forwards)
+        cell = rows[label][str(n)]
+        forwards = cell["events_run"]["forwards"]
+        model_ms = sum(f["ms"] for name, f in forwards.items() if name != "draws")
+        large = sum(f["count"] for name, f in forwards.items() if name.startswith("large"))
+        return 1e3 * cell["seconds"] - model_ms, cell["steps"], tokens * n, large
+
+    (t1, s1, r1, _), (t2, s2, r2, _) = beyond("always-small", counts[0]), beyond("always-small", counts[-1])
+    per_row = max(0.0, (t2 / s2 - t1 / s1) / (r2 / s2 - r1 / s1))
+    per_step = max(0.0, t1 / s1 - per_row * r1 / s1)
+    tl, sl, rl, forwards = beyond("always-large", counts[-1])
+    per_catch_up = max(0.0, (tl - per_step * sl - per_row * rl) / max(1, forwards))
+    return {"host_ms": per_step, "host_ms_per_row": per_row, "host_ms_per_catch_up": per_catch_up}
 
 
 def measured_on(folder: Path, gpu: str) -> Path | None:

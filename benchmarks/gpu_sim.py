@@ -162,6 +162,16 @@ def _configure(engine: BackoffEngine, wait: float | None = None, overlap: bool =
     engine.overlap_catch_ups = overlap
 
 
+def _stepping(engine: BackoffEngine) -> int:
+    """The requests a step is about to step (live, not waiting for a batched catch-up)."""
+    return sum(1 for r in engine._live.values() if not r.done and r.waiting is None)
+
+
+def _host_ms(costs: GpuCosts, stepping: int, catch_ups: int) -> float:
+    """A step's host work (GpuCosts: fitted to the run's step_timeline.json where it has one)."""
+    return costs.host_ms + costs.host_ms_per_row * stepping + costs.host_ms_per_catch_up * catch_ups
+
+
 def run_batch(sim: Sim, n: int, tokens: int, routing: RoutingParams, seed: int = 0) -> dict:
     """n requests of `tokens` tokens together, as batch_scaling.py runs them (admission
     outside the clock): simulated tok/s and the forwards' record."""
@@ -178,11 +188,10 @@ def run_batch(sim: Sim, n: int, tokens: int, routing: RoutingParams, seed: int =
     steps, host_ms, first_end = 0, 0.0, None
     while engine.has_work():
         catch_ups = len(sim.large.entries)
-        stepping = sum(1 for r in engine._live.values() if not r.done and r.waiting is None)
+        stepping = _stepping(engine)
         engine.step()
         steps += 1
-        forwards = len(sim.large.entries) - catch_ups
-        host = costs.host_ms + costs.host_ms_per_row * stepping + costs.host_ms_per_catch_up * forwards
+        host = _host_ms(costs, stepping, len(sim.large.entries) - catch_ups)
         sim.clock.advance(host)
         host_ms += host
         if first_end is None and engine.finished_ids():
@@ -250,8 +259,9 @@ def run_sustained(sim: Sim, n: int, tokens: int, routing: RoutingParams, request
     submitted, ended, counted, start = n, 0, 0, None
     while len(live) == n:
         small, large = len(sim.small.entries), len(sim.large.entries)
+        stepping = _stepping(engine)
         engine.step()
-        host = costs.host_ms + costs.host_ms_per_row * len(live)
+        host = _host_ms(costs, stepping, len(sim.large.entries) - large)
         sim.clock.advance(host)
         if counting:
             split["M_S steps"] += sum(e[-1] for e in sim.small.entries[small:])

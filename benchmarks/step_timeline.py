@@ -10,12 +10,13 @@ predicted (and always-large at 0.83), so something the replays do not time costs
 forward. Each row runs three times after a warm-up, the same requests each time:
   plain     tok/s as batch_scaling.py measures it (nothing added);
   events    a CUDA event pair around every graph replay and eager forward of both models
-            (read after the run: no sync added), and the host's time blocked in the step
-            loop's device-to-host reads (host.to_host, the one way to the host);
+            and every draw (sampling's kernels over the vocabulary, outside the graphs), read
+            after the run (no sync added), and the host's time blocked in the step loop's
+            device-to-host reads (host.to_host, the one way to the host);
   profile   cProfile over the run: the host functions that take the time (the reads'
             blocking shows under `tolist`).
-Then `wall = forwards' device time + device idle`; the idle is the host's work that the
-device waits for. Rows: the goal's (random b=0.9, catch-ups held as the engine's default,
+Then `wall = device time (forwards and draws) + device idle`; the idle is the host's work
+that the device waits for (and the few small ops outside both). Rows: the goal's (random b=0.9, catch-ups held as the engine's default,
 `max_share` of the live requests ending the waits: 1/2 and 1/3), always-large and
 always-small. Saves step_timeline.json (and prints the table).
 """
@@ -30,6 +31,7 @@ import pstats
 import statistics
 import sys
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -52,6 +54,7 @@ ROWS = {
     "always-small": (RoutingParams(router="always-small"), None),
 }
 READERS = (catchup, logprobs, prompt, propose)  # the modules that read through to_host
+DRAWERS = (catchup, propose)  # the step's modules that draw tokens (sampling.draw)
 
 
 def mark() -> torch.cuda.Event | float:
@@ -84,6 +87,8 @@ class Timeline:
             self._wrap(runner, "_run", f"{runner.name} padded")
             if getattr(runner, "graphs", None) is not None:
                 self._wrap(runner.graphs, "replay_ragged", f"{runner.name} ragged")
+        for module in DRAWERS:  # the draws' kernels (sampling over the vocabulary), outside the graphs
+            self._wrap(module, "draw", "draws")
         for module in READERS:
             self._wrap_read(module)
         return self
@@ -120,7 +125,7 @@ class Timeline:
 
     def __exit__(self, *exc) -> None:
         for owner, name, inner in reversed(self._undo):
-            if name == "to_host":
+            if isinstance(owner, types.ModuleType):
                 setattr(owner, name, inner)
             else:
                 delattr(owner, name)  # the instance's wrapper: the class's method again
@@ -184,7 +189,7 @@ def measure(engine: BackoffEngine, prompt_ids, n: int, tokens: int, routing: Rou
         "steps": steps,
         "events_run": {
             "seconds": round(timed_s, 4),
-            "forwards_device_ms": round(device, 1),
+            "forwards_device_ms": round(device, 1),  # and the draws' (ms under "forwards")
             "device_idle_ms": round(1e3 * timed_s - device, 1),
             "host_blocked_in_reads_ms": round(1e3 * timeline.read_s, 1),
             "reads": timeline.reads,
@@ -230,7 +235,7 @@ def main() -> None:
             e = cell["events_run"]
             print(
                 f"{label:30s} n={n:<3d} {cell['tok_per_s']:8.0f} tok/s  {cell['steps']:4d} steps  "
-                f"wall {1e3 * e['seconds']:6.1f} ms = forwards {e['forwards_device_ms']:6.1f} + idle "
+                f"wall {1e3 * e['seconds']:6.1f} ms = device {e['forwards_device_ms']:6.1f} + idle "
                 f"{e['device_idle_ms']:6.1f}; blocked in {e['reads']} reads {e['host_blocked_in_reads_ms']:6.1f}  "
                 f"{ {k: (v['count'], v['ms']) for k, v in e['forwards'].items()} }",
                 flush=True,
