@@ -84,7 +84,8 @@ class Timeline:
 
     def __enter__(self) -> Timeline:
         for runner in self.engine.models:  # a padded forward (a replay or eager); a ragged one
-            self._wrap(runner, "_run", f"{runner.name} padded")
+            if hasattr(runner, "_run"):  # StaticRunner (per-session caches: not timed)
+                self._wrap(runner, "_run", f"{runner.name} padded")
             if getattr(runner, "graphs", None) is not None:
                 self._wrap(runner.graphs, "replay_ragged", f"{runner.name} ragged")
         for module in DRAWERS:  # the draws' kernels (sampling over the vocabulary), outside the graphs

@@ -91,7 +91,7 @@ batch)
         tee "$out/catch_up_anatomy.txt" | grep -v '^[DG][0-9]' | tail -8
     ;;
 timeline)
-    python3 benchmarks/step_timeline.py "${common[@]}" --out "$out" 2>&1 | progress_out |
+    python3 benchmarks/step_timeline.py "${common[@]}" --tokens "$tokens" --out "$out" 2>&1 | progress_out |
         tee "$out/step_timeline.txt" | tail -100
     ;;
 all)

@@ -4,11 +4,12 @@
 # accelerate, pytest, tqdm and matplotlib only (no Ray, no gguf, no pydantic), where CI runs
 # torch 2.13 and transformers 5.2x with every extra. In a venv of just those packages:
 #
-#   1. every script the three stages of scripts/gpu_bench.sh run starts (--help: its imports);
+#   1. every script the stages of scripts/gpu_bench.sh run starts (--help: its imports);
 #   2. the CUDA tests the `tests` stage runs are collected (they skip here: no GPU);
-#   3. the stages `cost` and `batch` of gpu_bench.sh run end to end, the script itself, on the
-#      CPU over a tiny random pair with the GPU pair's tokenizer (../shared/gpu/tok), 16 tokens:
-#      every row of the batch stage measured, none in its `errors`;
+#   3. the stages `cost`, `batch` and `timeline` of gpu_bench.sh run end to end, the script
+#      itself, on the CPU over a tiny random pair with the GPU pair's tokenizer
+#      (../shared/gpu/tok), 16 tokens: every row of the batch stage measured, none in its
+#      `errors`, and every row of the timeline;
 #   4. the runners' and the benchmarks' tests pass, ragged catch-ups with FlexAttention
 #      compiled by inductor among them (tests that need Ray skip).
 #
@@ -34,7 +35,8 @@ assert transformers.__version__ == '$transformers_version', transformers.__versi
 fi
 "$py" -c "import sys, torch, transformers; print(f'python {sys.version.split()[0]}, torch {torch.__version__}, transformers {transformers.__version__}')"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-for script in benchmarks/gpu_check.py benchmarks/cost_curve.py benchmarks/batch_scaling.py benchmarks/catch_up_anatomy.py; do
+for script in benchmarks/gpu_check.py benchmarks/cost_curve.py benchmarks/batch_scaling.py benchmarks/catch_up_anatomy.py \
+    benchmarks/step_timeline.py; do
     "$py" "$script" --help >/dev/null || { echo "$script does not start under the GPU image's packages" >&2; exit 1; }
 done
 echo "the stages' scripts start"
@@ -65,7 +67,7 @@ for name, shape in shapes.items():
     LlamaForCausalLM(config).save_pretrained(f"{sys.argv[2]}/{name}")
     tok.save_pretrained(f"{sys.argv[2]}/{name}")
 PY
-for stage in cost batch; do
+for stage in cost batch timeline; do
     PATH=$venv/bin:$PATH PAIR=$dry/pair OUT=$dry/out DEVICE=cpu DTYPE=float32 KV_BUDGET=16384 MAX_LEN=256 TOKENS=16 \
         bash scripts/gpu_bench.sh "$stage" dry >"$dry/$stage.txt" 2>&1 || { cat "$dry/$stage.txt"; exit 1; }
     tail -1 "$dry/$stage.txt"
@@ -80,6 +82,8 @@ assert not batch["errors"], batch["errors"]
 assert all(len(row) == 4 for row in batch["tok_per_s"].values()) and len(batch["tok_per_s"]) == 6, batch["tok_per_s"]
 assert batch["ragged_rel_err"] < 1e-4, batch["ragged_rel_err"]  # float32: ragged logits are the padded path's
 assert json.load(open(f"{out}/catch_up_anatomy.json")) and json.load(open(f"{out}/cost_curve-dry.json"))
-print(f"dry run of cost and batch: {len(batch['tok_per_s'])} rows at n = 1 / 4 / 16 / 64, no errors")
+timeline = json.load(open(f"{out}/step_timeline.json"))
+assert all(row["x_first"] for row in timeline["rows"].values()) and len(timeline["rows"]) == 4, timeline["rows"].keys()
+print(f"dry run of cost, batch and timeline: {len(batch['tok_per_s'])} rows at n = 1 / 4 / 16 / 64, no errors")
 PY
 "$py" -m pytest -q -p no:cacheprovider --tb=short tests/backoff_core/runners tests/benchmarks "$@"

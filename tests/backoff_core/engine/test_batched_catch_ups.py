@@ -70,6 +70,23 @@ def test_half_the_requests_waiting_catch_up_at_once(pair, tokenizer):
     assert large.calls == [["A", "B"]]
 
 
+@pytest.mark.parametrize(("share", "calls"), [(None, [["A", "B", "C"]]), (1 / 3, [["A", "B"], ["C"]])])
+def test_the_waits_end_at_max_share_of_the_live(pair, tokenizer, share, calls):
+    """Six requests, wait 8: A, B and C routed at steps 2, 3 and 4. By default (half) the
+    third makes half of them wait: one forward for the three. At a third (hold.max_share),
+    B makes a third wait: A and B catch up at step 3, and C waits alone until it is all
+    that is live."""
+    engine, large = _engine(pair, tokenizer, wait=8)
+    assert engine.hold.max_share == 0.5
+    if share is not None:
+        engine.hold.max_share = share
+    scripts = {"A": [0, 1, 0, 0, 0], "B": [0, 0, 1, 0, 0], "C": [0, 0, 0, 1, 0], **{c: [0] * 5 for c in "DEF"}}
+    scripted(engine, scripts)
+    run_steps(engine)
+    assert large.calls == calls
+    assert {rid: list(engine.finish(rid).sources) for rid in scripts} == scripts
+
+
 @pytest.mark.parametrize("n", [1, 2])
 def test_a_lone_request_never_waits(pair, tokenizer, n):
     """With one or two requests, one waiting is half of them: every catch-up runs in the
