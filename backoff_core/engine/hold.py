@@ -21,7 +21,6 @@ from collections.abc import Callable
 from backoff_core.engine.propose import Proposal
 from backoff_core.engine.state import Live, Waiting
 
-
 # the share of the live requests that ends the waits (hold.split): the default half
 MAX_SHARE = 0.5
 
