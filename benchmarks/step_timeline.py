@@ -5,20 +5,24 @@ device, and the host's own work, per routing, for n streams together (batch_scal
         --kv-budget 65536 --max-len 1024 --out benchmarks/results/gpu     # scripts/gpu_bench.sh timeline
 
 The simulator (gpu_sim.py) prices every forward at its replay time and each step at a host
-time fitted on the CPU; the fourth H100 run measured 64 streams at b=0.9 at 0.79 of what it
-predicted (and always-large at 0.83), so something the replays do not time costs ~3 ms per M_L
-forward. Each row runs three times after a warm-up, the same requests each time:
-  plain     tok/s as batch_scaling.py measures it (nothing added);
+time; with the host priced from CPU figures, the fourth H100 run measured 64 streams at b=0.9 at 0.79
+of its prediction (always-large 0.83): what the replays do not time is what this measures.
+Each row runs `--repeats` times plain after a warm-up, then twice more, the same requests
+each time:
+  plain     tok/s as batch_scaling.py measures it (the median; nothing added);
   events    a CUDA event pair around every graph replay and eager forward of both models
             and every draw (sampling's kernels over the vocabulary, outside the graphs), read
             after the run (no sync added), and the host's time blocked in the step loop's
             device-to-host reads (host.to_host, the one way to the host);
   profile   cProfile over the run: the host functions that take the time (the reads'
             blocking shows under `tolist`).
-Then `wall = device time (forwards and draws) + device idle`; the idle is the host's work
-that the device waits for (and the few small ops outside both). Rows: the goal's (random b=0.9, catch-ups held as the engine's default,
-`max_share` of the live requests ending the waits: 1/2 and 1/3), always-large and
-always-small. Saves step_timeline.json (and prints the table).
+Then `wall = device time (forwards and draws) + device idle`: the idle is the host's work
+that the device waits for (and the few small ops outside both). gpu_costs.fit_host fits the
+simulator's host costs to the plain runs. Rows: the goal's (random b=0.9, catch-ups held as
+the engine's default, the waits ending where `max_share` of the live requests would wait: a
+half, the default, and a third), always-large and always-small. On the CPU (a dry run:
+image_check.sh) the forwards run synchronously and the clock stands in for the events.
+Saves step_timeline.json (and prints the table).
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ from benchmarks.batch_scaling import PROMPT  # noqa: E402
 B09 = RoutingParams(router="random", rate=0.9)
 # label -> (routing, the hold's max_share: None keeps the engine's)
 ROWS = {
-    "random b=0.9": (B09, None),
+    "random b=0.9": (B09, None),  # the default: a half
     "random b=0.9, max_share 1/3": (B09, 1 / 3),
     "always-large": (RoutingParams(router="always-large"), None),
     "always-small": (RoutingParams(router="always-small"), None),
