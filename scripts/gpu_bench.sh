@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU measurement in three stages, each one call of under 8 minutes on one H100 (docs/gpu.md):
+# The GPU measurement in stages, each one call of under 8 minutes on one H100 (docs/gpu.md):
 #
 #   bash scripts/gpu_bench.sh tests [TAG]   # pytest -m cuda (bf16 at G=3/4, hash vs CPU, SDPA kernel),
 #                                           # the pair checked against the plan (gpu_check.json, its
@@ -11,8 +11,9 @@
 #                                           # M_L forward of 64 streams
 #   bash scripts/gpu_bench.sh timeline    # benchmarks/step_timeline.py: where 64 streams' wall time
 #                                           # goes (forwards' device time, device idle, host profile)
-#   bash scripts/gpu_bench.sh all   [TAG]   # one device call: batch, then tests with what is left of
-#                                           # DEADLINE seconds (default 570, under a call's 600)
+#   bash scripts/gpu_bench.sh all   [TAG]   # one device call: batch, then tests, then timeline with
+#                                           # what is left of DEADLINE seconds (default 570, under a
+#                                           # call's 600); over 8 files, the logs packed in one archive
 #
 # TAG names the GPU in the file names (default: its model from nvidia-smi, h100 or h200, say; a
 # GPU without such a name: gpu), so an H200's run never overwrites an H100's figures. Every
@@ -96,18 +97,31 @@ timeline)
     ;;
 all)
     # one device call (a loan's 15 minutes hold one call of 10 and the machine's start, and it goes
-    # back 30 s after a call): batch first, the open goal's stage, then tests with what is left of
-    # DEADLINE seconds, the pair's build included. Each stage runs under `timeout`, which stops its
-    # whole process group; both write as they go, so a stage cut short keeps what it wrote.
+    # back 30 s after a call; a second call's start may take what is left): batch first, the open
+    # goal's stage, then tests, then timeline, each with what is left of DEADLINE seconds, the
+    # pair's build included. Each stage runs under `timeout`, which stops its whole process
+    # group; each writes as it goes, so a stage cut short keeps what it wrote. The device hands
+    # back at most MAX_FILES (8) files of $OUT: where the call wrote more, its text logs and plots
+    # go into one archive, all-TAG.tar.gz (`tar xzf` it), and the JSON files stay as they are.
     deadline=${DEADLINE:-570} min_left=${MIN_LEFT:-60} rc=0
+    stamp=$(mktemp) # what this call writes is newer
     timeout --kill-after=10 $((deadline > SECONDS ? deadline - SECONDS : 1)) bash "$self" batch "$tag" || rc=$?
-    left=$((deadline - SECONDS))
-    if [ "$left" -ge "$min_left" ]; then
-        timeout --kill-after=10 "$left" bash "$self" tests "$tag" || rc=$?
-    else
-        echo "no time left for the tests stage ($left s of $deadline): run it alone"
-    fi
+    for next in tests timeline; do
+        left=$((deadline - SECONDS))
+        if [ "$left" -ge "$min_left" ]; then
+            timeout --kill-after=10 "$left" bash "$self" "$next" "$tag" || rc=$?
+        else
+            echo "no time left for the $next stage ($left s of $deadline): run it alone"
+        fi
+    done
     [ "$rc" = 124 ] && echo "a stage was cut at the deadline ($deadline s): what it wrote is kept"
+    mapfile -t written < <(find "$out" -maxdepth 1 -type f -newer "$stamp" -printf '%f\n' | sort)
+    rm -f "$stamp"
+    if [ "${#written[@]}" -gt "${MAX_FILES:-8}" ]; then
+        mapfile -t loose < <(printf '%s\n' "${written[@]}" | grep -v '\.json$')
+        tar -czf "$out/all-$tag.tar.gz" -C "$out" "${loose[@]}" && (cd "$out" && rm -f "${loose[@]}")
+        echo "${#written[@]} files written, over the ${MAX_FILES:-8} a device call hands back: ${#loose[@]} packed into all-$tag.tar.gz"
+    fi
     echo "stage all: $SECONDS s in all"
     exit "$rc"
     ;;

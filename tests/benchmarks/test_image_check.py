@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import tarfile
 import time
 from pathlib import Path
 
@@ -73,7 +74,14 @@ def stand_ins(tmp_path, gpu: str, fail: str) -> dict[str, str]:
     }
 
 
-SCRIPTS_OF_ALL = ["batch_scaling", "catch_up_anatomy", "test_static_cuda", "gpu_check", "test_static_ragged_cuda"]
+SCRIPTS_OF_ALL = [
+    "batch_scaling",
+    "catch_up_anatomy",
+    "test_static_cuda",
+    "gpu_check",
+    "test_static_ragged_cuda",
+    "step_timeline",
+]
 
 
 def _called(tmp_path) -> list[str]:
@@ -138,16 +146,16 @@ def _running(pid: str) -> bool:
 @pytest.mark.parametrize(
     ("slow", "deadline", "called", "kept"),
     [
-        (None, "570", SCRIPTS_OF_ALL, 2),  # both stages whole
+        (None, "570", SCRIPTS_OF_ALL, 2),  # every stage whole
         ("batch_scaling.py", "3", ["batch_scaling"], 0),  # batch cut at the deadline: no time for tests
         ("gpu_check.py", "6", SCRIPTS_OF_ALL[:4], 1),  # tests cut in gpu_check: the padded tests kept
     ],
     ids=["whole", "batch-cut", "tests-cut"],
 )
 def test_all_runs_batch_then_tests_to_a_deadline_in_one_call(tmp_path, slow, deadline, called, kept):
-    """`gpu_bench.sh all` over stand-ins: batch, then tests with what is left of DEADLINE; a stage
-    past it is stopped, the python it started included (no orphan holds the GPU), and the
-    stage's files so far are kept; the call then fails with timeout's 124."""
+    """`gpu_bench.sh all` over stand-ins: batch, then tests, then timeline with what is left of
+    DEADLINE; a stage past it is stopped, the python it started included (no orphan holds the
+    GPU), and the stage's files so far are kept; the call then fails with timeout's 124."""
     env = stand_ins(tmp_path, "NVIDIA H200", "nothing to fail") | {"DEADLINE": deadline, "MIN_LEFT": "1"}
     if slow:
         env["SLOW"] = slow
@@ -164,3 +172,33 @@ def test_all_runs_batch_then_tests_to_a_deadline_in_one_call(tmp_path, slow, dea
     assert stopped  # the stage's python went with it
     assert ("cut at the deadline" in said) == bool(slow)
     assert ("no time left for the tests stage" in said) == (slow == "batch_scaling.py")
+
+
+@pytest.mark.parametrize("max_files", [8, 3])
+def test_all_packs_its_logs_where_it_wrote_more_files_than_a_device_call_hands_back(tmp_path, max_files):
+    """The stand-ins' run of `all` writes six text files (and a file from before the call
+    stays as it is): under the device's 8 nothing is packed; over MAX_FILES the call's logs go
+    into all-TAG.tar.gz, JSON files and what was there before untouched."""
+    env = stand_ins(tmp_path, "NVIDIA H200", "nothing to fail") | {"MAX_FILES": str(max_files), "MIN_LEFT": "1"}
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "plan.json").write_text("{}")  # committed before the call
+    time.sleep(0.05)  # its mtime before the call's start, on a coarse clock too
+    done = subprocess.run(["bash", str(SCRIPTS / "gpu_bench.sh"), "all"], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    logs = {
+        "batch_scaling-h200.txt",
+        "catch_up_anatomy.txt",
+        "cuda_tests.txt",
+        "gpu.txt",
+        "gpu_check.txt",
+        "step_timeline.txt",
+    }
+    if max_files == 8:
+        assert {p.name for p in out.iterdir()} == logs | {"plan.json"}
+        return
+    assert {p.name for p in out.iterdir()} == {"all-h200.tar.gz", "plan.json"}
+    with tarfile.open(out / "all-h200.tar.gz") as archive:
+        assert set(archive.getnames()) == logs
+        assert b"1 passed" in archive.extractfile("step_timeline.txt").read()
+    assert "6 files written, over the 3 a device call hands back: 6 packed into all-h200.tar.gz" in done.stdout
