@@ -14,8 +14,9 @@ default; gpu_sim --what-if shared), and with either side's stream first (`sharin
 ThreadLauncher.first; gpu_sim_sharing.py reads them all). A step's host work: fitted to the
 run's step_timeline.json where it has one (`fit_host`: the time beyond the forwards per step,
 per request stepped and per catch-up, from always-small at n = 1 and at the most streams and
-always-large at the most), else the CPU-era constants (0.25 ms, 7 us a request, 0.35 ms a
-catch-up), which the fourth H100 run found ~3x short at 64 streams.
+always-large at the most), else the constants priced from CPU figures (0.25 ms, 7 us a
+request, 0.35 ms a catch-up), which the fourth H100 run found short: 0.87 ms a step of 64
+requests against 0.70, 1.25 ms a catch-up against 0.35.
 """
 
 from __future__ import annotations
