@@ -24,7 +24,8 @@
 # no gguf) and ~30 GB of free GPU memory (benchmarks/results/gpu/plan.json: 24 GiB at these
 # defaults). PAIR (a pair already built),
 # DEVICE, DTYPE, KV_BUDGET, MAX_LEN and TOKENS override the defaults: scripts/image_check.sh
-# runs `cost` and `batch` so, on the CPU with a tiny pair, before a GPU's time is spent on them.
+# runs `cost`, `batch` and `timeline` so, on the CPU with a tiny pair, before a GPU's time is
+# spent on them. REPEATS: the batch stage's repeats of each cell (default 2; the median is kept).
 set -euo pipefail
 self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$0")/.."
@@ -84,7 +85,7 @@ batch)
     rows=("random b=0.9" "random b=0.9, padded" "random b=0.9, ragged" "random b=0.9, in flight"
         "always-large" "always-small")
     [ "${ROWS:-}" = all ] && rows=()
-    python3 benchmarks/batch_scaling.py "${common[@]}" --tokens "$tokens" --repeats 2 --tag "$tag" --out "$out" \
+    python3 benchmarks/batch_scaling.py "${common[@]}" --tokens "$tokens" --repeats "${REPEATS:-2}" --tag "$tag" --out "$out" \
         ${rows[@]:+--rows "${rows[@]}"} 2>&1 | progress_out | tee "$out/batch_scaling-$tag.txt" | tail -14
     grep -h "relative error" "$out/batch_scaling-$tag.txt" || true # the ragged check, printed before the table
     # the shapes, real tokens and times of M_L's forwards behind the b=0.9 row (a second load)
