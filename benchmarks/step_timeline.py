@@ -47,9 +47,8 @@ from backoff_core.engine.engine import BackoffEngine  # noqa: E402
 from backoff_core.models.loading import LoadSpec, load_chain  # noqa: E402
 from backoff_core.models.prompts import encode_prompt  # noqa: E402
 from backoff_core.types import GenerationRequest, KVSpec, RoutingParams, SamplingParams  # noqa: E402
-from benchmarks.batch_scaling import PROMPT  # noqa: E402
+from benchmarks.batch_scaling import B09, PROMPT, _sync  # noqa: E402
 
-B09 = RoutingParams(router="random", rate=0.9)
 # label -> (routing, the hold's max_share: None keeps the engine's)
 ROWS = {
     "random b=0.9": (B09, None),  # the default: a half
@@ -71,17 +70,12 @@ def mark() -> torch.cuda.Event | float:
     return event
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 class Timeline:
     """CUDA events around the runners' forwards, and the host's time blocked in to_host."""
 
     def __init__(self, engine: BackoffEngine) -> None:
         self.engine = engine
-        self.pairs: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        self.pairs: list[tuple[str, torch.cuda.Event | float, torch.cuda.Event | float]] = []  # (label, mark, mark)
         self.read_s = 0.0
         self.reads = 0
         self._undo: list = []
