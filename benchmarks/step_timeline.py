@@ -184,10 +184,10 @@ def measure(engine: BackoffEngine, prompt_ids, n: int, tokens: int, routing: Rou
     profile.disable()
     return {
         "tok_per_s": round(done / seconds, 1),
-        "seconds": round(seconds, 4),
+        "seconds": round(seconds, 6),
         "steps": steps,
         "events_run": {
-            "seconds": round(timed_s, 4),
+            "seconds": round(timed_s, 6),
             "forwards_device_ms": round(device, 1),  # and the draws' (ms under "forwards")
             "device_idle_ms": round(1e3 * timed_s - device, 1),
             "host_blocked_in_reads_ms": round(1e3 * timeline.read_s, 1),
