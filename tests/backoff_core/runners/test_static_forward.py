@@ -210,3 +210,23 @@ def test_fused_norm_is_hfs_rms_norm_bit_for_bit(dtype):
     assert run.fused_norms
     got, want = run.norm(norm, x), norm(x)
     assert got.dtype == want.dtype == dtype and torch.equal(got, want)
+
+
+def test_a_prefix_goes_in_and_out_of_a_slot_in_one_op_over_every_layer():
+    # a prefix cache's hit writes every layer's K and V of a slot: one kernel, not two a layer
+    model = tiny_model(2, hidden=64, layers=4)
+    kv = StaticKV(model, 3 * MAX_LEN, MAX_LEN)
+    block = torch.randn(4, 2, kv.kv_heads, 5, kv.head_dim)
+    with Ops() as wrote:
+        kv.write(1, block)
+    with Ops() as read:
+        out = kv.read(1, 0, 5)
+    assert (wrote.count, read.count) == (1, 1)
+    assert torch.equal(out, block) and out.is_contiguous()
+    for layer in range(4):
+        assert torch.equal(kv.keys[layer][1, :, :5], block[layer, 0])
+        assert torch.equal(kv.values[layer][1, :, :5], block[layer, 1])
+        assert not kv.keys[layer][[0, 2]].any() and not kv.keys[layer][1, :, 5:].any()  # nothing else
+    out.zero_()  # a copy: the slot keeps its prefix
+    assert torch.equal(kv.read(1, 2, 5), block[:, :, :, 2:])
+    assert kv.nbytes() == 2 * 4 * 3 * kv.kv_heads * MAX_LEN * kv.head_dim * 4
