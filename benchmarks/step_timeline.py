@@ -14,8 +14,10 @@ each time:
             and every draw (sampling's kernels over the vocabulary, outside the graphs), read
             after the run (no sync added), and the host's time blocked in the step loop's
             device-to-host reads (host.to_host, the one way to the host);
-  profile   cProfile over the run: the host functions that take the time (the reads'
-            blocking shows under `tolist`).
+  profile   cProfile over the step loop (admission left out): the host functions that
+            take the time (the reads' blocking shows under `tolist`).
+Admission (the n submits: the prompts' prefill, a prefix cache's loads) is outside the clock
+as in batch_scaling.py; its wall is saved apart (`admission_ms`, the plain runs' median).
 Then `wall = device time (forwards and draws) + device idle`: the idle is the host's work
 that the device waits for (and the few small ops outside both). gpu_costs.fit_host fits the
 simulator's host costs to the plain runs. Rows: the goal's (random b=0.9, catch-ups held as
@@ -37,6 +39,7 @@ import sys
 import time
 import types
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import transformers
@@ -58,6 +61,13 @@ ROWS = {
 }
 READERS = (catchup, logprobs, prompt, propose)  # the modules that read through to_host
 DRAWERS = (catchup, propose)  # the step's modules that draw tokens (sampling.draw)
+
+
+class Run(NamedTuple):
+    seconds: float  # the step loop's wall, admission excluded (batch_scaling's clock)
+    tokens: int
+    steps: int
+    admission_s: float  # submitting the n requests: their prefill (and prefix-cache loads), synced
 
 
 def mark() -> torch.cuda.Event | float:
@@ -141,25 +151,36 @@ class Timeline:
 
 
 def run(
-    engine: BackoffEngine, prompt_ids, n: int, tokens: int, routing: RoutingParams, timeline: Timeline | None = None
-) -> tuple[float, int, int]:
+    engine: BackoffEngine,
+    prompt_ids,
+    n: int,
+    tokens: int,
+    routing: RoutingParams,
+    timeline: Timeline | None = None,
+    profile: cProfile.Profile | None = None,
+) -> Run:
     """n requests together, as batch_scaling.throughput runs them (admission, the prompts'
-    forwards, outside the clock and the timeline): (seconds, tokens, steps)."""
+    forwards, outside the clock, the timeline and the profile; timed apart)."""
     reqs = [
         GenerationRequest(tuple(prompt_ids), SamplingParams(max_tokens=tokens, seed=i, ignore_eos=True), routing)
         for i in range(n)
     ]
+    admitted = time.perf_counter()
     rids = [engine.submit(r) for r in reqs]
     _sync()
     if timeline is not None:
         timeline.start()
     start, steps = time.perf_counter(), 0
+    if profile is not None:
+        profile.enable()
     while engine.has_work():
         engine.step()
         steps += 1
     _sync()
+    if profile is not None:
+        profile.disable()
     seconds = time.perf_counter() - start
-    return seconds, sum(len(engine.finish(r).token_ids) for r in rids), steps
+    return Run(seconds, sum(len(engine.finish(r).token_ids) for r in rids), steps, start - admitted)
 
 
 def top(profile: cProfile.Profile, key: str, count: int) -> list[str]:
@@ -173,19 +194,18 @@ def top(profile: cProfile.Profile, key: str, count: int) -> list[str]:
 def measure(engine: BackoffEngine, prompt_ids, n: int, tokens: int, routing: RoutingParams, repeats: int) -> dict:
     run(engine, prompt_ids, 2, 4, routing)  # warm-up: allocator growth, lazy initialisation
     plain = [run(engine, prompt_ids, n, tokens, routing) for _ in range(repeats)]
-    seconds = statistics.median(s for s, _, _ in plain)
+    seconds = statistics.median(r.seconds for r in plain)
     with Timeline(engine) as timeline:
-        timed_s, done, steps = run(engine, prompt_ids, n, tokens, routing, timeline)
+        timed_s, done, steps, _ = run(engine, prompt_ids, n, tokens, routing, timeline)
     forwards = timeline.device_ms()
     device = sum(v["ms"] for v in forwards.values())
     profile = cProfile.Profile()
-    profile.enable()
-    run(engine, prompt_ids, n, tokens, routing)
-    profile.disable()
+    run(engine, prompt_ids, n, tokens, routing, profile=profile)
     return {
         "tok_per_s": round(done / seconds, 1),
         "seconds": round(seconds, 6),
         "steps": steps,
+        "admission_ms": round(1e3 * statistics.median(r.admission_s for r in plain), 2),  # outside `seconds`
         "events_run": {
             "seconds": round(timed_s, 6),
             "forwards_device_ms": round(device, 1),  # and the draws' (ms under "forwards")
@@ -236,7 +256,7 @@ def main() -> None:
                 f"{label:30s} n={n:<3d} {cell['tok_per_s']:8.0f} tok/s  {cell['steps']:4d} steps  "
                 f"wall {1e3 * e['seconds']:6.1f} ms = device {e['forwards_device_ms']:6.1f} + idle "
                 f"{e['device_idle_ms']:6.1f}; blocked in {e['reads']} reads {e['host_blocked_in_reads_ms']:6.1f}  "
-                f"{ {k: (v['count'], v['ms']) for k, v in e['forwards'].items()} }",
+                f"{ {k: (v['count'], v['ms']) for k, v in e['forwards'].items()} }; admission {cell['admission_ms']} ms",
                 flush=True,
             )
             (out / "step_timeline.json").write_text(json.dumps(report, indent=1) + "\n")

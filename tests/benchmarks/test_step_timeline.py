@@ -44,7 +44,7 @@ def test_each_step_is_one_forward_one_draw_and_one_read(engine, router, small_fo
     draw and one read; the prompts' forwards (admission) are outside the timeline, as they are
     outside the clock; the wrappers are gone after it."""
     with Timeline(engine) as timeline:
-        seconds, tokens, steps = run(engine, PROMPT, 4, 8, RoutingParams(router=router), timeline)
+        seconds, tokens, steps, _ = run(engine, PROMPT, 4, 8, RoutingParams(router=router), timeline)
         forwards = timeline.device_ms()
         reads = timeline.reads
     assert (tokens, steps, reads) == (32, 8, 8)
@@ -85,6 +85,8 @@ def test_a_row_is_measured_plain_timed_and_profiled(engine):
     assert timed["device_idle_ms"] == pytest.approx(1e3 * timed["seconds"] - timed["forwards_device_ms"], abs=0.2)
     assert timed["reads"] >= cell["steps"] and timed["forwards"]["small padded"]["count"] == cell["steps"]
     assert any("(step)" in line for line in cell["profile_cumtime"])  # the profiled run is the step loop
+    assert not any("(submit)" in line or "(prefill)" in line for line in cell["profile_cumtime"])  # alone
+    assert cell["admission_ms"] > 0
 
 
 def test_the_script_saves_every_row_on_a_tiny_pair(tmp_path, monkeypatch):
