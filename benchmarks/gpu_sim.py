@@ -49,6 +49,7 @@ import torch
 from tqdm import tqdm
 
 from backoff_core.engine.engine import CATCH_UP_WAIT_MS, BackoffEngine
+from backoff_core.engine.hold import CatchUpHold
 from backoff_core.runners.graph_plan import K_BUCKETS, GraphKey
 from backoff_core.runners.static import StaticRunner
 from backoff_core.types import GenerationRequest, RoutingParams, SamplingParams
@@ -155,6 +156,21 @@ ROUTINGS = {  # label -> (routing, catch_up_wait_ms: None keeps the engine's, ov
     "random b=0.9, held and in flight": (B09, None, True),
     "always-small": (RoutingParams(router="always-small"), None, False),
 }
+
+
+class WaitsOffAtLive(CatchUpHold):
+    """What-if (--waits-off-at-live X): the engine's hold, except that nothing waits in a step
+    with at most `live` live requests (a drain or a light load), the waiting ones catching up."""
+
+    def __init__(self, hold: CatchUpHold, live: int) -> None:
+        super().__init__(hold.wait_ms, hold.clock, hold.collect_kl)
+        self.max_share, self.live = hold.max_share, live
+
+    def split(self, level, group, holders, live, proposal):
+        if live <= self.live:
+            self.resume(group, proposal)
+            return group
+        return super().split(level, group, holders, live, proposal)
 
 
 def _configure(engine: BackoffEngine, wait: float | None = None, overlap: bool = False) -> None:
@@ -330,6 +346,9 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tag", default="")
     ap.add_argument("--large-scale", type=float, default=1.0, help="M_L's forwards at this share (GpuCosts.scaled)")
+    ap.add_argument(
+        "--waits-off-at-live", type=int, metavar="X", help="what-if: " + WaitsOffAtLive.__doc__.split(": ", 1)[1]
+    )
     args = ap.parse_args()
     costs = GpuCosts.from_results(Path(args.costs)).scaled(args.large_scale)
     sharing = (costs.sharing or FAIR) if "shared" in args.what_if else None
@@ -339,12 +358,15 @@ def main() -> None:
         sharing=sharing,
         ragged=ragged_mode(args.what_if),
     )
+    if args.waits_off_at_live is not None:
+        sim.engine.hold = WaitsOffAtLive(sim.engine.hold, args.waits_off_at_live)
     streams = [int(s) for s in args.streams.split(",")]
     rows = scaling(sim, streams, args.tokens, args.repeats)
     base, top = str(streams[0]), str(streams[-1])
     report = {
         "what": "simulated: the engine's forwards on the CPU, each at the GPU's measured cost (gpu_sim.py)"
-        + "".join(f"; what-if {name}: {WHAT_IF[name]}" for name in args.what_if),
+        + "".join(f"; what-if {name}: {WHAT_IF[name]}" for name in args.what_if)
+        + (f"; what-if: no waits at <= {args.waits_off_at_live} live" if args.waits_off_at_live is not None else ""),
         "costs": costs.source,
         "sharing": sharing,  # (M_S's, M_L's slowdown beside the other) on one GPU; None: two timelines
         "host": {

@@ -16,7 +16,7 @@ from backoff_core.engine.engine import CATCH_UP_WAIT_MS
 from backoff_core.runners.graph_plan import GraphKey
 from backoff_core.runners.static_ragged import RAGGED_TOKENS, RaggedKey
 from benchmarks.gpu_costs import GpuCosts, measured_on
-from benchmarks.gpu_sim import ROUTINGS, build, run_batch, run_sustained, validate
+from benchmarks.gpu_sim import ROUTINGS, WaitsOffAtLive, build, run_batch, run_sustained, validate
 from benchmarks.gpu_sim_device import FAIR, SimClock, SimLauncher
 from tests.support.gpu_runs import RUN3
 
@@ -256,3 +256,17 @@ def test_another_cards_m_l_is_the_runs_forwards_scaled_and_m_s_kept():
     assert half.large_ms(RaggedKey(128), 100, False) == pytest.approx(0.5 * costs.ragged_ms(128))  # estimated
     assert half.small_rows == costs.small_rows and half.host_ms == costs.host_ms
     assert "x0.5" in half.source
+
+
+def test_what_if_waits_off_at_live_catches_up_at_once_at_or_below_its_count():
+    routing = ROUTINGS["random b=0.9"][0]
+    runs = {}
+    for off_at in (None, 8, 7):
+        sim = build(GpuCosts.from_results(RUN3))
+        if off_at is not None:
+            sim.engine.hold = WaitsOffAtLive(sim.engine.hold, off_at)
+        runs[off_at] = run_batch(sim, 8, 32, routing)
+    at_once = build(GpuCosts.from_results(RUN3), wait_ms=0.0)
+    assert run_batch(at_once, 8, 32, routing)["large_forwards"] == runs[8]["large_forwards"]  # never waits
+    assert runs[8]["steps"] == 32  # no step without every live request
+    assert runs[None]["large_forwards"] < runs[7]["large_forwards"] < runs[8]["large_forwards"]  # the drain alone
