@@ -4,8 +4,8 @@ Every layer owns a K and a V tensor [slots, kv_heads, max_len, head_dim], alloca
 in the model's dtype on its device, as views of one `storage` tensor
 [layers, 2, slots, kv_heads, max_len, head_dim]: a slot's prefix over every layer is one
 slice of it, so loading a cached prefix or copying one out is one kernel, not two a layer
-(at the 8B shape 64 launches, ~1 ms of the host's time a request on the H100). A session owns one slot (a row) for its whole life;
-its length says how many leading positions are real. Nothing is ever concatenated,
+(at the 8B shape 64 launches, ~1 ms of the host's time a request on the H100).
+A session owns one slot (a row) for its whole life; its length says how many leading positions are real. Nothing is ever concatenated,
 re-padded or cleared:
   - extend writes the new keys/values at each row's own positions (static_forward.py);
   - crop (rollback) and close only move a length or free the row;
