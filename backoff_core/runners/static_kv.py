@@ -5,8 +5,8 @@ in the model's dtype on its device, as views of one `storage` tensor
 [layers, 2, slots, kv_heads, max_len, head_dim]: a slot's prefix over every layer is one
 slice of it, so loading a cached prefix or copying one out is one kernel, not two a layer
 (at the 8B shape 64 launches, ~1 ms of the host's time a request on the H100).
-A session owns one slot (a row) for its whole life; its length says how many leading positions are real. Nothing is ever concatenated,
-re-padded or cleared:
+A session owns one slot (a row) for its whole life; its length says how many leading
+positions are real. Nothing is ever concatenated, re-padded or cleared:
   - extend writes the new keys/values at each row's own positions (static_forward.py);
   - crop (rollback) and close only move a length or free the row;
   - stale positions (past a crop, or left by the slot's previous session) stay in place
