@@ -49,7 +49,6 @@ import torch
 from tqdm import tqdm
 
 from backoff_core.engine.engine import CATCH_UP_WAIT_MS, BackoffEngine
-from backoff_core.engine.hold import CatchUpHold
 from backoff_core.runners.graph_plan import K_BUCKETS, GraphKey
 from backoff_core.runners.static import StaticRunner
 from backoff_core.types import GenerationRequest, RoutingParams, SamplingParams
@@ -59,6 +58,7 @@ from benchmarks.batch_scaling import plot_scaling  # noqa: E402
 from benchmarks.gpu_costs import GPU_RESULTS, GpuCosts, measured_on  # noqa: E402
 from benchmarks.gpu_sim_device import FAIR, ForwardLog, SimClock, SimGraphs, SimLauncher, instrument  # noqa: E402
 from benchmarks.gpu_sim_report import print_report, validate  # noqa: E402
+from benchmarks.gpu_sim_what_if import WHAT_IF, WaitsOffAtLive, ragged_mode  # noqa: E402
 from benchmarks.step_overhead import tiny_pair  # noqa: E402
 
 PROMPT_TOKENS = 43  # the batch benchmarks' prompt in the GPU pair's tokenizer (chat template)
@@ -122,30 +122,10 @@ def build(
     return Sim(engine, clock, small_log, large_log, costs)
 
 
-def ragged_mode(what_if: list[str]) -> str:
-    """KVSpec.ragged for a --what-if: "on" (ragged), "off" (padded; unpadded prices padded
-    layouts), else the engine's default on CUDA, "auto"."""
-    if "ragged" in what_if:
-        return "on"
-    return "off" if {"padded", "unpadded"} & set(what_if) else "auto"
-
-
 def _no_attention(q, keys, values, block_mask, scale):
     """The ragged forward's attention in the simulator, where only shapes and bookkeeping count."""
     return torch.zeros_like(q)
 
-
-WHAT_IF = {  # --what-if: another price of M_L's forwards than the GPU's measured one, or another device
-    "ragged": "M_L's catch-ups as ragged forwards wherever they apply (static_ragged.py; KVSpec ragged 'on'), "
-    "each at its measured replay where the run timed one, else at the measured dense view of its token bucket "
-    "(GpuCosts.ragged_ms); without a what-if, 'auto': ragged where priced lower than the padded layout",
-    "padded": "M_L's catch-ups padded alone (KVSpec ragged 'off': the blocks layout, no ragged forward)",
-    "unpadded": "an M_L forward costs what its real tokens alone would in the measured dense view, "
-    "no padding, no gathered keys (GpuCosts.unpadded_ms; a layout that does not exist)",
-    "shared": "catch-ups in flight share one GPU with M_S's steps, each slowed beside the other as "
-    "gpu_check.json's `sharing` probe measured, or fairly (each at half speed) where the run has none "
-    "(SimLauncher sharing; a model of one GPU, not a bound)",
-}
 
 B09 = RoutingParams(router="random", rate=0.9)
 ROUTINGS = {  # label -> (routing, catch_up_wait_ms: None keeps the engine's, overlap_catch_ups)
@@ -156,21 +136,6 @@ ROUTINGS = {  # label -> (routing, catch_up_wait_ms: None keeps the engine's, ov
     "random b=0.9, held and in flight": (B09, None, True),
     "always-small": (RoutingParams(router="always-small"), None, False),
 }
-
-
-class WaitsOffAtLive(CatchUpHold):
-    """What-if (--waits-off-at-live X): the engine's hold, except that nothing waits in a step
-    with at most `live` live requests (a drain or a light load), the waiting ones catching up."""
-
-    def __init__(self, hold: CatchUpHold, live: int) -> None:
-        super().__init__(hold.wait_ms, hold.clock, hold.collect_kl)
-        self.max_share, self.live = hold.max_share, live
-
-    def split(self, level, group, holders, live, proposal):
-        if live <= self.live:
-            self.resume(group, proposal)
-            return group
-        return super().split(level, group, holders, live, proposal)
 
 
 def _configure(engine: BackoffEngine, wait: float | None = None, overlap: bool = False) -> None:

@@ -16,8 +16,9 @@ from backoff_core.engine.engine import CATCH_UP_WAIT_MS
 from backoff_core.runners.graph_plan import GraphKey
 from backoff_core.runners.static_ragged import RAGGED_TOKENS, RaggedKey
 from benchmarks.gpu_costs import GpuCosts, measured_on
-from benchmarks.gpu_sim import ROUTINGS, WaitsOffAtLive, build, run_batch, run_sustained, validate
+from benchmarks.gpu_sim import ROUTINGS, build, run_batch, run_sustained, validate
 from benchmarks.gpu_sim_device import FAIR, SimClock, SimLauncher
+from benchmarks.gpu_sim_what_if import WaitsOffAtLive
 from tests.support.gpu_runs import RUN3
 
 
