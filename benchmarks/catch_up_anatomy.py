@@ -59,10 +59,10 @@ def record_forwards(runner) -> list[dict]:
     run = runner._run
     scratch = runner.kv.scratch
 
-    def timed(plan, columns=None):
+    def timed(plan, columns=None, **kwargs):  # kwargs: on_device (a step launched ahead)
         _sync()
         t = time.perf_counter()
-        out = run(plan, columns)
+        out = run(plan, columns, **kwargs)
         _sync()
         key = plan.key
         log.append(

@@ -23,7 +23,7 @@ token at the scratch column, so capturing never disturbs a live session.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from tqdm import tqdm
@@ -245,11 +245,16 @@ class CudaGraphs:
             hidden_layer=None,
         )
 
-    def replay(self, key: GraphKey, ids, positions, slots, last_col) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """ids, positions: [rows, k] and slots, last_col: [rows] (host tensors). Returns
-        copies (float32 logits; hidden in the model's dtype) that the next replay cannot
-        overwrite."""
-        self.upload(ids, positions, slots, last_col)
+    def replay(
+        self, key: GraphKey, ids, positions, slots, last_col, before: Callable[[Batch], None] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """ids, positions: [rows, k] and slots, last_col: [rows] (host tensors); before: given
+        the uploaded buffers, queued ahead of the replay (ids drawn on the device go in).
+        Returns copies (float32 logits; hidden in the model's dtype) that the next replay
+        cannot overwrite."""
+        batch = self.upload(ids, positions, slots, last_col)
+        if before is not None:
+            before(batch)
         self._graphs[key].replay()
         logits, hidden = self._outputs(key)
         logits = logits.to(torch.float32, copy=True)

@@ -45,11 +45,12 @@ from backoff_core.runners.cuda_graphs import CudaGraphs
 from backoff_core.runners.extension import Extension
 from backoff_core.runners.graph_plan import GRAPH_BUDGET, K_BUCKETS, GraphKey, kinds, length_buckets, plan_keys
 from backoff_core.runners.prefix_cache import PrefixCache, PrefixCaching
-from backoff_core.runners.scoring import Scoring, per_item, score_rows
+from backoff_core.runners.scoring import Scoring, per_item
 from backoff_core.runners.static_forward import Batch, StaticForward, check_supported
 from backoff_core.runners.static_kv import KVCapacityError, StaticKV, next_power_of_two
-from backoff_core.runners.static_layout import Layout, Plan, blocks, choose, lay_out, read_out
+from backoff_core.runners.static_layout import Layout, Plan, blocks, choose, lay_out, place_ids, read_out
 from backoff_core.runners.static_ragged import RaggedExtends, check_ragged
+from backoff_core.runners.static_scored import ScoredExtends
 from backoff_core.runners.static_slots import SlotSession, SlotSessions
 from backoff_core.types import PrefixCacheSpec
 
@@ -60,7 +61,7 @@ __all__ = ["KVCapacityError", "StaticRunner"]
 MAX_FORWARDS = 8
 
 
-class StaticRunner(PrefixCaching, RaggedExtends, SlotSessions):
+class StaticRunner(PrefixCaching, RaggedExtends, ScoredExtends, SlotSessions):
     """Holds one model, its static KV storage and its sessions. Thread-safe: one forward
     at a time. kv_budget_tokens: KV positions to preallocate across all sessions;
     max_len: positions per slot (a session holds at most max_len - 1: one is scratch).
@@ -113,6 +114,8 @@ class StaticRunner(PrefixCaching, RaggedExtends, SlotSessions):
         self.ragged_if_faster = ragged_if_faster
         if ragged:
             check_ragged(self.kv.max_len, self.device)
+
+    extends_on_device = True  # extend(on_device=...): M_S's step launched ahead (engine/ahead.py)
 
     @property
     def max_positions(self) -> int:
@@ -205,15 +208,21 @@ class StaticRunner(PrefixCaching, RaggedExtends, SlotSessions):
         hidden_layer: int | None = None,
         last_only: bool = False,
         scoring: Sequence[Scoring | None] | None = None,
+        on_device: torch.Tensor | None = None,
     ) -> list[Extension]:
         """Append tokens to sessions in one forward (or a few chunks of captured size);
         returns one Extension per item (its logits at every new position, or at the last one
         only). scoring: per item, rows to score (scoring.py; one eager forward, whose LM head
-        with last_only runs on those rows and the last only). Raises KVCapacityError,
-        changing nothing, if a session would pass max_len - 1
+        with last_only runs on those rows and the last only). on_device: [n] long on this
+        runner's device, the one new id of every item, read by the forward where it lies (an
+        M_S step launched before its tokens are read back: engine/ahead.py); the items' own
+        ids are then placeholders, except for the prefix cache, which stores them. Raises
+        KVCapacityError, changing nothing, if a session would pass max_len - 1
         positions or no slot can be had."""
         if not items:
             return []
+        if on_device is not None and (scoring is not None or any(len(ids) != 1 for _, ids in items)):
+            raise ValueError(f"{self.name}: ids on the device take one new id an item, unscored")
         scoring = per_item(self.name, items, scoring, self.vocab_size) if scoring is not None else None
         with self._lock:
             sessions = self._extending(items)
@@ -226,6 +235,11 @@ class StaticRunner(PrefixCaching, RaggedExtends, SlotSessions):
             layer = self._layer(hidden_layer)
             if scoring is not None and any(sc is not None for sc in scoring):
                 out = self._extend_scored(sessions, new_ids, layer, last_only, scoring)
+                self._remember(sessions, new_ids)
+                return out
+            if on_device is not None:  # one row an item, in one forward (lay_out's rule)
+                plan = self._plan(sessions, new_ids, layer, last_only)
+                out = self._extend_plans(sessions, new_ids, layer, last_only, [(plan, slice(0, len(items)))], on_device)
                 self._remember(sessions, new_ids)
                 return out
             runs = self._ragged_runs(new_ids, layer, last_only)
@@ -292,50 +306,21 @@ class StaticRunner(PrefixCaching, RaggedExtends, SlotSessions):
         layer: int | None,
         last_only: bool,
         plans: list[tuple[Plan, slice]],
+        on_device: torch.Tensor | None = None,
     ) -> list[Extension]:
         """Run the forwards in order (an item's blocks see the keys of its earlier ones, written
-        by then) and hand each item its outputs (static_layout.read_out)."""
+        by then) and hand each item its outputs (static_layout.read_out). on_device: extend's,
+        with one plan."""
         outs = []
         for plan, _ in plans:
-            outs.append(self._run(plan))  # [B, K or 1, V], [B, K, d] | None
+            # [B, K or 1, V], [B, K, d] | None (on_device only where given: wrappers of _run take (plan, columns))
+            outs.append(self._run(plan) if on_device is None else self._run(plan, on_device=on_device))
             self.forward_passes += 1
         now = time.monotonic()
         for s, ids in zip(sessions, new_ids):
             s.length += len(ids)
             s.last_used = now
         return read_out(plans, outs, new_ids, last_only, layer)
-
-    def _extend_scored(
-        self,
-        sessions: list[SlotSession],
-        new_ids: list[list[int]],
-        layer: int | None,
-        last_only: bool,
-        scoring: list[Scoring | None],
-    ) -> list[Extension]:
-        """One eager forward for an extend with scored rows (prompt scoring, scoring.py)."""
-        plan = self._plan(sessions, new_ids, layer, False)
-        # scored rows of a last_only extend: the LM head on those columns (and the last) only
-        columns = _columns(new_ids, scoring) if last_only else None
-        logits, hidden = self._run(plan, columns)  # [B, K or C, V], [B, K, d] | None
-        self.forward_passes += 1
-        now = time.monotonic()
-        results = []
-        for i, (s, ids, row, sc) in enumerate(zip(sessions, new_ids, plan.rows.tolist(), scoring)):
-            k = len(ids)
-            s.length += k
-            s.last_used = now
-            h = hidden[row, :k] if hidden is not None else None
-            where = {c: n for n, c in enumerate(columns[i])} if columns is not None else {j: j for j in range(k)}
-            if plan.key.last_only:
-                out = logits[row, :1]
-            else:
-                out = logits[row, where[k - 1] : where[k - 1] + 1] if last_only else logits[row, :k]
-            scored = None
-            if sc is not None:
-                scored = score_rows(logits[row, [where[j] for j in sc.rows]], sc.targets, sc.top_n)
-            results.append(Extension(out, h, scored))
-        return results
 
     def _layer(self, hidden_layer: int | None) -> int | None:
         """HF's hidden_states index (negative ones too) -> 0..num_layers."""
@@ -367,10 +352,14 @@ class StaticRunner(PrefixCaching, RaggedExtends, SlotSessions):
             dense=dense,
         )
 
-    def _run(self, plan: Plan, columns: list[list[int]] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """columns: per item, the new-id columns whose logits to compute (eager); None: the plan's."""
+    def _run(
+        self, plan: Plan, columns: list[list[int]] | None = None, on_device: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """columns: per item, the new-id columns whose logits to compute (eager); None: the
+        plan's. on_device: [n] the items' ids (one each), placed into the uploaded ids."""
+        place = None if on_device is None else lambda batch: place_ids(batch.input_ids, plan, on_device)
         if columns is None and self.graphs is not None and plan.key in self.graphs:
-            return self.graphs.replay(plan.key, plan.input_ids, plan.positions, plan.slots, plan.last_col)
+            return self.graphs.replay(plan.key, plan.input_ids, plan.positions, plan.slots, plan.last_col, place)
         self.eager_passes += 1
         key = plan.key
         keep = None
@@ -387,10 +376,7 @@ class StaticRunner(PrefixCaching, RaggedExtends, SlotSessions):
         else:
             inputs = tuple(t.to(self.device) for t in inputs)
         batch = Batch(*inputs, key.length, key.dense, key.last_only, key.hidden_layer, keep)
+        if place is not None:
+            place(batch)
         logits, hidden = self._forward(batch)
         return logits.float(), hidden
-
-
-def _columns(new_ids: list[list[int]], scoring: list[Scoring | None]) -> list[list[int]]:
-    """Per item: its scored rows and its last new id, ascending (the columns a forward keeps)."""
-    return [sorted({len(ids) - 1, *(sc.rows if sc is not None else ())}) for ids, sc in zip(new_ids, scoring)]

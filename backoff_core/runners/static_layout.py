@@ -303,3 +303,14 @@ def read_out(
             h = out_hidden[a : b + 1].reshape(-1, out_hidden.shape[-1])[:k] if out_hidden is not None else None
             results.append(Extension(logits, h))
     return results
+
+
+def place_ids(input_ids: torch.Tensor, plan: Plan, on_device: torch.Tensor) -> None:
+    """input_ids [B, 1] (the buffer the forward reads, on the device) <- on_device [n], item i's
+    id at its row plan.rows[i]: queued on the device, nothing read back."""
+    n = len(plan.rows)
+    if plan.in_order:
+        input_ids[:n, 0].copy_(on_device)
+    else:
+        index = torch.from_numpy(plan.rows).to(input_ids.device, non_blocking=True)
+        input_ids[:, 0].index_copy_(0, index, on_device)

@@ -65,9 +65,9 @@ def spy_layouts(run) -> list[tuple[bool, int, int]]:
     """Record (dense, rows, k) of every forward the runner lays out."""
     seen, inner = [], run._run
 
-    def spy(plan, columns=None):
+    def spy(plan, columns=None, **kwargs):
         seen.append((plan.key.dense, plan.key.rows, plan.key.k))
-        return inner(plan, columns)
+        return inner(plan, columns, **kwargs)
 
     run._run = spy
     return seen
