@@ -13,7 +13,7 @@ each time:
   events    a CUDA event pair around every graph replay and eager forward of both models
             and every draw (sampling's kernels over the vocabulary, outside the graphs), read
             after the run (no sync added), and the host's time blocked in the step loop's
-            device-to-host reads (host.to_host, the one way to the host);
+            device-to-host reads (host.Read.values, the one way to the host: the wait);
   profile   cProfile over the step loop (admission left out): the host functions that
             take the time (the reads' blocking shows under `tolist`).
 Admission (the n submits: the prompts' prefill, a prefix cache's loads) is outside the clock
@@ -22,7 +22,8 @@ Then `wall = device time (forwards and draws) + device idle`: the idle is the ho
 that the device waits for (and the few small ops outside both). gpu_costs.fit_host fits the
 simulator's host costs to the plain runs. Rows: the goal's (random b=0.9, catch-ups held as
 the engine's default, the waits ending where `max_share` of the live requests would wait: a
-half, the default, and a third), always-large and always-small. On the CPU (a dry run:
+half, the default, and a third; and the default with M_S's steps launched ahead, where the
+idle should shrink: engine launch_ahead), always-large and always-small. On the CPU (a dry run:
 image_check.sh) the forwards run synchronously and the clock stands in for the events.
 Saves step_timeline.json (and prints the table).
 """
@@ -45,21 +46,22 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from backoff_core.engine import catchup, logprobs, prompt, propose  # noqa: E402
+from backoff_core.engine import catchup, host, propose  # noqa: E402
 from backoff_core.engine.engine import BackoffEngine  # noqa: E402
 from backoff_core.models.loading import LoadSpec, load_chain  # noqa: E402
 from backoff_core.models.prompts import encode_prompt  # noqa: E402
 from backoff_core.types import GenerationRequest, KVSpec, RoutingParams, SamplingParams  # noqa: E402
 from benchmarks.batch_scaling import B09, PROMPT, _sync  # noqa: E402
 
-# label -> (routing, the hold's max_share: None keeps the engine's)
+# label -> (routing, the hold's max_share: None keeps the engine's); ", launched ahead": the
+# engine's launch_ahead (ahead.py)
 ROWS = {
     "random b=0.9": (B09, None),  # the default: a half
+    "random b=0.9, launched ahead": (B09, None),
     "random b=0.9, max_share 1/3": (B09, 1 / 3),
     "always-large": (RoutingParams(router="always-large"), None),
     "always-small": (RoutingParams(router="always-small"), None),
 }
-READERS = (catchup, logprobs, prompt, propose)  # the modules that read through to_host
 DRAWERS = (catchup, propose)  # the step's modules that draw tokens (sampling.draw)
 
 
@@ -81,7 +83,7 @@ def mark() -> torch.cuda.Event | float:
 
 
 class Timeline:
-    """CUDA events around the runners' forwards, and the host's time blocked in to_host."""
+    """CUDA events around the runners' forwards, and the host's time blocked in its reads."""
 
     def __init__(self, engine: BackoffEngine) -> None:
         self.engine = engine
@@ -98,8 +100,7 @@ class Timeline:
                 self._wrap(runner.graphs, "replay_ragged", f"{runner.name} ragged")
         for module in DRAWERS:  # the draws' kernels (sampling over the vocabulary), outside the graphs
             self._wrap(module, "draw", "draws")
-        for module in READERS:
-            self._wrap_read(module)
+        self._wrap_read()
         return self
 
     def start(self) -> None:
@@ -119,22 +120,23 @@ class Timeline:
         setattr(owner, name, timed)
         self._undo.append((owner, name, inner))
 
-    def _wrap_read(self, module) -> None:
-        inner = module.to_host
+    def _wrap_read(self) -> None:
+        """Every read of the step loop waits in host.Read.values (to_host's too)."""
+        inner = host.Read.values
 
-        def read(*parts):
+        def read(pending):
             t = time.perf_counter()
-            out = inner(*parts)
+            out = inner(pending)
             self.read_s += time.perf_counter() - t
             self.reads += 1
             return out
 
-        module.to_host = read
-        self._undo.append((module, "to_host", inner))
+        host.Read.values = read
+        self._undo.append((host.Read, "values", inner))
 
     def __exit__(self, *exc) -> None:
         for owner, name, inner in reversed(self._undo):
-            if isinstance(owner, types.ModuleType):
+            if isinstance(owner, types.ModuleType | type):
                 setattr(owner, name, inner)
             else:
                 delattr(owner, name)  # the instance's wrapper: the class's method again
@@ -248,6 +250,7 @@ def main() -> None:
     for label in args.rows:
         routing, share = ROWS[label]
         engine.hold.max_share = default_share if share is None else share
+        engine.launch_ahead = ", launched ahead" in label
         report["rows"][label] = row = {}
         for n in streams:
             row[str(n)] = cell = measure(engine, prompt_ids, n, args.tokens, routing, args.repeats)
@@ -264,6 +267,7 @@ def main() -> None:
         row["x_first"] = {str(n): round(row[str(n)]["tok_per_s"] / base, 2) for n in streams}
         print(f"{label:30s} x n={streams[0]}: {row['x_first']}", flush=True)
     engine.hold.max_share = default_share
+    engine.launch_ahead = False
     (out / "step_timeline.json").write_text(json.dumps(report, indent=1) + "\n")
     for label, row in report["rows"].items():
         cell = row[str(streams[-1])]

@@ -27,14 +27,16 @@ from collections.abc import Callable, Iterator, Sequence
 
 import backoff_core.engine.chunked as chunked
 from backoff_core.engine.admission import Routers, checked
+from backoff_core.engine.ahead import LaunchAhead
 from backoff_core.engine.backends import Backend
 from backoff_core.engine.catchup import CatchUpper, Outcome
 from backoff_core.engine.commit import CommitContext, commit_many, settle_many
-from backoff_core.engine.flight import Flights, Landed, Launcher, ThreadLauncher, on_loop_stream, side_stream_device
+from backoff_core.engine.flight import Flights, Landed, Launcher, on_loop_stream
 from backoff_core.engine.hold import CatchUpHold
 from backoff_core.engine.logprobs import TokenTexts
 from backoff_core.engine.prompt import admission_runs_large, prefill
 from backoff_core.engine.propose import Proposal, decide, forced_levels, propose, small_for_degraded, small_step
+from backoff_core.engine.settings import LiveSettings
 from backoff_core.engine.state import Detokenizer, Live
 from backoff_core.routing.routers import DecisionFunction
 from backoff_core.runners.factory import make_runner
@@ -56,7 +58,7 @@ PREFILL_CHUNK_TOKENS = 128
 CATCH_UP_WAIT_MS = 40.0
 
 
-class BackoffEngine:
+class BackoffEngine(LiveSettings):
     """models: smallest first. Each is a ModelRunner or any Backend (e.g. a remote M_L)."""
 
     def __init__(
@@ -73,6 +75,7 @@ class BackoffEngine:
         clock: Callable[[], float] = time.perf_counter,
         overlap_catch_ups: bool = False,
         launcher: Launcher | None = None,
+        launch_ahead: bool = False,
     ) -> None:
         """prefill_chunk_tokens: positions each model prefills per step at most (chunked.py);
         longer prompts and first catch-ups are fed over several steps. 0 / None: off.
@@ -81,7 +84,8 @@ class BackoffEngine:
         the time it is measured by, read once a step). 0 / None: every catch-up runs in the step
         that routes it. overlap_catch_ups: a batched catch-up runs beside M_S's next steps
         (flight.py; two models only), launched by `launcher` (default: a worker thread, on
-        CUDA a stream of its own)."""
+        CUDA a stream of its own). launch_ahead: M_S's next step is queued before its tokens
+        are read back (ahead.py; M_S on static KV, not with overlap_catch_ups)."""
         if len(models) < 2:
             raise ValueError("backoff decoding needs at least two models (small and large)")
         if prefill_chunk_tokens is not None and prefill_chunk_tokens < 0:
@@ -104,8 +108,10 @@ class BackoffEngine:
         self.catch_up = CatchUpper(self.models, collect_kl)
         self._live: dict[str, Live] = {}
         self.launcher = launcher
-        self.flights: Flights | None = None
+        self.flights: Flights | None = None  # overlap_catch_ups (settings.py)
+        self.ahead: LaunchAhead | None = None  # launch_ahead (settings.py)
         self.overlap_catch_ups = overlap_catch_ups
+        self.launch_ahead = launch_ahead
         self.routers = Routers(classifier_path, hidden_size)  # those requests name
         self._ids = itertools.count()
 
@@ -131,36 +137,6 @@ class BackoffEngine:
     @property
     def num_levels(self) -> int:
         return len(self.models)
-
-    @property
-    def catch_up_wait_ms(self) -> float:
-        """How long a routed request may wait for a batched catch-up (hold.py); may change
-        between steps (0: the waiting ones catch up in the next step)."""
-        return self.hold.wait_ms
-
-    @catch_up_wait_ms.setter
-    def catch_up_wait_ms(self, value: float) -> None:
-        self.hold.wait_ms = value or 0.0
-
-    @property
-    def overlap_catch_ups(self) -> bool:
-        """Whether batched catch-ups run beside M_S's next steps (flight.py); may change
-        between steps while no catch-up is in flight."""
-        return self.flights is not None
-
-    @overlap_catch_ups.setter
-    def overlap_catch_ups(self, on: bool) -> None:
-        if on == self.overlap_catch_ups:
-            return
-        if on and len(self.models) != 2:
-            raise ValueError(f"overlap_catch_ups takes two models (small and large), got {len(self.models)}")
-        if self.flights is not None and self.flights.busy:
-            raise RuntimeError("a catch-up is in flight: step until it lands first")
-        if on and self.launcher is None:
-            self.launcher = ThreadLauncher(side_stream_device(self.models[-1]))
-        self.flights = (
-            Flights(self.launcher, self._live, self.hold, self.catch_up, self._close_sessions) if on else None
-        )
 
     # -- admission ------------------------------------------------------------------------
     def submit(self, request: GenerationRequest, router: DecisionFunction | None = None) -> str:
@@ -250,6 +226,7 @@ class BackoffEngine:
     def step(self) -> dict[str, TokenEvent]:
         landed = self.flights.land() if self.flights is not None else None
         live = [r for r in self._live.values() if r.finished is None and r.failure is None]  # not done
+        launched = self.ahead.settle(self._live) if self.ahead is not None else None  # (ahead.py)
         if not live:
             return {}
         self.hold.tick()
@@ -265,13 +242,20 @@ class BackoffEngine:
         stepping = [r for r in live if r.request_id not in levels and r.waiting is None]
         # 2. M_S, batched
         fed = {r.request_id: r.fed[0] for r in stepping} if self.prefill_chunk_tokens else {}  # to undo a stall (5.)
-        small = small_step(self.models, stepping)
+        if self.ahead is None:
+            small, deferred = small_step(self.models, stepping), []
+        else:  # launched in the last step where that holds good; deferred ride this step's launch
+            small, deferred = self.ahead.small_step(self.models, stepping, launched)
+            live = [r for r in live if r.request_id not in {d.request_id for d in deferred}]
         stepped = stepping if len(small.rows) == len(stepping) else [r for r in stepping if r.request_id in small]
         # 3. oracle routers: the largest model catches up first, to know KL(M_L||M_S)
         routed, outcomes = self.catch_up.for_oracles([r for r in stepped if not r.degraded])
         # 4. decide: M_S's tokens and the routers' scores, one host copy; levels on the host
         large = {request_id: outcome.logits for request_id, outcome in outcomes.items()}
-        proposal = propose(self.models, stepped, routed, small, large)
+        launch = self.ahead.launcher(stepped, deferred) if self.ahead is not None else None
+        proposal = propose(self.models, stepped, routed, small, large, launch)
+        if self.ahead is not None:
+            self.ahead.read(proposal.tokens)
         decide(
             [r for r in routed if r.request_id in proposal.scores], proposal.scores, levels, outcomes, self.num_levels
         )

@@ -12,6 +12,8 @@ and tests/backoff_core/engine/test_host_reads.py counts them and fails on any ot
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 
@@ -20,22 +22,55 @@ def to_host(*parts: torch.Tensor) -> list[list]:
     ONE device-to-host copy. Values travel as float64: floats of any precision and
     integers up to 2^53 (token ids) are exact; integer and bool parts come back as ints.
     No parts, or only empty ones: no copy."""
-    sizes = [p.numel() for p in parts]
-    if not sum(sizes):
-        return [_shape([], p) for p in parts]
-    device = next((p.device for p in parts if p.device.type != "cpu"), torch.device("cpu"))
-    exact = [not (p.dtype.is_floating_point or p.dtype.is_complex) for p in parts]
-    dtype = torch.int64 if all(exact) else torch.float64  # token ids alone come back as ints as they are
-    flat = [p.reshape(-1).to(device=device, dtype=dtype) for p in parts]
-    values = (flat[0] if len(flat) == 1 else torch.cat(flat)).tolist()  # the copy (and the sync)
-    out, at = [], 0
-    for p, n, integral in zip(parts, sizes, exact):
-        chunk = values[at : at + n]
-        at += n
-        if integral and dtype is torch.float64:
-            chunk = list(map(int, chunk))
-        out.append(_shape(chunk, p))
-    return out
+    return start_read(*parts).values()
+
+
+class Read:
+    """A read queued on the device (`start_read`): `values()` waits for its copy alone, not
+    for what was queued after it (an M_S step launched ahead: engine/ahead.py)."""
+
+    def __init__(self, parts: Sequence[torch.Tensor]) -> None:
+        self.parts = parts
+        self.sizes = [p.numel() for p in parts]
+        self.copy: torch.Tensor | None = None  # [sum(sizes)] on the host
+        self.done: torch.cuda.Event | None = None
+        if not sum(self.sizes):
+            return
+        device = next((p.device for p in parts if p.device.type != "cpu"), torch.device("cpu"))
+        self.exact = [not (p.dtype.is_floating_point or p.dtype.is_complex) for p in parts]
+        # token ids alone come back as ints as they are
+        self.dtype = torch.int64 if all(self.exact) else torch.float64
+        flat = [p.reshape(-1).to(device=device, dtype=self.dtype) for p in parts]
+        flat = flat[0] if len(flat) == 1 else torch.cat(flat)
+        if device.type == "cuda":  # into pinned memory, asynchronously; the event marks its end
+            self.copy = torch.empty(flat.shape, dtype=self.dtype, pin_memory=True)
+            self.copy.copy_(flat, non_blocking=True)
+            self.done = torch.cuda.Event()
+            self.done.record()
+        else:
+            self.copy = flat
+
+    def values(self) -> list[list]:
+        """The parts as Python lists (the sync: waits for this copy)."""
+        if self.copy is None:
+            return [_shape([], p) for p in self.parts]
+        if self.done is not None:
+            self.done.synchronize()
+        values = self.copy.tolist()
+        out, at = [], 0
+        for p, n, integral in zip(self.parts, self.sizes, self.exact):
+            chunk = values[at : at + n]
+            at += n
+            if integral and self.dtype is torch.float64:
+                chunk = list(map(int, chunk))
+            out.append(_shape(chunk, p))
+        return out
+
+
+def start_read(*parts: torch.Tensor) -> Read:
+    """to_host's copy, queued now and read by `Read.values()`: what the host queues in
+    between runs on the device meanwhile, and the read does not wait for it."""
+    return Read(parts)
 
 
 def _shape(values: list, like: torch.Tensor) -> list:

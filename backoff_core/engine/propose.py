@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from backoff_core.engine.backends import Backend
-from backoff_core.engine.host import to_host
+from backoff_core.engine.host import start_read
 from backoff_core.engine.isolation import batched, each, reopen
 from backoff_core.engine.penalties import penalties_at
 from backoff_core.engine.state import Live
@@ -106,7 +106,12 @@ class Proposal:
 
 
 def propose(
-    models: list[Backend], group: list[Live], routed: list[Live], small: SmallOut, large: dict[str, torch.Tensor]
+    models: list[Backend],
+    group: list[Live],
+    routed: list[Live],
+    small: SmallOut,
+    large: dict[str, torch.Tensor],
+    launch: Callable[[torch.Tensor], None] | None = None,
 ) -> Proposal:
     """group: requests M_S stepped (in small); routed:
     those of them a router decides for (large: sid -> the largest model's logits, for
@@ -114,7 +119,9 @@ def propose(
     large waste theirs: a draw is a pure function of seed and position) and the routers
     score their rows on the device, then ONE host copy reads tokens and scores together
     (a router whose scores are host data, `scores_on_host`, scores on the host instead).
-    If it raises, each request alone finds the culprit (isolation.py)."""
+    launch: given the group's drawn tokens [n] (on the device, not read), queues M_S's next
+    step after the copy and before the host waits for it (ahead.py). If it raises, each
+    request alone finds the culprit (isolation.py)."""
     all_routed = len(routed) == len(group)  # routed is a sublist of group
     routed_ids = None if all_routed else {r.request_id for r in routed}
 
@@ -143,7 +150,10 @@ def propose(
                 on_device[router] = router.scores(
                     _context(router, rows, logits if len(at) == len(g) else logits[at], small, large, coins)
                 )
-        read = to_host(tokens, *on_device.values())
+        pending = start_read(tokens, *on_device.values())
+        if launch is not None and len(g) == len(group):  # the whole batch drew (not a culprit's retry)
+            launch(tokens)
+        read = pending.values()
         values = on_host | dict(zip(on_device, read[1:]))  # router -> its rows' scores, host floats
         if [len(at) for at in groups.values()] == [len(g)]:  # one router scored every row
             return list(zip(read[0], *values.values()))

@@ -129,6 +129,16 @@ SCENARIOS = {
     ),
     "three levels": (True, True, {}, dict(temperature=1.0, logprobs=0), dict(router="random", thresholds=(0.4, 0.7))),
     "classifier": (True, False, dict(hidden_size=32), {}, dict(router="classifier")),
+    # M_S's step launched ahead (ahead.py): the launch reads nothing back, the step's read is one
+    "always-small, launched ahead": (True, False, dict(launch_ahead=True), {}, dict(router="always-small")),
+    "random, launched ahead": (
+        True,
+        False,
+        dict(launch_ahead=True),
+        dict(temperature=0.8),
+        dict(router="random", rate=0.6),
+    ),
+    "classifier, launched ahead": (True, False, dict(hidden_size=32, launch_ahead=True), {}, dict(router="classifier")),
     "penalties, draft, exact": (  # counts on the device (penalties.py), rollbacks and earlier positions
         True,
         False,
@@ -161,7 +171,7 @@ def test_one_host_read_per_stage_at_1_and_at_64_requests(scenario, pair, chain3,
         for request_id in engine.finished_ids():
             engine.finish(request_id)
         monkeypatch.undo()
-    if scenario == "always-small":
+    if scenario.startswith("always-small"):
         assert per_step[1] == per_step[64] == [1] * 10  # the same at 1 and at 64 requests
 
 

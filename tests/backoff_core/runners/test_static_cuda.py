@@ -142,6 +142,31 @@ def test_batched_equals_alone(engine):
     assert [m.request_ids() for m in engine.models] == [[], []]
 
 
+@pytest.mark.parametrize("wait_ms", [0.0, 40.0])
+def test_steps_launched_ahead_give_the_synchronous_tokens_from_graphs(engine, wait_ms):
+    """launch_ahead (engine/ahead.py) over the same runners: M_S's next step queued with the
+    drawn ids on the device, into the graphs' uploaded ids before the replay; sampled, random
+    routing at 50%, 12 requests: every token and source is the loop's without, M_S's steps
+    take launched rows, no forward of a step runs eagerly, no session is left open."""
+    reqs = [request(p, 16, "random", rate=0.5, seed=7 + i, temperature=1.0) for i, p in enumerate(PROMPTS * 4)]
+    engine.catch_up_wait_ms = wait_ms
+    try:
+        sync = engine.generate_many(reqs)
+        ahead = BackoffEngine(engine.models, engine.tokenizer, catch_up_wait_ms=wait_ms, launch_ahead=True)
+        request_ids = ahead.submit_many(reqs)
+        eager = [m.eager_passes for m in engine.models]
+        while ahead.has_work():
+            ahead.step()
+        assert [m.eager_passes for m in engine.models] == eager
+        launched = [ahead.finish(r) for r in request_ids]
+    finally:
+        engine.catch_up_wait_ms = 40.0
+    assert [r.token_ids for r in launched] == [r.token_ids for r in sync]
+    assert [r.sources for r in launched] == [r.sources for r in sync]
+    assert ahead.ahead.rows_used > 0 and 0 < sum(r.sources.count(1) for r in launched)
+    assert [m.request_ids() for m in engine.models] == [[], []]
+
+
 def streams_of(monkeypatch, runner) -> list[torch.cuda.Stream]:
     """The current CUDA stream at each of runner's extends, from now on."""
     seen, extend = [], runner.extend
@@ -259,7 +284,7 @@ def test_catch_ups_in_blocks_replay_modelrunners_logits(gpu_pair, last_only):
             r.open(request_id)
             r.extend([(request_id, list(range(1, 3 + 2 * i)))])
     layouts, inner = [], run._run
-    run._run = lambda plan, columns=None: layouts.append(plan.key) or inner(plan, columns)
+    run._run = lambda plan, columns=None, **kw: layouts.append(plan.key) or inner(plan, columns, **kw)
     eager = run.eager_passes
     items = [
         (s, [(7 * i + j) % VOCAB for j in range(c)]) for i, (s, c) in enumerate(zip(sids, (3, 1, 2, 40, 7, 4, 2, 5)))
