@@ -26,7 +26,9 @@ CPU), but ", padded" rows (M_L's catch-ups padded alone: "off") and ", ragged" r
 wherever they apply: "on"). The first row that may run ragged captures M_L's ragged graphs if
 the load did not, and compares a ragged catch-up's logits with the padded path's
 ("ragged_rel_err": a row that is fast and wrong is not a win; above RAGGED_TOLERANCE it is
-flagged). All in the same run, for the ratios.
+flagged). ", launched ahead" rows queue each M_S step before the last one's tokens are read
+back (engine `launch_ahead`, ahead.py: M_S on static KV; elsewhere the row reports the error).
+All in the same run, for the ratios.
 """
 
 from __future__ import annotations
@@ -62,8 +64,10 @@ FLIGHTS = {"one priority": None, "loop first": "loop", "flight first": "flight"}
 ROUTINGS = {
     "always-large": (RoutingParams(router="always-large"), None, None),
     "random b=0.9": (B09, None, None),
+    "random b=0.9, launched ahead": (B09, None, None),
     "random b=0.9, padded": (B09, None, None),
     "always-small": (RoutingParams(router="always-small"), None, None),
+    "always-small, launched ahead": (RoutingParams(router="always-small"), None, None),
     "random b=0.9, in flight": (B09, 0.0, "one priority"),
     "random b=0.9, in flight, loop first": (B09, 0.0, "loop first"),
     "random b=0.9, in flight, flight first": (B09, 0.0, "flight first"),
@@ -81,15 +85,18 @@ def ragged_mode(label: str) -> str:
 
 
 def throughput(
-    engine, prompt_ids, n, tokens, routing, repeats, wait_ms: float, flight: str | None = None
+    engine, prompt_ids, n, tokens, routing, repeats, wait_ms: float, flight: str | None = None, ahead: bool = False
 ) -> dict[str, float]:
     """n requests generated together, `repeats` times, catch-ups waiting up to `wait_ms` to
-    be batched (and, with a flight, in flight beside M_S's steps): the median tok/s (admission
+    be batched (and, with a flight, in flight beside M_S's steps; with ahead, M_S's steps
+    launched before their tokens are read back): the median tok/s (admission
     excluded); catch-up forwards per 100 tokens (a forward shared by m requests is in each
     one's record, CatchUp.batch_size = m: 1/m each);
     the inter-token latency's median and p99 over every request's tokens (ms)."""
     engine.catch_up_wait_ms = wait_ms
+    engine.launch_ahead = False  # the two do not go together
     engine.overlap_catch_ups = flight is not None
+    engine.launch_ahead = ahead
     if flight is not None:
         engine.launcher.first = FLIGHTS[flight]
     rates, forwards, generated, gaps = [], 0.0, 0, []
@@ -156,9 +163,10 @@ def measure(
             # M_L's graphs the row ran with: a padded row adds the k = 16 kind that ragged's
             # displaced, and the rows after it keep it (the report says so, row by row)
             checks.setdefault("large_graphs", {})[label] = _large_graphs(engine)
-            throughput(engine, prompt_ids, 2, 4, routing, 1, waits[label], flight)
+            ahead = ", launched ahead" in label
+            throughput(engine, prompt_ids, 2, 4, routing, 1, waits[label], flight, ahead)
             runs[label] = {
-                str(n): throughput(engine, prompt_ids, n, tokens, routing, repeats, waits[label], flight)
+                str(n): throughput(engine, prompt_ids, n, tokens, routing, repeats, waits[label], flight, ahead)
                 for n in tqdm(streams, desc=label, leave=False)
             }
         except Exception as exc:  # noqa: BLE001 - reported in the results, the other rows go on
@@ -168,6 +176,7 @@ def measure(
         if after_row is not None:
             after_row(runs, errors)
     _ragged(engine, "auto")
+    engine.launch_ahead = False
     return runs, errors
 
 

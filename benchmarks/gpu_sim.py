@@ -56,7 +56,15 @@ from backoff_core.types import GenerationRequest, RoutingParams, SamplingParams
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.batch_scaling import plot_scaling  # noqa: E402
 from benchmarks.gpu_costs import GPU_RESULTS, GpuCosts, measured_on  # noqa: E402
-from benchmarks.gpu_sim_device import FAIR, ForwardLog, SimClock, SimGraphs, SimLauncher, instrument  # noqa: E402
+from benchmarks.gpu_sim_device import (  # noqa: E402
+    FAIR,
+    AheadDevice,
+    ForwardLog,
+    SimClock,
+    SimGraphs,
+    SimLauncher,
+    instrument,
+)
 from benchmarks.gpu_sim_report import print_report, validate  # noqa: E402
 from benchmarks.gpu_sim_what_if import WHAT_IF, WaitsOffAtLive, ragged_mode  # noqa: E402
 from benchmarks.step_overhead import tiny_pair  # noqa: E402
@@ -71,6 +79,7 @@ class Sim:
     small: ForwardLog
     large: ForwardLog
     costs: GpuCosts
+    device: AheadDevice  # M_S's steps launched ahead (engine launch_ahead)
 
 
 def build(
@@ -116,10 +125,11 @@ def build(
             runner.warmup(progress=False)
         runners.append(runner)
     launcher = SimLauncher(clock, sharing)
-    small_log = instrument(runners[0], launcher.small, small_cost)
-    large_log = instrument(runners[1], launcher.advance, large_cost)
+    device = AheadDevice(clock)  # a no-op until a step is launched ahead
+    small_log = instrument(runners[0], device.then(launcher.small), small_cost, device.launched)
+    large_log = instrument(runners[1], device.then(launcher.advance), large_cost)
     engine = BackoffEngine(runners, tokenizer, catch_up_wait_ms=wait_ms, clock=clock.now, launcher=launcher)
-    return Sim(engine, clock, small_log, large_log, costs)
+    return Sim(engine, clock, small_log, large_log, costs, device)
 
 
 def _no_attention(q, keys, values, block_mask, scale):
@@ -134,13 +144,18 @@ ROUTINGS = {  # label -> (routing, catch_up_wait_ms: None keeps the engine's, ov
     "random b=0.9, catch-ups at once": (B09, 0.0, False),
     "random b=0.9, in flight": (B09, 0.0, True),
     "random b=0.9, held and in flight": (B09, None, True),
+    "random b=0.9, launched ahead": (B09, None, False),
     "always-small": (RoutingParams(router="always-small"), None, False),
+    "always-small, launched ahead": (RoutingParams(router="always-small"), None, False),
 }
 
 
-def _configure(engine: BackoffEngine, wait: float | None = None, overlap: bool = False) -> None:
+def _configure(engine: BackoffEngine, wait: float | None = None, overlap: bool = False, label: str = "") -> None:
+    """A row's settings; ", launched ahead" rows: the engine's launch_ahead (AheadDevice times it)."""
     engine.catch_up_wait_ms = CATCH_UP_WAIT_MS if wait is None else wait
+    engine.launch_ahead = False  # the two do not go together
     engine.overlap_catch_ups = overlap
+    engine.launch_ahead = ", launched ahead" in label
 
 
 def _stepping(engine: BackoffEngine) -> int:
@@ -151,6 +166,13 @@ def _stepping(engine: BackoffEngine) -> int:
 def _host_ms(costs: GpuCosts, stepping: int, catch_ups: int) -> float:
     """A step's host work (GpuCosts: fitted to the run's step_timeline.json where it has one)."""
     return costs.host_ms + costs.host_ms_per_row * stepping + costs.host_ms_per_catch_up * catch_ups
+
+
+def _read(sim: Sim, launches: int) -> None:
+    """After a step: its read waited for the device, unless the step launched M_S's next
+    forward (AheadDevice.launched then waited for the one before)."""
+    if sim.device.launches == launches:
+        sim.device.sync()
 
 
 def run_batch(sim: Sim, n: int, tokens: int, routing: RoutingParams, seed: int = 0) -> dict:
@@ -168,15 +190,17 @@ def run_batch(sim: Sim, n: int, tokens: int, routing: RoutingParams, seed: int =
     start = sim.clock.t
     steps, host_ms, first_end = 0, 0.0, None
     while engine.has_work():
-        catch_ups = len(sim.large.entries)
+        catch_ups, launches = len(sim.large.entries), sim.device.launches
         stepping = _stepping(engine)
         engine.step()
         steps += 1
+        _read(sim, launches)
         host = _host_ms(costs, stepping, len(sim.large.entries) - catch_ups)
         sim.clock.advance(host)
         host_ms += host
         if first_end is None and engine.finished_ids():
             first_end = sim.clock.t
+    sim.device.sync()  # batch_scaling's clock ends synchronized (a last launch, taken by nobody)
     seconds = sim.clock.t - start
     done = sum(len(engine.finish(r).token_ids) for r in rids)
     large_ms = sum(e[-1] for e in sim.large.entries)
@@ -203,7 +227,7 @@ def scaling(sim: Sim, streams: list[int], tokens: int, repeats: int, labels: lis
     rows: dict[str, dict[str, dict]] = {}
     picked = {label: ROUTINGS[label] for label in labels} if labels is not None else ROUTINGS
     for label, (routing, wait, overlap) in tqdm(picked.items(), desc="routings", disable=len(picked) == 1):
-        _configure(sim.engine, wait, overlap)
+        _configure(sim.engine, wait, overlap, label)
         rows[label] = {}
         for n in streams:
             runs = [run_batch(sim, n, tokens, routing, seed) for seed in range(repeats)]
@@ -239,9 +263,10 @@ def run_sustained(sim: Sim, n: int, tokens: int, routing: RoutingParams, request
     live = set(submit(n))
     submitted, ended, counted, start = n, 0, 0, None
     while len(live) == n:
-        small, large = len(sim.small.entries), len(sim.large.entries)
+        small, large, launches = len(sim.small.entries), len(sim.large.entries), sim.device.launches
         stepping = _stepping(engine)
         engine.step()
+        _read(sim, launches)
         host = _host_ms(costs, stepping, len(sim.large.entries) - large)
         sim.clock.advance(host)
         if counting:
@@ -271,7 +296,7 @@ def run_sustained(sim: Sim, n: int, tokens: int, routing: RoutingParams, request
 def sustained(sim: Sim, streams: list[int], tokens: int) -> dict:
     out = {}
     for label, (routing, wait, overlap) in tqdm(ROUTINGS.items(), desc="sustained"):
-        _configure(sim.engine, wait, overlap)
+        _configure(sim.engine, wait, overlap, label)
         out[label] = {str(n): run_sustained(sim, n, tokens, routing) for n in streams}
     _configure(sim.engine)
     return out

@@ -44,6 +44,38 @@ class _SimFlight:
 FAIR = (2.0, 2.0)  # SimLauncher sharing of one GPU shared fairly: each at half speed beside the other
 
 
+@dataclass
+class AheadDevice:
+    """M_S's steps launched ahead (engine `launch_ahead`, ahead.py) on the simulated clock: a
+    launched forward is queued on the device (`free`: when it is done) while the host's clock
+    goes on, so the step's host work after its read runs beside it; the step's own read waits
+    for the forward launched the step before (its draw is queued behind it), and every forward
+    the host waits for (a catch-up, an M_S step not launched ahead) starts once the device is
+    free. One stream: nothing runs beside anything else on the device."""
+
+    clock: SimClock
+    free: float = 0.0  # when the device has done what was queued (s)
+    launches: int = 0
+
+    def launched(self, ms: float) -> None:
+        self.sync()  # the read right after the launch waits for the last launch (and its draw)
+        self.free = self.clock.t + ms / 1e3
+        self.launches += 1
+
+    def sync(self) -> None:
+        """The host waits for the device (a read)."""
+        self.clock.t = max(self.clock.t, self.free)
+
+    def then(self, advance: Callable[[float], None]) -> Callable[[float], None]:
+        """advance (a forward the host waits for), once the device is free."""
+
+        def waited(ms: float) -> None:
+            self.sync()
+            advance(ms)
+
+        return waited
+
+
 class SimLauncher:
     """Catch-ups in flight (engine `overlap_catch_ups`) on the simulated clock: a flight's
     catch-up runs at once on the CPU, its M_L forwards on M_L's own timeline (`large`), which
@@ -132,21 +164,25 @@ class ForwardLog:
 
 
 def instrument(
-    runner: StaticRunner, advance: Callable[[float], None], cost: Callable[[GraphKey, int, bool], float]
+    runner: StaticRunner,
+    advance: Callable[[float], None],
+    cost: Callable[[GraphKey, int, bool], float],
+    launched: Callable[[float], None] | None = None,
 ) -> ForwardLog:
-    """Every forward of `runner` is logged and advances its clock: advance(cost(key, real tokens, eager))."""
+    """Every forward of `runner` is logged and advances its clock: advance(cost(key, real tokens,
+    eager)), or for a step launched ahead (ids on the device), launched(cost)."""
     log = ForwardLog()
     run = runner._run
     scratch = runner.kv.scratch
 
-    def timed(plan, columns=None):
+    def timed(plan, columns=None, **kwargs):  # kwargs: on_device (a step launched ahead)
         eager = columns is not None or plan.key not in runner.graphs
         real = int((plan.positions != scratch).sum())
         ms = cost(plan.key, real, eager)
-        advance(ms)
+        (launched if launched is not None and kwargs.get("on_device") is not None else advance)(ms)
         k = plan.key
         log.entries.append((k.dense, k.rows, k.k, k.length, eager, real, ms))
-        return run(plan, columns)
+        return run(plan, columns, **kwargs)
 
     def ragged(key, ids, positions, token_slots, last):
         real = int((positions != scratch).sum())

@@ -6,7 +6,7 @@
 #                                           # ragged forwards last), then the ragged catch-ups' CUDA
 #                                           # tests (FlexAttention)
 #   bash scripts/gpu_bench.sh cost  [TAG]   # benchmarks/cost_curve.py: c_S, P_L(k), C(b), baselines
-#   bash scripts/gpu_bench.sh batch [TAG]   # benchmarks/batch_scaling.py: n = 1, 4, 16, 64, six rows
+#   bash scripts/gpu_bench.sh batch [TAG]   # benchmarks/batch_scaling.py: n = 1, 4, 16, 64, seven rows
 #                                           # (ROWS=all: every row), then catch_up_anatomy.py: every
 #                                           # M_L forward of 64 streams
 #   bash scripts/gpu_bench.sh timeline    # benchmarks/step_timeline.py: where 64 streams' wall time
@@ -79,11 +79,12 @@ cost)
 batch)
     # in this order, each row saved as it ends (a call cut short keeps the rows before): the goal's
     # row (the default: M_L's catch-ups ragged where their graphs were timed faster, which the load
-    # captured, compiling FlexAttention, and checked), then its two choices alone (padded: the third
-    # run's successor; ragged wherever they apply), in flight, then the bounds three runs measured
-    # alike (ROWS=all: every row of ROUTINGS)
-    rows=("random b=0.9" "random b=0.9, padded" "random b=0.9, ragged" "random b=0.9, in flight"
-        "always-large" "always-small")
+    # captured, compiling FlexAttention, and checked), then the lever never run on a GPU (M_S's
+    # steps launched ahead), then its two choices alone (padded: the third run's successor; ragged
+    # wherever they apply), then the bounds three runs measured alike, always-small launched ahead
+    # last (ROWS=all: every row of ROUTINGS, in flight among them)
+    rows=("random b=0.9" "random b=0.9, launched ahead" "random b=0.9, padded" "random b=0.9, ragged"
+        "always-large" "always-small" "always-small, launched ahead")
     [ "${ROWS:-}" = all ] && rows=()
     python3 benchmarks/batch_scaling.py "${common[@]}" --tokens "$tokens" --repeats "${REPEATS:-2}" --tag "$tag" --out "$out" \
         ${rows[@]:+--rows "${rows[@]}"} 2>&1 | progress_out | tee "$out/batch_scaling-$tag.txt" | tail -14

@@ -90,10 +90,12 @@ def test_a_row_that_raises_is_reported_and_the_others_are_measured():
     runs, errors = measure(engine, [5, 6, 7], [1, 4], 6, 1, waits)
     ragged = {label for label in ROUTINGS if ragged_mode(label) == "on"}
     flying = {label for label, (_, _, flight) in ROUTINGS.items() if flight} - ragged
-    assert set(errors) == flying | ragged and launcher.launched >= len(flying)
+    ahead = {label for label in ROUTINGS if ", launched ahead" in label}
+    assert set(errors) == flying | ragged | ahead and launcher.launched >= len(flying)
     assert all("illegal memory access" in errors[label] for label in flying)
     assert all("need static KV storage" in errors[label] for label in ragged)  # ModelRunners here
-    assert set(runs) == set(ROUTINGS) - flying - ragged
+    assert all("launch_ahead needs M_S on static KV" in errors[label] for label in ahead)
+    assert set(runs) == set(ROUTINGS) - flying - ragged - ahead
     assert all(figures["tok_per_s"] > 0 for row in runs.values() for figures in row.values())
     assert not engine.has_work() and not engine.live_ids() and not engine.flights.busy
 
@@ -132,6 +134,19 @@ def test_the_ragged_rows_run_m_ls_catch_ups_ragged_and_only_those():
     assert list(runs) == picked and errors == {} and saved == [picked[:1], picked]
     assert runners[1].ragged is False
     assert checks["ragged_rel_err"] < 1e-5  # float32: the ragged catch-up's logits are the padded path's
+
+
+def test_the_launched_ahead_rows_take_m_ss_steps_launched_ahead():
+    """ ", launched ahead" rows (engine launch_ahead, over static KV): M_S's steps run on rows
+    launched in the step before, and measure leaves the engine as it found it."""
+    engine, _ = _static_engine()
+    for label in ("random b=0.9, launched ahead", "always-small, launched ahead"):
+        routing, wait, flight = ROUTINGS[label]
+        got = throughput(engine, [5, 6, 7], 8, 12, routing, 1, 40.0, flight, ahead=True)
+        assert got["tok_per_s"] > 0 and engine.launch_ahead and engine.ahead.rows_used > 0
+    picked = ["random b=0.9, launched ahead", "random b=0.9"]
+    runs, errors = measure(engine, [5, 6, 7], [2], 4, 1, dict.fromkeys(ROUTINGS, 40.0), picked)
+    assert list(runs) == picked and errors == {} and not engine.launch_ahead
 
 
 def test_a_ragged_forward_that_is_fast_and_wrong_is_flagged_before_its_row_is_timed(capsys):
@@ -175,8 +190,9 @@ def test_the_batch_stage_names_rows_that_exist():
     script = (Path(__file__).parents[2] / "scripts" / "gpu_bench.sh").read_text()
     block = re.search(r"rows=\((.*?)\)", script, re.S).group(1)
     labels = re.findall(r'"([^"]+)"', block)
-    assert len(labels) == 6 and set(labels) <= set(ROUTINGS)
+    assert len(labels) == 7 and set(labels) <= set(ROUTINGS)
     assert labels[0] == "random b=0.9"  # the goal's row first (the default, "auto"): a cut-off run keeps it
+    assert labels[1] == "random b=0.9, launched ahead"  # the lever no GPU has run, next
     assert {ragged_mode(label) for label in labels} == {"auto", "off", "on"}  # the default beside both of its choices
 
 

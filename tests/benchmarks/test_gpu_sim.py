@@ -17,7 +17,7 @@ from backoff_core.runners.graph_plan import GraphKey
 from backoff_core.runners.static_ragged import RAGGED_TOKENS, RaggedKey
 from benchmarks.gpu_costs import GpuCosts, measured_on
 from benchmarks.gpu_sim import ROUTINGS, build, run_batch, run_sustained, validate
-from benchmarks.gpu_sim_device import FAIR, SimClock, SimLauncher
+from benchmarks.gpu_sim_device import FAIR, AheadDevice, SimClock, SimLauncher
 from benchmarks.gpu_sim_what_if import WaitsOffAtLive
 from tests.support.gpu_runs import RUN3
 
@@ -57,6 +57,42 @@ def test_it_lands_near_what_the_h100_measured(sim, label, n):
     routing = ROUTINGS[label][0]
     got = run_batch(sim, n, 64, routing)["tok_per_s"]
     assert 0.85 <= got / measured <= 1.15, (got, measured)
+
+
+def test_a_step_launched_ahead_runs_on_the_device_beside_the_hosts_work():
+    """AheadDevice by hand: a launch queues 2 ms and the host goes on; the next launch's read
+    waits for it; a forward the host waits for starts once the device is free."""
+    clock = SimClock()
+    device = AheadDevice(clock)
+    device.launched(2.0)
+    assert (clock.t, device.free) == (0.0, pytest.approx(0.002))
+    clock.advance(1.5)  # the host's work after the read, beside the launched forward
+    device.launched(2.0)  # its read waits for the first launch: 0.5 ms of the host idle
+    assert (clock.t, device.free) == (pytest.approx(0.002), pytest.approx(0.004))
+    clock.advance(3.0)  # more host work than the forward: the device idles instead
+    device.then(clock.advance)(1.0)  # a catch-up: the host waits for it
+    assert clock.t == pytest.approx(0.006) and device.launches == 2
+
+
+def test_launched_ahead_the_host_hides_behind_m_ss_forwards(sim):
+    """always-small, 8 streams: the same steps, one more M_S forward (the last launch, taken by
+    nobody), and the wall between the device's bound (every forward end to end) and the run
+    without (forwards and host in turn); random b=0.9 runs more steps (a request caught up rides
+    the next launch) and still less wall."""
+    for label in ("always-small", "random b=0.9"):
+        routing = ROUTINGS[label][0]
+        plain = run_batch(sim, 8, 16, routing)
+        sim.engine.launch_ahead = True
+        try:
+            ahead = run_batch(sim, 8, 16, routing)
+        finally:
+            sim.engine.launch_ahead = False
+        assert ahead["seconds"] < plain["seconds"]
+        assert 1e3 * ahead["seconds"] >= ahead["small_ms"] + ahead["large_ms"]
+        if label == "always-small":
+            assert ahead["steps"] == plain["steps"] and ahead["small_forwards"] == plain["small_forwards"] + 1
+        else:
+            assert ahead["steps"] >= plain["steps"]
 
 
 def test_streams_kept_busy_pay_their_admissions(sim):
