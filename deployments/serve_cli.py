@@ -137,6 +137,12 @@ def _parser() -> argparse.ArgumentParser:
         "(the default; with CUDA graphs, each catch-up ragged where its replays were timed faster), on (alone: "
         "on), off",
     )
+    p.add_argument(
+        "--launch-ahead",
+        action="store_true",
+        help="static KV on a GPU: M_S's next step queued before its tokens are read back, hiding the "
+        "host's work between steps (docs/gpu.md)",
+    )
     p.add_argument("--router", help="decision function (live config)")
     p.add_argument("--threshold", help="threshold(s), comma-separated, ascending (live config)")
     p.add_argument("--target-backoff", type=float, help="target backoff rate (live config)")
@@ -197,6 +203,8 @@ def apply_overrides(config: dict, args: argparse.Namespace) -> dict:
         models["static_kv"] = {"true": True, "false": False}.get(args.static_kv, "auto")
     if args.ragged_catch_ups is not None:
         models["ragged_catch_ups"] = args.ragged_catch_ups
+    if args.launch_ahead:
+        app["args"]["launch_ahead"] = True
     routing = _deployment(app, "SmallModel").setdefault("user_config", {})
     if args.router is not None or args.threshold is not None:
         routing.pop("threshold", None)  # the deprecated spelling of thresholds: the command line replaces it

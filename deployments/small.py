@@ -32,6 +32,7 @@ import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
+from backoff_core.engine import ahead
 from backoff_core.engine.engine import BackoffEngine
 from backoff_core.engine.gc_heap import GCStats, GCWatch
 from backoff_core.models.prompts import encode_chat, encode_prompt
@@ -154,6 +155,7 @@ class SmallModel:
             prefill_chunk_tokens=self.args.prefill_chunk_tokens,
             catch_up_wait_ms=self.args.catch_up_wait_ms,
             overlap_catch_ups=self.args.overlap_catch_ups,
+            launch_ahead=self.args.launch_ahead and _launchable(small),
         )
         self.metrics = SmallMetrics(n)
         self.gate = AdmissionGate(self.args.admission.max_live_requests, self.args.admission.max_waiting_requests)
@@ -318,3 +320,12 @@ class SmallModel:
         loop = getattr(self, "loop", None)
         if loop is not None:
             loop.stop()
+
+
+def _launchable(small) -> bool:
+    """Whether M_S's steps can be launched ahead (engine/ahead.py: M_S on static KV); if not,
+    `launch_ahead` stays off, with a warning."""
+    if ahead.supported(small):
+        return True
+    log.warning("launch_ahead: M_S keeps per-session caches here (no static KV), so its steps are not launched ahead")
+    return False

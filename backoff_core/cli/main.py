@@ -41,6 +41,12 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
+    gen.add_argument(
+        "--launch-ahead",
+        action="store_true",
+        help="with --kv-budget: M_S's next step queued before its tokens are read back, hiding the host's "
+        "work between steps on a GPU (docs/gpu.md); the same tokens",
+    )
     demo = sub.add_parser("demo", help="the embedded default pair at a few thresholds, coloured by source")
     demo.add_argument("--prompt", default="Explain in two sentences why the sky is blue.")
     demo.add_argument("--max-tokens", type=int, default=48)
@@ -159,7 +165,9 @@ def _generate(args) -> int:
         if args.kv_budget
         else None
     )
-    engine = BackoffEngine.from_chain(chain, kv=kv, classifier_path=args.classifier)
+    if args.launch_ahead and kv is None:
+        raise SystemExit("--launch-ahead needs static KV: give --kv-budget")
+    engine = BackoffEngine.from_chain(chain, kv=kv, classifier_path=args.classifier, launch_ahead=args.launch_ahead)
     request = request_from_args(args, encode_prompt(chain.tokenizer, args.prompt, args.chat))
     result = engine.generate(request)
     if args.json:

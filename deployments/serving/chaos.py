@@ -39,8 +39,8 @@ class FaultInjector:
     def crop(self, request_id: str, length: int) -> None:
         self.inner.crop(request_id, length)
 
-    def extend(self, items, hidden_layer=None, last_only=False):
-        out = self.inner.extend(items, hidden_layer, last_only)
+    def extend(self, items, hidden_layer=None, last_only=False, **kwargs):  # kwargs: on_device, scoring
+        out = self.inner.extend(items, hidden_layer, last_only, **kwargs)
         if self._doomed:
             hit = [request_id for request_id, _ in items if request_id in self._doomed]
             for request_id in hit:

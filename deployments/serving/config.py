@@ -313,6 +313,12 @@ class AppArgs(_Config):
         "committing when it lands; the same tokens. Pays where M_L has a GPU of its own; best "
         "with catch_up_wait_ms 0 (the flight itself batches the next catch-up)",
     )
+    launch_ahead: bool = Field(
+        False,
+        description="M_S's next step queued on the GPU before its tokens are read back, so the host's "
+        "work between steps runs while the GPU does (docs/gpu.md); the same tokens. Needs M_S on "
+        "static KV (a GPU); elsewhere it stays off, with a warning. Not with overlap_catch_ups",
+    )
     torch_threads: int | None = Field(None, ge=1, description="torch threads per model replica (none: Ray's default)")
     handle_transport: Literal["grpc", "actor"] = Field(
         "grpc",
@@ -341,6 +347,12 @@ class AppArgs(_Config):
                 f"admission.max_live_requests + max_waiting_requests ({carried}) must stay below "
                 f"small.max_ongoing_requests ({self.small.max_ongoing_requests})"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _one_overlap(self) -> "AppArgs":
+        if self.launch_ahead and self.overlap_catch_ups:
+            raise ValueError("launch_ahead and overlap_catch_ups do not go together: choose one")
         return self
 
     @model_validator(mode="after")

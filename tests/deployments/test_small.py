@@ -129,3 +129,26 @@ def test_prompts_over_the_token_limit_are_rejected(chain):
     items = asyncio.run(_collect(small, _request("long", prompt=(3, 4, 5))))
     assert len(items) == 1 and isinstance(items[0], Rejected) and "max_prompt_tokens" in items[0].message
     assert isinstance(asyncio.run(_collect(small, _request("short", prompt=(3, 4))))[-1], GenerationResult)
+
+
+def test_launch_ahead_serves_the_same_tokens_where_m_s_has_static_kv_and_stays_off_elsewhere(chain, caplog):
+    """`launch_ahead: true` (engine/ahead.py): over static KV (forced on the CPU here), M_S's
+    steps are launched ahead and a sampled, randomly routed request streams the tokens it
+    streams without; over per-session caches (the CPU's default) it stays off, with a warning."""
+    static = {"models": {"static_kv": True, "kv_budget_tokens": 16 * 64, "kv_max_len": 64}}
+    routing = {"router": "random", "thresholds": [0.5]}
+    request = ServeRequest(
+        "r",
+        SamplingParams(max_tokens=12, temperature=0.9, seed=5, ignore_eos=True),
+        RoutingOverrides(),
+        prompt_ids=(3, 4, 5),
+    )
+    want = asyncio.run(_collect(chain({**static, "routing": routing})[0], request))[-1]
+    small, _, _ = chain({**static, "routing": routing, "launch_ahead": True})
+    assert small.loop.engine.launch_ahead
+    got = asyncio.run(_collect(small, request))[-1]
+    assert (got.token_ids, got.sources) == (want.token_ids, want.sources) and 0 < got.backoff_rate < 1
+    assert small.loop.engine.ahead.rows_used > 0
+    with caplog.at_level("WARNING", logger="deployments.small"):
+        plain, _, _ = chain({"routing": routing, "launch_ahead": True})
+    assert not plain.loop.engine.launch_ahead and "not launched ahead" in caplog.text

@@ -35,3 +35,28 @@ def test_what_the_user_names_is_kept():
     assert (random.router, random.rate, random.thresholds) == ("random", 0.3, None)
     assert _routing("--target-backoff", "0.4").thresholds is None
     assert _routing("--medium", "m").thresholds is None  # a chain of three: one threshold would not fit
+
+
+def test_generate_launched_ahead_prints_the_same_tokens_and_needs_static_kv(tmp_path, pair, tokenizer, capsys):
+    """`backoff generate --launch-ahead` (engine/ahead.py) over static KV: the tokens and sources
+    of the run without; without --kv-budget it is refused with the flag to give."""
+    import json
+
+    import pytest
+
+    from backoff_core.cli.main import main
+
+    for model, name in zip(pair, ("small", "large")):
+        model.save_pretrained(tmp_path / name)
+        tokenizer.save_pretrained(tmp_path / name)
+    argv = ["generate", "--small", str(tmp_path / "small"), "--large", str(tmp_path / "large"), "--prompt", "w3 w4"]
+    argv += ["--router", "random", "--rate", "0.6", "--temperature", "0.9", "--seed", "3", "--max-tokens", "10"]
+    argv += ["--kv-budget", "512", "--max-len", "64", "--json"]
+    runs = []
+    for extra in ([], ["--launch-ahead"]):
+        assert main(argv + extra) == 0
+        out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        runs.append((out["token_ids"], out["sources"]))
+    assert runs[0] == runs[1] and len(runs[0][0]) == 10
+    with pytest.raises(SystemExit, match="--launch-ahead needs static KV: give --kv-budget"):
+        main([a for a in argv if a not in ("--kv-budget", "512")] + ["--launch-ahead"])

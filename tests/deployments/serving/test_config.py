@@ -142,6 +142,12 @@ def test_engine_settings_default_to_the_engines_and_refuse_a_negative(field, eng
         AppArgs(**{field: -1})
 
 
+def test_launch_ahead_is_off_by_default_and_refused_beside_catch_ups_in_flight():
+    assert AppArgs().launch_ahead is False and AppArgs(launch_ahead=True).launch_ahead
+    with pytest.raises(ValidationError, match="do not go together"):
+        AppArgs(launch_ahead=True, overlap_catch_ups=True)
+
+
 def test_models_config_refuses_half_a_pair():
     with pytest.raises(ValidationError):
         ModelsConfig(small="a")
