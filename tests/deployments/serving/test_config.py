@@ -70,10 +70,13 @@ def test_cli_overrides_land_in_args_and_user_config():
             "--http-port",
             "8123",
             "--no-batching",
+            "--launch-ahead",
         ]
     )
     out = apply_overrides(base, args)
     app = out["applications"][0]
+    assert app["args"]["launch_ahead"] is True and base["applications"][0]["args"]["launch_ahead"] is False
+    assert AppArgs.model_validate(app["args"]).launch_ahead
     assert app["args"]["models"]["medium"] == ["m"] and out["http_options"]["port"] == 8123
     users = {d["name"]: d["user_config"] for d in app["deployments"]}
     assert users["SmallModel"]["router"] == "max-prob" and users["SmallModel"]["thresholds"] is None
