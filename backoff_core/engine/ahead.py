@@ -71,13 +71,13 @@ class LaunchAhead:
         self.rows_launched = self.rows_used = 0  # rows launched ahead / taken by a step
 
     def launchable(self, r: Live) -> bool:
-        """Whether r's next M_S step may be launched now: plain, stepping, room for a position."""
+        """Whether r's next M_S step may be launched now: stepping, room for a position, plain."""
         return (
-            self.may_wait(r)
-            and r.waiting is None
+            r.waiting is None
             and not r.backlog
             and r.failure is None
-            and r.fed[0] + 1 <= self.model.max_positions
+            and r.fed[0] < self.model.max_positions
+            and self.may_wait(r)
         )
 
     def settle(self, live: Mapping[str, Live]) -> Launched | None:
@@ -91,8 +91,11 @@ class LaunchAhead:
             r = launched.lives[request_id]
             if live.get(request_id) is not r or r.done:
                 continue  # gone (its sessions are closed) or finished
+            # M_S's cache as at the launch, one token committed since: the one fed (a request
+            # waiting, rolled back or stalled since fails this; one not stepping now is cropped
+            # in small_step)
             token = launched.host.get(request_id, launched.drawn.get(request_id))
-            if r.fed[0] == p and len(r.tokens) == p + 1 and r.tokens[p] == token and self.launchable(r):
+            if r.fed[0] == p and len(r.tokens) == p + 1 and r.tokens[p] == token:
                 good[request_id] = p
             else:
                 self.crop(r)

@@ -13,7 +13,9 @@ One `step()` advances every live request by one committed token (or one rollback
      catch-up to share a forward with others' (`catch_up_wait_ms`, hold.py), and, with
      `overlap_catch_ups`, that forward may run beside M_S's next steps (flight.py)
   6. commit: append, stream, stop (commit.py; one copy for the logprobs asked for)
-Every device-to-host read goes through host.to_host: once per stage, whatever the batch.
+With `launch_ahead` (ahead.py), stage 4 also queues the next step's M_S forward on the drawn
+tokens before the host waits for them, and stage 2 takes its rows where they hold good.
+Every device-to-host read goes through host.py (to_host; start_read and its wait): once per stage.
 A request whose larger model could not answer (catchup.py) is `degraded`: from then on it
 is routed nowhere but M_S, and a step whose catch-up failed takes M_S's token instead.
 """

@@ -6,8 +6,10 @@ per stage, whatever the batch size: stage 2+4 (propose.py) reads the tokens M_S'
 drew together with the routers' scores; each catch-up level (catchup.py) reads its drawn
 tokens with its verification's tests; committing reads the logprobs of the requests that
 ask for them. Everything else the step loop decides on the host is decided from host data
-(token ids, lengths, parameters, the values read here). Every read goes through `to_host`,
-and tests/backoff_core/engine/test_host_reads.py counts them and fails on any other.
+(token ids, lengths, parameters, the values read here). Every read goes through `to_host`
+(or its two halves, `start_read` and `Read.values`: propose queues M_S's next step between
+them when it is launched ahead, ahead.py, and the wait is for the copy alone), and
+tests/backoff_core/engine/test_host_reads.py counts them and fails on any other.
 """
 
 from __future__ import annotations

@@ -227,3 +227,24 @@ def test_a_runner_that_cannot_read_ids_on_the_device_is_refused(pair, tokenizer)
     engine = _engine(pair, tokenizer, launch_ahead=True)
     with pytest.raises(ValueError, match="do not go together"):
         engine.overlap_catch_ups = True
+
+
+def test_a_request_degraded_by_a_lost_large_model_gets_the_same_tokens(pair, tokenizer):
+    """M_L gives no reply for "b" (backends.LargeUnavailable): "b" degrades to M_S at its first
+    catch-up and goes on launched ahead (its M_S cache never moved), the others as before."""
+    from tests.backoff_core.engine.test_backends import Failing
+
+    reqs = [
+        GenerationRequest(
+            p, SamplingParams(max_tokens=14, seed=i, temperature=0.8), RoutingParams("random", rate=0.6), rid
+        )
+        for i, (p, rid) in enumerate([((3, 4, 5), "a"), ((6, 7), "b"), ((8, 9, 10), "c")])
+    ]
+
+    def run(ahead: bool):
+        runners = [make_runner(pair[0], "small", KV, small=True), Failing(pair[1], after=0, dead={"b"})]
+        return BackoffEngine(runners, tokenizer, launch_ahead=ahead).generate_many(reqs)
+
+    want, got = run(False), run(True)
+    assert _seen(got) == _seen(want)
+    assert [r.degraded for r in got] == [False, True, False]
