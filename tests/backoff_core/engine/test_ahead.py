@@ -72,6 +72,12 @@ SCENARIOS = {
         dict(router="random", rate=0.7),
     ),
     "three levels": ({}, dict(temperature=1.0), dict(router="random", thresholds=(0.4, 0.7))),
+    # prompts fed 3 tokens a step, and catch-ups of more stalled until M_L is fed (chunked.py)
+    "chunked prefill, stalls": (
+        dict(prefill_chunk_tokens=3, catch_up_wait_ms=0),
+        dict(temperature=0.8),
+        dict(router="random", rate=0.5),
+    ),
 }
 
 
