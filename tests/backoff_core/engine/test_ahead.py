@@ -16,6 +16,7 @@ from backoff_core.engine import host
 from backoff_core.engine.engine import BackoffEngine
 from backoff_core.runners.factory import make_runner
 from backoff_core.types import GenerationRequest, KVSpec, RoutingParams, SamplingParams, Verification
+from tests.support.failing import Failing
 
 KV = KVSpec(budget_tokens=16 * 64, max_len=64)
 PROMPTS = [(3, 4, 5, 6), (7, 8), (9, 10, 11, 12, 13), (5,), (6, 7, 8), (14, 15, 16, 17), (18, 19)]
@@ -238,8 +239,6 @@ def test_a_runner_that_cannot_read_ids_on_the_device_is_refused(pair, tokenizer)
 def test_a_request_degraded_by_a_lost_large_model_gets_the_same_tokens(pair, tokenizer):
     """M_L gives no reply for "b" (backends.LargeUnavailable): "b" degrades to M_S at its first
     catch-up and goes on launched ahead (its M_S cache never moved), the others as before."""
-    from tests.backoff_core.engine.test_backends import Failing
-
     reqs = [
         GenerationRequest(
             p, SamplingParams(max_tokens=14, seed=i, temperature=0.8), RoutingParams("random", rate=0.6), rid

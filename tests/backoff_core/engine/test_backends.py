@@ -10,31 +10,8 @@ from backoff_core.engine.backends import LargeUnavailable
 from backoff_core.engine.engine import BackoffEngine
 from backoff_core.runners.dynamic import ModelRunner
 from backoff_core.types import GenerationRequest, RoutingParams, SamplingParams, Verification
+from tests.support.failing import Failing
 from tests.support.helpers import hf_greedy, request
-
-
-class Failing(ModelRunner):
-    """The large model, until its `after`-th extend; from then on the sessions in `dead`
-    (all if None) get no reply, as from a slow or lost replica."""
-
-    def __init__(self, model, after: int, dead: set[str] | None = None) -> None:
-        super().__init__(model, "large")
-        self.after, self.dead = after, dead
-        self.calls: list[list[str]] = []
-
-    def extend(self, items, hidden_layer=None, last_only=False):
-        self.calls.append([request_id for request_id, _ in items])
-        if len(self.calls) <= self.after:
-            return super().extend(items, hidden_layer, last_only)
-        alive = [
-            (request_id, ids) for request_id, ids in items if self.dead is not None and request_id not in self.dead
-        ]
-        done = (
-            dict(zip([request_id for request_id, _ in alive], super().extend(alive, last_only=last_only)))
-            if alive
-            else {}
-        )
-        raise LargeUnavailable("large: no reply within 0.1 s", done)
 
 
 def _engine(pair, tokenizer, large: Failing) -> BackoffEngine:
