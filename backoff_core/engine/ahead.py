@@ -11,10 +11,11 @@ that forward (host.start_read), and the host's decisions and commit run while th
 runs it. vLLM's and SGLang's overlap schedulers hide the CPU's scheduling the same way.
 
 A row launched ahead fed, at its position p, the token drawn there. The next step takes its
-logits if p is what the step committed there (it stayed small, or the larger model's token
-was the same) and M_S's cache has not moved since; otherwise (routed and waiting, rolled
-back, finished, a stall undone) M_S's session is cropped back: in a static slot a crop moves
-a length, and the next forward writes over position p.
+logits if the step committed that same token at p (it stayed small, or the larger model's
+token was the same) and M_S's cache has not moved since; otherwise (routed and waiting,
+rolled back, a stall undone) M_S's session is cropped back: in a static slot a crop moves a
+length, and the next forward writes over position p. A finished request's row is dropped
+with its sessions.
 
 A request that must step and was not launched (a new one, one whose catch-up just ran) is
 deferred a step: it rides this step's launch, its one pending token uploaded beside the
