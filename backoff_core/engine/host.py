@@ -24,14 +24,16 @@ def to_host(*parts: torch.Tensor) -> list[list]:
     ONE device-to-host copy. Values travel as float64: floats of any precision and
     integers up to 2^53 (token ids) are exact; integer and bool parts come back as ints.
     No parts, or only empty ones: no copy."""
-    return start_read(*parts).values()
+    return Read(parts, queued=False).values()
 
 
 class Read:
-    """A read queued on the device (`start_read`): `values()` waits for its copy alone, not
-    for what was queued after it (an M_S step launched ahead: engine/ahead.py)."""
+    """One copy of parts to the host. queued (`start_read`): on CUDA the copy is queued into
+    pinned memory and `values()` waits for it alone, not for what was queued after it (an M_S
+    step launched ahead: engine/ahead.py); else (`to_host`) `values()` copies and waits for
+    everything queued before."""
 
-    def __init__(self, parts: Sequence[torch.Tensor]) -> None:
+    def __init__(self, parts: Sequence[torch.Tensor], queued: bool) -> None:
         self.parts = parts
         self.sizes = [p.numel() for p in parts]
         self.copy: torch.Tensor | None = None  # [sum(sizes)] on the host
@@ -44,13 +46,13 @@ class Read:
         self.dtype = torch.int64 if all(self.exact) else torch.float64
         flat = [p.reshape(-1).to(device=device, dtype=self.dtype) for p in parts]
         flat = flat[0] if len(flat) == 1 else torch.cat(flat)
-        if device.type == "cuda":  # into pinned memory, asynchronously; the event marks its end
+        if device.type == "cuda" and queued:  # into pinned memory, asynchronously; the event marks its end
             self.copy = torch.empty(flat.shape, dtype=self.dtype, pin_memory=True)
             self.copy.copy_(flat, non_blocking=True)
             self.done = torch.cuda.Event()
             self.done.record()
         else:
-            self.copy = flat
+            self.copy = flat  # on the CPU, or read by values() (the copy and the sync)
 
     def values(self) -> list[list]:
         """The parts as Python lists (the sync: waits for this copy)."""
@@ -58,7 +60,7 @@ class Read:
             return [_shape([], p) for p in self.parts]
         if self.done is not None:
             self.done.synchronize()
-        values = self.copy.tolist()
+        values = self.copy.tolist()  # on a device: the copy (and the sync)
         out, at = [], 0
         for p, n, integral in zip(self.parts, self.sizes, self.exact):
             chunk = values[at : at + n]
@@ -69,10 +71,11 @@ class Read:
         return out
 
 
-def start_read(*parts: torch.Tensor) -> Read:
+def start_read(*parts: torch.Tensor, queued: bool = True) -> Read:
     """to_host's copy, queued now and read by `Read.values()`: what the host queues in
-    between runs on the device meanwhile, and the read does not wait for it."""
-    return Read(parts)
+    between runs on the device meanwhile, and the read does not wait for it. queued=False:
+    to_host's own read, later."""
+    return Read(parts, queued)
 
 
 def _shape(values: list, like: torch.Tensor) -> list:

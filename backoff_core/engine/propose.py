@@ -150,7 +150,7 @@ def propose(
                 on_device[router] = router.scores(
                     _context(router, rows, logits if len(at) == len(g) else logits[at], small, large, coins)
                 )
-        pending = start_read(tokens, *on_device.values())
+        pending = start_read(tokens, *on_device.values(), queued=launch is not None)  # else to_host's read
         if launch is not None and len(g) == len(group):  # the whole batch drew (not a culprit's retry)
             launch(tokens)
         read = pending.values()

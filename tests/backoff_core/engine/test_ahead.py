@@ -184,9 +184,9 @@ def test_the_launch_is_queued_after_the_tokens_copy_and_before_the_wait(pair, to
     order = []
     start_read, values, extend = host.Read.__init__, host.Read.values, engine.models[0].extend
 
-    def started(self, parts):
-        order.append("copy")
-        start_read(self, parts)
+    def started(self, parts, queued):
+        order.append("copy" if queued else "copy, read at once")  # queued: on CUDA, pinned + an event
+        start_read(self, parts, queued)
 
     def waited(self):
         order.append("wait")
@@ -207,6 +207,10 @@ def test_the_launch_is_queued_after_the_tokens_copy_and_before_the_wait(pair, to
     order.clear()
     engine.step()  # on the launched rows: no M_S forward before the draw
     assert order == ["copy", "launch", "wait"]
+    engine.launch_ahead = False  # without: to_host's read, as it always was
+    order.clear()
+    engine.step()
+    assert order == ["copy, read at once", "wait"]
 
 
 def test_a_failed_launch_costs_only_itself(pair, tokenizer, monkeypatch, caplog):
