@@ -79,11 +79,11 @@ import sys
 out = sys.argv[1]
 batch = json.load(open(f"{out}/batch_scaling-dry.json"))
 assert not batch["errors"], batch["errors"]
-assert all(len(row) == 4 for row in batch["tok_per_s"].values()) and len(batch["tok_per_s"]) == 6, batch["tok_per_s"]
+assert all(len(row) == 4 for row in batch["tok_per_s"].values()) and len(batch["tok_per_s"]) == 7, batch["tok_per_s"]
 assert batch["ragged_rel_err"] < 1e-4, batch["ragged_rel_err"]  # float32: ragged logits are the padded path's
 assert json.load(open(f"{out}/catch_up_anatomy.json")) and json.load(open(f"{out}/cost_curve-dry.json"))
 timeline = json.load(open(f"{out}/step_timeline.json"))
-assert all(row["x_first"] for row in timeline["rows"].values()) and len(timeline["rows"]) == 4, timeline["rows"].keys()
+assert all(row["x_first"] for row in timeline["rows"].values()) and len(timeline["rows"]) == 5, timeline["rows"].keys()
 print(f"dry run of cost, batch and timeline: {len(batch['tok_per_s'])} rows at n = 1 / 4 / 16 / 64, no errors")
 PY
 "$py" -m pytest -q -p no:cacheprovider --tb=short tests/backoff_core/runners tests/benchmarks "$@"

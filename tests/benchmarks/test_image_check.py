@@ -32,6 +32,18 @@ def test_the_image_check_covers_every_script_and_cuda_test_of_the_stages():
         assert (SCRIPTS.parent / path).is_file(), path
 
 
+def test_the_dry_run_expects_the_rows_the_stages_run():
+    """image_check.sh asserts how many rows the dry run's batch and timeline saved: the batch
+    stage's `rows=(...)` and step_timeline's ROWS, so that adding a row updates both."""
+    from benchmarks.step_timeline import ROWS
+
+    stages = (SCRIPTS / "gpu_bench.sh").read_text()
+    check = (SCRIPTS / "image_check.sh").read_text()
+    batch_rows = re.findall(r'"([^"]+)"', re.search(r"rows=\((.*?)\)", stages, re.S).group(1))
+    assert f'len(batch["tok_per_s"]) == {len(batch_rows)},' in check
+    assert f'len(timeline["rows"]) == {len(ROWS)},' in check
+
+
 def test_gpu_bench_takes_every_setting_the_dry_run_gives_it():
     """The dry run (image_check.sh step 3) runs gpu_bench.sh on the CPU by its environment:
     a setting the script ignored would send the dry run to /tmp/pair, CUDA and the 8B's budget."""
