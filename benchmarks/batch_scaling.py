@@ -79,6 +79,19 @@ ROUTINGS = {
 }
 
 
+def launched_ahead(label: str) -> bool:
+    """Whether a row runs M_S's steps launched ahead (engine launch_ahead): ", launched ahead"."""
+    return ", launched ahead" in label
+
+
+def set_overlaps(engine, flights: bool, ahead: bool) -> None:
+    """The engine's overlap_catch_ups and launch_ahead, which do not go together: launching
+    ahead off first, so that either may be turned on."""
+    engine.launch_ahead = False
+    engine.overlap_catch_ups = flights
+    engine.launch_ahead = ahead
+
+
 def ragged_mode(label: str) -> str:
     """A row's KVSpec.ragged for M_L's catch-ups: "on" (", ragged"), "off" (", padded"), else the default "auto"."""
     return "on" if ", ragged" in label else "off" if ", padded" in label else "auto"
@@ -94,9 +107,7 @@ def throughput(
     one's record, CatchUp.batch_size = m: 1/m each);
     the inter-token latency's median and p99 over every request's tokens (ms)."""
     engine.catch_up_wait_ms = wait_ms
-    engine.launch_ahead = False  # the two do not go together
-    engine.overlap_catch_ups = flight is not None
-    engine.launch_ahead = ahead
+    set_overlaps(engine, flight is not None, ahead)
     if flight is not None:
         engine.launcher.first = FLIGHTS[flight]
     rates, forwards, generated, gaps = [], 0.0, 0, []
@@ -163,7 +174,7 @@ def measure(
             # M_L's graphs the row ran with: a padded row adds the k = 16 kind that ragged's
             # displaced, and the rows after it keep it (the report says so, row by row)
             checks.setdefault("large_graphs", {})[label] = _large_graphs(engine)
-            ahead = ", launched ahead" in label
+            ahead = launched_ahead(label)
             throughput(engine, prompt_ids, 2, 4, routing, 1, waits[label], flight, ahead)
             runs[label] = {
                 str(n): throughput(engine, prompt_ids, n, tokens, routing, repeats, waits[label], flight, ahead)

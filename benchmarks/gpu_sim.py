@@ -54,7 +54,7 @@ from backoff_core.runners.static import StaticRunner
 from backoff_core.types import GenerationRequest, RoutingParams, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.batch_scaling import plot_scaling  # noqa: E402
+from benchmarks.batch_scaling import launched_ahead, plot_scaling, set_overlaps  # noqa: E402
 from benchmarks.gpu_costs import GPU_RESULTS, GpuCosts, measured_on  # noqa: E402
 from benchmarks.gpu_sim_device import (  # noqa: E402
     FAIR,
@@ -153,9 +153,7 @@ ROUTINGS = {  # label -> (routing, catch_up_wait_ms: None keeps the engine's, ov
 def _configure(engine: BackoffEngine, wait: float | None = None, overlap: bool = False, label: str = "") -> None:
     """A row's settings; ", launched ahead" rows: the engine's launch_ahead (AheadDevice times it)."""
     engine.catch_up_wait_ms = CATCH_UP_WAIT_MS if wait is None else wait
-    engine.launch_ahead = False  # the two do not go together
-    engine.overlap_catch_ups = overlap
-    engine.launch_ahead = ", launched ahead" in label
+    set_overlaps(engine, overlap, launched_ahead(label))
 
 
 def _stepping(engine: BackoffEngine) -> int:

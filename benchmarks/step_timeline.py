@@ -51,7 +51,7 @@ from backoff_core.engine.engine import BackoffEngine  # noqa: E402
 from backoff_core.models.loading import LoadSpec, load_chain  # noqa: E402
 from backoff_core.models.prompts import encode_prompt  # noqa: E402
 from backoff_core.types import GenerationRequest, KVSpec, RoutingParams, SamplingParams  # noqa: E402
-from benchmarks.batch_scaling import B09, PROMPT, _sync  # noqa: E402
+from benchmarks.batch_scaling import B09, PROMPT, _sync, launched_ahead  # noqa: E402
 
 # label -> (routing, the hold's max_share: None keeps the engine's); ", launched ahead": the
 # engine's launch_ahead (ahead.py)
@@ -250,7 +250,7 @@ def main() -> None:
     for label in args.rows:
         routing, share = ROWS[label]
         engine.hold.max_share = default_share if share is None else share
-        engine.launch_ahead = ", launched ahead" in label
+        engine.launch_ahead = launched_ahead(label)
         report["rows"][label] = row = {}
         for n in streams:
             row[str(n)] = cell = measure(engine, prompt_ids, n, args.tokens, routing, args.repeats)

@@ -131,9 +131,10 @@ class LaunchAhead:
             self.crop(launched.lives[request_id])
         if not covered:
             return small_step(models, stepping), []
-        rest = [r for r in stepping if r.request_id not in launched.at]
-        deferred = [r for r in rest if len(r.tokens) - r.fed[0] == 1 and self.launchable(r)]
-        now = [r for r in rest if len(r.tokens) - r.fed[0] != 1 or not self.launchable(r)]
+        deferred, now = [], []  # the others: one pending token and launchable, or not
+        for r in stepping:
+            if r.request_id not in launched.at:
+                (deferred if len(r.tokens) - r.fed[0] == 1 and self.launchable(r) else now).append(r)
         ids = [r.request_id for r in covered]
         small = launched.small
         if ids != list(small.rows):  # some rows not taken, or in another order: a gather
@@ -147,22 +148,22 @@ class LaunchAhead:
 
     def launcher(self, stepped: list[Live], deferred: list[Live]) -> Callable[[torch.Tensor], None] | None:
         """For propose: given stepped's drawn tokens [n] on the device, launch the next M_S
-        step of the launchable ones and of deferred. None: nothing to launch."""
+        step of the launchable ones and of deferred (launchable: small_step chose them, and
+        nothing of theirs changes before propose). None: nothing to launch."""
         go = [i for i, r in enumerate(stepped) if self.launchable(r)]
-        late = [r for r in deferred if self.launchable(r)]
-        if not go and not late:
+        if not go and not deferred:
             return None
-        layers = {stepped[i].router.hidden_layer for i in go} | {r.router.hidden_layer for r in late}
+        layers = {stepped[i].router.hidden_layer for i in go} | {r.router.hidden_layer for r in deferred}
         if len(layers - {None}) > 1:
             return None  # one forward serves one classifier layer (small_step's rule)
         layer = next(iter(layers - {None}), None)
 
         def launch(drawn: torch.Tensor) -> None:  # drawn: [len(stepped)] long
             start = time.perf_counter()
-            rows = [stepped[i] for i in go] + late
+            rows = [stepped[i] for i in go] + deferred
             ids = drawn if len(go) == len(stepped) else drawn.index_select(0, _index(go, drawn.device))
-            host = {r.request_id: r.tokens[r.fed[0]] for r in late}
-            if late:
+            host = {r.request_id: r.tokens[r.fed[0]] for r in deferred}
+            if deferred:
                 ids = torch.cat([ids, torch.tensor(list(host.values())).to(drawn.device, non_blocking=True)])
             items = [(r.request_id, [host.get(r.request_id, 0)]) for r in rows]  # placeholders: drawn ids
             try:

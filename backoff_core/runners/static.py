@@ -313,8 +313,7 @@ class StaticRunner(PrefixCaching, RaggedExtends, ScoredExtends, SlotSessions):
         with one plan."""
         outs = []
         for plan, _ in plans:
-            # [B, K or 1, V], [B, K, d] | None (on_device only where given: wrappers of _run take (plan, columns))
-            outs.append(self._run(plan) if on_device is None else self._run(plan, on_device=on_device))
+            outs.append(self._run(plan, on_device=on_device))  # [B, K or 1, V], [B, K, d] | None
             self.forward_passes += 1
         now = time.monotonic()
         for s, ids in zip(sessions, new_ids):
