@@ -139,9 +139,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--launch-ahead",
-        action="store_true",
-        help="static KV on a GPU: M_S's next step queued before its tokens are read back, hiding the "
-        "host's work between steps (docs/gpu.md)",
+        nargs="?",
+        choices=["auto", "true", "false"],
+        const="true",
+        help="M_S's next step queued before its tokens are read back, hiding the host's work between "
+        "steps (docs/gpu.md): auto (the default: where M_S is on static KV on CUDA), true (alone: true; "
+        "wherever M_S is on static KV), false",
     )
     p.add_argument("--router", help="decision function (live config)")
     p.add_argument("--threshold", help="threshold(s), comma-separated, ascending (live config)")
@@ -203,8 +206,8 @@ def apply_overrides(config: dict, args: argparse.Namespace) -> dict:
         models["static_kv"] = {"true": True, "false": False}.get(args.static_kv, "auto")
     if args.ragged_catch_ups is not None:
         models["ragged_catch_ups"] = args.ragged_catch_ups
-    if args.launch_ahead:
-        app["args"]["launch_ahead"] = True
+    if args.launch_ahead is not None:
+        app["args"]["launch_ahead"] = {"true": True, "false": False}.get(args.launch_ahead, "auto")
     routing = _deployment(app, "SmallModel").setdefault("user_config", {})
     if args.router is not None or args.threshold is not None:
         routing.pop("threshold", None)  # the deprecated spelling of thresholds: the command line replaces it

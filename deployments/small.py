@@ -117,6 +117,7 @@ class SmallInfo:
     served: int = 0  # requests that reached generate() (prefix routing: where they went)
     recent: tuple[str, ...] = ()  # ids of the last RECENT_IDS of them, oldest first
     flights: int = 0  # catch-ups run in flight beside the steps (overlap_catch_ups)
+    launched_ahead: tuple[int, int] | None = None  # M_S's rows launched ahead, taken by a step (None: off)
     gc: GCStats | None = None  # the collector's pauses since load (Ray Serve's freeze included) and the heap frozen
 
 
@@ -155,7 +156,7 @@ class SmallModel:
             prefill_chunk_tokens=self.args.prefill_chunk_tokens,
             catch_up_wait_ms=self.args.catch_up_wait_ms,
             overlap_catch_ups=self.args.overlap_catch_ups,
-            launch_ahead=self.args.launch_ahead and _launchable(small),
+            launch_ahead=ahead.resolve(self.args.launch_ahead, small, self.args.overlap_catch_ups),
         )
         self.metrics = SmallMetrics(n)
         self.gate = AdmissionGate(self.args.admission.max_live_requests, self.args.admission.max_waiting_requests)
@@ -272,6 +273,7 @@ class SmallModel:
             served=self._served_count,
             recent=tuple(self._served),
             flights=getattr(getattr(self.loop.engine, "flights", None), "launched", 0),
+            launched_ahead=_launched_ahead(self.loop.engine),
             gc=self.gc.stats(),
         )
 
@@ -322,10 +324,7 @@ class SmallModel:
             loop.stop()
 
 
-def _launchable(small) -> bool:
-    """Whether M_S's steps can be launched ahead (engine/ahead.py: M_S on static KV); if not,
-    `launch_ahead` stays off, with a warning."""
-    if ahead.supported(small):
-        return True
-    log.warning("launch_ahead: M_S keeps per-session caches here (no static KV), so its steps are not launched ahead")
-    return False
+def _launched_ahead(engine) -> tuple[int, int] | None:
+    """launch_ahead's rows launched and taken so far, where the engine launches (ahead.py)."""
+    launcher = getattr(engine, "ahead", None)
+    return None if launcher is None else (launcher.rows_launched, launcher.rows_used)

@@ -43,9 +43,13 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     gen.add_argument(
         "--launch-ahead",
-        action="store_true",
-        help="with --kv-budget: M_S's next step queued before its tokens are read back, hiding the host's "
-        "work between steps on a GPU (docs/gpu.md); the same tokens",
+        nargs="?",
+        choices=["auto", "true", "false"],
+        default="auto",
+        const="true",
+        help="M_S's next step queued before its tokens are read back, hiding the host's work between steps "
+        "(docs/gpu.md); the same tokens. auto (the default): with --kv-budget on CUDA; true (alone: true): "
+        "with --kv-budget; false",
     )
     demo = sub.add_parser("demo", help="the embedded default pair at a few thresholds, coloured by source")
     demo.add_argument("--prompt", default="Explain in two sentences why the sky is blue.")
@@ -153,6 +157,7 @@ def summary(result: GenerationResult) -> str:
 
 
 def _generate(args) -> int:
+    from backoff_core.engine import ahead
     from backoff_core.engine.engine import BackoffEngine
     from backoff_core.models.loading import LoadSpec, load_chain
     from backoff_core.models.prompts import encode_prompt
@@ -165,9 +170,10 @@ def _generate(args) -> int:
         if args.kv_budget
         else None
     )
-    if args.launch_ahead and kv is None:
+    if args.launch_ahead == "true" and kv is None:
         raise SystemExit("--launch-ahead needs static KV: give --kv-budget")
-    engine = BackoffEngine.from_chain(chain, kv=kv, classifier_path=args.classifier, launch_ahead=args.launch_ahead)
+    engine = BackoffEngine.from_chain(chain, kv=kv, classifier_path=args.classifier)
+    engine.launch_ahead = ahead.resolve({"true": True, "false": False}.get(args.launch_ahead, "auto"), engine.models[0])
     request = request_from_args(args, encode_prompt(chain.tokenizer, args.prompt, args.chat))
     result = engine.generate(request)
     if args.json:

@@ -87,7 +87,8 @@ class BackoffEngine(LiveSettings):
         that routes it. overlap_catch_ups: a batched catch-up runs beside M_S's next steps
         (flight.py; two models only), launched by `launcher` (default: a worker thread, on
         CUDA a stream of its own). launch_ahead: M_S's next step is queued before its tokens
-        are read back (ahead.py; M_S on static KV, not with overlap_catch_ups)."""
+        are read back (ahead.py; M_S on static KV, not with overlap_catch_ups; off here,
+        `ahead.resolve("auto", ...)` is what serving and `backoff generate` choose by)."""
         if len(models) < 2:
             raise ValueError("backoff decoding needs at least two models (small and large)")
         if prefill_chunk_tokens is not None and prefill_chunk_tokens < 0:

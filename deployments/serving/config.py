@@ -313,11 +313,13 @@ class AppArgs(_Config):
         "committing when it lands; the same tokens. Pays where M_L has a GPU of its own; best "
         "with catch_up_wait_ms 0 (the flight itself batches the next catch-up)",
     )
-    launch_ahead: bool = Field(
-        False,
+    launch_ahead: Literal["auto"] | bool = Field(
+        "auto",
         description="M_S's next step queued on the GPU before its tokens are read back, so the host's "
-        "work between steps runs while the GPU does (docs/gpu.md); the same tokens. Needs M_S on "
-        "static KV (a GPU); elsewhere it stays off, with a warning. Not with overlap_catch_ups",
+        "work between steps runs while the GPU does (docs/gpu.md); the same tokens. auto: where M_S "
+        "is on static KV on CUDA and overlap_catch_ups is off (measured on an H200: +4-7% tok/s at "
+        "64 streams); true: wherever M_S is on static KV (elsewhere it stays off, with a warning; "
+        "not with overlap_catch_ups); false: never",
     )
     torch_threads: int | None = Field(None, ge=1, description="torch threads per model replica (none: Ray's default)")
     handle_transport: Literal["grpc", "actor"] = Field(
@@ -351,7 +353,7 @@ class AppArgs(_Config):
 
     @model_validator(mode="after")
     def _one_overlap(self) -> "AppArgs":
-        if self.launch_ahead and self.overlap_catch_ups:
+        if self.launch_ahead is True and self.overlap_catch_ups:
             raise ValueError("launch_ahead and overlap_catch_ups do not go together: choose one")
         return self
 

@@ -134,7 +134,8 @@ def test_prompts_over_the_token_limit_are_rejected(chain):
 def test_launch_ahead_serves_the_same_tokens_where_m_s_has_static_kv_and_stays_off_elsewhere(chain, caplog):
     """`launch_ahead: true` (engine/ahead.py): over static KV (forced on the CPU here), M_S's
     steps are launched ahead and a sampled, randomly routed request streams the tokens it
-    streams without; over per-session caches (the CPU's default) it stays off, with a warning."""
+    streams without (auto, the default: off on the CPU), info() counting the rows launched and
+    taken; over per-session caches (the CPU's default) it stays off, with a warning."""
     static = {"models": {"static_kv": True, "kv_budget_tokens": 16 * 64, "kv_max_len": 64}}
     routing = {"router": "random", "thresholds": [0.5]}
     request = ServeRequest(
@@ -143,12 +144,15 @@ def test_launch_ahead_serves_the_same_tokens_where_m_s_has_static_kv_and_stays_o
         RoutingOverrides(),
         prompt_ids=(3, 4, 5),
     )
-    want = asyncio.run(_collect(chain({**static, "routing": routing})[0], request))[-1]
+    auto = chain({**static, "routing": routing})[0]
+    assert not auto.loop.engine.launch_ahead
+    want = asyncio.run(_collect(auto, request))[-1]
     small, _, _ = chain({**static, "routing": routing, "launch_ahead": True})
     assert small.loop.engine.launch_ahead
     got = asyncio.run(_collect(small, request))[-1]
     assert (got.token_ids, got.sources) == (want.token_ids, want.sources) and 0 < got.backoff_rate < 1
-    assert small.loop.engine.ahead.rows_used > 0
-    with caplog.at_level("WARNING", logger="deployments.small"):
+    launched, used = small.info().launched_ahead
+    assert 0 < used <= launched and auto.info().launched_ahead is None
+    with caplog.at_level("WARNING", logger="backoff_core.engine.ahead"):
         plain, _, _ = chain({"routing": routing, "launch_ahead": True})
     assert not plain.loop.engine.launch_ahead and "not launched ahead" in caplog.text

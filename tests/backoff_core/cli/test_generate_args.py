@@ -39,12 +39,15 @@ def test_what_the_user_names_is_kept():
 
 def test_generate_launched_ahead_prints_the_same_tokens_and_needs_static_kv(tmp_path, pair, tokenizer, capsys):
     """`backoff generate --launch-ahead` (engine/ahead.py) over static KV: the tokens and sources
-    of the run without; without --kv-budget it is refused with the flag to give."""
+    of the run without (auto, the default: off on the CPU; false); without --kv-budget it is
+    refused with the flag to give, where auto runs without."""
     import json
+    from unittest import mock
 
     import pytest
 
     from backoff_core.cli.main import main
+    from backoff_core.engine import ahead
 
     for model, name in zip(pair, ("small", "large")):
         model.save_pretrained(tmp_path / name)
@@ -53,10 +56,21 @@ def test_generate_launched_ahead_prints_the_same_tokens_and_needs_static_kv(tmp_
     argv += ["--router", "random", "--rate", "0.6", "--temperature", "0.9", "--seed", "3", "--max-tokens", "10"]
     argv += ["--kv-budget", "512", "--max-len", "64", "--json"]
     runs = []
-    for extra in ([], ["--launch-ahead"]):
-        assert main(argv + extra) == 0
-        out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-        runs.append((out["token_ids"], out["sources"]))
-    assert runs[0] == runs[1] and len(runs[0][0]) == 10
+    launched = []
+    real_resolve = ahead.resolve
+
+    def resolve(setting, model, overlap_catch_ups=False):
+        launched.append(real_resolve(setting, model, overlap_catch_ups))
+        return launched[-1]
+
+    with mock.patch.object(ahead, "resolve", resolve):
+        for extra in ([], ["--launch-ahead"], ["--launch-ahead", "false"]):
+            assert main(argv + extra) == 0
+            out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+            runs.append((out["token_ids"], out["sources"]))
+    assert launched == [False, True, False]
+    assert runs[0] == runs[1] == runs[2] and len(runs[0][0]) == 10
+    without_kv = [a for a in argv if a not in ("--kv-budget", "512")]
     with pytest.raises(SystemExit, match="--launch-ahead needs static KV: give --kv-budget"):
-        main([a for a in argv if a not in ("--kv-budget", "512")] + ["--launch-ahead"])
+        main(without_kv + ["--launch-ahead"])
+    assert main(without_kv) == 0 and json.loads(capsys.readouterr().out.strip().splitlines()[-1])["token_ids"]

@@ -8,11 +8,12 @@ itself; and a runner that cannot read ids on the device is refused up front."""
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from backoff_core.engine import host
+from backoff_core.engine import ahead, host
 from backoff_core.engine.engine import BackoffEngine
 from backoff_core.runners.factory import make_runner
 from backoff_core.types import GenerationRequest, KVSpec, RoutingParams, SamplingParams, Verification
@@ -238,6 +239,30 @@ def test_a_runner_that_cannot_read_ids_on_the_device_is_refused(pair, tokenizer)
     engine = _engine(pair, tokenizer, launch_ahead=True)
     with pytest.raises(ValueError, match="do not go together"):
         engine.overlap_catch_ups = True
+
+
+def test_the_setting_resolves_auto_to_static_kv_on_cuda_and_true_to_static_kv_anywhere(pair, caplog):
+    """ahead.resolve: auto launches where M_S is on static KV on CUDA and catch-ups are not in
+    flight (a stand-in runner on CUDA here; the real one on the CPU stays off, silently); true
+    wherever M_S is on static KV, off with a warning over per-session caches; false never."""
+    small = pair[0]
+    static, dynamic = make_runner(small, "small", KV, small=True), make_runner(small, "small", None, small=True)
+    on_cuda = SimpleNamespace(extends_on_device=True, device=torch.device("cuda"))
+    caches_on_cuda = SimpleNamespace(device=torch.device("cuda"))
+    with caplog.at_level(logging.WARNING, logger="backoff_core.engine.ahead"):
+        assert ahead.resolve("auto", on_cuda) is True
+        assert ahead.resolve("auto", on_cuda, overlap_catch_ups=True) is False
+        assert ahead.resolve("auto", caches_on_cuda) is False
+        assert ahead.resolve("auto", static) is False and static.device.type == "cpu"
+        assert ahead.resolve(False, on_cuda) is False
+        assert ahead.resolve(True, static) is True
+        assert not caplog.records
+        assert ahead.resolve(True, dynamic) is False
+    assert [r.getMessage() for r in caplog.records] == [
+        "launch_ahead: M_S keeps per-session caches here (no static KV), so its steps are not launched ahead"
+    ]
+    with pytest.raises(ValueError, match="launch_ahead is auto, true or false, not 'on'"):
+        ahead.resolve("on", static)
 
 
 def test_a_request_degraded_by_a_lost_large_model_gets_the_same_tokens(pair, tokenizer):

@@ -75,8 +75,11 @@ def test_cli_overrides_land_in_args_and_user_config():
     )
     out = apply_overrides(base, args)
     app = out["applications"][0]
-    assert app["args"]["launch_ahead"] is True and base["applications"][0]["args"]["launch_ahead"] is False
-    assert AppArgs.model_validate(app["args"]).launch_ahead
+    assert app["args"]["launch_ahead"] is True and base["applications"][0]["args"]["launch_ahead"] == "auto"
+    assert AppArgs.model_validate(app["args"]).launch_ahead is True
+    for given, want in (("false", False), ("auto", "auto"), ("true", True)):
+        chosen = apply_overrides(base, _parser().parse_args(["--launch-ahead", given]))["applications"][0]["args"]
+        assert AppArgs.model_validate(chosen).launch_ahead == want
     assert app["args"]["models"]["medium"] == ["m"] and out["http_options"]["port"] == 8123
     users = {d["name"]: d["user_config"] for d in app["deployments"]}
     assert users["SmallModel"]["router"] == "max-prob" and users["SmallModel"]["thresholds"] is None
@@ -145,10 +148,15 @@ def test_engine_settings_default_to_the_engines_and_refuse_a_negative(field, eng
         AppArgs(**{field: -1})
 
 
-def test_launch_ahead_is_off_by_default_and_refused_beside_catch_ups_in_flight():
-    assert AppArgs().launch_ahead is False and AppArgs(launch_ahead=True).launch_ahead
+def test_launch_ahead_is_auto_by_default_and_only_true_is_refused_beside_catch_ups_in_flight():
+    """auto (the default) makes way for overlap_catch_ups (ahead.resolve); true is refused beside it."""
+    assert AppArgs().launch_ahead == "auto" and AppArgs(launch_ahead=True).launch_ahead is True
+    assert AppArgs(launch_ahead="auto", overlap_catch_ups=True).overlap_catch_ups
+    assert AppArgs(launch_ahead=False, overlap_catch_ups=True).launch_ahead is False
     with pytest.raises(ValidationError, match="do not go together"):
         AppArgs(launch_ahead=True, overlap_catch_ups=True)
+    with pytest.raises(ValidationError):
+        AppArgs(launch_ahead="sometimes")
 
 
 def test_models_config_refuses_half_a_pair():
