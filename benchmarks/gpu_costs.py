@@ -227,8 +227,10 @@ def fit_host(timeline: dict) -> dict[str, float]:
 
 def measured_on(folder: Path, gpu: str) -> Path | None:
     """The batch_scaling-TAG.json in `folder` measured on `gpu` (its "gpu"), so a simulation at
-    a run's costs is set beside the same card's throughput; None where no file is."""
-    for path in sorted(folder.glob("batch_scaling-*.json")):
+    a run's costs is set beside the same card's throughput; None where no file is. The shortest
+    name first: the batch stage's own file (`batch_scaling-h200.json`), not a rerun of some of
+    its rows under a longer tag (`batch_scaling-h200-repeats5.json`)."""
+    for path in sorted(folder.glob("batch_scaling-*.json"), key=lambda p: (len(p.name), p.name)):
         if json.loads(path.read_text()).get("gpu") == gpu:
             return path
     return None

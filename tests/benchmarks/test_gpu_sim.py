@@ -254,8 +254,9 @@ def test_in_flight_on_a_shared_gpu_keeps_the_device_busy_at_most_all_the_time():
 
 def test_the_simulation_is_set_beside_the_same_gpus_throughput(tmp_path):
     """gpu_sim's `sim_over_gpu_run` reads the batch_scaling file the costs' GPU measured, none
-    where that GPU measured none (an H200's costs are never set beside an H100's tok/s)."""
-    for tag, gpu in (("h100", "NVIDIA H100 80GB HBM3"), ("h200", "NVIDIA H200")):
+    where that GPU measured none (an H200's costs are never set beside an H100's tok/s); the
+    batch stage's own file before a rerun of some of its rows under a longer tag."""
+    for tag, gpu in (("h100", "NVIDIA H100 80GB HBM3"), ("h200", "NVIDIA H200"), ("h200-repeats5", "NVIDIA H200")):
         (tmp_path / f"batch_scaling-{tag}.json").write_text(json.dumps({"gpu": gpu, "tok_per_s": {}}))
     assert measured_on(tmp_path, "NVIDIA H200") == tmp_path / "batch_scaling-h200.json"
     assert measured_on(RUN3, GpuCosts.from_results(RUN3).gpu) == RUN3 / "batch_scaling-h100.json"
