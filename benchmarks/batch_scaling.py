@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -44,12 +45,14 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from backoff_core.engine.engine import CATCH_UP_WAIT_MS, BackoffEngine
-from backoff_core.models.loading import LoadSpec, load_chain
-from backoff_core.models.prompts import encode_prompt
-from backoff_core.runners.static import StaticRunner
-from backoff_core.runners.static_ragged import RAGGED_TOLERANCE, RaggedKey
-from backoff_core.types import GenerationRequest, KVSpec, RoutingParams, SamplingParams
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the packages importable
+from backoff_core.engine.engine import CATCH_UP_WAIT_MS, BackoffEngine  # noqa: E402
+from backoff_core.models.loading import LoadSpec, load_chain  # noqa: E402
+from backoff_core.models.prompts import encode_prompt  # noqa: E402
+from backoff_core.runners.static import StaticRunner  # noqa: E402
+from backoff_core.runners.static_ragged import RAGGED_TOLERANCE, RaggedKey  # noqa: E402
+from backoff_core.types import GenerationRequest, KVSpec, RoutingParams, SamplingParams  # noqa: E402
+from benchmarks.batch_scaling_report import plot_report, print_report, results  # noqa: E402
 
 PROMPT = "Write a short paragraph about the history of the Python programming language."
 B09 = RoutingParams(router="random", rate=0.9)
@@ -299,44 +302,15 @@ def main() -> None:
     checks: dict = {"large_graphs_at_load": _large_graphs(engine)}  # ragged 0 under auto: its warm-up turned it off
 
     def save(runs: dict, errors: dict) -> dict:
-        report = _report(args, kv, load_s, waits, streams, runs, errors, gpu) | checks
+        report = results(args, kv, load_s, waits, streams, runs, errors, gpu) | checks
         (out / f"{stem}.json").write_text(json.dumps(report, indent=2))
         return report
 
     runs, errors = measure(engine, prompt_ids, streams, args.tokens, args.repeats, waits, rows, save, checks)
     report = save(runs, errors)
-    _print(report, streams)
-    _plot(report, streams, out / f"{stem}.png")
+    print_report(report, streams)
+    plot_report(report, streams, out / f"{stem}.png")
     print(f"saved {out / stem}.json and .png")
-
-
-def _report(args, kv, load_s: float, waits: dict, streams: list[int], runs: dict, errors: dict, gpu) -> dict:
-    """The results file's figures (runs, errors: measure's, so far)."""
-
-    def pick(key: str) -> dict[str, dict[str, float]]:
-        return {label: {n: figures[key] for n, figures in row.items()} for label, row in runs.items()}
-
-    table = pick("tok_per_s")
-    base = str(streams[0])
-    report = {
-        "device": args.device,
-        "gpu": gpu,
-        "dtype": args.dtype,
-        "tokens": args.tokens,
-        "repeats": args.repeats,
-        "kv": None
-        if kv is None
-        else {"budget_tokens": kv.budget_tokens, "max_len": kv.max_len, "cuda_graphs": kv.cuda_graphs},
-        "engine_load_s": load_s,
-        "catch_up_wait_ms": waits,
-        "tok_per_s": table,
-        "catch_up_forwards_per_100_tokens": pick("forwards_per_100_tokens"),
-        "itl_median_ms": pick("itl_median_ms"),
-        "itl_p99_ms": pick("itl_p99_ms"),
-        "scaling_vs_n1": {label: {n: v / row[base] for n, v in row.items()} for label, row in table.items()},
-        "errors": errors,
-    }
-    return report
 
 
 def _interleaved(engine, prompt_ids, streams: list[int], args) -> None:
@@ -362,47 +336,6 @@ def _interleaved(engine, prompt_ids, streams: list[int], args) -> None:
     report = {"device": args.device, "dtype": args.dtype, "tokens": args.tokens, "catch_up_wait_ms": args.interleave}
     path.write_text(json.dumps({**report, "ratio_median": ratios, "rounds": rounds}, indent=2))
     print(f"saved {path}")
-
-
-def _print(report, streams) -> None:
-    for label, error in report["errors"].items():
-        print(f"{label}: not measured ({error})")
-    print(f"\n{'routing':32s} " + " ".join(f"{'n=' + str(n):>10s}" for n in streams) + "   (tok/s; x n=1)")
-    for label, row in report["tok_per_s"].items():
-        cells = " ".join(f"{row[str(n)]:10.1f}" for n in streams)
-        print(f"{label:32s} {cells}   x{report['scaling_vs_n1'][label][str(streams[-1])]:.1f}")
-    print(f"\n{'catch-up forwards / 100 tokens':32s} " + " ".join(f"{'n=' + str(n):>10s}" for n in streams))
-    for label, row in report["catch_up_forwards_per_100_tokens"].items():
-        print(f"{label:32s} " + " ".join(f"{row[str(n)]:10.1f}" for n in streams))
-    print(f"\n{'inter-token ms, median / p99':32s} " + " ".join(f"{'n=' + str(n):>10s}" for n in streams))
-    for label, row in report["itl_median_ms"].items():
-        p99 = report["itl_p99_ms"][label]
-        print(f"{label:32s} " + " ".join(f"{f'{row[str(n)]:.0f}/{p99[str(n)]:.0f}':>10s}" for n in streams))
-
-
-def _plot(report, streams, path: Path) -> None:
-    title = f"Batch scaling ({report['gpu'] or report['device']}, {report['dtype']})"
-    plot_scaling(report["tok_per_s"], streams, path, "aggregate tokens / s (median)", title)
-
-
-def plot_scaling(tok_per_s: dict, streams: list[int], path: Path, ylabel: str, title: str) -> None:
-    """tok/s against n, a line per routing, log-log (gpu_sim.py draws its table the same way)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for label, row in tok_per_s.items():
-        ax.plot(streams, [row[str(n)] for n in streams], "o-", label=label)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("concurrent requests n")
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

@@ -54,7 +54,8 @@ from backoff_core.runners.static import StaticRunner
 from backoff_core.types import GenerationRequest, RoutingParams, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.batch_scaling import launched_ahead, plot_scaling, set_overlaps  # noqa: E402
+from benchmarks.batch_scaling import launched_ahead, set_overlaps  # noqa: E402
+from benchmarks.batch_scaling_report import plot_scaling  # noqa: E402
 from benchmarks.gpu_costs import GPU_RESULTS, GpuCosts, measured_on  # noqa: E402
 from benchmarks.gpu_sim_device import (  # noqa: E402
     FAIR,

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import yaml
 
+from backoff_core.cli.args import AUTO_BOOL, auto_bool
 from backoff_core.types import RAGGED_MODES
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "serve_config.yaml"
@@ -123,7 +124,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--static-kv",
-        choices=["auto", "true", "false"],
+        choices=AUTO_BOOL,
         help="KV storage: preallocated slots (+ CUDA graphs on a GPU), per-session caches, or auto "
         "(slots on CUDA, per-session caches on CPU)",
     )
@@ -140,7 +141,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--launch-ahead",
         nargs="?",
-        choices=["auto", "true", "false"],
+        choices=AUTO_BOOL,
         const="true",
         help="M_S's next step queued before its tokens are read back, hiding the host's work between "
         "steps (docs/gpu.md): auto (the default: where M_S is on static KV on CUDA), true (alone: true; "
@@ -203,11 +204,11 @@ def apply_overrides(config: dict, args: argparse.Namespace) -> dict:
         if value is not None:
             models[key] = value
     if args.static_kv is not None:
-        models["static_kv"] = {"true": True, "false": False}.get(args.static_kv, "auto")
+        models["static_kv"] = auto_bool(args.static_kv)
     if args.ragged_catch_ups is not None:
         models["ragged_catch_ups"] = args.ragged_catch_ups
     if args.launch_ahead is not None:
-        app["args"]["launch_ahead"] = {"true": True, "false": False}.get(args.launch_ahead, "auto")
+        app["args"]["launch_ahead"] = auto_bool(args.launch_ahead)
     routing = _deployment(app, "SmallModel").setdefault("user_config", {})
     if args.router is not None or args.threshold is not None:
         routing.pop("threshold", None)  # the deprecated spelling of thresholds: the command line replaces it

@@ -6,6 +6,13 @@ import argparse
 
 from backoff_core.types import RAGGED_MODES, Verification
 
+AUTO_BOOL = ("auto", "true", "false")  # the command line's spelling of a setting that is "auto" | bool
+
+
+def auto_bool(text: str) -> bool | str:
+    """One of AUTO_BOOL as the settings take it: True, False or "auto"."""
+    return {"true": True, "false": False}.get(text, "auto")
+
 
 def model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("models (none named: the embedded default pair)")

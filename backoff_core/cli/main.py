@@ -13,7 +13,7 @@ import statistics
 import sys
 import time
 
-from backoff_core.cli.args import model_args, routing_args, sampling_args
+from backoff_core.cli.args import AUTO_BOOL, auto_bool, model_args, routing_args, sampling_args
 from backoff_core.evaluation.frontier_spec import DEFAULT_ROUTING
 from backoff_core.types import GenerationRequest, GenerationResult, KVSpec, RoutingParams, SamplingParams, Verification
 
@@ -44,7 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--launch-ahead",
         nargs="?",
-        choices=["auto", "true", "false"],
+        choices=AUTO_BOOL,
         default="auto",
         const="true",
         help="M_S's next step queued before its tokens are read back, hiding the host's work between steps "
@@ -173,7 +173,7 @@ def _generate(args) -> int:
     if args.launch_ahead == "true" and kv is None:
         raise SystemExit("--launch-ahead needs static KV: give --kv-budget")
     engine = BackoffEngine.from_chain(chain, kv=kv, classifier_path=args.classifier)
-    engine.launch_ahead = ahead.resolve({"true": True, "false": False}.get(args.launch_ahead, "auto"), engine.models[0])
+    engine.launch_ahead = ahead.resolve(auto_bool(args.launch_ahead), engine.models[0])
     request = request_from_args(args, encode_prompt(chain.tokenizer, args.prompt, args.chat))
     result = engine.generate(request)
     if args.json:
