@@ -181,6 +181,7 @@ class RoutingParams:
 
 
 RAGGED_MODES = ("auto", "on", "off")  # KVSpec.ragged
+COMPILE_MODES = ("auto", "on", "off")  # KVSpec.compile
 
 
 @dataclass(frozen=True)
@@ -192,17 +193,22 @@ class KVSpec:
     that count the positions they hold and evict idle sessions to stay within the budget.
     ragged: static KV on CUDA, the larger model's catch-ups as ragged forwards, their tokens
     unpadded (static_ragged.py): "auto" (with CUDA graphs: each catch-up ragged where its ragged
-    replays were timed faster than its padded layout's), "on" (wherever they apply), "off"."""
+    replays were timed faster than its padded layout's), "on" (wherever they apply), "off".
+    compile: static KV, every decoder layer one inductor-compiled function (fewer, larger
+    kernels: runners/static_compiled.py): "auto" (where CUDA graphs capture it), "on", "off"."""
 
     budget_tokens: int
     max_len: int = 2048
     cuda_graphs: bool = True
     static: bool = True
     ragged: str = "auto"
+    compile: str = "auto"
 
     def __post_init__(self) -> None:
         if self.ragged not in RAGGED_MODES:
             raise ValueError(f"ragged must be one of {', '.join(RAGGED_MODES)}, got {self.ragged!r}")
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
         if self.max_len < 2:
             raise ValueError(f"the KV slot length (max_len) must be >= 2, got {self.max_len}")
         if self.budget_tokens < 1:

@@ -107,13 +107,14 @@ def throughput(
     be batched (and, with a flight, in flight beside M_S's steps; with ahead, M_S's steps
     launched before their tokens are read back): the median tok/s (admission
     excluded); catch-up forwards per 100 tokens (a forward shared by m requests is in each
-    one's record, CatchUp.batch_size = m: 1/m each);
+    one's record, CatchUp.batch_size = m: 1/m each); the realised routed share (tokens a larger
+    model gave);
     the inter-token latency's median and p99 over every request's tokens (ms)."""
     engine.catch_up_wait_ms = wait_ms
     set_overlaps(engine, flight is not None, ahead)
     if flight is not None:
         engine.launcher.first = FLIGHTS[flight]
-    rates, forwards, generated, gaps = [], 0.0, 0, []
+    rates, forwards, generated, gaps, routed = [], 0.0, 0, [], 0
     for rep in range(repeats):
         reqs = [
             GenerationRequest(
@@ -138,10 +139,12 @@ def throughput(
         done = sum(len(r.token_ids) for r in results)
         rates.append(done / seconds)
         forwards += sum(1 / c.batch_size for r in results for c in r.catch_ups)
+        routed += sum(s > 0 for r in results for s in r.sources)
         generated += done
     return {
         "tok_per_s": statistics.median(rates),
         "forwards_per_100_tokens": 100 * forwards / generated,
+        "routed_share": routed / generated,  # the realised share of tokens a larger model gave
         "itl_median_ms": 1e3 * statistics.median(gaps) if gaps else 0.0,
         "itl_p99_ms": 1e3 * statistics.quantiles(gaps, n=100, method="inclusive")[98] if len(gaps) > 1 else 0.0,
     }

@@ -16,7 +16,7 @@ from pathlib import Path
 import yaml
 
 from backoff_core.cli.args import AUTO_BOOL, auto_bool
-from backoff_core.types import RAGGED_MODES
+from backoff_core.types import COMPILE_MODES, RAGGED_MODES
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "serve_config.yaml"
 
@@ -139,6 +139,12 @@ def _parser() -> argparse.ArgumentParser:
         "on), off",
     )
     p.add_argument(
+        "--compile-layers",
+        choices=COMPILE_MODES,
+        help="static KV: every decoder layer one inductor-compiled function, fewer kernels a step (docs/gpu.md): "
+        "auto (the default; where CUDA graphs capture it), on (also eagerly), off",
+    )
+    p.add_argument(
         "--launch-ahead",
         nargs="?",
         choices=AUTO_BOOL,
@@ -207,6 +213,8 @@ def apply_overrides(config: dict, args: argparse.Namespace) -> dict:
         models["static_kv"] = auto_bool(args.static_kv)
     if args.ragged_catch_ups is not None:
         models["ragged_catch_ups"] = args.ragged_catch_ups
+    if args.compile_layers is not None:
+        models["compile_layers"] = args.compile_layers
     if args.launch_ahead is not None:
         app["args"]["launch_ahead"] = auto_bool(args.launch_ahead)
     routing = _deployment(app, "SmallModel").setdefault("user_config", {})

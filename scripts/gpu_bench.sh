@@ -5,6 +5,8 @@
 #                                           # the pair checked against the plan (gpu_check.json, its
 #                                           # ragged forwards last), then the ragged catch-ups' CUDA
 #                                           # tests (FlexAttention)
+#   bash scripts/gpu_bench.sh fused [TAG]   # benchmarks/fused_step.py: compiled decoder layers vs eager,
+#                                           # replays, kernel tables, rows at 1/16/64 streams, the goals
 #   bash scripts/gpu_bench.sh cost  [TAG]   # benchmarks/cost_curve.py: c_S, P_L(k), C(b), baselines
 #   bash scripts/gpu_bench.sh batch [TAG]   # benchmarks/batch_scaling.py: n = 1, 4, 16, 64, seven rows
 #                                           # (ROWS=all: every row), then catch_up_anatomy.py: every
@@ -29,7 +31,7 @@
 set -euo pipefail
 self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$0")/.."
-stage=${1:?usage: scripts/gpu_bench.sh tests|cost|batch|timeline|all [TAG]}
+stage=${1:?usage: scripts/gpu_bench.sh tests|fused|cost|batch|timeline|all [TAG]}
 gpu_model() { # "NVIDIA H100 80GB HBM3" -> h100, "NVIDIA H200" -> h200, "NVIDIA L40S" -> l40s
     local model
     model=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 |
@@ -71,6 +73,16 @@ tests)
     tail -10 "$out/cuda_tests.txt"
     [ "$check" = 0 ] || { echo "gpu_check.py failed (rc $check)"; exit "$check"; }
     [ "$rc" = 0 ] || { echo "CUDA tests failed (rc $rc)"; exit "$rc"; }
+    ;;
+fused)
+    # benchmarks/fused_step.py: the compiled decoder layers beside the eager ones, in one run: the
+    # step graphs' replays and kernel tables, the logits against HF, the engine's rows at 1/16/64
+    # streams, the goals (docs/gpu.md, "Compiled layers"); inductor's cache kept in .inductor-cache
+    # (git-ignored: carry it to the next call of a warm machine's session)
+    export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$PWD/.inductor-cache}
+    nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version --format=csv >"$out/gpu.txt" || true
+    python3 benchmarks/fused_step.py "${common[@]}" --tokens "$tokens" --tag "$tag" --out "$out" \
+        --deadline "${FUSED_DEADLINE:-420}" 2>&1 | progress_out | tee "$out/fused_step-$tag.txt" | tail -60
     ;;
 cost)
     python3 benchmarks/cost_curve.py "${common[@]}" --max-tokens "$tokens" --repeats 3 --tag "$tag" --out "$out" 2>&1 |

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from backoff_core.types import RAGGED_MODES, Verification
+from backoff_core.types import COMPILE_MODES, RAGGED_MODES, Verification
 
 AUTO_BOOL = ("auto", "true", "false")  # the command line's spelling of a setting that is "auto" | bool
 
@@ -45,6 +45,13 @@ def model_args(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="static KV on CUDA: the large model's catch-ups as ragged forwards, unpadded (docs/gpu.md): auto "
         "(default; with CUDA graphs, each catch-up ragged where its replays were timed faster), on (alone: on), off",
+    )
+    g.add_argument(
+        "--compile-layers",
+        choices=COMPILE_MODES,
+        default="auto",
+        help="static KV: every decoder layer one inductor-compiled function, fewer kernels a step (docs/gpu.md): "
+        "auto (default; where CUDA graphs capture it), on (also eagerly), off",
     )
 
 

@@ -166,7 +166,13 @@ def _generate(args) -> int:
         args.small, args.large, args.medium, LoadSpec(args.device, args.dtype, args.device_map, args.cpu_kernels)
     )
     kv = (
-        KVSpec(args.kv_budget, args.max_len, not args.no_cuda_graphs, ragged=args.ragged_catch_ups)
+        KVSpec(
+            args.kv_budget,
+            args.max_len,
+            not args.no_cuda_graphs,
+            ragged=args.ragged_catch_ups,
+            compile=args.compile_layers,
+        )
         if args.kv_budget
         else None
     )

@@ -6,6 +6,7 @@ import logging
 
 from backoff_core.runners.dynamic import ModelRunner
 from backoff_core.runners.static import StaticRunner
+from backoff_core.runners.static_compiled import resolve as resolve_compile
 from backoff_core.runners.static_forward import check_supported
 from backoff_core.runners.static_ragged import check_ragged
 from backoff_core.types import KVSpec, PrefixCacheSpec
@@ -50,6 +51,7 @@ def make_runner(
         fuse_projections=small,  # M_S's step is bound by its kernel count (static_forward.py)
         ragged=_ragged(kv, model, name, small),
         ragged_if_faster=kv.ragged == "auto",
+        compile_layers=resolve_compile(kv.compile, next(model.parameters()).device, kv.cuda_graphs),
     )
     if small:
         from backoff_core.routing.head import ClassifierHead

@@ -65,6 +65,7 @@ def resolve_kv(
     gpu_share: float = 1.0,
     reserve_tokens: int = 0,
     ragged: str = "auto",
+    compile: str = "auto",
 ) -> KVSpec:
     """The KVSpec a replica runs with: `auto` resolved for this model on its device.
     reserve_tokens: positions kept elsewhere (the prefix cache) that `auto` leaves room for."""
@@ -73,7 +74,7 @@ def resolve_kv(
     tokens = max(1, auto_budget(model, gpu_share) - reserve_tokens) if budget == "auto" else int(budget)
     if use_static and budget == "auto":
         tokens = max(max_len, tokens - tokens % max_len)  # whole slots
-    return KVSpec(tokens, max_len, cuda_graphs, use_static, ragged)
+    return KVSpec(tokens, max_len, cuda_graphs, use_static, ragged, compile)
 
 
 def describe(kv: KVSpec, model) -> str:

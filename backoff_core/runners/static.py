@@ -70,7 +70,10 @@ class StaticRunner(PrefixCaching, RaggedExtends, ScoredExtends, SlotSessions):
     ragged: catch-ups as ragged forwards, their tokens unpadded (static_ragged.py), wherever they
     apply; with ragged_if_faster, only where their replays were measured faster than the padded
     layout's (static_ragged.RaggedExtends._ragged_faster; without graphs nothing is timed, and
-    the padded path runs)."""
+    the padded path runs).
+    compile_layers: every decoder layer one inductor-compiled function (static_compiled.py;
+    q/k/v and gate/up fused as views of one buffer), compiled at the first forward of each
+    kind: warmup's captures on a GPU."""
 
     def __init__(
         self,
@@ -86,6 +89,7 @@ class StaticRunner(PrefixCaching, RaggedExtends, ScoredExtends, SlotSessions):
         fuse_projections: bool = False,
         ragged: bool = False,
         ragged_if_faster: bool = False,
+        compile_layers: bool = False,
     ) -> None:
         check_supported(model, max_len)  # before allocating anything
         super().__init__()
@@ -99,7 +103,7 @@ class StaticRunner(PrefixCaching, RaggedExtends, ScoredExtends, SlotSessions):
         self.evictions = 0  # sessions evicted to give their slot to another (evict_idle)
         self.eager_passes = 0  # forwards that ran without a graph (all of them on the CPU)
         self.kv = StaticKV(model, kv_budget_tokens, max_len, name)
-        self._forward = StaticForward(model, self.kv, fuse_projections=fuse_projections)
+        self._forward = StaticForward(model, self.kv, fuse_projections=fuse_projections, compiled=compile_layers)
         self.length_buckets = length_buckets(max_len)
         use_graphs = cuda_graphs and self.device.type == "cuda"
         self.graph_max_rows = min(graph_max_rows, next_power_of_two(self.kv.slots))  # more rows never occur

@@ -42,13 +42,17 @@ graph can capture it (cuda_graphs.py).
 from __future__ import annotations
 
 import inspect
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from backoff_core.runners.static_compiled import CompiledLayers
 from backoff_core.runners.static_kv import StaticKV
 from backoff_core.runners.static_ragged import RaggedBatch, attention_fn, block_mask, ragged_attention
+
+log = logging.getLogger(__name__)
 
 # Model types whose forward is LlamaModel's: embeddings unscaled, pre-norm blocks, one
 # rotary embedding, plain causal attention. Others with the same module names (Gemma
@@ -115,24 +119,73 @@ class FusedLayer:
     gate_up: torch.Tensor  # [2 I, d]: gate_proj, up_proj weights
     gate_up_bias: torch.Tensor | None  # mlp_bias, or None
 
+    @staticmethod
+    def of_kind(layer) -> bool:
+        """Whether the layer's projections are plain Llama Linear modules that can be fused."""
+        attn, mlp = layer.self_attn, layer.mlp
+        if not all(hasattr(mlp, m) for m in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+            return False
+        groups = ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj))
+        if not all(isinstance(m, torch.nn.Linear) for group in groups for m in group):
+            return False
+        return all(len({m.bias is None for m in group}) == 1 for group in groups)  # all or none biased
+
     @classmethod
     @torch.no_grad()
     def of(cls, layer) -> FusedLayer | None:
         """None where the layer is not plain Llama projections (then it keeps its modules)."""
-        attn, mlp = layer.self_attn, layer.mlp
-        if not all(hasattr(mlp, m) for m in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+        if not cls.of_kind(layer):
             return None
+        attn, mlp = layer.self_attn, layer.mlp
         qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
         gate_up = (mlp.gate_proj, mlp.up_proj)
-        if not all(isinstance(m, torch.nn.Linear) for m in (*qkv, *gate_up)):
-            return None
-        if any(len({m.bias is None for m in group}) > 1 for group in (qkv, gate_up)):
-            return None  # some of a group's projections have a bias, some none
 
         def cat(modules, name):
             return None if getattr(modules[0], name) is None else torch.cat([getattr(m, name) for m in modules])
 
         return cls(cat(qkv, "weight"), cat(qkv, "bias"), cat(gate_up, "weight"), cat(gate_up, "bias"))
+
+    @classmethod
+    @torch.no_grad()
+    def shared(cls, layer) -> FusedLayer | None:
+        """`of`, then the modules' own weights (and biases) rebound as views of the fused
+        buffers: one copy of the weights, not two (an 8B model's copies would be 9 GiB)."""
+        fused = cls.of(layer)
+        if fused is None:
+            return None
+        attn, mlp = layer.self_attn, layer.mlp
+        for modules, weight, bias in (
+            ((attn.q_proj, attn.k_proj, attn.v_proj), fused.qkv, fused.qkv_bias),
+            ((mlp.gate_proj, mlp.up_proj), fused.gate_up, fused.gate_up_bias),
+        ):
+            start = 0
+            for m in modules:
+                rows = m.weight.shape[0]
+                m.weight = torch.nn.Parameter(weight[start : start + rows], requires_grad=False)
+                if bias is not None:
+                    m.bias = torch.nn.Parameter(bias[start : start + rows], requires_grad=False)
+                start += rows
+        return fused
+
+    def shares(self, layer) -> bool:
+        """Whether the layer's q_proj weight is a view of this fused buffer (no copy held)."""
+        return layer.self_attn.q_proj.weight.untyped_storage().data_ptr() == self.qkv.untyped_storage().data_ptr()
+
+
+def compile_refusal(model, fused_norms: bool) -> str | None:
+    """Why the layers of this model cannot run as static_compiled.decoder_layer, or None."""
+    if not fused_norms:
+        return "its norms are not HF's Llama RMSNorm"
+    if getattr(model.config, "hidden_act", None) != "silu":
+        return f"activation {getattr(model.config, 'hidden_act', None)!r}, not silu"
+    for layer in model.model.layers:
+        if not FusedLayer.of_kind(layer) or not all(
+            isinstance(m, torch.nn.Linear) for m in (layer.self_attn.o_proj, layer.mlp.down_proj)
+        ):
+            return "its projections are not plain Linear modules"
+        if layer.input_layernorm.variance_epsilon != layer.post_attention_layernorm.variance_epsilon:
+            return "its two norms of a layer differ in eps"
+    return None
 
 
 def _is_llama_rms_norm(norm) -> bool:
@@ -143,7 +196,9 @@ def _is_llama_rms_norm(norm) -> bool:
 class StaticForward:
     """model + its StaticKV: `__call__(batch) -> (logits [B, K or 1 or C, V], hidden [B, K, d] | None)`."""
 
-    def __init__(self, model, kv: StaticKV, fused_norms: bool = True, fuse_projections: bool = False) -> None:
+    def __init__(
+        self, model, kv: StaticKV, fused_norms: bool = True, fuse_projections: bool = False, compiled: bool = False
+    ) -> None:
         check_supported(model, kv.max_len)
         base = model.model
         norms = [base.norm] + [
@@ -159,12 +214,21 @@ class StaticForward:
         # HF's own rope function from the attention's module (each model file has its copy)
         self.rope = inspect.getmodule(type(attn)).apply_rotary_pos_emb
         self.key_index = torch.arange(kv.max_len, device=kv.keys[0].device)  # [M]
-        fused = [FusedLayer.of(layer) for layer in base.layers] if fuse_projections else []
+        why = compile_refusal(model, self.fused_norms) if compiled else None
+        if why is not None:
+            log.warning("%s: layers not compiled (%s); the eager static forward runs", kv.name, why)
+        self.compiled = CompiledLayers(kv.name) if compiled and why is None else None
+        # compiled: q/k/v and gate/up fused for every model, as views of one buffer (no copy)
+        self.shared_weights = self.compiled is not None
+        fuse = FusedLayer.shared if self.shared_weights else FusedLayer.of
+        fused = [fuse(layer) for layer in base.layers] if fuse_projections or self.shared_weights else []
         self.fused: list[FusedLayer] | None = fused if fused and all(f is not None for f in fused) else None
         self._flex = None  # the ragged forward's attention (static_ragged.attention_fn), at its first use
 
     def fused_nbytes(self) -> int:
         """Bytes the fused projections' copies hold (0 without them)."""
+        if self.shared_weights:
+            return 0  # the modules' weights are views of the fused buffers
         tensors = [t for f in self.fused or () for t in (f.qkv, f.qkv_bias, f.gate_up, f.gate_up_bias)]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
@@ -175,11 +239,14 @@ class StaticForward:
         cos, sin = self._rope_tables(h, b.positions)  # [B, K, D] each
         mask = self.mask(b.positions, b.length, h.dtype)  # [B, 1, G*K, L], shared by every layer
         hidden = h if b.hidden_layer == 0 else None
-        for i, layer in enumerate(base.layers):
-            h = h + self._attention(i, layer.self_attn, self.norm(layer.input_layernorm, h), cos, sin, mask, b)
-            h = h + self._mlp(i, layer.mlp, self.norm(layer.post_attention_layernorm, h))
-            if b.hidden_layer == i + 1 and i + 1 < self.num_layers:
-                hidden = h
+        if self.compiled is not None:
+            h, hidden = self._compiled_layers(h, cos, sin, mask, b, hidden)
+        else:
+            for i, layer in enumerate(base.layers):
+                h = h + self._attention(i, layer.self_attn, self.norm(layer.input_layernorm, h), cos, sin, mask, b)
+                h = h + self._mlp(i, layer.mlp, self.norm(layer.post_attention_layernorm, h))
+                if b.hidden_layer == i + 1 and i + 1 < self.num_layers:
+                    hidden = h
         h = self.norm(base.norm, h)
         if b.hidden_layer == self.num_layers:  # HF ties hidden_states[-1] to the normed output
             hidden = h
@@ -188,6 +255,38 @@ class StaticForward:
         elif b.last_only:
             h = h[torch.arange(rows, device=h.device), b.last_col][:, None]  # [B, 1, d]
         return self.model.lm_head(h), hidden
+
+    def _compiled_layers(self, h, cos, sin, mask, b: Batch, hidden):
+        """Every decoder layer through the compiled `decoder_layer` (static_compiled.py): h [B, K, d]
+        -> the residual stream after the last layer, and the hidden layer b asks for."""
+        delta = torch.zeros_like(h)  # the MLP output each layer adds at its start
+        mask = mask.contiguous()  # its G rows are an expand at k = 1: compiled code would copy it in every layer
+        with self.compiled.settings():
+            for i, layer in enumerate(self.model.model.layers):
+                h, delta = self.compiled(h, delta, self.kv.storage[i], b.slots, b.positions, mask, cos, sin,
+                    *self._layer_weights(i, layer), dense=b.dense)  # fmt: skip
+                if b.hidden_layer == i + 1 and i + 1 < self.num_layers:
+                    hidden = h + delta
+        return h + delta, hidden
+
+    def _layer_weights(self, i: int, layer) -> tuple:
+        """decoder_layer's weight arguments, eps, heads and scaling for layer i."""
+        attn, mlp, f = layer.self_attn, layer.mlp, self.fused[i]
+        return (
+            layer.input_layernorm.weight,
+            f.qkv,
+            f.qkv_bias,
+            attn.o_proj.weight,
+            attn.o_proj.bias,
+            layer.post_attention_layernorm.weight,
+            f.gate_up,
+            f.gate_up_bias,
+            mlp.down_proj.weight,
+            mlp.down_proj.bias,
+            layer.input_layernorm.variance_epsilon,
+            self.heads,
+            attn.scaling,
+        )
 
     def attention(self):
         """The ragged forward's attention (static_ragged.attention_fn), made at its first use."""

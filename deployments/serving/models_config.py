@@ -59,6 +59,12 @@ class ModelsConfig(FrozenConfig):
         "replays were timed faster than its padded layout's; on = wherever they apply; off. true/false read as "
         "on/off. Ignored on the CPU",
     )
+    compile_layers: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="static KV: every decoder layer one inductor-compiled function, fewer and larger kernels "
+        "a step (docs/gpu.md): auto = where CUDA graphs capture it (compiled at load, cached on disk by "
+        "inductor), on = also eagerly (the CPU compiles C++), off",
+    )
     prefix_cache_tokens: int = Field(
         8192,
         ge=0,
@@ -80,6 +86,7 @@ class ModelsConfig(FrozenConfig):
             gpu_share,
             reserve_tokens=self.prefix_cache_tokens,  # `auto` leaves the prefix cache its room
             ragged=self.ragged_catch_ups,
+            compile=self.compile_layers,
         )
 
     def prefix_spec(self) -> PrefixCacheSpec | None:

@@ -25,9 +25,15 @@ from tests.support.helpers import penalized_greedy, request
 from tests.support.tiny import VOCAB, tiny_model
 
 
-def runner(model, name, slots=8, max_len=128, fuse=False, **warmup) -> StaticRunner:
+def runner(model, name, slots=8, max_len=128, fuse=False, compiled=False, **warmup) -> StaticRunner:
     run = StaticRunner(
-        model, name, kv_budget_tokens=slots * max_len, max_len=max_len, cuda_graphs=True, fuse_projections=fuse
+        model,
+        name,
+        kv_budget_tokens=slots * max_len,
+        max_len=max_len,
+        cuda_graphs=True,
+        fuse_projections=fuse,
+        compile_layers=compiled,
     )
     graphs, _ = with_graphs(run).warmup(progress=False, **warmup)
     assert graphs > 0 and run.graphs is not None
@@ -99,6 +105,22 @@ def test_every_forward_of_a_step_replays_a_graph(engine, routing):
         engine.step()
     assert all(len(engine.finish(r).token_ids) == 24 for r in request_ids)
     assert [m.eager_passes for m in engine.models] == eager
+
+
+def test_compiled_layers_in_graphs_are_greedy_and_never_eager(device, gpu_pair, tokenizer):
+    """Both models' decoder layers compiled by inductor and captured in CUDA graphs (float32):
+    always-small and always-large are each model's greedy decoding, and no step runs eagerly.
+    (On the CPU test_static_compiled.py proves the compiled runner greedy.)"""
+    needs_cuda(device)
+    small = runner(gpu_pair[0], "small", slots=4, compiled=True, last_only=(True,), ks=(1, 2))
+    large = runner(gpu_pair[1], "large", slots=4, compiled=True)
+    assert small._forward.compiled.compiles > 0 and large._forward.compiled.compiles > 0
+    engine = BackoffEngine([small, large], tokenizer)
+    for prompt in PROMPTS:
+        eager = [m.eager_passes for m in engine.models]
+        for router, model in (("always-small", gpu_pair[0]), ("always-large", gpu_pair[1])):
+            assert engine.generate(request(prompt, 16, router)).token_ids == greedy(model, prompt, 16)
+        assert engine.models[1].eager_passes == eager[1]  # M_S's prompt prefill may run eagerly
 
 
 def test_mixed_routing_takes_each_token_from_its_source(engine, gpu_pair):
@@ -330,16 +352,20 @@ def test_kv_budget_and_slot_reuse(gpu_pair):
 
 
 # -- bf16 at the real attention shapes ------------------------------------------------------
-@pytest.mark.parametrize("fuse", [False, True], ids=["modules", "fused"])
+@pytest.mark.parametrize("fuse", [False, True, "compiled"], ids=["modules", "fused", "compiled"])
 @pytest.mark.parametrize("shape", list(SHAPES))
 @torch.inference_mode()
 def test_bf16_real_shapes_match_a_float32_reference(device, shape, fuse):
     """Every kind of extend the engine makes (steps, ragged catch-ups, verification's full
     logits, a 40-token catch-up in blocks), replayed from bf16 graphs: as close to the float32
-    model as HF's own bf16 forward is, and no forward eager."""
+    model as HF's own bf16 forward is, and no forward eager. Compiled layers (inductor's
+    Triton kernels inside the graphs) on the GPU only: on the CPU test_static_compiled.py
+    proves them in float32."""
+    if fuse == "compiled" and device != "cuda":
+        pytest.skip("inductor's C++ at the real shapes: test_static_compiled.py covers the CPU")
     model32 = shaped_model(shape, device).float()
     model16 = shaped_model(shape, device).to(torch.bfloat16)
-    run = runner(model16, shape, slots=4, max_len=256, fuse=fuse)
+    run = runner(model16, shape, slots=4, max_len=256, fuse=fuse is True, compiled=fuse == "compiled")
     seqs = {"a": list(PROMPTS[2]), "b": [7], "c": list(PROMPTS[0])}
     for request_id in seqs:
         run.open(request_id)

@@ -1,0 +1,151 @@
+"""The static forward's decoder layer as ONE function compiled by inductor (torch.compile), for
+the captured GPU step: fewer, larger kernels a layer.
+
+Why: in a captured step of M_S every kernel costs ~2.5-3 us whatever its size, and the eager
+layer is ~21 kernels (c_S 1.93 ms at 622 kernels on an H100, 24-30x M_S's bandwidth floor);
+M_L's 1,108 kernels a forward are ~3.45 ms of fixed cost on top of its weights' bandwidth.
+Inductor fuses everything between the GEMMs and the attention into a few Triton kernels: the
+residual add with the next norm, the rotary embedding with the K/V write into the slot
+storage and the q layout, SiLU with the gate product. What stays apart: the four projection
+GEMMs (cuBLAS, over weights fused as views of one buffer: `FusedLayer.share`), the attention
+(SDPA's fused kernel) and, on the gathered path, one copy of the rows' keys and values.
+
+The function takes the layer's residual stream and the previous layer's MLP output apart
+(`h`, `delta`: vLLM's `residual` convention), so the add lands in the same kernel as the
+norm that reads it; the forward adds the last delta before the final norm.
+
+Compiles are bounded (at load, under CUDA graph warm-up, never in a replay): one function for
+every layer of a model (weights are arguments; their shapes are the same in every layer),
+its token dimensions marked dynamic (rows, k, the keys read L), so one compile serves every
+bucket of a kind: a model compiles once per (rows 1 or more, k 1 or more, dense or gathered)
+that its plan holds, at most eight. Everything else (weights' shapes, heads, eps) is
+specialised and guarded, so M_S and M_L never share a compile. The compiled code is cached on
+disk by inductor (TORCHINDUCTOR_CACHE_DIR): a later load on the same machine reads it.
+
+Numbers: the same operations as `StaticForward`'s fused path; inductor keeps a fused chain's
+intermediates in float32 (the residual sum's bf16 rounding before the norm is skipped), so in
+bf16 the logits differ from the eager step by bf16's own noise, and in float32 they agree to
+float rounding (tests/backoff_core/runners/test_static_compiled.py).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+from backoff_core.types import COMPILE_MODES
+
+# one cache entry per (model, rows 1 or more, k 1 or more, dense or gathered): two models
+# at most eight each; dynamo's default of 8 would fall back to eager after the first model
+RECOMPILE_LIMIT = 64
+
+
+def decoder_layer(
+    h: torch.Tensor,  # [B, K, d] the residual stream before this layer's attention
+    delta: torch.Tensor,  # [B, K, d] the previous layer's MLP output (zeros before layer 0)
+    kv: torch.Tensor,  # [2, S, kvh, M, D] this layer's stored keys and values (written in place)
+    slots: torch.Tensor,  # [B] long: each row's slot
+    positions: torch.Tensor,  # [B, K] long: each new token's position (and KV column)
+    mask: torch.Tensor,  # [B, 1, G*K, L] additive, query rows ordered (g, k)
+    cos: torch.Tensor,  # [B, K, D]
+    sin: torch.Tensor,  # [B, K, D] rotate_half's negation folded into its first half
+    in_norm: torch.Tensor,  # [d]
+    qkv_w: torch.Tensor,  # [(H + 2 kvh) D, d]
+    qkv_b: torch.Tensor | None,
+    o_w: torch.Tensor,  # [d, H D]
+    o_b: torch.Tensor | None,
+    post_norm: torch.Tensor,  # [d]
+    gate_up_w: torch.Tensor,  # [2 I, d]
+    gate_up_b: torch.Tensor | None,
+    down_w: torch.Tensor,  # [d, I]
+    down_b: torch.Tensor | None,
+    eps: float,
+    heads: int,
+    scaling: float,
+    dense: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One Llama decoder layer over static KV: returns (h + attention, the MLP's output)."""
+    rows, k, width = h.shape
+    kvh, d = kv.shape[2], kv.shape[4]
+    g = heads // kvh
+    h = h + delta
+    x = in_norm * F.rms_norm(h, (width,), eps=eps)
+    qkv = F.linear(x, qkv_w, qkv_b)  # [B, K, (H + 2 kvh) D]
+    qk = qkv[..., : (heads + kvh) * d].view(rows, k, heads + kvh, d)
+    value = qkv[..., (heads + kvh) * d :].view(rows, k, kvh, d)
+    half = d // 2  # HF's q * cos + rotate_half(q) * sin over the q and k heads side by side
+    qk = qk * cos.unsqueeze(2) + torch.cat((qk[..., half:], qk[..., :half]), dim=-1) * sin.unsqueeze(2)
+    q, key = qk[:, :, :heads], qk[:, :, heads:]
+    # in place at [:, slot, :, position]: the indexed result is [B, K, 2, kvh, D]
+    kv[:, slots[:, None], :, positions] = torch.stack((key, value), dim=2)
+    length = mask.shape[-1]
+    stored = kv[:, :rows, :, :length] if dense else kv[:, slots, :, :length]  # [2, B, kvh, L, D]
+    q = q.reshape(rows, k, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(rows, kvh, g * k, d)  # G folded into K
+    out = F.scaled_dot_product_attention(q, stored[0], stored[1], attn_mask=mask, scale=scaling)
+    out = out.view(rows, kvh, g, k, d).permute(0, 3, 1, 2, 4).reshape(rows, k, heads * d)
+    h = h + F.linear(out, o_w, o_b)
+    x = post_norm * F.rms_norm(h, (width,), eps=eps)
+    gate, up = F.linear(x, gate_up_w, gate_up_b).chunk(2, dim=-1)
+    return h, F.linear(F.silu(gate) * up, down_w, down_b)
+
+
+class CompiledLayers:
+    """`decoder_layer` under torch.compile for one model, with its token dimensions marked
+    dynamic at every call. Counts its compiles and their seconds (start-up's cost, reported)."""
+
+    def __init__(self, name: str = "model") -> None:
+        self.name = name
+        self._fn = torch.compile(decoder_layer, fullgraph=True, dynamic=None)
+        self.compiles = 0
+        self.compile_s = 0.0
+        self._seen: set[tuple] = set()
+
+    def __call__(self, h, delta, kv, slots, positions, mask, cos, sin, *weights, dense: bool):
+        """decoder_layer's arguments; call inside `settings()` (once a forward, not a layer)."""
+        rows, k = positions.shape
+        variant = (rows == 1, k == 1, dense)
+        if variant in self._seen:
+            _mark_tokens(h, delta, positions, slots, mask, cos, sin, rows, k)
+            return self._fn(h, delta, kv, slots, positions, mask, cos, sin, *weights, dense=dense)
+        start = time.perf_counter()  # the first call of a variant compiles (or reads inductor's cache)
+        _mark_tokens(h, delta, positions, slots, mask, cos, sin, rows, k)
+        out = self._fn(h, delta, kv, slots, positions, mask, cos, sin, *weights, dense=dense)
+        self._seen.add(variant)
+        self.compiles += 1
+        self.compile_s += time.perf_counter() - start
+        return out
+
+    @staticmethod
+    def settings():
+        """Only the marked dimensions dynamic (no automatic dynamic: a second model's weights
+        would otherwise turn the first one's shapes symbolic), and room for every variant of
+        two models."""
+        cfg = torch._dynamo.config
+        return cfg.patch(automatic_dynamic_shapes=False, recompile_limit=max(cfg.recompile_limit, RECOMPILE_LIMIT))
+
+
+def _mark_tokens(h, delta, positions, slots, mask, cos, sin, rows: int, k: int) -> None:
+    """rows, k and the keys read as dynamic dimensions (where > 1: dynamo specialises 0 and 1),
+    so one compile serves every bucket of a kind."""
+    mark = torch._dynamo.maybe_mark_dynamic  # no error where the trace needs a constant
+    if rows > 1:
+        for t in (h, delta, positions, slots, mask, cos, sin):
+            mark(t, 0)
+    if k > 1:
+        for t in (h, delta, positions, cos, sin):
+            mark(t, 1)
+        mark(mask, 2)  # G * K
+    mark(mask, 3)  # L, the keys read
+
+
+def resolve(mode: str, device: torch.device, cuda_graphs: bool) -> bool:
+    """Whether a static runner compiles its layers: "on" always (the CPU compiles C++), "auto"
+    where the forward is captured in CUDA graphs (compiled once at load, replayed after),
+    "off" never."""
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
+    if mode == "auto":
+        return device.type == "cuda" and cuda_graphs
+    return mode == "on"
