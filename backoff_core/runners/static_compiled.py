@@ -123,7 +123,8 @@ class CompiledLayers:
         would otherwise turn the first one's shapes symbolic), and room for every variant of
         two models."""
         cfg = torch._dynamo.config
-        return cfg.patch(automatic_dynamic_shapes=False, recompile_limit=max(cfg.recompile_limit, RECOMPILE_LIMIT))
+        limit = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"  # its older name
+        return cfg.patch(automatic_dynamic_shapes=False, **{limit: max(getattr(cfg, limit), RECOMPILE_LIMIT)})
 
 
 def _mark_tokens(h, delta, positions, slots, mask, cos, sin, rows: int, k: int) -> None:
