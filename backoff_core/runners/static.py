@@ -46,6 +46,7 @@ from backoff_core.runners.extension import Extension
 from backoff_core.runners.graph_plan import GRAPH_BUDGET, K_BUCKETS, GraphKey, kinds, length_buckets, plan_keys
 from backoff_core.runners.prefix_cache import PrefixCache, PrefixCaching
 from backoff_core.runners.scoring import Scoring, per_item
+from backoff_core.runners.static_compiled import ATTENTION
 from backoff_core.runners.static_forward import Batch, StaticForward, check_supported
 from backoff_core.runners.static_kv import KVCapacityError, StaticKV, next_power_of_two
 from backoff_core.runners.static_layout import Layout, Plan, blocks, choose, lay_out, place_ids, read_out
@@ -73,7 +74,8 @@ class StaticRunner(PrefixCaching, RaggedExtends, ScoredExtends, SlotSessions):
     the padded path runs).
     compile_layers: every decoder layer one inductor-compiled function (static_compiled.py;
     q/k/v and gate/up fused as views of one buffer), compiled at the first forward of each
-    kind: warmup's captures on a GPU."""
+    kind: warmup's captures on a GPU; attention: how a compiled layer attends
+    (static_compiled.attend)."""
 
     def __init__(
         self,
@@ -90,6 +92,7 @@ class StaticRunner(PrefixCaching, RaggedExtends, ScoredExtends, SlotSessions):
         ragged: bool = False,
         ragged_if_faster: bool = False,
         compile_layers: bool = False,
+        attention: str = ATTENTION,
     ) -> None:
         check_supported(model, max_len)  # before allocating anything
         super().__init__()
@@ -103,7 +106,9 @@ class StaticRunner(PrefixCaching, RaggedExtends, ScoredExtends, SlotSessions):
         self.evictions = 0  # sessions evicted to give their slot to another (evict_idle)
         self.eager_passes = 0  # forwards that ran without a graph (all of them on the CPU)
         self.kv = StaticKV(model, kv_budget_tokens, max_len, name)
-        self._forward = StaticForward(model, self.kv, fuse_projections=fuse_projections, compiled=compile_layers)
+        self._forward = StaticForward(
+            model, self.kv, fuse_projections=fuse_projections, compiled=compile_layers, attention=attention
+        )
         self.length_buckets = length_buckets(max_len)
         use_graphs = cuda_graphs and self.device.type == "cuda"
         self.graph_max_rows = min(graph_max_rows, next_power_of_two(self.kv.slots))  # more rows never occur

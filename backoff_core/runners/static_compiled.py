@@ -37,6 +37,12 @@ import torch.nn.functional as F
 
 from backoff_core.types import COMPILE_MODES
 
+# how a compiled layer attends (`attend`); sdpa: torch's scaled_dot_product_attention, whose
+# choice of kernel (cuDNN's flash kernel on an H200) parallelises over batch x heads x query
+# blocks alone: a one-row decode of M_S runs 3 blocks, each streaming every key
+ATTENTIONS = ("sdpa", "efficient", "math", "reduce")
+ATTENTION = "sdpa"
+
 # one cache entry per (model, rows 1 or more, k 1 or more, dense or gathered): two models
 # at most eight each; dynamo's default of 8 would fall back to eager after the first model
 RECOMPILE_LIMIT = 64
@@ -65,6 +71,7 @@ def decoder_layer(
     heads: int,
     scaling: float,
     dense: bool,
+    attention: str = ATTENTION,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One Llama decoder layer over static KV: returns (h + attention, the MLP's output)."""
     rows, k, width = h.shape
@@ -83,7 +90,7 @@ def decoder_layer(
     length = mask.shape[-1]
     stored = kv[:, :rows, :, :length] if dense else kv[:, slots, :, :length]  # [2, B, kvh, L, D]
     q = q.reshape(rows, k, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(rows, kvh, g * k, d)  # G folded into K
-    out = F.scaled_dot_product_attention(q, stored[0], stored[1], attn_mask=mask, scale=scaling)
+    out = attend(q, stored[0], stored[1], mask, scaling, attention)  # [B, kvh, G*K, D]
     out = out.view(rows, kvh, g, k, d).permute(0, 3, 1, 2, 4).reshape(rows, k, heads * d)
     h = h + F.linear(out, o_w, o_b)
     x = post_norm * F.rms_norm(h, (width,), eps=eps)
@@ -91,12 +98,36 @@ def decoder_layer(
     return h, F.linear(F.silu(gate) * up, down_w, down_b)
 
 
+def attend(q, keys, values, mask, scale: float, how: str) -> torch.Tensor:
+    """q [B, kvh, G*K, D] over keys, values [B, kvh, L, D] with the additive mask [B, 1, G*K, L]
+    -> [B, kvh, G*K, D]. sdpa: torch's SDPA (its own kernel choice); efficient: the
+    memory-efficient kernel named (CUDA only); math: HF's eager attention (scores by a batched
+    GEMM in the model's dtype, softmax in float32, a GEMM); reduce: the products summed in
+    float32, which inductor writes as Triton reductions parallel over keys (no GEMM)."""
+    if how == "sdpa":
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+    if how == "efficient":
+        bias = mask.expand(-1, q.shape[1], -1, -1)
+        return torch.ops.aten._scaled_dot_product_efficient_attention(q, keys, values, bias, False, scale=scale)[0]
+    if how == "math":
+        scores = torch.matmul(q, keys.transpose(-1, -2)) * scale + mask  # [B, kvh, G*K, L]
+        return torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), values)
+    if how == "reduce":
+        scores = (q[:, :, :, None].float() * keys[:, :, None].float()).sum(-1) * scale + mask  # [B, kvh, G*K, L]
+        probs = torch.softmax(scores, dim=-1)
+        return (probs[..., None] * values[:, :, None].float()).sum(-2).to(q.dtype)
+    raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}, got {how!r}")
+
+
 class CompiledLayers:
     """`decoder_layer` under torch.compile for one model, with its token dimensions marked
     dynamic at every call. Counts its compiles and their seconds (start-up's cost, reported)."""
 
-    def __init__(self, name: str = "model") -> None:
+    def __init__(self, name: str = "model", attention: str = ATTENTION) -> None:
+        if attention not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTIONS)}, got {attention!r}")
         self.name = name
+        self.attention = attention
         self._fn = torch.compile(decoder_layer, fullgraph=True, dynamic=None)
         self.compiles = 0
         self.compile_s = 0.0
@@ -108,10 +139,12 @@ class CompiledLayers:
         variant = (rows == 1, k == 1, dense)
         if variant in self._seen:
             _mark_tokens(h, delta, positions, slots, mask, cos, sin, rows, k)
-            return self._fn(h, delta, kv, slots, positions, mask, cos, sin, *weights, dense=dense)
+            return self._fn(
+                h, delta, kv, slots, positions, mask, cos, sin, *weights, dense=dense, attention=self.attention
+            )
         start = time.perf_counter()  # the first call of a variant compiles (or reads inductor's cache)
         _mark_tokens(h, delta, positions, slots, mask, cos, sin, rows, k)
-        out = self._fn(h, delta, kv, slots, positions, mask, cos, sin, *weights, dense=dense)
+        out = self._fn(h, delta, kv, slots, positions, mask, cos, sin, *weights, dense=dense, attention=self.attention)
         self._seen.add(variant)
         self.compiles += 1
         self.compile_s += time.perf_counter() - start

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from backoff_core.runners.static_compiled import CompiledLayers
+from backoff_core.runners.static_compiled import ATTENTION, CompiledLayers
 from backoff_core.runners.static_kv import StaticKV
 from backoff_core.runners.static_ragged import RaggedBatch, attention_fn, block_mask, ragged_attention
 
@@ -197,7 +197,13 @@ class StaticForward:
     """model + its StaticKV: `__call__(batch) -> (logits [B, K or 1 or C, V], hidden [B, K, d] | None)`."""
 
     def __init__(
-        self, model, kv: StaticKV, fused_norms: bool = True, fuse_projections: bool = False, compiled: bool = False
+        self,
+        model,
+        kv: StaticKV,
+        fused_norms: bool = True,
+        fuse_projections: bool = False,
+        compiled: bool = False,
+        attention: str = ATTENTION,
     ) -> None:
         check_supported(model, kv.max_len)
         base = model.model
@@ -217,7 +223,7 @@ class StaticForward:
         why = compile_refusal(model, self.fused_norms) if compiled else None
         if why is not None:
             log.warning("%s: layers not compiled (%s); the eager static forward runs", kv.name, why)
-        self.compiled = CompiledLayers(kv.name) if compiled and why is None else None
+        self.compiled = CompiledLayers(kv.name, attention) if compiled and why is None else None
         # compiled: q/k/v and gate/up fused for every model, as views of one buffer (no copy)
         self.shared_weights = self.compiled is not None
         fuse = FusedLayer.shared if self.shared_weights else FusedLayer.of

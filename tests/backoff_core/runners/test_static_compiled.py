@@ -23,7 +23,7 @@ from torch._inductor.utils import run_and_get_code
 from backoff_core.engine.engine import BackoffEngine
 from backoff_core.runners.factory import make_runner
 from backoff_core.runners.static import StaticRunner
-from backoff_core.runners.static_compiled import decoder_layer, resolve
+from backoff_core.runners.static_compiled import attend, decoder_layer, resolve
 from backoff_core.runners.static_forward import Batch, StaticForward
 from backoff_core.runners.static_kv import StaticKV
 from backoff_core.types import KVSpec
@@ -185,6 +185,31 @@ def test_a_compiled_layer_launches_nine_kernels():
     assert sum(k.startswith("extern_kernels.mm") for k in kernels) == 4, kernels
     assert sum("scaled_dot_product" in k for k in kernels) == 1, kernels
     assert len(kernels) <= 9, kernels
+
+
+@pytest.mark.parametrize("how", ["math", "reduce"])
+def test_every_way_to_attend_is_sdpas_attention(how):
+    """attend's ways against SDPA over a causal mask with a padded column, G = 3 folded."""
+    torch.manual_seed(8)
+    q, keys, values = torch.randn(2, 2, 6, 16), torch.randn(2, 2, 40, 16), torch.randn(2, 2, 40, 16)
+    positions = torch.tensor([[30, 31], [5, 39]]).repeat(1, 3)  # [B, G*K], (g, k) ordered
+    mask = torch.where(torch.arange(40) > positions[..., None], float("-inf"), 0.0)[:, None]
+    want = attend(q, keys, values, mask, 0.25, "sdpa")
+    torch.testing.assert_close(attend(q, keys, values, mask, 0.25, how), want, **TOL)
+    with pytest.raises(ValueError, match="attention must be one of"):
+        attend(q, keys, values, mask, 0.25, "quick")
+
+
+@pytest.mark.parametrize("how", ["math", "reduce"])
+@torch.inference_mode()
+def test_compiled_layers_attending_another_way_equal_eager(how):
+    model = tiny_model(9, hidden=64, layers=2)
+    eager = StaticForward(model, StaticKV(model, 4 * MAX_LEN, MAX_LEN), fuse_projections=True)
+    other = tiny_model(9, hidden=64, layers=2)
+    compiled = StaticForward(other, StaticKV(other, 4 * MAX_LEN, MAX_LEN), compiled=True, attention=how)
+    assert compiled.compiled.attention == how
+    for b in (batch([IDS], [0], [0], 16), batch([[5], [6]], [12, 0], [0, 2], 16)):
+        torch.testing.assert_close(compiled(b)[0], eager(b)[0], **TOL)
 
 
 @pytest.mark.parametrize(
