@@ -48,6 +48,9 @@ pair_src=${PAIR_SRC:-gpu_pair}
 pair=${PAIR:-/tmp/pair}
 tokens=${TOKENS:-64}
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+# inductor's compiled layers (KVSpec.compile, on by default on CUDA) cached across the stages'
+# loads, and across calls of a warm machine (git-ignored: carry it)
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$PWD/.inductor-cache}
 mkdir -p "$out"
 if [ ! -f "$pair/large/config.json" ]; then
     [ -f "$pair_src/make_pair.py" ] || { echo "no $pair_src/make_pair.py: copy ../shared/gpu/ there" >&2; exit 2; }
@@ -77,9 +80,7 @@ tests)
 fused)
     # benchmarks/fused_step.py: the compiled decoder layers beside the eager ones, in one run: the
     # step graphs' replays and kernel tables, the logits against HF, the engine's rows at 1/16/64
-    # streams, the goals (docs/gpu.md, "Compiled layers"); inductor's cache kept in .inductor-cache
-    # (git-ignored: carry it to the next call of a warm machine's session)
-    export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$PWD/.inductor-cache}
+    # streams, the goals (docs/gpu.md, "Compiled layers"); parts past FUSED_DEADLINE s are skipped
     nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version --format=csv >"$out/gpu.txt" || true
     python3 benchmarks/fused_step.py "${common[@]}" --tokens "$tokens" --tag "$tag" --out "$out" \
         --deadline "${FUSED_DEADLINE:-420}" 2>&1 | progress_out | tee "$out/fused_step-$tag.txt" | tail -60
@@ -111,16 +112,18 @@ timeline)
     ;;
 all)
     # one device call (a loan's 15 minutes hold one call of 10 and the machine's start, and it goes
-    # back 30 s after a call; a second call's start may take what is left): batch first, the open
-    # goal's stage, then tests, then timeline, each with what is left of DEADLINE seconds, the
+    # back 30 s after a call; a second call's start may take what is left): fused first (the
+    # goals: both models against the card's limits; its parts past FUSED_DEADLINE, 240 s here,
+    # skipped), then batch, then tests, then timeline, each with what is left of DEADLINE seconds, the
     # pair's build included. Each stage runs under `timeout`, which stops its whole process
     # group; each writes as it goes, so a stage cut short keeps what it wrote. The device hands
     # back at most MAX_FILES (8) files of $OUT: where the call wrote more, its text logs and plots
     # go into one archive, all-TAG.tar.gz (`tar xzf` it), and the JSON files stay as they are.
     deadline=${DEADLINE:-570} min_left=${MIN_LEFT:-60} rc=0
     stamp=$(mktemp) # what this call writes is newer
-    timeout --kill-after=10 $((deadline > SECONDS ? deadline - SECONDS : 1)) bash "$self" batch "$tag" || rc=$?
-    for next in tests timeline; do
+    FUSED_DEADLINE=${FUSED_DEADLINE:-240} timeout --kill-after=10 $((deadline > SECONDS ? deadline - SECONDS : 1)) \
+        bash "$self" fused "$tag" || rc=$?
+    for next in batch tests timeline; do
         left=$((deadline - SECONDS))
         if [ "$left" -ge "$min_left" ]; then
             timeout --kill-after=10 "$left" bash "$self" "$next" "$tag" || rc=$?
@@ -140,7 +143,7 @@ all)
     exit "$rc"
     ;;
 *)
-    echo "unknown stage $stage: tests, cost, batch, timeline or all" >&2
+    echo "unknown stage $stage: tests, fused, cost, batch, timeline or all" >&2
     exit 2
     ;;
 esac

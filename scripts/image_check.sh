@@ -35,7 +35,7 @@ assert transformers.__version__ == '$transformers_version', transformers.__versi
 fi
 "$py" -c "import sys, torch, transformers; print(f'python {sys.version.split()[0]}, torch {torch.__version__}, transformers {transformers.__version__}')"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-for script in benchmarks/gpu_check.py benchmarks/cost_curve.py benchmarks/batch_scaling.py benchmarks/catch_up_anatomy.py \
+for script in benchmarks/gpu_check.py benchmarks/fused_step.py benchmarks/cost_curve.py benchmarks/batch_scaling.py benchmarks/catch_up_anatomy.py \
     benchmarks/step_timeline.py; do
     "$py" "$script" --help >/dev/null || { echo "$script does not start under the GPU image's packages" >&2; exit 1; }
 done

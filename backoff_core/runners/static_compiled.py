@@ -1,31 +1,37 @@
 """The static forward's decoder layer as ONE function compiled by inductor (torch.compile), for
-the captured GPU step: fewer, larger kernels a layer.
+the captured GPU step: fewer, larger kernels a layer (KVSpec.compile, "auto": where CUDA
+graphs capture the forward).
 
-Why: in a captured step of M_S every kernel costs ~2.5-3 us whatever its size, and the eager
-layer is ~21 kernels (c_S 1.93 ms at 622 kernels on an H100, 24-30x M_S's bandwidth floor);
-M_L's 1,108 kernels a forward are ~3.45 ms of fixed cost on top of its weights' bandwidth.
-Inductor fuses everything between the GEMMs and the attention into a few Triton kernels: the
-residual add with the next norm, the rotary embedding with the K/V write into the slot
-storage and the q layout, SiLU with the gate product. What stays apart: the four projection
-GEMMs (cuBLAS, over weights fused as views of one buffer: `FusedLayer.share`), the attention
-(SDPA's fused kernel) and, on the gathered path, one copy of the rows' keys and values.
+Why: in a captured step every kernel costs ~2.5-4 us whatever its size. The eager layer is ~21
+kernels for M_S (622 a step) and ~34 for M_L (1,108 a forward), so M_S ran at its launch floor
+and M_L at 45% of the H200's HBM bandwidth. Inductor fuses everything between the GEMMs and the
+attention into a few Triton kernels: the residual add with the next norm, the rotary
+embedding with the K/V write into the slot storage and q's layout, SiLU with the gate
+product. What stays apart: the four projection GEMMs (cuBLAS, over q/k/v and gate/up fused
+as views of one buffer: `FusedLayer.shared`, no copy of the weights), the attention (`attend`)
+and, on the gathered path, one copy of the rows' keys and values. Measured on an H200
+(benchmarks/fused_step.py, both in one run): M_S's step 622 -> 355 kernels, 1.71 -> 1.11 ms
+at one row over 256 keys; M_L's one-token forward 1,108 -> 441 kernels, 6.40 -> 4.64 ms.
 
-The function takes the layer's residual stream and the previous layer's MLP output apart
-(`h`, `delta`: vLLM's `residual` convention), so the add lands in the same kernel as the
-norm that reads it; the forward adds the last delta before the final norm.
+The function takes the residual stream and the previous layer's MLP output apart (`h`,
+`delta`: vLLM's `residual` convention), so the add lands in the same kernel as the norm that
+reads it; the forward adds the last delta before the final norm.
 
-Compiles are bounded (at load, under CUDA graph warm-up, never in a replay): one function for
-every layer of a model (weights are arguments; their shapes are the same in every layer),
-its token dimensions marked dynamic (rows, k, the keys read L), so one compile serves every
-bucket of a kind: a model compiles once per (rows 1 or more, k 1 or more, dense or gathered)
-that its plan holds, at most eight. Everything else (weights' shapes, heads, eps) is
-specialised and guarded, so M_S and M_L never share a compile. The compiled code is cached on
-disk by inductor (TORCHINDUCTOR_CACHE_DIR): a later load on the same machine reads it.
+Compiles are bounded and happen at load (CUDA graph warm-up), never in a replay: one function
+for every layer of a model (weights are arguments of equal shapes in every layer), its token
+dimensions marked dynamic (rows, k, the keys read L), so one compile serves every bucket of a
+kind: a model compiles once per (rows 1 or more, k 1 or more, dense or gathered, `auto`'s
+side of SDPA_MAX_KEYS) that its plan holds. Everything else (weights' shapes, heads, eps) is
+specialised and guarded, so M_S and M_L never share a compile. On an H200 the default pair's
+load took 162 s against 24 s eager (the compiles, Triton's autotuning and the captures);
+inductor caches the compiled code on disk (TORCHINDUCTOR_CACHE_DIR), so a later load on the
+same machine reads it.
 
 Numbers: the same operations as `StaticForward`'s fused path; inductor keeps a fused chain's
 intermediates in float32 (the residual sum's bf16 rounding before the norm is skipped), so in
-bf16 the logits differ from the eager step by bf16's own noise, and in float32 they agree to
-float rounding (tests/backoff_core/runners/test_static_compiled.py).
+bf16 the logits differ from the eager step by bf16's own noise (against HF's forward on the
+random-weight 8B shape: 0.065 compiled, 0.041 eager), and in float32 they agree to float
+rounding (tests/backoff_core/runners/test_static_compiled.py).
 """
 
 from __future__ import annotations
@@ -37,14 +43,20 @@ import torch.nn.functional as F
 
 from backoff_core.types import COMPILE_MODES
 
-# how a compiled layer attends (`attend`); sdpa: torch's scaled_dot_product_attention, whose
-# choice of kernel (cuDNN's flash kernel on an H200) parallelises over batch x heads x query
-# blocks alone: a one-row decode of M_S runs 3 blocks, each streaming every key
-ATTENTIONS = ("sdpa", "efficient", "math", "reduce")
-ATTENTION = "sdpa"
+# how a compiled layer attends (`attend`). SDPA's kernel on an H200 (cuDNN's flash kernel)
+# parallelises over batch x heads x query blocks alone: a one-row step of M_S runs 3 blocks,
+# each streaming every key, 17.6 us a layer over 1024 keys. HF's eager math (two batched GEMMs)
+# spreads the keys over the GPU and is flat in their count, but costs two kernels more. Timed
+# side by side (benchmarks/compiled_attention.py, an H200), M_S's step graph: 1 row over 256 /
+# 1024 keys sdpa 1.09 / 1.42 ms, math 1.24 / 1.24; 64 rows 1.33 / 1.99 against 1.71 / 1.70;
+# M_L's 1-row step 4.72 / 5.17 against 4.87 / 4.89. So "auto": SDPA up to SDPA_MAX_KEYS keys
+# read, math past them (a forward's L is one length bucket: each side is its own compile).
+ATTENTIONS = ("auto", "sdpa", "efficient", "math", "reduce")
+ATTENTION = "auto"
+SDPA_MAX_KEYS = 256
 
-# one cache entry per (model, rows 1 or more, k 1 or more, dense or gathered): two models
-# at most eight each; dynamo's default of 8 would fall back to eager after the first model
+# one cache entry per (model, rows 1 or more, k 1 or more, dense or gathered, auto's side):
+# two models at most sixteen each; dynamo's default of 8 would fall back to eager
 RECOMPILE_LIMIT = 64
 
 
@@ -100,10 +112,13 @@ def decoder_layer(
 
 def attend(q, keys, values, mask, scale: float, how: str) -> torch.Tensor:
     """q [B, kvh, G*K, D] over keys, values [B, kvh, L, D] with the additive mask [B, 1, G*K, L]
-    -> [B, kvh, G*K, D]. sdpa: torch's SDPA (its own kernel choice); efficient: the
+    -> [B, kvh, G*K, D]. auto: sdpa up to SDPA_MAX_KEYS keys, math past them (measured
+    above); sdpa: torch's SDPA (its own kernel choice); efficient: the
     memory-efficient kernel named (CUDA only); math: HF's eager attention (scores by a batched
     GEMM in the model's dtype, softmax in float32, a GEMM); reduce: the products summed in
     float32, which inductor writes as Triton reductions parallel over keys (no GEMM)."""
+    if how == "auto":
+        how = "sdpa" if keys.shape[-2] <= SDPA_MAX_KEYS else "math"
     if how == "sdpa":
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
     if how == "efficient":
@@ -136,7 +151,7 @@ class CompiledLayers:
     def __call__(self, h, delta, kv, slots, positions, mask, cos, sin, *weights, dense: bool):
         """decoder_layer's arguments; call inside `settings()` (once a forward, not a layer)."""
         rows, k = positions.shape
-        variant = (rows == 1, k == 1, dense)
+        variant = (rows == 1, k == 1, dense, self.attention == "auto" and mask.shape[-1] <= SDPA_MAX_KEYS)
         if variant in self._seen:
             _mark_tokens(h, delta, positions, slots, mask, cos, sin, rows, k)
             return self._fn(

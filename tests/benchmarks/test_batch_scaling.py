@@ -39,6 +39,7 @@ def test_forwards_per_100_tokens_counts_the_large_models_forwards():
         per_100 = got["forwards_per_100_tokens"]
         assert per_100 == pytest.approx(100 * runner.forwards / (2 * 16 * 24))  # a forward split between its rows
         assert 0 < got["itl_median_ms"] <= got["itl_p99_ms"]
+        assert 0.02 < got["routed_share"] < 0.25  # the realised share of tokens M_L gave, at rate 0.9
         figures[wait] = per_100
     assert figures[1e4] < 0.6 * figures[0]  # 16 streams at 10% large: most steps route one or more
 

@@ -87,6 +87,7 @@ def stand_ins(tmp_path, gpu: str, fail: str) -> dict[str, str]:
 
 
 SCRIPTS_OF_ALL = [
+    "fused_step",
     "batch_scaling",
     "catch_up_anatomy",
     "test_static_cuda",
@@ -159,13 +160,14 @@ def _running(pid: str) -> bool:
     ("slow", "deadline", "called", "kept"),
     [
         (None, "570", SCRIPTS_OF_ALL, 2),  # every stage whole
-        ("batch_scaling.py", "3", ["batch_scaling"], 0),  # batch cut at the deadline: no time for tests
-        ("gpu_check.py", "6", SCRIPTS_OF_ALL[:4], 1),  # tests cut in gpu_check: the padded tests kept
+        ("fused_step.py", "3", ["fused_step"], 0),  # fused cut at the deadline: no time for the rest
+        ("batch_scaling.py", "3", SCRIPTS_OF_ALL[:2], 0),  # batch cut at the deadline: no time for tests
+        ("gpu_check.py", "6", SCRIPTS_OF_ALL[:5], 1),  # tests cut in gpu_check: the padded tests kept
     ],
-    ids=["whole", "batch-cut", "tests-cut"],
+    ids=["whole", "fused-cut", "batch-cut", "tests-cut"],
 )
-def test_all_runs_batch_then_tests_to_a_deadline_in_one_call(tmp_path, slow, deadline, called, kept):
-    """`gpu_bench.sh all` over stand-ins: batch, then tests, then timeline with what is left of
+def test_all_runs_fused_batch_then_tests_to_a_deadline_in_one_call(tmp_path, slow, deadline, called, kept):
+    """`gpu_bench.sh all` over stand-ins: fused, batch, then tests, then timeline with what is left of
     DEADLINE; a stage past it is stopped, the python it started included (no orphan holds the
     GPU), and the stage's files so far are kept; the call then fails with timeout's 124."""
     env = stand_ins(tmp_path, "NVIDIA H200", "nothing to fail") | {"DEADLINE": deadline, "MIN_LEFT": "1"}
@@ -178,17 +180,19 @@ def test_all_runs_batch_then_tests_to_a_deadline_in_one_call(tmp_path, slow, dea
     assert _called(tmp_path) == called
     assert done.returncode == (0 if slow is None else 124), said
     out = tmp_path / "out"
-    assert (out / "batch_scaling-h200.txt").exists()
+    assert (out / "fused_step-h200.txt").exists()
+    assert (out / "batch_scaling-h200.txt").exists() == (slow != "fused_step.py")
     tests_log = out / "cuda_tests.txt"
     assert (tests_log.read_text().count("passed") if tests_log.exists() else 0) == kept
     assert stopped  # the stage's python went with it
     assert ("cut at the deadline" in said) == bool(slow)
-    assert ("no time left for the tests stage" in said) == (slow == "batch_scaling.py")
+    assert ("no time left for the tests stage" in said) == (slow in ("fused_step.py", "batch_scaling.py"))
+    assert ("no time left for the batch stage" in said) == (slow == "fused_step.py")
 
 
 @pytest.mark.parametrize("max_files", [8, 3])
 def test_all_packs_its_logs_where_it_wrote_more_files_than_a_device_call_hands_back(tmp_path, max_files):
-    """The stand-ins' run of `all` writes six text files (and a file from before the call
+    """The stand-ins' run of `all` writes seven text files (and a file from before the call
     stays as it is): under the device's 8 nothing is packed; over MAX_FILES the call's logs go
     into all-TAG.tar.gz, JSON files and what was there before untouched."""
     env = stand_ins(tmp_path, "NVIDIA H200", "nothing to fail") | {"MAX_FILES": str(max_files), "MIN_LEFT": "1"}
@@ -199,6 +203,7 @@ def test_all_packs_its_logs_where_it_wrote_more_files_than_a_device_call_hands_b
     done = subprocess.run(["bash", str(SCRIPTS / "gpu_bench.sh"), "all"], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
     logs = {
+        "fused_step-h200.txt",
         "batch_scaling-h200.txt",
         "catch_up_anatomy.txt",
         "cuda_tests.txt",
@@ -213,4 +218,4 @@ def test_all_packs_its_logs_where_it_wrote_more_files_than_a_device_call_hands_b
     with tarfile.open(out / "all-h200.tar.gz") as archive:
         assert set(archive.getnames()) == logs
         assert b"1 passed" in archive.extractfile("step_timeline.txt").read()
-    assert "6 files written, over the 3 a device call hands back: 6 packed into all-h200.tar.gz" in done.stdout
+    assert "7 files written, over the 3 a device call hands back: 7 packed into all-h200.tar.gz" in done.stdout

@@ -21,6 +21,7 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 from backoff_core.engine.engine import BackoffEngine
+from backoff_core.runners import static_compiled
 from backoff_core.runners.factory import make_runner
 from backoff_core.runners.static import StaticRunner
 from backoff_core.runners.static_compiled import attend, decoder_layer, resolve
@@ -198,6 +199,25 @@ def test_every_way_to_attend_is_sdpas_attention(how):
     torch.testing.assert_close(attend(q, keys, values, mask, 0.25, how), want, **TOL)
     with pytest.raises(ValueError, match="attention must be one of"):
         attend(q, keys, values, mask, 0.25, "quick")
+
+
+@torch.inference_mode()
+def test_auto_attends_by_sdpa_up_to_its_keys_and_by_math_past_them(monkeypatch):
+    """The default: SDPA where a forward reads at most SDPA_MAX_KEYS keys, math past them (one
+    compile each side), the eager forward's logits either way."""
+    monkeypatch.setattr(static_compiled, "SDPA_MAX_KEYS", 16)
+    torch.manual_seed(10)
+    q, keys, values = torch.randn(1, 2, 3, 16), torch.randn(1, 2, 32, 16), torch.randn(1, 2, 32, 16)
+    for length, way in ((16, "sdpa"), (32, "math")):
+        k, v, mask = keys[:, :, :length], values[:, :, :length], torch.zeros(1, 1, 3, length)
+        assert torch.equal(attend(q, k, v, mask, 0.25, "auto"), attend(q, k, v, mask, 0.25, way))
+    model, other = tiny_model(11, hidden=64, layers=2), tiny_model(11, hidden=64, layers=2)
+    eager = StaticForward(model, StaticKV(model, 4 * MAX_LEN, MAX_LEN), fuse_projections=True)
+    compiled = StaticForward(other, StaticKV(other, 4 * MAX_LEN, MAX_LEN), compiled=True)
+    assert compiled.compiled.attention == "auto"
+    for b in (batch([[5], [6]], [3, 4], [0, 1], 16), batch([[7], [8]], [4, 5], [0, 1], 32)):
+        torch.testing.assert_close(compiled(b)[0], eager(b)[0], **TOL)
+    assert compiled.compiled.compiles == 2
 
 
 @pytest.mark.parametrize("how", ["math", "reduce"])
