@@ -74,3 +74,35 @@ def test_generate_launched_ahead_prints_the_same_tokens_and_needs_static_kv(tmp_
     with pytest.raises(SystemExit, match="--launch-ahead needs static KV: give --kv-budget"):
         main(without_kv + ["--launch-ahead"])
     assert main(without_kv) == 0 and json.loads(capsys.readouterr().out.strip().splitlines()[-1])["token_ids"]
+
+
+def test_generate_with_compiled_layers_prints_the_same_tokens(tmp_path, pair, tokenizer, capsys):
+    """`backoff generate --compile-layers on` (runners/static_compiled.py; inductor's C++ on the
+    CPU, plain Linear modules) prints the tokens of the eager static forward; the mode reaches
+    both models' runners (auto: off on the CPU)."""
+    import json
+    from unittest import mock
+
+    from backoff_core.cli.main import main
+    from backoff_core.runners import factory
+
+    for model, name in zip(pair, ("small", "large")):
+        model.save_pretrained(tmp_path / name)
+        tokenizer.save_pretrained(tmp_path / name)
+    argv = ["generate", "--small", str(tmp_path / "small"), "--large", str(tmp_path / "large"), "--prompt", "w3 w4"]
+    argv += ["--router", "random", "--rate", "0.6", "--seed", "3", "--max-tokens", "8", "--cpu-kernels", "default"]
+    argv += ["--kv-budget", "512", "--max-len", "64", "--json"]
+    chosen, runs = [], []
+    real = factory.resolve_compile
+
+    def resolve(mode, device, graphs):
+        chosen.append(real(mode, device, graphs))
+        return chosen[-1]
+
+    with mock.patch.object(factory, "resolve_compile", resolve):
+        for extra in ([], ["--compile-layers", "on"]):
+            assert main(argv + extra) == 0
+            out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+            runs.append((out["token_ids"], out["sources"]))
+    assert chosen == [False, False, True, True]
+    assert runs[0] == runs[1] and len(runs[0][0]) == 8

@@ -121,6 +121,23 @@ def test_ragged_catch_ups_reach_the_kv_spec_auto_by_default(pair, argv, mode):
     assert models.ragged_catch_ups == mode and models.kv_spec(pair[1]).ragged == mode
 
 
+@pytest.mark.parametrize(
+    "argv, mode", [([], "auto"), (["--compile-layers", "off"], "off"), (["--compile-layers", "on"], "on")]
+)
+def test_compiled_layers_reach_the_kv_spec_auto_by_default(pair, argv, mode):
+    base = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    args = _parser().parse_args(argv + ["--kv-budget", "4096", "--kv-max-len", "256"])
+    models = ModelsConfig.model_validate(apply_overrides(base, args)["applications"][0]["args"]["models"])
+    assert models.compile_layers == mode and models.kv_spec(pair[1]).compile == mode
+
+
+def test_compiled_layers_refuse_what_is_not_a_mode():
+    with pytest.raises(ValidationError, match="compile_layers"):
+        ModelsConfig(compile_layers="sometimes")
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["--compile-layers", "sometimes"])
+
+
 def test_ragged_catch_ups_read_the_old_booleans_and_refuse_the_rest():
     """true / false, the spelling before "auto", read as on / off; anything else is refused, naming the field."""
     assert ModelsConfig(ragged_catch_ups=True).ragged_catch_ups == "on"
