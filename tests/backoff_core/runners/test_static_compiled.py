@@ -9,7 +9,9 @@ float32, where inductor compiles C++ as it compiles Triton on a GPU:
   first one's compiles unspoilt;
 - the fused weights are views of one buffer (no copy), and HF's forward is unchanged by them;
 - a runner with compiled layers decodes exactly HF's greedy tokens, both models of a pair;
-- the compiled layer's kernel count is held (read from inductor's generated code);
+- every way to attend computes SDPA's attention, and `auto` (the default) switches at its keys;
+- the compiled layer never syncs with the host (capture safety), and its kernel count is held
+  (read from inductor's generated code);
 - where compiling is on by default, and refused values."""
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from backoff_core.runners.static_forward import Batch, StaticForward
 from backoff_core.runners.static_kv import StaticKV
 from backoff_core.types import KVSpec
 from tests.support.helpers import request
+from tests.support.host_syncs import HostSyncs
 from tests.support.tiny import tiny_model
 
 MAX_LEN = 64
@@ -160,6 +163,25 @@ def test_a_compiled_runner_decodes_hf_greedy_tokens(pair, tokenizer):
                 torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0
             )
         assert engine.generate(request(prompt, 12, router)).token_ids == tuple(out[0, len(prompt) :].tolist())
+
+
+@pytest.mark.parametrize("how", ["sdpa", "math", "reduce"])
+@pytest.mark.parametrize("name", ["step, two rows, dense", "catch-up, two rows, gathered, hidden layer"])
+@torch.inference_mode()
+def test_the_compiled_layer_never_syncs_with_the_host(name, how):
+    """Capture safety of what inductor compiles: `decoder_layer` dispatches no op that reads a
+    value back or sizes an output by data (HostSyncs, as test_capture_safety checks the eager
+    step), in every way to attend; fullgraph=True already refuses any graph break."""
+    model = tiny_model(12, hidden=64, layers=1)
+    forward = StaticForward(model, StaticKV(model, 4 * MAX_LEN, MAX_LEN), compiled=True)
+    b = CASES[name]
+    h = forward.model.model.embed_tokens(b.input_ids)
+    cos, sin = forward._rope_tables(h, b.positions)
+    mask = forward.mask(b.positions, b.length, h.dtype)
+    args = (h, torch.zeros_like(h), forward.kv.storage[0], b.slots, b.positions, mask, cos, sin)
+    with HostSyncs() as trace:
+        decoder_layer(*args, *forward._layer_weights(0, model.model.layers[0]), dense=b.dense, attention=how)
+    assert trace.syncs == [] and "index_put_" in trace.ops, trace.syncs
 
 
 def launches(code: str) -> list[str]:
