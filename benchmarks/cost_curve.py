@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -23,6 +24,7 @@ import torch
 import transformers
 from tqdm import tqdm
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: benchmarks importable
 from backoff_core.engine.engine import BackoffEngine
 from backoff_core.models.loading import LoadSpec, load_chain
 from backoff_core.models.prompts import encode_prompt
@@ -30,6 +32,7 @@ from backoff_core.routing.head import ClassifierHead, HeadMeta
 from backoff_core.routing.routers import Classifier, StepContext, build_router
 from backoff_core.runners.dynamic import timed
 from backoff_core.types import GenerationRequest, KVSpec, RoutingParams, SamplingParams, Verification
+from benchmarks.fused_step import read_bytes, spec_bandwidth
 
 PROMPTS = [
     "Write a short paragraph about the history of the Python programming language.",
@@ -224,6 +227,8 @@ def main() -> None:
         "speculative_acceptance_rate": acceptance,
         "bandwidth": floors,
         "M_L_alone_over_floor": rows["M_L alone (always-large)"] / floors["floor_s"]["M_L"] if floors else None,
+        # the share of the card's spec HBM bandwidth M_L alone reads its weights at (fused_step's rule)
+        "M_L_alone_over_peak": _over_peak(chain, rows["M_L alone (always-large)"]) if gpu else None,
         "c_S_over_floor": c_s / floors["floor_s"]["M_S"] if floors else None,
         "router_overhead_vs_c_S": {k: v / c_s for k, v in c_r.items()},
     }
@@ -234,6 +239,12 @@ def main() -> None:
     (out / f"{stem}.json").write_text(json.dumps(report, indent=2))
     _plot(report, out / f"{stem}.png")
     print(f"saved {out / stem}.json and .png")
+
+
+def _over_peak(chain, seconds_per_token: float) -> float | None:
+    """Weights' bytes a token reads / the card's spec bandwidth / the measured time a token."""
+    bandwidth = spec_bandwidth(torch.cuda.get_device_name())
+    return None if bandwidth is None else read_bytes(chain.models[-1]) / bandwidth / seconds_per_token
 
 
 def _print(r) -> None:
