@@ -29,6 +29,7 @@ from backoff_core.models.loading import LoadSpec, load_chain  # noqa: E402
 from backoff_core.runners.graph_plan import GraphKey  # noqa: E402
 from backoff_core.runners.static import StaticRunner  # noqa: E402
 from benchmarks.fused_step import replay_profile  # noqa: E402
+from benchmarks.pair_args import pair_args  # noqa: E402
 
 GRAPHS = {  # model -> (rows, keys read) of its one-token step graphs
     "small": [(1, 256), (1, 1024), (64, 256), (64, 1024)],
@@ -71,11 +72,7 @@ def measure_way(way: str, chain, args, reference: dict) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--small", required=True)
-    ap.add_argument("--large", required=True)
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--kv-budget", type=int, default=65536)
-    ap.add_argument("--max-len", type=int, default=1024)
+    pair_args(ap)
     ap.add_argument("--ways", default="sdpa,efficient,math,reduce")
     ap.add_argument("--tag", default="")
     ap.add_argument("--out", default="benchmarks/results/gpu")
@@ -84,7 +81,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / ("compiled_attention" + (f"-{args.tag}" if args.tag else "") + ".json")
-    chain = load_chain(args.small, args.large, (), LoadSpec("cuda", args.dtype))
+    chain = load_chain(args.small, args.large, (), LoadSpec(args.device, args.dtype))
     report: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "ways": {}, "errors": {}}
     reference: dict = {}
     for way in args.ways.split(","):

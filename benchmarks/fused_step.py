@@ -39,6 +39,7 @@ from backoff_core.models.prompts import encode_prompt  # noqa: E402
 from backoff_core.runners.graph_plan import GraphKey  # noqa: E402
 from backoff_core.types import KVSpec, RoutingParams  # noqa: E402
 from benchmarks.batch_scaling import PROMPT, throughput  # noqa: E402
+from benchmarks.pair_args import pair_args  # noqa: E402
 
 # the cards' spec HBM bandwidth, bytes/s (SXM parts), by the name torch reports
 SPEC_BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12}
@@ -216,12 +217,7 @@ def goals(report: dict) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--small", required=True)
-    ap.add_argument("--large", required=True)
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--kv-budget", type=int, default=65536)
-    ap.add_argument("--max-len", type=int, default=1024)
+    pair_args(ap)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3, help="repeats of a cell at 16 and 64 streams (median)")
     ap.add_argument("--repeats-one", type=int, default=16, help="repeats of a cell at one stream (median)")

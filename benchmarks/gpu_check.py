@@ -42,6 +42,7 @@ from backoff_core.runners.static import StaticRunner
 from backoff_core.types import GenerationRequest, KVSpec, RoutingParams, SamplingParams, Verification
 from benchmarks.gpu_plan import plan
 from benchmarks.gpu_probes import median_ms, probes, ragged_probe, replay_table, sharing
+from benchmarks.pair_args import pair_args
 
 GIB = 2**30
 ROUTINGS = {
@@ -152,12 +153,7 @@ def anatomy(chain, runners, prompt_ids) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--small", required=True)
-    ap.add_argument("--large", required=True)
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--kv-budget", type=int, default=65536)
-    ap.add_argument("--max-len", type=int, default=1024)
+    pair_args(ap)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--out", default="benchmarks/results/gpu")
     args = ap.parse_args()

@@ -27,33 +27,16 @@ from backoff_core.runners import static_compiled
 from backoff_core.runners.factory import make_runner
 from backoff_core.runners.static import StaticRunner
 from backoff_core.runners.static_compiled import attend, decoder_layer, resolve
-from backoff_core.runners.static_forward import Batch, StaticForward
+from backoff_core.runners.static_forward import StaticForward
 from backoff_core.runners.static_kv import StaticKV
 from backoff_core.types import KVSpec
 from tests.support.helpers import request
 from tests.support.host_syncs import HostSyncs
+from tests.support.static_batch import MAX_LEN, batch
 from tests.support.tiny import tiny_model
 
-MAX_LEN = 64
 IDS = [3, 17, 4, 29, 5, 11, 40, 2, 8, 31, 7, 19]
 TOL = dict(atol=2e-5, rtol=2e-5)
-
-
-def batch(rows, starts, slots, length, last_only=False, hidden_layer=None) -> Batch:
-    """Rows right-padded to the longest, the padding at the scratch column."""
-    k = max(map(len, rows))
-    ids = torch.tensor([r + [0] * (k - len(r)) for r in rows])
-    pos = torch.tensor([[s + j if j < len(r) else MAX_LEN - 1 for j in range(k)] for r, s in zip(rows, starts)])
-    return Batch(
-        input_ids=ids,
-        positions=pos,
-        slots=torch.tensor(slots),
-        last_col=torch.tensor([len(r) - 1 for r in rows]),
-        length=length,
-        dense=slots == list(range(len(slots))),
-        last_only=last_only,
-        hidden_layer=hidden_layer,
-    )
 
 
 # every kind of bucket the runners capture, in an order that writes before it reads

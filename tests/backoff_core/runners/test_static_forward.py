@@ -20,13 +20,13 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from backoff_core.runners.static_forward import Batch, FusedLayer, StaticForward, check_supported
+from backoff_core.runners.static_forward import FusedLayer, StaticForward, check_supported
 from backoff_core.runners.static_kv import StaticKV
 from tests.support.ops import Ops
+from tests.support.static_batch import MAX_LEN, batch
 from tests.support.tiny import TINY_SHAPE, VOCAB, tiny_model
 
 TOL = dict(atol=1e-4, rtol=1e-4)
-MAX_LEN = 64
 IDS = [3, 17, 4, 29, 5, 11, 40, 2, 8, 31, 7, 19]
 
 
@@ -42,25 +42,6 @@ def fuse(request) -> bool:
 
 def forward(model, slots: int = 2, fuse: bool = False) -> StaticForward:
     return StaticForward(model, StaticKV(model, slots * MAX_LEN, MAX_LEN), fuse_projections=fuse)
-
-
-def batch(
-    rows: list[list[int]], starts: list[int], slots: list[int], length: int, last_only=False, hidden_layer=None
-) -> Batch:
-    """Rows right-padded to the longest; padding goes to the scratch column (MAX_LEN - 1)."""
-    k = max(map(len, rows))
-    ids = torch.tensor([r + [0] * (k - len(r)) for r in rows])  # [B, K]
-    pos = torch.tensor([[s + j if j < len(r) else MAX_LEN - 1 for j in range(k)] for r, s in zip(rows, starts)])
-    return Batch(
-        input_ids=ids,
-        positions=pos,
-        slots=torch.tensor(slots),
-        last_col=torch.tensor([len(r) - 1 for r in rows]),
-        length=length,
-        dense=slots == list(range(len(slots))),
-        last_only=last_only,
-        hidden_layer=hidden_layer,
-    )
 
 
 def hf_logits(model, ids: list[int]) -> torch.Tensor:  # -> [len(ids), V]
