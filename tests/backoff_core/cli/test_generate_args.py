@@ -37,6 +37,29 @@ def test_what_the_user_names_is_kept():
     assert _routing("--medium", "m").thresholds is None  # a chain of three: one threshold would not fit
 
 
+def _static_generate(tmp_path, pair, tokenizer, *extra: str) -> list[str]:
+    """`backoff generate`'s arguments over the pair saved to tmp_path: random routing at 0.6,
+    seeded, static KV (8 slots of 64), --json; `extra` added."""
+    for model, name in zip(pair, ("small", "large")):
+        model.save_pretrained(tmp_path / name)
+        tokenizer.save_pretrained(tmp_path / name)
+    argv = ["generate", "--small", str(tmp_path / "small"), "--large", str(tmp_path / "large"), "--prompt", "w3 w4"]
+    return argv + [
+        "--router",
+        "random",
+        "--rate",
+        "0.6",
+        "--seed",
+        "3",
+        "--kv-budget",
+        "512",
+        "--max-len",
+        "64",
+        "--json",
+        *extra,
+    ]
+
+
 def test_generate_launched_ahead_prints_the_same_tokens_and_needs_static_kv(tmp_path, pair, tokenizer, capsys):
     """`backoff generate --launch-ahead` (engine/ahead.py) over static KV: the tokens and sources
     of the run without (auto, the default: off on the CPU; false); without --kv-budget it is
@@ -49,12 +72,7 @@ def test_generate_launched_ahead_prints_the_same_tokens_and_needs_static_kv(tmp_
     from backoff_core.cli.main import main
     from backoff_core.engine import ahead
 
-    for model, name in zip(pair, ("small", "large")):
-        model.save_pretrained(tmp_path / name)
-        tokenizer.save_pretrained(tmp_path / name)
-    argv = ["generate", "--small", str(tmp_path / "small"), "--large", str(tmp_path / "large"), "--prompt", "w3 w4"]
-    argv += ["--router", "random", "--rate", "0.6", "--temperature", "0.9", "--seed", "3", "--max-tokens", "10"]
-    argv += ["--kv-budget", "512", "--max-len", "64", "--json"]
+    argv = _static_generate(tmp_path, pair, tokenizer, "--temperature", "0.9", "--max-tokens", "10")
     runs = []
     launched = []
     real_resolve = ahead.resolve
@@ -86,12 +104,7 @@ def test_generate_with_compiled_layers_prints_the_same_tokens(tmp_path, pair, to
     from backoff_core.cli.main import main
     from backoff_core.runners import factory
 
-    for model, name in zip(pair, ("small", "large")):
-        model.save_pretrained(tmp_path / name)
-        tokenizer.save_pretrained(tmp_path / name)
-    argv = ["generate", "--small", str(tmp_path / "small"), "--large", str(tmp_path / "large"), "--prompt", "w3 w4"]
-    argv += ["--router", "random", "--rate", "0.6", "--seed", "3", "--max-tokens", "8", "--cpu-kernels", "default"]
-    argv += ["--kv-budget", "512", "--max-len", "64", "--json"]
+    argv = _static_generate(tmp_path, pair, tokenizer, "--max-tokens", "8", "--cpu-kernels", "default")
     chosen, runs = [], []
     real = factory.resolve_compile
 
