@@ -21,7 +21,7 @@ demo: venv
 	$(BIN)/backoff demo
 
 test: venv
-	$(BIN)/python -m pytest -q --tb=short tests
+	$(BIN)/python -m pytest -q --tb=short --durations=25 tests
 
 lint: venv
 	$(BIN)/ruff check .
