@@ -152,17 +152,13 @@ class CompiledLayers:
         """decoder_layer's arguments; call inside `settings()` (once a forward, not a layer)."""
         rows, k = positions.shape
         variant = (rows == 1, k == 1, dense, self.attention == "auto" and mask.shape[-1] <= SDPA_MAX_KEYS)
-        if variant in self._seen:
-            _mark_tokens(h, delta, positions, slots, mask, cos, sin, rows, k)
-            return self._fn(
-                h, delta, kv, slots, positions, mask, cos, sin, *weights, dense=dense, attention=self.attention
-            )
-        start = time.perf_counter()  # the first call of a variant compiles (or reads inductor's cache)
+        start = time.perf_counter()
         _mark_tokens(h, delta, positions, slots, mask, cos, sin, rows, k)
         out = self._fn(h, delta, kv, slots, positions, mask, cos, sin, *weights, dense=dense, attention=self.attention)
-        self._seen.add(variant)
-        self.compiles += 1
-        self.compile_s += time.perf_counter() - start
+        if variant not in self._seen:  # its first call compiled (or read inductor's cache)
+            self._seen.add(variant)
+            self.compiles += 1
+            self.compile_s += time.perf_counter() - start
         return out
 
     @staticmethod
