@@ -225,16 +225,15 @@ class StaticForward:
             log.warning("%s: layers not compiled (%s); the eager static forward runs", kv.name, why)
         self.compiled = CompiledLayers(kv.name, attention) if compiled and why is None else None
         # compiled: q/k/v and gate/up fused for every model, as views of one buffer (no copy)
-        self.shared_weights = self.compiled is not None
-        fuse = FusedLayer.shared if self.shared_weights else FusedLayer.of
-        fused = [fuse(layer) for layer in base.layers] if fuse_projections or self.shared_weights else []
+        fuse = FusedLayer.of if self.compiled is None else FusedLayer.shared
+        fused = [fuse(layer) for layer in base.layers] if fuse_projections or self.compiled is not None else []
         self.fused: list[FusedLayer] | None = fused if fused and all(f is not None for f in fused) else None
         self._flex = None  # the ragged forward's attention (static_ragged.attention_fn), at its first use
 
     def fused_nbytes(self) -> int:
         """Bytes the fused projections' copies hold (0 without them)."""
-        if self.shared_weights:
-            return 0  # the modules' weights are views of the fused buffers
+        if self.compiled is not None:
+            return 0  # the modules' weights are views of the fused buffers (FusedLayer.shared)
         tensors = [t for f in self.fused or () for t in (f.qkv, f.qkv_bias, f.gate_up, f.gate_up_bias)]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
