@@ -91,12 +91,7 @@ def decoder_layer(
     g = heads // kvh
     h = h + delta
     x = in_norm * F.rms_norm(h, (width,), eps=eps)
-    qkv = F.linear(x, qkv_w, qkv_b)  # [B, K, (H + 2 kvh) D]
-    qk = qkv[..., : (heads + kvh) * d].view(rows, k, heads + kvh, d)
-    value = qkv[..., (heads + kvh) * d :].view(rows, k, kvh, d)
-    half = d // 2  # HF's q * cos + rotate_half(q) * sin over the q and k heads side by side
-    qk = qk * cos.unsqueeze(2) + torch.cat((qk[..., half:], qk[..., :half]), dim=-1) * sin.unsqueeze(2)
-    q, key = qk[:, :, :heads], qk[:, :, heads:]
+    q, key, value = project_fused(x, qkv_w, qkv_b, cos, sin, heads, kvh, d)
     # in place at [:, slot, :, position]: the indexed result is [B, K, 2, kvh, D]
     kv[:, slots[:, None], :, positions] = torch.stack((key, value), dim=2)
     length = mask.shape[-1]
@@ -108,6 +103,22 @@ def decoder_layer(
     x = post_norm * F.rms_norm(h, (width,), eps=eps)
     gate, up = F.linear(x, gate_up_w, gate_up_b).chunk(2, dim=-1)
     return h, F.linear(F.silu(gate) * up, down_w, down_b)
+
+
+def project_fused(x, qkv_w, qkv_b, cos, sin, heads: int, kvh: int, d: int):
+    """x [B, K, d] -> q [B, K, H, D], key and value [B, K, kvh, D]: one GEMM over the fused
+    q/k/v weights, and the rope over the q and k heads side by side. HF's q * cos +
+    rotate_half(q) * sin, with rotate_half(x) = cat(-x2, x1): here cat(x2, x1) * cat(-sin1,
+    sin2) (sin as StaticForward._rope_tables folds it), the same products ((-a) * b == a * (-b)
+    exactly). The eager fused forward (StaticForward._project) and decoder_layer share it."""
+    rows, k = x.shape[:2]
+    qkv = F.linear(x, qkv_w, qkv_b)  # [B, K, (H + 2 kvh) D]
+    qk = qkv[..., : (heads + kvh) * d].view(rows, k, heads + kvh, d)
+    value = qkv[..., (heads + kvh) * d :].view(rows, k, kvh, d)
+    half = d // 2
+    swapped = torch.cat((qk[..., half:], qk[..., :half]), dim=-1)
+    qk = (qk * cos.unsqueeze(2)) + (swapped * sin.unsqueeze(2))
+    return qk[:, :, :heads], qk[:, :, heads:], value
 
 
 def attend(q, keys, values, mask, scale: float, how: str) -> torch.Tensor:

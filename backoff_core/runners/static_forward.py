@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from backoff_core.runners.static_compiled import ATTENTION, CompiledLayers
+from backoff_core.runners.static_compiled import ATTENTION, CompiledLayers, project_fused
 from backoff_core.runners.static_kv import StaticKV
 from backoff_core.runners.static_ragged import RaggedBatch, attention_fn, block_mask, ragged_attention
 
@@ -378,13 +378,4 @@ class StaticForward:
             value = attn.v_proj(x).view(rows, k, kvh, d)
             q, key = self.rope(q, key, cos, sin, unsqueeze_dim=2)  # [B, K, H, D] layout
             return q, key, value
-        # one GEMM, and the rope over the q and k heads side by side (the same formula)
-        qkv = F.linear(x, self.fused[i].qkv, self.fused[i].qkv_bias)  # [B, K, (H + 2 kvh) D]
-        qk = qkv[..., : (self.heads + kvh) * d].view(rows, k, self.heads + kvh, d)
-        value = qkv[..., (self.heads + kvh) * d :].view(rows, k, kvh, d)
-        # HF's q * cos + rotate_half(q) * sin, with rotate_half(x) = cat(-x2, x1): here
-        # cat(x2, x1) * cat(-sin1, sin2), the same products ((-a) * b == a * (-b) exactly)
-        half = d // 2
-        swapped = torch.cat((qk[..., half:], qk[..., :half]), dim=-1)
-        qk = (qk * cos.unsqueeze(2)) + (swapped * sin.unsqueeze(2))
-        return qk[:, :, : self.heads], qk[:, :, self.heads :], value
+        return project_fused(x, self.fused[i].qkv, self.fused[i].qkv_bias, cos, sin, self.heads, kvh, d)
