@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -134,12 +135,41 @@ class SamplingParams:
         return dataclasses.replace(self, logit_bias=tuple(sorted(bias.items())))
 
 
+def parse_thresholds(value: str | float | Sequence[float]) -> tuple[float, ...]:
+    """A request's thresholds as every stage passes them, from any form they arrive in: one
+    number (a two-model chain), a sequence with one per boundary between models, or the
+    command line's "2,4". The one check of their values: each a number (not NaN), at least
+    one, ascending (a step's level is the number it reaches). +-inf stays (admission clamps it
+    to float64's finite ends); the wire keeps its own to +-1e38 (float32). How many a chain
+    needs, and the range a router's score has, are admission's (engine/admission.py)."""
+    if isinstance(value, str):
+        parts = [part.strip() for part in value.split(",")]
+        try:
+            thresholds = tuple(float(part) for part in parts)
+        except ValueError:
+            raise ValueError(f"thresholds must be numbers separated by commas, got {value!r}") from None
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        thresholds = (float(value),)
+    elif isinstance(value, Sequence) and all(isinstance(t, (int, float)) and not isinstance(t, bool) for t in value):
+        thresholds = tuple(float(t) for t in value)
+    else:
+        raise ValueError(f"thresholds must be a number or a list of numbers, got {value!r}")
+    if not thresholds:
+        raise ValueError("give at least one threshold (none at all: the router's default)")
+    if any(math.isnan(t) for t in thresholds):
+        raise ValueError("thresholds must not be NaN")
+    if list(thresholds) != sorted(thresholds):
+        raise ValueError(f"thresholds must be ascending, got {list(thresholds)}")
+    return thresholds
+
+
 @dataclass(frozen=True)
 class RoutingParams:
     """Which decision function picks each step's source, and how its score maps to a level.
 
     thresholds: one per boundary between levels (N-1 of them, ascending); a step goes to
-    level = number of thresholds its score reaches. None: the router's own default.
+    level = number of thresholds its score reaches. None: the router's own default. Any form
+    parse_thresholds takes is stored as its tuple.
     rate: for `random`, the backoff rate (share of steps kept on the smallest model).
     target_backoff: ask for a backoff rate instead of a threshold; a controller moves the
     threshold during generation so the achieved rate tracks it.
@@ -162,11 +192,8 @@ class RoutingParams:
     on_large_failure: str = "degrade"
 
     def __post_init__(self) -> None:
-        if self.thresholds is not None:
-            if any(math.isnan(t) for t in self.thresholds):
-                raise ValueError("thresholds must not be NaN")
-            if list(self.thresholds) != sorted(self.thresholds):
-                raise ValueError(f"thresholds must be ascending, got {self.thresholds}")
+        if self.thresholds is not None:  # canonical: a tuple of floats, checked (parse_thresholds)
+            object.__setattr__(self, "thresholds", parse_thresholds(self.thresholds))
         for name, value in (("rate", self.rate), ("target_backoff", self.target_backoff)):
             if value is not None and not (0.0 <= value <= 1.0):
                 raise ValueError(f"{name} must be in [0, 1], got {value}")

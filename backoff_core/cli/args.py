@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from backoff_core.types import COMPILE_MODES, RAGGED_MODES, Verification
+from backoff_core.types import COMPILE_MODES, RAGGED_MODES, Verification, parse_thresholds
 
 AUTO_BOOL = ("auto", "true", "false")  # the command line's spelling of a setting that is "auto" | bool
 
@@ -55,6 +55,14 @@ def model_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def thresholds_arg(text: str) -> tuple[float, ...] | None:
+    """--threshold "2,4": parse_thresholds' tuple, its refusal an argparse error; "" is none."""
+    try:
+        return parse_thresholds(text) if text else None
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def routing_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("routing")
     g.add_argument(
@@ -65,7 +73,10 @@ def routing_args(p: argparse.ArgumentParser) -> None:
         "routing, deployments/serve_config.yaml's)",
     )
     g.add_argument(
-        "--threshold", default=None, help="threshold (comma-separated, ascending, one per boundary for chains)"
+        "--threshold",
+        type=thresholds_arg,
+        default=None,
+        help="threshold (comma-separated, ascending, one per boundary for chains)",
     )
     g.add_argument("--rate", type=float, default=None, help="random router: backoff rate (share of steps on M_S)")
     g.add_argument(

@@ -78,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def request_from_args(args, prompt_ids: list[int]) -> GenerationRequest:
-    thresholds = tuple(float(x) for x in args.threshold.split(",")) if args.threshold else None
+    thresholds = args.threshold  # parsed and checked by argparse (args.thresholds_arg)
     verification = args.verification or ("exact" if args.mode == "speculative" else "none")
     router = "draft" if args.mode == "speculative" else args.router or DEFAULT_ROUTING.router
     if args.router is None and thresholds is None and args.rate is None and args.target_backoff is None:

@@ -86,7 +86,9 @@ def _one_or_many(value):
     return [value] if isinstance(value, (int, float)) else value
 
 
-# thresholds as the wire sends them: a number, or a list (one per boundary, ascending)
+# thresholds as the wire (and the Serve config) sends them: a number, or a list, one per
+# boundary; that they ascend is backoff_core.types.parse_thresholds' to check (the server's
+# edge calls it: clients/ may not import the core, and a second copy of the rule would drift)
 Thresholds = Annotated[list[Threshold], Field(min_length=1), BeforeValidator(_one_or_many)]
 
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import AliasChoices, Field, SecretStr, model_validator
+from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 
-from clients.wire.types import Threshold, refuse_both_spellings
+from backoff_core.types import parse_thresholds
+from clients.wire.types import Thresholds, refuse_both_spellings
 from deployments.serving.models_config import FrozenConfig as _Config
 from deployments.serving.models_config import ModelsConfig
 
@@ -21,11 +22,11 @@ class RoutingConfig(_Config):
     """The live knob (SmallModel user_config). A request's own fields override it."""
 
     router: str = Field("entropy", description="decision function used when a request names none")
-    thresholds: list[Threshold] | None = Field(
+    thresholds: Thresholds | None = Field(
         None,
         validation_alias=AliasChoices("thresholds", "threshold"),
-        description="thresholds, one per boundary between models, ascending, each in [-1e38, 1e38] (the same "
-        "range as a request's thresholds); none = the router's default. `threshold`, the deprecated "
+        description="thresholds, as a request's: a number, or a list with one per boundary between models, "
+        "ascending, each in [-1e38, 1e38]; none = the router's default. `threshold`, the deprecated "
         "spelling, is still accepted (not both)",
     )
     target_backoff: float | None = Field(
@@ -54,6 +55,11 @@ class RoutingConfig(_Config):
     @classmethod
     def _one_thresholds_spelling(cls, data):
         return refuse_both_spellings(data, "thresholds", "threshold")
+
+    @field_validator("thresholds")
+    @classmethod
+    def _ascending(cls, value: list[float] | None) -> list[float] | None:
+        return None if value is None else list(parse_thresholds(value))  # refused at load, not at each request
 
 
 class CatchUpConfig(_Config):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from backoff_core.types import GenerationRequest, RoutingParams, SamplingParams
+from backoff_core.types import GenerationRequest, RoutingParams, SamplingParams, parse_thresholds
 from clients.wire.types import ChatMessage, GenerateParams
 from deployments.serving.config import RoutingConfig
 
@@ -19,7 +19,7 @@ class RoutingOverrides:
     """A request's own routing fields; None = take the live config's."""
 
     router: str | None = None
-    thresholds: tuple[float, ...] | None = None
+    thresholds: tuple[float, ...] | None = None  # parse_thresholds' (checked where the request entered)
     target_backoff: float | None = None
     prefix_cache: bool = True  # RoutingParams.prefix_cache (not in the live config)
 
@@ -93,10 +93,9 @@ def serve_request(
         logprobs=params.logprobs,
         prompt_logprobs=prompt_logprobs,
     )
-    thresholds = params.thresholds
     overrides = RoutingOverrides(
         router=params.router,
-        thresholds=tuple(float(t) for t in thresholds) if thresholds is not None else None,
+        thresholds=parse_thresholds(params.thresholds) if params.thresholds is not None else None,
         target_backoff=params.target_backoff,
         prefix_cache=params.prefix_cache,
     )
@@ -118,14 +117,14 @@ def routing_params(overrides: RoutingOverrides, policy: RoutingConfig) -> Routin
     router = overrides.router or policy.router
     own_router = router == policy.router
     thresholds = overrides.thresholds
-    if thresholds is None and own_router and policy.thresholds is not None:
-        thresholds = tuple(policy.thresholds)
+    if thresholds is None and own_router:
+        thresholds = policy.thresholds
     target = overrides.target_backoff
     if target is None and own_router and overrides.thresholds is None:
         target = policy.target_backoff
     return RoutingParams(
         router=router,
-        thresholds=thresholds or None,
+        thresholds=thresholds,
         rate=policy.rate if router == "random" else None,
         target_backoff=target,
         on_large_failure=policy.on_large_failure,

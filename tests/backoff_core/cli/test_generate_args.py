@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import yaml
 
-from backoff_core.cli.main import _parser, request_from_args
+from backoff_core.cli.main import _parser, main, request_from_args
 from backoff_core.evaluation.frontier_spec import DEFAULT_ROUTING
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -31,10 +32,21 @@ def test_what_the_user_names_is_kept():
     assert _routing("--router", "entropy").thresholds is None  # the router's own default
     assert _routing("--threshold", "2.5").thresholds == (2.5,)
     assert _routing("--threshold", "2.5").router == DEFAULT_ROUTING.router
+    assert _routing("--medium", "m", "--threshold", "1, 2.5").thresholds == (1.0, 2.5)
     random = _routing("--router", "random", "--rate", "0.3")
     assert (random.router, random.rate, random.thresholds) == ("random", 0.3, None)
     assert _routing("--target-backoff", "0.4").thresholds is None
     assert _routing("--medium", "m").thresholds is None  # a chain of three: one threshold would not fit
+
+
+def test_bad_thresholds_are_a_clear_cli_error(capsys):
+    """parse_thresholds' refusal as argparse's usage error (exit 2), before any model loads."""
+    for value, says in (("2,1", "ascending, got [2.0, 1.0]"), ("2,x", "numbers separated by commas")):
+        with pytest.raises(SystemExit) as exit_:
+            main(["generate", "--prompt", "hello", "--threshold", value])
+        assert exit_.value.code == 2
+        assert f"argument --threshold: thresholds must be {says}" in capsys.readouterr().err
+    assert _routing("--threshold", "").thresholds == DEFAULT_ROUTING.thresholds  # "" names none
 
 
 def _static_generate(tmp_path, pair, tokenizer, *extra: str) -> list[str]:

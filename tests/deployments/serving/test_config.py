@@ -365,6 +365,24 @@ def test_routing_config_takes_thresholds_or_its_old_spelling_threshold():
     assert "threshold" not in out and RoutingConfig.model_validate(out).thresholds == [2.5]
 
 
+def test_routing_config_thresholds_take_a_requests_forms_and_are_checked_at_load():
+    """The config's thresholds are a request's (one wire type, one core check): a number or a
+    list, ascending, refused when the config is read rather than at every request."""
+    assert RoutingConfig.model_validate({"thresholds": 1.5}).thresholds == [1.5]
+    assert RoutingConfig.model_validate({"threshold": 2}).thresholds == [2.0]
+    for bad, says in (([2.0, 1.0], "ascending"), ([], "at least 1"), ("1.5", "number"), ([1e39], "1e38")):
+        with pytest.raises(ValidationError, match=says):
+            RoutingConfig.model_validate({"thresholds": bad})
+
+
+def test_a_requests_thresholds_are_checked_where_it_enters():
+    """serve_request (the Ingress, before any SmallModel): the wire's list becomes the core's
+    tuple through parse_thresholds, so a descending list is a 400 / INVALID_ARGUMENT there."""
+    assert serve_request("id", GenerateParams(thresholds=2), prompt="p").overrides.thresholds == (2.0,)
+    with pytest.raises(ValueError, match=r"ascending, got \[2.0, 1.0\]"):
+        serve_request("id", GenerateParams(thresholds=[2, 1]), prompt="p")
+
+
 def _routing(config: dict) -> dict:
     """The SmallModel's user_config (the one deployment with a router)."""
     return next(d["user_config"] for d in config["applications"][0]["deployments"] if "router" in d["user_config"])
