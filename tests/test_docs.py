@@ -1,0 +1,229 @@
+"""The docs as reference (STYLE.md item 9): every relative link and #anchor in README.md and
+docs/*.md resolves; the README's figures are the numbers in their results files, to the
+precision printed; every file under benchmarks/results/ is named by a doc, a test or a
+benchmark; dated headings (the history of runs) live in docs/history.md alone."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+README = (ROOT / "README.md").read_text()
+
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+FENCE = re.compile(r"^```.*?^```", re.S | re.M)
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, markup and punctuation dropped (but - and _),
+    spaces to hyphens."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading.strip().lower())
+    text = re.sub(r"[^\w\- ]", "", text.replace("`", ""))
+    return text.replace(" ", "-")
+
+
+def anchors(page: Path) -> set[str]:
+    seen: dict[str, int] = {}
+    out = set()
+    for line in FENCE.sub("", page.read_text()).splitlines():
+        if m := re.match(r"^#{1,6} (.+)$", line):
+            base = slug(m.group(1))
+            n = seen.get(base, 0)
+            seen[base] = n + 1
+            out.add(base if n == 0 else f"{base}-{n}")
+    return out
+
+
+def links(page: Path) -> list[str]:
+    return [t for t in LINK.findall(FENCE.sub("", page.read_text())) if not re.match(r"^[a-z]+:", t)]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_relative_link_and_anchor_resolves(page):
+    broken = []
+    for target in links(page):
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path).resolve() if path else page
+        if not dest.exists():
+            broken.append(target)
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+            broken.append(target)
+    assert not broken, f"{page.name}: {broken}"
+
+
+def test_dated_headings_live_in_the_history_page_alone():
+    dated = [
+        f"{page.name}: {line}"
+        for page in PAGES
+        if page.name != "history.md"
+        for line in FENCE.sub("", page.read_text()).splitlines()
+        if re.match(r"^#.*20\d\d-", line)
+    ]
+    assert not dated
+
+
+def test_the_history_page_runs_oldest_first():
+    dates = re.findall(r"^## (20\d\d-\d\d-\d\d)", (ROOT / "docs" / "history.md").read_text(), re.M)
+    assert dates and dates == sorted(dates)
+
+
+def test_every_results_file_is_named_by_a_doc_a_test_or_a_benchmark():
+    texts = [p.read_text() for p in PAGES]
+    for folder in ("tests", "benchmarks", "scripts", "backoff_core"):
+        texts += [p.read_text() for p in (ROOT / folder).rglob("*.py")]
+    texts += [p.read_text() for p in (ROOT / "scripts").glob("*.sh")]
+    corpus = "\n".join(texts)
+    unnamed = []
+    for path in sorted(p for p in RESULTS.rglob("*") if p.is_file()):
+        rel = path.relative_to(RESULTS)
+        stem = path.name.split(".")[0]
+        # a file inside a named folder (router_eval/) is named with its folder
+        names = {str(rel), path.name, stem, *(str(parent) for parent in rel.parents if str(parent) != ".")}
+        if not any(re.search(rf"(?<![\w-]){re.escape(n)}(?![\w-])", corpus) for n in names):
+            unnamed.append(str(rel))
+    assert not unnamed
+
+
+# --- the README's figures against their results files ---------------------------------------
+
+
+def load(name: str) -> dict:
+    return json.loads((RESULTS / name).read_text())
+
+
+def agree(printed: str, value: float, scale: float = 1.0) -> bool:
+    """`printed` (as the README writes it) is `value * scale` rounded to its own decimals."""
+    decimals = len(printed.partition(".")[2])
+    return abs(float(printed) - value * scale) <= 0.5 * 10**-decimals + 1e-9
+
+
+def row(table_start: str, first_cell: str) -> list[str]:
+    """The cells of the README table row that starts with `first_cell`, in the table after
+    `table_start`."""
+    rest = README[README.index(table_start) :]
+    for line in rest.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and cells[0].replace("**", "") == first_cell.replace("**", ""):
+            return cells
+    raise AssertionError(f"no row {first_cell!r} after {table_start!r}")
+
+
+def numbers(cell: str) -> list[str]:
+    return re.findall(r"\d+(?:\.\d+)?", cell.replace("**", ""))
+
+
+GPU_TABLE = "| figure | eager layers | compiled (default) | goal |"
+
+
+def test_readme_gpu_table_is_fused_step_h200():
+    fused = load("gpu/fused_step-h200.json")
+    auto = load("gpu/compiled_attention-h200-auto.json")["ways"]["auto"]
+    eager, goals = fused["modes"]["off"], fused["goals"]
+
+    _, off, on, _ = row(GPU_TABLE, "M_S step, 1 row, 1024 keys / 64 rows")
+    ms_1, ms_64, kernels = numbers(off)[:3]
+    assert agree(ms_1, eager["replays"]["small rows=1 keys=1024"]["replay_ms"])
+    assert agree(ms_64, eager["replays"]["small rows=64 keys=1024"]["replay_ms"])
+    assert int(kernels) == eager["replays"]["small rows=1 keys=1024"]["kernels"]
+    ms_1, ms_64, least, most = numbers(on)[:4]
+    assert agree(ms_1, auto["small rows=1 keys=1024"]["replay_ms"])
+    assert agree(ms_64, auto["small rows=64 keys=1024"]["replay_ms"])
+    assert (int(least), int(most)) == (
+        auto["small rows=1 keys=1024"]["kernels"],
+        auto["small rows=64 keys=1024"]["kernels"],
+    )
+
+    for mode, cell in zip(
+        ("off", "on"), row(GPU_TABLE, "M_L alone, one stream: tok/s, share of HBM peak")[1:3], strict=True
+    ):
+        tok, share = numbers(cell)
+        assert agree(tok, fused["modes"][mode]["rows"]["always-large"]["1"]["tok_per_s"])
+        assert agree(share, goals[mode]["M_L_alone_over_peak"], 100)
+    for mode, cell in zip(
+        ("off", "on"), row(GPU_TABLE, "random b=0.9, one stream: tok/s, vs M_L alone")[1:3], strict=True
+    ):
+        tok, ratio = numbers(cell)
+        assert agree(tok, goals[mode]["b09_tok_per_s_n1"])
+        assert agree(ratio, goals[mode]["b09_over_M_L_alone_n1"])
+    for mode, cell in zip(("off", "on"), row(GPU_TABLE, "b=0.9 vs always-large at 16 / 64 streams")[1:3], strict=True):
+        at_16, at_64 = numbers(cell)
+        assert agree(at_16, goals[mode]["b09_over_always_large_n16"])
+        assert agree(at_64, goals[mode]["b09_over_always_large_n64"])
+    for mode, cell in zip(("off", "on"), row(GPU_TABLE, "start-up of the 8B-shaped pair")[1:3], strict=True):
+        assert agree(numbers(cell)[0], fused["modes"][mode]["load_s"])
+
+
+def test_readme_batch_figure_is_batch_scaling_h200():
+    tok = load("gpu/batch_scaling-h200.json")["tok_per_s"]["random b=0.9"]
+    m = re.search(r"(\d+(?:\.\d+)?)x at b=0.9 \((\d+) → (\d+)\s+tok/s", README)
+    assert m, "the README's 64-vs-one figure"
+    ratio, one, many = m.groups()
+    assert agree(one, tok["1"]) and agree(many, tok["64"]) and agree(ratio, tok["64"] / tok["1"])
+
+
+def test_readme_step_overhead_is_step_overhead_json():
+    ms = load("step_overhead.json")["ms_per_step"]
+    m = re.search(r"\):\s+(\d\.\d+) ms at\s+64 streams always-small, (\d\.\d+) ms at\s+b=0.9 with batched", README)
+    assert m, "the README's host work per step"
+    assert agree(m.group(1), ms["static KV, always-small"]["64"])
+    assert agree(m.group(2), ms["static KV, random b=0.9, batched catch-ups"]["64"])
+
+
+def test_readme_prefix_routing_row_is_prefix_routing_json():
+    totals = load("prefix_routing.json")["totals"]
+    cell = row(
+        "| measured (", "requests sent to a replica that had seen their system prompt (`benchmarks/prefix_routing.py`)"
+    )[1]
+    affinity, pow2, ceiling = numbers(cell.replace("power of two", ""))
+    assert agree(affinity, totals["affinity"]["hit_share"])
+    assert agree(pow2, totals["pow2"]["hit_share"])
+    assert agree(ceiling, load("prefix_routing.json")["config"]["ceiling"])
+
+
+def test_readme_in_flight_figure_is_serve_load_in_flight_json():
+    m = re.search(r"at b=0.9: (\d+\.\d+)x the tok/s at 16 streams", README)
+    assert m, "the README's in-flight figure"
+    assert agree(m.group(1), load("serve_load-in-flight.json")["summary"]["in_flight_over_batched_tok_per_s"])
+
+
+FRONTIER = "| row | backoff rate | mean accuracy | share of M_L's | tok/s, one stream |"
+
+
+def test_readme_frontier_table_is_frontier_json():
+    frontier = load("frontier.json")
+    large = frontier["large_alone"]["mean_accuracy"]
+
+    def check(cells: list[str], r: dict) -> None:
+        rate, accuracy, share, tok = (c.replace("**", "") for c in cells[1:5])
+        assert agree(rate, r["backoff_rate"]), cells
+        assert agree(accuracy, r["mean_accuracy"]), cells
+        assert agree(share, r["mean_accuracy"] / large), cells
+        assert agree(tok, r["tok_per_s"]["1"]), cells
+
+    check(row(FRONTIER, "M_L alone"), frontier["large_alone"])
+    check(row(FRONTIER, "M_S alone"), frontier["small_alone"])
+    shown = 0
+    for r in frontier["rows"]:
+        if r["router"] == "entropy":
+            setting = f"{r['setting']:g}"
+            first = "**packaged default (entropy 1.75)**" if setting == "1.75" else f"entropy {setting}"
+        else:
+            continue
+        try:
+            cells = row(FRONTIER, first)
+        except AssertionError:
+            continue  # the README shows some rows only
+        check(cells, r)
+        shown += 1
+    classifier = row(FRONTIER, "classifier at its 30 % calibrated threshold")
+    check(
+        classifier,
+        min((r for r in frontier["rows"] if r["router"] == "classifier"), key=lambda r: abs(r["setting"] - 0.3)),
+    )
+    assert shown >= 5
