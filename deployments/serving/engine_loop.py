@@ -82,6 +82,24 @@ class _Sink:
             pass
 
 
+def error_item(exc: Exception, admitted: bool, request_id: str = "") -> Rejected | Failed:
+    """What the caller of a request is told of the error that refused it (admitted=False) or
+    ended it alone (True): the one mapping of errors to stream items. A ValueError at
+    admission is the request's content (Rejected, a 400); once admitted, any error is ours."""
+    if isinstance(exc, ValueError) and not admitted:
+        return Rejected(str(exc))
+    if isinstance(exc, KVCapacityError):  # every KV slot is taken (M_S's, or a larger model's): retry later
+        log.warning("request %s: %s", request_id or "refused", exc)
+        return Failed(str(exc), unavailable=True, code="kv_capacity")
+    if isinstance(exc, LargeUnavailable):  # a larger model did not answer (scoring a prompt; on_large_failure "fail")
+        return Failed(str(exc), unavailable=True)
+    if admitted:  # this request's own failure; the others go on
+        log.warning("request %s failed: %s: %s", request_id, type(exc).__name__, exc, exc_info=exc)
+    else:
+        log.error("admission failed", exc_info=exc)
+    return Failed(f"{type(exc).__name__}: {exc}")
+
+
 def _deliver(items: list[tuple[_Sink, object]]) -> None:
     """Put a step's items into their streams' queues with ONE wake-up per event loop (not one
     per stream: a step of 64 streams would wake it 64 times, each a callback and a lock).
@@ -188,11 +206,8 @@ class EngineLoop(Generic[Policy]):
         for request, sink in arrived:
             try:
                 ready.append((request, sink, self.admit(request, policy)))
-            except ValueError as exc:  # its prompt or settings: this one alone is refused
-                sink.put(Rejected(str(exc)))
-            except Exception as exc:  # noqa: BLE001 - reported to the caller, the loop goes on
-                log.exception("admission failed")
-                sink.put(Failed(f"{type(exc).__name__}: {exc}"))
+            except Exception as exc:  # noqa: BLE001 - its prompt or settings (a ValueError): this one alone
+                sink.put(error_item(exc, admitted=False))
         submit_many = getattr(self.engine, "submit_many", None)  # a stand-in engine may have submit alone
         if len(ready) > 1 and submit_many is not None:
             try:
@@ -201,7 +216,7 @@ class EngineLoop(Generic[Policy]):
                 pass
             except Exception as exc:  # noqa: BLE001 - no request's fault (a model down, KV full): all alike
                 for _, sink, _ in ready:
-                    sink.put(self._refusal(exc))
+                    sink.put(error_item(exc, admitted=False))
                 return
             else:
                 for (request, sink, generation), request_id in zip(ready, ids):
@@ -219,22 +234,9 @@ class EngineLoop(Generic[Policy]):
         try:
             request_id = self.engine.submit(generation)
         except Exception as exc:  # noqa: BLE001 - reported to the caller, the loop goes on
-            sink.put(self._refusal(exc))
+            sink.put(error_item(exc, admitted=False))
             return
         self._admitted(request, sink, generation, request_id)
-
-    @staticmethod
-    def _refusal(exc: Exception) -> Rejected | Failed:
-        """What the caller of a request the engine did not admit is told."""
-        if isinstance(exc, ValueError):
-            return Rejected(str(exc))
-        if isinstance(exc, KVCapacityError):  # every KV slot is taken: retry once a request ends
-            log.warning("request refused: %s", exc)
-            return Failed(str(exc), unavailable=True, code="kv_capacity")
-        if isinstance(exc, LargeUnavailable):  # a larger model scoring the prompt (prompt logprobs) did not answer
-            return Failed(str(exc), unavailable=True)
-        log.error("admission failed", exc_info=exc)
-        return Failed(f"{type(exc).__name__}: {exc}")
 
     def _cancel(self, request_id: str) -> None:
         if self._sinks.pop(request_id, None) is not None:
@@ -267,13 +269,8 @@ class EngineLoop(Generic[Policy]):
         sink = self._sinks.pop(request_id, None)
         try:
             result = self.engine.finish(request_id)
-        except LargeUnavailable as exc:  # on_large_failure = "fail"
-            item = Failed(str(exc), unavailable=True)
-        except KVCapacityError as exc:  # a larger model had no KV room for its new session: retriable
-            item = Failed(str(exc), unavailable=True, code="kv_capacity")
         except Exception as exc:  # noqa: BLE001 - this request's own failure; the others go on
-            log.warning("request %s failed: %s: %s", request_id, type(exc).__name__, exc, exc_info=exc)
-            item = Failed(f"{type(exc).__name__}: {exc}")
+            item = error_item(exc, admitted=True, request_id=request_id)
         else:
             item = result
             if self.on_finish is not None:

@@ -13,11 +13,12 @@ import torch
 
 from backoff_core.engine.backends import LargeUnavailable
 from backoff_core.runners.dynamic import ModelRunner
+from backoff_core.runners.static_kv import KVCapacityError
 from backoff_core.types import GenerationResult, TokenEvent, Verification
 from deployments.serving.batcher import CatchUpBatcher
 from deployments.serving.catchup_wire import CatchUpCall
 from deployments.serving.config import RoutingConfig
-from deployments.serving.engine_loop import Admitted, EngineLoop, Failed, Rejected
+from deployments.serving.engine_loop import Admitted, EngineLoop, Failed, Rejected, error_item
 from deployments.serving.requests import RoutingOverrides, ServeRequest, generation_request
 from tests.support.helpers import engine_for, request
 from tests.support.remote_fakes import Dead, FakeEndpoint, remote_engine
@@ -282,6 +283,26 @@ def test_requests_that_arrive_together_are_admitted_together_and_refused_one_by_
     assert calls[-1:] == [2] and len(calls) == 6  # not retried one by one (a timeout each)
     assert all(isinstance(items[0], Failed) and items[0].unavailable for items in failed)
     assert engine.live_ids() == []
+
+
+@pytest.mark.parametrize(
+    "exc, at_admission, once_admitted",
+    [
+        (ValueError("bad prompt"), Rejected("bad prompt"), Failed("ValueError: bad prompt")),
+        (
+            KVCapacityError("no slot"),
+            Failed("no slot", unavailable=True, code="kv_capacity"),
+            Failed("no slot", unavailable=True, code="kv_capacity"),
+        ),
+        (LargeUnavailable("M_L down"), Failed("M_L down", unavailable=True), Failed("M_L down", unavailable=True)),
+        (RuntimeError("boom"), Failed("RuntimeError: boom"), Failed("RuntimeError: boom")),
+    ],
+)
+def test_one_mapping_of_errors_to_items_for_a_refusal_and_a_failure(exc, at_admission, once_admitted):
+    """EngineLoop's one mapping: a refused request and one its own error ended get the same
+    item, but for a ValueError, which is the client's only before admission."""
+    assert error_item(exc, admitted=False) == at_admission
+    assert error_item(exc, admitted=True, request_id="r1") == once_admitted
 
 
 def test_engine_loop_cancel_frees_the_request(pair, tokenizer):
