@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from backoff_core.engine.backends import Backend, LargeUnavailable
 from backoff_core.engine.isolation import each, reopen
 from backoff_core.engine.prompt import adopt_prefix, prefills_large
+from backoff_core.engine.propose import Decided
 from backoff_core.engine.state import Live
 from backoff_core.runners.static_kv import KVCapacityError
 
@@ -93,31 +94,28 @@ def stalls(models: Sequence[Backend], r: Live, level: int, chunk: int, collect_k
 
 
 def stall_long_catch_ups(
-    models: Sequence[Backend],
-    stepping: list[Live],
-    levels: dict[str, int],
-    outcomes: dict,
-    fed: dict[str, int],
-    routed: list[Live],
-    chunk: int,
-    collect_kl: bool,
-) -> bool:
-    """The step's catch-ups that would read more than a chunk stall: M_S's step undone
-    (fed: M_S's positions before it), the pending tokens fed in chunks, the step taken
-    again. Returns whether any request stalled (or ended: its session could not be opened)."""
+    models: Sequence[Backend], live: list[Live], step: Decided, chunk: int, collect_kl: bool
+) -> list[Live]:
+    """Stage 5's start: the step's catch-ups that would read more than a chunk stall: M_S's
+    step undone (to step.fed), the pending tokens fed in chunks, the step taken again.
+    Returns live without the stalled (and those that ended: a session not opened)."""
+    if not chunk or not any(level > 0 for level in step.levels.values()):
+        return live
+    levels = step.levels
     stalled = [
         r
-        for r in stepping
+        for r in step.stepping
         if levels.get(r.request_id, 0) > 0
-        and r.request_id not in outcomes
+        and r.request_id not in step.outcomes
         and not (r.degraded or r.done)
         and stalls(models, r, levels[r.request_id], chunk, collect_kl)
     ]
-    if stalled:
-        routed_ids = {r.request_id for r in routed}
-        for r in stalled:
-            each([r], models, lambda r: undo_small(models, r, fed[r.request_id], r.request_id in routed_ids))
-    return bool(stalled)
+    if not stalled:
+        return live
+    routed_ids = {r.request_id for r in step.routed}
+    for r in stalled:
+        each([r], models, lambda r: undo_small(models, r, step.fed[r.request_id], r.request_id in routed_ids))
+    return [r for r in live if not (r.backlog or r.done)]
 
 
 def undo_small(models: Sequence[Backend], r: Live, fed: int, routed: bool) -> None:

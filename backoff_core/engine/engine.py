@@ -15,6 +15,8 @@ One `step()` advances every live request by one committed token (or one rollback
   6. commit: append, stream, stop (commit.py; one copy for the logprobs asked for)
 With `launch_ahead` (ahead.py), stage 4 also queues the next step's M_S forward on the drawn
 tokens before the host waits for them, and stage 2 takes its rows where they hold good.
+Each mode is a step function of its own over the same stages (`_step_plain`, `_step_in_flight`,
+`_step_ahead`), bound when its setting changes (settings.py), as vLLM binds its step_fn.
 Every device-to-host read goes through host.py (to_host; start_read and its wait): once per stage.
 A request whose larger model could not answer (catchup.py) is `degraded`: from then on it
 is routed nowhere but M_S, and a step whose catch-up failed takes M_S's token instead.
@@ -31,13 +33,22 @@ import backoff_core.engine.chunked as chunked
 from backoff_core.engine.admission import Routers, checked
 from backoff_core.engine.ahead import LaunchAhead
 from backoff_core.engine.backends import Backend
-from backoff_core.engine.catchup import CatchUpper, Outcome
+from backoff_core.engine.catchup import CatchUpper
 from backoff_core.engine.commit import CommitContext, commit_many, settle_many
-from backoff_core.engine.flight import Flights, Landed, Launcher, on_loop_stream
+from backoff_core.engine.flight import Flights, Launcher, on_loop_stream
 from backoff_core.engine.hold import CatchUpHold
 from backoff_core.engine.logprobs import TokenTexts
 from backoff_core.engine.prompt import admission_runs_large, prefill
-from backoff_core.engine.propose import Proposal, decide, forced_levels, propose, small_for_degraded, small_step
+from backoff_core.engine.propose import (
+    Decided,
+    Launch,
+    SmallOut,
+    decide,
+    forced_levels,
+    propose,
+    small_for_degraded,
+    small_step,
+)
 from backoff_core.engine.settings import LiveSettings
 from backoff_core.engine.state import Detokenizer, Live
 from backoff_core.routing.routers import DecisionFunction
@@ -113,6 +124,7 @@ class BackoffEngine(LiveSettings):
         self.launcher = launcher
         self.flights: Flights | None = None  # overlap_catch_ups (settings.py)
         self.ahead: LaunchAhead | None = None  # launch_ahead (settings.py)
+        self._bind_step()  # the plain step; the two settings rebind it (settings.py)
         self.overlap_catch_ups = overlap_catch_ups
         self.launch_ahead = launch_ahead
         self.routers = Routers(classifier_path, hidden_size)  # those requests name
@@ -227,94 +239,122 @@ class BackoffEngine(LiveSettings):
     # -- the step -------------------------------------------------------------------------
     @on_loop_stream
     def step(self) -> dict[str, TokenEvent]:
-        landed = self.flights.land() if self.flights is not None else None
-        live = [r for r in self._live.values() if r.finished is None and r.failure is None]  # not done
-        launched = self.ahead.settle(self._live) if self.ahead is not None else None  # (ahead.py)
+        """Every live request one token on (or one rollback), by the mode's step function."""
+        return self._step_fn(self)
+
+    def _step_plain(self) -> dict[str, TokenEvent]:
+        """The step: catch-ups run between M_S's steps, M_S's forward after the host's work."""
+        live = self._begin()
         if not live:
             return {}
-        self.hold.tick()
         # 0. chunked prefill: at most one chunk per model of the prompts (and long catch-ups)
         # still loading; a request with a backlog left does not step (chunked.py)
-        if any(r.backlog for r in live):
-            chunked.feed(self.models, [r for r in live if r.backlog], self.prefill_chunk_tokens, self.catch_up.give_up)
-            live = [r for r in live if not (r.backlog or r.done)]
+        live = self._feed_backlogs(live)
         # 1. levels decided without M_S. From here on, an exception while handling one request
         # ends that request alone (isolation.py). A request waiting for its batched catch-up
         # does not step either (its level is decided).
         live, levels = forced_levels(self.models, live, self.num_levels, self._stalls)
-        stepping = [r for r in live if r.request_id not in levels and r.waiting is None]
+        stepping, fed = self._stepping(live, levels)  # fed: M_S's positions, to undo a stall (5.)
         # 2. M_S, batched
-        fed = {r.request_id: r.fed[0] for r in stepping} if self.prefill_chunk_tokens else {}  # to undo a stall (5.)
-        if self.ahead is None:
-            small, deferred = small_step(self.models, stepping), []
-        else:  # launched in the last step where that holds good; deferred ride this step's launch
-            small, deferred = self.ahead.small_step(self.models, stepping, launched)
-            live = [r for r in live if r.request_id not in {d.request_id for d in deferred}]
-        stepped = stepping if len(small.rows) == len(stepping) else [r for r in stepping if r.request_id in small]
+        small = small_step(self.models, stepping)
         # 3. oracle routers: the largest model catches up first, to know KL(M_L||M_S)
-        routed, outcomes = self.catch_up.for_oracles([r for r in stepped if not r.degraded])
         # 4. decide: M_S's tokens and the routers' scores, one host copy; levels on the host
-        large = {request_id: outcome.logits for request_id, outcome in outcomes.items()}
-        launch = self.ahead.launcher(stepped, deferred) if self.ahead is not None else None
-        proposal = propose(self.models, stepped, routed, small, large, launch)
-        if self.ahead is not None:
-            self.ahead.read(proposal.tokens)
-        decide(
-            [r for r in routed if r.request_id in proposal.scores], proposal.scores, levels, outcomes, self.num_levels
-        )
+        step = self._decide(stepping, fed, small, levels)
         # 5. catch-ups, one batched forward per level; one that would read more than a chunk
         # stalls (its step is taken again once its pending tokens are fed, chunked.py)
-        if self.prefill_chunk_tokens and any(level > 0 for level in levels.values()):
-            if chunked.stall_long_catch_ups(
-                self.models, stepping, levels, outcomes, fed, routed, self.prefill_chunk_tokens, self.collect_kl
-            ):
-                live = [r for r in live if not (r.backlog or r.done)]
-        live = self._catch_ups(live, levels, outcomes, proposal, landed)
-        small = small_for_degraded(self.models, live, small, proposal)  # a failed catch-up: M_S's token
+        live = self._catch_ups(self._stall_long(live, step), step)
         # 6. commit
-        ctx = CommitContext(self.detok, self.token_texts, self.eos_ids, self.collect_kl)
-        return commit_many(settle_many(live, outcomes, small, proposal, ctx, self.models), ctx, self.models)
+        return self._commit(live, step)
 
-    def _catch_ups(
-        self,
-        live: list[Live],
-        levels: dict[str, int],
-        outcomes: dict[str, Outcome],
-        proposal: Proposal,
-        landed: Landed | None,
-    ) -> list[Live]:
-        """Stage 5: per level, the catch-up of the requests routed there (or waiting there)
-        that the hold releases, run now or flown beside the next steps (flight.py); outcomes
-        gets theirs. Returns the requests that commit in this step: the ones that wait or fly
-        commit nothing yet, and a landed flight's take up the step that routed them."""
-        waiting = [r for r in live if r.waiting is not None]
-        for r in waiting:
-            levels[r.request_id] = r.waiting.level
-        if landed is not None:
-            self.flights.rejoin(landed, outcomes, proposal)
-        holders = self.hold.holders(live, levels, outcomes) if levels and (self.hold.wait_ms or waiting) else set()
-        for level in range(1, self.num_levels) if levels else ():
-            group = [
-                r
-                for r in live
-                if levels.get(r.request_id) == level
-                and r.request_id not in outcomes
-                and not r.degraded
-                and r.failure is None
-            ]
-            if holders and group:
-                group = self.hold.split(level, group, holders, len(live), proposal)
-            if self.flights is not None and group and all(self.hold.may_wait(r) for r in group):
-                self.flights.fly(level, group, proposal)
-                continue
-            outcomes.update(self.catch_up.run(level, group))
-        if holders or self.flights is not None:
-            live = [r for r in live if r.waiting is None]
-        if self.flights is not None and self.flights.busy and not live:  # nothing else commits: wait
-            landed = self.flights.land(wait=True)
-            self.flights.rejoin(landed, outcomes, proposal)
-            live = landed.lives
+    def _step_in_flight(self) -> dict[str, TokenEvent]:
+        """The step with catch-ups in flight (`overlap_catch_ups`, flight.py): one that is back
+        lands first, and a batched catch-up flies in stage 5 beside M_S's next steps."""
+        landed = self.flights.land()
+        live = self._begin()
+        if not live:
+            return {}
+        live = self._feed_backlogs(live)  # 0. chunked prefill
+        # 1. levels decided without M_S (the landed ones' too: they are waiting)
+        live, levels = forced_levels(self.models, live, self.num_levels, self._stalls)
+        stepping, fed = self._stepping(live, levels)
+        small = small_step(self.models, stepping)  # 2. M_S, batched
+        step = self._decide(stepping, fed, small, levels)  # 3. oracles first; 4. decide
+        # 5. catch-ups (a stall first): the landed take up their step, a group that may wait flies
+        live = self.flights.catch_ups(self._stall_long(live, step), step, landed, self.num_levels)
+        return self._commit(live, step)  # 6. commit
+
+    def _step_ahead(self) -> dict[str, TokenEvent]:
+        """The step with M_S launched ahead (`launch_ahead`, ahead.py): stage 2 takes the rows
+        of the last launch that hold good, and stage 4 launches the next before its read."""
+        launched = self.ahead.settle(self._live)
+        live = self._begin()
+        if not live:
+            return {}
+        live = self._feed_backlogs(live)  # 0. chunked prefill
+        # 1. levels decided without M_S
+        live, levels = forced_levels(self.models, live, self.num_levels, self._stalls)
+        stepping, fed = self._stepping(live, levels)
+        # 2. M_S: launched in the last step where that holds good; deferred ride this step's launch
+        small, deferred = self.ahead.small_step(self.models, stepping, launched)
+        gone = {r.request_id for r in deferred}
+        live = [r for r in live if r.request_id not in gone]
+        # 3. oracles first; 4. decide, the next step launched behind the draw, before its read
+        step = self._decide(stepping, fed, small, levels, self.ahead.launcher(small.of(stepping), deferred))
+        self.ahead.read(step.proposal.tokens)
+        live = self._catch_ups(self._stall_long(live, step), step)  # 5. catch-ups (a stall first)
+        return self._commit(live, step)  # 6. commit
+
+    # -- the stages' helpers, shared by the step functions ---------------------------------
+    def _begin(self) -> list[Live]:
+        """The requests not done; the hold's clock is read once a step that has some."""
+        live = [r for r in self._live.values() if r.finished is None and r.failure is None]
+        if live:
+            self.hold.tick()
         return live
+
+    def _feed_backlogs(self, live: list[Live]) -> list[Live]:
+        """Stage 0: live without those whose backlog is not fed yet (chunked.py)."""
+        if not any(r.backlog for r in live):
+            return live
+        chunked.feed(self.models, [r for r in live if r.backlog], self.prefill_chunk_tokens, self.catch_up.give_up)
+        return [r for r in live if not (r.backlog or r.done)]
+
+    def _stepping(self, live: list[Live], levels: dict[str, int]) -> tuple[list[Live], dict[str, int]]:
+        """Stage 1's end: the requests M_S steps (no level decided, not waiting), and their M_S
+        positions before stage 2, where a stall can undo its step (chunked prefill on; else {})."""
+        stepping = [r for r in live if r.request_id not in levels and r.waiting is None]
+        return stepping, ({r.request_id: r.fed[0] for r in stepping} if self.prefill_chunk_tokens else {})
+
+    def _decide(
+        self, stepping: list[Live], fed: dict[str, int], small: SmallOut, levels: dict[str, int], launch: Launch = None
+    ) -> Decided:
+        """Stages 3 and 4 over the requests M_S stepped. launch: M_S's next step, queued
+        behind the draw (ahead.py)."""
+        stepped = small.of(stepping)
+        routed, outcomes = self.catch_up.for_oracles([r for r in stepped if not r.degraded])
+        large = {request_id: outcome.logits for request_id, outcome in outcomes.items()}
+        proposal = propose(self.models, stepped, routed, small, large, launch)
+        scored = [r for r in routed if r.request_id in proposal.scores]
+        decide(scored, proposal.scores, levels, outcomes, self.num_levels)
+        return Decided(stepping, fed, small, routed, levels, outcomes, proposal)
+
+    def _stall_long(self, live: list[Live], step: Decided) -> list[Live]:
+        return chunked.stall_long_catch_ups(self.models, live, step, self.prefill_chunk_tokens, self.collect_kl)
+
+    def _catch_ups(self, live: list[Live], step: Decided) -> list[Live]:
+        """Stage 5: per level, the catch-up of the requests routed there (or waiting there)
+        that the hold releases; step.outcomes gets theirs. Returns the requests that commit
+        in this step (not the ones that wait)."""
+        waiting = self.hold.take_waiting(live, step.levels)
+        for level, group in self.hold.groups(live, step, waiting, self.num_levels):
+            step.outcomes.update(self.catch_up.run(level, group))
+        return [r for r in live if r.waiting is None] if waiting or self.hold.wait_ms else live
+
+    def _commit(self, live: list[Live], step: Decided) -> dict[str, TokenEvent]:
+        """Stage 6 (commit.py), a request whose catch-up failed taking M_S's token first."""
+        small = small_for_degraded(self.models, live, step.small, step.proposal)
+        ctx = CommitContext(self.detok, self.token_texts, self.eos_ids, self.collect_kl)
+        return commit_many(settle_many(live, step.outcomes, small, step.proposal, ctx, self.models), ctx, self.models)
 
     def _stalls(self, r: Live, level: int) -> bool:
         return chunked.stalls(self.models, r, level, self.prefill_chunk_tokens, self.collect_kl)

@@ -40,7 +40,7 @@ import torch
 from backoff_core.engine.backends import Backend
 from backoff_core.engine.catchup import CatchUpper, Outcome
 from backoff_core.engine.hold import CatchUpHold
-from backoff_core.engine.propose import Proposal
+from backoff_core.engine.propose import Decided, Proposal
 from backoff_core.engine.state import Live
 from backoff_core.runners.static import StaticRunner
 
@@ -223,6 +223,26 @@ class Flights:
             del self.table[r.request_id]
         self.launched += 1
         self.out = Flight({r.request_id: r for r in group}, self.launcher.submit(self._catch(level, group)))
+
+    def catch_ups(self, live: list[Live], step: Decided, landed: Landed | None, num_levels: int) -> list[Live]:
+        """Stage 5 with catch-ups in flight: a landed flight's requests take up the step that
+        routed them; per level, the group the hold releases flies if all of it may wait, else
+        catches up now (step.outcomes gets theirs). Returns the requests that commit in this
+        step: not the ones that wait or fly; if nothing else would, the flight's, waited for."""
+        waiting = self.hold.take_waiting(live, step.levels)
+        if landed is not None:
+            self.rejoin(landed, step.outcomes, step.proposal)
+        for level, group in self.hold.groups(live, step, waiting, num_levels):
+            if group and all(self.hold.may_wait(r) for r in group):
+                self.fly(level, group, step.proposal)
+            else:
+                step.outcomes.update(self.catch_up.run(level, group))
+        live = [r for r in live if r.waiting is None]
+        if self.busy and not live:  # nothing else commits: wait
+            landed = self.land(wait=True)
+            self.rejoin(landed, step.outcomes, step.proposal)
+            live = landed.lives
+        return live
 
     def _catch(self, level: int, group: list[Live]) -> Catch:
         return lambda: self.catch_up.run(level, group)

@@ -16,9 +16,9 @@ those of catch-ups run at once.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
-from backoff_core.engine.propose import Proposal
+from backoff_core.engine.propose import Decided, Proposal
 from backoff_core.engine.state import Live, Waiting
 
 # the share of the live requests that ends the waits (hold.split): the default half
@@ -60,6 +60,33 @@ class CatchUpHold:
             for r in live
             if levels.get(r.request_id, 0) > 0 and r.request_id not in outcomes and self.may_wait(r)
         }
+
+    @staticmethod
+    def take_waiting(live: list[Live], levels: dict[str, int]) -> list[Live]:
+        """Stage 5's start: the waiting ones of live, their levels put back into levels."""
+        waiting = [r for r in live if r.waiting is not None]
+        for r in waiting:
+            levels[r.request_id] = r.waiting.level
+        return waiting
+
+    def groups(
+        self, live: list[Live], step: Decided, waiting: list[Live], num_levels: int
+    ) -> Iterator[tuple[int, list[Live]]]:
+        """Stage 5's catch-ups, level by level: (level, the requests routed there this step
+        or waiting there, none with an outcome yet, degraded or failed, that catch up now).
+        Each group is made once the catch-ups of the levels below have their outcomes."""
+        levels, outcomes = step.levels, step.outcomes
+        holders = self.holders(live, levels, outcomes) if levels and (self.wait_ms or waiting) else set()
+        for level in range(1, num_levels) if levels else ():
+            group = [
+                r
+                for r in live
+                if levels.get(r.request_id) == level
+                and r.request_id not in outcomes
+                and not r.degraded
+                and r.failure is None
+            ]
+            yield level, self.split(level, group, holders, len(live), step.proposal) if holders and group else group
 
     def split(self, level: int, group: list[Live], holders: set[str], live: int, proposal: Proposal) -> list[Live]:
         """Of group (routed to `level` this step or waiting there; none in outcomes), those

@@ -1,7 +1,8 @@
 """Step stages 1, 2 and 4 (levels known up front; propose, decide): M_S's forward over
 every stepping request, batched; then the draw of their tokens and the routers' scores,
 read back together in one host copy (host.py); then each routed request's level, on the host.
-After stage 5, M_S's token for a request whose catch-up failed (`small_for_degraded`)."""
+After stage 5, M_S's token for a request whose catch-up failed (`small_for_degraded`).
+`Decided` is what a step hands from stage 4 to stages 5 and 6."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from backoff_core.engine.backends import Backend
+from backoff_core.engine.catchup import Outcome
 from backoff_core.engine.host import start_read
 from backoff_core.engine.isolation import batched, each, reopen
 from backoff_core.engine.penalties import penalties_at
@@ -31,6 +33,10 @@ class SmallOut:
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.rows
+
+    def of(self, group: list[Live]) -> list[Live]:
+        """Those of group with a row here (the requests M_S stepped), in group's order."""
+        return group if len(self.rows) == len(group) else [r for r in group if r.request_id in self.rows]
 
     def logits_of(self, request_id: str) -> torch.Tensor:
         return self.logits[self.rows[request_id]]  # [V]
@@ -105,13 +111,30 @@ class Proposal:
     scores: dict[str, float]  # the router's score (routed requests only)
 
 
+# ahead.py: given a step's drawn tokens [n] on the device, queues M_S's next step (None: none)
+Launch = Callable[[torch.Tensor], None] | None
+
+
+@dataclass(frozen=True)
+class Decided:
+    """A step through stage 4, handed to stages 5 and 6; levels and outcomes fill up in 5."""
+
+    stepping: list[Live]  # the requests stage 1 left to M_S (some may have failed in it)
+    fed: dict[str, int]  # request id -> M_S's positions before stage 2 (to undo a stall; {}: no chunks)
+    small: SmallOut  # M_S's rows of those it stepped
+    routed: list[Live]  # the stepped requests a router decides for
+    levels: dict[str, int]  # request id -> its step's level, > 0 (M_S's: no entry)
+    outcomes: dict[str, Outcome]  # request id -> its catch-up's (oracles': stage 3)
+    proposal: Proposal
+
+
 def propose(
     models: list[Backend],
     group: list[Live],
     routed: list[Live],
     small: SmallOut,
     large: dict[str, torch.Tensor],
-    launch: Callable[[torch.Tensor], None] | None = None,
+    launch: Launch = None,
 ) -> Proposal:
     """group: requests M_S stepped (in small); routed:
     those of them a router decides for (large: sid -> the largest model's logits, for

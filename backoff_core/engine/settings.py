@@ -1,7 +1,8 @@
 """The engine's settings that may change between steps (a deployment's config changes them
 live): how long a routed request may wait for a batched catch-up (hold.py), whether batched
 catch-ups fly beside M_S's next steps (flight.py), and whether M_S's next step is launched
-before its tokens are read back (ahead.py). BackoffEngine holds them."""
+before its tokens are read back (ahead.py). BackoffEngine holds them. The two modes each
+have a step function of their own, bound here when the setting changes (`_bind_step`)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ class LiveSettings:
         self.flights = (
             Flights(self.launcher, self._live, self.hold, self.catch_up, self._close_sessions) if on else None
         )
+        self._bind_step()
 
     @property
     def launch_ahead(self) -> bool:
@@ -59,3 +61,16 @@ class LiveSettings:
         if self.ahead is not None:
             self.ahead.drop(self._live)
         self.ahead = LaunchAhead(self.models[0], self.hold.may_wait) if on else None
+        self._bind_step()
+
+    def _bind_step(self) -> None:
+        """step()'s function for the mode on (engine.py), as vLLM binds its step_fn: the
+        class's function, called with the engine (a bound method kept on the engine would
+        be a reference cycle, the engine freed by the cyclic collector only)."""
+        engine = type(self)
+        if self.flights is not None:
+            self._step_fn = engine._step_in_flight
+        elif self.ahead is not None:
+            self._step_fn = engine._step_ahead
+        else:
+            self._step_fn = engine._step_plain
