@@ -143,7 +143,7 @@ class LaunchAhead:
         self.rows_used += len(covered)
         for r in covered:
             r.fed[0] = len(r.tokens)
-            r.small_times.append(launched.seconds)
+            r.stats.small_times.append(launched.seconds)
         return (small.merged(small_step(models, now)) if now else small), deferred
 
     def launcher(self, stepped: list[Live], deferred: list[Live]) -> Callable[[torch.Tensor], None] | None:

@@ -104,7 +104,9 @@ class CatchUpper:
         for request_id, outcome in outcomes.items():
             r, before, _ = rows[request_id]
             prompt = max(0, r.prompt_len - before)
-            r.catch_ups.append(CatchUp(level, lengths[request_id], seconds, outcome.rolled_back, len(group), prompt))
+            r.stats.catch_ups.append(
+                CatchUp(level, lengths[request_id], seconds, outcome.rolled_back, len(group), prompt)
+            )
         return outcomes
 
     def for_oracles(self, routed: list[Live]) -> tuple[list[Live], dict[str, Outcome]]:
@@ -163,7 +165,7 @@ class CatchUpper:
         return [verdicts[r.request_id] for r, _, _ in rows]
 
     def _apply(self, level: int, r: Live, ext: Extension, verdict: _Verdict) -> Outcome:
-        r.kl_at_catch_up.extend(verdict.kl)
+        r.stats.kl_at_catch_up.extend(verdict.kl)
         if verdict.rejected is not None:
             return self._roll_back(level, r, *verdict.rejected)
         r.last_logits[level] = last = ext.last
@@ -270,7 +272,7 @@ class CatchUpper:
 
     def _roll_back(self, level: int, r: Live, j: int, p_level: torch.Tensor, token: int) -> Outcome:
         dropped = r.truncate(j)
-        r.rollbacks += dropped
+        r.stats.rollbacks += dropped
         for m, model in enumerate(self.models):
             if r.fed[m] > j:
                 model.crop(r.request_id, j)

@@ -66,7 +66,7 @@ def start(model: Backend, level: int, r: Live, end: int) -> None:
         # remote model's replica looks it up before the first chunk, not within it
         r.fed[level] = adopt_prefix(model, r, r.tokens[: end + 1], now=True)
         if level == 0:
-            r.cached_prompt = r.fed[0]
+            r.stats.cached_prompt = r.fed[0]
     if r.fed[level] < end:
         r.backlog[level] = end
 
@@ -123,9 +123,9 @@ def undo_small(models: Sequence[Backend], r: Live, fed: int, routed: bool) -> No
     `fed` positions, the step's timings dropped."""
     models[0].crop(r.request_id, fed)
     r.fed[0] = fed
-    r.small_times.pop()
-    if routed and r.router_times:
-        r.router_times.pop()
+    r.stats.small_times.pop()
+    if routed and r.stats.router_times:
+        r.stats.router_times.pop()
 
 
 def feed(models: Sequence[Backend], group: list[Live], chunk: int, give_up: Callable[[int, Live, str], None]) -> None:
@@ -146,7 +146,7 @@ def feed(models: Sequence[Backend], group: list[Live], chunk: int, give_up: Call
     now = time.perf_counter()
     for r in group:
         if 0 in r.backlog and r.fed[0] >= r.backlog[0]:
-            r.prefill_s = now - r.started  # admission to M_S's prompt fed, decode steps between included
+            r.stats.prefill_s = now - r.stats.started  # admission to M_S's prompt fed, decode steps between included
         for level in [lv for lv, end in r.backlog.items() if r.fed[lv] >= end]:
             del r.backlog[level]
 

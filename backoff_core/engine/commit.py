@@ -138,8 +138,8 @@ def append(c: Commit, ctx: CommitContext) -> None:
         r.small_logits[position] = c.small_logits()
     if r.source_logits or r.small_logits:  # the common case (no verification, no KL record): nothing
         r.prune()
-    if r.first_token_s is None:
-        r.first_token_s = time.perf_counter() - r.started
+    if r.stats.first_token_s is None:
+        r.stats.first_token_s = time.perf_counter() - r.stats.started
 
 
 def finish(c: Commit, ctx: CommitContext, values) -> TokenEvent:

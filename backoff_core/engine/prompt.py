@@ -31,7 +31,7 @@ import torch
 from backoff_core.engine.backends import Backend
 from backoff_core.engine.host import to_host
 from backoff_core.engine.logprobs import TokenTexts
-from backoff_core.engine.state import Live
+from backoff_core.engine.state import Live, PromptScores
 from backoff_core.routing.routers import StepContext
 from backoff_core.runners.dynamic import Extension
 from backoff_core.runners.scoring import Scored, Scoring, score_rows
@@ -59,7 +59,7 @@ def prefill(models: Sequence[Backend], lives: list[Live], texts: TokenTexts, dec
         raise
     seconds = time.perf_counter() - start
     for r in lives:
-        r.prefill_s = seconds
+        r.stats.prefill_s = seconds
 
 
 def _chunks(lives: list[Live]) -> list[list[Live]]:
@@ -107,7 +107,7 @@ def _prefill_chunk(models: Sequence[Backend], chunk: list[Live], texts: TokenTex
     for r in plain:
         for level in sorted(r.opened):
             r.fed[level] = adopt_prefix(models[level], r, r.request.prompt_ids)
-        r.cached_prompt = r.fed[0]
+        r.stats.cached_prompt = r.fed[0]
     for level, model in enumerate(models):
         _extend(model, level, [r for r in plain if level in r.opened], last_only=True)
     if scoring:
@@ -238,7 +238,7 @@ def _levels(r: Live, small: Extension, large: Extension | None) -> list[int]:
 def _entries(
     r: Live, levels: list[int], scored: dict[int, tuple[list[int], Scored]], texts: TokenTexts, decode: Callable
 ) -> None:
-    """r.prompt_logprobs / prompt_sources / prompt_text from the scored rows of every level."""
+    """r.prompt_scores from the scored rows of every level."""
     prompt = r.request.prompt_ids
     text, offsets = prompt_offsets(prompt, texts, decode)
 
@@ -257,9 +257,8 @@ def _entries(
     if len(rows) != len(prompt) - 1 - first:
         raise RuntimeError(f"{len(prompt) - 1 - first - len(rows)} prompt rows of {r.request_id!r} were not scored")
     unscored = [None] * (first + 1)  # the first token, and those before prompt_logprobs_from
-    r.prompt_logprobs = [*unscored, *(rows[j] for j in range(first, len(prompt) - 1))]
-    r.prompt_sources = [*unscored, *levels]
-    r.prompt_text = text
+    logprobs = [*unscored, *(rows[j] for j in range(first, len(prompt) - 1))]
+    r.prompt_scores = PromptScores(logprobs, [*unscored, *levels], text)
 
 
 def prompt_offsets(prompt: Sequence[int], texts: TokenTexts, decode: Callable) -> tuple[str, list[int]]:

@@ -98,7 +98,7 @@ def small_step(models: list[Backend], group: list[Live]) -> SmallOut:
         return NO_SMALL_STEP
     for r in group if len(out) == len(group) else [r for r in group if r.request_id in out]:
         r.fed[0] = len(r.tokens)
-        r.small_times.append(seconds)
+        r.stats.small_times.append(seconds)
     logits, hidden = last_rows(list(out.values()))
     return SmallOut(logits, hidden, {request_id: i for i, request_id in enumerate(out)})
 
@@ -192,7 +192,7 @@ def propose(
     got = batched(group, models, together, lambda r: together([r])[0])
     seconds = time.perf_counter() - start
     for r in routed if len(got) == len(group) else [r for r in routed if r.request_id in got]:
-        r.router_times.append(seconds)  # the decision with the draw beside it: one pass, one sync
+        r.stats.router_times.append(seconds)  # the decision with the draw beside it: one pass, one sync
     tokens = {request_id: token for request_id, (token, _) in got.items()}
     scores = {request_id: score for request_id, (_, score) in got.items() if score is not None}
     return Proposal(tokens, scores)

@@ -1,5 +1,7 @@
 """Per-request bookkeeping of the step loop: committed tokens, sources, and how far each
 model's lagging cache has read (`fed`). Pending tokens of level l = tokens[fed[l]:].
+A Live holds, apart, what its result reports of how it ran (`Stats`) and its prompt's
+logprobs when asked (`PromptScores`).
 """
 
 from __future__ import annotations
@@ -50,6 +52,30 @@ class PenaltyCounts:
 
 
 @dataclass
+class Stats:
+    """How a request ran, as its result reports it (GenerationResult's timings and records)."""
+
+    started: float = field(default_factory=time.perf_counter)  # admission (perf_counter, s)
+    prefill_s: float = 0.0
+    first_token_s: float | None = None  # from `started` to the first token streamed
+    small_times: list[float] = field(default_factory=list)  # s, per M_S step
+    router_times: list[float] = field(default_factory=list)  # s, per routed step's decision
+    cached_prompt: int = 0  # prompt positions M_S loaded from its prefix cache (not prefilled)
+    catch_ups: list[CatchUp] = field(default_factory=list)
+    kl_at_catch_up: list[float] = field(default_factory=list)
+    rollbacks: int = 0  # tokens dropped by verification
+
+
+@dataclass
+class PromptScores:
+    """A request's prompt logprobs (engine/prompt.py), when it asks for them: per prompt token."""
+
+    logprobs: list[TokenLogprobs | None]  # the first token's None (nothing predicts it)
+    sources: list[int | None]  # the level that scored each token
+    text: str  # the decoded prompt, which the logprobs' text offsets index
+
+
+@dataclass
 class Live:
     request: GenerationRequest
     request_id: str
@@ -72,15 +98,7 @@ class Live:
     last_logits: dict[int, torch.Tensor] = field(default_factory=dict)  # level -> [V]
     source_logits: dict[int, torch.Tensor] = field(default_factory=dict)  # position -> [V]
     small_logits: dict[int, torch.Tensor] = field(default_factory=dict)  # position -> [V]
-    catch_ups: list[CatchUp] = field(default_factory=list)
-    kl_at_catch_up: list[float] = field(default_factory=list)
-    rollbacks: int = 0
-    small_times: list[float] = field(default_factory=list)
-    router_times: list[float] = field(default_factory=list)
-    prefill_s: float = 0.0
-    cached_prompt: int = 0  # prompt positions M_S loaded from its prefix cache (not prefilled)
-    started: float = field(default_factory=time.perf_counter)
-    first_token_s: float | None = None
+    stats: Stats = field(default_factory=Stats)  # timings, catch-ups, rollbacks: the result's records
     finished: FinishReason | None = None
     finish_after_verify: FinishReason | None = None  # unverified drafts to check first
     text: str = ""  # text streamed so far (stable prefix)
@@ -90,10 +108,7 @@ class Live:
     # the error that ends this request alone (finish() raises it): LargeUnavailable with
     # on_large_failure = "fail", or whatever handling this one request raised (isolation.py)
     failure: Exception | None = None
-    # when the request asks for prompt logprobs (engine/prompt.py): per prompt token, the first None
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
-    prompt_sources: list[int | None] | None = None
-    prompt_text: str | None = None
+    prompt_scores: PromptScores | None = None  # when the request asks for prompt logprobs
     prompt_len: int = field(init=False)  # len(request.prompt_ids), read several times a step
     verifies: bool = field(init=False)  # request.routing.verification is not NONE (read every step)
     penalized: bool = field(init=False)  # request.sampling has penalties (read at every draw)
@@ -166,7 +181,8 @@ class Live:
                 del table[j]
 
     def result(self, text: str) -> GenerationResult:
-        total = time.perf_counter() - self.started
+        stats, scores = self.stats, self.prompt_scores
+        total = time.perf_counter() - stats.started
         return GenerationResult(
             request_id=self.request_id,
             text=text,
@@ -175,24 +191,24 @@ class Live:
             num_levels=self.num_levels,
             finish_reason=self.finished or FinishReason.LENGTH,
             prompt_tokens=self.prompt_len,
-            cached_prompt_tokens=self.cached_prompt,
-            catch_ups=tuple(self.catch_ups),
-            rollbacks=self.rollbacks,
+            cached_prompt_tokens=stats.cached_prompt,
+            catch_ups=tuple(stats.catch_ups),
+            rollbacks=stats.rollbacks,
             timings=Timings(
-                prefill=self.prefill_s,
-                small_steps=tuple(self.small_times),
-                router_steps=tuple(self.router_times),
-                first_token=self.first_token_s if self.first_token_s is not None else total,
+                prefill=stats.prefill_s,
+                small_steps=tuple(stats.small_times),
+                router_steps=tuple(stats.router_times),
+                first_token=stats.first_token_s if stats.first_token_s is not None else total,
                 total=total,
             ),
-            kl_at_catch_up=tuple(self.kl_at_catch_up),
+            kl_at_catch_up=tuple(stats.kl_at_catch_up),
             thresholds=tuple(self.thresholds),
             degraded=bool(self.degraded),
             degraded_reason=self.degraded,
             logprobs=tuple(self.logprobs) if self.request.sampling.logprobs is not None else None,
-            prompt_logprobs=tuple(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
-            prompt_sources=tuple(self.prompt_sources) if self.prompt_sources is not None else None,
-            prompt_text=self.prompt_text,
+            prompt_logprobs=tuple(scores.logprobs) if scores is not None else None,
+            prompt_sources=tuple(scores.sources) if scores is not None else None,
+            prompt_text=scores.text if scores is not None else None,
         )
 
 

@@ -79,7 +79,7 @@ def test_prune_forgets_logits_of_positions_every_larger_level_has_read():
 
 def test_result_carries_the_records_and_float64_thresholds():
     r = live(generated=[10, 11], sources=[0, 1], thresholds=(3.4e38,))
-    r.rollbacks, r.degraded = 2, "large timed out"
+    r.stats.rollbacks, r.degraded = 2, "large timed out"
     res = r.result("w8 w9")
     assert (res.request_id, res.text, res.token_ids, res.sources) == ("r1", "w8 w9", (10, 11), (0, 1))
     assert (res.prompt_tokens, res.num_levels, res.rollbacks) == (3, 2, 2)
