@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from eval_small import chat_conversations, token_stream  # same folder
 from tqdm import tqdm
 
 from backoff_core.learning import corpus
+from scripts.eval_small import chat_conversations, token_stream
 
 # Share of training windows drawn from each source. Code dominates the stdlib bytes, but
 # M_S mostly serves English chat, so prose and M_L's own answers are over-weighted.

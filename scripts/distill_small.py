@@ -39,22 +39,8 @@ import torch
 from safetensors.torch import load_file
 from tqdm import tqdm
 
-try:
-    import backoff_core  # noqa: F401
-except ImportError:  # run from a checkout without `pip install -e .`
+if not __package__:  # run as a script: the checkout's packages (scripts, backoff_core) importable
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-
-from distill_data import (  # same folder
-    SOURCE_WEIGHTS,
-    build_streams,
-    distill_loss,
-    heldout_kl,
-    label_with_teacher,
-    sample_windows,
-    teacher_hidden,
-)
-from distill_report import plot_curves, reproduce_command, write_model_card
-from eval_small import heldout_windows
 
 from backoff_core.models.default_pair import (
     SHARED_PREFIXES,
@@ -66,6 +52,17 @@ from backoff_core.models.default_pair import (
     read_student_config,
     save_small,
 )
+from scripts.distill_data import (
+    SOURCE_WEIGHTS,
+    build_streams,
+    distill_loss,
+    heldout_kl,
+    label_with_teacher,
+    sample_windows,
+    teacher_hidden,
+)
+from scripts.distill_report import plot_curves, reproduce_command, write_model_card
+from scripts.eval_small import heldout_windows
 
 # Options a resumed run takes from its checkpoint (they define the run); the others
 # (length, threads, cadence, where to write) may change between sessions.

@@ -28,9 +28,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-try:
-    import backoff_core  # noqa: F401
-except ImportError:  # run from a checkout without `pip install -e .`
+if not __package__:  # run as a script: the checkout's packages (scripts, backoff_core) importable
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from backoff_core.learning import corpus

@@ -18,9 +18,10 @@ import random
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from python_facts import PYTHON_FACTS  # noqa: E402
-from task_facts import EVERYDAY_MC, EVERYDAY_QA  # noqa: E402
+if not __package__:  # run as a script: the checkout's packages importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from scripts.python_facts import PYTHON_FACTS  # noqa: E402
+from scripts.task_facts import EVERYDAY_MC, EVERYDAY_QA  # noqa: E402
 
 OUT = Path(__file__).resolve().parents[1] / "backoff_core" / "assets" / "tasks"
 WORDS = ["cat", "dog", "sun", "tree", "book", "fish", "bird", "milk", "rain", "star", "apple", "house", "green"]

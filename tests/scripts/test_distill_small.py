@@ -14,10 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
-sys.path.insert(0, str(SCRIPTS))
+from scripts.distill_small import add_more_labels, evenly_spaced, init_student
 
-from distill_small import add_more_labels, evenly_spaced, init_student  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_evenly_spaced_layers_include_both_ends():
@@ -27,7 +26,6 @@ def test_evenly_spaced_layers_include_both_ends():
     assert evenly_spaced(30, 30) == list(range(30))
 
 
-@pytest.mark.slow
 def _labels(run_dir: Path, x: torch.Tensor, minutes: float) -> dict:
     data = {"train_x": x, "train_h": x[..., None].half().expand(-1, -1, 3).clone(), "val_x": [x[0]]}
     data |= {"teacher_minutes": minutes, "chat_minutes": minutes / 2}
@@ -57,6 +55,7 @@ def test_more_labels_of_another_window_length_or_without_labels_are_refused(tmp_
         add_more_labels(_labels(None, torch.arange(10).view(2, 5), 1.0), str(tmp_path / "missing"))
 
 
+@pytest.mark.real_pair
 def test_a_grown_student_starts_as_the_student_it_grows_from():
     from backoff_core.models.default_pair import (
         STUDENT_DIR,
@@ -106,14 +105,14 @@ def _distill(run_dir: Path, *extra: str) -> None:
         "2",
     ]
     tiny_run += ["--keep-weight", "1", "--threads", "1", "--device", "cpu"]
-    cmd = [sys.executable, str(SCRIPTS / "distill_small.py"), *tiny_run, "--run-dir", str(run_dir)]
+    cmd = [sys.executable, "-m", "scripts.distill_small", *tiny_run, "--run-dir", str(run_dir)]
     cmd += ["--out", str(run_dir / "final"), *extra]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-@pytest.mark.slow
+@pytest.mark.real_pair  # its runs distill from the default M_L
 def test_a_stopped_and_resumed_run_ends_where_an_uninterrupted_one_does(tmp_path):
     _distill(tmp_path / "straight")
     _distill(tmp_path / "stopped", "--stop-after-minutes", "1e-9")  # stops after its first step

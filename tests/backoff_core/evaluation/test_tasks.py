@@ -4,7 +4,6 @@ running Python), and the jsonl is what scripts/make_tasks.py regenerates."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -20,10 +19,9 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 def _make_tasks():
-    spec = importlib.util.spec_from_file_location("make_tasks", ROOT / "scripts" / "make_tasks.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from scripts import make_tasks
+
+    return make_tasks
 
 
 @pytest.fixture(scope="module")
