@@ -5,7 +5,16 @@ PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint venv bench image-check
+.PHONY: demo test test-fast lint venv bench image-check
+
+# the suite runs on TEST_WORKERS pytest-xdist workers (CI's machine has two cores); the
+# modules that start Ray run one after another on one of them (tests/conftest.py)
+TEST_WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -q --tb=short -n $(TEST_WORKERS) --dist loadgroup
+# the inner loop: engine, runners, routers, sampling, the serving logic over the Ray-free fakes,
+# clients and wire types; nothing marked slow (ray, real_pair, multinode, compiles)
+FAST := tests/backoff_core/engine tests/backoff_core/runners tests/backoff_core/routing \
+	tests/backoff_core/test_sampling.py tests/backoff_core/test_types.py tests/deployments tests/clients tests/test_layout.py
 
 $(BIN)/backoff: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -21,7 +30,10 @@ demo: venv
 	$(BIN)/backoff demo
 
 test: venv
-	$(BIN)/python -m pytest -q --tb=short --durations=25 tests
+	$(PYTEST) --durations=25 tests
+
+test-fast: venv
+	$(PYTEST) --durations=10 -m "not slow" $(FAST)
 
 lint: venv
 	$(BIN)/ruff check .

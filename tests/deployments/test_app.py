@@ -35,7 +35,7 @@ from tests.support.playground_page import PlaygroundPage, browser_missing  # noq
 from tests.support.served_app import TINY_PAIR, ServedApp, deployment_config, in_process_engine  # noqa: E402
 from tests.support.tiny import tiny_model  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.ray  # starts a local Ray and the Serve app (slow, one at a time)
 CHAIN_THRESHOLDS = (0.4, 0.7)  # random router over three levels: ~40 / 30 / 30 %
 APP = (("application", "backoff"),)  # gRPC: which of the two applications
 MODELS = {**TINY_PAIR, "medium": functools.partial(tiny_model, 3, hidden=48, layers=3, sharpness=30)}

@@ -35,7 +35,7 @@ from benchmarks.standin import expected_stream  # noqa: E402
 from tests.support.served_app import TINY_PAIR, ServedApp, sse_then_disconnect  # noqa: E402
 from tests.support.tiny import tiny_model  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.ray  # starts a local Ray and the Serve app (slow, one at a time)
 BUDGET = {"max_messages_per_s": 20.0, "max_delay_ms": 40.0}
 PROMPT = [3, 7, 11]
 MODELS = {**TINY_PAIR, "large": functools.partial(tiny_model, 2, hidden=64, layers=4)}  # a flat M_L

@@ -31,7 +31,7 @@ from deployments.serving.requests import choice_seed  # noqa: E402
 from tests.support.helpers import penalized_greedy  # noqa: E402
 from tests.support.served_app import TINY_PAIR, ServedApp, deployment_config  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.ray  # starts a local Ray and the Serve app (slow, one at a time)
 LIMITS = dict(max_batch_prompts=4, max_batch_prompt_tokens=1200)
 CONTEXT_WINDOW = 512  # tiny_model's
 GREEDY = dict(temperature=0, ignore_eos=True)  # a raw body's, or our clients' keywords

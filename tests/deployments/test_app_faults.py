@@ -38,7 +38,7 @@ from tests.support.served_app import (  # noqa: E402
     stream_noting_first,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.ray  # starts a local Ray and the Serve app (slow, one at a time)
 APP = "backoff"
 METADATA = (("application", APP),)
 LEASE_S = 3.0
@@ -52,7 +52,7 @@ class Refused(Exception):
 
 
 def _edit(config: dict, dirs) -> None:
-    # one test client opens hundreds of streams; the per-client cap is tests/deployments/test_app_access.py's
+    # one test client opens hundreds of streams; the per-client cap is tests/deployments/test_app_input_access.py's
     config["applications"][0]["args"]["limits"] = {"max_concurrent_per_client": None}
     deployment_config(config, "SmallModel")["user_config"] = {
         "router": "entropy",

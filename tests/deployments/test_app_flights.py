@@ -16,7 +16,7 @@ from backoff_core.types import GenerationRequest, RoutingParams, SamplingParams 
 from clients.http_client import AsyncBackoffHTTPClient  # noqa: E402
 from tests.support.served_app import ServedApp, in_process_engine  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.ray  # starts a local Ray and the Serve app (slow, one at a time)
 
 
 def _edit(config: dict, dirs) -> None:

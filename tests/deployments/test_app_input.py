@@ -1,8 +1,8 @@
 """Bad input against the real Serve application on loopback (tiny models; the app and its
 calls: tests/support/input_app.py). Every client mistake must come back as a 4xx with the
 OpenAI error body, or as gRPC INVALID_ARGUMENT / NOT_FOUND, never as a 5xx or INTERNAL; a
-refused stream logs one WARNING line. The fuzz and property tests (test_app_fuzz.py) send
-generated requests; access control is test_app_access.py.
+refused stream logs one WARNING line. The fuzz and property tests (test_app_input_fuzz.py) send
+generated requests; access control is test_app_input_access.py.
 """
 
 from __future__ import annotations
@@ -25,12 +25,13 @@ from tests.support import input_app  # noqa: E402
 from tests.support.input_app import CONTEXT_WINDOW, W, auth, grpc_meta, openai_error, post, raw_grpc  # noqa: E402
 from tests.support.served_app import ServedApp  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.ray  # starts a local Ray and the Serve app (slow, one at a time)
+SHARED_APP = input_app.SHARED_KEY  # the app of test_app_input*.py, deployed once for the three
 
 
 @pytest.fixture(scope="module")
-def served(serve_app) -> ServedApp:
-    return input_app.start(serve_app, "serve-input")
+def served(shared_app) -> ServedApp:
+    return shared_app(SHARED_APP, input_app.start)
 
 
 # -- bad input, one category at a time -------------------------------------------------------

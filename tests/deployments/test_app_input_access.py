@@ -45,13 +45,14 @@ from tests.support.input_app import (  # noqa: E402
 from tests.support.playground_page import PlaygroundPage, browser_missing  # noqa: E402
 from tests.support.served_app import ServedApp, deployment_config, wait_until  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.ray  # starts a local Ray and the Serve app (slow, one at a time)
+SHARED_APP = input_app.SHARED_KEY  # the app of test_app_input*.py, deployed once for the three
 PLAYGROUND_ROUTER = ("random", 0.5)  # the playground test's: half the tokens small, drawn from the seed
 
 
 @pytest.fixture(scope="module")
-def served(serve_app) -> ServedApp:
-    return input_app.start(serve_app, "serve-access")
+def served(shared_app) -> ServedApp:
+    return shared_app(SHARED_APP, input_app.start)
 
 
 # -- access: API keys ---------------------------------------------------------------------------

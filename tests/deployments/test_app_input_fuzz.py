@@ -38,12 +38,13 @@ from tests.support.input_app import (  # noqa: E402
 from tests.support.request_strategies import expected_refusal, grpc_requests, http_bodies  # noqa: E402
 from tests.support.served_app import ServedApp  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.ray  # starts a local Ray and the Serve app (slow, one at a time)
+SHARED_APP = input_app.SHARED_KEY  # the app of test_app_input*.py, deployed once for the three
 
 
 @pytest.fixture(scope="module")
-def served(serve_app) -> ServedApp:
-    return input_app.start(serve_app, "serve-fuzz")
+def served(shared_app) -> ServedApp:
+    return shared_app(SHARED_APP, input_app.start)
 
 
 # -- fuzz: hundreds of generated requests, no 5xx, no restart ----------------------------------------

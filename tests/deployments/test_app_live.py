@@ -26,7 +26,7 @@ from tests.support import e2e_app  # noqa: E402
 from tests.support.e2e_app import THRESHOLD, large_infos, reference, router_info  # noqa: E402
 from tests.support.served_app import TINY_PAIR, ServedApp, deploy, deployment_config  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.ray  # starts a local Ray and the Serve app (slow, one at a time)
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,7 @@ from clients.wire import backoff_pb2_grpc as pb_grpc  # noqa: E402
 from deployments import harness  # noqa: E402
 from tests.support.served_app import ServedApp, deploy, deployment_config, wait_until  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.ray  # starts a local Ray and the Serve app (slow, one at a time)
 THRESHOLD = 0.4  # entropy threshold of `backoff`: both sources occur
 ALL_SMALL = 50.0  # nothing is that uncertain: every token from M_S
 RETRY_AFTER_S = 2.0  # `tight`'s Retry-After

@@ -19,7 +19,7 @@ from ray import serve  # noqa: E402
 
 from tests.support.served_app import ServedApp, wait_until  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.ray  # starts a local Ray and the Serve app (slow, one at a time)
 MAX_IMBALANCE = 2
 
 

@@ -29,7 +29,7 @@ from deployments import harness  # noqa: E402
 from deployments.serve_cli import DIRECT_PORTS  # noqa: E402
 from tests.support.served_app import ServedApp, sse_then_disconnect  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.ray  # starts a local Ray and the Serve app (slow, one at a time)
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = [3, 7, 11]
 

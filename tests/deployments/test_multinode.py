@@ -40,7 +40,7 @@ from tests.support.served_app import (  # noqa: E402
     stream_noting_first,
 )
 
-pytestmark = [pytest.mark.multinode, pytest.mark.slow]
+pytestmark = [pytest.mark.multinode, pytest.mark.ray]
 APP = "backoff"
 PROMPT = [4, 5, 6]
 THRESHOLD = 0.4  # entropy: a mix of small and large steps on the tiny pair

@@ -47,6 +47,11 @@ SHAPES = {  # G = heads / kv_heads; head_dim = hidden / heads
 }
 
 
+# the shapes as test parameters: the 8B attention's CPU rehearsal takes seconds (bf16 matmuls at
+# hidden 4096), so it is `slow` (make test runs it, make test-fast does not)
+SHAPE_PARAMS = [pytest.param(shape, marks=[pytest.mark.slow] if "8B" in shape else []) for shape in SHAPES]
+
+
 def shaped_model(shape: str, device: str) -> LlamaForCausalLM:
     """Two layers with the attention of a real model (rope theta and all), random weights."""
     torch.manual_seed(11)

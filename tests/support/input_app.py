@@ -1,5 +1,5 @@
 """The application of the bad-input and access modules (tests/deployments/test_app_input.py,
-test_app_fuzz.py, test_app_access.py), and the calls they make to it.
+test_app_input_fuzz.py, test_app_input_access.py), and the calls they make to it.
 
 Deployed by `backoff serve` from the packaged config with API keys (one in the args, one
 through an environment variable) and small limits, with Ray's dashboard (what `serve status`
@@ -45,6 +45,7 @@ CLIENT_CODES = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.Statu
 # hundred tokens stays open for seconds: the per-client limit test holds two of them
 MODELS = {**TINY_PAIR, "large": functools.partial(tiny_model, 2, hidden=512, layers=8)}
 W = "w3 w4 w5"  # a prompt of three tiny-vocabulary words
+SHARED_KEY = "input"  # the modules' SHARED_APP: one deploy serves the three of them, one after another
 
 
 def _edit(config: dict, dirs) -> None:
@@ -56,9 +57,10 @@ def _edit(config: dict, dirs) -> None:
     deployment_config(config, "SmallModel")["user_config"]["thresholds"] = None
 
 
-def start(serve_app: Callable[..., ServedApp], name: str) -> ServedApp:
-    """The application, through a module's `serve_app` fixture; the key in KEY_ENV_VAR reaches
-    the replicas as the Ray workers inherit the environment."""
+def start(serve_app: Callable[..., ServedApp], name: str = "serve-input") -> ServedApp:
+    """The application, through `serve_app` (the modules share it: SHARED_KEY, and
+    tests/deployments/conftest.py's `shared_app`); the key in KEY_ENV_VAR reaches the
+    replicas as the Ray workers inherit the environment."""
     ray_options = {
         "num_cpus": 2,
         "include_dashboard": True,

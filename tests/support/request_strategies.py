@@ -1,5 +1,5 @@
 """Hypothesis strategies over the request schema (HTTP JSON bodies and gRPC messages) for the
-property tests of tests/deployments/test_app_fuzz.py: finite floats at the extremes of float32 and
+property tests of tests/deployments/test_app_input_fuzz.py: finite floats at the extremes of float32 and
 float64, -0.0, subnormals, JSON nulls, wrong types, huge integers, content parts, unicode.
 
 `expected_refusal` says, from the schema alone (clients/wire/types.py, the client-side model the

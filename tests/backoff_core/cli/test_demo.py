@@ -12,6 +12,7 @@ from backoff_core.cli.main import WARM_UP_TOKENS, main
 from backoff_core.engine.engine import BackoffEngine
 
 
+@pytest.mark.real_pair
 def test_the_demo_warms_up_then_runs_four_settings(monkeypatch, capsys):
     from backoff_core.models.default_pair import find_large_gguf
 

@@ -31,6 +31,7 @@ def test_a_model_directory_tokenizer_is_exported(tmp_path, capsys):
     _same(AutoTokenizer.from_pretrained(tmp_path / "out"), tokenizer, ["w3 w4 w5", "w9 nope"])
 
 
+@pytest.mark.real_pair
 def test_the_default_pairs_tokenizer_leaves_its_gguf(tmp_path):
     from backoff_core.models.default_pair import find_large_gguf
 

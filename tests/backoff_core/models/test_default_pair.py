@@ -17,6 +17,7 @@ from backoff_core.models.default_pair import (
 )
 from backoff_core.runners.dynamic import cache_keyword
 
+pytestmark = pytest.mark.real_pair
 MAX_STUDENT_BYTES = 48 * 1024 * 1024  # issue 24: committed student weights may grow to 48 MB
 
 

@@ -186,6 +186,7 @@ def test_a_broken_entry_is_ignored_and_rebuilt(tmp_path, source, damage, says):
     assert convert.calls == 2
 
 
+@pytest.mark.real_pair
 def test_warm_load_of_the_default_gguf_equals_the_cold_conversion(tmp_path, monkeypatch):
     """One real conversion (~20-40 s): the entry's model and tokenizer are transformers' own."""
     from backoff_core.models.default_pair import find_large_gguf

@@ -20,7 +20,17 @@ from backoff_core.runners.static import KVCapacityError, StaticRunner
 from backoff_core.runners.static_forward import Batch
 from backoff_core.sampling import Stream, sample_rows, uniforms
 from backoff_core.types import GenerationRequest, RoutingParams, SamplingParams, Verification
-from tests.support.cuda_shapes import DEVICES, LONG, PROMPTS, SHAPES, cuda_only, rel_err, shaped_model, with_graphs
+from tests.support.cuda_shapes import (
+    DEVICES,
+    LONG,
+    PROMPTS,
+    SHAPE_PARAMS,
+    SHAPES,
+    cuda_only,
+    rel_err,
+    shaped_model,
+    with_graphs,
+)
 from tests.support.helpers import penalized_greedy, request
 from tests.support.tiny import VOCAB, tiny_model
 
@@ -353,7 +363,7 @@ def test_kv_budget_and_slot_reuse(gpu_pair):
 
 # -- bf16 at the real attention shapes ------------------------------------------------------
 @pytest.mark.parametrize("fuse", [False, True, "compiled"], ids=["modules", "fused", "compiled"])
-@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("shape", SHAPE_PARAMS)
 @torch.inference_mode()
 def test_bf16_real_shapes_match_a_float32_reference(device, shape, fuse):
     """Every kind of extend the engine makes (steps, ragged catch-ups, verification's full

@@ -167,6 +167,7 @@ def test_catch_ups_equal_model_runner(model, graphs):
     assert run.eager_passes == (0 if graphs else run.forward_passes)
 
 
+@pytest.mark.slow  # captures every bucket's ragged graph (FlexAttention traced each time): ~15 s
 def test_the_graph_set_holds_one_per_bucket_within_the_budget(model):
     run = ragged_runner(model, slots=64, max_len=128, graphs=True)
     keys = set(run.graphs._graphs)
@@ -374,6 +375,7 @@ def test_flex_attention_compiled_equals_model_runner(model):
     assert counters["stats"]["unique_graphs"] == 1
 
 
+@pytest.mark.slow  # inductor compiles three buckets
 @torch.inference_mode()
 def test_without_graphs_warmup_compiles_every_bucket_and_catch_ups_compile_nothing(model):
     """cuda_graphs off (graphs None) with a compiled attention: warmup runs one ragged forward a

@@ -15,7 +15,7 @@ from backoff_core.engine.engine import BackoffEngine
 from backoff_core.runners.dynamic import ModelRunner
 from backoff_core.runners.static import StaticRunner
 from backoff_core.runners.static_ragged import RaggedKey
-from tests.support.cuda_shapes import DEVICES, LONG, PROMPTS, SHAPES, rel_err, shaped_model, with_graphs
+from tests.support.cuda_shapes import DEVICES, LONG, PROMPTS, SHAPE_PARAMS, rel_err, shaped_model, with_graphs
 from tests.support.helpers import request
 from tests.support.tiny import VOCAB, tiny_model
 
@@ -83,7 +83,7 @@ def test_catch_ups_over_long_contexts_read_a_slots_later_key_blocks(gpu_pair):
     assert seen == [RaggedKey(64)] and run.eager_passes == eager
 
 
-@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("shape", SHAPE_PARAMS)
 @torch.inference_mode()
 def test_bf16_real_shapes_match_a_float32_reference(device, shape):
     """Prompts and catch-ups of several items, every one a ragged replay in bf16: as close to

@@ -1,0 +1,62 @@
+"""benchmarks/suite_time.py: a tier's record from its make run (a stand-in `make` that prints
+a pytest summary and writes a JUnit file where PYTEST_ADDOPTS says), and the refusals."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from benchmarks import suite_time
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest">
+<testcase classname="tests.a.test_x" name="test_one" time="2.5"/>
+<testcase classname="tests.a.test_x" name="test_two[p]" time="1.0"/>
+<testcase classname="tests.b.test_y" name="test_three" time="4.0"/>
+</testsuite></testsuites>"""
+
+
+def fake_make(returncode: int, tail: str):
+    calls = []
+
+    def run(cmd, cwd, env, **kwargs):
+        calls.append((cmd, env["PYTEST_ADDOPTS"]))
+        xml = env["PYTEST_ADDOPTS"].split()[0].removeprefix("--junitxml=")
+        with open(xml, "w") as f:
+            f.write(JUNIT)
+        make = "make: *** [Makefile:30: test] Error 1\n" if returncode else ""
+        return subprocess.CompletedProcess(cmd, returncode, stdout=f"....\n{tail}\n{make}")
+
+    return run, calls
+
+
+def test_a_tier_records_counts_slowest_tests_and_modules(monkeypatch):
+    run, calls = fake_make(0, "3 passed, 1 skipped, 2 deselected, 5 warnings in 7.00s")
+    monkeypatch.setattr(suite_time.subprocess, "run", run)
+    row = suite_time.run_tier("fast", workers=2)
+    assert calls[0][0] == ["make", "-s", "test-fast", "TEST_WORKERS=2"] and "-p no:cacheprovider" in calls[0][1]
+    assert row["counts"] == {"passed": 3, "skipped": 1, "deselected": 2} and row["returncode"] == 0
+    assert [s["test"] for s in row["slowest"]] == [
+        "tests/b/test_y.py::test_three",
+        "tests/a/test_x.py::test_one",
+        "tests/a/test_x.py::test_two[p]",
+    ]
+    assert row["modules"] == [{"module": "tests/b/test_y.py", "s": 4.0}, {"module": "tests/a/test_x.py", "s": 3.5}]
+    assert row["test_seconds_sum"] == 7.5 and row["goal_min"] == 3.0 and row["met"] is True
+
+
+def test_a_failed_tier_is_not_met_and_main_says_so(monkeypatch, tmp_path):
+    run, _ = fake_make(1, "1 failed, 2 passed, 1 error in 3.00s")
+    monkeypatch.setattr(suite_time.subprocess, "run", run)
+    out = tmp_path / "suite.json"
+    assert suite_time.main(["--tiers", "full", "--out", str(out)]) == 1
+    row = json.loads(out.read_text())["tiers"]["full"]
+    assert row["counts"] == {"failed": 1, "passed": 2, "error": 1} and row["met"] is False
+    assert row["target"] == "make test"
+
+
+def test_an_unknown_tier_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        suite_time.main(["--tiers", "fast,nightly"])
+    assert "unknown tier(s) ['nightly']" in capsys.readouterr().err
