@@ -1,25 +1,28 @@
-"""Chunked prefill: a long prompt, and a lagging model's long first catch-up, are fed over
-several steps, at most `chunk` positions per model per step, between the live requests'
-decode steps, so those keep committing a token every step while it loads.
+"""Chunked prefill: a long prompt, and a lagging model's long catch-up, are fed over several
+steps, at most `chunk` positions per model per step, between the live requests' decode
+steps, so those keep committing a token every step while it loads.
 
-A request with a backlog (Live.backlog: level -> the position that level's cache must
-reach) does not step: it commits nothing until every backlog is fed. Stage 0 of every step
-(`feed`) feeds backlogs, oldest request first, up to `chunk` positions per model, shared by
-all requests with a backlog there, in one batched last-only forward per model. Backlogs
-come from two places:
-- admission (engine.submit_many, `open_backlog`): a prompt whose head (all but its last
-  token, which the first step reads) is longer than a chunk, for M_S and every level
-  opened at admission (eager prefill, oracles);
-- a long catch-up (engine.step): a request routed to a level whose pending tokens pass a
-  chunk (M_L's first catch-up reads the whole prompt) stalls instead: M_S's step is undone
-  (its cache cropped back, `undo_small`), the pending tokens are fed in chunks, and then
-  the step is taken again. M_S's logits, the router's coin and every draw are pure
+Each request has one feed plan (`Live.plan`): per model (level), the positions its cache must
+hold before the request steps again (its target), which `Live.fed[level]` catches up to, as
+vLLM's scheduler brings a request's computed tokens up to its token count. A request whose
+plan is open (a level short of its target) does not step: it commits nothing until the plan
+is fed, and joins the step in the step its last chunk is fed. Stage 0 of every step (`feed`)
+feeds the open plans, oldest request first, up to `chunk` positions per model shared by all
+of them, in one batched last-only forward per model. A target comes from one of two places:
+- admission (engine.submit_many, `plan_prompt`): a prompt whose head (all but its last
+  token, which the first step reads) is longer than a chunk is the target of M_S and of
+  every level opened at admission (eager prefill, oracles);
+- a catch-up whose pending tokens pass a chunk (M_L's first catch-up reads the whole
+  prompt), at a level forced in stage 1 or routed in stage 5 (`plans_catch_up`): the tokens
+  before those it reads itself are that level's target. A routed step was taken by M_S
+  already: it is undone (its cache cropped back, `undo_small`: the step "stalls") and taken
+  again once the plan is fed. M_S's logits, the router's coin and every draw are pure
   functions of (seed, position), so it decides the same and the catch-up reads the last
   pending tokens only.
 Outputs do not change: a cache fed in chunks holds the KV of one forward over the same
 positions (within float tolerance), and no draw depends on when a position was fed.
 Logits the step loop reads at pending positions (verification, the KL record: every
-position after the prompt) stay in the catch-up; only positions before them are fed early.
+position after the prompt) stay in the catch-up; only positions before them are planned.
 """
 
 from __future__ import annotations
@@ -36,90 +39,94 @@ from backoff_core.runners.static_kv import KVCapacityError
 
 
 def in_chunks(r: Live, chunk: int) -> bool:
-    """Whether r's prompt is fed over several steps at admission (its head passes a chunk;
-    prompt scoring is never chunked)."""
+    """Whether r's prompt is planned (fed over several steps) at admission: its head passes a
+    chunk (prompt scoring is never chunked)."""
     s = r.request.sampling
     return bool(chunk) and s.prompt_logprobs is None and s.max_tokens > 0 and r.prompt_len - 1 > chunk
 
 
-def open_backlog(models: Sequence[Backend], r: Live) -> None:
-    """At admission: open r's sessions where prompt.prefill would (M_S; eager levels,
-    oracles) and leave their prompt heads to the steps."""
+def plan_prompt(models: Sequence[Backend], r: Live) -> None:
+    """At admission: r's prompt head is the target of the sessions prompt.prefill would open
+    (M_S; eager levels, oracles), opened now; the steps feed them."""
     for level, model in enumerate(models):
         if level == 0 or prefills_large(r):
-            start(model, level, r, r.prompt_len - 1)
+            plan(model, level, r, r.prompt_len - 1)
     # the whole prompt is refused now, as prefill would (the first chunk alone may fit)
     fits = getattr(models[0], "kv_fits", None)
     if fits is not None and not fits([(r.request_id, r.prompt_len)]):
         raise KVCapacityError(f"{models[0].name}: no KV room for a prompt of {r.prompt_len} tokens")
 
 
-def start(model: Backend, level: int, r: Live, end: int) -> None:
-    """r's `level` cache is fed up to position `end` (exclusive) before r steps again."""
+def plan(model: Backend, level: int, r: Live, target: int) -> None:
+    """r's `level` cache must hold `target` positions before r steps again: r's plan gets that
+    target where the cache is short of it (the plan opens: r.plan non-empty)."""
     if level not in r.opened:  # a fresh session
         model.open(r.request_id)
         r.opened.add(level)
         r.fed[level] = 0
         r.last_logits.pop(level, None)
         # PREFIX CACHE: a fresh session loads its longest cached prompt prefix (never all of
-        # the ids passed, so at most `end` positions); only the rest is fed in chunks. now: a
-        # remote model's replica looks it up before the first chunk, not within it
-        r.fed[level] = adopt_prefix(model, r, r.tokens[: end + 1], now=True)
+        # the ids passed, so at most `target` positions); only the rest is fed in chunks. now:
+        # a remote model's replica looks it up before the first chunk, not within it
+        r.fed[level] = adopt_prefix(model, r, r.tokens[: target + 1], now=True)
         if level == 0:
             r.stats.cached_prompt = r.fed[0]
-    if r.fed[level] < end:
-        r.backlog[level] = end
+    if r.fed[level] < target:
+        if not r.plan:
+            r.plan = [0] * r.num_levels  # 0: nothing to feed there
+        r.plan[level] = target
 
 
-def catch_up_end(r: Live, level: int, chunk: int, collect_kl: bool) -> int | None:
-    """Where r's `level` cache is fed to before a catch-up there (None: no backlog, the
-    catch-up reads at most one chunk or nothing can be fed early)."""
+def catch_up_target(r: Live, level: int, chunk: int, collect_kl: bool) -> int | None:
+    """The positions r's `level` cache must hold before a catch-up there (None: nothing to
+    plan, the catch-up reads at most one chunk or nothing can be fed early)."""
     if not chunk or len(r.tokens) - r.fed[level] <= chunk:
         return None
     reads_rows = r.verifies or (collect_kl and level == r.num_levels - 1)
     # the catch-up reads >= 1 token (the newest: its logits draw the step's token), and
     # every generated position whose logits it verifies or records
-    end = min(len(r.tokens), r.prompt_len if reads_rows else len(r.tokens)) - 1
-    return end if end > r.fed[level] else None
+    target = min(len(r.tokens), r.prompt_len if reads_rows else len(r.tokens)) - 1
+    return target if target > r.fed[level] else None
 
 
-def stalls(models: Sequence[Backend], r: Live, level: int, chunk: int, collect_kl: bool) -> bool:
-    """Whether r waits for its `level` cache to be fed in chunks before this catch-up
-    (a request whose session cannot be opened ends alone)."""
-    end = catch_up_end(r, level, chunk, collect_kl)
-    if end is None:
+def plans_catch_up(models: Sequence[Backend], r: Live, level: int, chunk: int, collect_kl: bool) -> bool:
+    """Whether r's catch-up at `level` (r stepping: no plan open) reads more than a chunk and
+    so opens r's plan: r waits for it before this catch-up (a request whose session cannot be
+    opened ends alone)."""
+    target = catch_up_target(r, level, chunk, collect_kl)
+    if target is None:
         return False
-    each([r], models, lambda r: start(models[level], level, r, end))
-    return level in r.backlog or r.failure is not None  # no backlog: its prefix cache held it all
+    each([r], models, lambda r: plan(models[level], level, r, target))
+    return bool(r.plan) or r.failure is not None  # no plan: its prefix cache held it all
 
 
-def stall_long_catch_ups(
+def plan_long_catch_ups(
     models: Sequence[Backend], live: list[Live], step: Decided, chunk: int, collect_kl: bool
 ) -> list[Live]:
-    """Stage 5's start: the step's catch-ups that would read more than a chunk stall: M_S's
-    step undone (to step.fed), the pending tokens fed in chunks, the step taken again.
-    Returns live without the stalled (and those that ended: a session not opened)."""
+    """Stage 5's start: the step's catch-ups that would read more than a chunk open their
+    requests' plans: M_S's step undone (to step.fed), taken again once the plan is fed.
+    Returns live without those (and those that ended: a session not opened)."""
     if not chunk or not any(level > 0 for level in step.levels.values()):
         return live
     levels = step.levels
-    stalled = [
+    planned = [
         r
         for r in step.stepping
         if levels.get(r.request_id, 0) > 0
         and r.request_id not in step.outcomes
         and not (r.degraded or r.done)
-        and stalls(models, r, levels[r.request_id], chunk, collect_kl)
+        and plans_catch_up(models, r, levels[r.request_id], chunk, collect_kl)
     ]
-    if not stalled:
+    if not planned:
         return live
     routed_ids = {r.request_id for r in step.routed}
-    for r in stalled:
+    for r in planned:
         each([r], models, lambda r: undo_small(models, r, step.fed[r.request_id], r.request_id in routed_ids))
-    return [r for r in live if not (r.backlog or r.done)]
+    return [r for r in live if not (r.plan or r.done)]
 
 
 def undo_small(models: Sequence[Backend], r: Live, fed: int, routed: bool) -> None:
-    """Forget M_S's step of r (it is taken again once r's backlog is fed): its cache back to
+    """Forget M_S's step of r (it is taken again once r's plan is fed): its cache back to
     `fed` positions, the step's timings dropped."""
     models[0].crop(r.request_id, fed)
     r.fed[0] = fed
@@ -129,26 +136,29 @@ def undo_small(models: Sequence[Backend], r: Live, fed: int, routed: bool) -> No
 
 
 def feed(models: Sequence[Backend], group: list[Live], chunk: int, give_up: Callable[[int, Live, str], None]) -> None:
-    """Stage 0: per model, up to `chunk` backlog positions of `group` (oldest first) in one
-    batched last-only forward. A request whose forward fails alone ends (or, at a larger
-    model that cannot answer, goes on with M_S only: `give_up`)."""
+    """Stage 0: per model, up to `chunk` positions toward the targets of `group`'s plans
+    (oldest first) in one batched last-only forward; a plan whose every target is reached
+    closes. A request whose forward fails alone ends (or, at a larger model that cannot
+    answer, goes on with M_S only: `give_up`)."""
+    prompts = [r for r in group if r.fed[0] < r.plan[0]]  # M_S's prompt head still loading
     for level in range(len(models)):
         counts: dict[str, int] = {}  # request id -> positions fed this step
         budget = chunk
         for r in group:
-            end = r.backlog.get(level)
-            if end is not None and budget > 0 and not r.done:
-                counts[r.request_id] = min(end - r.fed[level], budget)
+            short = r.plan[level] - r.fed[level] if r.plan else 0
+            if short > 0 and budget > 0 and not r.done:
+                counts[r.request_id] = min(short, budget)
                 budget -= counts[r.request_id]
         items = [r for r in group if r.request_id in counts]
         if items:
             _feed_level(models, level, items, counts, give_up)
     now = time.perf_counter()
-    for r in group:
-        if 0 in r.backlog and r.fed[0] >= r.backlog[0]:
+    for r in prompts:
+        if r.plan and r.fed[0] >= r.plan[0]:
             r.stats.prefill_s = now - r.stats.started  # admission to M_S's prompt fed, decode steps between included
-        for level in [lv for lv, end in r.backlog.items() if r.fed[lv] >= end]:
-            del r.backlog[level]
+    for r in group:
+        if r.plan and all(fed >= target for fed, target in zip(r.fed, r.plan)):
+            r.plan = []
 
 
 def _feed_level(
@@ -165,7 +175,7 @@ def _feed_level(
 
     def alone(r: Live) -> None:
         """After a failed shared forward: a fresh session fed from the start (the failed
-        call may have half-written it); the rest of its backlog follows in later steps."""
+        call may have half-written it); the rest of its target follows in later steps."""
         reopen(model, level, r)
         try:
             model.extend([(r.request_id, r.tokens[: counts[r.request_id]])], last_only=True)
@@ -194,8 +204,10 @@ def _feed_level(
 
 
 def _drop_larger(group: list[Live]) -> None:
-    """A request that lost its larger models has nothing left to feed there."""
+    """A request that lost its larger models has nothing left to feed there (one that ended,
+    nothing at all)."""
     for r in group:
-        if r.degraded or r.failure is not None:
-            for level in [lv for lv in r.backlog if lv > 0 or r.failure is not None]:
-                del r.backlog[level]
+        if r.failure is not None:
+            r.plan = []
+        elif r.degraded and r.plan:
+            r.plan[1:] = [0] * (len(r.plan) - 1)

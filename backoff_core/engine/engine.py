@@ -178,7 +178,7 @@ class BackoffEngine(LiveSettings):
         try:
             for r in lives:
                 if r.request_id in later:
-                    chunked.open_backlog(self.models, r)
+                    chunked.plan_prompt(self.models, r)
         except Exception:
             for r in lives:
                 self._close_sessions(r)
@@ -247,22 +247,22 @@ class BackoffEngine(LiveSettings):
         live = self._begin()
         if not live:
             return {}
-        # 0. chunked prefill: at most one chunk per model of the prompts (and long catch-ups)
-        # still loading; a request with a backlog left does not step (chunked.py)
-        live = self._feed_backlogs(live)
+        # 0. chunked prefill: at most one chunk per model toward each open feed plan (long
+        # prompts, long catch-ups); a request whose plan is still open does not step (chunked.py)
+        live = self._feed_plans(live)
         # 1. levels decided without M_S. From here on, an exception while handling one request
         # ends that request alone (isolation.py). A request waiting for its batched catch-up
         # does not step either (its level is decided).
-        live, levels = forced_levels(self.models, live, self.num_levels, self._stalls)
+        live, levels = forced_levels(self.models, live, self.num_levels, self._plans_catch_up)
         stepping, fed = self._stepping(live, levels)  # fed: M_S's positions, to undo a stall (5.)
         # 2. M_S, batched
         small = small_step(self.models, stepping)
         # 3. oracle routers: the largest model catches up first, to know KL(M_L||M_S)
         # 4. decide: M_S's tokens and the routers' scores, one host copy; levels on the host
         step = self._decide(stepping, fed, small, levels)
-        # 5. catch-ups, one batched forward per level; one that would read more than a chunk
-        # stalls (its step is taken again once its pending tokens are fed, chunked.py)
-        live = self._catch_ups(self._stall_long(live, step), step)
+        # 5. catch-ups, one batched forward per level; one that would read more than a chunk opens
+        # its request's plan (its step is taken again once the plan is fed, chunked.py)
+        live = self._catch_ups(self._plan_long(live, step), step)
         # 6. commit
         return self._commit(live, step)
 
@@ -273,14 +273,14 @@ class BackoffEngine(LiveSettings):
         live = self._begin()
         if not live:
             return {}
-        live = self._feed_backlogs(live)  # 0. chunked prefill
+        live = self._feed_plans(live)  # 0. chunked prefill
         # 1. levels decided without M_S (the landed ones' too: they are waiting)
-        live, levels = forced_levels(self.models, live, self.num_levels, self._stalls)
+        live, levels = forced_levels(self.models, live, self.num_levels, self._plans_catch_up)
         stepping, fed = self._stepping(live, levels)
         small = small_step(self.models, stepping)  # 2. M_S, batched
         step = self._decide(stepping, fed, small, levels)  # 3. oracles first; 4. decide
-        # 5. catch-ups (a stall first): the landed take up their step, a group that may wait flies
-        live = self.flights.catch_ups(self._stall_long(live, step), step, landed, self.num_levels)
+        # 5. catch-ups (long ones planned first): the landed take up their step, a group that may wait flies
+        live = self.flights.catch_ups(self._plan_long(live, step), step, landed, self.num_levels)
         return self._commit(live, step)  # 6. commit
 
     def _step_ahead(self) -> dict[str, TokenEvent]:
@@ -290,9 +290,9 @@ class BackoffEngine(LiveSettings):
         live = self._begin()
         if not live:
             return {}
-        live = self._feed_backlogs(live)  # 0. chunked prefill
+        live = self._feed_plans(live)  # 0. chunked prefill
         # 1. levels decided without M_S
-        live, levels = forced_levels(self.models, live, self.num_levels, self._stalls)
+        live, levels = forced_levels(self.models, live, self.num_levels, self._plans_catch_up)
         stepping, fed = self._stepping(live, levels)
         # 2. M_S: launched in the last step where that holds good; deferred ride this step's launch
         small, deferred = self.ahead.small_step(self.models, stepping, launched)
@@ -301,7 +301,7 @@ class BackoffEngine(LiveSettings):
         # 3. oracles first; 4. decide, the next step launched behind the draw, before its read
         step = self._decide(stepping, fed, small, levels, self.ahead.launcher(small.of(stepping), deferred))
         self.ahead.read(step.proposal.tokens)
-        live = self._catch_ups(self._stall_long(live, step), step)  # 5. catch-ups (a stall first)
+        live = self._catch_ups(self._plan_long(live, step), step)  # 5. catch-ups (long ones planned first)
         return self._commit(live, step)  # 6. commit
 
     # -- the stages' helpers, shared by the step functions ---------------------------------
@@ -312,12 +312,12 @@ class BackoffEngine(LiveSettings):
             self.hold.tick()
         return live
 
-    def _feed_backlogs(self, live: list[Live]) -> list[Live]:
-        """Stage 0: live without those whose backlog is not fed yet (chunked.py)."""
-        if not any(r.backlog for r in live):
+    def _feed_plans(self, live: list[Live]) -> list[Live]:
+        """Stage 0: live without those whose feed plan is still open (chunked.py)."""
+        if not any(r.plan for r in live):
             return live
-        chunked.feed(self.models, [r for r in live if r.backlog], self.prefill_chunk_tokens, self.catch_up.give_up)
-        return [r for r in live if not (r.backlog or r.done)]
+        chunked.feed(self.models, [r for r in live if r.plan], self.prefill_chunk_tokens, self.catch_up.give_up)
+        return [r for r in live if not (r.plan or r.done)]
 
     def _stepping(self, live: list[Live], levels: dict[str, int]) -> tuple[list[Live], dict[str, int]]:
         """Stage 1's end: the requests M_S steps (no level decided, not waiting), and their M_S
@@ -338,8 +338,8 @@ class BackoffEngine(LiveSettings):
         decide(scored, proposal.scores, levels, outcomes, self.num_levels)
         return Decided(stepping, fed, small, routed, levels, outcomes, proposal)
 
-    def _stall_long(self, live: list[Live], step: Decided) -> list[Live]:
-        return chunked.stall_long_catch_ups(self.models, live, step, self.prefill_chunk_tokens, self.collect_kl)
+    def _plan_long(self, live: list[Live], step: Decided) -> list[Live]:
+        return chunked.plan_long_catch_ups(self.models, live, step, self.prefill_chunk_tokens, self.collect_kl)
 
     def _catch_ups(self, live: list[Live], step: Decided) -> list[Live]:
         """Stage 5: per level, the catch-up of the requests routed there (or waiting there)
@@ -356,8 +356,8 @@ class BackoffEngine(LiveSettings):
         ctx = CommitContext(self.detok, self.token_texts, self.eos_ids, self.collect_kl)
         return commit_many(settle_many(live, step.outcomes, small, step.proposal, ctx, self.models), ctx, self.models)
 
-    def _stalls(self, r: Live, level: int) -> bool:
-        return chunked.stalls(self.models, r, level, self.prefill_chunk_tokens, self.collect_kl)
+    def _plans_catch_up(self, r: Live, level: int) -> bool:
+        return chunked.plans_catch_up(self.models, r, level, self.prefill_chunk_tokens, self.collect_kl)
 
     @on_loop_stream
     def finish(self, request_id: str) -> GenerationResult:

@@ -91,9 +91,9 @@ class Live:
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per generated token, if asked
     fed: list[int] = field(default_factory=list)  # per level: positions in its cache
     opened: set[int] = field(default_factory=set)  # levels holding a session for this request
-    # chunked prefill (chunked.py): level -> the position its cache must reach, a chunk per
-    # step, before this request steps again (empty: it steps)
-    backlog: dict[int, int] = field(default_factory=dict)
+    # chunked prefill's feed plan (chunked.py): per level, the positions its cache must hold
+    # (fed[level] catching up, a chunk per step) before this request steps again; empty: it steps
+    plan: list[int] = field(default_factory=list)
     # logits [V] that predicted position j, of the model level that last ran there
     last_logits: dict[int, torch.Tensor] = field(default_factory=dict)  # level -> [V]
     source_logits: dict[int, torch.Tensor] = field(default_factory=dict)  # position -> [V]
@@ -132,6 +132,11 @@ class Live:
     @property
     def done(self) -> bool:
         return self.finished is not None or self.failure is not None
+
+    @property
+    def backlog(self) -> dict[int, int]:
+        """level -> its target in the plan, for the levels whose cache is short of it."""
+        return {level: target for level, target in enumerate(self.plan) if self.fed[level] < target}
 
     @property
     def generated(self) -> list[int]:
