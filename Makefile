@@ -10,7 +10,7 @@ BIN := $(VENV)/bin
 # the suite runs on TEST_WORKERS pytest-xdist workers (CI's machine has two cores); the
 # modules that start Ray run one after another on one of them (tests/conftest.py)
 TEST_WORKERS ?= 2
-PYTEST := $(BIN)/python -m pytest -q --tb=short -n $(TEST_WORKERS) --dist loadgroup
+PYTEST := $(BIN)/python -m pytest -q --tb=short -n $(TEST_WORKERS) --dist loadscope
 # the inner loop: engine, runners, routers, sampling, the serving logic over the Ray-free fakes,
 # clients and wire types; nothing marked slow (ray, real_pair, multinode, compiles)
 FAST := tests/backoff_core/engine tests/backoff_core/runners tests/backoff_core/routing \

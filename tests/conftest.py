@@ -29,6 +29,8 @@ os.environ["BACKOFF_CACHE_DIR"] = os.environ.get("BACKOFF_TEST_CACHE_DIR") or os
     tempfile.gettempdir(), f"backoff-serve-test-cache-{os.getuid()}"
 )
 
+from tests.support import tiers  # noqa: E402
+from tests.support.tiers import IMPLY_SLOW  # noqa: E402
 from tests.support.tiny import tiny_model, tiny_tokenizer  # noqa: E402
 
 
@@ -45,43 +47,17 @@ def pair():
 
 # Markers that filter what they say (pyproject.toml lists them): `make test-fast` leaves out
 # every test that carries one of these.
-SLOW_MARKS = ("slow", "ray", "real_pair", "multinode")
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
-    """A test that starts Ray (marked `ray`) runs in the xdist group `ray`: one worker runs
-    those modules one after another, never two Ray instances at once; a test marked `ray`,
-    `real_pair` or `multinode` is `slow` too."""
+    """A test marked `ray`, `real_pair` or `multinode` is `slow` too (tests/support/tiers.py)."""
     for item in items:
-        if item.get_closest_marker("ray") is not None:
-            item.add_marker(pytest.mark.xdist_group("ray"))
-        if any(item.get_closest_marker(m) is not None for m in SLOW_MARKS[1:]):
+        if any(item.get_closest_marker(m) is not None for m in IMPLY_SLOW):
             item.add_marker(pytest.mark.slow)
 
 
-try:
-    from xdist.scheduler import LoadScopeScheduling
-except ImportError:  # pytest-xdist is a dev dependency; without it the suite runs serially
-    LoadScopeScheduling = None
-
-if LoadScopeScheduling is not None:
-
-    class ModuleOrGroupScheduling(LoadScopeScheduling):
-        """xdist's loadgroup with modules kept whole: a test's unit of work is its xdist group
-        (the `ray` modules together) or else its module, so module-scoped fixtures (a compiled
-        model, a loaded pair) are built once, on one worker. The largest units go first."""
-
-        def _split_scope(self, nodeid: str) -> str:
-            if nodeid.rfind("@") > nodeid.rfind("]"):
-                return nodeid.rsplit("@", 1)[-1]
-            return nodeid.split("::", 1)[0]
-
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_xdist_make_scheduler(config, log):
-        if config.getvalue("dist") == "loadgroup":
-            return ModuleOrGroupScheduling(config, log)
-        return None
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under `--dist loadscope` (make test): modules whole, the Ray modules one unit (tiers.py)."""
+    return tiers.scheduler(config, log) if config.getvalue("dist") == "loadscope" else None
 
 
 _exit_status = 0

@@ -10,8 +10,8 @@ import ray
 
 from tests.support.ray_local import no_auto_init
 
-# beside the modules that start Ray, on the worker that runs them (tests/conftest.py): between two of them
-pytestmark = pytest.mark.xdist_group("ray")
+# with the modules that start Ray, on the worker that runs them one after another (tests/conftest.py)
+pytestmark = pytest.mark.ray
 
 
 def test_a_ray_call_while_ray_is_down_fails_instead_of_starting_ray():
