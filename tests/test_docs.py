@@ -227,3 +227,18 @@ def test_readme_frontier_table_is_frontier_json():
         min((r for r in frontier["rows"] if r["router"] == "classifier"), key=lambda r: abs(r["setting"] - 0.3)),
     )
     assert shown >= 5
+
+
+def test_readme_and_testing_page_suite_times_are_suite_time_json():
+    tiers = load("suite_time.json")["tiers"]
+    page = (ROOT / "docs" / "testing.md").read_text()
+    for tier, target in (("fast", "make test-fast"), ("full", "make test")):
+        m = re.search(rf"^\| `{target}` \|[^\n]*?\| (\d+\.\d+) min \((\d+) passed; goal ≤ (\d+)\) \|$", README, re.M)
+        assert m, f"the README's {target} row"
+        c = tiers[tier]["counts"]
+        assert agree(m.group(1), tiers[tier]["wall_min"]) and int(m.group(2)) == c["passed"]
+        assert float(m.group(3)) == tiers[tier]["goal_min"]
+        m = re.search(rf"^\| `{target}` \| (\d+\.\d+) min \| \d+ min \| (\d+) \| (\d+) \| (\d+) \|$", page, re.M)
+        assert m, f"docs/testing.md's {target} row"
+        assert agree(m.group(1), tiers[tier]["wall_min"])
+        assert [int(g) for g in m.groups()[1:]] == [c.get("passed", 0), c.get("skipped", 0), c.get("failed", 0)]
