@@ -28,6 +28,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import NamedTuple
 
 import backoff_core.engine.chunked as chunked
 from backoff_core.engine.admission import Routers, checked
@@ -64,6 +65,18 @@ from backoff_core.types import (
 )
 
 log = logging.getLogger(__name__)
+
+
+class Opened(NamedTuple):
+    """What stages 0 and 1 hand the rest of a step, in every mode."""
+
+    live: list[Live]  # not done, their feed plans fed: the requests that go on
+    levels: dict[str, int]  # request_id -> level decided without M_S (forced, or waiting)
+    stepping: list[Live]  # the ones M_S steps (no level decided, not waiting)
+    fed: dict[
+        str, int
+    ]  # request_id -> M_S's positions before stage 2, where a stall undoes its step ({}: chunked prefill off)
+
 
 # default positions prefilled per model and step (docs/chunked-prefill.md: why 128)
 PREFILL_CHUNK_TOKENS = 128
@@ -244,17 +257,10 @@ class BackoffEngine(LiveSettings):
 
     def _step_plain(self) -> dict[str, TokenEvent]:
         """The step: catch-ups run between M_S's steps, M_S's forward after the host's work."""
-        live = self._begin()
-        if not live:
+        opened = self._open()  # 0. open feed plans fed; 1. levels decided without M_S
+        if opened is None:
             return {}
-        # 0. chunked prefill: at most one chunk per model toward each open feed plan (long
-        # prompts, long catch-ups); a request whose plan is still open does not step (chunked.py)
-        live = self._feed_plans(live)
-        # 1. levels decided without M_S. From here on, an exception while handling one request
-        # ends that request alone (isolation.py). A request waiting for its batched catch-up
-        # does not step either (its level is decided).
-        live, levels = forced_levels(self.models, live, self.num_levels, self._plans_catch_up)
-        stepping, fed = self._stepping(live, levels)  # fed: M_S's positions, to undo a stall (5.)
+        live, levels, stepping, fed = opened
         # 2. M_S, batched
         small = small_step(self.models, stepping)
         # 3. oracle routers: the largest model catches up first, to know KL(M_L||M_S)
@@ -270,13 +276,10 @@ class BackoffEngine(LiveSettings):
         """The step with catch-ups in flight (`overlap_catch_ups`, flight.py): one that is back
         lands first, and a batched catch-up flies in stage 5 beside M_S's next steps."""
         landed = self.flights.land()
-        live = self._begin()
-        if not live:
+        opened = self._open()  # 0. and 1. (the landed ones' levels too: they are waiting)
+        if opened is None:
             return {}
-        live = self._feed_plans(live)  # 0. chunked prefill
-        # 1. levels decided without M_S (the landed ones' too: they are waiting)
-        live, levels = forced_levels(self.models, live, self.num_levels, self._plans_catch_up)
-        stepping, fed = self._stepping(live, levels)
+        live, levels, stepping, fed = opened
         small = small_step(self.models, stepping)  # 2. M_S, batched
         step = self._decide(stepping, fed, small, levels)  # 3. oracles first; 4. decide
         # 5. catch-ups (long ones planned first): the landed take up their step, a group that may wait flies
@@ -287,13 +290,10 @@ class BackoffEngine(LiveSettings):
         """The step with M_S launched ahead (`launch_ahead`, ahead.py): stage 2 takes the rows
         of the last launch that hold good, and stage 4 launches the next before its read."""
         launched = self.ahead.settle(self._live)
-        live = self._begin()
-        if not live:
+        opened = self._open()  # 0. and 1.
+        if opened is None:
             return {}
-        live = self._feed_plans(live)  # 0. chunked prefill
-        # 1. levels decided without M_S
-        live, levels = forced_levels(self.models, live, self.num_levels, self._plans_catch_up)
-        stepping, fed = self._stepping(live, levels)
+        live, levels, stepping, fed = opened
         # 2. M_S: launched in the last step where that holds good; deferred ride this step's launch
         small, deferred = self.ahead.small_step(self.models, stepping, launched)
         gone = {r.request_id for r in deferred}
@@ -305,25 +305,25 @@ class BackoffEngine(LiveSettings):
         return self._commit(live, step)  # 6. commit
 
     # -- the stages' helpers, shared by the step functions ---------------------------------
-    def _begin(self) -> list[Live]:
-        """The requests not done; the hold's clock is read once a step that has some."""
+    def _open(self) -> Opened | None:
+        """Stages 0 and 1, every mode's; None when no request is live (the hold's clock is read
+        once a step that has some)."""
         live = [r for r in self._live.values() if r.finished is None and r.failure is None]
-        if live:
-            self.hold.tick()
-        return live
-
-    def _feed_plans(self, live: list[Live]) -> list[Live]:
-        """Stage 0: live without those whose feed plan is still open (chunked.py)."""
-        if not any(r.plan for r in live):
-            return live
-        chunked.feed(self.models, [r for r in live if r.plan], self.prefill_chunk_tokens, self.catch_up.give_up)
-        return [r for r in live if not (r.plan or r.done)]
-
-    def _stepping(self, live: list[Live], levels: dict[str, int]) -> tuple[list[Live], dict[str, int]]:
-        """Stage 1's end: the requests M_S steps (no level decided, not waiting), and their M_S
-        positions before stage 2, where a stall can undo its step (chunked prefill on; else {})."""
+        if not live:
+            return None
+        self.hold.tick()
+        # 0. chunked prefill: at most one chunk per model toward each open feed plan (long
+        # prompts, long catch-ups); a request whose plan is still open does not step (chunked.py)
+        if any(r.plan for r in live):
+            chunked.feed(self.models, [r for r in live if r.plan], self.prefill_chunk_tokens, self.catch_up.give_up)
+            live = [r for r in live if not (r.plan or r.done)]
+        # 1. levels decided without M_S. From here on, an exception while handling one request
+        # ends that request alone (isolation.py). A request waiting for its batched catch-up
+        # does not step either (its level is decided).
+        live, levels = forced_levels(self.models, live, self.num_levels, self._plans_catch_up)
         stepping = [r for r in live if r.request_id not in levels and r.waiting is None]
-        return stepping, ({r.request_id: r.fed[0] for r in stepping} if self.prefill_chunk_tokens else {})
+        fed = {r.request_id: r.fed[0] for r in stepping} if self.prefill_chunk_tokens else {}
+        return Opened(live, levels, stepping, fed)
 
     def _decide(
         self, stepping: list[Live], fed: dict[str, int], small: SmallOut, levels: dict[str, int], launch: Launch = None
