@@ -23,7 +23,7 @@ def test_the_modules_that_start_ray_and_only_they_are_the_ray_unit():
 
 
 def test_a_tests_unit_is_its_module_or_ray():
-    assert unit("tests/deployments/test_app.py::test_http_unary_and_stream") == RAY_UNIT
+    assert unit("tests/deployments/test_app_e2e.py::test_http_unary_and_stream") == RAY_UNIT
     assert unit("tests/deployments/test_app_input.py::test_x[a::b-c]") == RAY_UNIT
     assert unit("tests/backoff_core/test_types.py::test_y[p]") == "tests/backoff_core/test_types.py"
     assert unit("tests/deployments/test_small.py::test_z") == "tests/deployments/test_small.py"

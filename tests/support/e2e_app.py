@@ -1,25 +1,52 @@
-"""What the end-to-end modules share (tests/deployments/test_app.py, test_app_live.py): the
-application's entropy threshold and its two LargeModel replicas, the in-process reference,
-and the replicas' info.
+"""What the end-to-end modules share (tests/deployments/test_app_e2e.py, then
+test_app_e2e_live.py on the same deployed app, SHARED_KEY): the application (entropy at
+THRESHOLD, two LargeModel replicas, beside a chain of three), the in-process reference, and
+the replicas' info.
 
 Ray is imported lazily, as in served_app.py: collecting the modules must not need it.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 from collections.abc import Callable
 
 from backoff_core.engine.engine import BackoffEngine
 from backoff_core.types import GenerationRequest, GenerationResult, RoutingParams, SamplingParams
 from deployments import harness, serve_cli
-from tests.support.served_app import ServedApp, deployment_config, in_process_engine
+from tests.support.served_app import TINY_PAIR, ServedApp, deployment_config, in_process_engine
+from tests.support.tiny import tiny_model
 
 THRESHOLD = 0.4  # entropy threshold of the deployed config: both sources occur
+CHAIN_THRESHOLDS = (0.4, 0.7)  # the chain's random router over three levels: ~40 / 30 / 30 %
+MODELS = {**TINY_PAIR, "medium": functools.partial(tiny_model, 3, hidden=48, layers=3, sharpness=30)}
+SHARED_KEY = "e2e"  # the modules' SHARED_APP (tests/deployments/conftest.py's `shared_app`)
 
 
 def edit_entropy(config: dict, dirs) -> None:
     """The SmallModel's router: entropy at THRESHOLD."""
     deployment_config(config, "SmallModel")["user_config"] = {"router": "entropy", "threshold": [THRESHOLD]}
+
+
+def edit_with_chain(config: dict, dirs) -> None:
+    """edit_entropy, and a chain of three beside it: one more LargeModel-like deployment
+    (MediumModel1), by config only, as the application `chain` under /chain."""
+    edit_entropy(config, dirs)
+    chain = json.loads(json.dumps(config["applications"][0]))
+    chain.update(name="chain", route_prefix="/chain")
+    chain["args"]["models"]["medium"] = [dirs["medium"]]
+    chain["args"]["large"]["num_replicas"] = 1
+    config["applications"].append(chain)
+    deployment_config(config, "SmallModel", app=1)["user_config"] = {
+        "router": "random",
+        "threshold": list(CHAIN_THRESHOLDS),
+    }
+
+
+def start_with_chain(serve_app: Callable[..., ServedApp]) -> ServedApp:
+    """The end-to-end modules' app: `backoff` (start's) and the chain of three."""
+    return start(serve_app, "serve-e2e", MODELS, edit=edit_with_chain)
 
 
 def start(serve_app: Callable[..., ServedApp], name: str, models: dict, edit=edit_entropy) -> ServedApp:

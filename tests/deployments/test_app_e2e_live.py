@@ -1,8 +1,8 @@
 """The Serve application end to end, changed while it serves (tiny models, a local CPU Ray
 cluster; what it shares with test_app.py: tests/support/e2e_app.py): a live config change
 with the threshold (`backoff serve` again) and with a fault injected into the step loop, and
-a LargeModel replica killed mid-generation. An app of its own, so no other module's tests
-see the changes.
+a LargeModel replica killed mid-generation. It runs on test_app_e2e.py's app, after all of
+that module's tests (SHARED_APP), so no other module's tests see the changes.
 """
 
 from __future__ import annotations
@@ -24,15 +24,16 @@ from clients.http_client import AsyncBackoffHTTPClient, BackoffHTTPClient  # noq
 from deployments import harness  # noqa: E402
 from tests.support import e2e_app  # noqa: E402
 from tests.support.e2e_app import THRESHOLD, large_infos, reference, router_info  # noqa: E402
-from tests.support.served_app import TINY_PAIR, ServedApp, deploy, deployment_config  # noqa: E402
+from tests.support.served_app import ServedApp, deploy, deployment_config  # noqa: E402
 
 pytestmark = pytest.mark.ray  # starts a local Ray and the Serve app (slow, one at a time)
+SHARED_APP = e2e_app.SHARED_KEY  # test_app_e2e.py's app: deployed once for both modules
 
 
 @pytest.fixture(scope="module")
-def served(serve_app) -> ServedApp:
-    """Ingress, SmallModel (entropy at THRESHOLD) and two LargeModel replicas."""
-    return e2e_app.start(serve_app, "serve-live", TINY_PAIR)
+def served(shared_app) -> ServedApp:
+    """Ingress, SmallModel (entropy at THRESHOLD) and two LargeModel replicas (and the chain)."""
+    return shared_app(SHARED_APP, e2e_app.start_with_chain)
 
 
 @pytest.fixture(scope="module")

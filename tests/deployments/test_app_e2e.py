@@ -2,14 +2,14 @@
 
 One application for the whole module, deployed the way `backoff serve` / `serve run`
 deploy it (the packaged config with overrides): Ingress, one SmallModel, TWO LargeModel
-replicas (every test goes through session affinity), beside a chain of three. The tests
-that change the live config or kill a replica are test_app_live.py, on an app of their own.
+replicas (every test goes through session affinity), beside a chain of three
+(tests/support/e2e_app.py). The tests that change the live config or kill a replica are
+test_app_e2e_live.py, which runs next on the same app (SHARED_APP): no test here sees them.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import math
 import os
@@ -32,33 +32,18 @@ from deployments import serve_cli  # noqa: E402
 from tests.support import e2e_app  # noqa: E402
 from tests.support.e2e_app import THRESHOLD, large_infos, reference, router_info  # noqa: E402
 from tests.support.playground_page import PlaygroundPage, browser_missing  # noqa: E402
-from tests.support.served_app import TINY_PAIR, ServedApp, deployment_config, in_process_engine  # noqa: E402
-from tests.support.tiny import tiny_model  # noqa: E402
+from tests.support.served_app import ServedApp, in_process_engine  # noqa: E402
 
 pytestmark = pytest.mark.ray  # starts a local Ray and the Serve app (slow, one at a time)
-CHAIN_THRESHOLDS = (0.4, 0.7)  # random router over three levels: ~40 / 30 / 30 %
+SHARED_APP = e2e_app.SHARED_KEY  # the app of test_app_e2e*.py, deployed once for both
+CHAIN_THRESHOLDS = e2e_app.CHAIN_THRESHOLDS
 APP = (("application", "backoff"),)  # gRPC: which of the two applications
-MODELS = {**TINY_PAIR, "medium": functools.partial(tiny_model, 3, hidden=48, layers=3, sharpness=30)}
-
-
-def _edit(config: dict, dirs) -> None:
-    e2e_app.edit_entropy(config, dirs)
-    # a chain of three: one more LargeModel-like deployment (MediumModel1), by config only
-    chain = json.loads(json.dumps(config["applications"][0]))
-    chain.update(name="chain", route_prefix="/chain")
-    chain["args"]["models"]["medium"] = [dirs["medium"]]
-    chain["args"]["large"]["num_replicas"] = 1
-    config["applications"].append(chain)
-    deployment_config(config, "SmallModel", app=1)["user_config"] = {
-        "router": "random",
-        "threshold": list(CHAIN_THRESHOLDS),
-    }
 
 
 @pytest.fixture(scope="module")
-def served(serve_app) -> ServedApp:
+def served(shared_app) -> ServedApp:
     """Ingress, SmallModel and two LargeModel replicas (`backoff`), the chain (`chain`)."""
-    return e2e_app.start(serve_app, "serve", MODELS, edit=_edit)
+    return shared_app(SHARED_APP, e2e_app.start_with_chain)
 
 
 @pytest.fixture(scope="module")
