@@ -56,6 +56,23 @@ def test_a_failed_tier_is_not_met_and_main_says_so(monkeypatch, tmp_path):
     assert row["target"] == "make test"
 
 
+def test_a_tier_run_alone_keeps_the_other_tiers_record_and_the_file_is_replaced_at_the_end(monkeypatch, tmp_path):
+    out = tmp_path / "suite.json"
+    out.write_text(json.dumps({"tiers": {"fast": {"wall_min": 1.5}, "full": {"wall_min": 30.0}}}))
+    seen = []
+    run, _ = fake_make(0, "5 passed in 9.00s")
+
+    def watched(cmd, **kwargs):
+        seen.append(json.loads(out.read_text())["tiers"]["full"]["wall_min"])  # the old file while it runs
+        return run(cmd, **kwargs)
+
+    monkeypatch.setattr(suite_time.subprocess, "run", watched)
+    assert suite_time.main(["--tiers", "full", "--out", str(out)]) == 0
+    tiers = json.loads(out.read_text())["tiers"]
+    assert seen == [30.0] and tiers["fast"] == {"wall_min": 1.5} and tiers["full"]["counts"] == {"passed": 5}
+    assert not (tmp_path / "suite.partial.json").exists()
+
+
 def test_an_unknown_tier_is_refused(capsys):
     with pytest.raises(SystemExit):
         suite_time.main(["--tiers", "fast,nightly"])
