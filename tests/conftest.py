@@ -54,7 +54,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
-@pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # optional: the GPU image has no pytest-xdist
 def pytest_xdist_make_scheduler(config, log):
     """Under `--dist loadscope` (make test): modules whole, the Ray modules one unit (tiers.py)."""
     return tiers.scheduler(config, log) if config.getvalue("dist") == "loadscope" else None
