@@ -28,7 +28,6 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import NamedTuple
 
 import backoff_core.engine.chunked as chunked
 from backoff_core.engine.admission import Routers, checked
@@ -43,6 +42,7 @@ from backoff_core.engine.prompt import admission_runs_large, prefill
 from backoff_core.engine.propose import (
     Decided,
     Launch,
+    Opened,
     SmallOut,
     decide,
     forced_levels,
@@ -65,17 +65,6 @@ from backoff_core.types import (
 )
 
 log = logging.getLogger(__name__)
-
-
-class Opened(NamedTuple):
-    """What stages 0 and 1 hand the rest of a step, in every mode."""
-
-    live: list[Live]  # not done, their feed plans fed: the requests that go on
-    levels: dict[str, int]  # request_id -> level decided without M_S (forced, or waiting)
-    stepping: list[Live]  # the ones M_S steps (no level decided, not waiting)
-    fed: dict[
-        str, int
-    ]  # request_id -> M_S's positions before stage 2, where a stall undoes its step ({}: chunked prefill off)
 
 
 # default positions prefilled per model and step (docs/chunked-prefill.md: why 128)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -113,6 +114,16 @@ class Proposal:
 
 # ahead.py: given a step's drawn tokens [n] on the device, queues M_S's next step (None: none)
 Launch = Callable[[torch.Tensor], None] | None
+
+
+class Opened(NamedTuple):
+    """What stages 0 and 1 hand the rest of a step, in every mode."""
+
+    live: list[Live]  # not done, their feed plans fed: the requests that go on
+    levels: dict[str, int]  # request_id -> level decided without M_S (forced, or waiting)
+    stepping: list[Live]  # the ones M_S steps (no level decided, not waiting)
+    # request_id -> M_S's positions before stage 2, where a stall undoes its step ({}: chunked prefill off)
+    fed: dict[str, int]
 
 
 @dataclass(frozen=True)
