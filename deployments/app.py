@@ -66,6 +66,18 @@ def replica_options(
     return options
 
 
+def with_ranks(options: dict, ranks: int) -> dict:
+    """A replica over `ranks` tensor-parallel ranks (backoff_core/parallel): its actor asks for
+    `ranks` times the GPUs and CPUs (Ray places one actor's resources on one node), and its
+    rank processes, children of the replica, see those GPUs (rank r on cuda:r)."""
+    if ranks <= 1:
+        return options
+    actor = dict(options["ray_actor_options"])
+    actor["num_gpus"] = actor.get("num_gpus", 0) * ranks
+    actor["num_cpus"] = actor.get("num_cpus", 1) * ranks
+    return {**options, "ray_actor_options": actor}
+
+
 def build_app(args: dict | AppArgs | None = None) -> Application:
     cfg = args if isinstance(args, AppArgs) else AppArgs.model_validate(args or {})
     cluster = _cluster_resources()
@@ -74,7 +86,7 @@ def build_app(args: dict | AppArgs | None = None) -> Application:
         LargeModel.options(
             name=level_deployment_name(level, n),
             user_config=cfg.catch_up.model_dump(),
-            **replica_options(cfg.large, cluster, n),
+            **with_ranks(replica_options(cfg.large, cluster, n), cfg.models.tensor_parallel.size(level, n)),
         ).bind(models, level, cfg.torch_threads)
         for level in range(1, n)
     ]
@@ -83,5 +95,6 @@ def build_app(args: dict | AppArgs | None = None) -> Application:
     small["ray_actor_options"]["runtime_env"] = {"env_vars": SMALL_MODEL_ENV}
     if (prefix := prefix_router_config(cfg.prefix_routing)) is not None:  # else Serve's power of two choices
         small["request_router_config"] = prefix
+    small = with_ranks(small, cfg.models.tensor_parallel.small)
     router = SmallModel.options(user_config=cfg.routing.model_dump(), **small).bind(cfg.model_dump(), *levels)
     return Ingress.options(**replica_options(cfg.ingress, cluster, retry_after_s=retry)).bind(router, cfg.model_dump())

@@ -18,6 +18,12 @@ renews keeps them, until TTL.
 Memory is bounded by the replica's KV budget (`models.kv_budget_tokens`, resolved here when
 `auto`): the batcher evicts idle sessions LRU and refuses new ones the live sessions leave
 no room for (batcher.py); `info()` and the kv metrics report what is used.
+
+Tensor parallelism (`models.tensor_parallel`, backoff_core/parallel): the replica holds rank 0
+of M_L and drives N - 1 rank processes of its own (app.with_ranks asks for N times the actor's
+GPUs and CPUs, so all land on one node); a catch-up is still one call to the replica. A rank
+that dies ends the replica (lose_replica): callers see a lost LargeModel, the health check
+fails, and Serve starts a new replica with all its ranks.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from ray.serve.config import RequestRouterConfig
 
 from backoff_core.engine.gc_heap import GCStats, GCWatch
 from backoff_core.models.kernels import trim_heap
-from backoff_core.runners.factory import make_runner
+from backoff_core.parallel.ranks import RankFailure, parallel_runner
 from backoff_core.runners.kv_budget import describe, kv_evictions, kv_tokens
 from backoff_core.types import KVSpec, level_names
 from deployments.metrics import LargeMetrics
@@ -54,6 +60,14 @@ def replica_kv(cfg: ModelsConfig, model, name: str) -> KVSpec:
     kv = cfg.kv_spec(model, gpu_share=share)
     print(f"{name}: {describe(kv, model)}", flush=True)  # the replica's log: what `auto` became
     return kv
+
+
+def lose_replica(name: str, exc: Exception) -> None:
+    """A tensor-parallel rank died (ranks.py): the replica goes as a whole. Its callers see a
+    lost LargeModel (a transport error: they re-prefill on another replica, or degrade), as
+    for any replica that dies, and Serve starts a new one with all its ranks."""
+    log.error("%s: %s; this replica exits", name, exc)
+    os._exit(1)
 
 
 @dataclass(frozen=True)
@@ -96,13 +110,19 @@ class LargeModel:
         self.name = level_names(cfg.num_levels)[level]
         model = load_level(cfg, level, torch_threads)
         self.kv = replica_kv(cfg, model, self.name)
-        self.runner = make_runner(model, self.name, self.kv, prefix_cache=cfg.prefix_spec())
+        ranks = cfg.tensor_parallel.size(level, cfg.num_levels)  # > 1: this replica drives N rank processes
+        self.runner = parallel_runner(model, self.name, self.kv, prefix_cache=cfg.prefix_spec(), tensor_parallel=ranks)
         self.metrics = LargeMetrics(self.name)
         self.config = CatchUpConfig()
         self.batcher = CatchUpBatcher(self.runner, on_forward=self._forwarded)
         self.reconfigure({})
         self._sweeper: asyncio.Task | None = None
         self.gc = GCWatch.shared()  # Ray Serve freezes the startup heap once __init__ returns (gc_heap.py)
+
+    def check_health(self) -> None:
+        """Serve restarts a replica whose tensor-parallel group broke (a rank died: ranks.py)."""
+        if not getattr(self.runner, "healthy", True):
+            raise RuntimeError(f"{self.name}: tensor-parallel group broken ({self.runner.broken})")
 
     def reconfigure(self, user_config: dict) -> None:
         self.config = CatchUpConfig.model_validate(user_config or {})
@@ -124,7 +144,11 @@ class LargeModel:
             await asyncio.sleep(self.config.inject_delay_ms / 1000.0)
         if call.past == 0 or self.batcher.holds(call.session_key):
             await self._register(call.session_key)  # tells the routers that this replica holds it
-        return await self.batcher.extend(call)
+        try:
+            return await self.batcher.extend(call)
+        except RankFailure as exc:
+            lose_replica(self.name, exc)
+            raise
 
     async def renew(self, owner: str) -> float:
         """The SmallModel replica `owner` is alive; returns the lease (s) it must renew within."""

@@ -130,6 +130,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--kv-max-len", type=int, help="static KV: positions per slot (default 2048)")
     p.add_argument(
+        "--small-tp", type=int, metavar="N", help="M_S over N tensor-parallel ranks (models.tensor_parallel)"
+    )
+    p.add_argument(
+        "--large-tp", type=int, metavar="N", help="M_L over N tensor-parallel ranks (models.tensor_parallel)"
+    )
+    p.add_argument(
         "--ragged-catch-ups",
         nargs="?",
         choices=RAGGED_MODES,
@@ -215,6 +221,9 @@ def apply_overrides(config: dict, args: argparse.Namespace) -> dict:
         models["ragged_catch_ups"] = args.ragged_catch_ups
     if args.compile_layers is not None:
         models["compile_layers"] = args.compile_layers
+    for key, value in (("small", args.small_tp), ("large", args.large_tp)):
+        if value is not None:
+            models["tensor_parallel"] = {**models.get("tensor_parallel", {}), key: value}
     if args.launch_ahead is not None:
         app["args"]["launch_ahead"] = auto_bool(args.launch_ahead)
     routing = _deployment(app, "SmallModel").setdefault("user_config", {})

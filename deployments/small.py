@@ -36,8 +36,8 @@ from backoff_core.engine import ahead
 from backoff_core.engine.engine import BackoffEngine
 from backoff_core.engine.gc_heap import GCStats, GCWatch
 from backoff_core.models.prompts import encode_chat, encode_prompt
+from backoff_core.parallel.ranks import parallel_runner
 from backoff_core.routing.routers import build_router
-from backoff_core.runners.factory import make_runner
 from backoff_core.runners.kv_budget import kv_evictions, kv_tokens
 from backoff_core.types import GenerationRequest, GenerationResult, TokenEvent, level_names
 from deployments.large import replica_kv
@@ -142,7 +142,8 @@ class SmallModel:
             raise ValueError(f"a chain of {n} models needs {n - 1} larger deployments, got {len(self.remotes)}")
         self.kv = replica_kv(self.args.models, side.model, "small")
         models = self.args.models
-        small = make_runner(side.model, "small", self.kv, True, models.classifier, models.prefix_spec())
+        ranks = models.tensor_parallel.small
+        small = parallel_runner(side.model, "small", self.kv, True, models.classifier, models.prefix_spec(), ranks)
         self.faults = FaultInjector(small)  # inject_fault_seed
         self.small_runner = small
         self.kv_metrics = KVMetrics()

@@ -55,6 +55,20 @@ def model_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def parallel_args(p: argparse.ArgumentParser) -> None:
+    """Tensor parallelism (backoff_core/parallel, docs/tensor-parallel.md): a model over N ranks."""
+    g = p.add_argument_group("tensor parallelism (rank processes on this machine: gloo on CPU, NCCL on GPUs)")
+    g.add_argument("--small-tp", type=int, default=1, metavar="N", help="M_S over N ranks (default 1)")
+    g.add_argument(
+        "--large-tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="M_L over N ranks (default 1); N must divide its heads and MLP width, and divide its KV heads "
+        "or be a multiple of them (otherwise refused at start-up, naming the sizes that work)",
+    )
+
+
 def thresholds_arg(text: str) -> tuple[float, ...] | None:
     """--threshold "2,4": parse_thresholds' tuple, its refusal an argparse error; "" is none."""
     try:

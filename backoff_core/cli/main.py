@@ -13,7 +13,7 @@ import statistics
 import sys
 import time
 
-from backoff_core.cli.args import AUTO_BOOL, auto_bool, model_args, routing_args, sampling_args
+from backoff_core.cli.args import AUTO_BOOL, auto_bool, model_args, parallel_args, routing_args, sampling_args
 from backoff_core.evaluation.frontier_spec import DEFAULT_ROUTING
 from backoff_core.types import GenerationRequest, GenerationResult, KVSpec, RoutingParams, SamplingParams, Verification
 
@@ -36,6 +36,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text in this process")
     model_args(gen)
+    parallel_args(gen)
     routing_args(gen)
     sampling_args(gen)
     gen.add_argument("--prompt", required=True)
@@ -178,7 +179,13 @@ def _generate(args) -> int:
     )
     if args.launch_ahead == "true" and kv is None:
         raise SystemExit("--launch-ahead needs static KV: give --kv-budget")
-    engine = BackoffEngine.from_chain(chain, kv=kv, classifier_path=args.classifier)
+    if args.small_tp > 1 or args.large_tp > 1:
+        from backoff_core.parallel.ranks import engine_from_chain
+
+        sizes = [args.small_tp, *[1] * len(args.medium), args.large_tp]
+        engine = engine_from_chain(chain, sizes, kv=kv, classifier_path=args.classifier)
+    else:
+        engine = BackoffEngine.from_chain(chain, kv=kv, classifier_path=args.classifier)
     engine.launch_ahead = ahead.resolve(auto_bool(args.launch_ahead), engine.models[0])
     request = request_from_args(args, encode_prompt(chain.tokenizer, args.prompt, args.chat))
     result = engine.generate(request)

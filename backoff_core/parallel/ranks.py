@@ -244,3 +244,23 @@ def spec_for(model, name: str, size: int, kv, small: bool, classifier_path, pref
         cpu_kernels="mkldnn" if on_onednn else "default",
         threads=rank_threads(size),
     )
+
+
+def engine_from_chain(chain, sizes: list[int], kv: KVSpec | None = None, classifier_path=None, **kwargs):
+    """BackoffEngine.from_chain with the model of level i over sizes[i] ranks (1: in this
+    process, as from_chain holds it); `backoff generate --small-tp / --large-tp`."""
+    from backoff_core.engine.engine import BackoffEngine
+    from backoff_core.models.default_pair import default_head_dir
+    from backoff_core.types import level_names
+
+    if len(sizes) != len(chain.models):
+        raise ValueError(f"{len(sizes)} tensor-parallel sizes for a chain of {len(chain.models)} models")
+    names = level_names(len(chain.models))
+    path = default_head_dir(chain) if classifier_path is None else classifier_path
+    runners = [
+        parallel_runner(m, n, kv, level == 0, path if level == 0 else None, tensor_parallel=size)
+        for level, (m, n, size) in enumerate(zip(chain.models, names, sizes))
+    ]
+    kwargs.setdefault("context_window", chain.context_window)
+    kwargs.setdefault("hidden_size", chain.models[0].config.hidden_size)
+    return BackoffEngine(runners, chain.tokenizer, classifier_path=path, **kwargs)

@@ -326,7 +326,7 @@ class CatchUpBatcher:
         runner = self.runner
         if not hasattr(runner, "kv_fits") or getattr(runner, "kv_budget_tokens", 0) is None:
             return ready
-        dynamic = isinstance(runner, ModelRunner)
+        dynamic = not hasattr(runner, "kv")  # ModelRunner, or one over tensor-parallel ranks (no static kv)
         budget = runner.kv_budget_tokens if dynamic else runner.kv.budget
 
         def held(c: CatchUpCall) -> bool:

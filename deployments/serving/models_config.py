@@ -17,6 +17,26 @@ class FrozenConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class TensorParallel(FrozenConfig):
+    """Ranks per model (backoff_core/parallel, docs/tensor-parallel.md): a model over N > 1 is
+    split Megatron-style over N rank processes of its replica, which asks for N times its
+    ray_actor_options (GPUs and CPUs) so that they land on one node."""
+
+    small: int = Field(1, ge=1, description="M_S's ranks (the SmallModel replica)")
+    large: int = Field(1, ge=1, description="M_L's ranks (each LargeModel replica)")
+    medium: list[int] = Field(
+        default_factory=list, description="each medium model's ranks, smallest first (1 if unlisted)"
+    )
+
+    def size(self, level: int, num_levels: int) -> int:
+        """The ranks of the model at `level` (0 = M_S) of a chain of `num_levels`."""
+        if level == 0:
+            return self.small
+        if level == num_levels - 1:
+            return self.large
+        return self.medium[level - 1] if level - 1 < len(self.medium) else 1
+
+
 class ModelsConfig(FrozenConfig):
     small: str | None = Field(
         None,
@@ -72,6 +92,11 @@ class ModelsConfig(FrozenConfig):
         "prompt blocks seen before that it keeps, LRU; a request starts from its longest cached prefix. 0: off",
     )
     prefix_block_tokens: int = Field(32, ge=1, description="prefix cache: prompt tokens per cached block")
+    tensor_parallel: TensorParallel = Field(
+        default_factory=TensorParallel,
+        description="ranks per model, e.g. {large: 4}: the model split over that many GPUs of one node (or CPU "
+        "processes); the size must divide its heads and MLP width and divide its KV heads or be a multiple of them",
+    )
 
     def kv_spec(self, model, gpu_share: float = 1.0) -> KVSpec:
         """The budget and storage a replica of `model` runs with (`auto` resolved on its device)."""
