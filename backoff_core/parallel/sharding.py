@@ -86,11 +86,18 @@ def layout(config, name: str, size: int) -> HeadLayout:
     inter = int(config.intermediate_size)
     if size < 1 or not _fits(size, heads, kv_heads, inter):
         raise ValueError(
-            f"{name}: tensor_parallel={size} cannot split its {heads} attention heads and {kv_heads} KV heads "
+            f"{name} ({_identity(config)}): tensor_parallel={size} cannot split its {heads} attention heads and {kv_heads} KV heads "
             f"(MLP width {inter}): the size must divide the heads and the MLP width, and divide the KV heads "
             f"or be a multiple of them; sizes that work: {valid_sizes(heads, kv_heads, inter)}"
         )
     return HeadLayout(size, heads, kv_heads, head_dim, inter)
+
+
+def _identity(config) -> str:
+    """The model as a user named it (a hub id; not a cache path) and its shape."""
+    named = str(getattr(config, "_name_or_path", "") or "")
+    shape = f"{config.model_type}, {config.num_hidden_layers} layers, hidden {config.hidden_size}"
+    return f"{named}: {shape}" if named and not named.startswith("/") else shape
 
 
 class Collectives:

@@ -25,7 +25,10 @@ def test_the_default_large_splits_over_three_ranks_and_refuses_two():
     with pytest.raises(ValueError) as refused:
         layout(DEFAULT_LARGE, "large", 2)
     message = str(refused.value)
-    assert "large: tensor_parallel=2" in message and "9 attention heads and 3 KV heads" in message
+    assert message.startswith(
+        "large (llama, 32 layers, hidden 576): tensor_parallel=2 cannot split its 9 attention heads"
+    )
+    assert "and 3 KV heads" in message
     assert message.endswith("sizes that work: [1, 3]")  # 9 would split the heads, not the MLP: 1536 = 2^9 * 3
 
 
