@@ -140,6 +140,8 @@ def _distributions(logits, params, noise=None, penalties=None) -> tuple[torch.Te
         _penalize(logits, penalties)
     if any(p.logit_bias for p in params):
         _add_bias(logits, params)
+    if any(p.allowed_token_ids for p in params):
+        _allow(logits, params)
     # [B, V]; not F.one_hot, which checks its input's range with a host read on a CPU
     one_hot = torch.zeros_like(logits).scatter_(-1, argmax_last(logits)[:, None], 1.0)
     rows = [_row(p, v) for p in params]
@@ -190,6 +192,24 @@ def _add_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
     rows = np.repeat(np.array(at, dtype=np.float64), [t.shape[1] for t in tables])
     table = torch.from_numpy(np.vstack([rows, np.hstack(tables)])).to(logits.device, non_blocking=True)
     logits.index_put_((table[0].long(), table[1].long()), table[2].float(), accumulate=True)
+
+
+_allowed_ids = _ByIdentity(lambda ids: np.asarray(ids, dtype=np.int64), size=1024)
+
+
+def _allow(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
+    """logits [B, V], in place: at each row with allowed_token_ids, every other id -inf (one
+    upload of [2, R + N] int64: the rows, then (row, id) pairs, from each distinct list's
+    cached array; no host read)."""
+    at = [i for i, p in enumerate(params) if p.allowed_token_ids]
+    ids = [_allowed_ids(params[i].allowed_token_ids) for i in at]
+    rows = np.repeat(np.array(at, dtype=np.int64), [len(x) for x in ids])
+    table = np.vstack([np.concatenate([at, rows]), np.concatenate([np.zeros(len(at), np.int64), *ids])])
+    table = torch.from_numpy(table).to(logits.device, non_blocking=True)
+    keep = torch.ones_like(logits, dtype=torch.bool)  # [B, V]
+    keep[table[0, : len(at)]] = False
+    keep[table[0, len(at) :], table[1, len(at) :]] = True
+    logits.masked_fill_(~keep, float("-inf"))
 
 
 def _truncate(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -303,7 +323,7 @@ def draw(
     the caller reads it with the rest of its stage, engine/host.py), drawn from its own
     distribution at its own (seed, position). One upload (parameters and noise together);
     greedy rows need neither."""
-    if penalties is None and all(p.greedy and not p.logit_bias for p in params):  # the one-hot's draw: its argmax
+    if penalties is None and all(p.greedy and not (p.logit_bias or p.allowed_token_ids) for p in params):  # argmax
         return argmax_last(logits.float(), nan_lowest=True)
     probs, u = _distributions(logits, params, draw_noise(seeds, positions, stream), penalties)
     return _invert(probs, u)

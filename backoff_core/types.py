@@ -61,6 +61,9 @@ class SamplingParams:
     # all but forces it; -inf, which min_tokens uses, a true ban; penalties add larger values
     # here); the routers' scores and logprobs read the raw logits
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # vLLM's allowed_token_ids, ascending: only these ids may be drawn from any level's
+    # distribution (every other id -inf after the bias, sampling.py); (): every id
+    allowed_token_ids: tuple[int, ...] = ()
     # tokens generated before EOS, a stop token id or a stop string may end the request (vLLM's
     # min_tokens): until then EOS and the stop ids are banned from every level's distribution
     min_tokens: int = 0
@@ -117,6 +120,9 @@ class SamplingParams:
         ids = [t for t, _ in self.logit_bias]
         if ids != sorted(set(ids)) or any(t < 0 for t in ids):
             raise ValueError("logit_bias token ids must be distinct, ascending and >= 0")
+        allowed = list(self.allowed_token_ids)
+        if allowed != sorted(set(allowed)) or any(t < 0 for t in allowed):
+            raise ValueError("allowed_token_ids must be distinct, ascending and >= 0")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"logprobs (top alternatives) must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
 

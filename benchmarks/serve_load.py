@@ -178,6 +178,7 @@ async def _one_stream(client: httpx.AsyncClient, request: GenerationRequest, t0:
         "router": "random",
         "thresholds": list(request.routing.thresholds),
         "stream": True,
+        "stream_options": {"include_usage": True},  # the usage: one last chunk, no choice (OpenAI's rule)
     }
     times, usage = [], None
     async with client.stream("POST", "/v1/completions", json=body) as response:

@@ -13,15 +13,41 @@ import argparse
 import json
 import sys
 
-from clients.wire.errors import BackoffError, TransportError
+from clients.wire.errors import BackoffError, BadRequestError, TransportError
 from clients.wire.logprobs import TokenLogprob
 from clients.wire.types import ChatMessage, GenerateParams, Usage, merge_params
 
 _SMALL, _LARGER, _RESET = "\033[32m", "\033[1;31m", "\033[0m"
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's, whose errors are one line naming the flag (no usage block)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message}\n")
+
+
+def _thresholds(text: str) -> list[float]:
+    """--thresholds "2,4" -> [2.0, 4.0] (that they ascend is the server's to check)."""
+    try:
+        return [float(t) for t in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"numbers separated by commas (e.g. 2.5 or 2,4), got {text!r}") from None
+
+
+# GenerateParams' fields that the command line spells otherwise
+_FLAGS = {"logprobs": "--logprobs", "thresholds": "--thresholds", "max_tokens": "--max-tokens"}
+
+
+def _flag(param: str | None) -> str | None:
+    if not param:
+        return None
+    name = param.split(".")[0]
+    return _FLAGS.get(name, "--" + name.replace("_", "-"))
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="backoff-client", description="Client of Backoff Serve (HTTP or gRPC).")
+    p = _Parser(prog="backoff-client", description="Client of Backoff Serve (HTTP or gRPC).")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--url", default="http://127.0.0.1:8000", help="HTTP base URL of the ingress")
     where.add_argument("--grpc", metavar="HOST:PORT", help="use gRPC at this address instead of HTTP")
@@ -47,6 +73,7 @@ def _parser() -> argparse.ArgumentParser:
         "--thresholds",
         "--threshold",
         dest="thresholds",  # --threshold: the old spelling
+        type=_thresholds,
         help="threshold(s) on the router's score, comma-separated, ascending",
     )
     gen.add_argument("--target-backoff", type=float, help="target backoff rate")
@@ -78,7 +105,7 @@ def _client(args):
 
 
 def _params(args) -> GenerateParams:
-    thresholds = [float(t) for t in args.thresholds.split(",")] if args.thresholds else None
+    """The flags as request fields; BadRequestError (naming the field) before anything is sent."""
     return merge_params(
         None,
         dict(
@@ -91,7 +118,7 @@ def _params(args) -> GenerateParams:
             ignore_eos=args.ignore_eos,
             router=args.router,
             logprobs=args.logprobs,
-            thresholds=thresholds,
+            thresholds=args.thresholds,
             target_backoff=args.target_backoff,
             echo=args.echo,
         ),
@@ -111,15 +138,26 @@ def _summary(usage: Usage) -> str:
     )
 
 
-def _print_logprobs(entries: list[TokenLogprob], sources: list[int]) -> None:
+def _namer(sources: list[int], usage: Usage | None):
+    """source -> the model's name (DESIGN's glossary): 0 small; the largest source, where usage
+    counts its tokens as large ones (or says nothing), is M_L: "large"; any other source a
+    medium model of a longer chain."""
+    counted = [s for s in sources if s is not None]
+    top = max(counted, default=0)
+    large = top if top and (usage is None or usage.large_tokens == counted.count(top)) else None
+
+    def name(source: int) -> str:
+        return "small" if source == 0 else "large" if source == large else f"medium{source}"
+
+    return name
+
+
+def _print_logprobs(entries: list[TokenLogprob], sources: list[int], usage: Usage | None = None) -> None:
     """One line per token on stderr: source, log-probability, token, then the alternatives."""
+    name = _namer(sources, usage)
     for i, (e, source) in enumerate(zip(entries, sources)):
         top = ", ".join(f"{t.token!r} {t.logprob:.3f}" for t in e.top_logprobs)
-        print(
-            f"{i:>4} {'small' if source == 0 else f'level {source}':>7} {e.logprob:9.4f} {e.token!r}"
-            + (f"  [{top}]" if top else ""),
-            file=sys.stderr,
-        )
+        print(f"{i:>4} {name(source):>7} {e.logprob:9.4f} {e.token!r}" + (f"  [{top}]" if top else ""), file=sys.stderr)
 
 
 def _generate(client, args) -> None:
@@ -137,7 +175,7 @@ def _generate(client, args) -> None:
                 sources.append(delta.source)
             print(_colour(delta.text, delta.source, args.no_color), end="", flush=True)
         print()
-        _print_logprobs(entries, sources)
+        _print_logprobs(entries, sources, usage)
         if usage is not None:
             print(_summary(usage), file=sys.stderr)
         return
@@ -149,9 +187,9 @@ def _generate(client, args) -> None:
     if result.prompt_logprobs:  # echo: the prompt's first (nothing scores its first token)
         scored = [(e, s) for e, s in zip(result.prompt_logprobs, result.prompt_sources or []) if e is not None]
         print("prompt:", file=sys.stderr)
-        _print_logprobs([e for e, _ in scored], [s for _, s in scored])
+        _print_logprobs([e for e, _ in scored], [s for _, s in scored], result.usage)
         print("completion:", file=sys.stderr)
-    _print_logprobs(result.logprobs or [], result.sources)
+    _print_logprobs(result.logprobs or [], result.sources, result.usage)
     print(_summary(result.usage), file=sys.stderr)
 
 
@@ -167,6 +205,12 @@ def main(argv: list[str] | None = None) -> int:
                 return 0 if ok else 1
             else:
                 _generate(client, args)
+    except BadRequestError as exc:  # the flag's value (checked here) or the server's refusal, in one line
+        flag, message = _flag(exc.param), exc.message
+        if flag and message.startswith(f"{exc.param}: "):  # the field's name, said once as the flag's
+            message = message[len(exc.param) + 2 :]
+        print(f"backoff-client: {flag + ': ' if flag else ''}{message}", file=sys.stderr)
+        return 2
     except BackoffError as exc:
         print(f"backoff-client: {type(exc).__name__}: {exc.message}", file=sys.stderr)
         return 1 if isinstance(exc, TransportError) else 2

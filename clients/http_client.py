@@ -66,6 +66,27 @@ def _sse_data(line: str) -> dict | None:
     return body
 
 
+class _LastDelta:
+    """A stream's deltas as the clients yield them: the choice's last delta (finish_reason)
+    waits for the usage chunk after it (stream_options.include_usage) and carries its usage,
+    as the gRPC stream's last chunk does."""
+
+    def __init__(self) -> None:
+        self.held: Delta | None = None
+
+    def push(self, delta: Delta) -> list[Delta]:
+        held, self.held = self.held, None
+        if held is not None and delta.usage is not None and delta.token_id is None and not delta.text:
+            return [held.model_copy(update={"usage": delta.usage})]
+        if delta.finish_reason is not None and delta.usage is None:
+            self.held = delta
+            return [held] if held is not None else []
+        return [d for d in (held, delta) if d is not None]
+
+    def end(self) -> list[Delta]:
+        return [self.held] if self.held is not None else []
+
+
 def _error(response: httpx.Response, body: bytes) -> BackoffError:
     return from_http(response.status_code, body, response.headers.get("retry-after"))
 
@@ -174,10 +195,12 @@ class BackoffHTTPClient(_Client):
 
     def _stream(self, call: _Call) -> Iterator[Delta]:
         response = self._send(self._post(call), stream=True)
+        last = _LastDelta()
         try:
             for line in response.iter_lines():
                 if (delta := call.delta(line)) is not None:
-                    yield delta
+                    yield from last.push(delta)
+            yield from last.end()
         except httpx.TransportError as e:
             raise from_transport(e) from e
         finally:
@@ -257,10 +280,14 @@ class AsyncBackoffHTTPClient(_Client):
 
     async def _stream(self, call: _Call) -> AsyncIterator[Delta]:
         response = await self._send(self._post(call), stream=True)
+        last = _LastDelta()
         try:
             async for line in response.aiter_lines():
                 if (delta := call.delta(line)) is not None:
-                    yield delta
+                    for d in last.push(delta):
+                        yield d
+            for d in last.end():
+                yield d
         except httpx.TransportError as e:
             raise from_transport(e) from e
         finally:

@@ -56,7 +56,7 @@ from deployments.serving.completions import (
 )
 from deployments.serving.config import AppArgs, handle_options
 from deployments.serving.engine_loop import Admitted, Failed, Rejected
-from deployments.serving.formats import ChatStream, chat_body, error_body, pb_response, sse
+from deployments.serving.formats import ChatStream, ReplyShape, chat_body, error_body, pb_response, request_line, sse
 from deployments.serving.grpc_service import Undecodable
 from deployments.serving.playground import mount_playground, routing_info
 from deployments.serving.requests import ServeRequest, serve_request
@@ -64,6 +64,9 @@ from deployments.streams import OverloadedError, ServerFailure, collect, collect
 
 app = FastAPI(title="Backoff Serve", description="Backoff decoding: a small and a large LM, one live threshold.")
 log = logging.getLogger(__name__)
+# one INFO line per answered request (formats.request_line): under Serve's logger, so its
+# handlers and the app's logging_config.log_level (`backoff serve --log-level`) apply
+request_log = logging.getLogger("ray.serve.backoff.requests")
 
 
 def _replica_edge() -> Edge:
@@ -112,6 +115,7 @@ class Ingress:
         self.model_name = self.args.models.served_name
         self.router = router.options(stream=True, **handle_options(self.args.handle_transport))
         self.router_unary = router
+        self._max_model_len: int | None = None  # _card's
         self.gc = GCWatch.shared()  # Ray Serve freezes the startup heap once __init__ returns (gc_heap.py)
 
     def info(self) -> IngressInfo:
@@ -140,7 +144,23 @@ class Ingress:
 
     @app.get("/v1/models")
     async def models(self) -> dict:
-        return ModelList(data=[ModelCard(id=self.model_name)]).model_dump()
+        return ModelList(data=[await self._card()]).model_dump()
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(self, model_id: str) -> dict:
+        if model_id != self.model_name:
+            raise ClientError(f"the model {model_id!r} does not exist", "model", 404, "model_not_found")
+        return (await self._card()).model_dump()
+
+    async def _card(self) -> ModelCard:
+        """The served model as OpenAI and vLLM list it (max_model_len: the SmallModel's context
+        window, asked once)."""
+        if self._max_model_len is None:
+            try:
+                self._max_model_len = (await self.router_unary.info.remote()).context_window
+            except Exception:  # noqa: BLE001 - a card without it now, asked again next time
+                log.warning("GET /v1/models: no SmallModel answered for max_model_len", exc_info=True)
+        return ModelCard(id=self.model_name, root=self.args.models.root, max_model_len=self._max_model_len)
 
     @app.get("/v1/routing")
     async def routing(self) -> dict:
@@ -170,26 +190,33 @@ class Ingress:
                 404,
                 "model_not_found",
             )
+        started = time.monotonic()
         params = body.generate_params()  # chat's (logprobs, top_logprobs) become one count
+        shape = ReplyShape.of(body)  # include_usage, vLLM's return_token_ids / return_tokens_as_token_ids
         request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         client = getattr(request.state, "client", None) or f"peer:{peer_host(request.client)}"  # set by EdgeGate
-        opened = await self._open(request_id, params, client, body.stream, contents, body.n)
+        opened = await self._open(request_id, params, client, body.stream, contents, body.n, shape.token_ids)
         created = int(time.time())
+        admitted = [a for a, _ in opened]
         if not body.stream:
             results = await collect_all([s for _, s in opened])
+            request_log.info(request_line(request_id, results, time.monotonic() - started))
             if chat:
-                return chat_body(request_id, self.model_name, created, results)
-            echoes = [Echo.of(a, r) for (a, _), r in zip(opened, results)]
-            return completion_body(request_id, self.model_name, created, list(zip(results, echoes)))
+                return chat_body(request_id, self.model_name, created, results, shape, admitted[0].prompt_ids)
+            echoes = [Echo.of(a, r) if params.echo else None for a, r in zip(admitted, results)]
+            prompt_ids = [a.prompt_ids for a in admitted]
+            return completion_body(request_id, self.model_name, created, list(zip(results, echoes)), shape, prompt_ids)
         if chat:
-            out = ChatStream(request_id, self.model_name, created, body.n)
+            out = ChatStream(request_id, self.model_name, created, body.n, shape, admitted[0].prompt_ids)
         else:
             echo_logprobs = params.echo and params.logprobs is not None
-            out = CompletionStream(request_id, self.model_name, created, [a for a, _ in opened], echo_logprobs)
+            out = CompletionStream(request_id, self.model_name, created, admitted, echo_logprobs, params.echo, shape)
         streams = [s for _, s in opened]
-        return StreamingResponse(self._sse(streams, out), media_type="text/event-stream")
+        return StreamingResponse(self._sse(streams, out, started), media_type="text/event-stream")
 
-    async def _sse(self, streams: list[AsyncIterator], out: ChatStream | CompletionStream) -> AsyncIterator[str]:
+    async def _sse(
+        self, streams: list[AsyncIterator], out: ChatStream | CompletionStream, started: float
+    ) -> AsyncIterator[str]:
         """The SSE text of one stream or of a batch's (merged as their items come)."""
         merged = tagged(streams)
         try:
@@ -205,6 +232,7 @@ class Ingress:
                     raise failure(item)
             if text := out.end():
                 yield text
+            request_log.info(request_line(out.request_id, out.results, time.monotonic() - started))
         except ServerFailure as exc:  # after admission (the 200 is out): report in-band, as OpenAI does
             yield sse(error_body(exc.message, "server_error", code=exc.code))
         except Exception as exc:  # noqa: BLE001 - a bug here still ends the stream in the OpenAI shape
@@ -221,9 +249,11 @@ class Ingress:
         self, request: pb.GenerateRequest | Undecodable, grpc_context: RayServegRPCContext
     ) -> pb.GenerateResponse:
         request_id = f"cmpl-{uuid.uuid4().hex}"
+        started = time.monotonic()
         try:
             admitted, stream = await self._open_pb(request_id, request, grpc_context, tokens=False)
             result = await collect(stream)
+            request_log.info(request_line(request_id, [result], time.monotonic() - started))
             echo = Echo.of(admitted, result)
             return pb_response(request_id, result, None if echo is None else (echo.token_ids, echo.text))
         except Exception as exc:  # noqa: BLE001 - client errors, failures, and a bug as INTERNAL with a message
@@ -236,6 +266,7 @@ class Ingress:
         self, request: pb.GenerateRequest | Undecodable, grpc_context: RayServegRPCContext
     ) -> AsyncIterator[pb.GenerateChunk]:
         request_id = f"cmpl-{uuid.uuid4().hex}"
+        started = time.monotonic()
         try:
             admitted, stream = await self._open_pb(request_id, request, grpc_context)
         except Exception as exc:  # noqa: BLE001 - as in Generate
@@ -252,6 +283,7 @@ class Ingress:
                 elif isinstance(item, GenerationResult):
                     for message in out.finished(item):
                         yield message
+                    request_log.info(request_line(request_id, [item], time.monotonic() - started))
                 elif isinstance(item, (Rejected, Failed)):
                     raise failure(item)
         except Exception as exc:  # noqa: BLE001 - a ServerFailure, or a bug: INTERNAL with a message
@@ -312,14 +344,22 @@ class Ingress:
 
     # -- both -------------------------------------------------------------------------------
     async def _open(
-        self, request_id: str, params: GenerateParams, client: str, tokens: bool, contents: list[dict], choices: int = 1
+        self,
+        request_id: str,
+        params: GenerateParams,
+        client: str,
+        tokens: bool,
+        contents: list[dict],
+        choices: int = 1,
+        prompt_ids: bool = False,
     ) -> list[tuple[Admitted, AsyncIterator]]:
         """Check the limits, take one of the client's slots and send one request per prompt and
         choice (`contents`: a batch's prompts; `choices`: n each, choice j seeded by
         requests.choice_seed; all at once) to the SmallModels; returns their streams once
         every one is admitted, in the order prompt i's choice j at i * n + j (OpenAI's
         `index`), else closes them and raises the first refusal. The slot is freed when the
-        last stream ends or is closed. tokens=False (unary): no TokenEvents, only the result."""
+        last stream ends or is closed. tokens=False (unary): no TokenEvents, only the result;
+        prompt_ids: each Admitted carries its prompt's ids (return_token_ids), as with echo."""
         for content in contents:
             check_limits(self.edge.limits, params, **content)
         each = [(c, j) for c in contents for j in range(choices)]
@@ -327,7 +367,8 @@ class Ingress:
         try:
             default = self.args.default_max_tokens
             requests = [
-                serve_request(r, params, default_max_tokens=default, choice=j, **c) for r, (c, j) in zip(ids, each)
+                serve_request(r, params, default_max_tokens=default, choice=j, prompt_ids=prompt_ids, **c)
+                for r, (c, j) in zip(ids, each)
             ]
         except ValueError as exc:
             raise ClientError(str(exc)) from None

@@ -103,6 +103,9 @@ def local_ray_hints() -> str:
     return "\n".join(lines)
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
 def _budget(text: str) -> int | str:
     return "auto" if text == "auto" else int(text)
 
@@ -175,6 +178,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--address", help="Ray cluster to deploy to (default: start a local one)")
     p.add_argument("--metrics-port", type=int, help="Prometheus port of the local Ray (default: a free one, printed)")
+    p.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=LOG_LEVELS,
+        help="the replicas' log level (default INFO: one line per request); DEBUG adds Serve's line for every "
+        "call between replicas (each catch-up)",
+    )
     p.add_argument("--print-config", action="store_true", help="print the resulting config and exit")
     p.add_argument("--non-blocking", action="store_true", help="return once the config is submitted")
     return p
@@ -238,6 +248,12 @@ def apply_overrides(config: dict, args: argparse.Namespace) -> dict:
         routing["target_backoff"] = args.target_backoff
     if args.no_batching:
         _deployment(app, "LargeModel").setdefault("user_config", {})["batching"] = False
+    if args.log_level is not None:  # Serve's access lines (a line per call between replicas) only at DEBUG
+        app["logging_config"] = {
+            **app.get("logging_config", {}),
+            "log_level": args.log_level,
+            "enable_access_log": args.log_level == "DEBUG",
+        }
     if args.host is not None:
         config.setdefault("http_options", {})["host"] = args.host
     if args.http_port is not None:

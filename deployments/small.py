@@ -49,7 +49,7 @@ from deployments.serving.config import AppArgs, RoutingConfig, handle_options
 from deployments.serving.engine_loop import Admitted, EngineLoop, Failed, Rejected
 from deployments.serving.models import load_small_side
 from deployments.serving.remote import RemoteLarge
-from deployments.serving.requests import ServeRequest, generation_request
+from deployments.serving.requests import ServeRequest, generation_request, truncated
 from deployments.streams import REPLICA_LOST
 
 log = logging.getLogger(__name__)
@@ -119,6 +119,7 @@ class SmallInfo:
     flights: int = 0  # catch-ups run in flight beside the steps (overlap_catch_ups)
     launched_ahead: tuple[int, int] | None = None  # M_S's rows launched ahead, taken by a step (None: off)
     gc: GCStats | None = None  # the collector's pauses since load (Ray Serve's freeze included) and the heap frozen
+    context_window: int | None = None  # prompt + generated tokens one request may hold (GET /v1/models' max_model_len)
 
 
 @serve.deployment(max_ongoing_requests=64)
@@ -235,7 +236,7 @@ class SmallModel:
                     item = batch[0] if len(batch) == 1 else tuple(batch)
                     sent = clock()
                 if isinstance(item, Admitted) and item.prompt_ids is not None:  # echo: the prompt as text
-                    text = self.tokenizer.decode(list(item.prompt_ids), skip_special_tokens=True)  # as the core's
+                    text = self.tokenizer.decode(list(item.prompt_ids))  # special tokens as text, as vLLM's echo
                     item = dataclasses.replace(item, prompt_text=text)
                 ended = isinstance(item, (GenerationResult, Rejected, Failed))
                 if isinstance(item, (Rejected, Failed)):
@@ -276,6 +277,7 @@ class SmallModel:
             flights=getattr(getattr(self.loop.engine, "flights", None), "launched", 0),
             launched_ahead=_launched_ahead(self.loop.engine),
             gc=self.gc.stats(),
+            context_window=self.loop.engine.context_window,
         )
 
     def _start_renewals(self) -> None:
@@ -301,6 +303,7 @@ class SmallModel:
             ids = encode_prompt(self.tokenizer, request.prompt)
         else:
             ids = list(request.prompt_ids)
+        ids = truncated(ids, request.truncate_prompt_tokens, self.loop.engine.context_window)  # before the limit
         limit = self.args.limits.max_prompt_tokens
         if limit is not None and len(ids) > limit:
             raise ValueError(f"the prompt is {len(ids)} tokens; the limit is {limit} (limits.max_prompt_tokens)")

@@ -57,6 +57,7 @@ def checked(
         ("prompt token ids", request.prompt_ids),
         ("stop_token_ids", s.stop_token_ids),
         ("logit_bias token ids", [t for t, _ in s.logit_bias]),
+        ("allowed_token_ids", s.allowed_token_ids),
     ):
         if any(not 0 <= t < vocab for t in ids):
             raise ValueError(f"{what} must be in [0, {vocab})")

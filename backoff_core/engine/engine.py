@@ -120,6 +120,7 @@ class BackoffEngine(LiveSettings):
         self.hold = CatchUpHold(catch_up_wait_ms or 0.0, clock, collect_kl)
         self.eos_ids = _eos_ids(tokenizer)
         self.detok = Detokenizer(tokenizer)
+        self.prompt_text = tokenizer.decode  # a scored prompt's text keeps its special tokens (vLLM's echo)
         self.token_texts = TokenTexts(tokenizer)
         self.catch_up = CatchUpper(self.models, collect_kl)
         self._live: dict[str, Live] = {}
@@ -176,7 +177,7 @@ class BackoffEngine(LiveSettings):
         later = {r.request_id for r in lives if chunked.in_chunks(r, self.prefill_chunk_tokens)}
         if self.flights is not None and any(admission_runs_large(r) for r in lives):
             self.flights.settle()  # M_L runs in this thread now (flight.py)
-        prefill(self.models, [r for r in lives if r.request_id not in later], self.token_texts, self.detok.decode)
+        prefill(self.models, [r for r in lives if r.request_id not in later], self.token_texts, self.prompt_text)
         try:
             for r in lives:
                 if r.request_id in later:

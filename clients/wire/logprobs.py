@@ -56,8 +56,8 @@ class CompletionLogprobs(BaseModel):
     )
     top_logprobs: list[dict[str, float] | None] = Field(
         default_factory=list,
-        description="per token: the top-n, then the sampled token if it is not among them "
-        "(up to n + 1 entries, as OpenAI); null where token_logprobs is",
+        description="per token: the sampled token first, then the top-n (up to n + 1 entries, as OpenAI; "
+        "in vLLM's order); null where token_logprobs is",
     )
     text_offset: list[int] = Field(
         default_factory=list,
@@ -72,8 +72,9 @@ def from_chat(logprobs: dict | None) -> list[TokenLogprob] | None:
 
 
 def from_completion(logprobs: dict | None, top_n: int | None = None) -> list[TokenLogprob | None] | None:
-    """top_n: the count asked for, to drop the sampled token where it follows the top-n. An
-    entry without a log-probability (an echoed prompt's first token) is None."""
+    """top_n: the count asked for, to drop the sampled token where it is not among the top-n
+    (the server lists it first, as vLLM; the rest most likely first). An entry without a
+    log-probability (an echoed prompt's first token) is None."""
     if not logprobs:
         return None
     out: list[TokenLogprob | None] = []
@@ -81,7 +82,8 @@ def from_completion(logprobs: dict | None, top_n: int | None = None) -> list[Tok
         if value is None:
             out.append(None)
             continue
-        alternatives = [TopLogprob(token=t, logprob=v) for t, v in (top or {}).items()]
+        ranked = sorted((top or {}).items(), key=lambda kv: -kv[1])  # stable: ties keep the server's order
+        alternatives = [TopLogprob(token=t, logprob=v) for t, v in ranked]
         out.append(
             TokenLogprob(
                 token=token, logprob=value, top_logprobs=alternatives if top_n is None else alternatives[:top_n]

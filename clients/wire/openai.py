@@ -26,11 +26,17 @@ class BackoffTrace(BaseModel):
     )
 
 
+IDS = "vLLM's return_token_ids"
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str | None = None
     logprobs: CompletionLogprobs | None = Field(None, description="when asked; sources in `backoff.sources`")
+    prompt_logprobs: None = Field(None, description="always null, as vLLM's (echo + logprobs score the prompt)")
+    token_ids: list[int] | None = Field(None, description=f"{IDS}: the generated ids")
+    prompt_token_ids: list[int] | None = Field(None, description=f"{IDS}: the prompt's ids")
     backoff: BackoffTrace | None = Field(None, description="per-token sources (extension)")
 
 
@@ -44,6 +50,7 @@ class ChatChoice(BaseModel):
     message: ChatMessageOut
     finish_reason: str | None = None
     logprobs: ChatLogprobs | None = Field(None, description="when asked; sources in `backoff.sources`")
+    token_ids: list[int] | None = Field(None, description=f"{IDS}: the generated ids")
     backoff: BackoffTrace | None = None
 
 
@@ -63,6 +70,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: None = Field(None, description="always null, as vLLM's")
+    prompt_token_ids: list[int] | None = Field(None, description=f"{IDS}: the prompt's ids (the chat template's)")
 
 
 class TokenTrace(BaseModel):
@@ -87,6 +96,8 @@ class CompletionChunkChoice(BaseModel):
     text: str = ""
     finish_reason: str | None = None
     logprobs: CompletionLogprobs | None = Field(None, description="this chunk's token's; source in `backoff`")
+    token_ids: list[int] | None = Field(None, description=f"{IDS}: this chunk's ids (left out unless asked)")
+    prompt_token_ids: list[int] | None = Field(None, description=f"{IDS}: on a choice's first chunk")
     backoff: TokenTrace | PromptTrace | None = None
 
 
@@ -100,6 +111,7 @@ class ChatChunkChoice(BaseModel):
     delta: ChatDelta
     finish_reason: str | None = None
     logprobs: ChatLogprobs | None = Field(None, description="this chunk's token's; source in `backoff`")
+    token_ids: list[int] | None = Field(None, description=f"{IDS}: this chunk's ids (left out unless asked)")
     backoff: TokenTrace | None = None
 
 
@@ -119,6 +131,11 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = Field(None, description=f"{IDS}: on the first chunk (left out unless asked)")
+
+
+# a chunk's return_token_ids fields, left out of its JSON unless the request asked (model_dump's exclude)
+UNASKED_IDS = {"choices": {"__all__": {"token_ids", "prompt_token_ids"}}, "prompt_token_ids": True}
 
 
 class ModelCard(BaseModel):
@@ -126,6 +143,9 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = 0
     owned_by: str = "backoff-serve"
+    root: str | None = Field(None, description="vLLM's: what the name serves (here the large model's path or id)")
+    parent: str | None = Field(None, description="vLLM's: the base model of an adapter (none here)")
+    max_model_len: int | None = Field(None, description="vLLM's: prompt + generated tokens one request may hold")
 
 
 class ModelList(BaseModel):

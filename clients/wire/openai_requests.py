@@ -11,12 +11,30 @@ from pydantic import ConfigDict, Field, ValidationInfo, field_validator, model_v
 from pydantic_core import PydanticCustomError
 
 from clients.wire.logprobs import MAX_TOP_LOGPROBS
-from clients.wire.prompts import REFUSED_CHAT, REFUSED_COMPLETIONS, PromptValue, parse_prompt, refuse_unsupported
+from clients.wire.prompts import (
+    REFUSED_CHAT,
+    REFUSED_COMPLETIONS,
+    PromptValue,
+    field_error,
+    parse_prompt,
+    refuse_unsupported,
+)
 from clients.wire.types import Bool, ChatMessage, GenerateParams, Int, NullIsDefault, Unicode
 
 
 class StreamOptions(NullIsDefault):
-    include_usage: Bool = Field(False, description="send usage in a final chunk")
+    include_usage: Bool = Field(
+        False,
+        description="end the stream with one more chunk: `choices: []` and the usage (every other chunk's is null)",
+    )
+    continuous_usage_stats: Bool = Field(False, description="vLLM's usage on every chunk: refused (only false)")
+
+    @field_validator("continuous_usage_stats")
+    @classmethod
+    def _no_continuous_usage(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("usage on every chunk is not supported; include_usage: true sends it once, at the end")
+        return v
 
 
 class _OpenAIRequest(GenerateParams):
@@ -29,11 +47,23 @@ class _OpenAIRequest(GenerateParams):
     @classmethod
     def _refuse_unsupported(cls, data):
         refuse_unsupported(cls.__name__, data, cls._refused)
+        if isinstance(data, dict) and data.get("stream_options") and not data.get("stream"):  # OpenAI's and vLLM's rule
+            raise field_error(
+                cls.__name__, "stream_options", data["stream_options"], "stream_options needs stream: true"
+            )
         return data
 
     model: Unicode | None = Field(None, description="served model name (see GET /v1/models)")
     stream: Bool = Field(False, description="stream tokens as server-sent events")
     stream_options: StreamOptions | None = Field(None, description="streaming options")
+    return_token_ids: Bool = Field(
+        False,
+        description="vLLM's: each choice's `token_ids` (and `prompt_token_ids`: a completions choice's, chat's "
+        "on the response); streamed, each chunk's own ids and the prompt's on a choice's first chunk",
+    )
+    return_tokens_as_token_ids: Bool = Field(
+        False, description="vLLM's: logprobs name each token as 'token_id:{id}' instead of its text"
+    )
     n: Int = Field(
         1,
         ge=1,

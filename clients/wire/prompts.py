@@ -104,6 +104,11 @@ REFUSED_COMPLETIONS: dict[str, tuple[_Neutral, str]] = {
     "guided_regex": (_falsy, "guided decoding is not supported"),
     "guided_choice": (_falsy, "guided decoding is not supported"),
     "guided_grammar": (_falsy, "guided decoding is not supported"),
+    "structured_outputs": (_falsy, "structured outputs (guided decoding) are not supported"),
+    "logprob_token_ids": (
+        _falsy,
+        "logprobs of chosen token ids are not supported; logprobs: N reports the top N of each token's source model",
+    ),
     "prompt_logprobs": (lambda v: False, "send echo: true with logprobs: N for the prompt's log-probabilities"),
 }
 REFUSED_CHAT: dict[str, tuple[_Neutral, str]] = {

@@ -9,7 +9,7 @@ Names follow DESIGN.md §6: small/large, source, threshold, backoff rate.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated
 
 from pydantic import (
     AfterValidator,
@@ -139,7 +139,10 @@ def _text_parts(parts: list) -> str:
 
 
 class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant"] = Field(description="who speaks")
+    role: Text = Field(
+        description="who speaks: system, developer, user, assistant, or any role the model's chat template "
+        "knows (passed to the template as given, as vLLM does; the template may refuse it)"
+    )
     content: Unicode = Field(
         description="the message text (may be empty), or OpenAI's list of content parts: "
         "text parts are joined in order, other part types are refused"
@@ -219,6 +222,19 @@ class GenerateParams(NullIsDefault):
         "at temperature 1) with this many top alternatives (0..20); None: no log-probabilities",
     )
 
+    allowed_token_ids: list[TokenId] | None = Field(
+        None,
+        min_length=1,
+        description="vLLM's: only these token ids may be drawn (every other id banned from every model's "
+        "distribution, as a bias of -inf); each in the model's vocabulary",
+    )
+    truncate_prompt_tokens: Int | None = Field(
+        None,
+        ge=-1,
+        description="vLLM's: keep only the prompt's last k tokens (after tokenizing; -1: the context window's "
+        "worth); usage.prompt_tokens counts what is kept",
+    )
+
     prefix_cache: Bool = Field(
         True,
         description="start from the longest cached prefix of the prompt (KV of prompt blocks seen before) and "
@@ -234,6 +250,13 @@ class GenerateParams(NullIsDefault):
     @classmethod
     def _one_thresholds_spelling(cls, data):
         return refuse_both_spellings(data, "thresholds", "backoff_threshold")
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _keep_some(cls, v: int | None) -> int | None:
+        if v == 0:
+            raise ValueError("truncate_prompt_tokens must be >= 1 (the tokens kept), or -1 (the context window)")
+        return v
 
     @model_validator(mode="after")
     def _zero_tokens_echo(self):

@@ -27,6 +27,8 @@ from deployments.serving.access import ClientError
 from deployments.serving.config import LimitsConfig
 from deployments.serving.engine_loop import Admitted
 from deployments.serving.formats import (
+    PLAIN,
+    ReplyShape,
     TokenChunks,
     completion_logprobs,
     final_chunk_body,
@@ -125,11 +127,11 @@ class Echo:
         return cls(admitted.prompt_ids, text)
 
 
-def prompt_logprobs(entries: Sequence[TokenLogprobs | None], text: str) -> CompletionLogprobs:
+def prompt_logprobs(entries: Sequence[TokenLogprobs | None], text: str, as_ids: bool = False) -> CompletionLogprobs:
     """The prompt's entries in OpenAI's completions shape; the first token has no logprob
     (null, as OpenAI and vLLM), and its text is the prompt up to the second token's."""
     first_end = entries[1].text_offset if len(entries) > 1 and entries[1] is not None else len(text)
-    scored = completion_logprobs(tuple(e for e in entries[1:] if e is not None))
+    scored = completion_logprobs(tuple(e for e in entries[1:] if e is not None), as_ids)
     assert scored is not None and len(scored.tokens) == len(entries) - 1, "only the first prompt entry is None"
     return CompletionLogprobs(
         tokens=[text[:first_end], *scored.tokens],
@@ -139,13 +141,13 @@ def prompt_logprobs(entries: Sequence[TokenLogprobs | None], text: str) -> Compl
     )
 
 
-def echoed_logprobs(result: GenerationResult, echo: Echo | None) -> CompletionLogprobs | None:
+def echoed_logprobs(result: GenerationResult, echo: Echo | None, as_ids: bool = False) -> CompletionLogprobs | None:
     """The choice's logprobs: with echo the prompt's first, then the generated tokens' (their
     offsets moved past the prompt's text)."""
-    generated = completion_logprobs(result.logprobs)
+    generated = completion_logprobs(result.logprobs, as_ids)
     if echo is None or result.prompt_logprobs is None:
         return generated
-    prompt = prompt_logprobs(result.prompt_logprobs, echo.text)
+    prompt = prompt_logprobs(result.prompt_logprobs, echo.text, as_ids)
     if generated is None:
         return prompt
     return CompletionLogprobs(
@@ -166,21 +168,37 @@ def _trace(result: GenerationResult, echo: Echo | None) -> BackoffTrace:
     )
 
 
-def completion_choice(index: int, result: GenerationResult, echo: Echo | None) -> CompletionChoice:
+def completion_choice(
+    index: int,
+    result: GenerationResult,
+    echo: Echo | None,
+    shape: ReplyShape = PLAIN,
+    prompt_ids: Sequence[int] | None = None,
+) -> CompletionChoice:
+    """prompt_ids: the prompt's (shape.token_ids)."""
     return CompletionChoice(
         index=index,
         text=(echo.text if echo is not None else "") + result.text,
         finish_reason=result.finish_reason.value,
-        logprobs=echoed_logprobs(result, echo),
+        logprobs=echoed_logprobs(result, echo, shape.ids_as_tokens),
+        token_ids=list(result.token_ids) if shape.token_ids else None,
+        prompt_token_ids=list(prompt_ids) if shape.token_ids and prompt_ids is not None else None,
         backoff=_trace(result, echo),
     )
 
 
 def completion_body(
-    request_id: str, model: str, created: int, results: Sequence[tuple[GenerationResult, Echo | None]]
+    request_id: str,
+    model: str,
+    created: int,
+    results: Sequence[tuple[GenerationResult, Echo | None]],
+    shape: ReplyShape = PLAIN,
+    prompt_ids: Sequence[Sequence[int] | None] = (),
 ) -> dict:
-    """The unary body of one prompt or a batch: choice i is prompt i's; usage sums them."""
-    choices = [completion_choice(i, r, e) for i, (r, e) in enumerate(results)]
+    """The unary body of one prompt or a batch: choice i is prompt i's; usage sums them.
+    prompt_ids: each choice's prompt (shape.token_ids)."""
+    ids = list(prompt_ids) or [None] * len(results)
+    choices = [completion_choice(i, r, e, shape, p) for i, ((r, e), p) in enumerate(zip(results, ids))]
     usage = summed_usage([r for r, _ in results])
     body = CompletionResponse(id=request_id, created=created, model=model, choices=choices, usage=usage)
     return json_safe(body.model_dump())
@@ -190,18 +208,32 @@ class CompletionStream:
     """The SSE text of a streamed completion of one prompt or a batch. Each choice's chunks
     carry its `index`; an echo choice starts with one chunk of the prompt's text (with its
     logprobs and sources when asked: those come with the result, so that choice's tokens are
-    held until then). One prompt: its last chunk has finish_reason and usage, as before; a
-    batch: each choice's last chunk its finish_reason, then one chunk with no choice and the
-    summed usage (as OpenAI's include_usage)."""
+    held until then). Each choice's last chunk has its finish_reason; with
+    stream_options.include_usage one more chunk ends the stream, with no choice and the usage
+    (summed over a batch), as OpenAI's. echo: the requests echo their prompts (None: those
+    whose Admitted carries the prompt's ids); shape.token_ids: a choice's first chunk carries
+    the prompt's ids."""
 
     def __init__(
-        self, request_id: str, model: str, created: int, admitted: Sequence[Admitted], prompt_logprobs: bool
+        self,
+        request_id: str,
+        model: str,
+        created: int,
+        admitted: Sequence[Admitted],
+        prompt_logprobs: bool,
+        echo: bool | None = None,
+        shape: ReplyShape = PLAIN,
     ) -> None:
-        self.request_id, self.model, self.created = request_id, model, created
+        self.request_id, self.model, self.created, self.shape = request_id, model, created, shape
         self.admitted = list(admitted)
-        self.batch = len(self.admitted) > 1
-        self.chunks = [TokenChunks(request_id, model, created, chat=False, choice=i) for i in range(len(admitted))]
-        self.hold = [a.prompt_ids is not None and prompt_logprobs for a in self.admitted]
+        self.echo = [a.prompt_ids is not None and echo is not False for a in self.admitted]
+        self.chunks = [
+            TokenChunks(
+                request_id, model, created, False, i, shape, None if self.echo[i] else a.prompt_ids
+            )  # an echo's ids ride on its echo chunk
+            for i, a in enumerate(self.admitted)
+        ]
+        self.hold = [e and prompt_logprobs for e in self.echo]
         self.held: list[list[TokenEvent]] = [[] for _ in self.admitted]
         self.results: list[GenerationResult | None] = [None] * len(self.admitted)
 
@@ -211,23 +243,20 @@ class CompletionStream:
         sources = None if result is None or result.prompt_sources is None else list(result.prompt_sources)
         logprobs = None
         if result is not None and result.prompt_logprobs is not None:
-            logprobs = prompt_logprobs(result.prompt_logprobs, echo.text)
+            logprobs = prompt_logprobs(result.prompt_logprobs, echo.text, self.shape.ids_as_tokens)
         choice = CompletionChunkChoice(
             index=i,
             text=echo.text,
             logprobs=logprobs,
+            prompt_token_ids=list(echo.token_ids) if self.shape.token_ids else None,
             backoff=PromptTrace(prompt_token_ids=list(echo.token_ids), prompt_sources=sources),
         )
         chunk = CompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=[choice])
-        return sse(json_safe(chunk.model_dump()))
+        return sse(json_safe(chunk.model_dump(exclude=self.shape.exclude)))
 
     def start(self) -> str:
         """The echo chunks that need no result (text alone), before any token."""
-        return "".join(
-            self._echo_chunk(i, None)
-            for i, a in enumerate(self.admitted)
-            if a.prompt_ids is not None and not self.hold[i]
-        )
+        return "".join(self._echo_chunk(i, None) for i, echo in enumerate(self.echo) if echo and not self.hold[i])
 
     def tokens(self, i: int, events: tuple[TokenEvent, ...]) -> str:
         if self.hold[i]:
@@ -242,10 +271,11 @@ class CompletionStream:
             out = self._echo_chunk(i, result)
             if self.held[i]:
                 out += self.chunks[i].sse(tuple(self.held[i]))
-        body = final_chunk_body(self.request_id, self.model, self.created, result, False, choice=i, one=not self.batch)
-        return out + sse(body)
+        return out + sse(final_chunk_body(self.request_id, self.model, self.created, result, False, choice=i))
 
     def end(self) -> str:
+        if not self.shape.include_usage:
+            return ""
         return usage_chunk(self.request_id, self.model, self.created, self.results, chat=False)
 
 

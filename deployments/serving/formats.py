@@ -6,12 +6,14 @@ import json
 import math
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii
 
 from backoff_core.types import GenerationResult, Logprob, TokenEvent, TokenLogprobs
 from clients.wire import backoff_pb2 as pb
 from clients.wire.logprobs import ChatLogprobs, ChatTokenLogprob, ChatTopLogprob, CompletionLogprobs
 from clients.wire.openai import (
+    UNASKED_IDS,
     BackoffTrace,
     ChatChoice,
     ChatChunkChoice,
@@ -29,6 +31,33 @@ from clients.wire.openai import (
 )
 from clients.wire.proto import usage_to_pb
 from clients.wire.types import PromptTokensDetails, Usage
+
+
+@dataclass(frozen=True)
+class ReplyShape:
+    """What a request asked to be added to OpenAI's response shapes."""
+
+    include_usage: bool = False  # stream_options.include_usage: a stream ends with choices [] and the usage
+    token_ids: bool = False  # vLLM's return_token_ids: the choices' (and the prompt's) token ids
+    ids_as_tokens: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens 'token_id:{id}'
+
+    @classmethod
+    def of(cls, body) -> ReplyShape:
+        """An OpenAI request body's (openai_requests._OpenAIRequest)."""
+        options = body.stream_options
+        return cls(
+            include_usage=bool(body.stream and options is not None and options.include_usage),
+            token_ids=body.return_token_ids,
+            ids_as_tokens=body.return_tokens_as_token_ids,
+        )
+
+    @property
+    def exclude(self) -> dict | None:
+        """model_dump's exclude for a stream chunk: its token-id fields unless asked."""
+        return None if self.token_ids else UNASKED_IDS
+
+
+PLAIN = ReplyShape()
 
 
 def json_safe(value):
@@ -70,35 +99,46 @@ def _trace(result: GenerationResult) -> BackoffTrace:
     )
 
 
-def _chat_top(t: Logprob) -> ChatTopLogprob:
+def _token(t: Logprob, as_ids: bool) -> str:
+    """A logprob entry's token: its text, or 'token_id:{id}' (vLLM's return_tokens_as_token_ids)."""
+    return f"token_id:{t.token_id}" if as_ids else t.token
+
+
+def _chat_top(t: Logprob, as_ids: bool = False) -> ChatTopLogprob:
+    if as_ids:  # vLLM's: the bytes of the name it gives
+        name = _token(t, True)
+        return ChatTopLogprob(token=name, logprob=t.logprob, bytes=list(name.encode()))
     return ChatTopLogprob(token=t.token, logprob=t.logprob, bytes=list(t.token_bytes))
 
 
-def chat_logprobs(entries: tuple[TokenLogprobs, ...] | None) -> ChatLogprobs | None:
-    """OpenAI chat's choice.logprobs; entry i's source is backoff.sources[i] (or the chunk's backoff.source)."""
+def chat_logprobs(entries: tuple[TokenLogprobs, ...] | None, as_ids: bool = False) -> ChatLogprobs | None:
+    """OpenAI chat's choice.logprobs (top_logprobs: the n most likely, most likely first, as
+    OpenAI defines them); entry i's source is backoff.sources[i] (or the chunk's backoff.source)."""
     if entries is None:
         return None
     return ChatLogprobs(
         content=[
-            ChatTokenLogprob(**_chat_top(e.chosen).model_dump(), top_logprobs=[_chat_top(t) for t in e.top])
+            ChatTokenLogprob(
+                **_chat_top(e.chosen, as_ids).model_dump(), top_logprobs=[_chat_top(t, as_ids) for t in e.top]
+            )
             for e in entries
         ]
     )
 
 
-def completion_logprobs(entries: tuple[TokenLogprobs, ...] | None) -> CompletionLogprobs | None:
-    """OpenAI completions' choice.logprobs: per token the top-n, then the sampled token where
-    it is not among them (up to n + 1, as OpenAI says); offsets into the generated text."""
+def completion_logprobs(entries: tuple[TokenLogprobs, ...] | None, as_ids: bool = False) -> CompletionLogprobs | None:
+    """OpenAI completions' choice.logprobs: per token the sampled token first, then the top-n
+    (up to n + 1 entries, as OpenAI says; first, as vLLM puts it); offsets into the generated text."""
     if entries is None:
         return None
     tops = []
     for e in entries:
         top: dict[str, float] = {}
-        for t in (*e.top, e.chosen):  # a text shared by two ids keeps the likelier one
-            top.setdefault(t.token, t.logprob)
+        for t in (e.chosen, *e.top):  # a text shared by two ids keeps the first (the sampled token's)
+            top.setdefault(_token(t, as_ids), t.logprob)
         tops.append(top)
     return CompletionLogprobs(
-        tokens=[e.chosen.token for e in entries],
+        tokens=[_token(e.chosen, as_ids) for e in entries],
         token_logprobs=[e.chosen.logprob for e in entries],
         top_logprobs=tops,
         text_offset=[e.text_offset for e in entries],
@@ -124,22 +164,44 @@ def summed_usage(results: Sequence[GenerationResult]) -> Usage:
     )
 
 
-def chat_body(request_id: str, model: str, created: int, results: Sequence[GenerationResult]) -> dict:
-    """A unary chat completion of one choice or n: choice i is result i's; usage sums them."""
+def request_line(request_id: str, results: Sequence[GenerationResult], seconds: float) -> str:
+    """The one INFO line the Ingress logs per request it answered (choices summed)."""
+    u = usage_of(results[0]) if len(results) == 1 else summed_usage(results)
+    choices = f" in {len(results)} choices" if len(results) > 1 else ""
+    degraded = f", degraded: {u.degraded_reason}" if u.degraded else ""
+    return (
+        f"request {request_id}: {u.prompt_tokens} prompt + {u.completion_tokens} generated tokens{choices}, "
+        f"backoff rate {u.backoff_rate:.2f} ({u.small_tokens} small, {u.large_tokens} large, "
+        f"{u.large_calls} large calls), {seconds * 1e3:.0f} ms{degraded}"
+    )
+
+
+def chat_body(
+    request_id: str,
+    model: str,
+    created: int,
+    results: Sequence[GenerationResult],
+    shape: ReplyShape = PLAIN,
+    prompt_ids: Sequence[int] | None = None,
+) -> dict:
+    """A unary chat completion of one choice or n: choice i is result i's; usage sums them.
+    prompt_ids: the chat template's (shape.token_ids)."""
     choices = [
         ChatChoice(
             index=i,
             message=ChatMessageOut(content=r.text),
             finish_reason=r.finish_reason.value,
             backoff=_trace(r),
-            logprobs=chat_logprobs(r.logprobs),
+            logprobs=chat_logprobs(r.logprobs, shape.ids_as_tokens),
+            token_ids=list(r.token_ids) if shape.token_ids else None,
         )
         for i, r in enumerate(results)
     ]
     usage = usage_of(results[0]) if len(results) == 1 else summed_usage(results)
-    return json_safe(
-        ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices, usage=usage).model_dump()
-    )
+    body = ChatCompletionResponse(id=request_id, created=created, model=model, choices=choices, usage=usage)
+    if shape.token_ids and prompt_ids is not None:
+        body.prompt_token_ids = list(prompt_ids)
+    return json_safe(body.model_dump())
 
 
 def response_body(request_id: str, model: str, created: int, result: GenerationResult, chat: bool) -> dict:
@@ -157,7 +219,19 @@ def response_body(request_id: str, model: str, created: int, result: GenerationR
     return json_safe(body.model_dump())
 
 
-def chunk_body(request_id: str, model: str, created: int, event: TokenEvent, chat: bool, choice: int = 0) -> dict:
+def chunk_body(
+    request_id: str,
+    model: str,
+    created: int,
+    event: TokenEvent,
+    chat: bool,
+    choice: int = 0,
+    shape: ReplyShape = PLAIN,
+    prompt_ids: Sequence[int] | None = None,
+) -> dict:
+    """One token's chunk; prompt_ids: the choice's first chunk's (shape.token_ids)."""
+    ids = [event.token_id] if shape.token_ids else None
+    prompt = list(prompt_ids) if shape.token_ids and prompt_ids is not None else None
     trace = TokenTrace(
         token_id=event.token_id,
         source=event.source,
@@ -167,16 +241,18 @@ def chunk_body(request_id: str, model: str, created: int, event: TokenEvent, cha
     )
     if chat:
         delta = ChatDelta(role="assistant" if event.index == 0 else None, content=event.text)
-        one_chat = ChatChunkChoice(
-            index=choice, delta=delta, backoff=trace, logprobs=chat_logprobs(_event_logprobs(event))
-        )
-        return json_safe(
-            ChatCompletionChunk(id=request_id, created=created, model=model, choices=[one_chat]).model_dump()
-        )
+        lp = chat_logprobs(_event_logprobs(event), shape.ids_as_tokens)
+        one_chat = ChatChunkChoice(index=choice, delta=delta, backoff=trace, logprobs=lp, token_ids=ids)
+        chunk = ChatCompletionChunk(id=request_id, created=created, model=model, choices=[one_chat])
+        chunk.prompt_token_ids = prompt
+        return json_safe(chunk.model_dump(exclude=shape.exclude))
+    lp = completion_logprobs(_event_logprobs(event), shape.ids_as_tokens)
     one = CompletionChunkChoice(
-        index=choice, text=event.text, backoff=trace, logprobs=completion_logprobs(_event_logprobs(event))
+        index=choice, text=event.text, backoff=trace, logprobs=lp, token_ids=ids, prompt_token_ids=prompt
     )
-    return json_safe(CompletionChunk(id=request_id, created=created, model=model, choices=[one]).model_dump())
+    return json_safe(
+        CompletionChunk(id=request_id, created=created, model=model, choices=[one]).model_dump(exclude=shape.exclude)
+    )
 
 
 class TokenChunks:
@@ -189,10 +265,21 @@ class TokenChunks:
 
     FIELDS = ("text", "token_id", "source", "index", "retracted", "retracted_text")  # a token's own
 
-    def __init__(self, request_id: str, model: str, created: int, chat: bool, choice: int = 0) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        created: int,
+        chat: bool,
+        choice: int = 0,
+        shape: ReplyShape = PLAIN,
+        prompt_ids: Sequence[int] | None = None,
+    ) -> None:
         self.request_id, self.model, self.created, self.chat = request_id, model, created, chat
         self.choice = choice  # the choice's index (a batch's prompt)
-        self.template = chunk_body(request_id, model, created, TokenEvent(0, 0, "", 1), chat, choice)
+        self.shape = shape  # token_ids: every chunk its own ids (through chunk_body: an opt-in's cost)
+        self.prompt_ids = prompt_ids  # on the first token's chunk (shape.token_ids), unless sent before it
+        self.template = chunk_body(request_id, model, created, TokenEvent(0, 0, "", 1), chat, choice, shape)
         marks = {f: json.dumps(f"\x00{f}\x00") for f in self.FIELDS}  # "\u0000text\u0000": in no envelope
         text = sse(self._fill(**{f: f"\x00{f}\x00" for f in self.FIELDS}))
         at = sorted((text.index(m), f) for f, m in marks.items())
@@ -215,14 +302,17 @@ class TokenChunks:
         return body
 
     def body(self, event: TokenEvent) -> dict:
-        if event.index == 0 or event.logprobs is not None:
-            return chunk_body(self.request_id, self.model, self.created, event, self.chat, self.choice)
+        if event.index == 0 or event.logprobs is not None or self.shape.token_ids:
+            prompt = self.prompt_ids if event.index == 0 else None
+            return chunk_body(
+                self.request_id, self.model, self.created, event, self.chat, self.choice, self.shape, prompt
+            )
         return self._fill(**{f: getattr(event, f) for f in self.FIELDS})
 
     def sse(self, events: tuple[TokenEvent, ...]) -> str:
         out: list[str] = []
         for e in events:
-            if e.index == 0 or e.logprobs is not None:
+            if e.index == 0 or e.logprobs is not None or self.shape.token_ids:
                 out.append(sse(self.body(e)))
                 continue
             out.append(self._pieces[0])
@@ -233,13 +323,25 @@ class TokenChunks:
 
 class ChatStream:
     """A streamed chat completion's SSE text, in the interface of completions.CompletionStream
-    that the Ingress drives. One choice: its last chunk has finish_reason and usage. n choices:
-    each choice's chunks carry its `index` and its last chunk its finish_reason, then one chunk
-    with no choice and the summed usage (as a completions batch ends)."""
+    that the Ingress drives: each choice's chunks carry its `index` and its last chunk its
+    finish_reason; with stream_options.include_usage one more chunk ends the stream, with no
+    choice and the usage (summed over n choices), as OpenAI's. prompt_ids: the chat template's
+    (return_token_ids: on each choice's first chunk)."""
 
-    def __init__(self, request_id: str, model: str, created: int, choices: int = 1) -> None:
-        self.request_id, self.model, self.created = request_id, model, created
-        self.chunks = [TokenChunks(request_id, model, created, chat=True, choice=i) for i in range(choices)]
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        created: int,
+        choices: int = 1,
+        shape: ReplyShape = PLAIN,
+        prompt_ids: Sequence[int] | None = None,
+    ) -> None:
+        self.request_id, self.model, self.created, self.shape = request_id, model, created, shape
+        self.chunks = [
+            TokenChunks(request_id, model, created, chat=True, choice=i, shape=shape, prompt_ids=prompt_ids)
+            for i in range(choices)
+        ]
         self.results: list[GenerationResult | None] = [None] * choices
 
     def start(self) -> str:
@@ -250,10 +352,11 @@ class ChatStream:
 
     def finished(self, i: int, result: GenerationResult) -> str:
         self.results[i] = result
-        one = len(self.results) == 1
-        return sse(final_chunk_body(self.request_id, self.model, self.created, result, True, choice=i, one=one))
+        return sse(final_chunk_body(self.request_id, self.model, self.created, result, True, choice=i))
 
     def end(self) -> str:
+        if not self.shape.include_usage:
+            return ""
         return usage_chunk(self.request_id, self.model, self.created, self.results, chat=True)
 
 
@@ -267,22 +370,18 @@ def _scalar(value) -> str:
 
 
 def final_chunk_body(
-    request_id: str, model: str, created: int, result: GenerationResult, chat: bool, choice: int = 0, one: bool = True
+    request_id: str, model: str, created: int, result: GenerationResult, chat: bool, choice: int = 0
 ) -> dict:
-    """A choice's last chunk: no token, finish_reason, and its usage (whatever stream_options
-    say) where it is the stream's one choice (one=False: usage_chunk sums the choices')."""
-    reason, usage = result.finish_reason.value, usage_of(result) if one else None
+    """A choice's last chunk: no token, its finish_reason, usage null (the usage comes in
+    usage_chunk, when stream_options.include_usage asks: OpenAI's rule)."""
+    reason = result.finish_reason.value
     if chat:
         last_chat = ChatChunkChoice(index=choice, delta=ChatDelta(), finish_reason=reason)
-        return json_safe(
-            ChatCompletionChunk(
-                id=request_id, created=created, model=model, choices=[last_chat], usage=usage
-            ).model_dump()
-        )
-    last = CompletionChunkChoice(index=choice, finish_reason=reason)
-    return json_safe(
-        CompletionChunk(id=request_id, created=created, model=model, choices=[last], usage=usage).model_dump()
-    )
+        chunk = ChatCompletionChunk(id=request_id, created=created, model=model, choices=[last_chat])
+    else:
+        last = CompletionChunkChoice(index=choice, finish_reason=reason)
+        chunk = CompletionChunk(id=request_id, created=created, model=model, choices=[last])
+    return json_safe(chunk.model_dump(exclude=UNASKED_IDS))
 
 
 def sse(body: dict) -> str:
@@ -293,13 +392,14 @@ def sse(body: dict) -> str:
 def usage_chunk(
     request_id: str, model: str, created: int, results: Sequence[GenerationResult | None], chat: bool
 ) -> str:
-    """The event that ends a stream of several choices (a batch's prompts, n each): no choice,
-    their usage summed, once every one has finished; '' before that, and for one choice."""
-    if len(results) == 1 or any(r is None for r in results):
+    """stream_options.include_usage's last event: no choice, the usage (summed over a batch's
+    prompts and n choices), once every choice has finished; '' before that."""
+    if any(r is None for r in results):
         return ""
     kind = ChatCompletionChunk if chat else CompletionChunk
-    chunk = kind(id=request_id, created=created, model=model, choices=[], usage=summed_usage(results))
-    return sse(json_safe(chunk.model_dump()))
+    usage = usage_of(results[0]) if len(results) == 1 else summed_usage(results)
+    chunk = kind(id=request_id, created=created, model=model, choices=[], usage=usage)
+    return sse(json_safe(chunk.model_dump(exclude=UNASKED_IDS)))
 
 
 def error_body(

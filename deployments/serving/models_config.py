@@ -10,6 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from backoff_core.types import KVSpec, PrefixCacheSpec
 
+DEFAULT_LARGE = "SmolLM2-135M-Instruct"  # the embedded default pair's M_L (backoff_core.models.default_pair)
+
 
 class FrozenConfig(BaseModel):
     """Every config model's base: unknown fields refused, values fixed once read."""
@@ -144,3 +146,8 @@ class ModelsConfig(FrozenConfig):
     @property
     def num_levels(self) -> int:
         return 2 + len(self.medium)
+
+    @property
+    def root(self) -> str:
+        """What the served name stands for (GET /v1/models' `root`, as vLLM's): M_L's path or id."""
+        return self.large or DEFAULT_LARGE

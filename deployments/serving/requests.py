@@ -34,7 +34,8 @@ class ServeRequest:
     prompt: str | None = None
     prompt_ids: tuple[int, ...] | None = None
     messages: tuple[tuple[str, str], ...] | None = None  # (role, content)
-    echo: bool = False  # Admitted carries the prompt's ids (the SmallModel adds their text)
+    echo: bool = False  # Admitted carries the prompt's ids (the SmallModel adds their text): echo, return_token_ids
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: the context window's)
 
     def __post_init__(self) -> None:
         if sum(x is not None for x in (self.prompt, self.prompt_ids, self.messages)) != 1:
@@ -66,9 +67,11 @@ def serve_request(
     messages: list[ChatMessage] | None = None,
     default_max_tokens: int = 64,
     choice: int = 0,
+    prompt_ids: bool = False,
 ) -> ServeRequest:
     """Edge params -> ServeRequest (`choice`: which of a request's n choices; its seed is
-    choice_seed's). Raises ValueError on values the core refuses."""
+    choice_seed's; `prompt_ids`: Admitted carries the prompt's ids, as with echo). Raises
+    ValueError on values the core refuses."""
     max_tokens = default_max_tokens if params.max_tokens is None else params.max_tokens
     # echo with logprobs: the prompt's routed teacher-forced logprobs; max_tokens 0 (echo alone
     # is the prompt, scored or not) has the core score it, as the core generates nothing else
@@ -89,6 +92,7 @@ def serve_request(
         frequency_penalty=params.frequency_penalty or 0.0,
         repetition_penalty=1.0 if params.repetition_penalty is None else params.repetition_penalty,
         logit_bias=tuple(sorted((int(t), float(b)) for t, b in (params.logit_bias or {}).items())),
+        allowed_token_ids=tuple(sorted(set(params.allowed_token_ids or ()))),
         ignore_eos=params.ignore_eos,
         logprobs=params.logprobs,
         prompt_logprobs=prompt_logprobs,
@@ -99,15 +103,24 @@ def serve_request(
         target_backoff=params.target_backoff,
         prefix_cache=params.prefix_cache,
     )
+    fields = dict(echo=params.echo or prompt_ids, truncate_prompt_tokens=params.truncate_prompt_tokens)
     if messages is not None:
         chat = tuple((m.role, m.content) for m in messages)
-        return ServeRequest(request_id, sampling, overrides, messages=chat, echo=params.echo)
+        return ServeRequest(request_id, sampling, overrides, messages=chat, **fields)
     if isinstance(prompt, str):
-        return ServeRequest(request_id, sampling, overrides, prompt=prompt, echo=params.echo)
+        return ServeRequest(request_id, sampling, overrides, prompt=prompt, **fields)
     if prompt is None:
         raise ValueError("the request has no prompt")
     ids = tuple(int(t) for t in prompt)
-    return ServeRequest(request_id, sampling, overrides, prompt_ids=ids, echo=params.echo)
+    return ServeRequest(request_id, sampling, overrides, prompt_ids=ids, **fields)
+
+
+def truncated(ids: list[int], keep: int | None, context_window: int | None) -> list[int]:
+    """The prompt's last `keep` tokens (vLLM's truncate_prompt_tokens; -1: the context window's
+    worth; None, or -1 without a window: all of it)."""
+    if keep == -1:
+        keep = context_window
+    return ids[-keep:] if keep and len(ids) > keep else ids
 
 
 def routing_params(overrides: RoutingOverrides, policy: RoutingConfig) -> RoutingParams:

@@ -90,7 +90,8 @@ def _handler(request: httpx.Request) -> httpx.Response:
             {"id": "c", "choices": [{"text": t, "backoff": {"token_id": i, "source": i, "index": i}}]}
             for i, t in enumerate(["a", " b"])
         ]
-        chunks.append({"id": "c", "choices": [{"text": "", "finish_reason": "length"}], "usage": USAGE})
+        chunks.append({"id": "c", "choices": [{"text": "", "finish_reason": "length"}], "usage": None})
+        chunks.append({"id": "c", "choices": [], "usage": USAGE})  # include_usage's chunk: the last delta's usage
         text = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
         return httpx.Response(200, text=text, headers={"content-type": "text/event-stream"})
     assert body["max_tokens"] == 2 and body["thresholds"] == [0.5] and "backoff_threshold" not in body

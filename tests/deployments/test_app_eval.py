@@ -36,6 +36,7 @@ LIMITS = dict(max_batch_prompts=4, max_batch_prompt_tokens=1200)
 CONTEXT_WINDOW = 512  # tiny_model's
 GREEDY = dict(temperature=0, ignore_eos=True)  # a raw body's, or our clients' keywords
 OA = dict(temperature=0, extra_body={"ignore_eos": True})  # the openai package's
+USAGE = dict(stream_options={"include_usage": True})  # a stream's usage: one last chunk, no choice (OpenAI's)
 
 
 def _edit(config: dict, dirs) -> None:
@@ -158,7 +159,7 @@ def test_chat_n_choices_unary_and_streamed_agree_and_the_stream_ends_with_their_
     assert unary.usage.completion_tokens == 12
     chunks = list(
         openai_client.chat.completions.create(
-            model="backoff", messages=messages, max_tokens=6, n=2, stream=True, **SAMPLED
+            model="backoff", messages=messages, max_tokens=6, n=2, stream=True, **SAMPLED, **USAGE
         )
     )
     text, finished = {0: "", 1: ""}, {}
@@ -432,7 +433,7 @@ def test_bad_input_through_the_new_forms_is_a_400_and_hurts_no_other_request(ser
     good: dict = {}
 
     def long_request() -> None:  # a streamed request that runs through all the bad ones
-        body = {"prompt": [[5, 6]], "max_tokens": 300, "stream": True, "echo": True, **GREEDY}
+        body = {"prompt": [[5, 6]], "max_tokens": 300, "stream": True, "echo": True, **GREEDY, **USAGE}
         with httpx.stream("POST", f"{served.url}/v1/completions", json=body, timeout=120) as response:
             good["lines"] = [line for line in response.iter_lines() if line.startswith("data:")]
 

@@ -7,15 +7,23 @@ deployments/ (their `.func_or_class`) run in the test process with Ray not start
   the real one needs a live replica and pushes its ids to the controller);
 - `FakeHandle`: a DeploymentHandle of a LargeModel deployment over such instances: calls routed
   by multiplexed_model_id (whose value the replica reads from Serve's request context, set here
-  as Serve sets it), `broadcast(...).results_async` for the lease renewals.
+  as Serve sets it), `broadcast(...).results_async` for the lease renewals;
+- `SmallHandle`, `ingress_replica`, `serving`: the Ingress over a SmallModel instance, its FastAPI
+  app served by uvicorn on a loopback port on a thread (real HTTP, real SSE), for the official
+  `openai` client.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import hashlib
+import socket
+import threading
+import time
 import types
+from collections.abc import Iterator
 
 import ray
 from ray import serve
@@ -24,10 +32,14 @@ from ray.serve.context import _set_request_context
 from tests.support.remote_fakes import LoopThread
 
 
-def replica_context(monkeypatch, replica: str = "small-replica-0", node: str = "node-0") -> None:
-    """What a replica asks Serve and Ray about itself, answered without a cluster."""
+def replica_context(monkeypatch, replica: str = "small-replica-0", node: str = "node-0", servable=None) -> None:
+    """What a replica asks Serve and Ray about itself, answered without a cluster (servable:
+    the instance a FastAPI route's `self` is, as Serve finds it)."""
     context = types.SimpleNamespace(
-        replica_id=types.SimpleNamespace(unique_id=replica), deployment="test", app_name="test"
+        replica_id=types.SimpleNamespace(unique_id=replica),
+        deployment="test",
+        app_name="test",
+        servable_object=servable,
     )
     runtime = types.SimpleNamespace(get_node_id=lambda: node, get_assigned_resources=lambda: {})
     monkeypatch.setattr(serve, "get_replica_context", lambda: context)
@@ -162,3 +174,85 @@ def small_replica(monkeypatch, model, tokenizer, handles: list, args: dict | Non
     monkeypatch.setattr(small, "load_small_side", lambda cfg, threads=None: side)
     monkeypatch.setattr(sys, "setswitchinterval", lambda s: None)  # a replica's setting, not the test process's
     return small.SmallModel.func_or_class(args or {}, *handles)
+
+
+class _Stream:
+    """A DeploymentResponseGenerator over a replica's async generator: `cancel()` closes it."""
+
+    def __init__(self, items) -> None:
+        self.items = items
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        return await anext(self.items)
+
+    def cancel(self) -> None:
+        asyncio.get_running_loop().create_task(self.items.aclose())
+
+
+class _Call:
+    def __init__(self, method, stream: bool) -> None:
+        self.method, self.stream = method, stream
+
+    def remote(self, *args):
+        if self.stream:
+            return _Stream(self.method(*args))
+
+        async def call():
+            return self.method(*args)
+
+        return call()
+
+
+class SmallHandle:
+    """A SmallModel deployment's handle over one user-class instance, as the Ingress calls it:
+    `generate.remote(request, tokens)` a stream, `info.remote()` awaited."""
+
+    def __init__(self, small) -> None:
+        self.small = small
+        self.generate, self.info = _Call(small.generate, True), _Call(small.info, False)
+
+    def options(self, **_options) -> SmallHandle:
+        return self
+
+
+def ingress_replica(monkeypatch, small, args: dict | None = None):
+    """An Ingress instance (the class @serve.ingress wrapped, built as Serve builds it, less its
+    ASGI wrapper) over a SmallModel instance; the FastAPI routes find it as their `self`."""
+    from deployments import ingress
+
+    wrapper = ingress.Ingress.func_or_class
+
+    class Bare(wrapper):
+        def __del__(self) -> None:  # no ASGI app of Serve's to shut down
+            pass
+
+    replica = object.__new__(Bare)
+    wrapper.__mro__[1].__init__(replica, SmallHandle(small), args or {})
+    replica_context(monkeypatch, servable=replica)
+    return replica
+
+
+@contextlib.contextmanager
+def serving(app) -> Iterator[str]:
+    """`app` served by uvicorn on a free loopback port, on a thread; yields its base URL."""
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)

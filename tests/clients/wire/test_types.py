@@ -184,6 +184,7 @@ def test_an_explicit_null_is_the_default():
             {
                 "messages": [{"role": "user", "content": "x"}],
                 "max_completion_tokens": None,
+                "stream": True,
                 "stream_options": {"include_usage": None},
             }
         )

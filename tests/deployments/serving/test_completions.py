@@ -28,7 +28,7 @@ from deployments.serving.completions import (
 )
 from deployments.serving.config import LimitsConfig
 from deployments.serving.engine_loop import Admitted
-from deployments.serving.formats import pb_response, summed_usage
+from deployments.serving.formats import ReplyShape, pb_response, summed_usage
 from tests.support.helpers import engine_for, request
 
 pytest.importorskip("openai")
@@ -181,7 +181,7 @@ def _chunks(sse: str) -> list[dict]:
 def test_a_streamed_batch_tags_chunks_with_their_choice_and_ends_with_the_usage(results, pair, tokenizer):
     engine = engine_for(pair, tokenizer)
     admitted = [Admitted(f"r{i}", 2) for i in range(3)]
-    out = CompletionStream("cmpl-1", "m", 0, admitted, prompt_logprobs=False)
+    out = CompletionStream("cmpl-1", "m", 0, admitted, prompt_logprobs=False, shape=ReplyShape(include_usage=True))
     sse = out.start()
     for i in (2, 0, 1):  # in any order
         req = request((3 + i, 4), 3 + i, "entropy", thresholds=(0.4,))
@@ -198,10 +198,19 @@ def test_a_streamed_batch_tags_chunks_with_their_choice_and_ends_with_the_usage(
     assert all(c["usage"] is None for c in chunks[:-1])
 
 
-def test_one_streamed_prompt_keeps_its_usage_on_its_last_chunk(results):
-    out = CompletionStream("cmpl-1", "m", 0, [Admitted("r", 2)], prompt_logprobs=False)
-    last = _chunks(out.finished(0, results[0]))[-1]
-    assert last["choices"][0]["finish_reason"] and last["usage"]["completion_tokens"] == 3 and out.end() == ""
+def test_a_stream_s_usage_comes_only_when_asked_in_a_chunk_of_its_own(results):
+    """OpenAI's rule: no usage unless stream_options.include_usage, and then one chunk after
+    the last choice's, with `choices: []` (one prompt as a batch)."""
+    for batch in (1, 2):
+        for asked in (False, True):
+            shape = ReplyShape(include_usage=asked)
+            out = CompletionStream("cmpl-1", "m", 0, [Admitted("r", 2)] * batch, prompt_logprobs=False, shape=shape)
+            chunks = _chunks("".join(out.finished(i, results[i]) for i in range(batch)) + out.end())
+            assert [c["choices"][0]["finish_reason"] for c in chunks[:batch]] == ["length"] * batch
+            assert all(c["usage"] is None for c in chunks[:batch])
+            assert len(chunks) == batch + asked
+            if asked:
+                assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3 + 4 * (batch - 1)
 
 
 def test_a_text_echo_streams_the_prompt_first():
@@ -281,7 +290,7 @@ def test_a_streamed_echo_with_logprobs_holds_the_tokens_until_the_prompts_scores
     assert first["text"] == "w3 w7 w12 w1 w20" and first["logprobs"]["token_logprobs"][0] is None
     assert chunks[0]["choices"][0]["backoff"]["prompt_sources"] == list(result.prompt_sources)
     assert "".join(c["choices"][0]["text"] for c in chunks) == first["text"] + result.text
-    assert chunks[-1]["choices"][0]["finish_reason"] == "length" and chunks[-1]["usage"]["completion_tokens"] == 4
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length" and chunks[-1]["usage"] is None
     delta = delta_from_chunk(chunks[0], top_n=2)
     assert delta.prompt_token_ids == list(PROMPT) and delta.prompt_logprobs[0] is None and delta.token_id is None
 

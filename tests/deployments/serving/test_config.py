@@ -39,6 +39,19 @@ def test_packaged_config_is_a_valid_serve_config():
     assert schema.http_options.host == "127.0.0.1"  # loopback unless exposed on purpose
 
 
+def test_log_level_sets_the_apps_logging_and_serve_s_access_lines_only_at_debug():
+    """One line per request by default (the Ingress's, at INFO); `--log-level DEBUG` adds Serve's
+    access line of every call between replicas (each catch-up)."""
+    base = yaml.safe_load(DEFAULT_CONFIG.read_text())
+    assert base["applications"][0]["logging_config"] == {"log_level": "INFO", "enable_access_log": False}
+    for given, want in (("debug", ("DEBUG", True)), ("WARNING", ("WARNING", False)), ("info", ("INFO", False))):
+        config = apply_overrides(base, _parser().parse_args(["--log-level", given]))
+        logging = ServeDeploySchema.model_validate(config).applications[0].logging_config
+        assert (logging.log_level, logging.enable_access_log) == want
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["--log-level", "loud"])
+
+
 def test_every_config_field_is_described():
     from deployments.serving import config
 

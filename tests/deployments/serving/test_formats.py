@@ -17,7 +17,15 @@ from clients.wire.openai import delta_from_chunk, generation_from_body
 from clients.wire.openai_requests import ChatCompletionRequest, CompletionRequest
 from clients.wire.proto import delta_from_pb, generation_from_pb, params_from_pb, request_to_pb
 from clients.wire.types import GenerateParams
-from deployments.serving.formats import ChatStream, chat_body, chunk_body, pb_chunk, pb_response, response_body
+from deployments.serving.formats import (
+    ChatStream,
+    ReplyShape,
+    chat_body,
+    chunk_body,
+    pb_chunk,
+    pb_response,
+    response_body,
+)
 from deployments.serving.requests import serve_request
 from tests.support.helpers import engine_for, request
 
@@ -88,7 +96,7 @@ def test_stream_chunks_carry_their_tokens_entry(run, chat):
     assert [d.source for d in deltas] == list(result.sources)
 
 
-def test_n_chat_choices_are_indexed_in_the_body_and_the_stream_ends_with_their_summed_usage(run):
+def test_n_chat_choices_are_indexed_in_the_body_and_the_stream_ends_with_their_summed_usage_when_asked(run):
     result, events = run
     other = dataclasses.replace(result, text=result.text[::-1])
     body = chat_body("id", "m", 0, [result, other])
@@ -98,7 +106,7 @@ def test_n_chat_choices_are_indexed_in_the_body_and_the_stream_ends_with_their_s
     assert parsed.usage.completion_tokens == 2 * len(result.token_ids)
     assert chat_body("id", "m", 0, [result]) == response_body("id", "m", 0, result, chat=True)
 
-    stream = ChatStream("id", "m", 0, choices=2)
+    stream = ChatStream("id", "m", 0, choices=2, shape=ReplyShape(include_usage=True))
     sse = stream.tokens(1, tuple(events[:2])) + stream.tokens(0, tuple(events[:1])) + stream.finished(1, other)
     assert stream.end() == ""  # choice 0 has not finished
     sse += stream.finished(0, result) + stream.end()
@@ -107,8 +115,10 @@ def test_n_chat_choices_are_indexed_in_the_body_and_the_stream_ends_with_their_s
     assert [c.choices[0].finish_reason for c in chunks if c.choices][3:] == ["length", "length"]
     assert all(c.usage is None for c in chunks[:-1]) and chunks[-1].choices == []
     assert chunks[-1].usage.completion_tokens == 2 * len(result.token_ids)
-    one = ChatStream("id", "m", 0)
-    assert ChatCompletionChunk.model_validate_json(one.finished(0, result)[6:]).usage is not None and one.end() == ""
+    unasked = ChatStream("id", "m", 0, choices=2)  # OpenAI's rule: usage only with include_usage
+    unasked.finished(1, other)
+    assert ChatCompletionChunk.model_validate_json(unasked.finished(0, result)[6:]).usage is None
+    assert unasked.end() == ""
 
 
 def test_not_asked_is_null_everywhere(pair, tokenizer):
@@ -190,4 +200,4 @@ def test_cli_asks_for_logprobs_and_prints_what_a_rollback_leaves(capsys):
     _generate(Client(), args)
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 2 and "'a'" in lines[0] and "small" in lines[0]
-    assert "'c'" in lines[1] and "level 1" in lines[1] and "'b'" not in lines[1]
+    assert "'c'" in lines[1] and "large" in lines[1] and "'b'" not in lines[1]
