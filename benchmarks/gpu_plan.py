@@ -1,6 +1,7 @@
 """The GPU memory and graph plan of the benchmark pair at real shapes, without weights.
 
     python benchmarks/gpu_plan.py            # -> benchmarks/results/gpu/plan.json
+                                             #    and plan_tensor_parallel.json (below)
 
 Builds the 135M- and 8B-shaped models of ../shared/gpu/make_pair.py on the meta device (no
 memory, no weights) and a StaticRunner's storage and graph plan for each at the defaults
@@ -17,6 +18,14 @@ much again cached by the allocator from the warm-up run before each capture. Mea
 an H100 (gpu_check.json): 0.19 GiB (M_S) and 0.43 GiB (M_L) against 0.16 and 0.56 here.
 tests/backoff_core/runners/test_gpu_plan.py holds these figures (<= 200 graphs per model,
 the pair within 70 GiB); scripts/gpu_bench.sh tests measures them on the GPU.
+
+plan_tensor_parallel.json: one rank of the paper's M_L (Llama-3.1-70B's shape, DESIGN.md §4)
+split over TP ranks as backoff_core/parallel/sharding.py splits it (1/N of every layer and of
+the LM head's vocabulary, the embedding whole on every rank, 8/N KV heads), its static KV at
+the same budget and slots, in bf16 at TP=4 and with fp8 weights (KV in bf16) at TP=2, against
+an 80 GB H100 (74.5 GiB, less HEADROOM_GIB for the CUDA context and NCCL's buffers); and the
+paper's M_S (Llama-3.1-8B) on one GPU beside them (docs/cluster.md: the pair on one 8-GPU node).
+tests/backoff_core/parallel/test_gpu_plan_tensor_parallel.py holds them.
 """
 
 from __future__ import annotations
@@ -52,6 +61,21 @@ SHAPES = {
         tie_word_embeddings=False,
     ),
 }
+# the paper's pair (public configs, DESIGN.md §4): Llama-3.1-8B (M_S) and -70B (M_L)
+PAPER = {
+    "llama-3.1-8b": dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False,
+    ),
+    "llama-3.1-70b": dict(
+        hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+        num_attention_heads=64, num_key_value_heads=8, tie_word_embeddings=False,
+    ),
+}  # fmt: skip
+PAPER_VOCAB = 128256
+H100_GIB = 80e9 / 2**30  # 74.5
+HEADROOM_GIB = 4.0  # CUDA context, NCCL's buffers, fragmentation
+TP_PLANS = (("llama-3.1-70b", 4, "bfloat16"), ("llama-3.1-70b", 2, "fp8"), ("llama-3.1-8b", 1, "bfloat16"))
 KV_BUDGET = 65536  # scripts/gpu_bench.sh: --kv-budget
 MAX_LEN = 1024  # scripts/gpu_bench.sh: --max-len
 GRAPH_MAX_ROWS = 64  # StaticRunner's default
@@ -71,7 +95,7 @@ def estimate_pool(config, key: GraphKey, element: int) -> int:
     with their float32 copy (made outside the graph, from the pool's neighbour)."""
     d, inner = config.hidden_size, config.intermediate_size
     heads, kvh = config.num_attention_heads, config.num_key_value_heads
-    head_dim = d // heads
+    head_dim = getattr(config, "head_dim", None) or d // heads  # a rank's shard: its heads, not d / heads
     tokens = key.rows * key.k
     out = key.rows * (1 if key.last_only else key.k)
     per_token = 2 * d + (heads + 2 * kvh) * head_dim + d + 3 * inner + 2 * head_dim
@@ -122,12 +146,65 @@ def plan(kv_budget: int = KV_BUDGET, max_len: int = MAX_LEN) -> dict:
     }
 
 
+def rank_model(name: str, size: int) -> LlamaForCausalLM:
+    """One rank's shard of a PAPER model on the meta device (sharding.py's config: its heads,
+    KV heads and MLP width; the LM head's ceil(V/N) rows), in bf16."""
+    from backoff_core.parallel.sharding import _shard_config, layout
+
+    config = LlamaConfig(vocab_size=PAPER_VOCAB, max_position_embeddings=131072, **PAPER[name])
+    shard_config = _shard_config(config, layout(config, name, size)) if size > 1 else config
+    with torch.device("meta"):
+        model = LlamaForCausalLM(shard_config)
+        model.lm_head = torch.nn.Linear(config.hidden_size, -(-PAPER_VOCAB // size), bias=False)
+        return model.to(torch.bfloat16)
+
+
+def plan_rank(name: str, size: int, weights: str, kv_budget: int = KV_BUDGET, max_len: int = MAX_LEN) -> dict:
+    """One rank's memory: weights (fp8: a byte a parameter), static KV (bf16), graph pool."""
+    model = rank_model(name, size)
+    kv = StaticKV(model, kv_budget, max_len, name)
+    rows = min(GRAPH_MAX_ROWS, 1 << max(0, kv.slots - 1).bit_length())
+    keys = plan_keys(kv.slots, max_len, rows, kinds((None,), (True, False), K_BUCKETS), GRAPH_BUDGET)
+    pool = 2 * max(estimate_pool(model.config, k, 2) for k in keys)
+    params = sum(p.numel() for p in model.parameters())
+    weights_gib = params * (1 if weights == "fp8" else 2) / GIB
+    total = weights_gib + kv.nbytes() / GIB + pool / GIB
+    return {
+        "model": name,
+        "tensor_parallel": size,
+        "weights": weights,
+        "kv_heads_per_rank": model.config.num_key_value_heads,
+        "weights_gib": round(weights_gib, 3),
+        "kv_gib": round(kv.nbytes() / GIB, 3),
+        "pool_gib": round(pool / GIB, 3),
+        "total_gib": round(total, 3),
+        "fits_h100_80gb": total + HEADROOM_GIB <= H100_GIB,
+        "free_gib": round(H100_GIB - HEADROOM_GIB - total, 3),
+    }
+
+
+def plan_tensor_parallel(kv_budget: int = KV_BUDGET, max_len: int = MAX_LEN) -> dict:
+    ranks = [plan_rank(name, size, weights, kv_budget, max_len) for name, size, weights in TP_PLANS]
+    return {
+        "per_rank": ranks,
+        "gpu": "H100 80 GB",
+        "gpu_gib": round(H100_GIB, 3),
+        "headroom_gib": HEADROOM_GIB,
+        "kv_budget_tokens": kv_budget,
+        "max_len": max_len,
+        "kv_dtype": "bfloat16",
+    }
+
+
 def main() -> None:
     out = Path("benchmarks/results/gpu/plan.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     result = plan()
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
+    tp = plan_tensor_parallel()
+    (out.parent / "plan_tensor_parallel.json").write_text(json.dumps(tp, indent=2) + "\n")
+    print(json.dumps(tp, indent=2))
 
 
 if __name__ == "__main__":
