@@ -46,7 +46,7 @@ from deployments.metrics import LargeMetrics
 from deployments.serving.batcher import CatchUpBatcher
 from deployments.serving.catchup_wire import CatchUpCall, CatchUpReply, ForwardRecord
 from deployments.serving.config import CatchUpConfig
-from deployments.serving.models import load_level
+from deployments.serving.models import load_level, rank_device
 from deployments.serving.models_config import ModelsConfig
 
 log = logging.getLogger(__name__)
@@ -108,10 +108,12 @@ class LargeModel:
     def __init__(self, models: dict, level: int, torch_threads: int | None = None) -> None:
         cfg = ModelsConfig.model_validate(models)
         self.name = level_names(cfg.num_levels)[level]
-        model = load_level(cfg, level, torch_threads)
-        self.kv = replica_kv(cfg, model, self.name)
         ranks = cfg.tensor_parallel.size(level, cfg.num_levels)  # > 1: this replica drives N rank processes
-        self.runner = parallel_runner(model, self.name, self.kv, prefix_cache=cfg.prefix_spec(), tensor_parallel=ranks)
+        model = load_level(cfg, level, torch_threads, host=ranks > 1)  # split on the host, each rank to its GPU
+        self.kv = replica_kv(cfg, model, self.name)
+        self.runner = parallel_runner(
+            model, self.name, self.kv, prefix_cache=cfg.prefix_spec(), tensor_parallel=ranks, device=rank_device(cfg)
+        )
         self.metrics = LargeMetrics(self.name)
         self.config = CatchUpConfig()
         self.batcher = CatchUpBatcher(self.runner, on_forward=self._forwarded)

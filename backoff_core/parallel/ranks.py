@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import replace
 
 import torch
 import torch.multiprocessing as mp
@@ -58,12 +59,14 @@ class TensorParallelRunner:
         self._conns, self._procs = [], []
         for rank in range(1, spec.size):
             here, there = ctx.Pipe()
-            proc = ctx.Process(target=serve_rank, args=(spec, shard(model, spec.name, rank, spec.size), port, there))
+            proc = ctx.Process(
+                target=serve_rank, args=(spec, shard(model, spec.name, rank, spec.size, spec.head), port, there)
+            )
             proc.daemon = True
             proc.start()
             self._conns.append(here)
             self._procs.append(proc)
-        piece = shard(model, spec.name, 0, spec.size)
+        piece = shard(model, spec.name, 0, spec.size, spec.head)
         self._answers("start-up")  # every rank imported what it needs (a broken import fails here, not at a timeout)
         self.comm = Collectives(group(spec, 0, port), 0, spec.size)
         self.runner = runner(spec, piece, self.comm)  # the ranks build theirs (and warm up) with it
@@ -217,12 +220,16 @@ def parallel_runner(
     classifier_path=None,
     prefix_cache: PrefixCacheSpec | None = PrefixCacheSpec(),
     tensor_parallel: int = 1,
+    device: str | None = None,
 ):
     """make_runner (runners/factory.py), or with tensor_parallel N > 1 a TensorParallelRunner:
-    the model split over N ranks, each running make_runner's runner over its shard."""
+    the model split over N ranks, each running make_runner's runner over its shard. device:
+    where the ranks run ("cuda": rank r on cuda:r) when the model was loaded elsewhere (a model
+    larger than one GPU is loaded on the host and split from there); None: the model's."""
     if tensor_parallel <= 1:
         return make_runner(model, name, kv, small, classifier_path, prefix_cache)
-    return TensorParallelRunner(model, spec_for(model, name, tensor_parallel, kv, small, classifier_path, prefix_cache))
+    spec = spec_for(model, name, tensor_parallel, kv, small, classifier_path, prefix_cache)
+    return TensorParallelRunner(model, spec if device is None else replace(spec, device=device))
 
 
 def spec_for(model, name: str, size: int, kv, small: bool, classifier_path, prefix_cache) -> RankSpec:

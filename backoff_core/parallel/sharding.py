@@ -10,7 +10,9 @@ Each of N ranks holds 1/N of every layer's attention heads and MLP columns:
     and its head counts (layout);
   - the LM head split by vocabulary (VocabParallelHead): each rank multiplies by its
     ceil(V/N) rows and rank 0 gathers the [.., V] logits (one gather a forward); the
-    embedding and the norms are replicated.
+    embedding and the norms are replicated. head="rank0", the alternative measured by
+    benchmarks/tensor_parallel.py: the whole head on rank 0, which alone needs logits (the
+    other ranks skip it: SkippedHead), no gather.
 Why the vocabulary split and not a replicated head: on a GPU the head is bound by its weight's
 bytes (2.1 GB of Llama-3.1-70B's in bf16, a quarter of a TP=4 rank's layer bytes), and a
 replicated head computed on rank 0 alone makes rank 0 the straggler of every step; split, it
@@ -165,6 +167,21 @@ class RowParallel(nn.Module):
         return self.comm.all_reduce(self.linear(x))
 
 
+class SkippedHead(nn.Module):
+    """head="rank0" on ranks 1..N-1: no head; an uninitialised [.., V] (never read)."""
+
+    def __init__(self, vocab: int, hidden: int) -> None:
+        super().__init__()
+        self._shape = torch.empty(vocab, hidden, device="meta")
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self._shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.new_empty(*x.shape[:-1], self._shape.shape[0])
+
+
 class VocabParallelHead(nn.Module):
     """The LM head split by vocabulary rows: [B, K, d] -> [B, K, V] logits on rank 0."""
 
@@ -193,9 +210,13 @@ class Shard:
     vocab: int
     config: object  # transformers PretrainedConfig of the shard
     state: dict[str, torch.Tensor]
+    head: str = "vocab"  # "vocab": split by vocabulary; "rank0": whole on rank 0, skipped elsewhere
 
 
-def shard(model, name: str, rank: int, size: int) -> Shard:
+HEADS = ("vocab", "rank0")
+
+
+def shard(model, name: str, rank: int, size: int, head: str = "vocab") -> Shard:
     """Rank `rank`'s shard of a model (dense, or on oneDNN kernels: kernels.py)."""
     from backoff_core.models.kernels import dense_state_dict
 
@@ -203,8 +224,13 @@ def shard(model, name: str, rank: int, size: int) -> Shard:
     vocab = int(model.get_output_embeddings().weight.shape[0])
     dense = dense_state_dict(model)  # a model on oneDNN kernels: its dense tensors
     dense.setdefault("lm_head.weight", dense["model.embed_tokens.weight"])  # tied: the head gets its own rows
+    if head not in HEADS:
+        raise ValueError(f"{name}: unknown LM head split {head!r}; choose one of {HEADS}")
+    whole = dense.pop("lm_head.weight") if head == "rank0" else None
     state = {k: _piece(k, v, lay, rank, vocab) for k, v in dense.items()}
-    return Shard(rank, lay, vocab, _shard_config(model.config, lay), state)
+    if whole is not None:  # rank 0 holds it all; the others a placeholder row
+        state["lm_head.weight"] = whole.detach().clone() if rank == 0 else whole.new_zeros(1, whole.shape[1])
+    return Shard(rank, lay, vocab, _shard_config(model.config, lay), state, head)
 
 
 def _shard_config(config, lay: HeadLayout):
@@ -255,5 +281,8 @@ def build(piece: Shard, comm: Collectives, dtype: torch.dtype, device: str = "cp
     for layer in model.model.layers:
         layer.self_attn.o_proj = RowParallel(layer.self_attn.o_proj, comm)
         layer.mlp.down_proj = RowParallel(layer.mlp.down_proj, comm)
-    model.lm_head = VocabParallelHead(model.lm_head, piece.vocab, comm)
+    if piece.head == "vocab":
+        model.lm_head = VocabParallelHead(model.lm_head, piece.vocab, comm)
+    elif piece.rank != 0:
+        model.lm_head = SkippedHead(piece.vocab, int(head.shape[1]))
     return model.to(device).eval()

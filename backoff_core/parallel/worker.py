@@ -28,6 +28,7 @@ class RankSpec:
     cpu_kernels: str = "mkldnn"
     threads: int = 1  # torch threads a rank computes on
     timeout_s: float = 60.0  # a collective or an answer that takes longer breaks the group
+    head: str = "vocab"  # the LM head's split (sharding.py): "vocab", or "rank0" (measured alternative)
 
     def rank_device(self, rank: int) -> str:
         return f"cuda:{rank}" if self.device.startswith("cuda") else self.device

@@ -3,6 +3,8 @@ the ModelsConfig read into backoff_core.models.loading's calls. No Ray here."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from transformers import PreTrainedModel
 
@@ -29,7 +31,14 @@ def load_small_side(cfg: ModelsConfig, threads: int | None = None) -> SmallSide:
     return loading.load_small_side(_names(cfg), _spec(cfg))
 
 
-def load_level(cfg: ModelsConfig, level: int, threads: int | None = None) -> PreTrainedModel:
-    """The model at `level` (1 .. num_levels-1) of the chain."""
+def load_level(cfg: ModelsConfig, level: int, threads: int | None = None, host: bool = False) -> PreTrainedModel:
+    """The model at `level` (1 .. num_levels-1) of the chain. host: on the CPU whatever the
+    config's device (a model split over tensor-parallel ranks is split from there)."""
     _use_threads(threads)
-    return loading.load_level(_names(cfg), level, _spec(cfg))
+    spec = _spec(cfg)
+    return loading.load_level(_names(cfg), level, dataclasses.replace(spec, device="cpu") if host else spec)
+
+
+def rank_device(cfg: ModelsConfig) -> str:
+    """Where a model's tensor-parallel ranks run: the config's device resolved ("cuda", "cpu")."""
+    return _spec(cfg).torch_device().split(":")[0]

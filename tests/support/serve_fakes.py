@@ -155,7 +155,7 @@ def large_replica(monkeypatch, model, level: int = 1, models: dict | None = None
     from deployments import large
 
     replica_context(monkeypatch)
-    monkeypatch.setattr(large, "load_level", lambda cfg, lvl, threads=None: model)
+    monkeypatch.setattr(large, "load_level", lambda cfg, lvl, threads=None, host=False: model)
     replica = large.LargeModel.func_or_class(models or {}, level)
     replica._register = Multiplexer(replica, capacity)
     return replica
