@@ -242,3 +242,14 @@ def test_readme_and_testing_page_suite_times_are_suite_time_json():
         assert m, f"docs/testing.md's {target} row"
         assert agree(m.group(1), tiers[tier]["wall_min"])
         assert [int(g) for g in m.groups()[1:]] == [c.get("passed", 0), c.get("skipped", 0), c.get("failed", 0)]
+
+
+def test_readme_set_up_times_are_demo_time_and_suite_time_json():
+    """The Set-up section's times: `make demo` (benchmarks/demo_time.py) and both test tiers."""
+    m = re.search(
+        r"`make demo` takes (\d+) s .*?`make test` (\d+\.\d+) min and `make test-fast` (\d+\.\d+) min", README, re.S
+    )
+    assert m, "the README's Set-up times"
+    tiers = load("suite_time.json")["tiers"]
+    assert agree(m.group(1), load("demo_time.json")["wall_s_best"])
+    assert agree(m.group(2), tiers["full"]["wall_min"]) and agree(m.group(3), tiers["fast"]["wall_min"])
