@@ -127,14 +127,17 @@ class Echo:
         return cls(admitted.prompt_ids, text)
 
 
-def prompt_logprobs(entries: Sequence[TokenLogprobs | None], text: str, as_ids: bool = False) -> CompletionLogprobs:
+def prompt_logprobs(
+    entries: Sequence[TokenLogprobs | None], text: str, as_ids: bool = False, first_id: int | None = None
+) -> CompletionLogprobs:
     """The prompt's entries in OpenAI's completions shape; the first token has no logprob
-    (null, as OpenAI and vLLM), and its text is the prompt up to the second token's."""
+    (null, as OpenAI and vLLM), and its text is the prompt up to the second token's (as_ids:
+    'token_id:{first_id}', as every other token's)."""
     first_end = entries[1].text_offset if len(entries) > 1 and entries[1] is not None else len(text)
     scored = completion_logprobs(tuple(e for e in entries[1:] if e is not None), as_ids)
     assert scored is not None and len(scored.tokens) == len(entries) - 1, "only the first prompt entry is None"
     return CompletionLogprobs(
-        tokens=[text[:first_end], *scored.tokens],
+        tokens=[f"token_id:{first_id}" if as_ids and first_id is not None else text[:first_end], *scored.tokens],
         token_logprobs=[None, *scored.token_logprobs],
         top_logprobs=[None, *scored.top_logprobs],
         text_offset=[0, *scored.text_offset],
@@ -147,7 +150,7 @@ def echoed_logprobs(result: GenerationResult, echo: Echo | None, as_ids: bool = 
     generated = completion_logprobs(result.logprobs, as_ids)
     if echo is None or result.prompt_logprobs is None:
         return generated
-    prompt = prompt_logprobs(result.prompt_logprobs, echo.text, as_ids)
+    prompt = prompt_logprobs(result.prompt_logprobs, echo.text, as_ids, echo.token_ids[0])
     if generated is None:
         return prompt
     return CompletionLogprobs(
@@ -243,7 +246,7 @@ class CompletionStream:
         sources = None if result is None or result.prompt_sources is None else list(result.prompt_sources)
         logprobs = None
         if result is not None and result.prompt_logprobs is not None:
-            logprobs = prompt_logprobs(result.prompt_logprobs, echo.text, self.shape.ids_as_tokens)
+            logprobs = prompt_logprobs(result.prompt_logprobs, echo.text, self.shape.ids_as_tokens, echo.token_ids[0])
         choice = CompletionChunkChoice(
             index=i,
             text=echo.text,

@@ -223,6 +223,11 @@ def test_return_tokens_as_token_ids_names_every_logprob_token_by_id(client):
     out = client.completions.create(model="backoff", prompt="w3 w4", max_tokens=5, logprobs=2, extra_body=extra)
     ids = out.choices[0].model_extra["token_ids"]
     assert out.choices[0].logprobs.tokens == [f"token_id:{t}" for t in ids]
+    echoed = client.completions.create(
+        model="backoff", prompt=[W["w3"], W["w4"]], max_tokens=2, logprobs=1, echo=True, extra_body=extra
+    )
+    ids = [W["w3"], W["w4"], *echoed.choices[0].model_extra["token_ids"]]
+    assert echoed.choices[0].logprobs.tokens == [f"token_id:{t}" for t in ids]  # the prompt's first too
     assert all(k.startswith("token_id:") for top in out.choices[0].logprobs.top_logprobs for k in top)
     chat = client.chat.completions.create(
         model="backoff",
