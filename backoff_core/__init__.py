@@ -6,6 +6,7 @@ Subpackages by role, dependencies pointing down this list only:
 - `runners`: running one model over sessions: per-session caches or static KV slots + CUDA graphs;
 - `routing`: decision functions (routers), the classifier head, the target-rate controller;
 - `engine`: the step loop (small step, catch-up, verification, isolation of failures);
+- `parallel`: a model split over tensor-parallel ranks, driven as one runner (rank 0 here);
 - `learning`: router training data, training and calibration;
 - `evaluation`: teacher-forced and generation evaluation of routers, report and plots;
 - `cli`: the `backoff` command.
