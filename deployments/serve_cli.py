@@ -248,12 +248,13 @@ def apply_overrides(config: dict, args: argparse.Namespace) -> dict:
         routing["target_backoff"] = args.target_backoff
     if args.no_batching:
         _deployment(app, "LargeModel").setdefault("user_config", {})["batching"] = False
-    if args.log_level is not None:  # Serve's access lines (a line per call between replicas) only at DEBUG
-        app["logging_config"] = {
-            **app.get("logging_config", {}),
-            "log_level": args.log_level,
-            "enable_access_log": args.log_level == "DEBUG",
-        }
+    if args.log_level is not None:  # Serve's access lines (the proxy's per request, a replica's per call) only at DEBUG
+        for part in (app, config):  # the app's replicas; Serve's controller and proxies
+            part["logging_config"] = {
+                **part.get("logging_config", {}),
+                "log_level": args.log_level,
+                "enable_access_log": args.log_level == "DEBUG",
+            }
     if args.host is not None:
         config.setdefault("http_options", {})["host"] = args.host
     if args.http_port is not None:

@@ -44,10 +44,11 @@ def test_log_level_sets_the_apps_logging_and_serve_s_access_lines_only_at_debug(
     access line of every call between replicas (each catch-up)."""
     base = yaml.safe_load(DEFAULT_CONFIG.read_text())
     assert base["applications"][0]["logging_config"] == {"log_level": "INFO", "enable_access_log": False}
+    assert base["logging_config"] == {"enable_access_log": False}  # the proxies' line per request
     for given, want in (("debug", ("DEBUG", True)), ("WARNING", ("WARNING", False)), ("info", ("INFO", False))):
-        config = apply_overrides(base, _parser().parse_args(["--log-level", given]))
-        logging = ServeDeploySchema.model_validate(config).applications[0].logging_config
-        assert (logging.log_level, logging.enable_access_log) == want
+        schema = ServeDeploySchema.model_validate(apply_overrides(base, _parser().parse_args(["--log-level", given])))
+        for logging in (schema.applications[0].logging_config, schema.logging_config):
+            assert (logging.log_level, logging.enable_access_log) == want
     with pytest.raises(SystemExit):
         _parser().parse_args(["--log-level", "loud"])
 
