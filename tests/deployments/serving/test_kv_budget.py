@@ -4,6 +4,9 @@ of static slots is tested with the StaticRunner (test_static_runner.py)."""
 
 from __future__ import annotations
 
+import asyncio
+
+import httpx
 import pytest
 import torch
 
@@ -20,6 +23,8 @@ from deployments.serving.engine_loop import Failed
 from deployments.streams import OverloadedError, failure
 from tests.support.helpers import engine_for, request
 from tests.support.remote_fakes import FakeEndpoint, remote_engine
+from tests.support.serve_fakes import FakeHandle, ingress_replica, large_replica, serving, small_replica
+from tests.support.served_app import wait_until
 
 
 def test_runner_evicts_idle_sessions_lru_and_refuses_a_new_one_the_live_ones_leave_no_room_for(pair):
@@ -251,3 +256,62 @@ def test_where_a_cuda_model_gets_ragged_catch_ups(mode, max_len, graphs, small, 
     model = SimpleNamespace(parameters=lambda: iter([SimpleNamespace(device=torch.device("cuda"))]))
     kv = KVSpec(budget_tokens=4 * max_len, max_len=max_len, cuda_graphs=graphs, ragged=mode)
     assert _ragged(kv, model, "large", small) is want
+
+
+@pytest.mark.slow  # ~10 s: refusals wait their Retry-After
+def test_over_http_a_small_kv_budget_refuses_with_retry_after_and_every_request_completes(
+    monkeypatch, pair, tokenizer, loop_thread
+):
+    """The deployments' user classes (tests/support/serve_fakes.py) behind real HTTP: an
+    Ingress, a SmallModel and two LargeModel replicas, each model with a 120-token KV budget
+    of per-session caches (the config's `models:`, as every replica reads it), catch-ups 10 ms
+    slow. 20 always-large requests of 3 + 30 positions (660 in all) arrive 0.1 s apart: once
+    the live ones fill M_S's budget a new one gets 503 `kv_capacity` + Retry-After (M_S
+    refuses at admission), and sent again after it every request completes with the
+    in-process tokens. Each replica reports its budget, and frees what it held."""
+    from deployments import ingress
+
+    budget, n, tokens = 120, 20, 30
+    models = {"kv_budget_tokens": budget, "static_kv": False}
+    larges = [large_replica(monkeypatch, pair[1], models=models) for _ in range(2)]
+    for large in larges:
+        large.reconfigure({"inject_delay_ms": 10.0})
+    args = {"models": models, "routing": {"router": "always-large"}, "limits": {"max_concurrent_per_client": None}}
+    small = small_replica(monkeypatch, pair[0], tokenizer, [FakeHandle(larges, loop_thread)], args)
+    ingress_replica(monkeypatch, small)
+    prompts = [[3 + i % 7, 4 + i % 3, 5] for i in range(n)]
+    alone = engine_for(pair, tokenizer)
+    expected = [list(alone.generate(request(p, max_tokens=tokens, router="always-large")).token_ids) for p in prompts]
+    refusals: list[httpx.Response] = []
+
+    async def one(http: httpx.AsyncClient, i: int, prompt: list[int]) -> list[int]:
+        await asyncio.sleep(0.1 * i)  # arrivals while earlier requests grow
+        body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True}
+        for _ in range(120):
+            r = await http.post("/v1/completions", json=body)
+            if r.status_code != 503:
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]["backoff"]["token_ids"]
+            refusals.append(r)
+            await asyncio.sleep(float(r.headers["Retry-After"]))
+        pytest.fail("refused 120 times in a row")
+
+    async def main(base: str) -> list[list[int]]:
+        async with httpx.AsyncClient(base_url=base, timeout=120) as http:
+            return await asyncio.gather(*[one(http, i, p) for i, p in enumerate(prompts)])
+
+    try:
+        with serving(ingress.app) as base:
+            outputs = asyncio.run(main(base))
+        assert outputs == expected  # all complete, unchanged
+        assert refusals, "the budget never refused a request"
+        for r in refusals:
+            assert r.headers["Retry-After"] == "1" and r.json()["error"]["code"] == "kv_capacity", r.text
+        infos = [large.info() for large in larges]
+        assert all(i.kv_budget_tokens == budget for i in infos) and small.kv.budget_tokens == budget
+        assert sum(i.calls for i in infos) > 0 and all(i.calls for i in infos)  # both replicas served
+        wait_until(lambda: all(large.info().kv_tokens == 0 for large in larges), "KV freed", timeout_s=30)
+    finally:
+        small.loop.stop()
+        for large in larges:
+            large.batcher.shutdown()
