@@ -14,9 +14,9 @@ import ray
 from backoff_core.types import SamplingParams, TokenEvent
 from deployments import large as large_module
 from deployments.serving.requests import RoutingOverrides, ServeRequest
-from tests.backoff_core.parallel.test_ranks import tp_model
 from tests.support.serve_fakes import FakeHandle, LoopThread, large_replica, small_replica
 from tests.support.tiny import tiny_model
+from tests.support.tp_models import tp_model
 
 pytestmark = pytest.mark.slow
 TP = {"tensor_parallel": {"large": 3}}

@@ -10,32 +10,16 @@ import signal
 import time
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from backoff_core.engine.engine import BackoffEngine
 from backoff_core.parallel.ranks import RankFailure, parallel_runner
 from backoff_core.runners.factory import make_runner
 from backoff_core.types import GenerationRequest, KVSpec, RoutingParams, SamplingParams
-from tests.support.tiny import EOS, VOCAB, tiny_model
+from tests.support.tiny import VOCAB, tiny_model
+from tests.support.tp_models import tp_model
 
 pytestmark = pytest.mark.slow
 TOL = 1e-4  # fp32: TP=N sums the row-split products in another order
-
-
-def tp_model(seed: int = 5, sharpness: float = 30.0) -> LlamaForCausalLM:
-    """A tiny M_L whose 12 heads and 6 KV heads split over 2 and over 3 ranks (TINY's 4 and 2
-    do not split over 3)."""
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=48, intermediate_size=96, num_hidden_layers=3,
-        num_attention_heads=12, num_key_value_heads=6, max_position_embeddings=512,
-        bos_token_id=None, eos_token_id=EOS, pad_token_id=EOS, tie_word_embeddings=True,
-    )  # fmt: skip
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        model.model.embed_tokens.weight.mul_(sharpness)  # tied head: peaky distributions
-    return model
 
 
 STATIC = KVSpec(budget_tokens=8 * 128, max_len=128, cuda_graphs=False)
