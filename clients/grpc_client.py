@@ -29,6 +29,11 @@ from clients.wire.types import ChatMessage, Delta, GenerateParams, Generation, m
 Messages = Sequence[ChatMessage | dict]
 
 
+# grpc's default receive cap is 4 MiB; an answer within the server's limits may pass it
+# (n choices x top logprobs: the server refuses above limits.max_answer_bytes, 64 MiB)
+CHANNEL_OPTIONS = (("grpc.max_receive_message_length", 256 << 20),)
+
+
 def call_metadata(application: str | None, api_key: str | None) -> tuple[tuple[str, str], ...] | None:
     """Metadata of every call: the Serve application, the API key (else $BACKOFF_API_KEY)."""
     key = api_key if api_key is not None else os.environ.get("BACKOFF_API_KEY")
@@ -77,7 +82,7 @@ class BackoffGrpcClient(_Client):
         channel: grpc.Channel | None = None,
     ) -> None:
         super().__init__(model, application, timeout, retry, api_key)
-        self._channel = channel or grpc.insecure_channel(target)
+        self._channel = channel or grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.BackoffStub(self._channel)
 
     def __enter__(self) -> "BackoffGrpcClient":
@@ -155,7 +160,7 @@ class AsyncBackoffGrpcClient(_Client):
         channel: grpc.aio.Channel | None = None,
     ) -> None:
         super().__init__(model, application, timeout, retry, api_key)
-        self._channel = channel or grpc.aio.insecure_channel(target)
+        self._channel = channel or grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.BackoffStub(self._channel)
 
     async def __aenter__(self) -> "AsyncBackoffGrpcClient":

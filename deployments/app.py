@@ -26,6 +26,12 @@ from deployments.small import SmallModel
 SMALL_MODEL_ENV = {"RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1"}
 
 
+def message_env(cfg: AppArgs) -> dict[str, str]:
+    """Every replica's receive limit on Serve's gRPC channels (read at import, so set in its
+    runtime_env): a replica's server (calls to it) and its handles' channels (their replies)."""
+    return {"RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(cfg.max_message_bytes)}
+
+
 def level_deployment_name(level: int, num_levels: int) -> str:
     return "LargeModel" if level == num_levels - 1 else f"MediumModel{level}"
 
@@ -82,19 +88,26 @@ def build_app(args: dict | AppArgs | None = None) -> Application:
     cfg = args if isinstance(args, AppArgs) else AppArgs.model_validate(args or {})
     cluster = _cluster_resources()
     models, n = cfg.models.model_dump(), cfg.models.num_levels
+    env = message_env(cfg)
+
+    def large(level: int) -> dict:
+        options = replica_options(cfg.large, cluster, n)
+        options["ray_actor_options"]["runtime_env"] = {"env_vars": env}
+        return with_ranks(options, cfg.models.tensor_parallel.size(level, n))
+
     levels = [
         LargeModel.options(
-            name=level_deployment_name(level, n),
-            user_config=cfg.catch_up.model_dump(),
-            **with_ranks(replica_options(cfg.large, cluster, n), cfg.models.tensor_parallel.size(level, n)),
+            name=level_deployment_name(level, n), user_config=cfg.catch_up.model_dump(), **large(level)
         ).bind(models, level, cfg.torch_threads)
         for level in range(1, n)
     ]
     retry = cfg.admission.retry_after_s
     small = replica_options(cfg.small, cluster, n, retry)
-    small["ray_actor_options"]["runtime_env"] = {"env_vars": SMALL_MODEL_ENV}
+    small["ray_actor_options"]["runtime_env"] = {"env_vars": {**SMALL_MODEL_ENV, **env}}
     if (prefix := prefix_router_config(cfg.prefix_routing)) is not None:  # else Serve's power of two choices
         small["request_router_config"] = prefix
     small = with_ranks(small, cfg.models.tensor_parallel.small)
     router = SmallModel.options(user_config=cfg.routing.model_dump(), **small).bind(cfg.model_dump(), *levels)
-    return Ingress.options(**replica_options(cfg.ingress, cluster, retry_after_s=retry)).bind(router, cfg.model_dump())
+    ingress = replica_options(cfg.ingress, cluster, retry_after_s=retry)
+    ingress["ray_actor_options"]["runtime_env"] = {"env_vars": env}
+    return Ingress.options(**ingress).bind(router, cfg.model_dump())

@@ -8,6 +8,7 @@ import grpc
 from ray.serve.grpc_util import RayServegRPCContext
 
 from deployments.serving.access import ClientError
+from deployments.serving.engine_loop import internal_message
 from deployments.streams import OverloadedError, ServerFailure
 
 # HTTP status of a client error -> its gRPC status (anything else 4xx: INVALID_ARGUMENT)
@@ -18,7 +19,9 @@ GRPC_CODES = {
 }
 
 
-def set_grpc_status(context: RayServegRPCContext, exc: Exception) -> None:
+def set_grpc_status(context: RayServegRPCContext, exc: Exception, request_id: str = "") -> None:
+    """exc as the call's status; a failure no handler wrote a message for (a bug) says only
+    that the server failed and under which request id its log has the detail."""
     if isinstance(exc, ClientError):
         context.set_code(GRPC_CODES.get(exc.status, grpc.StatusCode.INVALID_ARGUMENT))
         context.set_details(exc.message)
@@ -34,5 +37,5 @@ def set_grpc_status(context: RayServegRPCContext, exc: Exception) -> None:
         context.set_details(exc.message)
     else:
         context.set_code(grpc.StatusCode.INTERNAL)
-        internal = not isinstance(exc, ServerFailure)  # a bug: say what was raised
-        context.set_details(f"internal error: {type(exc).__name__}: {exc}" if internal else str(exc))
+        internal = not isinstance(exc, ServerFailure)  # a bug: its text is for the log, not the client
+        context.set_details(internal_message(request_id) if internal else exc.message)

@@ -3,6 +3,7 @@ errors, overload and server failures, and any exception no handler took (a 500, 
 Starlette's plain-text page)."""
 
 import logging
+import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -12,6 +13,7 @@ from starlette.middleware.body_limit import MAX_BODY_SIZE_SCOPE_KEY
 
 from clients.wire.errors import describe_validation
 from deployments.serving.access import ClientError, body_too_large
+from deployments.serving.engine_loop import internal_message
 from deployments.serving.formats import error_body
 from deployments.streams import OverloadedError, ServerFailure
 
@@ -82,13 +84,14 @@ class InternalErrors:
 
         try:
             await self.app(scope, receive, watch)
-        except Exception as exc:  # noqa: BLE001 - answered in the OpenAI shape
-            log.exception("unhandled error in %s", scope.get("path"))
+        except Exception:  # noqa: BLE001 - answered in the OpenAI shape, its detail in the log alone
+            error_id = f"err-{uuid.uuid4().hex[:16]}"
+            log.exception("request %s: unhandled error in %s", error_id, scope.get("path"))
             if started:
                 raise
-            await error_response(
-                500, f"internal error: {type(exc).__name__}: {exc}", "server_error", code="internal_error"
-            )(scope, receive, send)
+            await error_response(500, internal_message(error_id), "server_error", code="internal_error")(
+                scope, receive, send
+            )
 
 
 def install_http_errors(app: FastAPI) -> None:

@@ -55,11 +55,12 @@ from deployments.serving.completions import (
     tagged,
 )
 from deployments.serving.config import AppArgs, handle_options
-from deployments.serving.engine_loop import Admitted, Failed, Rejected
+from deployments.serving.engine_loop import Admitted, Failed, Rejected, internal_message
 from deployments.serving.formats import ChatStream, ReplyShape, chat_body, error_body, pb_response, request_line, sse
 from deployments.serving.grpc_service import Undecodable
 from deployments.serving.playground import mount_playground, routing_info
 from deployments.serving.requests import ServeRequest, serve_request
+from deployments.serving.sizes import check_answer
 from deployments.streams import OverloadedError, ServerFailure, collect, collect_all, failure, guarded, holding, shared
 
 app = FastAPI(title="Backoff Serve", description="Backoff decoding: a small and a large LM, one live threshold.")
@@ -235,9 +236,9 @@ class Ingress:
             request_log.info(request_line(out.request_id, out.results, time.monotonic() - started))
         except ServerFailure as exc:  # after admission (the 200 is out): report in-band, as OpenAI does
             yield sse(error_body(exc.message, "server_error", code=exc.code))
-        except Exception as exc:  # noqa: BLE001 - a bug here still ends the stream in the OpenAI shape
-            log.exception("SSE stream failed")
-            yield sse(error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error", code="internal_error"))
+        except Exception:  # noqa: BLE001 - a bug here still ends the stream in the OpenAI shape
+            log.exception("request %s: SSE stream failed", out.request_id)
+            yield sse(error_body(internal_message(out.request_id), "server_error", code="internal_error"))
         finally:
             await merged.aclose()
             for stream in streams:  # closed early (a disconnect while a chunk was sent): cancels their requests
@@ -258,8 +259,8 @@ class Ingress:
             return pb_response(request_id, result, None if echo is None else (echo.token_ids, echo.text))
         except Exception as exc:  # noqa: BLE001 - client errors, failures, and a bug as INTERNAL with a message
             if not isinstance(exc, (ClientError, ServerFailure)):
-                log.exception("Generate failed")
-            set_grpc_status(grpc_context, exc)
+                log.exception("request %s: Generate failed", request_id)
+            set_grpc_status(grpc_context, exc, request_id)
             return pb.GenerateResponse()
 
     async def GenerateStream(
@@ -270,7 +271,9 @@ class Ingress:
         try:
             admitted, stream = await self._open_pb(request_id, request, grpc_context)
         except Exception as exc:  # noqa: BLE001 - as in Generate
-            set_grpc_status(grpc_context, exc)
+            if not isinstance(exc, (ClientError, ServerFailure)):
+                log.exception("request %s: GenerateStream failed", request_id)
+            set_grpc_status(grpc_context, exc, request_id)
             raise  # nothing was streamed: Serve sends the status set above only with an exception
         out = PbStream(request_id, admitted, prompt_logprobs=request.HasField("logprobs"))
         try:
@@ -288,8 +291,8 @@ class Ingress:
                     raise failure(item)
         except Exception as exc:  # noqa: BLE001 - a ServerFailure, or a bug: INTERNAL with a message
             if not isinstance(exc, ServerFailure):
-                log.exception("GenerateStream failed")
-            set_grpc_status(grpc_context, exc)
+                log.exception("request %s: GenerateStream failed", request_id)
+            set_grpc_status(grpc_context, exc, request_id)
             raise
         finally:
             await stream.aclose()
@@ -362,6 +365,7 @@ class Ingress:
         prompt_ids: each Admitted carries its prompt's ids (return_token_ids), as with echo."""
         for content in contents:
             check_limits(self.edge.limits, params, **content)
+        check_answer(self.edge.limits, params, contents, choices, self.args.default_max_tokens)
         each = [(c, j) for c in contents for j in range(choices)]
         ids = [request_id] if len(each) == 1 else [f"{request_id}-{i}" for i in range(len(each))]
         try:
@@ -397,7 +401,7 @@ class Ingress:
 
     async def _admit(self, request: ServeRequest, tokens: bool) -> tuple[Admitted, AsyncIterator]:
         """One request sent to a SmallModel: (Admitted, its stream), or the refusal raised."""
-        stream = guarded(self.router.generate.remote(request, tokens))
+        stream = guarded(self.router.generate.remote(request, tokens), request.request_id)
         try:
             first = await stream.__anext__()
         except BackPressureError as exc:  # Serve's queue for a SmallModel replica is full

@@ -34,10 +34,16 @@ RAY_SYSTEM_CONFIG = {"max_direct_call_object_size": 4 * 1024 * 1024}
 # belong in the environment of the Ray nodes (LOCAL_SERVE_ENV below; cluster.yaml's `ray
 # start`). benchmarks/serve_overhead.py, 16 streams at a 2 ms step: the proxy's CPU per
 # request 15 -> 7 ms, the Ingress's 19 -> 13 ms (README, "serve_overhead").
+# RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH: the proxy receives each answer from the Ingress
+# over that gRPC path as one message, capped at 4 MiB by default (a 4.95 MB chat answer was a
+# plain-text 500): MESSAGE_BYTES, the default of AppArgs.max_message_bytes, which sets it in
+# the app's replicas (app.message_env); the proxy reads it from its node's environment.
+MESSAGE_BYTES = 256 << 20
 SERVE_PATH_ENV = {
     "RAY_SERVE_PROXY_USE_GRPC": "1",
     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+    "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(MESSAGE_BYTES),
 }  # not RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE: it would hold a replica's WARNING lines back until 1000 wait
 
 # Serve's controller gives a new proxy 5 s to report ready, then kills it, and `serve run`

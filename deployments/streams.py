@@ -7,6 +7,7 @@ the SmallModel's calls to the LargeModels too.
 """
 
 import asyncio
+import logging
 import math
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
@@ -16,7 +17,9 @@ from ray.serve.exceptions import BackPressureError, ReplicaUnavailableError
 from ray.serve.handle import DeploymentResponseGenerator
 
 from backoff_core.types import GenerationResult
-from deployments.serving.engine_loop import Failed, Rejected
+from deployments.serving.engine_loop import Failed, Rejected, internal_message
+
+log = logging.getLogger(__name__)
 
 
 class ServerFailure(RuntimeError):
@@ -43,10 +46,11 @@ def failure(item: Rejected | Failed) -> ServerFailure:
     return ServerFailure(item.message)
 
 
-async def guarded(stream: DeploymentResponseGenerator) -> AsyncIterator:
-    """A SmallModel's stream. The router failing under it becomes a ServerFailure; a
-    caller that stops early (disconnect, cancel) cancels the router's request here, not
-    trusting Ray's recursive cancel from this replica (under load it misses some)."""
+async def guarded(stream: DeploymentResponseGenerator, request_id: str = "") -> AsyncIterator:
+    """A SmallModel's stream. The router failing under it becomes a ServerFailure (its
+    detail logged under `request_id`, never told to the client); a caller that stops early
+    (disconnect, cancel) cancels the router's request here, not trusting Ray's recursive
+    cancel from this replica (under load it misses some)."""
     ended = False
     try:
         async for item in stream:
@@ -64,7 +68,8 @@ async def guarded(stream: DeploymentResponseGenerator) -> AsyncIterator:
         ) from exc
     except Exception as exc:  # noqa: BLE001 - reported to the client, not a broken connection
         ended = True
-        raise ServerFailure(f"{type(exc).__name__}: {exc}") from exc
+        log.error("request %s: the small router's stream failed", request_id or "?", exc_info=exc)
+        raise ServerFailure(internal_message(request_id), code="internal_error") from exc
     finally:
         if not ended:
             stream.cancel()

@@ -31,18 +31,26 @@ import time
 from collections.abc import Callable, Sequence
 
 from backoff_core.engine.backends import Backend, LargeUnavailable
-from backoff_core.engine.isolation import each, reopen
-from backoff_core.engine.prompt import adopt_prefix, prefills_large
+from backoff_core.engine.isolation import each, fail, reopen
+from backoff_core.engine.logprobs import TokenTexts
+from backoff_core.engine.prompt import adopt_prefix, prefills_large, score_window, start_scoring
 from backoff_core.engine.propose import Decided
 from backoff_core.engine.state import Live
 from backoff_core.runners.static_kv import KVCapacityError
+from backoff_core.types import FinishReason
 
 
 def in_chunks(r: Live, chunk: int) -> bool:
     """Whether r's prompt is planned (fed over several steps) at admission: its head passes a
-    chunk (prompt scoring is never chunked)."""
+    chunk (a scored prompt is scored in chunks instead: scores_in_chunks)."""
     s = r.request.sampling
     return bool(chunk) and s.prompt_logprobs is None and s.max_tokens > 0 and r.prompt_len - 1 > chunk
+
+
+def scores_in_chunks(r: Live, chunk: int) -> bool:
+    """Whether r's prompt is scored over several steps (a window of rows per step, stage 0's
+    `score`): it asks for prompt logprobs and its head passes a chunk."""
+    return bool(chunk) and r.request.sampling.prompt_logprobs is not None and r.prompt_len - 1 > chunk
 
 
 def plan_prompt(models: Sequence[Backend], r: Live) -> None:
@@ -51,10 +59,41 @@ def plan_prompt(models: Sequence[Backend], r: Live) -> None:
     for level, model in enumerate(models):
         if level == 0 or prefills_large(r):
             plan(model, level, r, r.prompt_len - 1)
+    _check_fits(models, r)
+
+
+def _check_fits(models: Sequence[Backend], r: Live) -> None:
     # the whole prompt is refused now, as prefill would (the first chunk alone may fit)
     fits = getattr(models[0], "kv_fits", None)
     if fits is not None and not fits([(r.request_id, r.prompt_len)]):
         raise KVCapacityError(f"{models[0].name}: no KV room for a prompt of {r.prompt_len} tokens")
+
+
+def open_scoring(models: Sequence[Backend], r: Live, texts: TokenTexts, decode: Callable) -> None:
+    """At admission: r's prompt is scored in chunks; its sessions open (prompt.start_scoring)."""
+    start_scoring(models, r, texts, decode)
+    _check_fits(models, r)
+
+
+def score(models: Sequence[Backend], group: list[Live], chunk: int, texts: TokenTexts, decode: Callable) -> None:
+    """Stage 0's prompt scoring: the next `chunk` rows of the prompts being scored, oldest
+    first, in one batched forward per model (prompt.score_window: M_S's logits over them, the
+    router's levels, each level's scored rows; an oracle's M_L logits in pieces). A prompt
+    whose last row is scored steps from the next step on (max_tokens 0: it is finished). A
+    forward that fails ends the requests being scored (a larger model that cannot answer
+    too: their rows have no score without it)."""
+    try:
+        score_window(models, group, texts, decode, rows=chunk)
+    except Exception as exc:  # noqa: BLE001 - these requests end, with the error; the others go on
+        for r in group:
+            fail(r, exc, models)
+        return
+    now = time.perf_counter()
+    for r in group:
+        if r.scoring is None:
+            r.stats.prefill_s = now - r.stats.started  # admission to its prompt scored
+            if r.request.sampling.max_tokens == 0:  # nothing to generate
+                r.finished = FinishReason.LENGTH
 
 
 def plan(model: Backend, level: int, r: Live, target: int) -> None:

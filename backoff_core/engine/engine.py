@@ -168,26 +168,29 @@ class BackoffEngine(LiveSettings):
         """Admit requests together: every prompt prefill (and prompt scoring) batched
         (prompt.py); their ids, in order. All or none: a bad request raises ValueError (and a
         model's error is raised) before any of them is admitted. A prompt longer than a
-        prefill chunk only opens its sessions here: the steps feed it a chunk at a time
-        (chunked.py); prompt scoring is never chunked."""
+        prefill chunk only opens its sessions here: the steps feed it, or score its rows, a
+        chunk at a time (chunked.py)."""
         routers = routers or [None] * len(requests)
         lives = [self._admit(request, router) for request, router in zip(requests, routers, strict=True)]
         if len({r.request_id for r in lives}) != len(lives):
             raise ValueError("request ids must be distinct")
-        later = {r.request_id for r in lives if chunked.in_chunks(r, self.prefill_chunk_tokens)}
+        chunk = self.prefill_chunk_tokens
+        later = {r.request_id for r in lives if chunked.in_chunks(r, chunk) or chunked.scores_in_chunks(r, chunk)}
         if self.flights is not None and any(admission_runs_large(r) for r in lives):
             self.flights.settle()  # M_L runs in this thread now (flight.py)
         prefill(self.models, [r for r in lives if r.request_id not in later], self.token_texts, self.prompt_text)
         try:
             for r in lives:
-                if r.request_id in later:
+                if r.request_id in later and chunked.scores_in_chunks(r, chunk):
+                    chunked.open_scoring(self.models, r, self.token_texts, self.prompt_text)
+                elif r.request_id in later:
                     chunked.plan_prompt(self.models, r)
         except Exception:
             for r in lives:
                 self._close_sessions(r)
             raise
         for r in lives:
-            if r.request.sampling.max_tokens == 0:  # the prompt scored, nothing to generate
+            if r.request.sampling.max_tokens == 0 and r.scoring is None:  # the prompt scored, nothing to generate
                 r.finished = FinishReason.LENGTH
             self._live[r.request_id] = r
         return [r.request_id for r in lives]
@@ -304,9 +307,14 @@ class BackoffEngine(LiveSettings):
         self.hold.tick()
         # 0. chunked prefill: at most one chunk per model toward each open feed plan (long
         # prompts, long catch-ups); a request whose plan is still open does not step (chunked.py)
+        if scoring := [r for r in live if r.scoring is not None]:  # long prompts scored a chunk of rows a step
+            if self.flights is not None and any(map(admission_runs_large, scoring)):
+                self.flights.settle()  # M_L runs in this thread now (flight.py)
+            chunked.score(self.models, scoring, self.prefill_chunk_tokens, self.token_texts, self.prompt_text)
         if any(r.plan for r in live):
             chunked.feed(self.models, [r for r in live if r.plan], self.prefill_chunk_tokens, self.catch_up.give_up)
-            live = [r for r in live if not (r.plan or r.done)]
+        if scoring or any(r.plan for r in live):
+            live = [r for r in live if not (r.plan or r.scoring is not None or r.done)]
         # 1. levels decided without M_S. From here on, an exception while handling one request
         # ends that request alone (isolation.py). A request waiting for its batched catch-up
         # does not step either (its level is decided).

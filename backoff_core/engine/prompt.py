@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -38,6 +39,50 @@ from backoff_core.runners.scoring import Scored, Scoring, score_rows
 from backoff_core.sampling import Stream, uniforms
 from backoff_core.types import TokenLogprobs
 
+
+@dataclass
+class ScoringProgress:
+    """A prompt being scored (Live.scoring): the rows scored so far, a window per step where
+    it is chunked. Rows first.. are scored (row j predicts prompt token j + 1)."""
+
+    first: int  # the first scored row (_first_row)
+    text: str  # the decoded prompt, which the entries' text offsets index
+    offsets: list[int]  # per prompt token: where its text starts in `text`
+    levels: list[int] = field(default_factory=list)  # per row scored so far, from `first`
+    entries: dict[int, TokenLogprobs] = field(default_factory=dict)  # row -> its entry
+
+    @classmethod
+    def start(cls, r: Live, texts: TokenTexts, decode: Callable) -> ScoringProgress:
+        text, offsets = prompt_offsets(r.request.prompt_ids, texts, decode)
+        return cls(_first_row(r) if r.prompt_len > 1 else 0, text, offsets)
+
+    def add(self, rows: list[int], scored: Scored, r: Live, texts: TokenTexts) -> None:
+        """The entries of `rows`, scored by one level (s: their target and top-n)."""
+        prompt, entry = r.request.prompt_ids, texts.logprob
+        target, top_ids, top = scored.target.tolist(), scored.top_ids.tolist(), scored.top.tolist()
+        for n, j in enumerate(rows):
+            self.entries[j] = TokenLogprobs(
+                chosen=entry(prompt[j + 1], target[n]),
+                top=tuple(entry(i, v) for i, v in zip(top_ids[n], top[n])),
+                text_offset=self.offsets[j + 1],
+            )
+
+    def scores(self, r: Live) -> PromptScores:
+        """r.prompt_scores once every row is scored; the first token, and those before
+        prompt_logprobs_from, have none."""
+        rows = range(self.first, r.prompt_len - 1)
+        if len(self.entries) != len(rows) or len(self.levels) != len(rows):
+            raise RuntimeError(f"{len(rows) - len(self.entries)} prompt rows of {r.request_id!r} were not scored")
+        unscored = [None] * (self.first + 1)
+        return PromptScores([*unscored, *(self.entries[j] for j in rows)], [*unscored, *self.levels], self.text)
+
+
+# where the decoder's text is not the tokens' bytes joined: a prompt up to EXACT_OFFSETS tokens
+# decodes each prefix (quadratic: 8,000 tokens took 11 s, holding the step loop); a longer one
+# adds each token's share of a decode of the OFFSET_WINDOW tokens before it (the same
+# wherever decoding is local, as streaming detokenizers assume)
+EXACT_OFFSETS = 512
+OFFSET_WINDOW = 8
 PREFILL_TOKENS = 2048  # padded positions per prefill forward (full M_S logits: ~400 MB at V = 49152)
 
 
@@ -122,24 +167,51 @@ def _extend(
     last_only: bool,
     hidden_layer: int | None = None,
     scoring: list[Scoring | None] | None = None,
+    ends: dict[str, int] | None = None,
 ) -> list[Extension]:
-    """One forward over the prompt heads of `group` at `level` (sessions open)."""
-    group = [r for r in group if r.fed[level] < r.prompt_len - 1]  # a whole head adopted: nothing to feed
+    """One forward over the prompt heads of `group` at `level` (sessions open), each up to
+    ends[r] positions (default: the whole head); one extension per request of `group` that
+    had anything to feed, in order (with `scoring`: the requests given, every one of which
+    has a row to feed)."""
+    end = {r.request_id: (r.prompt_len - 1 if ends is None else ends[r.request_id]) for r in group}
+    keep = [i for i, r in enumerate(group) if r.fed[level] < end[r.request_id]]  # a whole head adopted: nothing
+    group = [group[i] for i in keep]
     if not group:
         return []
-    items = [(r.request_id, _head(r)[r.fed[level] :]) for r in group]
-    if scoring is not None and any(sc is not None for sc in scoring):
+    items = [(r.request_id, _head(r)[r.fed[level] : end[r.request_id]]) for r in group]
+    if scoring is not None and any(scoring[i] is not None for i in keep):
+        scoring = [scoring[i] for i in keep]
         exts = model.extend(items, hidden_layer=hidden_layer, last_only=last_only, scoring=scoring)
     else:  # no scoring argument: any Backend takes this call
         exts = model.extend(items, hidden_layer=hidden_layer, last_only=last_only)
     for r in group:
-        r.fed[level] = r.prompt_len - 1
+        r.fed[level] = end[r.request_id]
     return exts
 
 
 def _score(models: Sequence[Backend], group: list[Live], texts: TokenTexts, decode: Callable) -> None:
-    """Prompt logprobs of `group`: M_S over every row, the router's level per row, each
-    level's scored rows, then the entries (the first prompt token has none)."""
+    """Prompt logprobs of `group` at admission: every row in one window."""
+    for r in group:
+        r.scoring = ScoringProgress.start(r, texts, decode)
+    score_window(models, group, texts, decode, rows=None)
+
+
+def start_scoring(models: Sequence[Backend], r: Live, texts: TokenTexts, decode: Callable) -> None:
+    """At admission, a prompt scored over several steps (chunked): its sessions opened (M_S;
+    eager levels, oracles), its progress started; stage 0 of the steps scores its rows."""
+    for level, model in enumerate(models):
+        if level == 0 or prefills_large(r):
+            _open(model, level, r)
+    r.scoring = ScoringProgress.start(r, texts, decode)
+
+
+def score_window(
+    models: Sequence[Backend], group: list[Live], texts: TokenTexts, decode: Callable, rows: int | None
+) -> None:
+    """The next rows of `group`'s prompts scored, `rows` of them in all (oldest request first;
+    None: every row): M_S over them, the router's level per row, each level's scored rows.
+    A request whose last row is scored gets its prompt_scores (r.scoring: None again); every
+    level it opened then holds its prompt head, as after a prefill."""
     top = len(models) - 1
     heads = [r for r in group if r.prompt_len > 1]
     layers = {r.router.hidden_layer for r in heads} - {None}
@@ -148,47 +220,84 @@ def _score(models: Sequence[Backend], group: list[Live], texts: TokenTexts, deco
     layer = next(iter(layers), None)
     # rows before a request's first scored one (prompt_logprobs_from - 1): a plain prefill
     # of M_S first, then M_S's logits over the scored rows alone
-    ahead = [r for r in heads if _first_row(r) > 0]
+    ahead = [r for r in heads if r.fed[0] < _first_row(r)]
     if ahead:
-        models[0].extend([(r.request_id, _head(r)[: _first_row(r)]) for r in ahead], last_only=True)
-    items = [(r.request_id, _head(r)[_first_row(r) :]) for r in heads]
-    small = dict(zip([r.request_id for r in heads], models[0].extend(items, hidden_layer=layer, last_only=False)))
+        models[0].extend([(r.request_id, _head(r)[r.fed[0] : _first_row(r)]) for r in ahead], last_only=True)
+        for r in ahead:
+            r.fed[0] = _first_row(r)
+    ends, budget = {}, rows  # the window of r: rows r.fed[0] .. ends[r] - 1
     for r in heads:
-        r.fed[0] = r.prompt_len - 1
-    oracles = [r for r in heads if r.router.needs_large_logits]
-    large = dict(zip([r.request_id for r in oracles], _extend(models[top], top, oracles, last_only=False)))
-    # levels[request id][i]: the level of prompt row _first_row(r) + i
-    levels = {r.request_id: _levels(r, small[r.request_id], large.get(r.request_id)) for r in heads}
-    # scored[request id][level] = (rows, Scored): the rows that level scores
-    scored: dict[str, dict[int, tuple[list[int], Scored]]] = {r.request_id: {} for r in heads}
-    for r in heads:
-        first = _first_row(r)  # M_S's extension starts at that row, an oracle's at row 0
-        for level, ext, offset in ((0, small[r.request_id], first), (top, large.get(r.request_id), 0)):
-            rows = [first + i for i, lv in enumerate(levels[r.request_id]) if lv == level]
-            if ext is not None and rows:
-                targets = tuple(r.request.prompt_ids[j + 1] for j in rows)
-                logits = ext.logits[[j - offset for j in rows]]
-                scored[r.request_id][level] = (rows, score_rows(logits, targets, _top_n(r)))
+        if budget is None or budget > 0:
+            ends[r.request_id] = r.prompt_len - 1 if budget is None else min(r.prompt_len - 1, r.fed[0] + budget)
+            budget = None if budget is None else budget - (ends[r.request_id] - r.fed[0])
+    now = [r for r in heads if r.request_id in ends]
+    los = {r.request_id: r.fed[0] for r in now}
+    items = [(r.request_id, _head(r)[r.fed[0] : ends[r.request_id]]) for r in now]
+    small = dict(zip(los, models[0].extend(items, hidden_layer=layer, last_only=False))) if now else {}
+    for r in now:
+        r.fed[0] = ends[r.request_id]
+    # oracles: the largest model's full logits over the window (its session is at row 0 first),
+    # in pieces of at most max_logit_rows rows where its logits cross a wire
+    oracles = [r for r in now if r.router.needs_large_logits]
+    large = _logits_to(models[top], top, oracles, ends, los)
+    routed: dict[str, dict[int, list[int]]] = {}  # request id -> level -> its rows in the window
+    for r in now:
+        lo, progress = los[r.request_id], r.scoring
+        levels = _levels(r, small[r.request_id], large.get(r.request_id), lo)
+        progress.levels.extend(levels)
+        routed[r.request_id] = {}
+        for i, lv in enumerate(levels):
+            routed[r.request_id].setdefault(lv, []).append(lo + i)
+        for level, logits in ((0, small[r.request_id].logits), (top, large.get(r.request_id))):
+            rows_l = routed[r.request_id].get(level)
+            if logits is not None and rows_l:
+                targets = tuple(r.request.prompt_ids[j + 1] for j in rows_l)
+                progress.add(rows_l, score_rows(logits[[j - lo for j in rows_l]], targets, _top_n(r)), r, texts)
     for level in range(1, len(models)):
-        # requests with rows routed here, and eager sessions with none (a plain prefill)
+        # requests with rows routed here, and open sessions with none (kept level with the window)
         group_l, scoring = [], []
-        for r in heads:
-            if level in scored[r.request_id] or (level == top and r.request_id in large):
+        for r in now:
+            rows_l = routed[r.request_id].get(level, [])
+            if (level == top and r.request_id in large) or not (rows_l or level in r.opened):
                 continue
-            rows = [_first_row(r) + i for i, lv in enumerate(levels[r.request_id]) if lv == level]
-            if rows or level in r.opened:
-                _open(models[level], level, r)
-                group_l.append(r)
-                targets = tuple(r.request.prompt_ids[j + 1] for j in rows)
-                scoring.append(Scoring(tuple(rows), targets, _top_n(r)) if rows else None)
-        exts = _extend(models[level], level, group_l, last_only=True, scoring=scoring)
+            _open(models[level], level, r)
+            group_l.append(r)
+            at = r.fed[level]  # Scoring rows index the extend's new ids, which start there
+            targets = tuple(r.request.prompt_ids[j + 1] for j in rows_l)
+            scoring.append(Scoring(tuple(j - at for j in rows_l), targets, _top_n(r)) if rows_l else None)
+        exts = _extend(models[level], level, group_l, last_only=True, scoring=scoring, ends=ends)
         for r, sc, ext in zip(group_l, scoring, exts):
             if sc is not None:
                 if ext.scored is None or len(ext.scored.target) != len(sc.rows):
                     raise RuntimeError(f"{models[level].name}: no scored rows for {r.request_id!r}")
-                scored[r.request_id][level] = (list(sc.rows), ext.scored)
+                r.scoring.add(routed[r.request_id][level], ext.scored, r, texts)
     for r in group:
-        _entries(r, levels.get(r.request_id, []), scored.get(r.request_id, {}), texts, decode)
+        if r.prompt_len <= 1 or r.fed[0] >= r.prompt_len - 1:
+            r.prompt_scores = r.scoring.scores(r)
+            r.scoring = None
+
+
+def _logits_to(model: Backend, level: int, group: list[Live], ends: dict[str, int], los: dict[str, int]) -> dict:
+    """request id -> the full logits [rows, V] of `model` over rows los[r] .. ends[r] - 1 of
+    r's head, its session fed up to ends[r] (from wherever it was) in pieces of at most
+    `model.max_logit_rows` rows (None: one forward), so no reply carries more."""
+    piece = getattr(model, "max_logit_rows", None)
+    parts: dict[str, list[torch.Tensor]] = {r.request_id: [] for r in group}
+    starts = {r.request_id: r.fed[level] for r in group}
+    while True:
+        short = [r for r in group if r.fed[level] < ends[r.request_id]]
+        if not short:
+            break
+        cut = {r.request_id: ends[r.request_id] if piece is None else min(ends[r.request_id], r.fed[level] + piece)
+               for r in short}  # fmt: skip
+        exts = _extend(model, level, short, last_only=False, ends=cut)
+        for r, ext in zip(short, exts):
+            parts[r.request_id].append(ext.logits)
+    out = {}
+    for r in group:
+        logits = torch.cat(parts[r.request_id]) if parts[r.request_id] else None
+        out[r.request_id] = None if logits is None else logits[los[r.request_id] - starts[r.request_id] :]
+    return out
 
 
 def adopt_prefix(model: Backend, r: Live, ids, now: bool = False) -> int:
@@ -214,18 +323,17 @@ def _first_row(r: Live) -> int:
 
 
 @torch.inference_mode()
-def _levels(r: Live, small: Extension, large: Extension | None) -> list[int]:
-    """The level of each scored row of r's prompt head (rows first.. of it, first =
-    _first_row(r)): what r's router decides from M_S's state on the true prefix (row j
-    predicts prompt token j + 1). small covers those rows, large (an oracle's) every row."""
-    first = _first_row(r)
-    n = r.prompt_len - 1 - first
+def _levels(r: Live, small: Extension, large: torch.Tensor | None, lo: int) -> list[int]:
+    """The level of each row of r's prompt head in a window starting at row `lo`: what r's
+    router decides from M_S's state on the true prefix (row j predicts prompt token j + 1).
+    small covers the window's rows, large (an oracle's logits) too."""
+    n = small.logits.shape[0]
     ctx = StepContext(
         small_logits=small.logits,  # [n, V]
         hidden=small.hidden if r.router.hidden_layer is not None else None,  # [n, d]
-        large_logits=large.logits[first:] if large is not None else None,  # [n, V]
+        large_logits=large,  # [n, V] or None
         drafts=torch.zeros(n, dtype=torch.long),
-        uniforms=uniforms([r.seed] * n, range(first + 1, first + n + 1), Stream.ROUTER)[:, 0],  # position j + 1
+        uniforms=uniforms([r.seed] * n, range(lo + 1, lo + n + 1), Stream.ROUTER)[:, 0],  # position j + 1
     )
     scores = r.router.scores(ctx)  # [n]
     if scores.shape != (n,):
@@ -233,32 +341,6 @@ def _levels(r: Live, small: Extension, large: Extension | None) -> list[int]:
     (values,) = to_host(scores)
     # level = how many of the request's thresholds (host floats, ascending) the score reaches
     return [sum(v >= t for t in r.thresholds) for v in values]
-
-
-def _entries(
-    r: Live, levels: list[int], scored: dict[int, tuple[list[int], Scored]], texts: TokenTexts, decode: Callable
-) -> None:
-    """r.prompt_scores from the scored rows of every level."""
-    prompt = r.request.prompt_ids
-    text, offsets = prompt_offsets(prompt, texts, decode)
-
-    entry = texts.logprob
-
-    rows: dict[int, TokenLogprobs] = {}
-    for rows_l, s in scored.values():
-        target, top_ids, top = s.target.tolist(), s.top_ids.tolist(), s.top.tolist()
-        for n, j in enumerate(rows_l):
-            rows[j] = TokenLogprobs(
-                chosen=entry(prompt[j + 1], target[n]),
-                top=tuple(entry(i, v) for i, v in zip(top_ids[n], top[n])),
-                text_offset=offsets[j + 1],
-            )
-    first = _first_row(r) if len(prompt) > 1 else 0
-    if len(rows) != len(prompt) - 1 - first:
-        raise RuntimeError(f"{len(prompt) - 1 - first - len(rows)} prompt rows of {r.request_id!r} were not scored")
-    unscored = [None] * (first + 1)  # the first token, and those before prompt_logprobs_from
-    logprobs = [*unscored, *(rows[j] for j in range(first, len(prompt) - 1))]
-    r.prompt_scores = PromptScores(logprobs, [*unscored, *levels], text)
 
 
 def prompt_offsets(prompt: Sequence[int], texts: TokenTexts, decode: Callable) -> tuple[str, list[int]]:
@@ -272,8 +354,15 @@ def prompt_offsets(prompt: Sequence[int], texts: TokenTexts, decode: Callable) -
         exact = joined.decode("utf-8") == text
     except UnicodeDecodeError:
         exact = False
-    if not exact:  # the decoder adds or drops text (spaces, special tokens): decode each prefix
+    if not exact and len(prompt) <= EXACT_OFFSETS:  # the decoder adds or drops text: decode each prefix
         return text, [len(decode(list(prompt[:i])).rstrip("\ufffd")) for i in range(len(prompt))]
+    if not exact:  # a long prompt: what token i adds to the text decoded from OFFSET_WINDOW tokens before it
+        offsets, at = [0], 0
+        for i in range(1, len(prompt)):
+            window = list(prompt[max(0, i - OFFSET_WINDOW) : i])
+            at += len(decode(window).rstrip("\ufffd")) - len(decode(window[:-1]).rstrip("\ufffd"))
+            offsets.append(at)
+        return text, offsets
     offsets, chars, at = [], 0, 0  # chars: characters that start in joined[:at]
     for piece in raw:
         inside = at < len(joined) and (joined[at] & 0xC0) == 0x80  # a continuation byte: mid-character

@@ -109,6 +109,8 @@ class Live:
     # on_large_failure = "fail", or whatever handling this one request raised (isolation.py)
     failure: Exception | None = None
     prompt_scores: PromptScores | None = None  # when the request asks for prompt logprobs
+    # a prompt being scored (prompt.ScoringProgress), over several steps where chunked; None otherwise
+    scoring: object | None = None
     prompt_len: int = field(init=False)  # len(request.prompt_ids), read several times a step
     verifies: bool = field(init=False)  # request.routing.verification is not NONE (read every step)
     penalized: bool = field(init=False)  # request.sampling has penalties (read at every draw)

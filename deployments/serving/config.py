@@ -216,6 +216,14 @@ class LimitsConfig(_Config):
         description="token ids of all the prompts of one /v1/completions request together (a batch of text "
         "prompts is bounded by max_prompt_chars for all of them together)",
     )
+    max_answer_bytes: int = Field(
+        64 << 20,
+        ge=1,
+        description="an answer's size, estimated before any work from what the request asks (choices x "
+        "max_tokens, and an echoed prompt, x a token's bytes with its top_logprobs; deployments/serving/sizes.py): "
+        "a 400 naming the fields above it. The Ingress holds a unary answer whole, and every answer crosses "
+        "Serve's channels as a few messages: this keeps them well under max_message_bytes",
+    )
     max_stop: int = Field(4, ge=0, description="stop strings per request (OpenAI allows 4)")
     max_stop_chars: int = Field(64, ge=1, description="characters of one stop string")
     max_concurrent_per_client: int | None = Field(
@@ -334,6 +342,16 @@ class AppArgs(_Config):
         "streams from SmallModel): 'grpc', Serve's direct replica-to-replica gRPC "
         "(`_by_reference=False`, pickled; about 1 ms less per call), or 'actor', Ray actor calls",
     )
+    max_message_bytes: int = Field(
+        256 << 20,
+        ge=4 << 20,
+        le=(2 << 30) - 1,
+        description="the largest message Serve's gRPC channels between this app's replicas accept "
+        "(RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH in every replica's runtime_env; Serve's default, 4 MiB, "
+        "failed answers within the documented limits: n=32 x 100 tokens x top_logprobs 20 is 4.95 MB, a "
+        "scored 8,000-token prompt's result 4.4 MB). The proxy reads the same variable from its node's "
+        "environment (serve_cli.SERVE_PATH_ENV, cluster.yaml): keep both at least 2 x limits.max_answer_bytes",
+    )
     engine_factory: str | None = Field(
         None,
         description="'module:callable' that builds the SmallModel's engine instead of BackoffEngine (same "
@@ -354,6 +372,16 @@ class AppArgs(_Config):
             raise ValueError(
                 f"admission.max_live_requests + max_waiting_requests ({carried}) must stay below "
                 f"small.max_ongoing_requests ({self.small.max_ongoing_requests})"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _answers_fit_messages(self) -> "AppArgs":
+        # a result is pickled (larger than its JSON) and the unary body is one message
+        if 2 * self.limits.max_answer_bytes > self.max_message_bytes:
+            raise ValueError(
+                f"limits.max_answer_bytes ({self.limits.max_answer_bytes}) must be at most half of "
+                f"max_message_bytes ({self.max_message_bytes})"
             )
         return self
 

@@ -96,8 +96,20 @@ def error_item(exc: Exception, admitted: bool, request_id: str = "") -> Rejected
     if admitted:  # this request's own failure; the others go on
         log.warning("request %s failed: %s: %s", request_id, type(exc).__name__, exc, exc_info=exc)
     else:
-        log.error("admission failed", exc_info=exc)
-    return Failed(f"{type(exc).__name__}: {exc}")
+        log.error("request %s: admission failed", request_id or "?", exc_info=exc)
+    # the exception's text (a gRPC status string, a repr) is for the server's log, not the client
+    return Failed(internal_message(request_id), code="internal_error")
+
+
+def internal_message(request_id: str = "") -> str:
+    """What a client is told of a failure inside the server: no exception text (that goes to
+    the log, under the request id the message names)."""
+    where = f" (request {request_id}: the server's log has the detail)" if request_id else ""
+    return f"the server failed while handling this request{where}; retrying may work"
+
+
+def _id(request) -> str:
+    return str(getattr(request, "request_id", "") or "")
 
 
 def _deliver(items: list[tuple[_Sink, object]]) -> None:
@@ -207,7 +219,7 @@ class EngineLoop(Generic[Policy]):
             try:
                 ready.append((request, sink, self.admit(request, policy)))
             except Exception as exc:  # noqa: BLE001 - its prompt or settings (a ValueError): this one alone
-                sink.put(error_item(exc, admitted=False))
+                sink.put(error_item(exc, admitted=False, request_id=_id(request)))
         submit_many = getattr(self.engine, "submit_many", None)  # a stand-in engine may have submit alone
         if len(ready) > 1 and submit_many is not None:
             try:
@@ -215,8 +227,8 @@ class EngineLoop(Generic[Policy]):
             except ValueError:  # one of them is refused: find out which, one by one
                 pass
             except Exception as exc:  # noqa: BLE001 - no request's fault (a model down, KV full): all alike
-                for _, sink, _ in ready:
-                    sink.put(error_item(exc, admitted=False))
+                for request, sink, _ in ready:
+                    sink.put(error_item(exc, admitted=False, request_id=_id(request)))
                 return
             else:
                 for (request, sink, generation), request_id in zip(ready, ids):
@@ -234,7 +246,7 @@ class EngineLoop(Generic[Policy]):
         try:
             request_id = self.engine.submit(generation)
         except Exception as exc:  # noqa: BLE001 - reported to the caller, the loop goes on
-            sink.put(error_item(exc, admitted=False))
+            sink.put(error_item(exc, admitted=False, request_id=_id(request)))
             return
         self._admitted(request, sink, generation, request_id)
 

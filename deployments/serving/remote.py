@@ -70,6 +70,11 @@ class _RemoteSession(Session):
 
 _epochs = itertools.count()
 
+# a reply of full logits ([k, V] float32) at most this large: an extend that wants every row's
+# logits (an oracle scoring a prompt) asks for max_logit_rows rows a call (engine/prompt.py);
+# half of Serve's default 4 MiB message cap, so it holds where a node's cap was not raised
+LOGIT_REPLY_BYTES = 2 << 20
+
 
 class RemoteLarge(SessionTable[_RemoteSession]):
     def __init__(
@@ -86,6 +91,7 @@ class RemoteLarge(SessionTable[_RemoteSession]):
         self.endpoint = endpoint
         self.name = name
         self.vocab_size = vocab_size
+        self.max_logit_rows = max(1, LOGIT_REPLY_BYTES // (4 * vocab_size))  # 10 at V = 49152
         self.timeout_s = timeout_s  # replaced by reconfigure; read once per step
         self.owner = owner
         self.create_retries = create_retries

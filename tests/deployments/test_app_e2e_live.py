@@ -98,12 +98,13 @@ def test_a_request_failing_in_the_step_loop_ends_alone_beside_live_streams(serve
         outs, (unary, sse, grpc_failure), alive = asyncio.run(main())
     finally:
         _router_config(served, inject_fault_seed=None)
-    says = "InjectedFault: injected fault"
+    says, hidden = "the server failed while handling this request (request cmpl-", "InjectedFault"  # detail: the log's
     assert unary.status_code == 500 and unary.headers["content-type"] == "application/json", unary.text
     assert says in unary.json()["error"]["message"] and unary.json()["error"]["type"] == "server_error"
     events = [line[len("data: ") :] for line in sse.text.splitlines() if line.startswith("data: ")]
     assert sse.status_code == 200 and events[-1] == "[DONE]" and says in json.loads(events[-2])["error"]["message"]
     assert isinstance(grpc_failure, ServerError) and grpc_failure.status == "INTERNAL" and says in grpc_failure.message
+    assert hidden not in unary.text + sse.text + grpc_failure.message
     assert alive == [True, True]
     for prompt, deltas in zip(prompts, outs):
         ref = reference(local, prompt, n)

@@ -1,5 +1,6 @@
 """The application of the bad-input and access modules (tests/deployments/test_app_input.py,
-test_app_input_fuzz.py, test_app_input_access.py), and the calls they make to it.
+test_app_input_fuzz.py, test_app_input_access.py; test_app_input_sizes.py adds a second
+application beside it), and the calls they make to it.
 
 Deployed by `backoff serve` from the packaged config with API keys (one in the args, one
 through an environment variable) and small limits, with Ray's dashboard (what `serve status`
@@ -45,7 +46,7 @@ CLIENT_CODES = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.Statu
 # hundred tokens stays open for seconds: the per-client limit test holds two of them
 MODELS = {**TINY_PAIR, "large": functools.partial(tiny_model, 2, hidden=512, layers=8)}
 W = "w3 w4 w5"  # a prompt of three tiny-vocabulary words
-SHARED_KEY = "input"  # the modules' SHARED_APP: one deploy serves the three of them, one after another
+SHARED_KEY = "input"  # the modules' SHARED_APP: one deploy serves the four of them, one after another
 
 
 def _edit(config: dict, dirs) -> None:

@@ -272,9 +272,13 @@ def test_a_chain_of_three_adds_one_large_like_deployment():
 
     names = sorted(d.name for d in materialize(app, name="x").deployments)
     assert names == ["Ingress", "LargeModel", "MediumModel1", "SmallModel"]
-    small = next(d for d in materialize(app, name="x").deployments if d.name == "SmallModel")
-    # its step thread's blocking catch-up calls need the handle router on a loop of its own
-    assert small.ray_actor_options["runtime_env"]["env_vars"] == {"RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1"}
+    deployments = {d.name: d for d in materialize(app, name="x").deployments}
+    # its step thread's blocking catch-up calls need the handle router on a loop of its own;
+    # every replica takes messages up to max_message_bytes on Serve's gRPC channels
+    cap = {"RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(256 << 20)}
+    small = deployments.pop("SmallModel")
+    assert small.ray_actor_options["runtime_env"]["env_vars"] == {"RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "1", **cap}
+    assert all(d.ray_actor_options["runtime_env"]["env_vars"] == cap for d in deployments.values())
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from backoff_core.types import GenerationResult, TokenEvent, Verification
 from deployments.serving.batcher import CatchUpBatcher
 from deployments.serving.catchup_wire import CatchUpCall
 from deployments.serving.config import RoutingConfig
-from deployments.serving.engine_loop import Admitted, EngineLoop, Failed, Rejected, error_item
+from deployments.serving.engine_loop import Admitted, EngineLoop, Failed, Rejected, error_item, internal_message
 from deployments.serving.requests import RoutingOverrides, ServeRequest, generation_request
 from tests.support.helpers import engine_for, request
 from tests.support.remote_fakes import Dead, FakeEndpoint, remote_engine
@@ -288,14 +288,18 @@ def test_requests_that_arrive_together_are_admitted_together_and_refused_one_by_
 @pytest.mark.parametrize(
     "exc, at_admission, once_admitted",
     [
-        (ValueError("bad prompt"), Rejected("bad prompt"), Failed("ValueError: bad prompt")),
+        (ValueError("bad prompt"), Rejected("bad prompt"), Failed(internal_message("r1"), code="internal_error")),
         (
             KVCapacityError("no slot"),
             Failed("no slot", unavailable=True, code="kv_capacity"),
             Failed("no slot", unavailable=True, code="kv_capacity"),
         ),
         (LargeUnavailable("M_L down"), Failed("M_L down", unavailable=True), Failed("M_L down", unavailable=True)),
-        (RuntimeError("boom"), Failed("RuntimeError: boom"), Failed("RuntimeError: boom")),
+        (
+            RuntimeError("boom: <AioRpcError RESOURCE_EXHAUSTED>"),
+            Failed(internal_message(), code="internal_error"),
+            Failed(internal_message("r1"), code="internal_error"),
+        ),
     ],
 )
 def test_one_mapping_of_errors_to_items_for_a_refusal_and_a_failure(exc, at_admission, once_admitted):
@@ -303,6 +307,8 @@ def test_one_mapping_of_errors_to_items_for_a_refusal_and_a_failure(exc, at_admi
     item, but for a ValueError, which is the client's only before admission."""
     assert error_item(exc, admitted=False) == at_admission
     assert error_item(exc, admitted=True, request_id="r1") == once_admitted
+    # a failure's message is written for the client: no exception text (that is logged)
+    assert "boom" not in error_item(exc, admitted=True, request_id="r1").message
 
 
 def test_engine_loop_cancel_frees_the_request(pair, tokenizer):

@@ -197,3 +197,28 @@ def test_a_large_model_that_cannot_score_the_prompt_fails_the_request_as_unavail
     finally:
         loop.stop()
     assert isinstance(failed, Failed) and failed.unavailable
+
+
+def test_an_oracle_scores_a_long_prompt_with_bounded_replies(pair, tokenizer, loop_thread):
+    """Oracle echo scoring of a 200-token prompt over RemoteLarge: M_L's full logits (the
+    oracle's KL needs every row's) come back max_logit_rows rows a call (2 MiB of float32 at
+    most; 10 rows at V = 49152), chunked at 128 rows a step or not, and equal the in-process
+    scores."""
+    prompt = tuple((7 * i + 3) % 40 + 2 for i in range(200))
+    sampling = SamplingParams(max_tokens=0, prompt_logprobs=5, seed=1)
+    request = GenerationRequest(prompt, sampling, RoutingParams(router="oracle", thresholds=(5.0,)))
+    local = engine_for(pair, tokenizer).generate(request)
+    assert {0, 1} <= set(local.prompt_sources[1:])
+    for chunk in (0, 128):
+        endpoint = FakeEndpoint(pair[1], loop_thread)
+        engine, remote = remote_engine(pair, tokenizer, endpoint)
+        engine.prefill_chunk_tokens = chunk
+        assert remote.max_logit_rows * 4 * remote.vocab_size <= 2 << 20
+        remote.max_logit_rows = 7  # the tiny vocabulary would allow thousands
+        out = engine.generate(request)
+        assert out.prompt_sources == local.prompt_sources
+        got = [e and (e.chosen.logprob, *[t.logprob for t in e.top]) for e in out.prompt_logprobs]
+        want = [e and (e.chosen.logprob, *[t.logprob for t in e.top]) for e in local.prompt_logprobs]
+        assert got == [w and pytest.approx(w, abs=1e-4) for w in want]
+        full = [len(c.ids) for c in endpoint.calls if not c.last_only]
+        assert max(full) <= 7 and sum(full) == len(prompt) - 1
