@@ -270,12 +270,30 @@ def apply_overrides(config: dict, args: argparse.Namespace) -> dict:
     return config
 
 
+def start_serve(config: dict) -> None:
+    """Serve's controller and proxies on the Ray this process is connected to, with the
+    config's cluster-wide options, its top-level logging_config included: `serve run` hands
+    that to neither (its proxies would log an access line per request, whatever the config
+    says). Where Serve already runs it keeps its options; without Ray, `serve run` starts both."""
+    import ray
+    from ray import serve
+
+    if ray.is_initialized():
+        serve.start(
+            proxy_location=config.get("proxy_location"),
+            http_options=config.get("http_options"),
+            grpc_options=config.get("grpc_options"),
+            logging_config=config.get("logging_config"),
+        )
+
+
 def run_config(config: dict, blocking: bool = True) -> None:
     """`serve run` of this config, in this process (on the Ray this process is connected to,
     else one `serve run` starts)."""
     from ray.serve.scripts import cli  # Ray only when something is deployed
 
     local_serve_env()  # used if `serve run` starts a local Ray
+    start_serve(config)
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="backoff-serve-", delete=False) as f:
         yaml.safe_dump(config, f, sort_keys=False)
     argv = ["run", f.name] + ([] if blocking else ["--non-blocking"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 import uuid
 from pathlib import Path
@@ -262,3 +263,39 @@ def test_a_refused_grpc_stream_logs_one_warning_line(served):
     assert not any("Traceback" in t for t in text.values()), {
         str(p): t[-2000:] for p, t in text.items() if "Traceback" in t
     }
+
+
+def test_a_served_request_is_one_info_line_and_serve_logs_no_access_line(served):
+    """Issue 57, item 8: by default one line per request, the Ingress's (its id, tokens, backoff
+    rate, latency), unary or streamed; Serve's access lines (the proxy's per request, a
+    replica's per call: `METHOD ROUTE STATUS 1.2ms`) are off (serve_config.yaml's logging_config)."""
+    logs = Path(ray._private.worker.global_worker.node.get_logs_dir_path())
+    before = {p: p.stat().st_size for p in logs.rglob("*.log") if p.is_file()}
+    ids = []
+    for stream in (False, True):
+        body = {"prompt": W, "max_tokens": 3, "ignore_eos": True, "router": "always-large", "stream": stream}
+        response = post(served, body)
+        assert response.status_code == 200, response.text
+        first = response.text.split("\n")[0].removeprefix("data: ") if stream else response.text
+        ids.append(json.loads(first)["id"])
+
+    def new_lines() -> list[str]:
+        out = []
+        for path in (p for p in logs.rglob("*.log") if p.is_file()):
+            with open(path, "rb") as f:
+                f.seek(before.get(path, 0))
+                out += f.read().decode("utf-8", "replace").splitlines()
+        return out
+
+    deadline = time.monotonic() + 30
+    while not all(any(i in line for line in new_lines()) for i in ids) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    time.sleep(1.0)  # an access line would come within this
+    lines = new_lines()
+    for request_id in ids:
+        mine = [line for line in lines if request_id in line]
+        assert len(mine) == 1 and mine[0].startswith("INFO") and "3 generated tokens, backoff rate 0.00" in mine[0], (
+            mine
+        )
+    access = [line for line in lines if re.search(r"\b(GET|POST|CALL) \S+ \S+ \d+\.\dms$", line)]
+    assert not access, access[:5]
