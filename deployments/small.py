@@ -277,7 +277,7 @@ class SmallModel:
             flights=getattr(getattr(self.loop.engine, "flights", None), "launched", 0),
             launched_ahead=_launched_ahead(self.loop.engine),
             gc=self.gc.stats(),
-            context_window=self.loop.engine.context_window,
+            context_window=getattr(self.loop.engine, "context_window", None),  # an engine_factory's may have none
         )
 
     def _start_renewals(self) -> None:
@@ -303,7 +303,8 @@ class SmallModel:
             ids = encode_prompt(self.tokenizer, request.prompt)
         else:
             ids = list(request.prompt_ids)
-        ids = truncated(ids, request.truncate_prompt_tokens, self.loop.engine.context_window)  # before the limit
+        if request.truncate_prompt_tokens is not None:  # before the limit, as vLLM truncates
+            ids = truncated(ids, request.truncate_prompt_tokens, getattr(self.loop.engine, "context_window", None))
         limit = self.args.limits.max_prompt_tokens
         if limit is not None and len(ids) > limit:
             raise ValueError(f"the prompt is {len(ids)} tokens; the limit is {limit} (limits.max_prompt_tokens)")
