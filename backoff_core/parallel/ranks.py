@@ -49,6 +49,10 @@ class RankFailure(LargeUnavailable):
 class TensorParallelRunner:
     """The runner of rank 0, its calls mirrored on ranks 1..N-1 (module docstring)."""
 
+    # ids reach the other ranks as host lists over their pipes: no extend(on_device=...), so
+    # the engine never launches M_S's step ahead over a split model (engine/ahead.py)
+    extends_on_device = False
+
     def __init__(self, model, spec: RankSpec) -> None:
         layout(model.config, spec.name, spec.size)  # refuse a size that cannot split the heads now
         self.spec = spec

@@ -1,0 +1,126 @@
+"""The app under real Ray Serve with M_L over two tensor-parallel ranks, and one rank killed.
+
+    python -m benchmarks.tensor_parallel_served   # -> benchmarks/results/tensor_parallel_served.json
+
+The tiny pair of the Serve tests (tests/support/served_app.py: M_L 4 heads / 2 KV heads) on
+the loopback config, one replica of each deployment, `models.tensor_parallel.large: 2`, in a
+fresh local Ray. Records: how long the app took to start; for three greedy prompts whether
+the served tokens and sources equal the in-process engine's (M_L at TP=1); then three
+200-token requests in flight while the LargeModel's rank process (a child of its replica) is
+killed with SIGKILL: whether each completed, its tokens, whether it was degraded, and when a
+new request was answered (Serve starting a new replica with its ranks). A run of the real
+path the tests cover on the Serve fakes (tests/deployments/test_large_tensor_parallel.py),
+kept out of the suite for its start-up (minutes on two cores); a 2-core machine's times.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from clients.http_client import BackoffHTTPClient
+from tests.support.e2e_app import reference
+from tests.support.served_app import in_process_engine, running_app
+
+OUT = Path("benchmarks/results/tensor_parallel_served.json")
+PROMPTS = ([5, 9, 13, 2], [7, 8], [11, 12, 13])
+ROUTING = dict(temperature=0, router="entropy", backoff_threshold=0.5)
+
+
+def tensor_parallel_two(config: dict, dirs) -> None:
+    config["applications"][0]["args"]["models"]["tensor_parallel"] = {"large": 2}
+
+
+def rank_processes() -> tuple[int, list[int]]:
+    """The LargeModel replica's pid and its rank processes (children running spawn_main)."""
+    from ray import serve
+
+    replica = serve.get_deployment_handle("LargeModel", app_name="backoff").info.remote().result().pid
+
+    def parent(pid: str) -> int:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+    children = [int(p) for p in os.listdir("/proc") if p.isdigit() and _is_child(p, replica, parent)]
+    return replica, children
+
+
+def _is_child(pid: str, replica: int, parent) -> bool:
+    try:
+        return parent(pid) == replica and b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:  # gone meanwhile
+        return False
+
+
+def equal_to_in_process(http, local) -> list[dict]:
+    rows = []
+    for prompt in PROMPTS:
+        ref = reference(local, prompt, 24, router="entropy", thresholds=(0.5,))
+        out = http.complete(prompt, max_tokens=24, ignore_eos=True, **ROUTING)
+        same = (out.token_ids, out.sources) == (list(ref.token_ids), list(ref.sources))
+        rows.append({"prompt": prompt, "equal": same, "large_calls": out.usage.large_calls})
+    return rows
+
+
+def kill_a_rank_mid_stream(http) -> dict:
+    results: dict[int, dict] = {}
+
+    def request(i: int, prompt: list[int]) -> None:
+        start = time.monotonic()
+        try:
+            out = http.complete(prompt, max_tokens=200, ignore_eos=True, **ROUTING)
+            results[i] = {"completed": True, "tokens": len(out.token_ids), "degraded": out.usage.degraded}
+        except Exception as exc:  # noqa: BLE001 - recorded: a lost request is what this looks for
+            results[i] = {"completed": False, "error": repr(exc)[:300]}
+        results[i]["seconds"] = round(time.monotonic() - start, 1)
+
+    replica, ranks = rank_processes()
+    threads = [threading.Thread(target=request, args=(i, p)) for i, p in enumerate(PROMPTS)]
+    for t in threads:
+        t.start()
+    time.sleep(3)  # the requests are in their catch-ups
+    os.kill(ranks[0], signal.SIGKILL)
+    killed = time.monotonic()
+    for t in threads:
+        t.join(600)
+    done = time.monotonic() - killed
+    out = http.complete(list(PROMPTS[0]), max_tokens=24, ignore_eos=True, **ROUTING)
+    return {
+        "replica_pid": replica,
+        "rank_pids": ranks,
+        "requests": [results[i] for i in range(len(PROMPTS))],
+        "in_flight_finished_s_after_kill": round(done, 1),
+        "new_request_answered_s_after_kill": round(time.monotonic() - killed, 1),
+        "new_request_tokens": len(out.token_ids),
+        "lost": sum(not r["completed"] for r in results.values()),
+    }
+
+
+def main() -> None:
+    start, load = time.monotonic(), os.getloadavg()[0]
+    with tempfile.TemporaryDirectory() as root, running_app(Path(root), edit=tensor_parallel_two) as app:
+        up = time.monotonic() - start
+        local = in_process_engine(app.model_dirs["small"], app.model_dirs["large"])
+        with BackoffHTTPClient(app.url) as http:
+            equal = equal_to_in_process(http, local)
+            killed = kill_a_rank_mid_stream(http)
+    out = {
+        "machine": f"{os.cpu_count()}-core CPU, no GPU; a fresh local Ray",
+        "load_average_at_start": round(load, 2),
+        "load_average_at_end": round(os.getloadavg()[0], 2),
+        "tensor_parallel": {"large": 2},
+        "app_up_s": round(up, 1),
+        "greedy_equal_to_in_process_tp1": equal,
+        "rank_killed": killed,
+    }
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(json.dumps(out, indent=2) + "\n")
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
