@@ -34,7 +34,7 @@ import torch
 import torch.multiprocessing as mp
 
 from backoff_core.engine.backends import LargeUnavailable
-from backoff_core.parallel.sharding import Collectives, layout, shard
+from backoff_core.parallel.sharding import Collectives, layout, shards
 from backoff_core.parallel.worker import RankSpec, group, runner, serve_rank
 from backoff_core.runners.factory import make_runner
 from backoff_core.types import KVSpec, PrefixCacheSpec
@@ -61,17 +61,18 @@ class TensorParallelRunner:
         ctx = mp.get_context("spawn")
         port = _free_port()
         self._conns, self._procs = [], []
-        for rank in range(1, spec.size):
+        for _ in range(1, spec.size):
             here, there = ctx.Pipe()
-            proc = ctx.Process(
-                target=serve_rank, args=(spec, shard(model, spec.name, rank, spec.size, spec.head), port, there)
-            )
-            proc.daemon = True
+            proc = ctx.Process(target=serve_rank, args=(spec, port, there), daemon=True)
             proc.start()
             self._conns.append(here)
             self._procs.append(proc)
-        piece = shard(model, spec.name, 0, spec.size, spec.head)
-        self._answers("start-up")  # every rank imported what it needs (a broken import fails here, not at a timeout)
+        pieces = shards(model, spec.name, spec.size, spec.head)
+        piece = next(pieces)  # rank 0's
+        for conn, other in zip(self._conns, pieces):  # in shared memory; held here until received
+            conn.send(other.packed())
+            del other
+        self._answers("start-up")  # every rank has its shard (a broken import fails here, not at a timeout)
         self.comm = Collectives(group(spec, 0, port), 0, spec.size)
         self.runner = runner(spec, piece, self.comm)  # the ranks build theirs (and warm up) with it
         del piece

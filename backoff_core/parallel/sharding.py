@@ -33,6 +33,7 @@ from __future__ import annotations
 import copy
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -212,25 +213,70 @@ class Shard:
     state: dict[str, torch.Tensor]
     head: str = "vocab"  # "vocab": split by vocabulary; "rank0": whole on rank 0, skipped elsewhere
 
+    def packed(self) -> "Packed":
+        """For the pipe to a rank process: the tensors as one flat buffer per dtype, so that
+        crossing in shared memory takes one file descriptor per dtype, not one per tensor (an
+        80-layer model has ~720 tensors a rank; many systems limit a process to 1024 descriptors)."""
+        flats, index = {}, []
+        for dtype in sorted({t.dtype for t in self.state.values()}, key=str):
+            names = [k for k, t in self.state.items() if t.dtype == dtype]
+            flats[dtype] = torch.cat([self.state[k].reshape(-1) for k in names])
+            offset = 0
+            for k in names:
+                index.append((k, dtype, offset, tuple(self.state[k].shape)))
+                offset += self.state[k].numel()
+        return Packed(self.rank, self.layout, self.vocab, self.config, flats, tuple(index), self.head)
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A Shard as one buffer per dtype and where each tensor lies in it."""
+
+    rank: int
+    layout: HeadLayout
+    vocab: int
+    config: object
+    flats: dict[torch.dtype, torch.Tensor]
+    index: tuple[tuple[str, torch.dtype, int, tuple[int, ...]], ...]  # (name, dtype, offset, shape)
+    head: str
+
+    def unpack(self) -> Shard:
+        state = {k: self.flats[d][o : o + math.prod(s)].view(s) for k, d, o, s in self.index}
+        return Shard(self.rank, self.layout, self.vocab, self.config, state, self.head)
+
 
 HEADS = ("vocab", "rank0")
 
 
-def shard(model, name: str, rank: int, size: int, head: str = "vocab") -> Shard:
-    """Rank `rank`'s shard of a model (dense, or on oneDNN kernels: kernels.py)."""
+def shards(model, name: str, size: int, head: str = "vocab") -> Iterator[Shard]:
+    """Each rank's shard of a model (dense, or on oneDNN kernels: kernels.py), rank 0 first,
+    one at a time: the caller sends each on before the next is cut (peak: the model and the
+    shards not yet received)."""
     from backoff_core.models.kernels import dense_state_dict
 
     lay = layout(model.config, name, size)
-    vocab = int(model.get_output_embeddings().weight.shape[0])
-    dense = dense_state_dict(model)  # a model on oneDNN kernels: its dense tensors
-    dense.setdefault("lm_head.weight", dense["model.embed_tokens.weight"])  # tied: the head gets its own rows
     if head not in HEADS:
         raise ValueError(f"{name}: unknown LM head split {head!r}; choose one of {HEADS}")
-    whole = dense.pop("lm_head.weight") if head == "rank0" else None
-    state = {k: _piece(k, v, lay, rank, vocab) for k, v in dense.items()}
-    if whole is not None:  # rank 0 holds it all; the others a placeholder row
-        state["lm_head.weight"] = whole.detach().clone() if rank == 0 else whole.new_zeros(1, whole.shape[1])
-    return Shard(rank, lay, vocab, _shard_config(model.config, lay), state, head)
+    vocab = int(model.get_output_embeddings().weight.shape[0])
+    dense = dense_state_dict(model)  # once: on oneDNN kernels, the dense copies
+    dense.setdefault("lm_head.weight", dense["model.embed_tokens.weight"])  # tied: the head gets its own rows
+    config = _shard_config(model.config, lay)
+    for rank in range(size):
+        yield Shard(rank, lay, vocab, config, _state(dense, lay, rank, vocab, head), head)
+
+
+def shard(model, name: str, rank: int, size: int, head: str = "vocab") -> Shard:
+    """Rank `rank`'s shard alone (tests, plans)."""
+    return next(s for s in shards(model, name, size, head) if s.rank == rank)
+
+
+def _state(dense: dict[str, torch.Tensor], lay: HeadLayout, rank: int, vocab: int, head: str) -> dict:
+    if head == "vocab":
+        return {k: _piece(k, v, lay, rank, vocab) for k, v in dense.items()}
+    whole = dense["lm_head.weight"]  # "rank0": rank 0 holds it all, the others a placeholder row
+    state = {k: _piece(k, v, lay, rank, vocab) for k, v in dense.items() if k != "lm_head.weight"}
+    state["lm_head.weight"] = whole.detach().clone() if rank == 0 else whole.new_zeros(1, whole.shape[1])
+    return state
 
 
 def _shard_config(config, lay: HeadLayout):

@@ -52,11 +52,13 @@ def runner(spec: RankSpec, piece: Shard, comm: Collectives):
     return make_runner(model, spec.name, kv, spec.small, spec.classifier_path, spec.prefix_cache)
 
 
-def serve_rank(spec: RankSpec, piece: Shard, port: int, conn) -> None:
-    """Rank r >= 1: build the runner, then run each call rank 0 sends until told to stop."""
+def serve_rank(spec: RankSpec, port: int, conn) -> None:
+    """Rank r >= 1: receive its shard, build the runner, then run each call rank 0 sends until
+    told to stop."""
     torch.set_num_threads(spec.threads)
     from backoff_core.runners.factory import make_runner  # noqa: F401 - imported before the group forms
 
+    piece: Shard = conn.recv().unpack()
     conn.send(("ready", None))
     comm = Collectives(group(spec, piece.rank, port), piece.rank, spec.size)
     rank_runner = runner(spec, piece, comm)

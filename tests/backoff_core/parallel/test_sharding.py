@@ -85,3 +85,11 @@ def test_an_uneven_vocabulary_pads_the_last_ranks_head_with_zeros():
     pieces = [shard(model, "large", r, 3).state["lm_head.weight"] for r in range(3)]
     assert [p.shape[0] for p in pieces] == [16, 16, 16]
     assert torch.equal(torch.cat(pieces)[:47], head) and not pieces[2][15].any()
+
+
+def test_a_shard_packs_into_one_buffer_a_dtype_and_back():
+    piece = shard(tiny_model(1), "large", 1, 2)
+    packed = piece.packed()
+    assert list(packed.flats) == [torch.float32] and len(packed.index) == len(piece.state)
+    back = packed.unpack().state
+    assert back.keys() == piece.state.keys() and all(torch.equal(back[k], piece.state[k]) for k in back)
