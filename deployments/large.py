@@ -91,6 +91,8 @@ class LargeInfo:
     kv_refused: int = 0  # new sessions refused for want of room
     node: str = ""  # the Ray node the replica runs on
     gc: GCStats | None = None  # the collector's pauses since load (Ray Serve's freeze included) and the heap frozen
+    tensor_parallel: int = 1  # ranks M_L is split over (backoff_core/parallel)
+    collective_s: float = 0.0  # rank 0's time in the ranks' all-reduces and gathers since load
 
 
 class _Registration:
@@ -193,6 +195,8 @@ class LargeModel:
             kv_refused=s.refused,
             node=ray.get_runtime_context().get_node_id(),
             gc=self.gc.stats(),
+            tensor_parallel=self.runner.spec.size if hasattr(self.runner, "comm") else 1,
+            collective_s=self.runner.comm.seconds if hasattr(self.runner, "comm") else 0.0,
         )
 
     def _start_sweeper(self) -> None:

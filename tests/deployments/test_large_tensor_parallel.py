@@ -75,6 +75,8 @@ def test_served_greedy_tokens_through_a_tp3_large_equal_tp1(serve):
     want, got = _served(small1, requests), _served(small3, requests)
     assert got == want and all(len(t) == 16 for t in got)
     assert large3.batcher.stats.forward_passes > 0 and large3.runner.comm.calls > 0  # M_L was asked, over 3 ranks
+    info = large3.info()
+    assert info.tensor_parallel == 3 and info.collective_s > 0
 
 
 def test_a_rank_killed_mid_stream_loses_the_replica_not_a_request(serve, monkeypatch):

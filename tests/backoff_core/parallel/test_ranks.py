@@ -168,3 +168,20 @@ def test_a_rank_killed_between_calls_fails_the_next_one_at_once(tp2):
         tp2.extend([("k", [4])])
     assert time.monotonic() - start < 5 and not tp2.healthy
     tp2.close("k")  # session bookkeeping on a broken group does nothing
+
+
+def test_a_chain_with_m_s_over_two_ranks_gives_the_same_tokens(tokenizer):
+    """backoff generate --small-tp 2: M_S (its hidden states and logits) from rank 0."""
+    from backoff_core.models.loading import Chain
+    from backoff_core.parallel.ranks import engine_from_chain
+
+    chain = Chain((tiny_model(1, sharpness=30), tp_model(seed=7)), tokenizer, ("s", "l"))
+    requests = _requests(2, router="entropy", thresholds=(0.5,), rate=None)
+    want = engine_from_chain(chain, [1, 1]).generate_many(requests)
+    engine = engine_from_chain(chain, [2, 1])
+    try:
+        got = engine.generate_many(_requests(2, router="entropy", thresholds=(0.5,), rate=None))
+        assert [r.token_ids for r in got] == [r.token_ids for r in want]
+        assert [r.sources for r in got] == [r.sources for r in want] and any(1 in r.sources for r in got)
+    finally:
+        engine.models[0].shutdown()
