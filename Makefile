@@ -14,7 +14,7 @@ TEST_WORKERS ?= 3
 PYTEST := $(BIN)/python -m pytest -q --tb=short -n $(TEST_WORKERS) --dist loadscope
 # the inner loop: engine, runners, routers, sampling, the serving logic over the Ray-free fakes,
 # clients and wire types; nothing marked slow (ray, real_pair, multinode, compiles)
-FAST := tests/backoff_core/engine tests/backoff_core/runners tests/backoff_core/routing \
+FAST := tests/backoff_core/engine tests/backoff_core/runners tests/backoff_core/routing tests/backoff_core/parallel \
 	tests/backoff_core/test_sampling.py tests/backoff_core/test_types.py tests/deployments tests/clients tests/test_layout.py
 
 $(BIN)/backoff: pyproject.toml
