@@ -269,6 +269,8 @@ class BackoffEngine(LiveSettings):
         """The step with catch-ups in flight (`overlap_catch_ups`, flight.py): one that is back
         lands first, and a batched catch-up flies in stage 5 beside M_S's next steps."""
         landed = self.flights.land()
+        if any(r.scoring is not None and admission_runs_large(r) for r in self._live.values()):
+            self.flights.settle()  # stage 0 scores prompts with M_L in this thread (flight.py)
         opened = self._open()  # 0. and 1. (the landed ones' levels too: they are waiting)
         if opened is None:
             return {}
@@ -306,15 +308,9 @@ class BackoffEngine(LiveSettings):
             return None
         self.hold.tick()
         # 0. chunked prefill: at most one chunk per model toward each open feed plan (long
-        # prompts, long catch-ups); a request whose plan is still open does not step (chunked.py)
-        if scoring := [r for r in live if r.scoring is not None]:  # long prompts scored a chunk of rows a step
-            if self.flights is not None and any(map(admission_runs_large, scoring)):
-                self.flights.settle()  # M_L runs in this thread now (flight.py)
-            chunked.score(self.models, scoring, self.prefill_chunk_tokens, self.token_texts, self.prompt_text)
-        if any(r.plan for r in live):
-            chunked.feed(self.models, [r for r in live if r.plan], self.prefill_chunk_tokens, self.catch_up.give_up)
-        if scoring or any(r.plan for r in live):
-            live = [r for r in live if not (r.plan or r.scoring is not None or r.done)]
+        # prompts, long catch-ups) and one window of rows of each prompt being scored; a
+        # request whose plan is still open, or whose prompt is still scored, does not step
+        live = self._feed(live)
         # 1. levels decided without M_S. From here on, an exception while handling one request
         # ends that request alone (isolation.py). A request waiting for its batched catch-up
         # does not step either (its level is decided).
@@ -322,6 +318,17 @@ class BackoffEngine(LiveSettings):
         stepping = [r for r in live if r.request_id not in levels and r.waiting is None]
         fed = {r.request_id: r.fed[0] for r in stepping} if self.prefill_chunk_tokens else {}
         return Opened(live, levels, stepping, fed)
+
+    def _feed(self, live: list[Live]) -> list[Live]:
+        """Stage 0 (chunked.py): the requests that step after it."""
+        chunk = self.prefill_chunk_tokens
+        if scoring := [r for r in live if r.scoring is not None]:
+            chunked.score(self.models, scoring, chunk, self.token_texts, self.prompt_text)
+        if planned := [r for r in live if r.plan]:
+            chunked.feed(self.models, planned, chunk, self.catch_up.give_up)
+        if not (scoring or planned):
+            return live
+        return [r for r in live if not (r.plan or r.scoring is not None or r.done)]
 
     def _decide(
         self, stepping: list[Live], fed: dict[str, int], small: SmallOut, levels: dict[str, int], launch: Launch = None
