@@ -186,8 +186,8 @@ def _generate(client, args) -> None:
     print(result.text)
     if result.prompt_logprobs:  # echo: the prompt's first (nothing scores its first token)
         scored = [(e, s) for e, s in zip(result.prompt_logprobs, result.prompt_sources or []) if e is not None]
-        print("prompt:", file=sys.stderr)
-        _print_logprobs([e for e, _ in scored], [s for _, s in scored], result.usage)
+        print("prompt:", file=sys.stderr)  # usage counts generated tokens only: the prompt's sources name themselves
+        _print_logprobs([e for e, _ in scored], [s for _, s in scored])
         print("completion:", file=sys.stderr)
     _print_logprobs(result.logprobs or [], result.sources, result.usage)
     print(_summary(result.usage), file=sys.stderr)
