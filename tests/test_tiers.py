@@ -28,7 +28,8 @@ def test_the_modules_that_start_ray_and_only_they_are_the_ray_unit():
 
 def test_a_tests_unit_is_its_module_or_its_ray_unit():
     assert unit("tests/deployments/test_app_e2e.py::test_http_unary_and_stream") == RAY_UNIT
-    assert unit("tests/deployments/test_app_input.py::test_x[a::b-c]") == RAY_UNIT
+    assert unit("tests/deployments/test_app_input.py::test_x[a::b-c]") == FAULTS_UNIT
+    assert unit("tests/deployments/test_app_load.py::test_x") == RAY_UNIT
     assert unit("tests/deployments/test_multinode.py::test_autoscaling_follows_a_burst") == FAULTS_UNIT
     assert unit("tests/deployments/test_app_faults.py::test_x") == FAULTS_UNIT
     assert unit("tests/backoff_core/test_types.py::test_y[p]") == "tests/backoff_core/test_types.py"

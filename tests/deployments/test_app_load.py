@@ -31,7 +31,6 @@ from deployments import harness  # noqa: E402
 from tests.support.served_app import ServedApp, deploy, deployment_config, wait_until  # noqa: E402
 
 pytestmark = pytest.mark.ray  # starts a local Ray and the Serve app (slow, one at a time)
-RAY_UNIT = "ray-faults"  # kills or clocks: the Ray unit beside the answer-checking apps (tests/support/tiers.py)
 THRESHOLD = 0.4  # entropy threshold of `backoff`: both sources occur
 ALL_SMALL = 50.0  # nothing is that uncertain: every token from M_S
 RETRY_AFTER_S = 2.0  # `tight`'s Retry-After

@@ -30,7 +30,6 @@ from deployments.serve_cli import DIRECT_PORTS  # noqa: E402
 from tests.support.served_app import ServedApp, sse_then_disconnect  # noqa: E402
 
 pytestmark = pytest.mark.ray  # starts a local Ray and the Serve app (slow, one at a time)
-RAY_UNIT = "ray-faults"  # kills or clocks: the Ray unit beside the answer-checking apps (tests/support/tiers.py)
 ROOT = Path(__file__).resolve().parents[2]
 PROMPT = [3, 7, 11]
 

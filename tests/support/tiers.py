@@ -8,11 +8,12 @@ over its pytest-xdist workers.
   fixtures (a compiled model, a loaded pair, a deployed app) are built once, on one worker.
   The `ray` modules form two units, each run by one worker one module after another, so at
   most two Ray instances run at once and modules that share a deployed app stay in order:
-  `ray`, the apps whose tests check answers, and `ray-faults`, the modules that kill
-  replicas or nodes, time a degradation or an autoscaler (a module says `RAY_UNIT =
-  "ray-faults"`). Most of a Ray module's time is waiting (replicas starting, Serve's control
-  loop, timeouts), so the two units overlap well on two cores; both are handed out first,
-  and the other modules fill the workers around them (`make test` runs three).
+  `ray`, the apps whose tests check answers and admission, and `ray-faults`, the modules
+  that kill replicas or nodes and the bad-input app's (a module says `RAY_UNIT =
+  "ray-faults"`), so that the two take about as long. Much of a Ray module's time is
+  waiting (replicas starting, Serve's control loop, timeouts), so the two units overlap on
+  two cores; both are handed out first, and the other modules fill the workers around them
+  (`make test` runs three).
 - The scheduler runs in xdist's controller, which collects nothing and sees node ids only, so
   a module's `ray` mark and unit are read from its source (its `pytestmark` and `RAY_UNIT`
   lines). xdist's own loadgroup cannot do this: it renames node ids through an attribute
