@@ -7,10 +7,10 @@ BIN := $(VENV)/bin
 
 .PHONY: demo test test-fast lint venv bench image-check
 
-# the suite runs on TEST_WORKERS pytest-xdist workers on CI's two cores: the modules that start
-# Ray form two chains, each on a worker of its own, mostly waiting on Ray; the third runs the
-# rest around them (tests/support/tiers.py)
-TEST_WORKERS ?= 3
+# the suite runs on TEST_WORKERS pytest-xdist workers (CI's machine has two cores); the
+# modules that start Ray run one after another on one of them (tests/support/tiers.py: two
+# Ray instances at once, or a third worker, measured slower: the Ray modules are CPU-bound)
+TEST_WORKERS ?= 2
 PYTEST := $(BIN)/python -m pytest -q --tb=short -n $(TEST_WORKERS) --dist loadscope
 # the inner loop: engine, runners, routers, sampling, the serving logic over the Ray-free fakes,
 # clients and wire types; nothing marked slow (ray, real_pair, multinode, compiles)

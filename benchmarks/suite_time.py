@@ -83,7 +83,7 @@ def _cases(xml: Path) -> list[tuple[float, str]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiers", default="fast,full", help="comma-separated: fast, full")
-    parser.add_argument("--workers", type=int, default=3, help="pytest-xdist workers (TEST_WORKERS, as the Makefile)")
+    parser.add_argument("--workers", type=int, default=2, help="pytest-xdist workers (TEST_WORKERS, as the Makefile)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     tiers = [t.strip() for t in args.tiers.split(",") if t.strip()]

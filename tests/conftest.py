@@ -16,7 +16,7 @@ import pytest
 os.environ.setdefault("MKL_DYNAMIC", "FALSE")
 import torch  # noqa: E402
 
-# Under pytest-xdist (`make test` runs three workers on CI's two cores) each worker computes on
+# Under pytest-xdist (`make test` runs two workers on CI's two cores) each worker computes on
 # one thread, so that the workers share the cores instead of fighting over them.
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // WORKERS))
@@ -56,7 +56,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)  # optional: the GPU image has no pytest-xdist
 def pytest_xdist_make_scheduler(config, log):
-    """Under `--dist loadscope` (make test): modules whole, the Ray modules two units (tiers.py)."""
+    """Under `--dist loadscope` (make test): modules whole, the Ray modules one unit (tiers.py)."""
     return tiers.scheduler(config, log) if config.getvalue("dist") == "loadscope" else None
 
 

@@ -4,9 +4,9 @@ A module deploys its own app through `serve_app` (Serve and Ray go down after it
 test), or names a shared one through `shared_app(key, start)`: modules that run one after
 another and ask for the same key (test_app_input*.py: the bad-input app; test_app_e2e*.py:
 the end-to-end app, its live changes last) get the app the
-first of them deployed, and it goes down after the last of them. The modules of a Ray unit
-run one after another on one xdist worker (tests/support/tiers.py; modules that share an app
-share a unit), so there is never more than one Ray in a process.
+first of them deployed, and it goes down after the last of them. The modules that start
+Ray run one after another on one xdist worker (tests/support/tiers.py), so there is never
+more than one Ray in a process.
 """
 
 from __future__ import annotations

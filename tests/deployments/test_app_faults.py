@@ -39,7 +39,6 @@ from tests.support.served_app import (  # noqa: E402
 )
 
 pytestmark = pytest.mark.ray  # starts a local Ray and the Serve app (slow, one at a time)
-RAY_UNIT = "ray-faults"  # the second Ray unit: kills replicas or nodes (tests/support/tiers.py)
 APP = "backoff"
 METADATA = (("application", APP),)
 LEASE_S = 3.0

@@ -47,7 +47,6 @@ from tests.support.served_app import ServedApp, deployment_config, wait_until  #
 
 pytestmark = pytest.mark.ray  # starts a local Ray and the Serve app (slow, one at a time)
 SHARED_APP = input_app.SHARED_KEY  # the app of test_app_input*.py, deployed once for the three
-RAY_UNIT = "ray-faults"  # the second Ray unit, with the bad-input app (tests/support/tiers.py)
 PLAYGROUND_ROUTER = ("random", 0.5)  # the playground test's: half the tokens small, drawn from the seed
 
 

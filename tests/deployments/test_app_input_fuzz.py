@@ -40,7 +40,6 @@ from tests.support.served_app import ServedApp  # noqa: E402
 
 pytestmark = pytest.mark.ray  # starts a local Ray and the Serve app (slow, one at a time)
 SHARED_APP = input_app.SHARED_KEY  # the app of test_app_input*.py, deployed once for the three
-RAY_UNIT = "ray-faults"  # the second Ray unit, with the bad-input app (tests/support/tiers.py)
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,6 @@ from tests.support.served_app import ServedApp, deploy  # noqa: E402
 
 pytestmark = pytest.mark.ray  # starts a local Ray and the Serve app (slow, one at a time)
 SHARED_APP = input_app.SHARED_KEY  # the app of test_app_input*.py, deployed once for the four
-RAY_UNIT = "ray-faults"  # the second Ray unit, with the bad-input app (tests/support/tiers.py)
 
 # text a client must never see: exception reprs and gRPC status strings
 INTERNAL = ("AioRpcError", "RESOURCE_EXHAUSTED", "Traceback", "Error:", "StatusCode.", "Received message larger")

@@ -43,7 +43,6 @@ from tests.support.served_app import (  # noqa: E402
 )
 
 pytestmark = [pytest.mark.multinode, pytest.mark.ray]
-RAY_UNIT = "ray-faults"  # the second Ray unit: kills replicas or nodes (tests/support/tiers.py)
 APP = "backoff"
 PROMPT = [4, 5, 6]
 THRESHOLD = 0.4  # entropy: a mix of small and large steps on the tiny pair
