@@ -108,14 +108,7 @@ def main() -> None:
 
 
 def _cases(url: str, chunk: int, off_prompt_tokens: int, repeats: int, long_app) -> dict:
-    chat = {
-        "messages": [{"role": "user", "content": "w3 w4 w5"}],
-        "n": 32,
-        "max_tokens": 100,
-        "logprobs": True,
-        "top_logprobs": 20,
-        "ignore_eos": True,
-    }
+    chat = long_app.N32_CHAT
     oracle = {"prompt": long_app.prompt_ids(200), "max_tokens": 0, "echo": True, "logprobs": 5, "router": "oracle"}
     cases: dict = {}
     with httpx.Client(base_url=url, timeout=900) as http:

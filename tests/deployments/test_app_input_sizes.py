@@ -53,14 +53,7 @@ def _clean(text: str) -> None:
     assert not any(s in text for s in INTERNAL), text[:2000]
 
 
-CHAT = {
-    "messages": [{"role": "user", "content": "w3 w4 w5"}],
-    "n": 32,
-    "max_tokens": 100,
-    "logprobs": True,
-    "top_logprobs": 20,
-    "ignore_eos": True,
-}
+CHAT = long_app.N32_CHAT
 
 
 def test_n32_chat_with_top_logprobs_20_is_delivered_unary_and_streamed(served):

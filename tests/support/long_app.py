@@ -34,6 +34,15 @@ MODELS = {
     "large": functools.partial(tiny_model, 2, hidden=64, layers=4, sharpness=30, vocab=VOCAB),
 }
 OLD_CAP = 4 << 20  # Serve's default RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH
+# issue 56's chat request within the documented limits whose answer (~5 MB) passed that cap
+N32_CHAT = {
+    "messages": [{"role": "user", "content": "w3 w4 w5"}],
+    "n": 32,
+    "max_tokens": 100,
+    "logprobs": True,
+    "top_logprobs": 20,
+    "ignore_eos": True,
+}
 
 
 def prompt_ids(n: int) -> list[int]:
