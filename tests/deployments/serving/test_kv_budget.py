@@ -265,28 +265,34 @@ def test_over_http_a_small_kv_budget_refuses_with_retry_after_and_every_request_
     """The deployments' user classes (tests/support/serve_fakes.py) behind real HTTP: an
     Ingress, a SmallModel and two LargeModel replicas, each model with a 120-token KV budget
     of per-session caches (the config's `models:`, as every replica reads it), catch-ups 10 ms
-    slow. 20 always-large requests of 3 + 30 positions (660 in all) arrive 0.1 s apart: once
-    the live ones fill M_S's budget a new one gets 503 `kv_capacity` + Retry-After (M_S
-    refuses at admission), and sent again after it every request completes with the
-    in-process tokens. Each replica reports its budget, and frees what it held."""
+    slow. A first wave of 4 requests of 3 + 100 positions, half their steps backed off to M_L
+    (the random router, seeded), fills M_S's budget (M_S steps every request and never evicts a
+    live one); once it is full, whatever the machine's speed, 16 more arrive: they get 503 `kv_capacity` + Retry-After (M_S refuses at admission), and sent again
+    after it every request completes with the in-process tokens. Each replica reports its
+    budget, and frees what it held."""
+    from backoff_core.runners.kv_budget import kv_tokens as held
     from deployments import ingress
 
-    budget, n, tokens = 120, 20, 30
+    budget, first, n, long, tokens = 120, 4, 20, 100, 30
     models = {"kv_budget_tokens": budget, "static_kv": False}
     larges = [large_replica(monkeypatch, pair[1], models=models) for _ in range(2)]
     for large in larges:
         large.reconfigure({"inject_delay_ms": 10.0})
-    args = {"models": models, "routing": {"router": "always-large"}, "limits": {"max_concurrent_per_client": None}}
+    routing = {"router": "random", "rate": 0.5}
+    args = {"models": models, "routing": routing, "limits": {"max_concurrent_per_client": None}}
     small = small_replica(monkeypatch, pair[0], tokenizer, [FakeHandle(larges, loop_thread)], args)
     ingress_replica(monkeypatch, small)
     prompts = [[3 + i % 7, 4 + i % 3, 5] for i in range(n)]
+    lengths = [long if i < first else tokens for i in range(n)]  # the first wave outlives the budget's filling
     alone = engine_for(pair, tokenizer)
-    expected = [list(alone.generate(request(p, max_tokens=tokens, router="always-large")).token_ids) for p in prompts]
+    expected = [
+        list(alone.generate(request(p, max_tokens=m, seed=i, **routing)).token_ids)
+        for i, (p, m) in enumerate(zip(prompts, lengths, strict=True))
+    ]
     refusals: list[httpx.Response] = []
 
-    async def one(http: httpx.AsyncClient, i: int, prompt: list[int]) -> list[int]:
-        await asyncio.sleep(0.1 * i)  # arrivals while earlier requests grow
-        body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "ignore_eos": True}
+    async def one(http: httpx.AsyncClient, i: int) -> list[int]:
+        body = {"prompt": prompts[i], "max_tokens": lengths[i], "seed": i, "temperature": 0, "ignore_eos": True}
         for _ in range(120):
             r = await http.post("/v1/completions", json=body)
             if r.status_code != 503:
@@ -296,15 +302,27 @@ def test_over_http_a_small_kv_budget_refuses_with_retry_after_and_every_request_
             await asyncio.sleep(float(r.headers["Retry-After"]))
         pytest.fail("refused 120 times in a row")
 
+    async def full() -> None:  # 4 x 30 positions held: no room for a 3-token prompt
+        for _ in range(3000):
+            if held(small.small_runner) > budget - 3:
+                return
+            await asyncio.sleep(0.005)
+        pytest.fail(f"M_S never filled its budget: {held(small.small_runner)} tokens held")
+
     async def main(base: str) -> list[list[int]]:
         async with httpx.AsyncClient(base_url=base, timeout=120) as http:
-            return await asyncio.gather(*[one(http, i, p) for i, p in enumerate(prompts)])
+            wave = [asyncio.create_task(one(http, i)) for i in range(first)]
+            await (
+                full()
+            )  # the wave has ~70 of its 100 steps left (half of them 10 ms catch-ups): the rest meet a full budget
+            rest = [one(http, i) for i in range(first, n)]
+            return await asyncio.gather(*wave, *rest)
 
     try:
         with serving(ingress.app) as base:
             outputs = asyncio.run(main(base))
         assert outputs == expected  # all complete, unchanged
-        assert refusals, "the budget never refused a request"
+        assert len(refusals) >= n - first, "the full budget did not refuse every late arrival"
         for r in refusals:
             assert r.headers["Retry-After"] == "1" and r.json()["error"]["code"] == "kv_capacity", r.text
         infos = [large.info() for large in larges]
