@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
 from ray.serve.exceptions import BackPressureError
@@ -56,6 +56,7 @@ from deployments.serving.completions import (
 )
 from deployments.serving.config import AppArgs, handle_options
 from deployments.serving.engine_loop import Admitted, Failed, Rejected, internal_message
+from deployments.serving.exposition import scrape
 from deployments.serving.formats import ChatStream, ReplyShape, chat_body, error_body, pb_response, request_line, sse
 from deployments.serving.grpc_service import Undecodable
 from deployments.serving.playground import mount_playground, routing_info
@@ -142,6 +143,12 @@ class Ingress:
         if problem:
             return error_response(503, problem, "server_error")
         return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics(self) -> Response:
+        """Prometheus text: every model replica's series under their documented names (exposition.py)."""
+        body, content_type = await scrape(self.router_unary)
+        return Response(body, media_type=content_type)
 
     @app.get("/v1/models")
     async def models(self) -> dict:

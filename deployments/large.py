@@ -46,6 +46,7 @@ from deployments.metrics import LargeMetrics
 from deployments.serving.batcher import CatchUpBatcher
 from deployments.serving.catchup_wire import CatchUpCall, CatchUpReply, ForwardRecord
 from deployments.serving.config import CatchUpConfig
+from deployments.serving.exposition import Series
 from deployments.serving.models import load_level, rank_device
 from deployments.serving.models_config import ModelsConfig
 
@@ -121,6 +122,7 @@ class LargeModel:
         self.batcher = CatchUpBatcher(self.runner, on_forward=self._forwarded)
         self.reconfigure({})
         self._sweeper: asyncio.Task | None = None
+        self._held()  # the KV budget and sessions published from the start (GET /metrics)
         self.gc = GCWatch.shared()  # Ray Serve freezes the startup heap once __init__ returns (gc_heap.py)
 
     def check_health(self) -> None:
@@ -198,6 +200,11 @@ class LargeModel:
             tensor_parallel=self.runner.spec.size if hasattr(self.runner, "comm") else 1,
             collective_s=self.runner.comm.seconds if hasattr(self.runner, "comm") else 0.0,
         )
+
+    async def metric_series(self) -> tuple[Series, ...]:
+        """This replica's Prometheus series, for the Ingress's GET /metrics (exposition.py)."""
+        context = serve.get_replica_context()
+        return self.metrics.series(deployment=context.deployment, replica=context.replica_id.unique_id)
 
     def _start_sweeper(self) -> None:
         if self._sweeper is None or self._sweeper.done():

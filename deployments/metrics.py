@@ -1,7 +1,10 @@
 """Prometheus metrics (ray.serve.metrics; Serve adds deployment / replica / app tags).
 
-Exported by Ray's metrics agent with the `ray_` prefix, e.g. `ray_backoff_tokens_total`.
-Names use the glossary: small / large, source, backoff rate, catch-up, threshold.
+Every series goes two ways: Ray's metrics agent exports it with the `ray_` prefix, e.g.
+`ray_backoff_tokens_total`, and a prometheus_client registry of the replica's own holds it
+under the documented name, `backoff_tokens_total`, which the Ingress serves on the HTTP
+port's GET /metrics (serving/exposition.py). Names use the glossary: small / large, source,
+backoff rate, catch-up, threshold.
 """
 
 from __future__ import annotations
@@ -10,10 +13,13 @@ import atexit
 import threading
 from typing import TYPE_CHECKING
 
+import prometheus_client
+from prometheus_client import CollectorRegistry
 from ray.serve import metrics
 
 from backoff_core.types import GenerationResult, level_names
 from deployments.serving.catchup_wire import ForwardRecord
+from deployments.serving.exposition import Series, series_of
 
 if TYPE_CHECKING:  # torch: only where a model is loaded
     from backoff_core.runners.prefix_cache import PrefixCacheStats
@@ -25,18 +31,61 @@ _RATES = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
 REFRESH_S = 5.0  # Ray 2.60's exporter drops a gauge value not set again within ~20 s
 
 
+def _local(metric, tags: dict[str, str] | None):
+    """A prometheus_client metric's child for `tags` (the metric itself when it has none)."""
+    return metric.labels(**tags) if tags else metric
+
+
+class Counter:
+    """A ray.serve counter, and the same counts in a local registry (GET /metrics)."""
+
+    def __init__(
+        self, name: str, description: str, tag_keys: tuple[str, ...] = (), *, registry: CollectorRegistry
+    ) -> None:
+        self._ray = metrics.Counter(name, description, tag_keys)
+        self._local = prometheus_client.Counter(name, description, tag_keys, registry=registry)
+
+    def inc(self, value: float = 1.0, tags: dict[str, str] | None = None) -> None:
+        self._ray.inc(value, tags=tags)
+        _local(self._local, tags).inc(value)
+
+
+class Histogram:
+    """A ray.serve histogram, and the same observations in a local registry (GET /metrics)."""
+
+    def __init__(
+        self,
+        name: str,
+        description: str,
+        boundaries: list[float],
+        tag_keys: tuple[str, ...] = (),
+        *,
+        registry: CollectorRegistry,
+    ) -> None:
+        self._ray = metrics.Histogram(name, description, boundaries, tag_keys)
+        self._local = prometheus_client.Histogram(name, description, tag_keys, registry=registry, buckets=boundaries)
+
+    def observe(self, value: float, tags: dict[str, str] | None = None) -> None:
+        self._ray.observe(value, tags=tags)
+        _local(self._local, tags).observe(value)
+
+
 class Gauge:
     """A ray.serve gauge whose last value per tag set is set again every REFRESH_S seconds
     (a daemon thread shared by all of them), so a value set once (the threshold at start,
-    an idle replica's KV use) stays exported instead of vanishing from /metrics."""
+    an idle replica's KV use) stays exported instead of vanishing from Ray's /metrics; the
+    local registry's (GET /metrics on the HTTP port) keeps its value by itself."""
 
     _all: list["Gauge"] = []
     _lock = threading.Lock()
     _thread: threading.Thread | None = None
     _stop = threading.Event()
 
-    def __init__(self, name: str, description: str, tag_keys: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, name: str, description: str, tag_keys: tuple[str, ...] = (), *, registry: CollectorRegistry | None = None
+    ) -> None:
         self._gauge = metrics.Gauge(name, description, tag_keys)
+        self._local = prometheus_client.Gauge(name, description, tag_keys, registry=registry or CollectorRegistry())
         self._last: dict[tuple, float] = {}
         with Gauge._lock:
             Gauge._all.append(self)
@@ -48,6 +97,7 @@ class Gauge:
     def set(self, value: float, tags: dict[str, str]) -> None:
         self._last[tuple(sorted(tags.items()))] = value
         self._gauge.set(value, tags=tags)
+        _local(self._local, tags).set(value)
 
     @staticmethod
     def _refresh() -> None:
@@ -63,33 +113,44 @@ class SmallMetrics:
     """SmallModel: requests, tokens by source, backoff rate, catch-ups, latency, threshold."""
 
     def __init__(self, num_levels: int) -> None:
+        self.registry = r = CollectorRegistry(auto_describe=False)  # GET /metrics: series()
         self.names = level_names(num_levels)
-        self.requests = metrics.Counter(
-            "backoff_requests", "Requests by outcome (finished, rejected, failed, cancelled).", ("outcome",)
+        self.requests = Counter(
+            "backoff_requests", "Requests by outcome (finished, rejected, failed, cancelled).", ("outcome",), registry=r
         )
-        self.tokens = metrics.Counter("backoff_tokens", "Generated tokens by source model.", ("source",))
-        self.backoff_rate = metrics.Histogram(
-            "backoff_request_backoff_rate", "Per request: share of tokens the small model produced.", _RATES
+        self.tokens = Counter("backoff_tokens", "Generated tokens by source model.", ("source",), registry=r)
+        self.backoff_rate = Histogram(
+            "backoff_request_backoff_rate", "Per request: share of tokens the small model produced.", _RATES, registry=r
         )
-        self.catch_up_length = metrics.Histogram(
-            "backoff_catch_up_length", "Pending tokens per catch-up (one session, one call).", _LENGTHS, ("level",)
+        self.catch_up_length = Histogram(
+            "backoff_catch_up_length",
+            "Pending tokens per catch-up (one session, one call).",
+            _LENGTHS,
+            ("level",),
+            registry=r,
         )
-        self.catch_up_batch = metrics.Histogram(
-            "backoff_catch_up_batch_size", "Requests whose catch-ups one step sent together.", _SIZES, ("level",)
+        self.catch_up_batch = Histogram(
+            "backoff_catch_up_batch_size",
+            "Requests whose catch-ups one step sent together.",
+            _SIZES,
+            ("level",),
+            registry=r,
         )
-        self.latency = metrics.Histogram("backoff_request_latency_s", "Admission to last token.", _SECONDS)
-        self.first_token = metrics.Histogram("backoff_time_to_first_token_s", "Admission to first token.", _SECONDS)
+        self.latency = Histogram("backoff_request_latency_s", "Admission to last token.", _SECONDS, registry=r)
+        self.first_token = Histogram("backoff_time_to_first_token_s", "Admission to first token.", _SECONDS, registry=r)
         self.threshold = Gauge(
             "backoff_threshold",
             "Threshold in the live config, or its router's default when it sets none "
             "(per boundary between models); published from the start.",
             ("boundary",),
+            registry=r,
         )
-        self.sessions_lost = metrics.Counter("backoff_sessions_lost", "Remote sessions lost and re-prefilled.")
-        self.degraded = metrics.Counter(
+        self.sessions_lost = Counter("backoff_sessions_lost", "Remote sessions lost and re-prefilled.", registry=r)
+        self.degraded = Counter(
             "backoff_requests_degraded",
             "Finished requests that went on with the small model alone after a "
             "larger model failed (slow or unavailable).",
+            registry=r,
         )
 
     def request(self, outcome: str) -> None:
@@ -111,6 +172,9 @@ class SmallMetrics:
         self.latency.observe(result.timings.total)
         self.first_token.observe(result.timings.first_token)
 
+    def series(self, **labels: str) -> tuple[Series, ...]:
+        return series_of([self.registry], **labels)
+
     def thresholds(self, values: list[float] | None) -> None:
         for i, t in enumerate(values or []):
             self.threshold.set(t, tags={"boundary": str(i)})
@@ -120,16 +184,19 @@ class LargeMetrics:
     """LargeModel: forward passes, their batch sizes and catch-up lengths, open sessions."""
 
     def __init__(self, name: str) -> None:
+        self.registry = r = CollectorRegistry(auto_describe=False)  # GET /metrics: series()
         self.tags = {"model": name}
-        self.forwards = metrics.Counter("backoff_large_forward_passes", "Forward passes of a large model.", ("model",))
-        self.batch = metrics.Histogram(
-            "backoff_large_forward_batch_size", "Sessions merged into one forward.", _SIZES, ("model",)
+        self.forwards = Counter(
+            "backoff_large_forward_passes", "Forward passes of a large model.", ("model",), registry=r
         )
-        self.length = metrics.Histogram(
-            "backoff_large_catch_up_length", "New tokens per session in a forward.", _LENGTHS, ("model",)
+        self.batch = Histogram(
+            "backoff_large_forward_batch_size", "Sessions merged into one forward.", _SIZES, ("model",), registry=r
         )
-        self.seconds = metrics.Histogram("backoff_large_forward_s", "Seconds per forward.", _SECONDS, ("model",))
-        self.sessions = Gauge("backoff_large_sessions", "Sessions held by this replica.", ("model",))
+        self.length = Histogram(
+            "backoff_large_catch_up_length", "New tokens per session in a forward.", _LENGTHS, ("model",), registry=r
+        )
+        self.seconds = Histogram("backoff_large_forward_s", "Seconds per forward.", _SECONDS, ("model",), registry=r)
+        self.sessions = Gauge("backoff_large_sessions", "Sessions held by this replica.", ("model",), registry=r)
         self.kv_metrics = KVMetrics()
 
     def forward(self, record: ForwardRecord) -> None:
@@ -145,43 +212,65 @@ class LargeMetrics:
     def kv(self, used: int, budget: int, evictions: int) -> None:
         self.kv_metrics.publish(self.tags["model"], used, budget, evictions)
 
+    def series(self, **labels: str) -> tuple[Series, ...]:
+        return series_of([self.registry, self.kv_metrics.registry], **labels)
+
 
 class KVMetrics:
     """A model replica's KV budget: positions used and free, idle sessions evicted."""
 
     def __init__(self) -> None:
-        self.used = Gauge("backoff_kv_tokens_used", "KV positions held by the replica's sessions.", ("model",))
+        self.registry = r = CollectorRegistry(auto_describe=False)  # GET /metrics: series()
+        self.used = Gauge(
+            "backoff_kv_tokens_used", "KV positions held by the replica's sessions.", ("model",), registry=r
+        )
         self.free = Gauge(
             "backoff_kv_tokens_free",
             "KV positions left in the replica's budget (negative: live sessions grew past it).",
             ("model",),
+            registry=r,
         )
-        self.evictions = metrics.Counter(
-            "backoff_kv_evictions", "Idle sessions evicted to make KV room (their requests re-prefill).", ("model",)
+        self.evictions = Counter(
+            "backoff_kv_evictions",
+            "Idle sessions evicted to make KV room (their requests re-prefill).",
+            ("model",),
+            registry=r,
         )
         self._evictions_seen: dict[str, int] = {}
         # prefix cache (backoff_core/runners/prefix_cache.py): counters fed from the runner's totals
         self.prefix_counters = {
-            "hits": metrics.Counter(
-                "backoff_prefix_cache_hits", "Prompt lookups that started from a cached prefix.", ("model",)
+            "hits": Counter(
+                "backoff_prefix_cache_hits", "Prompt lookups that started from a cached prefix.", ("model",), registry=r
             ),
-            "misses": metrics.Counter(
-                "backoff_prefix_cache_misses", "Prompt lookups that found no cached block.", ("model",)
+            "misses": Counter(
+                "backoff_prefix_cache_misses", "Prompt lookups that found no cached block.", ("model",), registry=r
             ),
-            "cached_tokens": metrics.Counter(
+            "cached_tokens": Counter(
                 "backoff_prefix_cache_cached_tokens",
                 "Prompt positions loaded from the cache (not prefilled).",
                 ("model",),
+                registry=r,
             ),
-            "lookup_tokens": metrics.Counter(
-                "backoff_prefix_cache_lookup_tokens", "Cacheable prompt positions the lookups asked about.", ("model",)
+            "lookup_tokens": Counter(
+                "backoff_prefix_cache_lookup_tokens",
+                "Cacheable prompt positions the lookups asked about.",
+                ("model",),
+                registry=r,
             ),
-            "evicted_blocks": metrics.Counter(
-                "backoff_prefix_cache_evicted_blocks", "Cached blocks evicted (LRU) to make room.", ("model",)
+            "evicted_blocks": Counter(
+                "backoff_prefix_cache_evicted_blocks",
+                "Cached blocks evicted (LRU) to make room.",
+                ("model",),
+                registry=r,
             ),
         }
-        self.prefix_tokens = Gauge("backoff_prefix_cache_tokens", "Positions the prefix cache holds.", ("model",))
+        self.prefix_tokens = Gauge(
+            "backoff_prefix_cache_tokens", "Positions the prefix cache holds.", ("model",), registry=r
+        )
         self._prefix_seen: dict[tuple[str, str], int] = {}
+
+    def series(self, **labels: str) -> tuple[Series, ...]:
+        return series_of([self.registry], **labels)
 
     def publish(self, model: str, used: int, budget: int, evictions: int) -> None:
         tags = {"model": model}

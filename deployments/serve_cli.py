@@ -99,14 +99,25 @@ def start_ray(address: str | None = None, metrics_port: int | None = None, **kwa
 def local_ray_hints() -> str:
     """Where this process's local Ray exports metrics, and what Ray's own CLI needs to reach it."""
     import ray
+    from ray._private.worker import get_dashboard_url
 
     port = next(n["MetricsExportPort"] for n in ray.nodes() if n["Alive"])
     lines = [f"backoff serve: Prometheus metrics of this Ray at http://127.0.0.1:{port}/metrics"]
-    # a local ray.init() turns Ray's token auth on (in this process's environment only): Ray's
-    # CLI in another shell sends the token (~/.ray/auth_token) only when told the mode
-    if os.environ.get("RAY_AUTH_MODE") == "token":
-        lines.append("backoff serve: for `serve status` / `serve deploy` in another shell: export RAY_AUTH_MODE=token")
-    return "\n".join(lines)
+    return "\n".join(lines + live_reload_hint(os.environ.get("RAY_AUTH_MODE"), get_dashboard_url()))
+
+
+def live_reload_hint(auth_mode: str | None, dashboard: str | None) -> list[str]:
+    """The lines that tell how to change the live config from another shell with Ray's CLI.
+    A local ray.init() turns Ray's token auth on (RAY_AUTH_MODE=token in this process's
+    environment only): Ray's CLI elsewhere sends the token (~/.ray/auth_token) only when told
+    the mode, and fails with AuthenticationError without it. The README's words say the same
+    (tests/test_docs.py holds them to these lines)."""
+    address = f" --address http://{dashboard}" if dashboard else ""
+    lines = ["backoff serve: live reload (Ray's `serve status` / `serve deploy`) from another shell:"]
+    if auth_mode == "token":
+        lines.append("    export RAY_AUTH_MODE=token")
+    lines.append(f"    serve deploy EDITED.yaml{address}   # EDITED.yaml: backoff serve --print-config, edited")
+    return lines
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")

@@ -47,6 +47,7 @@ from deployments.serving.catchup_wire import CatchUpCall
 from deployments.serving.chaos import FaultInjector
 from deployments.serving.config import AppArgs, RoutingConfig, handle_options
 from deployments.serving.engine_loop import Admitted, EngineLoop, Failed, Rejected
+from deployments.serving.exposition import Series, answers
 from deployments.serving.models import load_small_side
 from deployments.serving.remote import RemoteLarge
 from deployments.serving.requests import ServeRequest, generation_request, truncated
@@ -279,6 +280,15 @@ class SmallModel:
             gc=self.gc.stats(),
             context_window=getattr(self.loop.engine, "context_window", None),  # an engine_factory's may have none
         )
+
+    def metric_series(self) -> tuple[Series, ...]:
+        """This replica's Prometheus series, for the Ingress's GET /metrics (exposition.py)."""
+        labels = {"deployment": serve.get_replica_context().deployment, "replica": self.owner}
+        return self.metrics.series(**labels) + self.kv_metrics.series(**labels)
+
+    async def larger_metric_series(self) -> list[Series]:
+        """Every replica's series of each larger deployment (one broadcast each), for GET /metrics."""
+        return [s for e in self.endpoints for s in await answers(e.handle.broadcast("metric_series"), "larger model")]
 
     def _start_renewals(self) -> None:
         if self._renewals is None or self._renewals.done():

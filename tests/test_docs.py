@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -253,3 +255,40 @@ def test_readme_set_up_times_are_demo_time_and_suite_time_json():
     tiers = load("suite_time.json")["tiers"]
     assert agree(m.group(1), load("demo_time.json")["wall_s_best"])
     assert agree(m.group(2), tiers["full"]["wall_min"]) and agree(m.group(3), tiers["fast"]["wall_min"])
+
+
+def _bash_block(text: str, needle: str) -> list[str]:
+    """The lines of the first ```bash block of `text` that holds `needle`."""
+    block = next(b for b in re.findall(r"^```bash\n(.*?)^```", text, re.S | re.M) if needle in b)
+    return [line for line in block.splitlines() if line.strip()]
+
+
+def test_the_readmes_live_reload_commands_carry_what_rays_cli_needs(capsys):
+    """Issue 57: `serve deploy` against the Ray `backoff serve` starts needs RAY_AUTH_MODE=token
+    in its shell. The README's block exports every variable `backoff serve` tells such a shell
+    to (serve_cli.live_reload_hint, which tests/deployments/test_app_input_access.py runs Ray's
+    CLI with), before Ray's CLI runs; it deploys the file its --print-config line writes, that
+    file is a Serve config with the live user_config, and the alternative command parses."""
+    pytest.importorskip("ray")
+    from ray.serve.schema import ServeDeploySchema
+
+    from deployments import serve_cli
+
+    lines = _bash_block(README, "serve deploy")
+    code = [line.split("  #")[0].strip() for line in lines]
+    deploy = next(i for i, line in enumerate(code) if re.match(r"^(\S*/)?serve deploy ", line))
+    exports = [h.strip() for h in serve_cli.live_reload_hint("token", None) if h.strip().startswith("export ")]
+    assert exports and all(e in code[:deploy] for e in exports), (exports, code)
+    printed = next(line for line in code[:deploy] if "--print-config" in line)
+    command, target = printed.split(">")
+    assert code[deploy].split()[2] == target.strip()
+    argv = shlex.split(command)
+    assert argv[:2] == [".venv/bin/backoff", "serve"]
+    assert serve_cli.main(argv[2:]) == 0
+    config = yaml.safe_load(capsys.readouterr().out)
+    ServeDeploySchema.model_validate(config)
+    small = {d["name"]: d for d in config["applications"][0]["deployments"]}["SmallModel"]
+    assert "thresholds" in small["user_config"]  # what the comment says to edit
+    other = shlex.split(lines[deploy].split("# or: ")[1])
+    assert other[:2] == [".venv/bin/backoff", "serve"] and "auto" in other
+    serve_cli._parser().parse_args(other[2:])

@@ -379,6 +379,28 @@ def test_prometheus_metrics_are_exported(served):
     assert not missing, missing
 
 
+def test_metrics_on_the_http_port_carry_every_replicas_series_by_their_documented_names(served):
+    """GET /metrics through Serve: the Ingress's broadcasts reach both SmallModel and LargeModel
+    replicas (tests/deployments/serving/test_metrics_http.py checks the counts on the fakes)."""
+    body = {"prompt": [3, 4, 5], "max_tokens": 4, "ignore_eos": True, "router": "always-large"}
+    assert httpx.post(f"{served.url}/v1/completions", json=body, timeout=60).status_code == 200
+    reply = httpx.get(f"{served.url}/metrics", timeout=30)
+    assert reply.status_code == 200 and reply.headers["content-type"].startswith("text/plain")
+    large = {
+        line.split('replica="')[1].split('"')[0]
+        for line in reply.text.splitlines()
+        if line.startswith("backoff_large_sessions{")
+    }
+    assert large == set(large_infos()), (large, set(large_infos()))  # every LargeModel replica answered
+    for wanted in (
+        'backoff_tokens_total{deployment="SmallModel",replica=',
+        'source="large"',
+        "backoff_request_latency_s_bucket{",
+    ):
+        assert wanted in reply.text, wanted
+    assert "ray_backoff" not in reply.text
+
+
 def test_a_chain_of_three_serves_through_one_more_deployment(served):
     engine = in_process_engine(*(served.model_dirs[name] for name in ("small", "medium", "large")))
     prompt = [6, 5, 4, 3]

@@ -19,6 +19,7 @@ import asyncio
 import collections
 import contextlib
 import hashlib
+import inspect
 import socket
 import threading
 import time
@@ -201,21 +202,44 @@ class _Call:
             return _Stream(self.method(*args))
 
         async def call():
-            return self.method(*args)
+            out = self.method(*args)
+            return await out if inspect.isawaitable(out) else out
 
         return call()
 
 
 class SmallHandle:
     """A SmallModel deployment's handle over one user-class instance, as the Ingress calls it:
-    `generate.remote(request, tokens)` a stream, `info.remote()` awaited."""
+    `generate.remote(request, tokens)` a stream, any other method's `.remote()` awaited,
+    `broadcast(name).results_async()` its one replica's answer."""
 
     def __init__(self, small) -> None:
         self.small = small
-        self.generate, self.info = _Call(small.generate, True), _Call(small.info, False)
+        self.generate = _Call(small.generate, True)
+
+    def __getattr__(self, name: str) -> _Call:
+        return _Call(getattr(self.small, name), False)
 
     def options(self, **_options) -> SmallHandle:
         return self
+
+    def broadcast(self, name: str, *args) -> _OneReplica:
+        return _OneReplica(getattr(self, name).remote(*args))
+
+
+class _OneReplica:
+    """A broadcast's results over one replica."""
+
+    def __init__(self, reply) -> None:
+        self.reply = reply
+
+    async def results_async(self, timeout_s: float | None = None, return_exceptions: bool = False) -> list:
+        try:
+            return [await asyncio.wait_for(self.reply, timeout_s)]
+        except Exception as exc:  # noqa: BLE001 - as Serve's return_exceptions
+            if not return_exceptions:
+                raise
+            return [exc]
 
 
 def ingress_replica(monkeypatch, small, args: dict | None = None):
