@@ -8,7 +8,7 @@ import grpc
 from ray.serve.grpc_util import RayServegRPCContext
 
 from deployments.serving.access import ClientError
-from deployments.serving.engine_loop import internal_message
+from deployments.serving.outcomes import internal_message
 from deployments.streams import OverloadedError, ServerFailure
 
 # HTTP status of a client error -> its gRPC status (anything else 4xx: INVALID_ARGUMENT)

@@ -13,8 +13,8 @@ from starlette.middleware.body_limit import MAX_BODY_SIZE_SCOPE_KEY
 
 from clients.wire.errors import describe_validation
 from deployments.serving.access import ClientError, body_too_large
-from deployments.serving.engine_loop import internal_message
 from deployments.serving.formats import error_body
+from deployments.serving.outcomes import internal_message
 from deployments.streams import OverloadedError, ServerFailure
 
 log = logging.getLogger(__name__)

@@ -55,10 +55,10 @@ from deployments.serving.completions import (
     tagged,
 )
 from deployments.serving.config import AppArgs, handle_options
-from deployments.serving.engine_loop import Admitted, Failed, Rejected, internal_message
 from deployments.serving.exposition import scrape
 from deployments.serving.formats import ChatStream, ReplyShape, chat_body, error_body, pb_response, request_line, sse
 from deployments.serving.grpc_service import Undecodable
+from deployments.serving.outcomes import Admitted, Failed, Rejected, internal_message
 from deployments.serving.playground import mount_playground, routing_info
 from deployments.serving.requests import ServeRequest, serve_request
 from deployments.serving.sizes import check_answer

@@ -46,9 +46,10 @@ from deployments.serving.admission import AdmissionGate, Overloaded
 from deployments.serving.catchup_wire import CatchUpCall
 from deployments.serving.chaos import FaultInjector
 from deployments.serving.config import AppArgs, RoutingConfig, handle_options
-from deployments.serving.engine_loop import Admitted, EngineLoop, Failed, Rejected
+from deployments.serving.engine_loop import EngineLoop
 from deployments.serving.exposition import Series, answers
 from deployments.serving.models import load_small_side
+from deployments.serving.outcomes import Admitted, Failed, Rejected
 from deployments.serving.remote import RemoteLarge
 from deployments.serving.requests import ServeRequest, generation_request, truncated
 from deployments.streams import REPLICA_LOST

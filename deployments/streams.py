@@ -17,7 +17,7 @@ from ray.serve.exceptions import BackPressureError, ReplicaUnavailableError
 from ray.serve.handle import DeploymentResponseGenerator
 
 from backoff_core.types import GenerationResult
-from deployments.serving.engine_loop import Failed, Rejected, internal_message
+from deployments.serving.outcomes import Failed, Rejected, internal_message
 
 log = logging.getLogger(__name__)
 

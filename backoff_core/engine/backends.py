@@ -6,10 +6,11 @@ The in-process engine hands it ModelRunners; the Ray deployment hands it a proxy
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from backoff_core.runners.dynamic import Extension
-from backoff_core.runners.scoring import Scoring
+if TYPE_CHECKING:
+    from backoff_core.runners.dynamic import Extension
+    from backoff_core.runners.scoring import Scoring
 
 
 class Backend(Protocol):
@@ -27,20 +28,7 @@ class Backend(Protocol):
         items: list[tuple[str, list[int]]],
         hidden_layer: int | None = None,
         last_only: bool = False,
-        scoring: list[Scoring | None] | None = None,  # passed only when some item is scored
+        # passed only when some item is scored; with last_only, a scored item's logits are not
+        # read (a remote model answers none: [0, V]), its Extension.scored is the answer
+        scoring: list[Scoring | None] | None = None,
     ) -> list[Extension]: ...
-
-
-class SessionLost(RuntimeError):
-    """The backend no longer holds a session (replica lost, TTL): re-prefill elsewhere."""
-
-
-class LargeUnavailable(RuntimeError):
-    """A larger model cannot answer in time (too slow, no replica left). The requests of
-    the sessions that got no reply lose their larger models for good and go on with the
-    small model alone, or fail, as their `on_large_failure` says; `extensions` holds the
-    replies of the call's sessions that did answer (they carry on as usual)."""
-
-    def __init__(self, message: str, extensions: dict[str, Extension] | None = None) -> None:
-        super().__init__(message)
-        self.extensions = extensions or {}

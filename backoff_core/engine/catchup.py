@@ -16,15 +16,15 @@ from typing import Sequence
 
 import torch
 
-from backoff_core.engine.backends import Backend, LargeUnavailable, SessionLost
+from backoff_core.engine.backends import Backend
 from backoff_core.engine.host import to_host
 from backoff_core.engine.isolation import batched, each, fail, reopen
 from backoff_core.engine.penalties import penalties_at
 from backoff_core.engine.prompt import adopt_prefix
 from backoff_core.engine.state import Live
+from backoff_core.errors import KVCapacityError, LargeUnavailable, SessionLost
 from backoff_core.runners.extension import Extension, last_rows
 from backoff_core.runners.sessions import SessionError
-from backoff_core.runners.static_kv import KVCapacityError
 from backoff_core.sampling import Stream, distributions, draw, kl_divergence, residual, sample_rows, uniform
 from backoff_core.types import CatchUp, Verification
 

@@ -30,13 +30,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from backoff_core.engine.backends import Backend, LargeUnavailable
+from backoff_core.engine.backends import Backend
 from backoff_core.engine.isolation import each, fail, reopen
 from backoff_core.engine.logprobs import TokenTexts
 from backoff_core.engine.prompt import adopt_prefix, prefills_large, score_window, start_scoring
 from backoff_core.engine.propose import Decided
 from backoff_core.engine.state import Live
-from backoff_core.runners.static_kv import KVCapacityError
+from backoff_core.errors import KVCapacityError, LargeUnavailable
 from backoff_core.types import FinishReason
 
 

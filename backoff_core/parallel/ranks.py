@@ -33,7 +33,7 @@ from dataclasses import replace
 import torch
 import torch.multiprocessing as mp
 
-from backoff_core.engine.backends import LargeUnavailable
+from backoff_core.errors import LargeUnavailable
 from backoff_core.parallel.sharding import Collectives, layout, shards
 from backoff_core.parallel.worker import RankSpec, group, runner, serve_rank
 from backoff_core.runners.factory import make_runner

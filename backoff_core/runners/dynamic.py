@@ -41,11 +41,11 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from backoff_core.errors import KVCapacityError
 from backoff_core.runners.extension import Extension
 from backoff_core.runners.prefix_cache import PrefixCache, PrefixCaching
 from backoff_core.runners.scoring import Scoring, per_item, score_rows
 from backoff_core.runners.sessions import Session, SessionTable
-from backoff_core.runners.static_kv import KVCapacityError
 from backoff_core.types import PrefixCacheSpec
 
 # [1, heads, length, head_dim] keys and values, one pair per layer

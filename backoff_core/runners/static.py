@@ -48,14 +48,14 @@ from backoff_core.runners.prefix_cache import PrefixCache, PrefixCaching
 from backoff_core.runners.scoring import Scoring, per_item
 from backoff_core.runners.static_compiled import ATTENTION
 from backoff_core.runners.static_forward import Batch, StaticForward, check_supported
-from backoff_core.runners.static_kv import KVCapacityError, StaticKV, next_power_of_two
+from backoff_core.runners.static_kv import StaticKV, next_power_of_two
 from backoff_core.runners.static_layout import Layout, Plan, blocks, choose, lay_out, place_ids, read_out
 from backoff_core.runners.static_ragged import RaggedExtends, check_ragged
 from backoff_core.runners.static_scored import ScoredExtends
 from backoff_core.runners.static_slots import SlotSession, SlotSessions
 from backoff_core.types import PrefixCacheSpec
 
-__all__ = ["KVCapacityError", "StaticRunner"]
+__all__ = ["StaticRunner"]
 
 # an extend runs as up to this many replays (blocks of a captured k, static_layout.choose);
 # one that needs more (a long prompt prefill) as one eager forward, compute-bound there anyway

@@ -27,17 +27,7 @@ import heapq
 
 import torch
 
-
-class KVCapacityError(RuntimeError):
-    """No room in the KV storage (no free slot, or a session would pass max_len; per-session
-    caches: a new session beyond the budget). Nothing was changed: the caller may retry
-    later (room frees when a session closes) or refuse the request with a retriable error.
-    extensions: from a remote model, the replies of the call's sessions that did fit (they
-    carry on); None when the whole call was refused."""
-
-    def __init__(self, message: str, extensions: dict | None = None) -> None:
-        super().__init__(message)
-        self.extensions = extensions
+from backoff_core.errors import KVCapacityError
 
 
 def bucket(n: int, buckets: tuple[int, ...]) -> int:

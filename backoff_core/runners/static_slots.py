@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from backoff_core.errors import KVCapacityError
 from backoff_core.runners.sessions import Session, SessionTable
-from backoff_core.runners.static_kv import KVCapacityError, StaticKV
+from backoff_core.runners.static_kv import StaticKV
 
 
 @dataclass(kw_only=True)

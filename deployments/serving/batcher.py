@@ -35,8 +35,8 @@ from typing import Callable
 
 import numpy as np
 
+from backoff_core.errors import KVCapacityError
 from backoff_core.runners.dynamic import ModelRunner
-from backoff_core.runners.static_kv import KVCapacityError
 from deployments.serving.catchup_wire import BatcherStats, CatchUpCall, CatchUpReply, ForwardRecord, ScoredRows
 
 

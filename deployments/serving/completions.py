@@ -25,7 +25,6 @@ from clients.wire.openai import (
 )
 from deployments.serving.access import ClientError
 from deployments.serving.config import LimitsConfig
-from deployments.serving.engine_loop import Admitted
 from deployments.serving.formats import (
     PLAIN,
     ReplyShape,
@@ -40,6 +39,7 @@ from deployments.serving.formats import (
     summed_usage,
     usage_chunk,
 )
+from deployments.serving.outcomes import Admitted
 
 
 def check_choices(limits: LimitsConfig, prompts: int, n: int) -> None:

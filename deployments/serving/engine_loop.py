@@ -8,7 +8,7 @@ batched forwards, so one thread loops `step()` while there is work:
 A failure while handling one request ends that request alone (backoff_core/engine/isolation.py:
 `finish` raises its error, which becomes its Failed); the other requests go on.
 Each stream is an asyncio.Queue fed with `call_soon_threadsafe`: items are Admitted,
-TokenEvent ..., GenerationResult, or Rejected / Failed instead.
+TokenEvent ..., GenerationResult, or Rejected / Failed instead (deployments/serving/outcomes.py).
 """
 
 from __future__ import annotations
@@ -18,40 +18,16 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
-from typing import Callable, Generic, TypeVar
+from typing import TYPE_CHECKING, Callable, Generic, TypeVar
 
-from backoff_core.engine.backends import LargeUnavailable
-from backoff_core.engine.engine import BackoffEngine
-from backoff_core.runners.static_kv import KVCapacityError
 from backoff_core.types import GenerationRequest, GenerationResult
+from deployments.serving.outcomes import Admitted, Failed, Rejected, error_item
+
+if TYPE_CHECKING:
+    from backoff_core.engine.engine import BackoffEngine
 
 log = logging.getLogger(__name__)
 Policy = TypeVar("Policy")
-
-
-@dataclass(frozen=True)
-class Admitted:
-    request_id: str
-    prompt_tokens: int
-    prompt_ids: tuple[int, ...] | None = None  # an echo request's (ServeRequest.echo)
-    prompt_text: str | None = None  # their text, added by the SmallModel
-
-
-@dataclass(frozen=True)
-class Rejected:
-    """The request's content was refused (ValueError): a client error."""
-
-    message: str
-
-
-@dataclass(frozen=True)
-class Failed:
-    """Serving failed (not the client's fault)."""
-
-    message: str
-    unavailable: bool = False  # a part of the chain is down or too slow: retrying later may work
-    code: str = "large_unavailable"  # with unavailable: what is missing (kv_capacity: no free KV slot)
 
 
 class Items(asyncio.Queue):
@@ -80,32 +56,6 @@ class _Sink:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         except RuntimeError:  # the event loop is gone (shutdown)
             pass
-
-
-def error_item(exc: Exception, admitted: bool, request_id: str = "") -> Rejected | Failed:
-    """What the caller of a request is told of the error that refused it (admitted=False) or
-    ended it alone (True): the one mapping of errors to stream items. A ValueError at
-    admission is the request's content (Rejected, a 400); once admitted, any error is ours."""
-    if isinstance(exc, ValueError) and not admitted:
-        return Rejected(str(exc))
-    if isinstance(exc, KVCapacityError):  # every KV slot is taken (M_S's, or a larger model's): retry later
-        log.warning("request %s: %s", request_id or "refused", exc)
-        return Failed(str(exc), unavailable=True, code="kv_capacity")
-    if isinstance(exc, LargeUnavailable):  # a larger model did not answer (scoring a prompt; on_large_failure "fail")
-        return Failed(str(exc), unavailable=True)
-    if admitted:  # this request's own failure; the others go on
-        log.warning("request %s failed: %s: %s", request_id, type(exc).__name__, exc, exc_info=exc)
-    else:
-        log.error("request %s: admission failed", request_id or "?", exc_info=exc)
-    # the exception's text (a gRPC status string, a repr) is for the server's log, not the client
-    return Failed(internal_message(request_id), code="internal_error")
-
-
-def internal_message(request_id: str = "") -> str:
-    """What a client is told of a failure inside the server: no exception text (that goes to
-    the log, under the request id the message names)."""
-    where = f" (request {request_id}: the server's log has the detail)" if request_id else ""
-    return f"the server failed while handling this request{where}; retrying may work"
 
 
 def _id(request) -> str:

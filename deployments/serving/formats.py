@@ -467,7 +467,7 @@ def pb_chunks(request_id: str, events: tuple[TokenEvent, ...]) -> pb.GenerateChu
 
 def pb_echo_chunk(request_id: str, admitted, result: GenerationResult | None) -> pb.GenerateChunk:
     """An echo stream's first chunk: the prompt (its logprobs with the result, when asked).
-    admitted: the request's engine_loop.Admitted (its prompt ids and text)."""
+    admitted: the request's outcomes.Admitted (its prompt ids and text)."""
     text = (result.prompt_text if result is not None else None) or admitted.prompt_text or ""
     return pb.GenerateChunk(id=request_id, text=text, **pb_prompt(result, admitted.prompt_ids))
 

@@ -18,7 +18,6 @@ from fastapi.responses import FileResponse, RedirectResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field
 
-from backoff_core.routing.routers import NAMES, build_router
 from backoff_core.types import level_names
 from deployments.serving.access import EdgeGate
 from deployments.serving.config import AppArgs, RoutingConfig
@@ -51,6 +50,8 @@ class RoutingInfo(BaseModel):
 
 
 def _choice(name: str, num_levels: int, hidden_size: int | None) -> RouterChoice | None:
+    from backoff_core.routing.routers import build_router  # torch: the Ingress loads it on the first GET only
+
     try:
         router = build_router(name, hidden_size=hidden_size)
     except (ValueError, OSError):
@@ -65,6 +66,8 @@ def routing_info(args: AppArgs, model: str, policy: RoutingConfig) -> RoutingInf
     n = args.models.num_levels
     # the classifier is offered only with a trained head (a random head's scores mean nothing);
     # building it here would load the head, so its defaults are the base class's
+    from backoff_core.routing.routers import NAMES
+
     names = [r for r in NAMES if r != "classifier"]
     routers = [c for c in (_choice(r, n, None) for r in names) if c is not None]
     if args.models.classifier:

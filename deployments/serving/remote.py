@@ -35,11 +35,10 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from backoff_core.engine.backends import LargeUnavailable, SessionLost
+from backoff_core.errors import KVCapacityError, LargeUnavailable, SessionLost
 from backoff_core.runners.dynamic import Extension
 from backoff_core.runners.scoring import Scoring, per_item
 from backoff_core.runners.sessions import Session, SessionTable
-from backoff_core.runners.static_kv import KVCapacityError
 from deployments.serving.catchup_wire import CatchUpCall, CatchUpReply
 
 log = logging.getLogger(__name__)

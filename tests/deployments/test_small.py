@@ -12,7 +12,7 @@ import pytest
 
 from backoff_core.types import GenerationResult, SamplingParams, TokenEvent
 from deployments.serving.admission import Overloaded
-from deployments.serving.engine_loop import Admitted, Rejected
+from deployments.serving.outcomes import Admitted, Rejected
 from deployments.serving.requests import RoutingOverrides, ServeRequest
 from tests.support.serve_fakes import FakeHandle, LoopThread, large_replica, small_replica
 from tests.support.served_app import wait_until

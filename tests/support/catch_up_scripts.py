@@ -3,7 +3,7 @@ runner that records its calls, scripted requests, and stepping a loop to the end
 
 from __future__ import annotations
 
-from backoff_core.engine.backends import LargeUnavailable
+from backoff_core.errors import LargeUnavailable
 from backoff_core.routing.routers import Scripted
 from backoff_core.runners.dynamic import ModelRunner
 from backoff_core.runners.static import StaticRunner

@@ -3,7 +3,7 @@ degrading (engine/test_backends.py) and of what degrades beside other features."
 
 from __future__ import annotations
 
-from backoff_core.engine.backends import LargeUnavailable
+from backoff_core.errors import LargeUnavailable
 from backoff_core.runners.dynamic import ModelRunner
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from backoff_core.engine.backends import LargeUnavailable
 from backoff_core.engine.engine import BackoffEngine
+from backoff_core.errors import LargeUnavailable
 from backoff_core.runners.dynamic import ModelRunner
 from backoff_core.types import GenerationRequest, RoutingParams, SamplingParams, Verification
 from tests.support.failing import Failing

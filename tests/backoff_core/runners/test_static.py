@@ -20,8 +20,9 @@ from transformers import (
 )
 
 from backoff_core.engine.engine import BackoffEngine
+from backoff_core.errors import KVCapacityError
 from backoff_core.runners.dynamic import ModelRunner
-from backoff_core.runners.static import KVCapacityError, StaticRunner
+from backoff_core.runners.static import StaticRunner
 from backoff_core.types import Verification
 from tests.support.eager_graphs import TOL, EagerGraphs, assert_same, both, spy_layouts, static
 from tests.support.helpers import engine_for, hf_greedy, request

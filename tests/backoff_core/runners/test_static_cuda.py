@@ -15,8 +15,9 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from backoff_core.engine.engine import BackoffEngine
+from backoff_core.errors import KVCapacityError
 from backoff_core.runners.dynamic import ModelRunner
-from backoff_core.runners.static import KVCapacityError, StaticRunner
+from backoff_core.runners.static import StaticRunner
 from backoff_core.runners.static_forward import Batch
 from backoff_core.sampling import Stream, sample_rows, uniforms
 from backoff_core.types import GenerationRequest, RoutingParams, SamplingParams, Verification

@@ -16,10 +16,10 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from backoff_core.engine.engine import BackoffEngine
+from backoff_core.errors import KVCapacityError
 from backoff_core.runners.dynamic import ModelRunner
 from backoff_core.runners.factory import make_runner
 from backoff_core.runners.static import StaticRunner
-from backoff_core.runners.static_kv import KVCapacityError
 from backoff_core.types import GenerationRequest, KVSpec, RoutingParams, SamplingParams
 from tests.support.tiny import TINY_SHAPE
 
@@ -92,7 +92,8 @@ def test_a_model_the_static_forward_cannot_run_keeps_per_session_caches(caplog):
 def test_the_step_loop_refuses_a_request_without_a_slot_as_503_kv_capacity(pair, tokenizer):
     """Serving: the refusal is the request's alone, retriable (503), and names the budget."""
     pytest.importorskip("ray")  # deployments/ (scripts/image_check.sh runs these tests without it)
-    from deployments.serving.engine_loop import Admitted, EngineLoop, Failed
+    from deployments.serving.engine_loop import EngineLoop
+    from deployments.serving.outcomes import Admitted, Failed
     from deployments.streams import failure
 
     engine = _engine(pair, tokenizer, KVSpec(budget_tokens=64, max_len=64))  # one slot

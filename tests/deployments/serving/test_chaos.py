@@ -16,7 +16,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from backoff_core.engine.backends import LargeUnavailable
+from backoff_core.errors import LargeUnavailable
 from backoff_core.runners.dynamic import ModelRunner
 from clients.wire import backoff_pb2 as pb
 from clients.wire.types import GenerateParams
@@ -27,7 +27,7 @@ from deployments.serving.batcher import CatchUpBatcher
 from deployments.serving.catchup_wire import CatchUpCall
 from deployments.serving.chaos import FaultInjector, InjectedFault
 from deployments.serving.config import AppArgs
-from deployments.serving.engine_loop import Failed
+from deployments.serving.outcomes import Failed
 from deployments.streams import ServerFailure
 from tests.support.helpers import engine_for, request
 from tests.support.remote_fakes import FakeEndpoint, remote_engine

@@ -27,8 +27,8 @@ from deployments.serving.completions import (
     tagged,
 )
 from deployments.serving.config import LimitsConfig
-from deployments.serving.engine_loop import Admitted
 from deployments.serving.formats import ReplyShape, pb_response, summed_usage
+from deployments.serving.outcomes import Admitted
 from tests.support.helpers import engine_for, request
 
 pytest.importorskip("openai")

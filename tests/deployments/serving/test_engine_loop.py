@@ -11,14 +11,14 @@ import time
 import pytest
 import torch
 
-from backoff_core.engine.backends import LargeUnavailable
+from backoff_core.errors import KVCapacityError, LargeUnavailable
 from backoff_core.runners.dynamic import ModelRunner
-from backoff_core.runners.static_kv import KVCapacityError
 from backoff_core.types import GenerationResult, TokenEvent, Verification
 from deployments.serving.batcher import CatchUpBatcher
 from deployments.serving.catchup_wire import CatchUpCall
 from deployments.serving.config import RoutingConfig
-from deployments.serving.engine_loop import Admitted, EngineLoop, Failed, Rejected, error_item, internal_message
+from deployments.serving.engine_loop import EngineLoop
+from deployments.serving.outcomes import Admitted, Failed, Rejected, error_item, internal_message
 from deployments.serving.requests import RoutingOverrides, ServeRequest, generation_request
 from tests.support.helpers import engine_for, request
 from tests.support.remote_fakes import Dead, FakeEndpoint, remote_engine

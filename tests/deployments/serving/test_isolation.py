@@ -25,8 +25,9 @@ from backoff_core.runners.dynamic import ModelRunner
 from backoff_core.sampling import Stream, request_seed, uniform
 from backoff_core.types import FinishReason, GenerationResult, TokenEvent
 from deployments.serving.config import RoutingConfig
-from deployments.serving.engine_loop import Admitted, EngineLoop, Failed
+from deployments.serving.engine_loop import EngineLoop
 from deployments.serving.formats import chunk_body, final_chunk_body, json_safe, pb_response, response_body
+from deployments.serving.outcomes import Admitted, Failed
 from tests.support.helpers import engine_for, request
 
 CULPRIT = "culprit"

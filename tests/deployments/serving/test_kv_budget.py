@@ -11,15 +11,15 @@ import pytest
 import torch
 
 from backoff_core.engine.engine import BackoffEngine
+from backoff_core.errors import KVCapacityError
 from backoff_core.runners.dynamic import ModelRunner
 from backoff_core.runners.factory import make_runner
 from backoff_core.runners.kv_budget import bytes_per_token, kv_tokens, resolve_kv
 from backoff_core.runners.static import StaticRunner
-from backoff_core.runners.static_kv import KVCapacityError
 from backoff_core.types import KVSpec
 from deployments.serving.batcher import CatchUpBatcher
 from deployments.serving.catchup_wire import CatchUpCall
-from deployments.serving.engine_loop import Failed
+from deployments.serving.outcomes import Failed
 from deployments.streams import OverloadedError, failure
 from tests.support.helpers import engine_for, request
 from tests.support.remote_fakes import FakeEndpoint, remote_engine

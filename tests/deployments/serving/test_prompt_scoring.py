@@ -12,14 +12,15 @@ import pickle
 import pytest
 import torch
 
-from backoff_core.engine.backends import LargeUnavailable
+from backoff_core.errors import LargeUnavailable
 from backoff_core.runners.dynamic import ModelRunner
 from backoff_core.runners.scoring import Scoring
 from backoff_core.types import GenerationRequest, GenerationResult, RoutingParams, SamplingParams
 from deployments.serving.batcher import CatchUpBatcher
 from deployments.serving.catchup_wire import CatchUpCall
 from deployments.serving.config import RoutingConfig
-from deployments.serving.engine_loop import Admitted, EngineLoop, Failed
+from deployments.serving.engine_loop import EngineLoop
+from deployments.serving.outcomes import Admitted, Failed
 from tests.support.helpers import engine_for
 from tests.support.remote_fakes import FakeEndpoint, remote_engine
 
