@@ -236,23 +236,24 @@ def score_window(
     small = dict(zip(los, models[0].extend(items, hidden_layer=layer, last_only=False))) if now else {}
     for r in now:
         r.fed[0] = ends[r.request_id]
-    # oracles: the largest model's full logits over the window (its session is at row 0 first),
-    # in pieces of at most max_logit_rows rows where its logits cross a wire
-    oracles = [r for r in now if r.router.needs_large_logits]
-    large = _logits_to(models[top], top, oracles, ends, los)
+    # oracles: the largest model scores every row of the window against M_S's logits there
+    # (Scoring.against: the KL a row, the target, the top-n; its session is at row 0 first),
+    # in pieces of at most max_logit_rows rows where M_S's logits cross a wire
+    large = _score_against(models[top], top, [r for r in now if r.router.needs_large_logits], ends, los, small)
     routed: dict[str, dict[int, list[int]]] = {}  # request id -> level -> its rows in the window
     for r in now:
-        lo, progress = los[r.request_id], r.scoring
-        levels = _levels(r, small[r.request_id], large.get(r.request_id), lo)
+        lo, progress, oracle = los[r.request_id], r.scoring, large.get(r.request_id)
+        levels = _levels(r, small[r.request_id], None if oracle is None else oracle.kl, lo)
         progress.levels.extend(levels)
         routed[r.request_id] = {}
         for i, lv in enumerate(levels):
             routed[r.request_id].setdefault(lv, []).append(lo + i)
-        for level, logits in ((0, small[r.request_id].logits), (top, large.get(r.request_id))):
-            rows_l = routed[r.request_id].get(level)
-            if logits is not None and rows_l:
-                targets = tuple(r.request.prompt_ids[j + 1] for j in rows_l)
-                progress.add(rows_l, score_rows(logits[[j - lo for j in rows_l]], targets, _top_n(r)), r, texts)
+        if rows_s := routed[r.request_id].get(0):
+            targets = tuple(r.request.prompt_ids[j + 1] for j in rows_s)
+            logits = small[r.request_id].logits[[j - lo for j in rows_s]]
+            progress.add(rows_s, score_rows(logits, targets, _top_n(r)), r, texts)
+        if oracle is not None and (rows_l := routed[r.request_id].get(top)):
+            progress.add(rows_l, oracle.take([j - lo for j in rows_l]), r, texts)
     for level in range(1, len(models)):
         # requests with rows routed here, and open sessions with none (kept level with the window)
         group_l, scoring = [], []
@@ -277,27 +278,35 @@ def score_window(
             r.scoring = None
 
 
-def _logits_to(model: Backend, level: int, group: list[Live], ends: dict[str, int], los: dict[str, int]) -> dict:
-    """request id -> the full logits [rows, V] of `model` over rows los[r] .. ends[r] - 1 of
-    r's head, its session fed up to ends[r] (from wherever it was) in pieces of at most
-    `model.max_logit_rows` rows (None: one forward), so no reply carries more."""
+def _score_against(
+    model: Backend, level: int, group: list[Live], ends: dict[str, int], los: dict[str, int], small: dict
+) -> dict[str, Scored]:
+    """request id -> `model`'s scored rows los[r] .. ends[r] - 1 of r's head, each with its
+    KL(model || M_S) (Scoring.against: small[r]'s logits, which start at row los[r]); r's
+    session is fed up to ends[r] from wherever it was (rows before los[r] unscored), with at
+    most `model.max_logit_rows` scored rows a call (None: one forward), so no call carries
+    more of M_S's rows, and a reply is a few numbers a row, never a logits row."""
     piece = getattr(model, "max_logit_rows", None)
-    parts: dict[str, list[torch.Tensor]] = {r.request_id: [] for r in group}
-    starts = {r.request_id: r.fed[level] for r in group}
-    while True:
-        short = [r for r in group if r.fed[level] < ends[r.request_id]]
-        if not short:
-            break
-        cut = {r.request_id: ends[r.request_id] if piece is None else min(ends[r.request_id], r.fed[level] + piece)
-               for r in short}  # fmt: skip
-        exts = _extend(model, level, short, last_only=False, ends=cut)
-        for r, ext in zip(short, exts):
-            parts[r.request_id].append(ext.logits)
-    out = {}
-    for r in group:
-        logits = torch.cat(parts[r.request_id]) if parts[r.request_id] else None
-        out[r.request_id] = None if logits is None else logits[los[r.request_id] - starts[r.request_id] :]
-    return out
+    parts: dict[str, list[Scored]] = {r.request_id: [] for r in group}
+    done = dict(los)  # per request: its first row not scored yet
+    while short := [r for r in group if r.fed[level] < ends[r.request_id]]:
+        cut, scoring = {}, []
+        for r in short:
+            at, lo = r.fed[level], done[r.request_id]
+            if at > lo:
+                raise RuntimeError(f"{model.name} holds {at} rows of {r.request_id!r}, ahead of M_S's {lo}")
+            end = cut[r.request_id] = ends[r.request_id] if piece is None else min(ends[r.request_id], lo + piece)
+            # [m, V]; a copy: a view would pickle the whole window's storage onto the wire
+            against = small[r.request_id].logits[lo - los[r.request_id] : end - los[r.request_id]].clone()
+            targets = tuple(r.request.prompt_ids[j + 1] for j in range(lo, end))
+            scoring.append(Scoring(tuple(range(lo - at, end - at)), targets, _top_n(r), against))
+            done[r.request_id] = end
+        exts = _extend(model, level, short, last_only=True, scoring=scoring, ends=cut)
+        for r, sc, ext in zip(short, scoring, exts):
+            if ext.scored is None or ext.scored.kl is None or len(ext.scored.kl) != len(sc.rows):
+                raise RuntimeError(f"{model.name}: no KL of the scored rows of {r.request_id!r}")
+            parts[r.request_id].append(ext.scored)
+    return {request_id: Scored.cat(p) for request_id, p in parts.items() if p}
 
 
 def adopt_prefix(model: Backend, r: Live, ids, now: bool = False) -> int:
@@ -323,17 +332,18 @@ def _first_row(r: Live) -> int:
 
 
 @torch.inference_mode()
-def _levels(r: Live, small: Extension, large: torch.Tensor | None, lo: int) -> list[int]:
+def _levels(r: Live, small: Extension, kl: torch.Tensor | None, lo: int) -> list[int]:
     """The level of each row of r's prompt head in a window starting at row `lo`: what r's
     router decides from M_S's state on the true prefix (row j predicts prompt token j + 1).
-    small covers the window's rows, large (an oracle's logits) too."""
+    small covers the window's rows, kl (an oracle's KL(M_L || M_S), [n]) too."""
     n = small.logits.shape[0]
     ctx = StepContext(
         small_logits=small.logits,  # [n, V]
         hidden=small.hidden if r.router.hidden_layer is not None else None,  # [n, d]
-        large_logits=large,  # [n, V] or None
+        large_logits=None,
         drafts=torch.zeros(n, dtype=torch.long),
         uniforms=uniforms([r.seed] * n, range(lo + 1, lo + n + 1), Stream.ROUTER)[:, 0],  # position j + 1
+        kl=kl,  # [n] or None
     )
     scores = r.router.scores(ctx)  # [n]
     if scores.shape != (n,):

@@ -27,6 +27,9 @@ class StepContext:
     large_logits: torch.Tensor | None  # [B, V] largest model's logits (oracles only)
     drafts: torch.Tensor  # [B] tokens committed since the largest model last ran
     uniforms: torch.Tensor  # [B] one U(0,1) per sequence from its own seeded generator
+    # [B] KL(M_L || M_S), computed where M_L's logits are (an oracle's prompt scoring, whose
+    # M_L rows never cross the wire: engine/prompt.py); None: from large_logits
+    kl: torch.Tensor | None = None
     # every tensor is on the logits' device; scores() returns [B] there too, and the step
     # loop reads them back with the step's tokens in one copy (engine/host.py)
 
@@ -119,7 +122,7 @@ class Oracle(DecisionFunction):
         return tuple(0.5 * 2**i for i in range(num_levels - 1))
 
     def scores(self, ctx):
-        return kl_divergence(ctx.large_logits, ctx.small_logits)
+        return ctx.kl if ctx.kl is not None else kl_divergence(ctx.large_logits, ctx.small_logits)
 
 
 class FlippedOracle(Oracle):

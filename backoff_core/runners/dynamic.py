@@ -379,7 +379,11 @@ def _extension(
         return logits[wanted if where is None else [where[j] for j in wanted]]
 
     out = rows([k - 1]) if last_only else logits[:k]
-    scored = score_rows(rows(list(scoring.rows)), scoring.targets, scoring.top_n) if scoring is not None else None
+    scored = (
+        score_rows(rows(list(scoring.rows)), scoring.targets, scoring.top_n, scoring.against)
+        if scoring is not None
+        else None
+    )
     return Extension(out.float(), hidden, scored)
 
 

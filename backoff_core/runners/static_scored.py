@@ -41,7 +41,7 @@ class ScoredExtends:
                 out = logits[row, where[k - 1] : where[k - 1] + 1] if last_only else logits[row, :k]
             scored = None
             if sc is not None:
-                scored = score_rows(logits[row, [where[j] for j in sc.rows]], sc.targets, sc.top_n)
+                scored = score_rows(logits[row, [where[j] for j in sc.rows]], sc.targets, sc.top_n, sc.against)
             results.append(Extension(out, h, scored))
         return results
 

@@ -81,6 +81,8 @@ class CatchUpBatcher:
             raise ValueError("an adopt_only call opens a session (past 0) with a prefix_cache length and no scoring")
         if call.scoring is not None:  # here, not in the shared forward: a bad call fails alone
             call.scoring.check(len(call.ids), self.runner.vocab_size)
+        elif call.scored_only:
+            raise ValueError("a scored_only call names rows to score")
         self._start()
         if call.owner:
             self.renew(call.owner)
@@ -272,7 +274,9 @@ class CatchUpBatcher:
             seconds = time.perf_counter() - start
             self.stats.forward_s += seconds
             for i, ext in zip(ready, exts):
-                logits = ext.logits[-1:] if calls[i].last_only else ext.logits
+                logits = (
+                    ext.logits[:0] if calls[i].scored_only else ext.logits[-1:] if calls[i].last_only else ext.logits
+                )
                 scored = ScoredRows.of(ext.scored) if ext.scored is not None else None
                 replies[i] = CatchUpReply(logits.cpu().numpy(), scored=scored)
             self.stats.forward_passes += 1

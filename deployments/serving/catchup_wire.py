@@ -33,32 +33,39 @@ class CatchUpCall:
     # with prefix_cache, past 0: open the session and load its cached prefix, no forward; the
     # reply says how many positions it holds (chunked prefill then feeds the rest in chunks)
     adopt_only: bool = False
+    # with scoring: reply with the scored rows and no logits rows ([0, V]): the caller reads only
+    # those (prompt scoring), so the reply is a few numbers a row (ScoredRows)
+    scored_only: bool = False
 
 
 @dataclass(frozen=True)
 class ScoredRows:
-    """Scored rows on the wire (numpy: the cheapest to ship): 4·(1 + 2n) bytes a row, not 4·V."""
+    """Scored rows on the wire (numpy: the cheapest to ship): 4·(1 + 2n) bytes a row (+ 4 with
+    the KL of an oracle's scoring), not 4·V."""
 
     target: np.ndarray  # [m] float32: log-probability of each scored row's target
     top_ids: np.ndarray  # [m, n] int32: the n most likely ids, most likely first
     top: np.ndarray  # [m, n] float32: their log-probabilities
+    kl: np.ndarray | None = None  # [m] float32: KL(M_L || M_S) a row (Scoring.against), else None
 
     @classmethod
     def of(cls, scored: Scored) -> "ScoredRows":
-        return cls(scored.target.numpy(), scored.top_ids.to(torch.int32).numpy(), scored.top.numpy())
+        kl = None if scored.kl is None else scored.kl.numpy()
+        return cls(scored.target.numpy(), scored.top_ids.to(torch.int32).numpy(), scored.top.numpy(), kl)
 
     def scored(self) -> Scored:
         return Scored(
             torch.from_numpy(np.array(self.target, dtype=np.float32)),
             torch.from_numpy(np.array(self.top_ids, dtype=np.int64)),
             torch.from_numpy(np.array(self.top, dtype=np.float32)),
+            None if self.kl is None else torch.from_numpy(np.array(self.kl, dtype=np.float32)),
         )
 
 
 @dataclass(frozen=True)
 class CatchUpReply:
-    # [k, V] float32 next-token logits after each new id ([1, V]: last_only; numpy: the cheapest
-    # to ship); None: lost
+    # [k, V] float32 next-token logits after each new id ([1, V]: last_only; [0, V]: scored_only;
+    # numpy: the cheapest to ship); None: lost
     logits: np.ndarray | None
     lost: str = ""  # why the session is not usable here
     refused: str = ""  # a new session with no KV room here: why (the request may retry later)

@@ -69,10 +69,11 @@ class _RemoteSession(Session):
 
 _epochs = itertools.count()
 
-# a reply of full logits ([k, V] float32) at most this large: an extend that wants every row's
-# logits (an oracle scoring a prompt) asks for max_logit_rows rows a call (engine/prompt.py);
-# half of Serve's default 4 MiB message cap, so it holds where a node's cap was not raised
-LOGIT_REPLY_BYTES = 2 << 20
+# full logits rows ([k, V] float32) in one call at most this large: an oracle scoring a prompt
+# sends M_S's logits of max_logit_rows rows a call (Scoring.against, engine/prompt.py) and is
+# answered their KL, target and top-n; half of Serve's default 4 MiB message cap, so it holds
+# where a node's cap was not raised
+LOGIT_ROWS_BYTES = 2 << 20
 
 
 class RemoteLarge(SessionTable[_RemoteSession]):
@@ -90,7 +91,7 @@ class RemoteLarge(SessionTable[_RemoteSession]):
         self.endpoint = endpoint
         self.name = name
         self.vocab_size = vocab_size
-        self.max_logit_rows = max(1, LOGIT_REPLY_BYTES // (4 * vocab_size))  # 10 at V = 49152
+        self.max_logit_rows = max(1, LOGIT_ROWS_BYTES // (4 * vocab_size))  # 10 at V = 49152
         self.timeout_s = timeout_s  # replaced by reconfigure; read once per step
         self.owner = owner
         self.create_retries = create_retries
@@ -165,7 +166,8 @@ class RemoteLarge(SessionTable[_RemoteSession]):
         scoring: list[Scoring | None] | None = None,
     ) -> list[Extension]:
         """scoring: per item, rows the replica scores (runners/scoring.py) and answers as a
-        few numbers a row instead of full logits (prompt logprobs)."""
+        few numbers a row instead of full logits (prompt logprobs); with last_only, a scored
+        item's Extension has no logits rows ([0, V]: prompt scoring reads its scored rows alone)."""
         if hidden_layer is not None:
             raise ValueError(f"{self.name}: a remote model returns no hidden states")
         scoring = per_item(self.name, items, scoring, self.vocab_size)
@@ -182,6 +184,7 @@ class RemoteLarge(SessionTable[_RemoteSession]):
                 refill=self._get(request_id).refill,
                 scoring=sc,
                 prefix_cache=self._get(request_id).prefix_cache if self._get(request_id).length == 0 else 0,
+                scored_only=sc is not None and last_only,  # prompt scoring reads the scored rows alone
             )
             for (request_id, ids), sc in zip(items, scoring)
         ]

@@ -57,6 +57,7 @@ class FakeEndpoint:
         self.dead: set[int] = set()  # killed: calls to them raise Dead
         self.noticed: set[int] = set()  # the router has learnt they are gone
         self.calls: list[CatchUpCall] = []
+        self.replies: list[tuple[CatchUpCall, CatchUpReply]] = []  # every answered call, in order
 
     def route(self, key: str) -> int:
         alive = [i for i in range(len(self.replicas)) if i not in self.noticed]
@@ -74,6 +75,7 @@ class FakeEndpoint:
                 if target in fake.dead:
                     fake.noticed.add(target)
                     raise Dead(f"replica {target} died")
+                fake.replies.append((call, reply))
                 return reply
 
         return Pending()

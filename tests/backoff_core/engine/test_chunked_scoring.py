@@ -2,8 +2,8 @@
 prompt longer than a chunk is scored a window of rows per step, in stage 0, beside the live
 streams' steps. Its entries and levels equal scoring at admission (float noise of a prefill
 split in windows); what it generates after equals; live streams commit a token every step
-meanwhile; no forward reads more than a chunk of its rows; an oracle's M_L logits come in
-pieces of at most `max_logit_rows` rows."""
+meanwhile; no forward reads more than a chunk of its rows; an oracle's M_L scores the rows
+against M_S's logits, sent in pieces of at most `max_logit_rows` rows."""
 
 from __future__ import annotations
 
@@ -30,10 +30,11 @@ ROUTERS = {
 
 
 class Counted:
-    """A runner recording every extend: (step, new ids per row, last_only); `step` is set by the test."""
+    """A runner recording every extend: (step, new ids per row, last_only); `step` is set by the
+    test; `against`: per extend with scoring, the rows of M_S's logits each item carried."""
 
     def __init__(self, runner, max_logit_rows: int | None = None) -> None:
-        self.runner, self.step, self.forwards = runner, -1, []
+        self.runner, self.step, self.forwards, self.against = runner, -1, [], []
         if max_logit_rows is not None:
             self.max_logit_rows = max_logit_rows
 
@@ -42,6 +43,8 @@ class Counted:
 
     def extend(self, items, hidden_layer=None, last_only=False, **kwargs):
         self.forwards.append((self.step, [len(ids) for _, ids in items], last_only))
+        if kwargs.get("scoring") is not None:
+            self.against.append([0 if sc is None or sc.against is None else len(sc.against) for sc in kwargs["scoring"]])
         return self.runner.extend(items, hidden_layer=hidden_layer, last_only=last_only, **kwargs)
 
 
@@ -126,17 +129,20 @@ def test_live_streams_commit_every_step_while_a_long_prompt_is_scored(pair, toke
     assert engine.models[0].runner.request_ids() == sorted(engine.live_ids())  # its sessions freed
 
 
-def test_an_oracles_large_logits_come_in_pieces_of_max_logit_rows(pair, tokenizer):
-    """Where the largest model's logits cross a wire (RemoteLarge.max_logit_rows), no call
-    asks for more full-logit rows than that, at admission or in chunks; the scores are the same."""
+def test_an_oracle_sends_m_s_rows_in_pieces_of_max_logit_rows(pair, tokenizer):
+    """An oracle's M_L never answers full logits over the prompt: it scores each row against
+    M_S's logits there (Scoring.against), which travel at most max_logit_rows rows a call
+    (RemoteLarge.max_logit_rows, where they cross a wire), at admission or in chunks, every
+    row once; the scores are the same."""
     req = _scored(LONG, "oracle", 0, 3, thresholds=(5.0,))
     whole = _engine(pair, tokenizer, 0).generate(req)
     for chunk in (0, CHUNK):
         engine = _engine(pair, tokenizer, chunk, max_logit_rows=3)
         _same(engine.generate(req), whole)
-        full_logits = [rows for _, rows, last_only in engine.models[1].forwards if not last_only]
-        assert full_logits and max(max(rows) for rows in full_logits) <= 3
-        assert sum(sum(rows) for rows in full_logits) == len(LONG) - 1  # every row once
+        large = engine.models[1]
+        assert all(last_only for _, _, last_only in large.forwards)  # no extend of full logits
+        assert large.against and max(max(rows) for rows in large.against) <= 3
+        assert sum(sum(rows) for rows in large.against) == len(LONG) - 1  # every row once
 
 
 def test_a_failed_window_ends_the_scored_requests_alone(pair, tokenizer):

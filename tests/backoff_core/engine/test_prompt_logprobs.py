@@ -338,6 +338,34 @@ def test_a_runner_runs_its_lm_head_on_the_scored_rows_only(pair, kind):
     assert shape[1] <= 5  # 3 scored rows and the last of each session, not 19 positions a row
 
 
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_a_runner_scores_rows_against_m_s_logits(pair, kind):
+    """Scoring.against (an oracle's prompt scoring): the runner answers each scored row's
+    KL(M_L || M_S) with its target and top-n, equal to the KL of plain transformers' logits of
+    both models there; logits of the wrong shape are refused before anything runs."""
+    small, large = pair
+    if kind == "dynamic":
+        runner = ModelRunner(large, "large")
+    else:
+        runner = make_runner(large, "large", KVSpec(budget_tokens=4 * 64, max_len=64, cuda_graphs=False))
+    prompt, rows = tuple(range(3, 23)), (0, 5, 17)
+    with torch.no_grad():
+        ids = torch.tensor([list(prompt)])
+        s_logits, l_logits = small(ids).logits[0], large(ids).logits[0]
+    runner.open("a")
+    bad = Scoring(rows, tuple(prompt[j + 1] for j in rows), 2, s_logits[[0, 5]])
+    with pytest.raises(ValueError, match="needs \\[3, 48\\] logits"):
+        runner.extend([("a", list(prompt[:-1]))], last_only=True, scoring=[bad])
+    assert runner.length("a") == 0
+    scoring = Scoring(rows, tuple(prompt[j + 1] for j in rows), 2, s_logits[list(rows)])
+    (ext,) = runner.extend([("a", list(prompt[:-1]))], last_only=True, scoring=[scoring])
+    want = kl_divergence(l_logits[list(rows)], s_logits[list(rows)])
+    torch.testing.assert_close(ext.scored.kl, want, atol=1e-5, rtol=1e-4)
+    assert float(want.min()) > 0  # the pair's distributions differ at every row: a KL to find
+    expected = _log_softmax(large, prompt)
+    assert ext.scored.target.tolist() == pytest.approx([float(expected[j, prompt[j + 1]]) for j in rows], abs=1e-4)
+
+
 def _recorded(extend, calls: list):
     """extend, recording (new ids of its first item, last_only) of each call."""
 

@@ -201,10 +201,11 @@ def test_a_large_model_that_cannot_score_the_prompt_fails_the_request_as_unavail
 
 
 def test_an_oracle_scores_a_long_prompt_with_bounded_replies(pair, tokenizer, loop_thread):
-    """Oracle echo scoring of a 200-token prompt over RemoteLarge: M_L's full logits (the
-    oracle's KL needs every row's) come back max_logit_rows rows a call (2 MiB of float32 at
-    most; 10 rows at V = 49152), chunked at 128 rows a step or not, and equal the in-process
-    scores."""
+    """Oracle echo scoring of a 200-token prompt over RemoteLarge: M_S's logits of at most
+    max_logit_rows rows go to M_L a call (Scoring.against: 2 MiB of float32 at most, 10 rows
+    at V = 49152), chunked at 128 rows a step or not; M_L answers each row's KL, target and
+    top-n and no logits row (a reply pickles to a few numbers a row); the sources and scores
+    equal the in-process engine's."""
     prompt = tuple((7 * i + 3) % 40 + 2 for i in range(200))
     sampling = SamplingParams(max_tokens=0, prompt_logprobs=5, seed=1)
     request = GenerationRequest(prompt, sampling, RoutingParams(router="oracle", thresholds=(5.0,)))
@@ -221,5 +222,12 @@ def test_an_oracle_scores_a_long_prompt_with_bounded_replies(pair, tokenizer, lo
         got = [e and (e.chosen.logprob, *[t.logprob for t in e.top]) for e in out.prompt_logprobs]
         want = [e and (e.chosen.logprob, *[t.logprob for t in e.top]) for e in local.prompt_logprobs]
         assert got == [w and pytest.approx(w, abs=1e-4) for w in want]
-        full = [len(c.ids) for c in endpoint.calls if not c.last_only]
-        assert max(full) <= 7 and sum(full) == len(prompt) - 1
+        assert all(c.last_only for c in endpoint.calls)  # no call asks for full logits
+        scored = [(c, reply) for c, reply in endpoint.replies if c.scoring is not None]
+        assert sum(len(c.scoring.rows) for c, _ in scored) == len(prompt) - 1  # every row once
+        for call, reply in scored:
+            rows = len(call.scoring.rows)
+            assert rows <= 7 and tuple(call.scoring.against.shape) == (rows, remote.vocab_size)
+            assert call.scored_only and reply.logits.shape[0] == 0 and len(reply.scored.kl) == rows
+            # 4 (KL) + 4 (target) + 5 x (4 + 4) (top-5) = 48 bytes a row, and the pickle's frame
+            assert len(pickle.dumps(reply)) <= 1500 + 48 * rows
