@@ -5,8 +5,8 @@
 The `long` application of tests/support/long_app.py alone (tiny models with the default pair's
 vocabulary, 49,152 ids, and an 8,192-position context; chunks of 8 rows), one local Ray. Per
 case, its status, time and body size: the chat request of n=32 x 100 tokens x top_logprobs 20
-(unary and streamed), oracle echo scoring of a 200-token prompt (M_L's full logits, 10 rows a
-call), a request past limits.max_answer_bytes (refused at once), and an 8,000-token prompt
+(unary and streamed), oracle echo scoring of a 200-token prompt (M_L's KL against M_S's logits,
+10 rows a call), a request past limits.max_answer_bytes (refused at once), and an 8,000-token prompt
 scored with logprobs 20 while two streams run: their inter-token gaps meanwhile (median, p99,
 p99 / median; goal <= 3; `--repeats` runs, the median one reported with every run's
 figures in `per_repeat`). `--chunks 0 8` adds the same with chunking off (scoring at

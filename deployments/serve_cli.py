@@ -39,11 +39,16 @@ RAY_SYSTEM_CONFIG = {"max_direct_call_object_size": 4 * 1024 * 1024}
 # plain-text 500): MESSAGE_BYTES, the default of AppArgs.max_message_bytes, which sets it in
 # the app's replicas (app.message_env); the proxy reads it from its node's environment.
 MESSAGE_BYTES = 256 << 20
+# RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH: the middleware each HTTP proxy wraps itself in, so
+# the proxy's own answers (a request timeout, backpressure, a replica lost mid-request: plain
+# text) reach clients as OpenAI-style JSON errors (deployments/proxy_errors.py)
+PROXY_CALLBACK = "deployments.proxy_errors:proxy_middlewares"
 SERVE_PATH_ENV = {
     "RAY_SERVE_PROXY_USE_GRPC": "1",
     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
     "RAY_SERVE_REPLICA_GRPC_MAX_MESSAGE_LENGTH": str(MESSAGE_BYTES),
+    "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": PROXY_CALLBACK,
 }  # not RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE: it would hold a replica's WARNING lines back until 1000 wait
 
 # Serve's controller gives a new proxy 5 s to report ready, then kills it, and `serve run`

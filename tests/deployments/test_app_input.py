@@ -147,6 +147,20 @@ def test_unknown_routes_and_methods_get_openai_bodies(served):
     assert r.status_code == 404 and openai_error(r)
 
 
+def test_serves_proxy_timeout_is_an_openai_error_not_its_text(served):
+    # Serve's proxy answers a request past its timeout (http_options.request_timeout_s, or a
+    # client's x-request-timeout-seconds header) itself, in plain text; our middleware in the
+    # proxy (deployments/proxy_errors.py) makes it JSON
+    r = post(
+        served,
+        {"prompt": W, "max_tokens": 400, "ignore_eos": True},
+        headers={**auth(), "x-request-timeout-seconds": "0.05"},
+    )
+    assert r.status_code == 408, r.text
+    error = openai_error(r)
+    assert error["code"] == "request_timeout" and "timed out" not in error["message"]
+
+
 def test_huge_headers_never_fail_the_service(served):
     # headers are read by uvicorn in Serve's HTTP proxy, before our code: whatever it makes
     # of them (served, or refused in its own words) is not a 5xx, and serving goes on

@@ -1,0 +1,127 @@
+"""Errors raised in Ray Serve's HTTP proxy's own path, in the OpenAI error shape (issue 56).
+
+Our Ingress answers every refusal and failure as JSON (http_errors.py), but some answers never
+reach it or never come back from it; Ray Serve 2.60's proxy (serve/_private/proxy.py,
+http_util.get_http_response_status) then answers in text of its own:
+- 408 `Request <id> timed out after <s>s.`: http_options.request_timeout_s passed;
+- 503 Serve's backpressure text (a deployment's max_queued_requests full; Retry-After kept)
+  or `DeploymentUnavailableError`'s (an app being deleted or not yet running);
+- nothing at all for any other error between the proxy and the Ingress (a replica that died
+  mid-request, an answer past the channel's message cap): the proxy returns without a
+  response and uvicorn sends a 21-byte plain-text `500 Internal Server Error`.
+`ProxyErrors` wraps the proxy's ASGI app (Serve's hook: RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH
+= "deployments.proxy_errors:proxy_middlewares", in the nodes' environment: serve_cli.SERVE_PATH_ENV,
+cluster.yaml) and turns each into a JSON error with a `type`, a `code` and a message written
+for the client; Serve's text goes to the proxy's log under the error id the message names.
+A response that is JSON already (the Ingress's) or not an error passes untouched, one that has
+started cannot be changed (an SSE stream reports in-band), and a client that disconnected (a
+499: the proxy answers nothing) is sent nothing. gRPC has no such hook:
+docs/hardening.md says what the gRPC proxy still answers in its own words.
+
+Imported by every proxy at start: the standard library alone (no torch, no pydantic models).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import uuid
+
+log = logging.getLogger("ray.serve")
+
+
+def proxy_middlewares() -> list:
+    """Serve's HTTP proxy callback: the middlewares it wraps its ASGI app in."""
+    from starlette.middleware import Middleware  # Serve's own dependency; the proxy has it
+
+    return [Middleware(ProxyErrors)]
+
+
+def _body(message: str, code: str) -> bytes:
+    """The OpenAI error body (formats.error_body's shape, without importing the app's models)."""
+    return json.dumps({"error": {"message": message, "type": "server_error", "param": None, "code": code}}).encode()
+
+
+def rewrite(status: int, text: str, error_id: str) -> tuple[int, bytes]:
+    """(status, JSON body) for Serve's own answer `text` with `status`."""
+    if status == 408:
+        after = re.search(r"after ([0-9.]+)s", text)
+        limit = f" ({float(after.group(1)):g} s)" if after else ""
+        message = f"the request took longer than the server's request timeout{limit}; ask for fewer tokens or retry"
+        return 408, _body(message, "request_timeout")
+    if status == 503:
+        if "backpressure" in text.lower() or "queued" in text.lower():
+            return 503, _body("the server is overloaded: too many requests are queued; retry later", "overloaded")
+        return 503, _body(
+            "the model is not available right now (starting, or being redeployed); retry later", "unavailable"
+        )
+    message = f"the server failed while handling this request (request {error_id}: the server's log has the detail)"
+    return (status if status >= 500 else 500), _body(f"{message}; retrying may work", "internal_error")
+
+
+def _is_servers_text(message: dict) -> bool:
+    """Whether a response start is Serve's own error (not JSON): a 5xx or a 408."""
+    status = int(message.get("status", 200))
+    if status < 500 and status != 408:
+        return False
+    headers = {k.lower(): v for k, v in message.get("headers", ())}
+    return not headers.get(b"content-type", b"").startswith(b"application/json")
+
+
+class ProxyErrors:
+    """Pure ASGI middleware around the proxy (see the module doc)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope.get("path", "").startswith("/-/"):  # Serve's own routes
+            return await self.app(scope, receive, send)
+        started = gone = False
+        held: dict | None = None  # Serve's error start, held until its body is read
+        body = b""
+
+        async def listen():
+            nonlocal gone
+            message = await receive()
+            gone = gone or message["type"] == "http.disconnect"
+            return message
+
+        async def watch(message) -> None:
+            nonlocal started, held, body
+            if message["type"] == "http.response.start" and _is_servers_text(message):
+                held = message
+                return
+            if held is not None and message["type"] == "http.response.body":
+                body += message.get("body", b"")
+                if not message.get("more_body", False):
+                    await self._answer(send, held, body.decode("utf-8", "replace"))
+                    started = True
+                return
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, listen, watch)
+        except Exception:  # noqa: BLE001 - answered in the OpenAI shape, its detail in the log alone
+            if started:
+                raise
+            log.exception("proxy: request to %s failed before any answer", scope.get("path"))
+            await self._answer(send, {"status": 500, "headers": []}, "")
+            return
+        if not started and not gone:  # the proxy gave up with no answer (uvicorn: its plain text)
+            await self._answer(send, {"status": 500, "headers": []}, f"no answer from the app for {scope.get('path')}")
+
+    @staticmethod
+    async def _answer(send, start: dict, text: str) -> None:
+        error_id = f"err-{uuid.uuid4().hex[:16]}"
+        status, body = rewrite(int(start["status"]), text, error_id)
+        log.warning("proxy: request %s answered %d, Serve's text %r", error_id, status, text[:500])
+        kept = [(k, v) for k, v in start.get("headers", ()) if k.lower() in (b"retry-after", b"x-request-id")]
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *kept]
+        try:
+            await send({"type": "http.response.start", "status": status, "headers": headers})
+            await send({"type": "http.response.body", "body": body})
+        except Exception:  # noqa: BLE001 - the client went away (a 499): nothing to answer
+            log.debug("proxy: request %s: the client is gone", error_id)
