@@ -1,0 +1,107 @@
+"""A thousand streams whose callers go away after the first token, through the deployments'
+user classes with Ray not started (tests/support/serve_fakes.py: the Ingress behind a real
+HTTP server, a SmallModel, two LargeModel replicas behind a fake DeploymentHandle): every
+cancel reaches the step loop and frees the request's M_L session. M_L holds each stream's
+session by then (always-large, catch-ups 25 ms slow, 200 tokens asked) and only the close
+the cancel leads to can free it (the router is alive, so its lease holds). Half the streams
+close their HTTP connection, half are our async client's tasks cancelled. The same ways,
+and gRPC's, run through Serve's proxies in test_app_faults.py, a hundred and fifty of them."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from clients.http_client import AsyncBackoffHTTPClient
+from deployments import ingress
+from tests.support.serve_fakes import FakeHandle, LoopThread, ingress_replica, large_replica, serving, small_replica
+
+STREAMS = 1000
+BODY = {"prompt": [4, 5, 6], "max_tokens": 200, "temperature": 0, "ignore_eos": True, "router": "always-large"}
+
+
+async def _http_closed(http: httpx.AsyncClient) -> bool:
+    """An SSE stream whose connection is closed at its first token; False if refused for capacity."""
+    async with http.stream("POST", "/v1/completions", json={**BODY, "stream": True}) as response:
+        if response.status_code == 503:
+            return False
+        assert response.status_code == 200, response.status_code
+        async for line in response.aiter_lines():
+            if line.startswith("data:"):
+                return True  # leaving the block closes the connection
+    raise AssertionError("the stream ended before its first token")
+
+
+async def _client_cancelled(client: AsyncBackoffHTTPClient) -> bool:
+    """Our async client's stream, its task cancelled after the first token."""
+    first = asyncio.Event()
+
+    async def consume():
+        async for _ in client.stream(BODY["prompt"], **{k: v for k, v in BODY.items() if k != "prompt"}):
+            first.set()
+
+    task = asyncio.create_task(consume())
+    waiter = asyncio.create_task(first.wait())
+    await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    waiter.cancel()
+    if not first.is_set():
+        assert "capacity" in str(task.exception()), repr(task.exception())
+        return False
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    return True
+
+
+@pytest.mark.slow  # ~30 s: a thousand streams over loopback HTTP
+def test_a_thousand_cancelled_streams_free_every_session(monkeypatch, pair, tokenizer):
+    loop_thread = LoopThread()
+    larges = [large_replica(monkeypatch, pair[1]) for _ in range(2)]
+    for large in larges:
+        large.reconfigure({"inject_delay_ms": 25.0})
+    args = {"routing": {"router": "entropy"}, "limits": {"max_concurrent_per_client": None}}
+    small = small_replica(monkeypatch, pair[0], tokenizer, [FakeHandle(larges, loop_thread)], args)
+    ingress_replica(monkeypatch, small)
+    gate = asyncio.Semaphore(48)
+
+    async def until_admitted(way) -> int:
+        async with gate:
+            for refused in range(60):
+                if await asyncio.wait_for(way(), 60):
+                    return refused
+                await asyncio.sleep(0.2)
+        pytest.fail("a stream was refused for capacity 60 times in a row")
+
+    async def main(base: str) -> dict[str, int]:
+        async with (
+            httpx.AsyncClient(base_url=base, timeout=60, limits=httpx.Limits(max_connections=64)) as http,
+            AsyncBackoffHTTPClient(base) as client,
+        ):
+            ways = {
+                "HTTP stream closed": lambda: _http_closed(http),
+                "client task cancelled": lambda: _client_cancelled(client),
+            }
+            cancelled = {}
+            for name, way in ways.items():
+                before = small.info().cancelled
+                await asyncio.gather(*[until_admitted(way) for _ in range(STREAMS // len(ways))])
+                deadline = time.monotonic() + 60
+                while small.info().live or any(large.info().sessions for large in larges):
+                    assert time.monotonic() < deadline, f"{name}: sessions left {[la.info().sessions for la in larges]}"
+                    await asyncio.sleep(0.05)
+                cancelled[name] = small.info().cancelled - before
+            return cancelled
+
+    try:
+        with serving(ingress.app) as base:
+            cancelled = asyncio.run(main(base))
+    finally:
+        small.loop.stop()
+        for large in larges:
+            large.batcher.shutdown()
+        loop_thread.stop()
+    for count in cancelled.values():  # the rest ran to their 200 tokens before the cancel came
+        assert count >= 0.95 * STREAMS // 2, cancelled
+    assert all(large.info().calls for large in larges)  # both replicas held sessions
