@@ -6,8 +6,8 @@ The tiny pair of the Serve tests (tests/support/served_app.py: M_L 4 heads / 2 K
 the loopback config, one replica of each deployment, `models.tensor_parallel.large: 2`, in a
 fresh local Ray. Records: how long the app took to start; for three greedy prompts whether
 the served tokens and sources equal the in-process engine's (M_L at TP=1); then three
-200-token requests in flight while the LargeModel's rank process (a child of its replica) is
-killed with SIGKILL: whether each completed, its tokens, whether it was degraded, and when a
+200-token requests in flight while the LargeModel's rank 1 (a Ray actor in the replica's
+placement group, deployments/rank_actors.py) is killed with SIGKILL: whether each completed, its tokens, whether it was degraded, and when a
 new request was answered (Serve starting a new replica with its ranks). A run of the real
 path the tests cover on the Serve fakes (tests/deployments/test_large_tensor_parallel.py),
 kept out of the suite for its start-up (minutes on two cores); a 2-core machine's times.
@@ -37,23 +37,12 @@ def tensor_parallel_two(config: dict, dirs) -> None:
 
 
 def rank_processes() -> tuple[int, list[int]]:
-    """The LargeModel replica's pid and its rank processes (children running spawn_main)."""
+    """The LargeModel replica's pid and its ranks' (Ray actors in its placement group, on its node)."""
     from ray import serve
 
-    replica = serve.get_deployment_handle("LargeModel", app_name="backoff").info.remote().result().pid
-
-    def parent(pid: str) -> int:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-
-    children = [int(p) for p in os.listdir("/proc") if p.isdigit() and _is_child(p, replica, parent)]
-    return replica, children
-
-
-def _is_child(pid: str, replica: int, parent) -> bool:
-    try:
-        return parent(pid) == replica and b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:  # gone meanwhile
-        return False
+    info = serve.get_deployment_handle("LargeModel", app_name="backoff").info.remote().result()
+    assert all(node == info.node for node, _ in info.ranks), info.ranks  # STRICT_PACK: one node
+    return info.pid, [pid for _, pid in info.ranks]
 
 
 def equal_to_in_process(http, local) -> list[dict]:

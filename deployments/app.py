@@ -17,6 +17,7 @@ from ray.serve.config import BackpressureConfig
 from deployments.ingress import Ingress
 from deployments.large import LargeModel
 from deployments.prefix_routing import prefix_router_config
+from deployments.rank_actors import STRATEGY, rank_bundles
 from deployments.serving.config import AppArgs, ReplicaConfig
 from deployments.small import SmallModel
 
@@ -73,15 +74,14 @@ def replica_options(
 
 
 def with_ranks(options: dict, ranks: int) -> dict:
-    """A replica over `ranks` tensor-parallel ranks (backoff_core/parallel): its actor asks for
-    `ranks` times the GPUs and CPUs (Ray places one actor's resources on one node), and its
-    rank processes, children of the replica, see those GPUs (rank r on cuda:r)."""
+    """A replica over `ranks` tensor-parallel ranks (backoff_core/parallel): a placement group
+    of `ranks` bundles on one node (STRICT_PACK), each the GPUs and CPUs of the actor options
+    (a rank's); the replica, rank 0, in bundle 0 with the custom resources, ranks 1.. as Ray
+    actors in the others (rank_actors.py), as Ray Serve LLM places vLLM's workers."""
     if ranks <= 1:
         return options
-    actor = dict(options["ray_actor_options"])
-    actor["num_gpus"] = actor.get("num_gpus", 0) * ranks
-    actor["num_cpus"] = actor.get("num_cpus", 1) * ranks
-    return {**options, "ray_actor_options": actor}
+    bundles = rank_bundles(options["ray_actor_options"], ranks)
+    return {**options, "placement_group_bundles": bundles, "placement_group_strategy": STRATEGY}
 
 
 def build_app(args: dict | AppArgs | None = None) -> Application:

@@ -20,10 +20,10 @@ Memory is bounded by the replica's KV budget (`models.kv_budget_tokens`, resolve
 no room for (batcher.py); `info()` and the kv metrics report what is used.
 
 Tensor parallelism (`models.tensor_parallel`, backoff_core/parallel): the replica holds rank 0
-of M_L and drives N - 1 rank processes of its own (app.with_ranks asks for N times the actor's
-GPUs and CPUs, so all land on one node); a catch-up is still one call to the replica. A rank
-that dies ends the replica (lose_replica): callers see a lost LargeModel, the health check
-fails, and Serve starts a new replica with all its ranks.
+of M_L and drives N - 1 rank actors in its placement group of N bundles on one node
+(app.with_ranks, rank_actors.py; without Ray, rank processes of its own); a catch-up is still
+one call to the replica. A rank that dies ends the replica (lose_replica): callers see a lost
+LargeModel, the health check fails, and Serve starts a new replica with all its ranks.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from backoff_core.parallel.ranks import RankFailure, parallel_runner
 from backoff_core.runners.kv_budget import describe, kv_evictions, kv_tokens
 from backoff_core.types import KVSpec, level_names
 from deployments.metrics import LargeMetrics
+from deployments.rank_actors import rank_launcher
 from deployments.serving.batcher import CatchUpBatcher
 from deployments.serving.catchup_wire import CatchUpCall, CatchUpReply, ForwardRecord
 from deployments.serving.config import CatchUpConfig
@@ -94,6 +95,7 @@ class LargeInfo:
     gc: GCStats | None = None  # the collector's pauses since load (Ray Serve's freeze included) and the heap frozen
     tensor_parallel: int = 1  # ranks M_L is split over (backoff_core/parallel)
     collective_s: float = 0.0  # rank 0's time in the ranks' all-reduces and gathers since load
+    ranks: tuple[tuple[str, int], ...] = ()  # (Ray node, pid) of ranks 1..N-1 (their node: the replica's)
 
 
 class _Registration:
@@ -111,11 +113,17 @@ class LargeModel:
     def __init__(self, models: dict, level: int, torch_threads: int | None = None) -> None:
         cfg = ModelsConfig.model_validate(models)
         self.name = level_names(cfg.num_levels)[level]
-        ranks = cfg.tensor_parallel.size(level, cfg.num_levels)  # > 1: this replica drives N rank processes
+        ranks = cfg.tensor_parallel.size(level, cfg.num_levels)  # > 1: this replica drives N - 1 more ranks
         model = load_level(cfg, level, torch_threads, host=ranks > 1)  # split on the host, each rank to its GPU
         self.kv = replica_kv(cfg, model, self.name)
         self.runner = parallel_runner(
-            model, self.name, self.kv, prefix_cache=cfg.prefix_spec(), tensor_parallel=ranks, device=rank_device(cfg)
+            model,
+            self.name,
+            self.kv,
+            prefix_cache=cfg.prefix_spec(),
+            tensor_parallel=ranks,
+            device=rank_device(cfg),
+            launch=rank_launcher(ranks),
         )
         self.metrics = LargeMetrics(self.name)
         self.config = CatchUpConfig()
@@ -177,6 +185,7 @@ class LargeModel:
 
     def info(self) -> LargeInfo:
         s = self.batcher.stats
+        node = ray.get_runtime_context().get_node_id()
         return LargeInfo(
             pid=os.getpid(),
             replica=serve.get_replica_context().replica_id.unique_id,
@@ -195,10 +204,11 @@ class LargeModel:
             kv_tokens=kv_tokens(self.runner),
             kv_evictions=kv_evictions(self.runner),
             kv_refused=s.refused,
-            node=ray.get_runtime_context().get_node_id(),
+            node=node,
             gc=self.gc.stats(),
             tensor_parallel=self.runner.spec.size if hasattr(self.runner, "comm") else 1,
             collective_s=self.runner.comm.seconds if hasattr(self.runner, "comm") else 0.0,
+            ranks=tuple((link.node or node, link.pid) for link in getattr(self.runner, "links", ())),
         )
 
     async def metric_series(self) -> tuple[Series, ...]:

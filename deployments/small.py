@@ -42,6 +42,7 @@ from backoff_core.runners.kv_budget import kv_evictions, kv_tokens
 from backoff_core.types import GenerationRequest, GenerationResult, TokenEvent, level_names
 from deployments.large import replica_kv
 from deployments.metrics import KVMetrics, SmallMetrics
+from deployments.rank_actors import rank_launcher
 from deployments.serving.admission import AdmissionGate, Overloaded
 from deployments.serving.catchup_wire import CatchUpCall
 from deployments.serving.chaos import FaultInjector
@@ -146,7 +147,16 @@ class SmallModel:
         self.kv = replica_kv(self.args.models, side.model, "small")
         models = self.args.models
         ranks = models.tensor_parallel.small
-        small = parallel_runner(side.model, "small", self.kv, True, models.classifier, models.prefix_spec(), ranks)
+        small = parallel_runner(
+            side.model,
+            "small",
+            self.kv,
+            True,
+            models.classifier,
+            models.prefix_spec(),
+            ranks,
+            launch=rank_launcher(ranks),
+        )
         self.faults = FaultInjector(small)  # inject_fault_seed
         self.small_runner = small
         self.kv_metrics = KVMetrics()

@@ -44,9 +44,12 @@ def test_the_serve_config_places_m_s_on_one_gpu_and_m_l_on_four():
     lay = layout(LLAMA_70B, "large", 4)
     assert (lay.heads_per_rank, lay.kv_per_rank) == (16, 2)
     d = _deployments(config)
-    large, small = d["LargeModel"].ray_actor_options, d["SmallModel"].ray_actor_options
-    assert (large["num_gpus"], small["num_gpus"]) == (4.0, 1.0)
-    most = args.large.max_replicas * large["num_gpus"] + args.small.max_replicas * small["num_gpus"]
+    large = d["LargeModel"]._replica_config  # a placement group of 4 one-GPU bundles, one node
+    assert large.placement_group_bundles == [{"CPU": 2.0, "GPU": 1.0}] * 4
+    assert large.placement_group_strategy == "STRICT_PACK" and large.ray_actor_options["num_gpus"] == 1.0
+    small = d["SmallModel"].ray_actor_options
+    assert small["num_gpus"] == 1.0 and d["SmallModel"]._replica_config.placement_group_bundles is None
+    most = args.large.max_replicas * 4 + args.small.max_replicas * small["num_gpus"]
     assert most <= 8  # the app at its largest on one 8-GPU node
 
 

@@ -4,14 +4,16 @@ Every rank runs the SAME runner (ModelRunner or StaticRunner, made by make_runne
 shard of the model (sharding.py): its KV storage, slots and prefix cache hold its own heads,
 sized from the shard's config. Rank 0 is the runner the caller holds (the engine, the
 LargeModel replica's batcher): each call that changes state (open, close, crop, extend,
-adopt_prefix, warmup) is sent to ranks 1..N-1 over a pipe first and then run here, so the
+adopt_prefix, warmup) is sent to ranks 1..N-1 over their links first and then run here, so the
 ranks enter the forward's collectives together; every rank answers each call (ok, or the
 error it raised) and rank 0 returns its own result. Reads (has, length, request_ids,
 kv_tokens, prefix_stats, ...) are answered by rank 0 alone. Since the calls reach every rank
 in one order and every decision that is not a function of them (TTLs, leases, which session
 to evict) is taken on rank 0 and sent as a call, the ranks' tables stay identical.
 
-The ranks are processes of torch.multiprocessing (spawn), joined by a torch.distributed
+Ranks 1..N-1 are started by a launcher (launch.py): processes of torch.multiprocessing
+(spawn) by default, Ray actors in the replica's placement group when a LargeModel replica
+injects its launcher (deployments/rank_actors.py). Either way they join a torch.distributed
 process group of their own (gloo on the CPU; NCCL on CUDA devices), not the process's
 default group: one process may drive M_S's ranks and M_L's.
 
@@ -31,11 +33,11 @@ import time
 from dataclasses import replace
 
 import torch
-import torch.multiprocessing as mp
 
 from backoff_core.errors import LargeUnavailable
+from backoff_core.parallel.launch import Launcher, RankLink, spawn_ranks
 from backoff_core.parallel.sharding import Collectives, layout, shards
-from backoff_core.parallel.worker import RankSpec, group, runner, serve_rank
+from backoff_core.parallel.worker import RankSpec, group, runner
 from backoff_core.runners.factory import make_runner
 from backoff_core.types import KVSpec, PrefixCacheSpec
 
@@ -53,26 +55,21 @@ class TensorParallelRunner:
     # the engine never launches M_S's step ahead over a split model (engine/ahead.py)
     extends_on_device = False
 
-    def __init__(self, model, spec: RankSpec) -> None:
+    def __init__(self, model, spec: RankSpec, launch: Launcher = spawn_ranks) -> None:
         layout(model.config, spec.name, spec.size)  # refuse a size that cannot split the heads now
         self.spec = spec
         self.broken = ""  # why the group broke ("": it did not)
         self._lock = threading.RLock()
-        ctx = mp.get_context("spawn")
         port = _free_port()
-        self._conns, self._procs = [], []
-        for _ in range(1, spec.size):
-            here, there = ctx.Pipe()
-            proc = ctx.Process(target=serve_rank, args=(spec, port, there), daemon=True)
-            proc.start()
-            self._conns.append(here)
-            self._procs.append(proc)
+        self.links: list[RankLink] = launch(spec, port)
         pieces = shards(model, spec.name, spec.size, spec.head)
         piece = next(pieces)  # rank 0's
-        for conn, other in zip(self._conns, pieces):  # in shared memory; held here until received
-            conn.send(other.packed())
+        for link, other in zip(self.links, pieces):  # in shared memory (or Ray's store); held until received
+            link.send(("shard", (other.packed(),), {}))
             del other
         self._answers("start-up")  # every rank has its shard (a broken import fails here, not at a timeout)
+        for link in self.links:
+            link.send(("start", (), {}))  # they join the group as rank 0 does
         self.comm = Collectives(group(spec, 0, port), 0, spec.size)
         self.runner = runner(spec, piece, self.comm)  # the ranks build theirs (and warm up) with it
         del piece
@@ -84,11 +81,11 @@ class TensorParallelRunner:
 
     @property
     def healthy(self) -> bool:
-        return not self.broken and all(p.is_alive() for p in self._procs)
+        return not self.broken and all(link.is_alive() for link in self.links)
 
     def pids(self) -> list[int]:
         """The rank processes 1..N-1 (tests kill one)."""
-        return [p.pid for p in self._procs]
+        return [link.pid for link in self.links]
 
     # -- calls every rank runs ---------------------------------------------------------------
     def open(self, *args, **kwargs):
@@ -115,22 +112,22 @@ class TensorParallelRunner:
     def chaos_exit(self, rank: int, collectives: int) -> None:
         """Tests: rank `rank` (>= 1) exits at its `collectives`-th collective from now."""
         with self._lock:
-            self._conns[rank - 1].send(("chaos_exit", (collectives,), {}))
-            self._conns[rank - 1].recv()
+            self.links[rank - 1].send(("chaos_exit", (collectives,), {}))
+            self.links[rank - 1].recv()
 
     def _mirror(self, method: str, args: tuple, kwargs: dict, quiet: bool = False):
         """Run `method` on every rank; rank 0's result or error. A broken group raises
         RankFailure (quiet: session bookkeeping on a broken group does nothing)."""
         with self._lock:
-            if not self.broken and not all(p.is_alive() for p in self._procs):
+            if not self.broken and not all(link.is_alive() for link in self.links):
                 self._break("a rank process died")
             if self.broken:
                 if quiet:
                     return None
                 raise RankFailure(f"{self.spec.name}: {self.broken}")
             try:
-                for conn in self._conns:
-                    conn.send((method, args, kwargs))
+                for link in self.links:
+                    link.send((method, args, kwargs))
             except (OSError, EOFError) as exc:
                 self._break(f"a rank stopped listening ({exc})")
                 raise RankFailure(f"{self.spec.name}: {self.broken}") from exc
@@ -160,13 +157,13 @@ class TensorParallelRunner:
     def _answers(self, method: str, error: str | None = None) -> None:
         """Each rank's answer to the call just made: what rank 0 got (None: ok), else broken."""
         deadline = time.monotonic() + self.spec.timeout_s
-        for rank, (conn, proc) in enumerate(zip(self._conns, self._procs), start=1):
-            while not conn.poll(0.05):
-                if not proc.is_alive() or time.monotonic() > deadline:
-                    self._break(f"rank {rank} {'died' if not proc.is_alive() else 'did not answer'} during {method}")
+        for rank, link in enumerate(self.links, start=1):
+            while not link.poll(0.05):
+                if not link.is_alive() or time.monotonic() > deadline:
+                    self._break(f"rank {rank} {'died' if not link.is_alive() else 'did not answer'} during {method}")
                     raise RankFailure(f"{self.spec.name}: {self.broken}")
             try:
-                kind, what = conn.recv()
+                kind, what = link.recv()
             except (OSError, EOFError):
                 self._break(f"rank {rank} died during {method}")
                 raise RankFailure(f"{self.spec.name}: {self.broken}") from None
@@ -180,28 +177,23 @@ class TensorParallelRunner:
         if not self.broken:
             self.broken = why
             log.error("%s: tensor-parallel group broken: %s", self.spec.name, why)
-        for proc in self._procs:
-            if proc.is_alive():
-                proc.kill()
+        for link in self.links:
+            link.kill()
 
     def shutdown(self) -> None:
         with self._lock:
-            for conn in self._conns:
+            for link in self.links:
                 try:
-                    conn.send(("stop", (), {}))
+                    link.send(("stop", (), {}))
                 except (OSError, EOFError):
                     pass
-            for proc in self._procs:
-                proc.join(timeout=5)
-                if proc.is_alive():
-                    proc.kill()
+            for link in self.links:
+                link.join(timeout_s=5)
             self.broken = self.broken or "shut down"
 
     def __del__(self) -> None:
-        if "_procs" in self.__dict__:
-            for proc in self._procs:
-                if proc.is_alive():
-                    proc.kill()
+        for link in self.__dict__.get("links", ()):
+            link.kill()
 
 
 def _free_port() -> int:
@@ -226,15 +218,17 @@ def parallel_runner(
     prefix_cache: PrefixCacheSpec | None = PrefixCacheSpec(),
     tensor_parallel: int = 1,
     device: str | None = None,
+    launch: Launcher = spawn_ranks,
 ):
     """make_runner (runners/factory.py), or with tensor_parallel N > 1 a TensorParallelRunner:
     the model split over N ranks, each running make_runner's runner over its shard. device:
     where the ranks run ("cuda": rank r on cuda:r) when the model was loaded elsewhere (a model
-    larger than one GPU is loaded on the host and split from there); None: the model's."""
+    larger than one GPU is loaded on the host and split from there); None: the model's.
+    launch: how ranks 1..N-1 start (launch.py; a LargeModel replica's: Ray actors)."""
     if tensor_parallel <= 1:
         return make_runner(model, name, kv, small, classifier_path, prefix_cache)
     spec = spec_for(model, name, tensor_parallel, kv, small, classifier_path, prefix_cache)
-    return TensorParallelRunner(model, spec if device is None else replace(spec, device=device))
+    return TensorParallelRunner(model, spec if device is None else replace(spec, device=device), launch)
 
 
 def spec_for(model, name: str, size: int, kv, small: bool, classifier_path, prefix_cache) -> RankSpec:

@@ -1,6 +1,7 @@
-"""One tensor-parallel rank: its process group, its runner, and the loop that runs the
-calls rank 0 sends (ranks.py drives it). Imports the runners only, never the engine, so a
-rank process starts with what it needs."""
+"""One tensor-parallel rank: its process group, its runner, and what runs the messages rank 0
+sends (ranks.py drives it): `RankServer`, whatever carries the messages (a pipe to a process
+of torch.multiprocessing: `serve_rank`; a Ray actor's calls: deployments/rank_actors.py).
+Imports the runners only, never the engine, so a rank process starts with what it needs."""
 
 from __future__ import annotations
 
@@ -24,14 +25,16 @@ class RankSpec:
     classifier_path: str | None = None
     prefix_cache: PrefixCacheSpec | None = PrefixCacheSpec()
     dtype: torch.dtype = torch.float32
-    device: str = "cpu"  # "cuda": rank r on cuda:r (its process sees the node's GPUs)
+    device: str = (
+        "cpu"  # "cuda": rank r on cuda:r (its process sees the node's GPUs); "cuda:K": every rank on its cuda:K
+    )
     cpu_kernels: str = "mkldnn"
     threads: int = 1  # torch threads a rank computes on
     timeout_s: float = 60.0  # a collective or an answer that takes longer breaks the group
     head: str = "vocab"  # the LM head's split (sharding.py): "vocab", or "rank0" (measured alternative)
 
     def rank_device(self, rank: int) -> str:
-        return f"cuda:{rank}" if self.device.startswith("cuda") else self.device
+        return f"cuda:{rank}" if self.device == "cuda" else self.device
 
 
 def group(spec: RankSpec, rank: int, port: int):
@@ -52,29 +55,46 @@ def runner(spec: RankSpec, piece: Shard, comm: Collectives):
     return make_runner(model, spec.name, kv, spec.small, spec.classifier_path, spec.prefix_cache)
 
 
-def serve_rank(spec: RankSpec, port: int, conn) -> None:
-    """Rank r >= 1: receive its shard, build the runner, then run each call rank 0 sends until
-    told to stop."""
-    torch.set_num_threads(spec.threads)
-    from backoff_core.runners.factory import make_runner  # noqa: F401 - imported before the group forms
+class RankServer:
+    """Rank r >= 1's side: each message from rank 0, a (method, args, kwargs) tuple, gets one
+    answer, ("ready" | "ok", None) or ("error", the exception's type name); "stop" gets none.
+    First "shard" (its Packed shard), then "start" (join the group, build the runner: every
+    rank at once, as the group forms), then the runner's calls."""
 
-    piece: Shard = conn.recv().unpack()
-    conn.send(("ready", None))
-    comm = Collectives(group(spec, piece.rank, port), piece.rank, spec.size)
-    rank_runner = runner(spec, piece, comm)
-    del piece
-    conn.send(("ready", None))
-    while True:
-        method, args, kwargs = conn.recv()
+    def __init__(self, spec: RankSpec, port: int) -> None:
+        torch.set_num_threads(spec.threads)
+        from backoff_core.runners.factory import make_runner  # noqa: F401 - imported before the group forms
+
+        self.spec, self.port = spec, port
+        self.piece: Shard | None = None
+        self.comm: Collectives | None = None
+        self.runner = None
+
+    def handle(self, message: tuple) -> tuple[str, object] | None:
+        method, args, kwargs = message
         if method == "stop":
-            return
+            return None
+        if method == "shard":
+            self.piece = args[0].unpack()
+            return ("ready", None)
+        if method == "start":
+            self.comm = Collectives(group(self.spec, self.piece.rank, self.port), self.piece.rank, self.spec.size)
+            self.runner = runner(self.spec, self.piece, self.comm)
+            self.piece = None
+            return ("ready", None)
         if method == "chaos_exit":  # tests: die at the n-th collective from now
-            comm.exit_after = args[0]
-            conn.send(("ok", None))
-            continue
+            self.comm.exit_after = args[0]
+            return ("ok", None)
         try:
             with torch.inference_mode():
-                getattr(rank_runner, method)(*args, **kwargs)
-            conn.send(("ok", None))
+                getattr(self.runner, method)(*args, **kwargs)
+            return ("ok", None)
         except Exception as exc:  # noqa: BLE001 - rank 0 raises the same one, or the group is broken
-            conn.send(("error", type(exc).__name__))
+            return ("error", type(exc).__name__)
+
+
+def serve_rank(spec: RankSpec, port: int, conn) -> None:
+    """A rank process of torch.multiprocessing: its pipe's messages to a RankServer until "stop"."""
+    server = RankServer(spec, port)
+    while (answer := server.handle(conn.recv())) is not None:
+        conn.send(answer)

@@ -21,8 +21,8 @@ class FrozenConfig(BaseModel):
 
 class TensorParallel(FrozenConfig):
     """Ranks per model (backoff_core/parallel, docs/tensor-parallel.md): a model over N > 1 is
-    split Megatron-style over N rank processes of its replica, which asks for N times its
-    ray_actor_options (GPUs and CPUs) so that they land on one node."""
+    split Megatron-style over N ranks: its replica (rank 0) and N - 1 Ray actors, in a
+    placement group of N bundles of its ray_actor_options (GPUs and CPUs) on one node."""
 
     small: int = Field(1, ge=1, description="M_S's ranks (the SmallModel replica)")
     large: int = Field(1, ge=1, description="M_L's ranks (each LargeModel replica)")

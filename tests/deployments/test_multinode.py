@@ -1,14 +1,20 @@
 """The Serve application on a Ray cluster of several nodes (tests/support/cluster_local.py: one
 machine, separate raylets), tiny models. `pytest -m multinode` runs just these.
 
-Nodes: a head (CPUs: Serve's controller and proxy, the Ingress), two `small_gpu` nodes and
-two `large_gpu` nodes (one logical GPU each). The app asks for them as on a real cluster:
-SmallModel replicas need small_gpu + 1 GPU, LargeModel replicas large_gpu + 1 GPU, so
-each model replica gets a node (a GPU) of its own. In order: placement; a generation whose
-catch-ups cross nodes; the LargeModel's node killed under a stream (re-prefill on the other
-replica, a new replica on a replacement node); a SmallModel's node killed (its requests
-fail with a retriable 503, new ones succeed); autoscaling of Ingress and SmallModel under
-a burst, recorded (JSON + PNG; BACKOFF_RESULTS=DIR saves them there, e.g. benchmarks/results).
+Nodes: a head (CPUs: Serve's controller and proxy, the Ingress), two `small_gpu` nodes (one
+logical GPU each) and two `large_gpu` nodes (two each). The app asks for them as on a real
+cluster: SmallModel replicas need small_gpu + 1 GPU; M_L is split over two tensor-parallel
+ranks (`tensor_parallel: {large: 2}`), so a LargeModel replica owns a placement group of two
+one-GPU bundles, STRICT_PACK, the first with large_gpu: the replica (rank 0) and its rank
+actor on one large_gpu node. Each model replica gets a node of its own. In order: placement
+(the ranks' too); a generation whose catch-ups cross nodes, its tokens those of M_L unsplit
+in process; the LargeModel's node killed under a stream (its rank with it: re-prefill on the
+other replica, a new replica with its rank on a replacement node); a SmallModel's node
+killed (its requests fail with a retriable 503, new ones succeed); autoscaling of Ingress and
+SmallModel under a burst, recorded (JSON + PNG; BACKOFF_RESULTS=DIR saves them there, e.g.
+benchmarks/results). A rank's death is tested on the Serve fakes
+(tests/deployments/test_large_tensor_parallel.py) and run with Ray actors by
+benchmarks/tensor_parallel_served.py: here it cost a replica's restart.
 A tiny KV budget's 503 + Retry-After over HTTP is tested on the deployments' classes without
 Ray (tests/deployments/serving/test_kv_budget.py): it needs no cluster, and here it cost a
 redeploy of every replica.
@@ -63,6 +69,7 @@ def _edit(config: dict, dirs) -> None:
     # autoscaled 2..2 (the last test retunes it live), an Ingress that needs a CPU: the head's
     args["small"].update(num_replicas=None, min_replicas=2, max_replicas=2, gpus="auto", custom_resource="small_gpu")
     args["large"].update(gpus="auto", custom_resource="large_gpu")
+    args["models"]["tensor_parallel"] = {"large": 2}  # the tiny M_L's 4 heads / 2 KV heads: 2 and 1 a rank
     args["ingress"].update(num_replicas=None, min_replicas=1, max_replicas=2, num_cpus=0.1)
     args["limits"] = {"max_concurrent_per_client": None}
     # the tests send one prompt again and again and need both SmallModels serving it: affinity
@@ -81,7 +88,7 @@ def _edit(config: dict, dirs) -> None:
 @pytest.fixture(scope="module")
 def served(serve_app) -> ServedApp:
     """Head, two small_gpu and two large_gpu nodes; the app on them (served.cluster)."""
-    cluster = functools.partial(start_cluster, head_cpus=2, small_gpu=2, large_gpu=2)
+    cluster = functools.partial(start_cluster, head_cpus=2, gpus={"large_gpu": 2}, small_gpu=2, large_gpu=2)
     return serve_app("multinode", replicas={"small": 2, "large": 2}, edit=_edit, cluster=cluster)
 
 
@@ -152,11 +159,14 @@ def test_model_replicas_land_on_their_own_node_types(served):
     assert _placed(local, "SmallModel", "small_gpu", 2)  # one per small_gpu node
     assert _placed(local, "LargeModel", "large_gpu", 2)
     routers = {i.node for i in _infos("SmallModel").values()}
-    larges = {i.node for i in _infos("LargeModel").values()}
-    assert not routers & larges and len(routers | larges) == 4
+    larges = _infos("LargeModel").values()
+    assert not routers & {i.node for i in larges} and len(routers | {i.node for i in larges}) == 4
+    # M_L over two ranks: each replica's rank 1 is a Ray actor of its own process on its node
+    assert all(i.tensor_parallel == 2 and len(i.ranks) == 1 for i in larges)
+    assert all(node == i.node and pid != i.pid for i in larges for node, pid in i.ranks)
     gpus = {n["NodeID"]: n["Resources"].get("GPU", 0) for n in ray.nodes() if n["Alive"]}
-    assert all(gpus[node] == 1 for node in routers | larges)
-    # every logical GPU is taken: each model replica reserved a whole one
+    assert all(gpus[node] == 1 for node in routers) and all(gpus[i.node] == 2 for i in larges)
+    # every logical GPU is taken: each model replica, and each rank, reserved a whole one
     assert ray.available_resources().get("GPU", 0) == 0
 
 

@@ -43,9 +43,10 @@ class LocalCluster:
     cluster: Cluster
     nodes: dict[str, list] = field(default_factory=dict)  # node type -> live Node objects
     _env: dict[str, str | None] = field(default_factory=dict)
+    node_types: dict[str, dict] = field(default_factory=lambda: dict(NODE_TYPES))
 
     def add(self, kind: str):
-        node = self.cluster.add_node(**NODE_TYPES[kind])
+        node = self.cluster.add_node(**self.node_types[kind])
         self.nodes.setdefault(kind, []).append(node)
         return node
 
@@ -74,8 +75,9 @@ class LocalCluster:
                 os.environ[key] = value
 
 
-def start_cluster(head_cpus: int = 2, **counts: int) -> LocalCluster:
-    """Head + `counts` nodes of each type (e.g. small_gpu=2, large_gpu=2), and connect."""
+def start_cluster(head_cpus: int = 2, gpus: dict[str, int] | None = None, **counts: int) -> LocalCluster:
+    """Head + `counts` nodes of each type (e.g. small_gpu=2, large_gpu=2), and connect.
+    gpus: logical GPUs a node of a type has, where not one (a tensor-parallel model's node)."""
     no_auto_init()
     local_serve_env()
     saved = {key: os.environ.get(key) for key in SERVE_ENV}
@@ -90,7 +92,8 @@ def start_cluster(head_cpus: int = 2, **counts: int) -> LocalCluster:
             "_system_config": {**RAY_SYSTEM_CONFIG, **FAST_HEALTH},
         },
     )
-    local = LocalCluster(cluster, _env=saved)
+    types = {kind: {**spec, "num_gpus": (gpus or {}).get(kind, spec["num_gpus"])} for kind, spec in NODE_TYPES.items()}
+    local = LocalCluster(cluster, _env=saved, node_types=types)
     try:
         for kind, n in counts.items():
             for _ in range(n):

@@ -31,12 +31,42 @@ def test_backoff_serve_flags_set_the_config():
     assert models.tensor_parallel == TensorParallel(small=2, large=4)
 
 
-def test_a_replica_over_n_ranks_asks_for_n_times_its_gpus_and_cpus():
-    options = {"ray_actor_options": {"num_cpus": 1.0, "num_gpus": 1.0}, "max_ongoing_requests": 8}
+def test_a_replica_over_n_ranks_owns_a_placement_group_of_n_bundles_on_one_node():
+    options = {"ray_actor_options": {"num_cpus": 1.0, "num_gpus": 1.0, "resources": {"large_gpu": 1}}}
     assert with_ranks(options, 1) is options
-    assert with_ranks(options, 4)["ray_actor_options"] == {"num_cpus": 4.0, "num_gpus": 4.0}
-    app = build_app({"models": {"tensor_parallel": {"large": 4}}, "large": {"gpus": 1, "num_cpus": 2}})
+    tp = with_ranks(options, 3)
+    assert tp["placement_group_strategy"] == "STRICT_PACK" and tp["ray_actor_options"] == options["ray_actor_options"]
+    # bundle 0: the replica (rank 0) with the node type's resource; 1, 2: a rank actor each
+    assert tp["placement_group_bundles"] == [{"CPU": 1.0, "GPU": 1.0, "large_gpu": 1}] + [{"CPU": 1.0, "GPU": 1.0}] * 2
+    nothing = {"ray_actor_options": {"num_cpus": 0, "num_gpus": 0}}  # Ray refuses an empty bundle
+    assert with_ranks(nothing, 2)["placement_group_bundles"] == [{"CPU": 0.01}] * 2
+
+
+def test_the_app_gives_the_split_models_their_placement_groups():
+    app = build_app(
+        {
+            "models": {"tensor_parallel": {"large": 4, "small": 2}},
+            "large": {"gpus": 1, "num_cpus": 2},
+            "small": {"gpus": 0},
+        }
+    )
     from ray.serve._private.build_app import build_app as materialize
 
-    large = next(d for d in materialize(app, name="x").deployments if d.name == "LargeModel")
-    assert (large.ray_actor_options["num_gpus"], large.ray_actor_options["num_cpus"]) == (4.0, 8.0)
+    placed = {d.name: d._replica_config for d in materialize(app, name="x").deployments}
+    large, small = placed["LargeModel"], placed["SmallModel"]
+    assert large.placement_group_bundles == [{"CPU": 2.0, "GPU": 1.0}] * 4
+    assert large.placement_group_strategy == "STRICT_PACK"
+    assert (large.ray_actor_options["num_gpus"], large.ray_actor_options["num_cpus"]) == (1.0, 2.0)  # a rank's
+    assert small.placement_group_bundles == [{"CPU": 1.0}] * 2
+    assert placed["Ingress"].placement_group_bundles is None
+
+
+def test_a_replica_in_a_placement_group_launches_its_ranks_as_actors_in_it(monkeypatch):
+    from backoff_core.parallel.launch import spawn_ranks
+    from deployments import rank_actors
+
+    assert rank_actors.rank_launcher(3) is spawn_ranks  # Ray not started: processes of its own (the fakes)
+    monkeypatch.setattr(rank_actors.ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(rank_actors, "get_current_placement_group", lambda: object())
+    assert rank_actors.rank_launcher(3) is rank_actors.launch_in_placement_group
+    assert rank_actors.rank_launcher(1) is spawn_ranks
