@@ -1,7 +1,10 @@
 """`tensor_parallel` in the Serve config and on `backoff serve` (models_config.TensorParallel):
-which model gets how many ranks, and what its replica asks Ray for. No Ray started."""
+which model gets how many ranks, what its replica asks Ray for (a placement group), and how it
+reads its rank actors (deployments/rank_actors.py). No Ray started."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 from pydantic import ValidationError
@@ -70,3 +73,34 @@ def test_a_replica_in_a_placement_group_launches_its_ranks_as_actors_in_it(monke
     monkeypatch.setattr(rank_actors, "get_current_placement_group", lambda: object())
     assert rank_actors.rank_launcher(3) is rank_actors.launch_in_placement_group
     assert rank_actors.rank_launcher(1) is spawn_ranks
+
+
+def test_a_rank_actor_reads_as_gone_when_its_process_is_or_its_call_failed(monkeypatch):
+    """What makes the replica's health check fail between calls (the process probed on its
+    node) and a catch-up in flight raise RankFailure (a dead actor's answer: EOFError)."""
+    import subprocess
+
+    import ray
+
+    from deployments import rank_actors
+
+    proc = subprocess.Popen(["sleep", "60"])
+    link = rank_actors.ActorLink(actor=None, node="node-0", pid=proc.pid)
+    assert link.is_alive()
+    proc.kill()
+    proc.wait()
+    assert not link.is_alive()
+
+    class Died:  # a RankActor's handle whose process died: its calls' results raise
+        handle = type("Method", (), {"remote": staticmethod(lambda message: "ref")})
+
+    def get(ref):
+        raise ray.exceptions.RayActorError()
+
+    monkeypatch.setattr(rank_actors.ray, "get", get)
+    link = rank_actors.ActorLink(Died(), "node-0", pid=os.getpid())
+    link.send(("extend", ([("a", [1])],), {}))
+    link.send(("stop", (), {}))  # no answer expected: not sent
+    with pytest.raises(EOFError, match="rank actor gone"):
+        link.recv()
+    assert not link.is_alive() and not link._answers
