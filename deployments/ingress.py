@@ -60,6 +60,7 @@ from deployments.serving.formats import ChatStream, ReplyShape, chat_body, error
 from deployments.serving.grpc_service import Undecodable
 from deployments.serving.outcomes import Admitted, Failed, Rejected, internal_message
 from deployments.serving.playground import mount_playground, routing_info
+from deployments.serving.readiness import Readiness, missing
 from deployments.serving.requests import ServeRequest, serve_request
 from deployments.serving.sizes import check_answer
 from deployments.streams import OverloadedError, ServerFailure, collect, collect_all, failure, guarded, holding, shared
@@ -113,11 +114,12 @@ def _grpc_client(edge: Edge, context: RayServegRPCContext) -> str:
 class Ingress:
     def __init__(self, router: DeploymentHandle, args: dict) -> None:
         self.args = AppArgs.model_validate(args)
-        self.edge = Edge.from_config(self.args.access, self.args.limits)
+        self.edge = Edge.from_config(self.args.access, self.args.limits, self.args.admission)
         self.model_name = self.args.models.served_name
         self.router = router.options(stream=True, **handle_options(self.args.handle_transport))
         self.router_unary = router
         self._max_model_len: int | None = None  # _card's
+        self.readiness = Readiness(self._deployments_up)  # 503 not_ready until the chain's replicas run
         self.gc = GCWatch.shared()  # Ray Serve freezes the startup heap once __init__ returns (gc_heap.py)
 
     def info(self) -> IngressInfo:
@@ -128,8 +130,22 @@ class Ingress:
             gc=self.gc.stats(),
         )
 
+    async def _deployments_up(self) -> str:
+        """'' once every deployment of this app has a running replica (Serve's controller says)."""
+        status = await asyncio.to_thread(serve.status)
+        return missing(status.applications.get(serve.get_replica_context().app_name))
+
+    async def _until_ready(self) -> None:
+        """Refuse (503 + Retry-After, code not_ready) while the models load: a request sent
+        then would wait in Serve's queues, silently, until their replicas ran."""
+        if problem := await self.readiness.problem():
+            retry = self.args.admission.retry_after_s
+            raise OverloadedError(f"the server is starting ({problem}); retry shortly", retry, "not_ready")
+
     async def _chain_ok(self) -> str:
         """'' when a SmallModel answers within 5 s, else why not."""
+        if problem := await self.readiness.problem():
+            return problem
         try:
             await asyncio.wait_for(self.router_unary.info.remote(), 5.0)
             return ""
@@ -152,12 +168,14 @@ class Ingress:
 
     @app.get("/v1/models")
     async def models(self) -> dict:
+        await self._until_ready()
         return ModelList(data=[await self._card()]).model_dump()
 
     @app.get("/v1/models/{model_id:path}")
     async def model(self, model_id: str) -> dict:
         if model_id != self.model_name:
             raise ClientError(f"the model {model_id!r} does not exist", "model", 404, "model_not_found")
+        await self._until_ready()
         return (await self._card()).model_dump()
 
     async def _card(self) -> ModelCard:
@@ -174,6 +192,7 @@ class Ingress:
     async def routing(self) -> dict:
         """The chain's levels, the routers a request may name and the live routing config
         (what the playground's controls offer; an extension, not OpenAI's)."""
+        await self._until_ready()
         policy = (await self.router_unary.info.remote()).policy
         return routing_info(self.args, self.model_name, policy).model_dump()
 
@@ -370,6 +389,7 @@ class Ingress:
         `index`), else closes them and raises the first refusal. The slot is freed when the
         last stream ends or is closed. tokens=False (unary): no TokenEvents, only the result;
         prompt_ids: each Admitted carries its prompt's ids (return_token_ids), as with echo."""
+        await self._until_ready()
         for content in contents:
             check_limits(self.edge.limits, params, **content)
         check_answer(self.edge.limits, params, contents, choices, self.args.default_max_tokens)
@@ -416,8 +436,8 @@ class Ingress:
             raise OverloadedError(exc.message, retry) from None
         if not isinstance(first, Admitted):
             await stream.aclose()
-        if isinstance(first, Overloaded):  # the SmallModel replica is full
-            raise OverloadedError(first.message, first.retry_after_s)
+        if isinstance(first, Overloaded):  # the SmallModel replica's queue is full, or the wait ran out
+            raise OverloadedError(first.message, first.retry_after_s, first.code)
         if isinstance(first, Rejected):
             raise ClientError(first.message)
         if isinstance(first, Failed):

@@ -116,7 +116,11 @@ class SmallMetrics:
         self.registry = r = CollectorRegistry(auto_describe=False)  # GET /metrics: series()
         self.names = level_names(num_levels)
         self.requests = Counter(
-            "backoff_requests", "Requests by outcome (finished, rejected, failed, cancelled).", ("outcome",), registry=r
+            "backoff_requests",
+            "Requests by outcome (finished, rejected, failed, cancelled; overloaded: the admission queue was full, "
+            "queue_timeout: waited admission.queue_timeout_s in it).",
+            ("outcome",),
+            registry=r,
         )
         self.tokens = Counter("backoff_tokens", "Generated tokens by source model.", ("source",), registry=r)
         self.backoff_rate = Histogram(

@@ -1,7 +1,10 @@
 """`backoff serve`: run the Serve config locally (the same path as `serve run <config>`).
 
 Reads deployments/serve_config.yaml (or --config), applies the command line's overrides,
-writes the result to a temporary file and hands it to Ray Serve's own `serve run`.
+writes the result to a temporary file and hands it to Ray Serve's own `serve run
+--non-blocking`; then waits until every replica runs and prints one ready line with the
+addresses (deployments/serving/readiness.py), and keeps serving until Ctrl-C (`--wait-ready`:
+exits 0 there instead, for scripts; `--non-blocking`: returns once submitted).
 """
 
 from __future__ import annotations
@@ -11,12 +14,14 @@ import copy
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import yaml
 
 from backoff_core.cli.args import AUTO_BOOL, auto_bool
 from backoff_core.types import COMPILE_MODES, RAGGED_MODES
+from deployments.serving.readiness import ready_line, wait_ready
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "serve_config.yaml"
 
@@ -208,7 +213,17 @@ def _parser() -> argparse.ArgumentParser:
         "call between replicas (each catch-up)",
     )
     p.add_argument("--print-config", action="store_true", help="print the resulting config and exit")
-    p.add_argument("--non-blocking", action="store_true", help="return once the config is submitted")
+    p.add_argument("--non-blocking", action="store_true", help="return once the config is submitted (no ready line)")
+    p.add_argument(
+        "--wait-ready",
+        type=float,
+        nargs="?",
+        const=600.0,
+        metavar="SECONDS",
+        help="for scripts: wait until every replica can answer, print the ready line and exit 0; exit 1 with one "
+        "line if not ready within SECONDS (default 600). Needs a Ray that outlives this command: --address "
+        "(e.g. auto after `ray start --head`)",
+    )
     return p
 
 
@@ -343,9 +358,53 @@ def main(argv: list[str] | None = None) -> int:
             f"further); {http} and {grpc} go through the proxy",
             file=sys.stderr,
         )
+    if args.wait_ready is not None and not (args.address or ray_is_running()):
+        print(
+            "backoff serve: --wait-ready returns once the app is ready, and the local Ray this command would "
+            "start stops with it: start Ray first (`ray start --head`) and add --address auto, or run "
+            "`backoff serve` without it (it prints the ready line and keeps serving)",
+            file=sys.stderr,
+        )
+        return 2
+    started = time.monotonic()
     start_ray(args.address, args.metrics_port)
-    run_config(config, blocking=not args.non_blocking)
+    run_config(config, blocking=False)  # submitted; the wait for the replicas is ours (the ready line)
+    if args.non_blocking and args.wait_ready is None:
+        return 0
+    code = wait_until_ready(config, args.wait_ready, started)
+    if code or args.non_blocking or args.wait_ready is not None:
+        return code
+    serve_until_interrupted()
     return 0
+
+
+def wait_until_ready(config: dict, timeout_s: float | None, started: float) -> int:
+    """Print the ready line once every application of `config` runs (0), or one line saying
+    what is not up after timeout_s, or which application failed to deploy (1)."""
+    from ray import serve
+
+    apps = [app["name"] for app in config["applications"]]
+    try:
+        wait_ready(
+            serve.status, apps, timeout_s, progress=lambda line: print(f"backoff serve: {line}", file=sys.stderr)
+        )
+    except (TimeoutError, RuntimeError) as exc:
+        print(f"backoff serve: {exc}; `serve status` has the detail", file=sys.stderr)
+        return 1
+    print(ready_line(config, time.monotonic() - started), flush=True)
+    return 0
+
+
+def serve_until_interrupted() -> None:
+    """Keep this process (and a local Ray it started) up, as `serve run` does, until Ctrl-C."""
+    from ray import serve
+
+    try:
+        while True:
+            time.sleep(10)
+    except KeyboardInterrupt:
+        print("backoff serve: shutting down", file=sys.stderr)
+        serve.shutdown()
 
 
 def ray_is_running() -> bool:

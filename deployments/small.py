@@ -3,8 +3,8 @@
 Holds M_S as a local runner (a ModelRunner, or a StaticRunner given a KV budget) and a
 BackoffEngine whose larger levels are RemoteLarge proxies to LargeModel deployments. One
 thread runs the engine (EngineLoop), so the M_S steps of concurrent requests are batched;
-`generate` streams one request's items once the AdmissionGate lets it in (a full replica
-refuses it at once: Overloaded). The routing config (router, threshold, target backoff
+`generate` streams one request's items once the AdmissionGate lets it in (past its FIFO
+queue, or after queue_timeout_s in it, it refuses: Overloaded). The routing config (router, threshold, target backoff
 rate) is this deployment's user_config:
 `reconfigure()` swaps it and the engine thread reads it once per step.
 
@@ -39,14 +39,14 @@ from backoff_core.models.prompts import encode_chat, encode_prompt
 from backoff_core.parallel.ranks import parallel_runner
 from backoff_core.routing.routers import build_router
 from backoff_core.runners.kv_budget import kv_evictions, kv_tokens
-from backoff_core.types import GenerationRequest, GenerationResult, TokenEvent, level_names
+from backoff_core.types import GenerationRequest, GenerationResult, KVSpec, TokenEvent, level_names
 from deployments.large import replica_kv
 from deployments.metrics import KVMetrics, SmallMetrics
 from deployments.rank_actors import rank_launcher
-from deployments.serving.admission import AdmissionGate, Overloaded
+from deployments.serving.admission import AdmissionGate, Overloaded, live_slots, queue_depth
 from deployments.serving.catchup_wire import CatchUpCall
 from deployments.serving.chaos import FaultInjector
-from deployments.serving.config import AppArgs, RoutingConfig, handle_options
+from deployments.serving.config import AdmissionConfig, AppArgs, RoutingConfig, handle_options
 from deployments.serving.engine_loop import EngineLoop
 from deployments.serving.exposition import Series, answers
 from deployments.serving.models import load_small_side
@@ -110,7 +110,7 @@ class SmallInfo:
     live: int  # requests in the step loop
     requests: tuple[str, ...]  # ids of the live requests
     admitted: int  # slots of the admission gate held (live + on their way in)
-    waiting: int  # requests waiting for a slot
+    waiting: int  # requests waiting for a slot (the admission queue)
     cancelled: int  # requests whose caller went away (disconnect, cancel) before the end
     sessions_lost: int
     catch_up_calls: int
@@ -123,6 +123,7 @@ class SmallInfo:
     launched_ahead: tuple[int, int] | None = None  # M_S's rows launched ahead, taken by a step (None: off)
     gc: GCStats | None = None  # the collector's pauses since load (Ray Serve's freeze included) and the heap frozen
     context_window: int | None = None  # prompt + generated tokens one request may hold (GET /v1/models' max_model_len)
+    admission: tuple[int, int, int, int] = (0, 0, 0, 0)  # live slots, queue depth, refused (queue full), timed out
 
 
 @serve.deployment(max_ongoing_requests=64)
@@ -173,7 +174,7 @@ class SmallModel:
             launch_ahead=ahead.resolve(self.args.launch_ahead, small, self.args.overlap_catch_ups),
         )
         self.metrics = SmallMetrics(n)
-        self.gate = AdmissionGate(self.args.admission.max_live_requests, self.args.admission.max_waiting_requests)
+        self.gate = _gate(self.args.admission, self.kv)
         self._lost_reported = 0
         self._cancelled = 0
         self._served: collections.deque[str] = collections.deque(maxlen=RECENT_IDS)
@@ -210,18 +211,13 @@ class SmallModel:
         """Admitted, then the committed tokens (TokenEvents; several at once as a tuple when
         they queued up meanwhile or waited for the message budget, StreamConfig; none unless
         `tokens`), then the GenerationResult.
-        Overloaded alone when the replica is full."""
+        Overloaded alone when the queue is full or the request waited queue_timeout_s in it."""
         self._start_renewals()
         self._served.append(request.request_id)
         self._served_count += 1
-        if not await self.gate.enter():
-            self.metrics.request("overloaded")
-            limits = self.args.admission
-            yield Overloaded(
-                f"the server is at capacity ({limits.max_live_requests} live and "
-                f"{limits.max_waiting_requests} waiting requests per replica); retry later",
-                limits.retry_after_s,
-            )
+        if (refused := await self.gate.enter()) is not None:  # the queue was full, or the wait too long
+            self.metrics.request(refused.code)  # overloaded / queue_timeout: counted by outcome
+            yield refused
             return
         try:
             async with contextlib.aclosing(self._stream(request, tokens)) as items:  # its finally runs first
@@ -290,6 +286,7 @@ class SmallModel:
             launched_ahead=_launched_ahead(self.loop.engine),
             gc=self.gc.stats(),
             context_window=getattr(self.loop.engine, "context_window", None),  # an engine_factory's may have none
+            admission=(self.gate.max_live, self.gate.max_waiting, self.gate.refused, self.gate.timed_out),
         )
 
     def metric_series(self) -> tuple[Series, ...]:
@@ -348,6 +345,14 @@ class SmallModel:
         loop = getattr(self, "loop", None)
         if loop is not None:
             loop.stop()
+
+
+def _gate(admission: AdmissionConfig, kv: KVSpec) -> AdmissionGate:
+    """The replica's admission: its live slots (fewer than max_live_requests where M_S's static
+    KV holds fewer sessions) and a FIFO queue of `auto` = QUEUE_PER_LIVE x them, or as set."""
+    live = live_slots(admission.max_live_requests, kv.budget_tokens // kv.max_len if kv.static else None)
+    depth = queue_depth(admission.max_waiting_requests, live)
+    return AdmissionGate(live, depth, admission.queue_timeout_s, admission.retry_after_s)
 
 
 def _launched_ahead(engine) -> tuple[int, int] | None:

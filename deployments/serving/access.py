@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from clients.wire.types import ChatMessage, GenerateParams
-from deployments.serving.config import AccessConfig, LimitsConfig
+from deployments.serving.config import AccessConfig, AdmissionConfig, LimitsConfig
 from deployments.serving.formats import error_body
 
 
@@ -183,8 +183,12 @@ class Edge:
     slots: ClientSlots
 
     @classmethod
-    def from_config(cls, access: AccessConfig, limits: LimitsConfig) -> "Edge":
-        return cls(Access(access), limits, ClientSlots(limits.max_concurrent_per_client, limits.retry_after_s))
+    def from_config(
+        cls, access: AccessConfig, limits: LimitsConfig, admission: AdmissionConfig | None = None
+    ) -> "Edge":
+        keys = Access(access)
+        limit = limits.per_client(keys.enabled, admission or AdmissionConfig())  # `auto`: on with API keys only
+        return cls(keys, limits, ClientSlots(limit, limits.retry_after_s))
 
 
 def body_too_large(limit: int) -> ClientError:

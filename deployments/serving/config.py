@@ -8,12 +8,13 @@ LargeModel's: `serve deploy` of an edited config applies them live through
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 
 from backoff_core.types import parse_thresholds
 from clients.wire.types import Thresholds, refuse_both_spellings
+from deployments.serving.admission import queue_depth
 from deployments.serving.models_config import FrozenConfig as _Config
 from deployments.serving.models_config import ModelsConfig
 
@@ -125,19 +126,33 @@ class ReplicaConfig(_Config):
 
 
 class AdmissionConfig(_Config):
-    """How much work one SmallModel replica takes on; the rest is refused at once (HTTP 503 +
-    Retry-After, gRPC RESOURCE_EXHAUSTED), never queued without bound."""
+    """How much work one SmallModel replica takes on (deployments/serving/admission.py): live
+    requests, then a bounded FIFO queue that waits for them; past the queue, or after
+    queue_timeout_s in it, a request is refused (HTTP 503 + Retry-After, gRPC
+    RESOURCE_EXHAUSTED), never queued without bound."""
 
     max_live_requests: int = Field(
         48,
         ge=1,
-        description="requests in a replica's step loop at once; each is in "
-        "every batched step, so more make every request slower",
+        description="requests in a replica's step loop at once (fewer where M_S's static KV holds fewer "
+        "sessions: budget // kv_max_len); each is in every batched step, so more make every request slower",
     )
-    max_waiting_requests: int = Field(
-        8, ge=0, description="requests more that wait in the replica, first come first served, for a live one to finish"
+    max_waiting_requests: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
+        "auto",
+        description="requests more that wait in the replica, first come first served, for a live one to "
+        "finish; auto = 3 x the live slots (144 at the defaults)",
+    )
+    queue_timeout_s: float = Field(
+        60.0,
+        gt=0.0,
+        allow_inf_nan=False,
+        description="the longest a request waits in the queue; then 503 + Retry-After, code queue_timeout",
     )
     retry_after_s: float = Field(1.0, ge=0.0, description="Retry-After of a refused request (seconds, rounded up)")
+
+    def waiting_bound(self) -> int:
+        """The most waiters a replica may queue (`auto` with the live slots at max_live_requests)."""
+        return queue_depth(self.max_waiting_requests, self.max_live_requests)
 
 
 class StreamConfig(_Config):
@@ -226,14 +241,22 @@ class LimitsConfig(_Config):
     )
     max_stop: int = Field(4, ge=0, description="stop strings per request (OpenAI allows 4)")
     max_stop_chars: int = Field(64, ge=1, description="characters of one stop string")
-    max_concurrent_per_client: int | None = Field(
-        64,
-        ge=1,
+    max_concurrent_per_client: Annotated[int, Field(ge=1)] | Literal["auto"] | None = Field(
+        "auto",
         description="requests one client may have open at once, counted in each Ingress replica "
-        "(429 / RESOURCE_EXHAUSTED above; the default lets one client fill one "
-        "SmallModel replica's admission, not more); none: unlimited",
+        "(429 / RESOURCE_EXHAUSTED above); auto = none without API keys (a client is then only its "
+        "address: a load balancer or a load tool would be one client), with keys one SmallModel "
+        "replica's live slots and queue (admission.max_live_requests + its queue bound); none: unlimited",
     )
     retry_after_s: int = Field(1, ge=0, description="Retry-After (seconds) sent with a 429")
+
+    def per_client(self, keys: bool, admission: AdmissionConfig) -> int | None:
+        """max_concurrent_per_client with `auto` resolved: off without API keys, else one
+        SmallModel replica's live slots and queue (192 at the defaults)."""
+        limit = self.max_concurrent_per_client
+        if limit != "auto":
+            return limit
+        return admission.max_live_requests + admission.waiting_bound() if keys else None
 
 
 class PrefixRoutingConfig(_Config):
@@ -276,7 +299,7 @@ class AppArgs(_Config):
     catch_up: CatchUpConfig = Field(default_factory=CatchUpConfig, description="initial LargeModel user_config")
     small: ReplicaConfig = Field(
         default_factory=lambda: ReplicaConfig(
-            custom_resource="small_gpu", max_ongoing_requests=64, max_queued_requests=32
+            custom_resource="small_gpu", max_ongoing_requests=256, max_queued_requests=32
         ),
         description="SmallModel replicas (M_S + decision function + step loop)",
     )
@@ -367,7 +390,7 @@ class AppArgs(_Config):
     @model_validator(mode="after")
     def _admission_below_serve_limit(self) -> "AppArgs":
         # a refusal must reach the replica to be sent, and info() / health calls need a slot
-        carried = self.admission.max_live_requests + self.admission.max_waiting_requests
+        carried = self.admission.max_live_requests + self.admission.waiting_bound()
         if carried >= self.small.max_ongoing_requests:
             raise ValueError(
                 f"admission.max_live_requests + max_waiting_requests ({carried}) must stay below "

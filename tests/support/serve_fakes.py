@@ -10,7 +10,7 @@ deployments/ (their `.func_or_class`) run in the test process with Ray not start
   as Serve sets it), `broadcast(...).results_async` for the lease renewals;
 - `SmallHandle`, `ingress_replica`, `serving`: the Ingress over a SmallModel instance, its FastAPI
   app served by uvicorn on a loopback port on a thread (real HTTP, real SSE), for the official
-  `openai` client.
+  `openai` client; `serve_status`: what Serve's controller says of the app (serve.status()).
 """
 
 from __future__ import annotations
@@ -242,9 +242,22 @@ class _OneReplica:
             return [exc]
 
 
+def serve_status(app: str = "test", starting: tuple[str, ...] = ()) -> types.SimpleNamespace:
+    """`serve.status()` of an app whose Ingress, SmallModel and LargeModel run one replica each,
+    but the `starting` deployments, which have none running yet (schema.ServeStatus's shape)."""
+
+    def deployment(name: str) -> types.SimpleNamespace:
+        return types.SimpleNamespace(replica_states={"STARTING" if name in starting else "RUNNING": 1})
+
+    deployments = {name: deployment(name) for name in ("Ingress", "SmallModel", "LargeModel")}
+    overview = types.SimpleNamespace(status="DEPLOYING" if starting else "RUNNING", message="", deployments=deployments)
+    return types.SimpleNamespace(applications={app: overview}, proxies={"node-0": "HEALTHY"})
+
+
 def ingress_replica(monkeypatch, small, args: dict | None = None):
     """An Ingress instance (the class @serve.ingress wrapped, built as Serve builds it, less its
-    ASGI wrapper) over a SmallModel instance; the FastAPI routes find it as their `self`."""
+    ASGI wrapper) over a SmallModel instance; the FastAPI routes find it as their `self`, and
+    Serve's controller says every replica of the app runs (`serve_status`)."""
     from deployments import ingress
 
     wrapper = ingress.Ingress.func_or_class
@@ -256,6 +269,7 @@ def ingress_replica(monkeypatch, small, args: dict | None = None):
     replica = object.__new__(Bare)
     wrapper.__mro__[1].__init__(replica, SmallHandle(small), args or {})
     replica_context(monkeypatch, servable=replica)
+    monkeypatch.setattr(serve, "status", serve_status)
     return replica
 
 

@@ -1,5 +1,5 @@
-"""Backpressure without a cluster: the SmallModel's admission gate, the bounded-queue
-options of the config, and the clients' OverloadedError and bounded retries (HTTP against a
+"""Backpressure without a cluster: the SmallModel's admission gate (live slots, a FIFO queue
+with a timeout), the bounded-queue options of the config, the per-client limit's default, and the clients' OverloadedError and bounded retries (HTTP against a
 mock transport, gRPC against an in-process server)."""
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from clients.http_client import AsyncBackoffHTTPClient, BackoffHTTPClient
 from clients.wire import backoff_pb2 as pb
 from clients.wire import backoff_pb2_grpc as pb_grpc
 from clients.wire.errors import from_grpc, from_http
-from deployments.serving.admission import AdmissionGate
-from deployments.serving.config import AdmissionConfig, AppArgs, ReplicaConfig
+from deployments.serving.access import Edge
+from deployments.serving.admission import AdmissionGate, Overloaded, live_slots, queue_depth
+from deployments.serving.config import AccessConfig, AdmissionConfig, AppArgs, LimitsConfig, ReplicaConfig
 
 FAST = Retry(attempts=2, max_wait_s=0.01)  # retries honour Retry-After, capped here to keep tests fast
 
@@ -30,18 +31,20 @@ FAST = Retry(attempts=2, max_wait_s=0.01)  # retries honour Retry-After, capped 
 
 def test_gate_admits_live_then_queues_then_refuses_and_hands_slots_over_in_order():
     async def run():
-        gate = AdmissionGate(max_live=2, max_waiting=2)
-        assert await gate.enter() and await gate.enter()  # two live
+        gate = AdmissionGate(max_live=2, max_waiting=2, retry_after_s=3.0)
+        assert await gate.enter() is None and await gate.enter() is None  # two live
         order: list[int] = []
 
         async def waiter(i: int) -> None:
-            assert await gate.enter()
+            assert await gate.enter() is None
             order.append(i)
 
         tasks = [asyncio.create_task(waiter(i)) for i in range(2)]
         await asyncio.sleep(0)
         assert gate.waiting == 2 and gate.live == 2
-        assert not await gate.enter()  # full: refused at once, nothing held
+        refused = await gate.enter()  # past the queue: refused at once, nothing held
+        assert refused == Overloaded(refused.message, 3.0, "overloaded") and "2 live and 2 waiting" in refused.message
+        assert gate.refused == 1 and gate.waiting == 2
         gate.leave()
         gate.leave()
         await asyncio.gather(*tasks)
@@ -53,10 +56,43 @@ def test_gate_admits_live_then_queues_then_refuses_and_hands_slots_over_in_order
     asyncio.run(run())
 
 
+def test_a_waiter_past_the_timeout_is_refused_and_holds_nothing_and_one_served_in_time_is_not():
+    async def run():
+        gate = AdmissionGate(max_live=1, max_waiting=2, timeout_s=0.05, retry_after_s=2.0)
+        assert await gate.enter() is None
+        late = await gate.enter()  # no slot frees within 50 ms
+        assert late.code == "queue_timeout" and late.retry_after_s == 2.0 and "0.05 s" in late.message
+        assert (gate.timed_out, gate.waiting, gate.live) == (1, 0, 1)
+        in_time = asyncio.create_task(gate.enter())
+        await asyncio.sleep(0)
+        gate.leave()  # its slot comes within the timeout: it is served
+        assert await in_time is None and gate.live == 1 and gate.timed_out == 1
+        gate.leave()
+        assert gate.live == 0
+
+    asyncio.run(run())
+
+
+def test_a_slot_that_arrives_as_the_wait_runs_out_is_kept_not_lost():
+    async def run():
+        gate = AdmissionGate(max_live=1, max_waiting=1, timeout_s=0.05)
+        assert await gate.enter() is None
+        waiter = asyncio.create_task(gate.enter())
+        await asyncio.sleep(0)
+        asyncio.get_running_loop().call_later(0.05, gate.leave)  # the same moment as its timeout
+        outcome = await waiter
+        assert gate.waiting == 0
+        # served, or timed out with the slot handed back: never a slot held by no one
+        assert (outcome is None and gate.live == 1) or (outcome.code == "queue_timeout" and gate.live == 0)
+
+    for _ in range(20):
+        asyncio.run(run())
+
+
 def test_a_cancelled_waiter_holds_no_slot():
     async def run():
         gate = AdmissionGate(max_live=1, max_waiting=1)
-        assert await gate.enter()
+        assert await gate.enter() is None
         task = asyncio.create_task(gate.enter())
         await asyncio.sleep(0)
         task.cancel()  # the client went away while waiting
@@ -64,7 +100,7 @@ def test_a_cancelled_waiter_holds_no_slot():
             await task
         assert gate.waiting == 0
         gate.leave()
-        assert gate.live == 0 and await gate.enter()
+        assert gate.live == 0 and await gate.enter() is None
 
     asyncio.run(run())
 
@@ -72,7 +108,7 @@ def test_a_cancelled_waiter_holds_no_slot():
 def test_a_waiter_cancelled_as_its_slot_arrives_passes_it_on():
     async def run():
         gate = AdmissionGate(max_live=1, max_waiting=2)
-        assert await gate.enter()
+        assert await gate.enter() is None
         first = asyncio.create_task(gate.enter())
         second = asyncio.create_task(gate.enter())
         await asyncio.sleep(0)
@@ -80,22 +116,45 @@ def test_a_waiter_cancelled_as_its_slot_arrives_passes_it_on():
         first.cancel()  # ... which is cancelled before it runs
         with pytest.raises(asyncio.CancelledError):
             await first
-        assert await second and gate.live == 1
+        assert await second is None and gate.live == 1
 
     asyncio.run(run())
+
+
+def test_live_slots_follow_the_small_models_static_kv_and_the_queue_is_three_per_slot():
+    assert live_slots(48, None) == 48  # per-session caches: no slots to count
+    assert live_slots(48, 16) == 16 and live_slots(48, 64) == 48 and live_slots(48, 0) == 1
+    assert queue_depth("auto", 48) == 3 * 48 and queue_depth("auto", 16) == 48 and queue_depth(5, 48) == 5
 
 
 # -- config -----------------------------------------------------------------------------------
 
 
 def test_admission_must_leave_room_below_the_serve_limit():
-    AppArgs()  # the defaults are consistent
+    args = AppArgs()  # the defaults are consistent: 48 live + 144 queued < 256
+    assert args.admission.waiting_bound() == 144 and args.small.max_ongoing_requests == 256
+    AppArgs(admission=AdmissionConfig(max_live_requests=63))  # 63 + 189 queued: 252 fits below 256 ...
     with pytest.raises(ValidationError, match="max_ongoing_requests"):
-        AppArgs(admission=AdmissionConfig(max_live_requests=60, max_waiting_requests=4))
+        AppArgs(admission=AdmissionConfig(max_live_requests=64))  # ... 64 + 192 does not
+    with pytest.raises(ValidationError, match="max_ongoing_requests"):
+        AppArgs(admission=AdmissionConfig(max_live_requests=200, max_waiting_requests=56))
     AppArgs(
         admission=AdmissionConfig(max_live_requests=2, max_waiting_requests=1),
         small=ReplicaConfig(max_ongoing_requests=4, max_queued_requests=2),
     )
+    with pytest.raises(ValidationError, match="queue_timeout_s"):
+        AdmissionConfig(queue_timeout_s=0)
+
+
+def test_per_client_limit_is_off_without_api_keys_and_on_with_them():
+    limits, admission = LimitsConfig(), AdmissionConfig()
+    assert limits.max_concurrent_per_client == "auto"
+    assert limits.per_client(False, admission) is None  # one client may be a whole load tool
+    assert limits.per_client(True, admission) == 48 + 144  # one SmallModel replica's live slots and queue
+    assert LimitsConfig(max_concurrent_per_client=5).per_client(False, admission) == 5
+    assert LimitsConfig(max_concurrent_per_client=None).per_client(True, admission) is None
+    keyed = Edge.from_config(AccessConfig(api_keys=["k"]), limits, AdmissionConfig(max_live_requests=2))
+    assert keyed.slots.limit == 2 + 6 and Edge.from_config(AccessConfig(), limits).slots.limit is None
 
 
 def test_queues_are_bounded_where_a_refusal_is_safe():

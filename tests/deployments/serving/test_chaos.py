@@ -28,6 +28,7 @@ from deployments.serving.catchup_wire import CatchUpCall
 from deployments.serving.chaos import FaultInjector, InjectedFault
 from deployments.serving.config import AppArgs
 from deployments.serving.outcomes import Failed
+from deployments.serving.readiness import Readiness
 from deployments.streams import ServerFailure
 from tests.support.helpers import engine_for, request
 from tests.support.remote_fakes import FakeEndpoint, remote_engine
@@ -117,6 +118,10 @@ class _BareIngress(Ingress.func_or_class):
         pass
 
 
+async def _running() -> str:
+    return ""
+
+
 class _FirstItemRouter:
     """A SmallModel handle whose stream yields one item: what the step loop answered."""
 
@@ -141,6 +146,7 @@ def test_a_request_the_step_loop_fails_at_admission_is_a_server_failure(first, s
     ingress = object.__new__(_BareIngress)
     ingress.args = AppArgs()
     ingress.edge = Edge.from_config(ingress.args.access, ingress.args.limits)
+    ingress.readiness = Readiness(_running)  # every replica of the app runs (test_readiness.py: until then)
     ingress.router = _FirstItemRouter(first)
     with pytest.raises(ServerFailure) as err:
         asyncio.run(ingress._open("cmpl-1", GenerateParams(max_tokens=2), "peer:test", True, [{"prompt": "hi"}]))
