@@ -19,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from backoff_core.cli.args import AUTO_BOOL, auto_bool
+from backoff_core.cli.args import AUTO_BOOL, QUANTIZE_CHOICES, auto_bool
 from backoff_core.types import COMPILE_MODES, RAGGED_MODES
 from deployments.serving.readiness import ready_line, wait_ready
 
@@ -165,6 +165,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--large-tp", type=int, metavar="N", help="M_L over N tensor-parallel ranks (models.tensor_parallel)"
     )
+    for which in ("small", "large"):
+        p.add_argument(
+            f"--quantize-{which}",
+            choices=QUANTIZE_CHOICES,
+            help=f"M_{which[0].upper()}'s weights: fp8 (the decoder's linear layers, docs/fp8.md) or none "
+            f"(models.quantize.{which})",
+        )
     p.add_argument(
         "--ragged-catch-ups",
         nargs="?",
@@ -271,6 +278,11 @@ def apply_overrides(config: dict, args: argparse.Namespace) -> dict:
     for key, value in (("small", args.small_tp), ("large", args.large_tp)):
         if value is not None:
             models["tensor_parallel"] = {**models.get("tensor_parallel", {}), key: value}
+    for key, value in (("small", args.quantize_small), ("large", args.quantize_large)):
+        if value is not None:
+            quantize = models.get("quantize", {})
+            quantize = {"small": quantize, "large": quantize} if isinstance(quantize, str) else quantize
+            models["quantize"] = {**quantize, key: value}
     if args.launch_ahead is not None:
         app["args"]["launch_ahead"] = auto_bool(args.launch_ahead)
     routing = _deployment(app, "SmallModel").setdefault("user_config", {})

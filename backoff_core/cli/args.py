@@ -6,6 +6,7 @@ import argparse
 
 from backoff_core.types import COMPILE_MODES, RAGGED_MODES, Verification, parse_thresholds
 
+QUANTIZE_CHOICES = ("none", "fp8")  # backoff_core.models.fp8.QUANTIZE_MODES (not imported: no torch at parse time)
 AUTO_BOOL = ("auto", "true", "false")  # the command line's spelling of a setting that is "auto" | bool
 
 
@@ -28,6 +29,14 @@ def model_args(p: argparse.ArgumentParser) -> None:
         choices=["mkldnn", "default"],
         help="linear layers on CPU float32: oneDNN (faster for every catch-up length) or torch's default",
     )
+    for which in ("small", "large"):
+        g.add_argument(
+            f"--quantize-{which}",
+            choices=QUANTIZE_CHOICES,
+            default="none",
+            help=f"M_{which[0].upper()}'s decoder linear layers in fp8 (e4m3, 128x128 block scales; W8A8 on GPUs "
+            "with fp8 tensor cores, weight-only elsewhere: docs/fp8.md), or none (default)",
+        )
     g.add_argument(
         "--kv-budget",
         type=int,
@@ -52,6 +61,20 @@ def model_args(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="static KV: every decoder layer one inductor-compiled function, fewer kernels a step (docs/gpu.md): "
         "auto (default; where CUDA graphs capture it), on (also eagerly), off",
+    )
+
+
+def load_spec(args: argparse.Namespace):
+    """The LoadSpec of model_args' options."""
+    from backoff_core.models.loading import LoadSpec
+
+    return LoadSpec(
+        args.device,
+        args.dtype,
+        args.device_map,
+        args.cpu_kernels,
+        quantize_small=args.quantize_small,
+        quantize_large=args.quantize_large,
     )
 
 

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from backoff_core.cli.args import model_args
+from backoff_core.cli.args import load_spec, model_args
 from backoff_core.evaluation.frontier_spec import CLASSIFIER_RATES, DEFAULT_GRID, TASKS, tasks_dir
 
 NEED_EXTRA = "lm-eval is not installed: pip install -e '.[eval]' (the eval extra)"
@@ -111,11 +111,11 @@ def _frontier(args) -> int:
     )
     from backoff_core.evaluation.frontier_plot import plot_frontier
     from backoff_core.models.default_pair import DEFAULT_PAIR_NAMES
-    from backoff_core.models.loading import LoadSpec, chain_names, load_chain
+    from backoff_core.models.loading import chain_names, load_chain
 
     names = chain_names(args.small, args.large, args.medium) or DEFAULT_PAIR_NAMES
     config = FrontierConfig(
-        pair="+".join(names),
+        pair="+".join(_quantized_names(names, args)),
         models=files_digest(_model_files(args)),
         head=files_digest(_head_files(args)),
         tasks=tuple(t for t in args.tasks.split(",") if t),
@@ -130,7 +130,7 @@ def _frontier(args) -> int:
     if args.report_only:
         frontier = cached_rows(config, cache_dir)
     else:
-        chain = load_chain(args.small, args.large, args.medium, LoadSpec(args.device, args.dtype, args.device_map))
+        chain = load_chain(args.small, args.large, args.medium, load_spec(args))
         engine = BackoffEngine.from_chain(chain, classifier_path=args.classifier)
         frontier = run_frontier(engine, _settings(args.grid, engine), config, cache_dir)
         if args.speed_pass:
@@ -155,6 +155,12 @@ def _frontier(args) -> int:
     return 0
 
 
+def _quantized_names(names: tuple[str, ...], args) -> list[str]:
+    """The chain's names, an fp8 model's marked `:fp8`: its rows are not the full model's."""
+    marks = [args.quantize_small, *["none"] * (len(names) - 2), args.quantize_large]
+    return [name if mark == "none" else f"{name}:{mark}" for name, mark in zip(names, marks)]
+
+
 def lm_eval_main(argv: list[str]) -> int:
     """`backoff lm-eval ARGS`: lm-eval's own CLI (ARGS as `lm_eval` takes them) with the model
     type `backoff` registered; the packaged task folder is added to --include_path. lm-eval
@@ -167,7 +173,11 @@ def lm_eval_main(argv: list[str]) -> int:
         return 2
     import backoff_core.evaluation.lm_model  # noqa: F401 - registers --model backoff
 
-    argv = list(argv)
+    try:
+        argv = quantize_into_model_args(list(argv))
+    except ValueError as exc:
+        print(f"backoff lm-eval: {exc}", file=sys.stderr)
+        return 2
     if argv and argv[0] not in ("-h", "--help") and "--include_path" not in argv:
         argv += ["--include_path", str(tasks_dir())]
     if _model_of(argv) == "backoff" and not any(
@@ -183,6 +193,34 @@ def lm_eval_main(argv: list[str]) -> int:
     finally:
         sys.argv = saved
     return 0
+
+
+def quantize_into_model_args(argv: list[str]) -> list[str]:
+    """`--quantize-small / --quantize-large fp8` (ours, not lm-eval's) taken out of argv and
+    passed as the backoff model's model_args quantize_small= / quantize_large=."""
+    from backoff_core.cli.args import QUANTIZE_CHOICES
+
+    rest, extra = [], []
+    it = iter(argv)
+    for arg in it:
+        flag, eq, value = arg.partition("=")
+        if flag not in ("--quantize-small", "--quantize-large"):
+            rest.append(arg)
+            continue
+        value = value if eq else next(it, "")
+        if value not in QUANTIZE_CHOICES:
+            raise ValueError(f"{flag} must be one of {', '.join(QUANTIZE_CHOICES)}, got {value!r}")
+        extra.append(f"{flag[2:].replace('-', '_')}={value}")
+    if not extra:
+        return rest
+    for i, arg in enumerate(rest):
+        if arg == "--model_args" and i + 1 < len(rest):
+            rest[i + 1] = ",".join([rest[i + 1], *extra]) if rest[i + 1] else ",".join(extra)
+            return rest
+        if arg.startswith("--model_args="):
+            rest[i] = ",".join([arg, *extra]) if arg != "--model_args=" else arg + ",".join(extra)
+            return rest
+    return [*rest, "--model_args", ",".join(extra)]
 
 
 def _model_of(argv: list[str]) -> str | None:

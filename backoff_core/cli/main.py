@@ -13,7 +13,15 @@ import statistics
 import sys
 import time
 
-from backoff_core.cli.args import AUTO_BOOL, auto_bool, model_args, parallel_args, routing_args, sampling_args
+from backoff_core.cli.args import (
+    AUTO_BOOL,
+    auto_bool,
+    load_spec,
+    model_args,
+    parallel_args,
+    routing_args,
+    sampling_args,
+)
 from backoff_core.evaluation.frontier_spec import DEFAULT_ROUTING
 from backoff_core.types import GenerationRequest, GenerationResult, KVSpec, RoutingParams, SamplingParams, Verification
 
@@ -160,12 +168,13 @@ def summary(result: GenerationResult) -> str:
 def _generate(args) -> int:
     from backoff_core.engine import ahead
     from backoff_core.engine.engine import BackoffEngine
-    from backoff_core.models.loading import LoadSpec, load_chain
+    from backoff_core.models.loading import load_chain
     from backoff_core.models.prompts import encode_prompt
 
-    chain = load_chain(
-        args.small, args.large, args.medium, LoadSpec(args.device, args.dtype, args.device_map, args.cpu_kernels)
-    )
+    for which in ("small", "large"):
+        if getattr(args, f"quantize_{which}") == "fp8" and getattr(args, f"{which}_tp") > 1:
+            raise SystemExit(f"--quantize-{which} fp8 over --{which}-tp ranks is not built yet: use one or the other")
+    chain = load_chain(args.small, args.large, args.medium, load_spec(args))
     kv = (
         KVSpec(
             args.kv_budget,

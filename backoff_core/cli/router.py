@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from backoff_core.cli.args import model_args
+from backoff_core.cli.args import load_spec, model_args
 
 
 def _threads(args) -> None:
@@ -39,11 +39,9 @@ def _layers(text: str | None) -> tuple[int, ...] | None:
 
 
 def _load_chain(args):
-    from backoff_core.models.loading import LoadSpec, load_chain
+    from backoff_core.models.loading import load_chain
 
-    return load_chain(
-        args.small, args.large, args.medium, LoadSpec(args.device, args.dtype, args.device_map, args.cpu_kernels)
-    )
+    return load_chain(args.small, args.large, args.medium, load_spec(args))
 
 
 def _router_data(args) -> int:

@@ -67,9 +67,10 @@ def parse_thresholds(value) -> tuple[float, ...] | None:
 @register_model("backoff")
 class BackoffLM(TemplateLM):
     """model_args: small, large (none: the embedded default pair), router, threshold, rate,
-    target_backoff, classifier (router head dir), device, dtype, batch_size (requests the
-    engine steps together), seed (of sampled generations), max_length (default: the pair's
-    context window). `engine=` (create_from_arg_obj / Python) reuses an engine already loaded."""
+    target_backoff, classifier (router head dir), device, dtype, quantize_small / quantize_large
+    (none or fp8: docs/fp8.md), batch_size (requests the engine steps together), seed (of
+    sampled generations), max_length (default: the pair's context window). `engine=`
+    (create_from_arg_obj / Python) reuses an engine already loaded."""
 
     def __init__(
         self,
@@ -82,6 +83,8 @@ class BackoffLM(TemplateLM):
         classifier: str | None = None,
         device: str = "cpu",
         dtype: str = "float32",
+        quantize_small: str = "none",
+        quantize_large: str = "none",
         batch_size: int | str = 32,
         seed: int = 1234,
         max_length: int | None = None,
@@ -99,7 +102,8 @@ class BackoffLM(TemplateLM):
                 # lm-eval's CLI asks for cuda:0 unless told otherwise; HFLM then runs on the CPU too
                 log.warning("device %s asked for, but no CUDA device is available: running on the CPU", device)
                 device = "cpu"
-            chain = load_chain(small, large, spec=LoadSpec(device or "cpu", dtype))
+            spec = LoadSpec(device or "cpu", dtype, quantize_small=quantize_small, quantize_large=quantize_large)
+            chain = load_chain(small, large, spec=spec)
             engine = BackoffEngine.from_chain(chain, classifier_path=classifier)
         self.engine = engine
         self.tokenizer = engine.tokenizer

@@ -14,6 +14,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from backoff_core.models.default_pair import DEFAULT_PAIR_NAMES, load_default_large, load_default_pair
+from backoff_core.models.fp8 import check_quantize, quantize_model
+from backoff_core.models.fp8_checkpoint import compressed_fp8_config, load_compressed_fp8
 from backoff_core.models.gguf_cache import load_gguf
 from backoff_core.models.kernels import converts, use_cpu_kernels
 
@@ -37,6 +39,23 @@ class LoadSpec:
     dtype: str = "float32"
     device_map: str | None = None  # accelerate device map ("auto") for models bigger than a GPU
     cpu_kernels: str = "mkldnn"  # "mkldnn": oneDNN linear layers on CPU float32 (kernels.py); "default"
+    # "fp8": the decoder's linear layers in e4m3 with 128 x 128 block scales (fp8.py, docs/fp8.md);
+    # a medium model of a longer chain keeps the model's dtype
+    quantize_small: str = "none"
+    quantize_large: str = "none"
+
+    def __post_init__(self) -> None:
+        check_quantize(self.quantize_small, "quantize_small")
+        check_quantize(self.quantize_large, "quantize_large")
+
+    def quantize_at(self, level: int, num_levels: int) -> str:
+        """The quantisation of the model at `level` (0 = M_S) of a chain of `num_levels`."""
+        if level == 0:
+            return self.quantize_small
+        return self.quantize_large if level == num_levels - 1 else "none"
+
+    def quantizes(self) -> bool:
+        return "fp8" in (self.quantize_small, self.quantize_large)
 
     def torch_dtype(self) -> torch.dtype:
         try:
@@ -53,8 +72,9 @@ class LoadSpec:
 
     def converts_in_place(self) -> bool:
         """Whether use_cpu_kernels converts the models this spec loads in place (kernels.converts):
-        then the default pair is loaded past its in-process cache (`private`)."""
-        return converts(self.torch_device(), self.torch_dtype(), self.cpu_kernels)
+        then the default pair is loaded past its in-process cache (`private`). Quantising
+        converts in place too."""
+        return converts(self.torch_device(), self.torch_dtype(), self.cpu_kernels) or self.quantizes()
 
 
 def _where(name: str) -> tuple[str, dict]:
@@ -80,25 +100,41 @@ def _context_window(configs) -> int | None:
     return min(sizes) if sizes else None
 
 
-def load_model(name: str, spec: LoadSpec = LoadSpec()) -> tuple[PreTrainedModel, object]:
+def load_model(name: str, spec: LoadSpec = LoadSpec(), quantize: str = "none") -> tuple[PreTrainedModel, object]:
     """(model in eval mode, tokenizer) from a directory, a cached hub id or a .gguf file.
 
     A .gguf file is converted once and then read from the disk cache (gguf_cache.py),
-    unless a device map asks transformers to place it.
+    unless a device map asks transformers to place it. quantize "fp8": the decoder's linear
+    layers in fp8 (fp8.py). A checkpoint stored in fp8 (compressed-tensors) loads as stored.
     """
+    check_quantize(quantize)
     where, extra = _where(name)
     if "gguf_file" in extra and not spec.device_map:
         model, tokenizer = load_gguf(Path(name))
         model = model.to(device=spec.torch_device(), dtype=spec.torch_dtype())
-        return use_cpu_kernels(model.eval(), spec.cpu_kernels), tokenizer
+        return _ready(model, spec, quantize), tokenizer
     tokenizer = AutoTokenizer.from_pretrained(where, **extra)
+    if Path(where).is_dir() and compressed_fp8_config(where) is not None:
+        if spec.device_map:
+            raise ValueError(f"{name}: an fp8 (compressed-tensors) checkpoint loads on one device, not a device map")
+        model = load_compressed_fp8(where, spec.torch_dtype(), spec.torch_device())
+        return _ready(model, spec, "none"), tokenizer
     kwargs = dict(extra, dtype=spec.torch_dtype())
     if spec.device_map:
         kwargs["device_map"] = spec.device_map
     model = AutoModelForCausalLM.from_pretrained(where, **kwargs)
     if not spec.device_map:
         model = model.to(spec.torch_device())
-    return use_cpu_kernels(model.eval(), spec.cpu_kernels), tokenizer
+    return _ready(model, spec, quantize), tokenizer
+
+
+def _ready(model: PreTrainedModel, spec: LoadSpec, quantize: str) -> PreTrainedModel:
+    """The loaded model for inference: eval mode, quantised where asked, then the CPU kernels
+    (oneDNN for the linear layers that stay dense: the LM head of an fp8 model)."""
+    model = model.eval()
+    if quantize == "fp8":
+        quantize_model(model)
+    return use_cpu_kernels(model, spec.cpu_kernels)
 
 
 def check_same_tokenizer(names: list[str], tokenizers: list) -> None:
@@ -141,11 +177,8 @@ def _default_pair(spec: LoadSpec) -> tuple[PreTrainedModel, PreTrainedModel, obj
     # converted in place: then a pair of our own, so the process's cached M_L stays as it was
     private = spec.converts_in_place()
     small, large, tok = load_default_pair(device=spec.torch_device(), dtype=spec.torch_dtype(), private=private)
-    return (
-        use_cpu_kernels(small, spec.cpu_kernels),
-        use_cpu_kernels(large, spec.cpu_kernels),
-        tok,
-    )  # M_S keeps sharing M_L's head
+    # M_S keeps sharing M_L's embeddings, norm and head (none of them quantised)
+    return _ready(small, spec, spec.quantize_small), _ready(large, spec, spec.quantize_large), tok
 
 
 def load_chain(small: str | None, large: str | None, medium: list[str] = (), spec: LoadSpec = LoadSpec()) -> Chain:
@@ -154,7 +187,7 @@ def load_chain(small: str | None, large: str | None, medium: list[str] = (), spe
     if names is None:
         small_model, large_model, tok = _default_pair(spec)
         return Chain((small_model, large_model), tok, DEFAULT_PAIR_NAMES)
-    loaded = [load_model(n, spec) for n in names]
+    loaded = [load_model(n, spec, spec.quantize_at(i, len(names))) for i, n in enumerate(names)]
     check_same_tokenizer(names, [t for _, t in loaded])
     widths = [m.get_output_embeddings().weight.shape[0] for m, _ in loaded]
     if len(set(widths)) > 1:
@@ -181,7 +214,7 @@ def load_small_side(names: tuple[str, ...] | None, spec: LoadSpec = LoadSpec()) 
         small, _, tokenizer = _default_pair(spec)
         configs = [small.config]  # M_S is M_L's config with fewer layers
     else:
-        small, tokenizer = load_model(names[0], spec)
+        small, tokenizer = load_model(names[0], spec, spec.quantize_small)
         check_same_tokenizer(list(names), [tokenizer, *map(load_tokenizer, names[1:])])
         configs = [small.config, *(AutoConfig.from_pretrained(w, **x) for w, x in map(_where, names[1:]))]
     return SmallSide(small, tokenizer, _context_window(configs), small.config.hidden_size)
@@ -190,9 +223,9 @@ def load_small_side(names: tuple[str, ...] | None, spec: LoadSpec = LoadSpec()) 
 def load_level(names: tuple[str, ...] | None, level: int, spec: LoadSpec = LoadSpec()) -> PreTrainedModel:
     """The model at `level` (0 = M_S) of the chain `names` (chain_names), loaded alone."""
     if names is not None:
-        return load_model(names[level], spec)[0]
+        return load_model(names[level], spec, spec.quantize_at(level, len(names)))[0]
     if level == 0:
         return _default_pair(spec)[0]
     private = spec.converts_in_place()
     large = load_default_large(device=spec.torch_device(), dtype=spec.torch_dtype(), private=private)[0]
-    return use_cpu_kernels(large, spec.cpu_kernels)
+    return _ready(large, spec, spec.quantize_large)

@@ -182,7 +182,10 @@ def compile_refusal(model, fused_norms: bool) -> str | None:
         if not FusedLayer.of_kind(layer) or not all(
             isinstance(m, torch.nn.Linear) for m in (layer.self_attn.o_proj, layer.mlp.down_proj)
         ):
-            return "its projections are not plain Linear modules (the CPU's oneDNN kernels wrap them: --cpu-kernels default)"
+            return (
+                "its projections are not plain Linear modules (fp8 weights: docs/fp8.md; or the CPU's oneDNN "
+                "kernels wrap them: --cpu-kernels default)"
+            )
         if layer.input_layernorm.variance_epsilon != layer.post_attention_layernorm.variance_epsilon:
             return "its two norms of a layer differ in eps"
     return None

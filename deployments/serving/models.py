@@ -18,7 +18,13 @@ def _names(cfg: ModelsConfig) -> tuple[str, ...] | None:
 
 
 def _spec(cfg: ModelsConfig) -> LoadSpec:
-    return LoadSpec(device=cfg.device, dtype=cfg.dtype, cpu_kernels=cfg.cpu_kernels)
+    return LoadSpec(
+        device=cfg.device,
+        dtype=cfg.dtype,
+        cpu_kernels=cfg.cpu_kernels,
+        quantize_small=cfg.quantize.small,
+        quantize_large=cfg.quantize.large,
+    )
 
 
 def _use_threads(threads: int | None) -> None:

@@ -39,6 +39,18 @@ class TensorParallel(FrozenConfig):
         return self.medium[level - 1] if level - 1 < len(self.medium) else 1
 
 
+Quantize = Literal["none", "fp8"]  # backoff_core.models.fp8.QUANTIZE_MODES
+
+
+class Quantization(FrozenConfig):
+    """Weights per model (docs/fp8.md): fp8 = the decoder's linear layers in e4m3 with 128 x 128
+    block scales (W8A8 on GPUs with fp8 tensor cores, weight-only elsewhere); none = the
+    model's dtype. A checkpoint stored in fp8 (compressed-tensors) loads as stored either way."""
+
+    small: Quantize = Field("none", description="M_S's weights: none or fp8")
+    large: Quantize = Field("none", description="M_L's weights: none or fp8 (a medium model keeps its dtype)")
+
+
 class ModelsConfig(FrozenConfig):
     small: str | None = Field(
         None,
@@ -53,6 +65,10 @@ class ModelsConfig(FrozenConfig):
     dtype: str = Field("float32", description="float32, bfloat16 or float16")
     cpu_kernels: Literal["mkldnn", "default"] = Field(
         "mkldnn", description="linear layers of float32 models on CPU: oneDNN (faster) or torch's default"
+    )
+    quantize: Quantization = Field(
+        default_factory=Quantization,
+        description="weights per model, e.g. {large: fp8}; one value (fp8) sets both models (docs/fp8.md)",
     )
     classifier: str | None = Field(None, description="router head directory for the classifier router")
     served_name: str = Field("backoff", description="model name that GET /v1/models reports")
@@ -128,6 +144,12 @@ class ModelsConfig(FrozenConfig):
         """true / false, the spelling before "auto": on / off."""
         return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
 
+    @field_validator("quantize", mode="before")
+    @classmethod
+    def _quantize_both(cls, value):
+        """quantize: fp8 (one value): both models."""
+        return {"small": value, "large": value} if isinstance(value, str) else value
+
     @model_validator(mode="after")
     def _both_or_neither(self) -> "ModelsConfig":
         if (self.small is None) != (self.large is None):
@@ -141,6 +163,11 @@ class ModelsConfig(FrozenConfig):
             raise ValueError(
                 f"kv_budget_tokens ({self.kv_budget_tokens}) holds no slot of kv_max_len ({self.kv_max_len}) positions"
             )
+        for which in ("small", "large"):
+            if getattr(self.quantize, which) == "fp8" and getattr(self.tensor_parallel, which) > 1:
+                raise ValueError(
+                    f"quantize.{which}: fp8 over tensor-parallel ranks is not built yet; use one or the other"
+                )
         return self
 
     @property
