@@ -48,10 +48,12 @@ def pair():
 # Markers that filter what they say (pyproject.toml lists them): `make test-fast` leaves out
 # every test that carries one of these.
 def pytest_collection_modifyitems(config, items):
-    """A test marked `ray`, `real_pair` or `multinode` is `slow` too (tests/support/tiers.py)."""
+    """A test marked `ray`, `real_pair` or `multinode` is `slow` too; the Ray modules run in
+    tiers.RAY_ORDER (tests/support/tiers.py)."""
     for item in items:
         if any(item.get_closest_marker(m) is not None for m in IMPLY_SLOW):
             item.add_marker(pytest.mark.slow)
+    items[:] = tiers.ray_order(items)
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)  # optional: the GPU image has no pytest-xdist

@@ -28,3 +28,30 @@ def test_a_tests_unit_is_its_module_or_ray():
     assert unit("tests/backoff_core/test_types.py::test_y[p]") == "tests/backoff_core/test_types.py"
     assert unit("tests/deployments/test_small.py::test_z") == "tests/deployments/test_small.py"
     assert not starts_ray("tests/no_such_module.py")
+
+
+def test_the_ray_modules_run_in_ray_order_and_every_one_is_listed():
+    """tiers.ray_order puts the Ray tests in RAY_ORDER in the places they held (the others
+    stay put, a module's tests keep their order); every Ray module is in RAY_ORDER, so the
+    ones sharing a local Ray are placed by someone who read their options."""
+    from types import SimpleNamespace
+
+    from tests.support.tiers import RAY_ORDER, ray_order
+
+    ray_modules = {p.name for p in (ROOT / "tests").rglob("test_*.py") if starts_ray(str(p.relative_to(ROOT)))}
+    assert ray_modules == set(RAY_ORDER)
+    ids = [
+        "tests/test_tiers.py::a",
+        "tests/deployments/test_app_e2e.py::x",
+        "tests/deployments/test_app_e2e.py::y",
+        "tests/test_docs.py::b",
+        "tests/deployments/test_app_coalescing.py::z",
+    ]
+    ordered = [item.nodeid for item in ray_order([SimpleNamespace(nodeid=i) for i in ids])]
+    assert ordered == [
+        "tests/test_tiers.py::a",
+        "tests/deployments/test_app_coalescing.py::z",  # first in RAY_ORDER: the first Ray slot
+        "tests/deployments/test_app_e2e.py::x",
+        "tests/test_docs.py::b",
+        "tests/deployments/test_app_e2e.py::y",
+    ]

@@ -6,7 +6,8 @@ another and ask for the same key (test_app_input*.py: the bad-input app; test_ap
 the end-to-end app, its live changes last) get the app the
 first of them deployed, and it goes down after the last of them. The modules that start
 Ray run one after another on one xdist worker (tests/support/tiers.py), so there is never
-more than one Ray in a process.
+more than one Ray in a process; consecutive ones that ask for the same local Ray share it
+(tests/support/served_app.py's LOCAL), and it goes down after the last Ray module.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from collections.abc import Callable
 
 import pytest
 
-from tests.support.served_app import ServedApp, running_app
+from tests.support import tiers
+from tests.support.served_app import LOCAL, ServedApp, running_app
 
 Starter = Callable[..., ServedApp]  # serve_app's callable: (name, models, **running_app's overrides)
 
@@ -57,7 +59,7 @@ def serve_app(tmp_path_factory):
     """`serve_app(name, models=TINY_PAIR, **overrides) -> ServedApp` (the overrides of
     tests.support.served_app.running_app): this module's app, deployed once by its `served`
     fixture; Serve and Ray go down after the module's last test."""
-    _SHARED.close()  # one Ray at a time
+    _SHARED.close()  # one Serve app at a time
     with contextlib.ExitStack() as stack:
         yield _starter(stack, tmp_path_factory)
 
@@ -72,8 +74,12 @@ def shared_app(tmp_path_factory):
 
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item, nextitem):
-    """After a module's last test: the shared app goes down unless the next module shares it."""
-    if _SHARED.key is None or (nextitem is not None and nextitem.module is item.module):
+    """After a module's last test: the shared app goes down unless the next module shares it,
+    and the local Ray unless the next module starts one (served_app.LOCAL; it restarts the
+    instance itself if that module asks for other options)."""
+    if nextitem is not None and nextitem.module is item.module:
         return
-    if nextitem is None or getattr(nextitem.module, "SHARED_APP", None) != _SHARED.key:
+    if _SHARED.key is not None and (nextitem is None or getattr(nextitem.module, "SHARED_APP", None) != _SHARED.key):
         _SHARED.close()
+    if nextitem is None or not tiers.starts_ray(nextitem.nodeid.split("::", 1)[0]):
+        LOCAL.close()

@@ -13,9 +13,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import os
 import time
-from pathlib import Path
 
 import grpc
 import httpx
@@ -24,14 +22,12 @@ import pytest
 ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 
+from benchmarks.standin import expected_stream  # noqa: E402
 from clients.grpc_client import AsyncBackoffGrpcClient  # noqa: E402
 from clients.http_client import AsyncBackoffHTTPClient  # noqa: E402
 from clients.wire import backoff_pb2 as pb  # noqa: E402
 from clients.wire import backoff_pb2_grpc as pb_grpc  # noqa: E402
 from clients.wire.proto import deltas_from_pb  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[2]
-from benchmarks.standin import expected_stream  # noqa: E402
 from tests.support.served_app import TINY_PAIR, ServedApp, sse_then_disconnect  # noqa: E402
 from tests.support.tiny import tiny_model  # noqa: E402
 
@@ -53,9 +49,7 @@ def _edit(config: dict, dirs) -> None:
 
 @pytest.fixture(scope="module")
 def served(serve_app) -> ServedApp:
-    # the replicas import benchmarks.standin from the checkout
-    pythonpath = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    return serve_app("coalescing", MODELS, edit=_edit, env={"PYTHONPATH": pythonpath})
+    return serve_app("coalescing", MODELS, edit=_edit)  # the replicas import benchmarks.standin: LOCAL_ENV
 
 
 def _router(app: str):

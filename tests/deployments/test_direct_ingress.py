@@ -9,9 +9,7 @@ loop. The proxy's ports keep working beside them.
 from __future__ import annotations
 
 import asyncio
-import os
 import time
-from pathlib import Path
 
 import grpc
 import httpx
@@ -30,7 +28,6 @@ from deployments.serve_cli import DIRECT_PORTS  # noqa: E402
 from tests.support.served_app import ServedApp, sse_then_disconnect  # noqa: E402
 
 pytestmark = pytest.mark.ray  # starts a local Ray and the Serve app (slow, one at a time)
-ROOT = Path(__file__).resolve().parents[2]
 PROMPT = [3, 7, 11]
 
 
@@ -40,8 +37,7 @@ def _standin(config: dict, dirs) -> None:
 
 @pytest.fixture(scope="module")
 def served(serve_app) -> ServedApp:
-    pythonpath = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # benchmarks.standin
-    return serve_app("direct", edit=_standin, env={"PYTHONPATH": pythonpath}, direct_ingress=True)
+    return serve_app("direct", edit=_standin, direct_ingress=True)  # benchmarks.standin: LOCAL_ENV
 
 
 @pytest.fixture(scope="module")

@@ -1,9 +1,12 @@
 """One way to put the Serve application up for a Ray integration module (tests/deployments/
 test_app*.py, test_multinode.py), as `backoff serve` does: tiny models saved to disk, the
 packaged config on loopback (deployments.harness.loopback_config) with the module's overrides,
-`backoff serve --config` into a fresh Ray, then wait until every application in the config
+`backoff serve --config` into a local Ray, then wait until every application in the config
 runs. The module-scoped fixture `serve_app` (tests/deployments/conftest.py) wraps
-`running_app`, so Serve and Ray go down after the module's last test.
+`running_app`, so Serve goes down after the module's last test. The local Ray stays up for
+the next module if it asks for the same options and environment (LOCAL: tiers.RAY_ORDER runs
+such modules one after another), and goes down before a module that needs another, and after
+the last (tests/deployments/conftest.py).
 
 Ray is imported lazily: collecting these modules must not need it (they skip without it).
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -40,6 +44,45 @@ TINY_PAIR: Mapping[str, Callable[[], Any]] = {
     "large": functools.partial(tiny_model, 2, hidden=64, layers=4, sharpness=30),
 }
 LOCAL_RAY: Mapping[str, Any] = {"num_cpus": 4, "_system_config": serve_cli.RAY_SYSTEM_CONFIG}
+ROOT = Path(__file__).resolve().parents[2]
+# every local Ray's processes import from the checkout (benchmarks.standin: stand-in engines)
+LOCAL_ENV: Mapping[str, str] = {"PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+
+
+class LocalRay:
+    """The local Ray that consecutive Serve modules share while they ask for the same
+    ray.init options and environment: each deploys its app into it (Serve is shut down
+    between them) instead of starting an instance of its own, which costs ~16 s on a loaded
+    2-core machine, ~25 s with Serve's start. The environment is set before Ray starts
+    (its processes inherit it) and restored when it goes down."""
+
+    def __init__(self) -> None:
+        self.key: str | None = None
+        self.patch: pytest.MonkeyPatch | None = None
+
+    def ensure(self, options: Mapping[str, Any], env: Mapping[str, str]) -> None:
+        import ray
+
+        key = repr((sorted(options.items()), sorted(env.items())))
+        if key == self.key and ray.is_initialized():
+            return
+        self.close()
+        self.patch = pytest.MonkeyPatch()
+        for name, value in env.items():
+            self.patch.setenv(name, value)
+        start_local_ray(**options)
+        self.key = key
+
+    def close(self) -> None:
+        import ray
+
+        ray.shutdown()
+        if self.patch is not None:
+            self.patch.undo()
+        self.key, self.patch = None, None
+
+
+LOCAL = LocalRay()
 
 
 @dataclass(frozen=True)
@@ -93,12 +136,13 @@ def running_app(
     cluster: Callable[[], LocalCluster] | None = None,
     direct_ingress: bool = False,
 ) -> Iterator[ServedApp]:
-    """Deploy the app (models saved under `root`); Serve and Ray are shut down on exit.
+    """Deploy the app (models saved under `root`); Serve is shut down on exit, a cluster too.
 
     replicas: the loopback config's fixed counts (default one each); edit(config, model_dirs):
     the module's overrides; ray_options: ray.init's, for a local Ray (its `_metrics_export_port`
-    and `dashboard_port` become the record's URLs); env: set before Ray starts (its processes
-    inherit it), restored after; cluster: starts a multi-node cluster instead of a local Ray;
+    and `dashboard_port` become the record's URLs; LOCAL keeps one up while they and env stay
+    the same); env: beside LOCAL_ENV, set before Ray starts (its processes inherit it), restored
+    once it goes down; cluster: starts a multi-node cluster instead of a local Ray;
     direct_ingress: Serve's direct ingress next to the proxies (serve_cli.direct_ingress_env).
     """
     from ray import serve
@@ -109,42 +153,36 @@ def running_app(
     if edit is not None:
         edit(config, dirs)
     apps = [app["name"] for app in config["applications"]]
+    env = {**LOCAL_ENV, **(env or {})}
     if direct_ingress:
-        env = {**(env or {}), **serve_cli.direct_ingress_env(http_port, grpc_port)}
-    with pytest.MonkeyPatch.context() as patch:
-        for key, value in (env or {}).items():
-            patch.setenv(key, value)
-        local = cluster() if cluster is not None else None
-        if local is None:
-            start_local_ray(**ray_options)
-        try:
-            deploy(config, root / "config.yaml", *apps)
-            yield ServedApp(
-                f"http://127.0.0.1:{http_port}",
-                f"127.0.0.1:{grpc_port}",
-                config,
-                root / "config.yaml",
-                dirs,
-                metrics_url=_local_url(ray_options, "_metrics_export_port"),
-                dashboard=_local_url(ray_options, "dashboard_port"),
-                cluster=local,
-            )
-        finally:
-            serve.shutdown()
-            _shutdown(local)
+        env = {**env, **serve_cli.direct_ingress_env(http_port, grpc_port)}
+    with contextlib.ExitStack() as stack:
+        local = None
+        if cluster is not None:
+            LOCAL.close()  # one Ray at a time
+            patch = stack.enter_context(pytest.MonkeyPatch.context())
+            for key, value in env.items():
+                patch.setenv(key, value)
+            local = cluster()
+            stack.callback(local.shutdown)
+        else:
+            LOCAL.ensure(ray_options, env)
+        stack.callback(serve.shutdown)
+        deploy(config, root / "config.yaml", *apps)
+        yield ServedApp(
+            f"http://127.0.0.1:{http_port}",
+            f"127.0.0.1:{grpc_port}",
+            config,
+            root / "config.yaml",
+            dirs,
+            metrics_url=_local_url(ray_options, "_metrics_export_port"),
+            dashboard=_local_url(ray_options, "dashboard_port"),
+            cluster=local,
+        )
 
 
 def _local_url(options: Mapping[str, Any], port_option: str) -> str | None:
     return f"http://127.0.0.1:{options[port_option]}" if port_option in options else None
-
-
-def _shutdown(local: LocalCluster | None) -> None:
-    if local is not None:
-        local.shutdown()
-    else:
-        import ray
-
-        ray.shutdown()
 
 
 def wait_until(predicate: Callable[[], bool], what: str, timeout_s: float, every_s: float = 0.1) -> float:
