@@ -56,13 +56,14 @@ from deployments.serving.completions import (
 )
 from deployments.serving.config import AppArgs, handle_options
 from deployments.serving.exposition import scrape
-from deployments.serving.formats import ChatStream, ReplyShape, chat_body, error_body, pb_response, request_line, sse
+from deployments.serving.formats import ReplyShape, chat_body, error_body, pb_response, request_line
 from deployments.serving.grpc_service import Undecodable
 from deployments.serving.outcomes import Admitted, Failed, Rejected, internal_message
 from deployments.serving.playground import mount_playground, routing_info
 from deployments.serving.readiness import Readiness, missing
 from deployments.serving.requests import ServeRequest, serve_request
 from deployments.serving.sizes import check_answer
+from deployments.serving.sse import ChatStream, sse
 from deployments.streams import OverloadedError, ServerFailure, collect, collect_all, failure, guarded, holding, shared
 
 app = FastAPI(title="Backoff Serve", description="Backoff decoding: a small and a large LM, one live threshold.")

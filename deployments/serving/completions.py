@@ -28,18 +28,16 @@ from deployments.serving.config import LimitsConfig
 from deployments.serving.formats import (
     PLAIN,
     ReplyShape,
-    TokenChunks,
     completion_logprobs,
     final_chunk_body,
     json_safe,
     pb_chunks,
     pb_echo_chunk,
     pb_final_chunk,
-    sse,
     summed_usage,
-    usage_chunk,
 )
 from deployments.serving.outcomes import Admitted
+from deployments.serving.sse import TokenChunks, sse, usage_chunk
 
 
 def check_choices(limits: LimitsConfig, prompts: int, n: int) -> None:

@@ -22,7 +22,8 @@ from clients.wire.openai import delta_from_chunk
 from clients.wire.proto import delta_from_pb, deltas_from_pb
 from deployments.serving.config import StreamConfig
 from deployments.serving.engine_loop import Items, _deliver, _Sink
-from deployments.serving.formats import TokenChunks, chunk_body, pb_chunk, pb_chunks
+from deployments.serving.formats import chunk_body, pb_chunk, pb_chunks
+from deployments.serving.sse import TokenChunks
 
 RID, MODEL, CREATED = "cmpl-1", "backoff", 1700000000
 

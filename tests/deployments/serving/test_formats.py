@@ -17,16 +17,9 @@ from clients.wire.openai import delta_from_chunk, generation_from_body
 from clients.wire.openai_requests import ChatCompletionRequest, CompletionRequest
 from clients.wire.proto import delta_from_pb, generation_from_pb, params_from_pb, request_to_pb
 from clients.wire.types import GenerateParams
-from deployments.serving.formats import (
-    ChatStream,
-    ReplyShape,
-    chat_body,
-    chunk_body,
-    pb_chunk,
-    pb_response,
-    response_body,
-)
+from deployments.serving.formats import ReplyShape, chat_body, chunk_body, pb_chunk, pb_response, response_body
 from deployments.serving.requests import serve_request
+from deployments.serving.sse import ChatStream
 from tests.support.helpers import engine_for, request
 
 pytest.importorskip("openai")
