@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from clients.wire.types import ChatMessage, GenerateParams
-from deployments.serving.config import AccessConfig, AdmissionConfig, LimitsConfig
+from deployments.serving.edge_config import AccessConfig, AdmissionConfig, LimitsConfig
 from deployments.serving.formats import error_body
 
 

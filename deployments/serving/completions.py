@@ -24,7 +24,7 @@ from clients.wire.openai import (
     PromptTrace,
 )
 from deployments.serving.access import ClientError
-from deployments.serving.config import LimitsConfig
+from deployments.serving.edge_config import LimitsConfig
 from deployments.serving.formats import (
     PLAIN,
     ReplyShape,

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from clients.wire.types import GenerateParams
 from deployments.serving.access import ClientError
-from deployments.serving.config import LimitsConfig
+from deployments.serving.edge_config import LimitsConfig
 
 # bytes of one token in an answer, upper estimates from the JSON bodies: its text, id and
 # source (chat / completions / the backoff trace); one log-probability entry (token text,

@@ -13,7 +13,8 @@ from clients.wire.errors import describe_validation
 from clients.wire.openai_requests import ChatCompletionRequest, CompletionRequest
 from clients.wire.types import ChatMessage, GenerateParams
 from deployments.serving.access import Access, ClientError, ClientSlots, check_limits
-from deployments.serving.config import AccessConfig, AppArgs, LimitsConfig
+from deployments.serving.config import AppArgs
+from deployments.serving.edge_config import AccessConfig, LimitsConfig
 from deployments.serving.grpc_service import Undecodable, _lenient
 from tests.support.helpers import engine_for, request
 from tests.support.tiny import tiny_tokenizer

@@ -21,7 +21,8 @@ from clients.wire import backoff_pb2_grpc as pb_grpc
 from clients.wire.errors import from_grpc, from_http
 from deployments.serving.access import Edge
 from deployments.serving.admission import AdmissionGate, Overloaded, live_slots, queue_depth
-from deployments.serving.config import AccessConfig, AdmissionConfig, AppArgs, LimitsConfig, ReplicaConfig
+from deployments.serving.config import AppArgs, ReplicaConfig
+from deployments.serving.edge_config import AccessConfig, AdmissionConfig, LimitsConfig
 
 FAST = Retry(attempts=2, max_wait_s=0.01)  # retries honour Retry-After, capped here to keep tests fast
 

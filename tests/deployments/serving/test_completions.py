@@ -26,7 +26,7 @@ from deployments.serving.completions import (
     completion_body,
     tagged,
 )
-from deployments.serving.config import LimitsConfig
+from deployments.serving.edge_config import LimitsConfig
 from deployments.serving.formats import ReplyShape, pb_response, summed_usage
 from deployments.serving.outcomes import Admitted
 from tests.support.helpers import engine_for, request

@@ -54,15 +54,16 @@ def test_log_level_sets_the_apps_logging_and_serve_s_access_lines_only_at_debug(
 
 
 def test_every_config_field_is_described():
-    from deployments.serving import config
+    from deployments.serving import config, edge_config
 
     for model in (
         ModelsConfig,
         config.RoutingConfig,
         config.CatchUpConfig,
         config.ReplicaConfig,
-        config.AccessConfig,
-        config.LimitsConfig,
+        edge_config.AccessConfig,
+        edge_config.LimitsConfig,
+        edge_config.AdmissionConfig,
         config.AppArgs,
     ):
         missing = [name for name, f in model.model_fields.items() if not f.description]

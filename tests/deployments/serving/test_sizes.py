@@ -11,7 +11,8 @@ from backoff_core.types import FinishReason, GenerationResult, Logprob, Timings,
 from clients.wire.types import GenerateParams
 from deployments import serve_cli
 from deployments.serving.access import ClientError
-from deployments.serving.config import AppArgs, LimitsConfig
+from deployments.serving.config import AppArgs
+from deployments.serving.edge_config import LimitsConfig
 from deployments.serving.formats import chat_body
 from deployments.serving.sizes import answer_bytes, check_answer, token_bytes
 
