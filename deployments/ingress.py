@@ -1,4 +1,5 @@
-"""Ingress deployment: OpenAI-compatible HTTP (FastAPI) and gRPC (Ray Serve's gRPC proxy).
+"""Ingress deployment: OpenAI-compatible HTTP (FastAPI) and gRPC (Ray Serve's gRPC proxy;
+the methods are ingress_grpc.py's GrpcMethods, a base of Ingress).
 
 No model here. A request is validated at the edge (pydantic, then the configured limits
 and API keys of `access.py`), sent to a SmallModel as a ServeRequest, and its stream of
@@ -26,51 +27,44 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
-from pydantic import ValidationError
 from ray import serve
 from ray.serve.exceptions import BackPressureError
-from ray.serve.grpc_util import RayServegRPCContext
 from ray.serve.handle import DeploymentHandle
 
 from backoff_core.engine.gc_heap import GCStats, GCWatch
 from backoff_core.types import GenerationResult, TokenEvent
-from clients.wire import backoff_pb2 as pb
-from clients.wire.errors import describe_validation
 from clients.wire.openai import ModelCard, ModelList
 from clients.wire.openai_requests import ChatCompletionRequest, CompletionRequest
 from clients.wire.prompts import prompts_of
-from clients.wire.proto import params_from_pb, prompt_from_pb
 from clients.wire.types import GenerateParams
-from deployments.grpc_errors import set_grpc_status
 from deployments.http_errors import error_response, install_http_errors
+from deployments.ingress_grpc import GrpcMethods
 from deployments.serving.access import ClientError, Edge, EdgeGate, check_limits, peer_host
 from deployments.serving.admission import Overloaded
-from deployments.serving.completions import (
-    CompletionStream,
-    Echo,
-    PbStream,
-    check_batch,
-    check_choices,
-    completion_body,
-    tagged,
-)
+from deployments.serving.completions import CompletionStream, Echo, check_batch, check_choices, completion_body, tagged
 from deployments.serving.config import AppArgs, handle_options
 from deployments.serving.exposition import scrape
-from deployments.serving.formats import ReplyShape, chat_body, error_body, pb_response, request_line
-from deployments.serving.grpc_service import Undecodable
+from deployments.serving.formats import ReplyShape, chat_body, error_body, request_line
 from deployments.serving.outcomes import Admitted, Failed, Rejected, internal_message
 from deployments.serving.playground import mount_playground, routing_info
 from deployments.serving.readiness import Readiness, missing
 from deployments.serving.requests import ServeRequest, serve_request
 from deployments.serving.sizes import check_answer
 from deployments.serving.sse import ChatStream, sse
-from deployments.streams import OverloadedError, ServerFailure, collect, collect_all, failure, guarded, holding, shared
+from deployments.streams import (
+    OverloadedError,
+    ServerFailure,
+    collect_all,
+    failure,
+    guarded,
+    holding,
+    request_log,
+    shared,
+    token_events,
+)
 
 app = FastAPI(title="Backoff Serve", description="Backoff decoding: a small and a large LM, one live threshold.")
 log = logging.getLogger(__name__)
-# one INFO line per answered request (formats.request_line): under Serve's logger, so its
-# handlers and the app's logging_config.log_level (`backoff serve --log-level`) apply
-request_log = logging.getLogger("ray.serve.backoff.requests")
 
 
 def _replica_edge() -> Edge:
@@ -94,25 +88,9 @@ class IngressInfo:
     gc: GCStats | None = None  # the collector's pauses since start (Ray Serve's freeze included) and the heap frozen
 
 
-def _events(item) -> tuple[TokenEvent, ...]:
-    return item if isinstance(item, tuple) else (item,)
-
-
-def _first_error(exc: Exception) -> str:
-    if isinstance(exc, ValidationError):
-        return describe_validation(exc.errors())[1]
-    return str(exc)
-
-
-def _grpc_client(edge: Edge, context: RayServegRPCContext) -> str:
-    """The caller's client id from its metadata (`authorization: Bearer <key>`); ClientError(401)."""
-    authorization = next((v for k, v in context.invocation_metadata() if k == "authorization"), None)
-    return edge.access.client(authorization, context.peer())
-
-
 @serve.deployment(max_ongoing_requests=512)
 @serve.ingress(app)
-class Ingress:
+class Ingress(GrpcMethods):
     def __init__(self, router: DeploymentHandle, args: dict) -> None:
         self.args = AppArgs.model_validate(args)
         self.edge = Edge.from_config(self.args.access, self.args.limits, self.args.admission)
@@ -252,7 +230,7 @@ class Ingress:
                 yield text
             async for i, item in merged:
                 if isinstance(item, (TokenEvent, tuple)):
-                    if text := out.tokens(i, _events(item)):  # one write for the tokens of one router message
+                    if text := out.tokens(i, token_events(item)):  # one write for the tokens of one router message
                         yield text
                 elif isinstance(item, GenerationResult):
                     yield out.finished(i, item)
@@ -272,107 +250,7 @@ class Ingress:
                 await stream.aclose()
         yield "data: [DONE]\n\n"
 
-    # -- gRPC -------------------------------------------------------------------------------
-    async def Generate(
-        self, request: pb.GenerateRequest | Undecodable, grpc_context: RayServegRPCContext
-    ) -> pb.GenerateResponse:
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        started = time.monotonic()
-        try:
-            admitted, stream = await self._open_pb(request_id, request, grpc_context, tokens=False)
-            result = await collect(stream)
-            request_log.info(request_line(request_id, [result], time.monotonic() - started))
-            echo = Echo.of(admitted, result)
-            return pb_response(request_id, result, None if echo is None else (echo.token_ids, echo.text))
-        except Exception as exc:  # noqa: BLE001 - client errors, failures, and a bug as INTERNAL with a message
-            if not isinstance(exc, (ClientError, ServerFailure)):
-                log.exception("request %s: Generate failed", request_id)
-            set_grpc_status(grpc_context, exc, request_id)
-            return pb.GenerateResponse()
-
-    async def GenerateStream(
-        self, request: pb.GenerateRequest | Undecodable, grpc_context: RayServegRPCContext
-    ) -> AsyncIterator[pb.GenerateChunk]:
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        started = time.monotonic()
-        try:
-            admitted, stream = await self._open_pb(request_id, request, grpc_context)
-        except Exception as exc:  # noqa: BLE001 - as in Generate
-            if not isinstance(exc, (ClientError, ServerFailure)):
-                log.exception("request %s: GenerateStream failed", request_id)
-            set_grpc_status(grpc_context, exc, request_id)
-            raise  # nothing was streamed: Serve sends the status set above only with an exception
-        out = PbStream(request_id, admitted, prompt_logprobs=request.HasField("logprobs"))
-        try:
-            for message in out.start():  # echo: the prompt first
-                yield message
-            async for item in stream:
-                if isinstance(item, (TokenEvent, tuple)):
-                    for message in out.tokens(_events(item)):  # one message, as it came from the router
-                        yield message
-                elif isinstance(item, GenerationResult):
-                    for message in out.finished(item):
-                        yield message
-                    request_log.info(request_line(request_id, [item], time.monotonic() - started))
-                elif isinstance(item, (Rejected, Failed)):
-                    raise failure(item)
-        except Exception as exc:  # noqa: BLE001 - a ServerFailure, or a bug: INTERNAL with a message
-            if not isinstance(exc, ServerFailure):
-                log.exception("request %s: GenerateStream failed", request_id)
-            set_grpc_status(grpc_context, exc, request_id)
-            raise
-        finally:
-            await stream.aclose()
-
-    async def Models(
-        self, request: pb.ModelsRequest | Undecodable, grpc_context: RayServegRPCContext
-    ) -> pb.ModelsResponse:
-        try:
-            _grpc_client(self.edge, grpc_context)
-        except ClientError as exc:
-            set_grpc_status(grpc_context, exc)
-            return pb.ModelsResponse()
-        return pb.ModelsResponse(models=[self.model_name])
-
-    async def Health(
-        self, request: pb.HealthRequest | Undecodable, grpc_context: RayServegRPCContext
-    ) -> pb.HealthResponse:
-        if not self.edge.access.health_open:
-            try:
-                _grpc_client(self.edge, grpc_context)
-            except ClientError as exc:
-                set_grpc_status(grpc_context, exc)
-                return pb.HealthResponse()
-        problem = await self._chain_ok()
-        return pb.HealthResponse(ok=not problem, detail=problem or "ok")
-
-    async def _open_pb(
-        self,
-        request_id: str,
-        request: pb.GenerateRequest | Undecodable,
-        context: RayServegRPCContext,
-        tokens: bool = True,
-    ) -> tuple[Admitted, AsyncIterator]:
-        client = _grpc_client(self.edge, context)  # first: an unknown caller learns nothing else
-        if isinstance(request, Undecodable):
-            raise ClientError(request.describe())
-        size = request.ByteSize()
-        if size > self.edge.limits.max_body_bytes:
-            raise ClientError(
-                f"the request is {size} bytes; the limit is {self.edge.limits.max_body_bytes} (limits.max_body_bytes)",
-                code="request_too_large",
-            )
-        if request.model and request.model != self.model_name:
-            raise ClientError(f"model {request.model!r} is not served here", "model", 404, "model_not_found")
-        try:
-            params = params_from_pb(request)
-            prompt, messages = prompt_from_pb(request)
-        except (ValidationError, ValueError) as exc:
-            raise ClientError(_first_error(exc)) from None
-        content = {"messages": messages} if messages is not None else {"prompt": prompt}
-        return (await self._open(request_id, params, client, tokens, [content]))[0]
-
-    # -- both -------------------------------------------------------------------------------
+    # -- both (GrpcMethods' too) -------------------------------------------------------------
     async def _open(
         self,
         request_id: str,

@@ -16,10 +16,13 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.exceptions import BackPressureError, ReplicaUnavailableError
 from ray.serve.handle import DeploymentResponseGenerator
 
-from backoff_core.types import GenerationResult
+from backoff_core.types import GenerationResult, TokenEvent
 from deployments.serving.outcomes import Failed, Rejected, internal_message
 
 log = logging.getLogger(__name__)
+# one INFO line per answered request (formats.request_line): under Serve's logger, so its
+# handlers and the app's logging_config.log_level (`backoff serve --log-level`) apply
+request_log = logging.getLogger("ray.serve.backoff.requests")
 
 
 class ServerFailure(RuntimeError):
@@ -88,6 +91,11 @@ class OverloadedError(ServerFailure):
 
     def __reduce__(self):  # the gRPC path pickles it to the proxy: keep both arguments
         return type(self), (str(self), self.retry_after_s, self.code)
+
+
+def token_events(item: TokenEvent | tuple[TokenEvent, ...]) -> tuple[TokenEvent, ...]:
+    """The tokens of one message of a stream: one TokenEvent, or several coalesced in a tuple."""
+    return item if isinstance(item, tuple) else (item,)
 
 
 async def collect(stream: AsyncIterator) -> GenerationResult:
