@@ -40,7 +40,7 @@ from backoff_core.runners.factory import make_runner
 from backoff_core.runners.graph_plan import GraphKey
 from backoff_core.runners.static import StaticRunner
 from backoff_core.types import GenerationRequest, KVSpec, RoutingParams, SamplingParams, Verification
-from benchmarks.gpu_plan import plan
+from benchmarks.gpu_plan import plan_default
 from benchmarks.gpu_probes import median_ms, probes, ragged_probe, replay_table, sharing
 from benchmarks.pair_args import pair_args
 
@@ -176,7 +176,7 @@ def main() -> None:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "load_s": round(load_s, 1),
-        "plan": plan(args.kv_budget, args.max_len)["models"],
+        "plan": plan_default(args.kv_budget, args.max_len)["models"],
         "measured": measured,
         # KVSpec ragged "auto" (the default): whether M_L kept its ragged graphs past warm-up's check
         "ragged_at_load": bool(runners[-1].ragged),

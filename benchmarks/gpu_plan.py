@@ -1,7 +1,8 @@
 """The GPU memory and graph plan of the benchmark pair at real shapes, without weights.
 
-    python benchmarks/gpu_plan.py            # -> benchmarks/results/gpu/plan.json
-                                             #    and plan_tensor_parallel.json (below)
+    python benchmarks/gpu_plan.py              # -> benchmarks/results/gpu/plan.json
+                                               #    and plan_tensor_parallel.json (below)
+    python benchmarks/gpu_plan.py --pair paper # the same plan.json; prints its "paper" part
 
 Builds the 135M- and 8B-shaped models of ../shared/gpu/make_pair.py on the meta device (no
 memory, no weights) and a StaticRunner's storage and graph plan for each at the defaults
@@ -19,6 +20,14 @@ an H100 (gpu_check.json): 0.19 GiB (M_S) and 0.43 GiB (M_L) against 0.16 and 0.5
 tests/backoff_core/runners/test_gpu_plan.py holds these figures (<= 200 graphs per model,
 the pair within 70 GiB); scripts/gpu_bench.sh tests measures them on the GPU.
 
+plan.json's "paper" (plan_paper): the paper's own pair on ONE H200, Llama-3.1-8B-shaped M_S and
+Llama-3.1-70B-shaped M_L (128256 vocabulary, GQA 8 KV heads), the decoders' linear layers in fp8
+as `--quantize-small/--quantize-large fp8` hold them (backoff_core/models/fp8.py: a byte a
+parameter plus a float32 scale a 128 x 128 block; embeddings, norms and LM heads in bf16), bf16 KV
+for the same 64 streams x 1024 positions, both within the graph budget; it fits where at least 5%
+of the card (SPARE) is left after HEADROOM_GIB. The fp8 models hold no fused q/k/v copies
+(FP8Linear layers are not fused). tests/backoff_core/runners/test_gpu_plan.py holds it.
+
 plan_tensor_parallel.json: one rank of the paper's M_L (Llama-3.1-70B's shape, DESIGN.md §4)
 split over TP ranks as backoff_core/parallel/sharding.py splits it (1/N of every layer and of
 the LM head's vocabulary, the embedding whole on every rank, 8/N KV heads), its static KV at
@@ -30,12 +39,14 @@ tests/backoff_core/parallel/test_gpu_plan_tensor_parallel.py holds them.
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from backoff_core.models.fp8 import fp8_layers, quantize_model
 from backoff_core.runners.graph_plan import GRAPH_BUDGET, K_BUCKETS, GraphKey, kinds, plan_keys
 from backoff_core.runners.static_forward import StaticForward
 from backoff_core.runners.static_kv import StaticKV
@@ -74,6 +85,8 @@ PAPER = {
 }  # fmt: skip
 PAPER_VOCAB = 128256
 H100_GIB = 80e9 / 2**30  # 74.5
+H200_GIB = 143771 / 1024  # 140.4: nvidia-smi's total on the H200 we measure on (gpu.txt)
+SPARE = 0.05  # the paper's pair on one H200: at least this share of the card left free
 HEADROOM_GIB = 4.0  # CUDA context, NCCL's buffers, fragmentation
 TP_PLANS = (("llama-3.1-70b", 4, "bfloat16"), ("llama-3.1-70b", 2, "fp8"), ("llama-3.1-8b", 1, "bfloat16"))
 KV_BUDGET = 65536  # scripts/gpu_bench.sh: --kv-budget
@@ -88,7 +101,7 @@ def meta_model(name: str) -> LlamaForCausalLM:
         return LlamaForCausalLM(config).to(torch.bfloat16)
 
 
-def estimate_pool(config, key: GraphKey, element: int) -> int:
+def estimate_pool(config, key: GraphKey, element: int, vocab: int = VOCAB) -> int:
     """Bytes alive at the peak of one forward of this bucket (static_forward.py), an upper
     estimate: the residual stream and a normed copy, q/k/v/attention output, the MLP's gate,
     up and product, the additive mask, cos/sin, a gathered batch's K and V, and the logits
@@ -101,40 +114,54 @@ def estimate_pool(config, key: GraphKey, element: int) -> int:
     per_token = 2 * d + (heads + 2 * kvh) * head_dim + d + 3 * inner + 2 * head_dim
     mask = key.rows * heads // kvh * key.k * key.length
     gather = 0 if key.dense else 2 * key.rows * kvh * key.length * head_dim
-    return (tokens * per_token + mask + gather + out * VOCAB) * element + out * VOCAB * 4
+    return (tokens * per_token + mask + gather + out * vocab) * element + out * vocab * 4
 
 
 def plan_model(name: str, kv_budget: int = KV_BUDGET, max_len: int = MAX_LEN) -> dict:
-    model = meta_model(name)
+    return plan_of(meta_model(name), name, name == "small", kv_budget, max_len)
+
+
+def plan_of(model, name: str, small: bool, kv_budget: int, max_len: int) -> dict:
+    """One model's graphs and memory as factory.make_runner would hold it (its KV in its dtype)."""
     kv = StaticKV(model, kv_budget, max_len, name)
-    element = 2  # bf16
-    small = name == "small"
+    element = 2  # bf16 activations and KV
+    vocab = model.config.vocab_size
     # M_L's catch-ups ragged where timed faster (KVSpec ragged "auto", the default on CUDA): one
     # graph per token bucket that CudaGraphs' buffers hold, within the budget (StaticRunner.warmup)
     wanted = kinds((None,), (True,), (1, 2)) if small else kinds((None,), (True, False), K_BUCKETS, ragged=True)
     rows = min(GRAPH_MAX_ROWS, 1 << max(0, kv.slots - 1).bit_length())
     ragged = [] if small else [t for t in RAGGED_TOKENS if t <= rows * K_BUCKETS[-1]]
     keys = plan_keys(kv.slots, max_len, rows, wanted, GRAPH_BUDGET - len(ragged))
-    buffers = rows * K_BUCKETS[-1] * (VOCAB + model.config.hidden_size) * element  # CudaGraphs' outputs
+    buffers = rows * K_BUCKETS[-1] * (vocab + model.config.hidden_size) * element  # CudaGraphs' outputs
     # a ragged forward of t tokens: a one-row forward's activations of t tokens, no mask of L
     # (its block mask is a few KB), and its rows' logits (the buffers above)
-    peaks = [estimate_pool(model.config, k, element) for k in keys]
-    peaks += [estimate_pool(model.config, GraphKey(True, 1, t, 0, True, None), element) for t in ragged]
+    peaks = [estimate_pool(model.config, k, element, vocab) for k in keys]
+    peaks += [estimate_pool(model.config, GraphKey(True, 1, t, 0, True, None), element, vocab) for t in ragged]
     pool = 2 * max(peaks) + buffers
-    weights = sum(p.numel() for p in model.parameters()) * element
     fused = StaticForward(model, kv, fuse_projections=small).fused_nbytes()  # as factory.make_runner
     return {
         "graphs": len(keys) + len(ragged),
         "ragged_graphs": len(ragged),
         "slots": kv.slots,
         "kv_gib": round(kv.nbytes() / GIB, 3),
-        "weights_gib": round(weights / GIB, 3),
+        "weights_gib": round(weight_bytes(model) / GIB, 3),
         "pool_gib": round(pool / GIB, 3),
         "fused_gib": round(fused / GIB, 3),
     }
 
 
+def weight_bytes(model) -> int:
+    """The parameters' bytes and, of fp8 layers, their e4m3 weights and float32 scales."""
+    fp8 = [t for m in fp8_layers(model) for t in (m.weight, m.weight_scale_inv)]
+    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *fp8])
+
+
 def plan(kv_budget: int = KV_BUDGET, max_len: int = MAX_LEN) -> dict:
+    """The benchmark pair's plan and, beside it, the paper's (`paper`: plan_paper)."""
+    return {**plan_default(kv_budget, max_len), "paper": plan_paper(kv_budget, max_len)}
+
+
+def plan_default(kv_budget: int = KV_BUDGET, max_len: int = MAX_LEN) -> dict:
     models = {name: plan_model(name, kv_budget, max_len) for name in SHAPES}
     total = sum(m["kv_gib"] + m["weights_gib"] + m["pool_gib"] + m["fused_gib"] for m in models.values())
     return {
@@ -143,6 +170,42 @@ def plan(kv_budget: int = KV_BUDGET, max_len: int = MAX_LEN) -> dict:
         "kv_budget_tokens": kv_budget,
         "max_len": max_len,
         "dtype": "bfloat16",
+    }
+
+
+def paper_model(name: str, quantize: str = "fp8") -> LlamaForCausalLM:
+    """A PAPER model on the meta device in bf16, its decoder's linear layers in fp8 as
+    `--quantize-* fp8` holds them (fp8.quantize_model, run on meta: shapes and dtypes only)."""
+    config = LlamaConfig(vocab_size=PAPER_VOCAB, max_position_embeddings=131072, **PAPER[name])
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    return quantize_model(model) if quantize == "fp8" else model
+
+
+def plan_paper(kv_budget: int = KV_BUDGET, max_len: int = MAX_LEN, quantize: str = "fp8") -> dict:
+    """The paper's pair on one H200: Llama-3.1-8B-shaped M_S and -70B-shaped M_L, fp8 weights
+    (embeddings, norms, LM head in bf16), bf16 KV for kv_budget positions in slots of max_len,
+    both models' graphs within the budget. fits_h200: total + HEADROOM_GIB leaves >= SPARE of
+    the card free."""
+    models = {
+        role: {"model": name, **plan_of(paper_model(name, quantize), name, role == "small", kv_budget, max_len)}
+        for role, name in (("small", "llama-3.1-8b"), ("large", "llama-3.1-70b"))
+    }
+    total = sum(m["kv_gib"] + m["weights_gib"] + m["pool_gib"] + m["fused_gib"] for m in models.values())
+    free = H200_GIB - HEADROOM_GIB - total
+    return {
+        "models": models,
+        "total_gib": round(total, 3),
+        "gpu": "H200 (143771 MiB, gpu.txt)",
+        "gpu_gib": round(H200_GIB, 3),
+        "headroom_gib": HEADROOM_GIB,
+        "free_gib": round(free, 3),
+        "spare": round(free / H200_GIB, 4),
+        "fits_h200": free / H200_GIB >= SPARE,
+        "kv_budget_tokens": kv_budget,
+        "max_len": max_len,
+        "weights": quantize,
+        "kv_dtype": "bfloat16",
     }
 
 
@@ -196,15 +259,26 @@ def plan_tensor_parallel(kv_budget: int = KV_BUDGET, max_len: int = MAX_LEN) -> 
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--pair",
+        choices=("default", "paper", "all"),
+        default="all",
+        help="what to print: the benchmark pair, the paper's on one H200, or both with the tensor-parallel "
+        "plan (plan.json always holds the first two)",
+    )
+    args = p.parse_args(argv)
     out = Path("benchmarks/results/gpu/plan.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     result = plan()
     out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
-    tp = plan_tensor_parallel()
-    (out.parent / "plan_tensor_parallel.json").write_text(json.dumps(tp, indent=2) + "\n")
-    print(json.dumps(tp, indent=2))
+    shown = {"default": {k: v for k, v in result.items() if k != "paper"}, "paper": result["paper"]}
+    print(json.dumps(shown.get(args.pair, result), indent=2))
+    if args.pair == "all":
+        tp = plan_tensor_parallel()
+        (out.parent / "plan_tensor_parallel.json").write_text(json.dumps(tp, indent=2) + "\n")
+        print(json.dumps(tp, indent=2))
 
 
 if __name__ == "__main__":

@@ -69,6 +69,9 @@ def quantize_weight(weight: torch.Tensor, block: tuple[int, int] = BLOCK) -> tup
     """weight [N, K] -> (q [N, K] e4m3, scale [N/bn, K/bk] float32), W ~= q * scale blockwise.
     One float32 copy of this matrix at a time (a layer, never a model)."""
     n, k = weight.shape
+    if weight.is_meta:  # shapes and dtypes only (benchmarks/gpu_plan.py): no arithmetic to trace
+        scale = torch.empty(_cdiv(n, block[0]), _cdiv(k, block[1]), device="meta")
+        return torch.empty(n, k, dtype=FP8, device="meta"), scale
     blocks = _blocks(weight.float(), block)  # [nb, bn, kb, bk]
     scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=_MIN_SCALE)  # [nb, kb]
     q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
@@ -133,6 +136,7 @@ class FP8Linear(nn.Module):
         self.activations = activations
         self.kernel = "dequantize"
         self._gemm_scales: torch.Tensor | None = None  # the weight's scales as F.scaled_mm reads them
+        self._dense: torch.Tensor | None = None  # keep_dequantized's copy (the CPU's measurements only)
         self.choose_kernel()
 
     def choose_kernel(self) -> None:
@@ -184,7 +188,8 @@ class FP8Linear(nn.Module):
         if self.activations == "fp8":
             x = fake_quantize_activations(x, self.activation_block)
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        return F.linear(x, self.dequantized(x.dtype), bias)
+        dense = self._dense if self._dense is not None and self._dense.dtype == x.dtype else self.dequantized(x.dtype)
+        return F.linear(x, dense, bias)
 
     def extra_repr(self) -> str:
         return (
@@ -294,6 +299,15 @@ def set_activations(model: nn.Module, activations: str) -> nn.Module:
         if isinstance(module, FP8Linear):
             module.activations = activations
             module.choose_kernel()
+    return model
+
+
+def keep_dequantized(model: nn.Module, dtype: torch.dtype | None = torch.float32) -> nn.Module:
+    """Every FP8Linear keeps its dequantised weight in dtype (None: drops it), for measuring an
+    fp8 model's numbers on the CPU fast: the same values as dequantising at every forward
+    (e4m3 -> float32 is exact), at the dense model's memory. Serving never does this."""
+    for layer in fp8_layers(model):
+        layer._dense = None if dtype is None else layer.dequantized(dtype)
     return model
 
 

@@ -17,6 +17,7 @@ from backoff_core.models.fp8 import (
     dequantize_weight,
     fake_quantize_activations,
     fp8_layers,
+    keep_dequantized,
     linear_weight_bytes,
     quantize_activations,
     quantize_model,
@@ -193,3 +194,13 @@ def test_bad_arguments_are_clear_errors():
         FP8Linear(torch.randn(64, 64), scale, (128, 128))
     with pytest.raises(ValueError, match="do not cut"):
         FP8Linear(q, torch.ones(2, 2), (128, 128))
+
+
+def test_keeping_the_dequantised_weights_changes_no_number():
+    fp8 = _quantized(_model(hidden=128), "fp8")
+    ids = torch.tensor([[2, 7, 1, 8, 2, 8]])
+    with torch.no_grad():
+        each_forward = fp8(ids).logits
+        kept = keep_dequantized(fp8)(ids).logits
+    assert torch.equal(each_forward, kept) and fp8_layers(fp8)[0]._dense is not None
+    assert keep_dequantized(fp8, None) is fp8 and fp8_layers(fp8)[0]._dense is None

@@ -95,3 +95,30 @@ def test_with_ragged_catch_ups_the_long_last_logits_kind_goes_last():
     keys = plan_keys(64, 1024, 64, wanted, budget=GRAPH_BUDGET - len(RAGGED_TOKENS))
     assert {(k.k, k.last_only) for k in keys} == {(1, True), (2, True), (4, True), (8, True), (4, False), (8, False)}
     assert kinds((None,), (True,), (1, 2), ragged=True) == kinds((None,), (True,), (1, 2))  # M_S: no k = 16
+
+
+def test_the_papers_pair_fits_one_h200_in_fp8(computed):
+    """plan.json's "paper": Llama-3.1-8B- and -70B-shaped models with fp8 decoder weights (a byte a
+    parameter, bf16 embeddings and LM heads), bf16 KV for 64 streams x 1024 positions, the graph
+    budget: within one H200 with >= 5% of it to spare."""
+    paper = computed["paper"]
+    small, large = paper["models"]["small"], paper["models"]["large"]
+    assert (small["model"], large["model"]) == ("llama-3.1-8b", "llama-3.1-70b")
+    embed_and_head = lambda d: 2 * 128256 * d * 2  # noqa: E731 - bf16 bytes
+    linears = lambda layers, d, kv, mlp: layers * (d * (2 * d + 2 * kv) + 3 * d * mlp)  # noqa: E731 - fp8 bytes
+    assert large["weights_gib"] == pytest.approx(
+        (linears(80, 8192, 1024, 28672) + embed_and_head(8192)) / 2**30, rel=1e-3
+    )
+    assert small["weights_gib"] == pytest.approx(
+        (linears(32, 4096, 1024, 14336) + embed_and_head(4096)) / 2**30, rel=1e-3
+    )
+    # KV in bf16: 320 KiB (70B) and 128 KiB (8B) a position, 64 slots of 1024
+    assert (large["kv_gib"], small["kv_gib"], large["slots"], small["slots"]) == (20.0, 8.0, 64, 64)
+    assert 0 < small["graphs"] <= GRAPH_BUDGET and 0 < large["graphs"] <= GRAPH_BUDGET
+    assert small["fused_gib"] == large["fused_gib"] == 0  # fp8 layers are not fused
+    total = sum(m["kv_gib"] + m["weights_gib"] + m["pool_gib"] + m["fused_gib"] for m in (small, large))
+    assert paper["total_gib"] == pytest.approx(total, abs=1e-3)
+    assert paper["spare"] == pytest.approx(
+        (paper["gpu_gib"] - paper["headroom_gib"] - total) / paper["gpu_gib"], abs=1e-3
+    )
+    assert paper["fits_h200"] and paper["spare"] >= 0.05
