@@ -40,7 +40,7 @@ from ray.serve.config import RequestRouterConfig
 from backoff_core.engine.gc_heap import GCStats, GCWatch
 from backoff_core.models.kernels import trim_heap
 from backoff_core.parallel.ranks import RankFailure, parallel_runner
-from backoff_core.runners.kv_budget import describe, kv_evictions, kv_tokens
+from backoff_core.runners.kv_budget import Resolved, describe, kv_evictions, kv_tokens, resolved
 from backoff_core.types import KVSpec, level_names
 from deployments.metrics import LargeMetrics
 from deployments.rank_actors import rank_launcher
@@ -96,6 +96,7 @@ class LargeInfo:
     tensor_parallel: int = 1  # ranks M_L is split over (backoff_core/parallel)
     collective_s: float = 0.0  # rank 0's time in the ranks' all-reduces and gathers since load
     ranks: tuple[tuple[str, int], ...] = ()  # (Ray node, pid) of ranks 1..N-1 (their node: the replica's)
+    resolved: Resolved | None = None  # what `auto` became: static KV, graphs, compiled layers, ragged
 
 
 class _Registration:
@@ -209,6 +210,7 @@ class LargeModel:
             tensor_parallel=self.runner.spec.size if hasattr(self.runner, "comm") else 1,
             collective_s=self.runner.comm.seconds if hasattr(self.runner, "comm") else 0.0,
             ranks=tuple((link.node or node, link.pid) for link in getattr(self.runner, "links", ())),
+            resolved=resolved(self.runner, self.kv),
         )
 
     async def metric_series(self) -> tuple[Series, ...]:

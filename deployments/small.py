@@ -38,7 +38,7 @@ from backoff_core.engine.gc_heap import GCStats, GCWatch
 from backoff_core.models.prompts import encode_chat, encode_prompt
 from backoff_core.parallel.ranks import parallel_runner
 from backoff_core.routing.routers import build_router
-from backoff_core.runners.kv_budget import kv_evictions, kv_tokens
+from backoff_core.runners.kv_budget import Resolved, kv_evictions, kv_tokens, resolved
 from backoff_core.types import GenerationRequest, GenerationResult, KVSpec, TokenEvent, level_names
 from deployments.large import replica_kv
 from deployments.metrics import KVMetrics, SmallMetrics
@@ -124,6 +124,7 @@ class SmallInfo:
     gc: GCStats | None = None  # the collector's pauses since load (Ray Serve's freeze included) and the heap frozen
     context_window: int | None = None  # prompt + generated tokens one request may hold (GET /v1/models' max_model_len)
     admission: tuple[int, int, int, int] = (0, 0, 0, 0)  # live slots, queue depth, refused (queue full), timed out
+    resolved: Resolved | None = None  # M_S's storage, graphs and layers as `auto` became them
 
 
 @serve.deployment(max_ongoing_requests=64)
@@ -287,6 +288,7 @@ class SmallModel:
             gc=self.gc.stats(),
             context_window=getattr(self.loop.engine, "context_window", None),  # an engine_factory's may have none
             admission=(self.gate.max_live, self.gate.max_waiting, self.gate.refused, self.gate.timed_out),
+            resolved=resolved(self.small_runner, self.kv),
         )
 
     def metric_series(self) -> tuple[Series, ...]:

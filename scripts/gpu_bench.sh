@@ -13,6 +13,10 @@
 #                                           # M_L forward of 64 streams
 #   bash scripts/gpu_bench.sh timeline    # benchmarks/step_timeline.py: where 64 streams' wall time
 #                                           # goes (forwards' device time, device idle, host profile)
+#   bash scripts/gpu_bench.sh served [TAG]  # benchmarks/served_gpu.py: the Ray Serve app (SmallModel and
+#                                           # LargeModel half the GPU each) beside the engine, HTTP and
+#                                           # gRPC at 1/16/64 streams; needs the bundle of
+#                                           # scripts/gpu_serve_bundle.sh carried as gpu_bundle/dist
 #   bash scripts/gpu_bench.sh all   [TAG]   # one device call: batch, then tests, then timeline with
 #                                           # what is left of DEADLINE seconds (default 570, under a
 #                                           # call's 600); over 8 files, the logs packed in one archive
@@ -31,7 +35,7 @@
 set -euo pipefail
 self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$0")/.."
-stage=${1:?usage: scripts/gpu_bench.sh tests|fused|cost|batch|timeline|all [TAG]}
+stage=${1:?usage: scripts/gpu_bench.sh tests|fused|cost|batch|timeline|served|all [TAG]}
 gpu_model() { # "NVIDIA H100 80GB HBM3" -> h100, "NVIDIA H200" -> h200, "NVIDIA L40S" -> l40s
     local model
     model=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 |
@@ -52,6 +56,27 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_
 # loads, and across calls of a warm machine (git-ignored: carry it)
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$PWD/.inductor-cache}
 mkdir -p "$out"
+if [ "$stage" = served ]; then
+    # Ray Serve and the pair's source from the bundle (scripts/gpu_serve_bundle.sh): one tarball, or
+    # two parts over two calls of a warm machine (the first call keeps part0 in /tmp and stops)
+    bundle=${BUNDLE:-gpu_bundle/dist} unpacked=/tmp/serve-bundle
+    if [ ! -f "$unpacked/site/manifest.json" ]; then
+        if [ -f "$bundle/serve-bundle.tar.xz" ]; then
+            mkdir -p "$unpacked" && xz -d <"$bundle/serve-bundle.tar.xz" | tar -C "$unpacked" -xf -
+        elif [ -f "$bundle/serve-bundle.tar.xz.part1" ] && [ -f /tmp/serve-bundle.part0 ]; then
+            mkdir -p "$unpacked" && cat /tmp/serve-bundle.part0 "$bundle/serve-bundle.tar.xz.part1" | xz -d | tar -C "$unpacked" -xf -
+        elif [ -f "$bundle/serve-bundle.tar.xz.part0" ]; then
+            cp "$bundle/serve-bundle.tar.xz.part0" /tmp/serve-bundle.part0
+            echo "bundle part 0 kept in /tmp: call again at once (warm machine) carrying gpu_bundle/dist with part1 only"
+            exit 0
+        else
+            echo "no bundle in $bundle: bash scripts/gpu_serve_bundle.sh here, carry gpu_bundle/dist" >&2
+            exit 2
+        fi
+    fi
+    export PYTHONPATH=$unpacked/site:$PYTHONPATH
+    pair_src=${PAIR_SRC:-$unpacked/gpu_pair}
+fi
 if [ ! -f "$pair/large/config.json" ]; then
     [ -f "$pair_src/make_pair.py" ] || { echo "no $pair_src/make_pair.py: copy ../shared/gpu/ there" >&2; exit 2; }
     python3 "$pair_src/make_pair.py" "$pair"
@@ -110,6 +135,18 @@ timeline)
     python3 benchmarks/step_timeline.py "${common[@]}" --tokens "$tokens" --out "$out" 2>&1 | progress_out |
         tee "$out/step_timeline.txt" | tail -100
     ;;
+served)
+    # benchmarks/served_gpu.py (docs/gpu.md, "The served path"): the engine's rows, then the app on a
+    # local Ray, HTTP and gRPC through Serve's proxy; parts past SERVED_DEADLINE s skipped. An image
+    # whose grpcio is older than the generated code's (gpu_bundle.py check: exit 3) runs HTTP alone.
+    transports=(http grpc) check=0
+    python3 scripts/gpu_bundle.py check "$unpacked/site" || check=$?
+    [ "$check" = 3 ] && transports=(http) && echo "the image's grpcio is too old for clients/wire: HTTP alone"
+    [ "$check" = 0 ] || [ "$check" = 3 ] || exit "$check"
+    python3 benchmarks/served_gpu.py "${common[@]}" --tokens "$tokens" --tag "$tag" --out "$out" \
+        --transports "${transports[@]}" --deadline "${SERVED_DEADLINE:-500}" 2>&1 | progress_out |
+        tee "$out/served-$tag.txt" | tail -60
+    ;;
 all)
     # one device call (a loan's 15 minutes hold one call of 10 and the machine's start, and it goes
     # back 30 s after a call; a second call's start may take what is left): fused first (the
@@ -143,7 +180,7 @@ all)
     exit "$rc"
     ;;
 *)
-    echo "unknown stage $stage: tests, fused, cost, batch, timeline or all" >&2
+    echo "unknown stage $stage: tests, fused, cost, batch, timeline, served or all" >&2
     exit 2
     ;;
 esac

@@ -14,6 +14,7 @@ A token costs 2 (K and V) * layers * kv_heads * head_dim * bytes of the model's 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -96,3 +97,39 @@ def kv_tokens(runner) -> int:
 def kv_evictions(runner) -> int:
     """Idle sessions a runner evicted to make room (M_L: per-session caches or static slots)."""
     return int(getattr(runner, "evictions", 0))
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """What a replica's `auto` settings became for one model, as its info() reports them."""
+
+    device: str  # "cuda:0", "cpu"
+    dtype: str  # "bfloat16"
+    static_kv: bool  # preallocated slots (StaticRunner), else per-session caches
+    kv_budget_tokens: int
+    kv_max_len: int | None  # positions a static slot holds (None: per-session caches)
+    cuda_graphs: int  # padded graphs captured (0: eager forwards)
+    ragged_graphs: int  # M_L's ragged catch-up graphs (static_ragged.py)
+    ragged: bool  # catch-ups may run ragged now (`auto`: where their replays were timed faster)
+    compiled_layers: bool  # decoder layers compiled by inductor (static_compiled.py)
+
+
+def resolved(runner, kv: KVSpec) -> Resolved:
+    """The runner's resolved storage, graphs and layers (a tensor-parallel runner's rank 0)."""
+    runner = runner.runner if hasattr(runner, "comm") else runner  # TensorParallelRunner: rank 0's
+    static = getattr(runner, "kv", None)
+    graphs = getattr(getattr(runner, "graphs", None), "ms", None) or {}
+    ragged = sum(type(key).__name__ == "RaggedKey" for key in graphs)
+    forward = getattr(runner, "_forward", None)
+    dtype = next(runner.model.parameters()).dtype
+    return Resolved(
+        device=str(getattr(runner, "device", "cpu")),
+        dtype=str(dtype).removeprefix("torch."),
+        static_kv=hasattr(static, "free_slots"),
+        kv_budget_tokens=kv.budget_tokens,
+        kv_max_len=static.max_len if hasattr(static, "free_slots") else None,
+        cuda_graphs=len(graphs) - ragged,
+        ragged_graphs=ragged,
+        ragged=bool(getattr(runner, "ragged", False)),
+        compiled_layers=getattr(forward, "compiled", None) is not None,
+    )

@@ -105,3 +105,18 @@ def test_available_ram_falls_back_to_free_pages_without_proc_meminfo(monkeypatch
     monkeypatch.setattr(kv_budget, "open", no_proc, raising=False)
     pages = kv_budget.os.sysconf("SC_PAGE_SIZE") * kv_budget.os.sysconf("SC_AVPHYS_PAGES")
     assert abs(kv_budget.available_ram() - pages) < 256 * 2**20  # free pages move a little between calls
+
+
+def test_resolved_says_what_a_replicas_runner_became():
+    """What LargeInfo / SmallInfo report as `resolved` (the served GPU stage records it)."""
+    from backoff_core.runners.dynamic import ModelRunner
+    from backoff_core.runners.kv_budget import resolved
+    from backoff_core.runners.static import StaticRunner
+
+    model = tiny_model(1)
+    caches = resolved(ModelRunner(model, "large"), KVSpec(4096, static=False))
+    assert (caches.device, caches.dtype, caches.static_kv, caches.kv_max_len, caches.cuda_graphs) == (
+        "cpu", "float32", False, None, 0)  # fmt: skip
+    static = resolved(StaticRunner(model, "large", kv_budget_tokens=512, max_len=128), KVSpec(512, 128))
+    assert (static.static_kv, static.kv_budget_tokens, static.kv_max_len, static.cuda_graphs) == (True, 512, 128, 0)
+    assert not static.compiled_layers and not static.ragged  # eager on the CPU
