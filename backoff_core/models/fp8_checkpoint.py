@@ -8,7 +8,7 @@ strategy "tensor", "channel" or "block"); each quantised Linear `x` stores `x.we
 tensor, [N, 1] per channel, [N/bn, K/bk] per block), and `x.input_scale` where activations
 were calibrated statically. Those become fp8.FP8Linear layers with the same scales: per
 tensor is one block of (N, K), per channel blocks of (1, K). The model is built with its
-parameters on the meta device (accelerate's init_empty_weights) and every tensor is assigned
+parameters on the meta device (`empty_model`) and every tensor is assigned
 straight from the files, so nothing is ever held at the model's full width. Static input
 scales are dropped: activations are quantised per token at run time (dynamic), as the
 releases' `input_activations` (strategy token, dynamic) ask.
@@ -23,7 +23,6 @@ import json
 from pathlib import Path
 
 import torch
-from accelerate import init_empty_weights
 from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
@@ -80,6 +79,23 @@ def _tensors(where: Path, device: str):
                 yield name, f.get_tensor(name)
 
 
+def empty_model(config, dtype: torch.dtype, device: str | torch.device) -> PreTrainedModel:
+    """config's causal LM with every parameter on the meta device (no memory, nothing drawn) and
+    its rotary tables, the buffers no checkpoint holds, made on `device`."""
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    for name, module in list(model.named_modules()):
+        if "inv_freq" in module._buffers and hasattr(module, "config"):  # HF's *RotaryEmbedding(config)
+            parent, _, attr = name.rpartition(".")
+            with torch.device(device):
+                tables = type(module)(module.config)
+            setattr(model.get_submodule(parent) if parent else model, attr, tables)
+    left = [n for n, b in model.named_buffers() if b.is_meta] if torch.device(device).type != "meta" else []
+    if left:
+        raise ValueError(f"{type(model).__name__}: buffers no checkpoint holds and none made here: {left[:5]}")
+    return model
+
+
 @torch.no_grad()
 def load_compressed_fp8(where: str | Path, dtype: torch.dtype, device: str) -> PreTrainedModel:
     """The model of an fp8 compressed-tensors checkpoint, its quantised Linear layers as
@@ -88,8 +104,7 @@ def load_compressed_fp8(where: str | Path, dtype: torch.dtype, device: str) -> P
     config = AutoConfig.from_pretrained(where)
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # transformers would ask for the compressed-tensors package
-    with init_empty_weights(include_buffers=False):  # rotary tables stay real; parameters on meta
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model = empty_model(config, dtype, device)
     modules = dict(model.named_modules())
     tensors = dict(_tensors(where, device))
     for name in [n[: -len(".weight_scale")] for n in tensors if n.endswith(".weight_scale")]:
