@@ -60,6 +60,9 @@ def _ephemeral_start() -> int:
         return 32768
 
 
+DRAIN_POLL_S = 0.2
+
+
 def loopback_config(
     small: str | None,
     large: str | None,
@@ -71,7 +74,9 @@ def loopback_config(
 ) -> dict:
     """The packaged Serve config on 127.0.0.1 (one application, `backoff`) with these models
     (None, None: the default pair) on CPU, fixed replica counts (default one each) and no CPU
-    reservations -- what tests and benchmarks start on one machine."""
+    reservations -- what tests and benchmarks start on one machine. A stopping replica looks
+    for requests still running every DRAIN_POLL_S (Serve's default: 2 s), so an idle app goes
+    down in ~1.5 s instead of ~8 s; one with requests still waits for them as long as before."""
     config = yaml.safe_load(DEFAULT_CONFIG.read_text())
     config["proxy_location"] = "HeadOnly"
     config["http_options"] = {"host": "127.0.0.1", "port": http_port}
@@ -81,6 +86,11 @@ def loopback_config(
     args["torch_threads"] = threads
     for part in ("small", "large", "ingress"):
         args[part].update(num_replicas=(replicas or {}).get(part, 1), num_cpus=0)
+    deployments = config["applications"][0]["deployments"]
+    if "Ingress" not in {d["name"] for d in deployments}:
+        deployments.append({"name": "Ingress"})
+    for d in deployments:
+        d["graceful_shutdown_wait_loop_s"] = DRAIN_POLL_S
     return config
 
 

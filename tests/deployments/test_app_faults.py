@@ -123,7 +123,8 @@ def _settled() -> None:
 def _deploy(served: ServedApp, router: dict | None = None, large: dict | None = None) -> None:
     """`backoff serve --config edited.yaml` with these user_config changes (live: no restart)."""
     for d in served.config["applications"][0]["deployments"]:
-        d["user_config"].update({"SmallModel": router, "LargeModel": large}[d["name"]] or {})
+        if change := {"SmallModel": router, "LargeModel": large}.get(d["name"]):
+            d["user_config"].update(change)
     deploy(served.config, served.config_path.with_name("edited.yaml"))
 
     async def applied() -> bool:

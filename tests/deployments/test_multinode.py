@@ -82,7 +82,7 @@ def _edit(config: dict, dirs) -> None:
     # the start: the first autoscaling_config there changes the app's code version (a redeploy of
     # every replica), a later change of its numbers is a live update
     small["autoscaling_config"] = {**AUTOSCALE, "min_replicas": 2}
-    app["deployments"].append({"name": "Ingress", "autoscaling_config": AUTOSCALE})
+    deployment_config(config, "Ingress")["autoscaling_config"] = AUTOSCALE
 
 
 @pytest.fixture(scope="module")

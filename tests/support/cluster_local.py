@@ -14,13 +14,15 @@ second (the default 10 s would make a test wait minutes to see a decision).
 from __future__ import annotations
 
 import os
+import sys
+import time
 from dataclasses import dataclass, field
 
 import ray
 from ray.cluster_utils import Cluster
 
 from deployments.serve_cli import RAY_SYSTEM_CONFIG, local_serve_env
-from tests.support.ray_local import no_auto_init
+from tests.support.ray_local import ATTEMPTS, no_auto_init
 
 FAST_HEALTH = {
     "health_check_initial_delay_ms": 0,
@@ -77,7 +79,23 @@ class LocalCluster:
 
 def start_cluster(head_cpus: int = 2, gpus: dict[str, int] | None = None, **counts: int) -> LocalCluster:
     """Head + `counts` nodes of each type (e.g. small_gpu=2, large_gpu=2), and connect.
-    gpus: logical GPUs a node of a type has, where not one (a tensor-parallel model's node)."""
+    gpus: logical GPUs a node of a type has, where not one (a tensor-parallel model's node).
+    A start that fails (a raylet not registered in time on a loaded machine, as a run beside
+    another Ray saw: "The current node timed out during startup") is retried after a pause,
+    each failure reported, as ray_local.start_local_ray does."""
+    errors = []
+    for attempt in range(1, ATTEMPTS + 1):
+        try:
+            return _start_cluster(head_cpus, gpus, counts)
+        except Exception as exc:  # noqa: BLE001 - reported below and on the last attempt
+            errors.append(f"attempt {attempt}: {type(exc).__name__}: {exc}")
+            print(f"cluster start failed ({errors[-1]})", file=sys.stderr)
+            if attempt < ATTEMPTS:
+                time.sleep(5.0 * attempt)
+    raise RuntimeError("could not start the local cluster:\n" + "\n".join(errors))
+
+
+def _start_cluster(head_cpus: int, gpus: dict[str, int] | None, counts: dict[str, int]) -> LocalCluster:
     no_auto_init()
     local_serve_env()
     saved = {key: os.environ.get(key) for key in SERVE_ENV}
