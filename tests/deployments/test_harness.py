@@ -35,3 +35,16 @@ def test_where_the_ephemeral_range_starts_low_the_kernel_picks_and_never_twice(m
     monkeypatch.setattr(harness, "_GIVEN", set())
     ports = [harness.free_port() for _ in range(20)]
     assert len(set(ports)) == 20 and all(port > 0 for port in ports)
+
+
+def test_the_loopback_config_drains_every_deployment_quickly_and_still_validates():
+    """Every deployment of the loopback app, the Ingress included, polls for running requests
+    every DRAIN_POLL_S while it stops (an idle test app goes down in ~1.5 s, not Serve's ~8),
+    and Serve's own schema still takes the config."""
+    from ray.serve.schema import ServeDeploySchema
+
+    config = harness.loopback_config("small", "large", 8000, 9000)
+    deployments = config["applications"][0]["deployments"]
+    assert {d["name"] for d in deployments} == {"Ingress", "SmallModel", "LargeModel"}
+    assert all(d["graceful_shutdown_wait_loop_s"] == harness.DRAIN_POLL_S for d in deployments)
+    ServeDeploySchema.model_validate(config)
