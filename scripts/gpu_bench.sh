@@ -17,6 +17,10 @@
 #                                           # LargeModel half the GPU each) beside the engine, HTTP and
 #                                           # gRPC at 1/16/64 streams; needs the bundle of
 #                                           # scripts/gpu_serve_bundle.sh carried as gpu_bundle/dist
+#   bash scripts/gpu_bench.sh paper [TAG]   # benchmarks/paper_pair.py: the paper's pair (Llama-3.1-8B and
+#                                           # -70B shapes, random weights built in process straight into
+#                                           # fp8: no /tmp/pair), c_S, P_L(k), the cost curve with M_S fp8
+#                                           # and bf16, 16 streams; then the fp8 CUDA tests (docs/fp8.md)
 #   bash scripts/gpu_bench.sh all   [TAG]   # one device call: batch, then tests, then timeline with
 #                                           # what is left of DEADLINE seconds (default 570, under a
 #                                           # call's 600); over 8 files, the logs packed in one archive
@@ -35,7 +39,7 @@
 set -euo pipefail
 self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$0")/.."
-stage=${1:?usage: scripts/gpu_bench.sh tests|fused|cost|batch|timeline|served|all [TAG]}
+stage=${1:?usage: scripts/gpu_bench.sh tests|fused|cost|batch|timeline|served|paper|all [TAG]}
 gpu_model() { # "NVIDIA H100 80GB HBM3" -> h100, "NVIDIA H200" -> h200, "NVIDIA L40S" -> l40s
     local model
     model=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 |
@@ -56,6 +60,20 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TOKENIZERS_
 # loads, and across calls of a warm machine (git-ignored: carry it)
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$PWD/.inductor-cache}
 mkdir -p "$out"
+if [ "$stage" = paper ]; then
+    # no pair to build: the models are drawn in process; ~68 GiB for M_L, 8.5 + 15 GiB for the two
+    # M_S; parts past PAPER_DEADLINE s skipped; SHAPE=tiny DEVICE=cpu is the dry run
+    nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version --format=csv >"$out/gpu.txt" 2>/dev/null || true
+    rc=0
+    python3 -m pytest -q -s -m cuda --tb=short -p no:cacheprovider tests/backoff_core/models/test_fp8_cuda.py \
+        >"$out/fp8_cuda_tests-$tag.txt" 2>&1 || rc=$?
+    tail -8 "$out/fp8_cuda_tests-$tag.txt"
+    python3 benchmarks/paper_pair.py --shape "${SHAPE:-paper}" --device "${DEVICE:-cuda}" --tokens "$tokens" \
+        --kv-budget "${KV_BUDGET:-20480}" --max-len "${MAX_LEN:-1024}" --deadline "${PAPER_DEADLINE:-420}" \
+        --tag "$tag" --out "$out" 2>&1 | progress_out | tee "$out/paper_pair-$tag.txt" | tail -60
+    [ "$rc" = 0 ] || { echo "fp8 CUDA tests failed (rc $rc)"; exit "$rc"; }
+    exit 0
+fi
 if [ "$stage" = served ]; then
     # Ray Serve and the pair's source from the bundle (scripts/gpu_serve_bundle.sh): one tarball, or
     # two parts over two calls of a warm machine (the first call keeps part0 in /tmp and stops)
