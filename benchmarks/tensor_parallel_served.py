@@ -1,20 +1,25 @@
-"""The app under real Ray Serve with M_L over two tensor-parallel ranks, and one rank killed.
+"""The app under real Ray Serve with M_L over tensor-parallel ranks, and one rank killed.
 
-    python -m benchmarks.tensor_parallel_served   # -> benchmarks/results/tensor_parallel_served.json
+    python -m benchmarks.tensor_parallel_served           # TP=3 -> benchmarks/results/tensor_parallel_served.json
+    python -m benchmarks.tensor_parallel_served --tp 2
 
-The tiny pair of the Serve tests (tests/support/served_app.py: M_L 4 heads / 2 KV heads) on
-the loopback config, one replica of each deployment, `models.tensor_parallel.large: 2`, in a
-fresh local Ray. Records: how long the app took to start; for three greedy prompts whether
-the served tokens and sources equal the in-process engine's (M_L at TP=1); then three
-200-token requests in flight while the LargeModel's rank 1 (a Ray actor in the replica's
-placement group, deployments/rank_actors.py) is killed with SIGKILL: whether each completed, its tokens, whether it was degraded, and when a
-new request was answered (Serve starting a new replica with its ranks). A run of the real
+The Serve tests' tiny M_S and the tensor-parallel tests' tiny M_L (tests/support/tp_models.py:
+12 heads / 6 KV heads, so it splits over 2 and over 3 ranks) on the loopback config, one
+replica of each deployment, `models.tensor_parallel.large: N`, in a fresh local Ray. Records:
+how long the app took to start; for three greedy prompts whether the served tokens and
+sources equal the in-process engine's (M_L at TP=1); then three 200-token requests in flight
+while the LargeModel's rank 1 (a Ray actor in the replica's placement group,
+deployments/rank_actors.py) is killed with SIGKILL: whether each completed, its tokens,
+whether it was degraded, and when a new request was answered (Serve starting a new replica
+with its ranks). A run of the real
 path the tests cover on the Serve fakes (tests/deployments/test_large_tensor_parallel.py),
 kept out of the suite for its start-up (minutes on two cores); a 2-core machine's times.
 """
 
 from __future__ import annotations
 
+import argparse
+import functools
 import json
 import os
 import signal
@@ -25,15 +30,19 @@ from pathlib import Path
 
 from clients.http_client import BackoffHTTPClient
 from tests.support.e2e_app import reference
-from tests.support.served_app import in_process_engine, running_app
+from tests.support.served_app import TINY_PAIR, in_process_engine, running_app
+from tests.support.tp_models import tp_model
 
 OUT = Path("benchmarks/results/tensor_parallel_served.json")
 PROMPTS = ([5, 9, 13, 2], [7, 8], [11, 12, 13])
 ROUTING = dict(temperature=0, router="entropy", backoff_threshold=0.5)
 
 
-def tensor_parallel_two(config: dict, dirs) -> None:
-    config["applications"][0]["args"]["models"]["tensor_parallel"] = {"large": 2}
+MODELS = {"small": TINY_PAIR["small"], "large": tp_model}
+
+
+def tensor_parallel(ranks: int, config: dict, dirs) -> None:
+    config["applications"][0]["args"]["models"]["tensor_parallel"] = {"large": ranks}
 
 
 def rank_processes() -> tuple[int, list[int]]:
@@ -68,6 +77,7 @@ def kill_a_rank_mid_stream(http) -> dict:
         results[i]["seconds"] = round(time.monotonic() - start, 1)
 
     replica, ranks = rank_processes()
+    assert ranks, "the LargeModel reports no rank actor"
     threads = [threading.Thread(target=request, args=(i, p)) for i, p in enumerate(PROMPTS)]
     for t in threads:
         t.start()
@@ -89,9 +99,13 @@ def kill_a_rank_mid_stream(http) -> dict:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tp", type=int, default=3, help="M_L's ranks (the tiny M_L's 6 KV heads: 2, 3 or 6)")
+    args = ap.parse_args(argv)
     start, load = time.monotonic(), os.getloadavg()[0]
-    with tempfile.TemporaryDirectory() as root, running_app(Path(root), edit=tensor_parallel_two) as app:
+    edit = functools.partial(tensor_parallel, args.tp)
+    with tempfile.TemporaryDirectory() as root, running_app(Path(root), MODELS, edit=edit) as app:
         up = time.monotonic() - start
         local = in_process_engine(app.model_dirs["small"], app.model_dirs["large"])
         with BackoffHTTPClient(app.url) as http:
@@ -101,7 +115,8 @@ def main() -> None:
         "machine": f"{os.cpu_count()}-core CPU, no GPU; a fresh local Ray",
         "load_average_at_start": round(load, 2),
         "load_average_at_end": round(os.getloadavg()[0], 2),
-        "tensor_parallel": {"large": 2},
+        "tensor_parallel": {"large": args.tp},
+        "large_heads": {"attention": 12, "kv": 6},
         "app_up_s": round(up, 1),
         "greedy_equal_to_in_process_tp1": equal,
         "rank_killed": killed,
