@@ -8,7 +8,12 @@ http_util.get_http_response_status) then answers in text of its own:
   or `DeploymentUnavailableError`'s (an app being deleted or not yet running);
 - nothing at all for any other error between the proxy and the Ingress (a replica that died
   mid-request, an answer past the channel's message cap): the proxy returns without a
-  response and uvicorn sends a 21-byte plain-text `500 Internal Server Error`.
+  response and uvicorn sends a 21-byte plain-text `500 Internal Server Error`;
+- 404 `Path '/v1/...' not found.` while no application routes the path: in the first seconds
+  of a start, before the Ingress runs (it answers its own 404s in JSON). For the API's paths
+  (/v1/) that is a 503 `not_ready` + Retry-After, as the Ingress answers until every replica
+  is up (deployments/serving/readiness.py), with the other cause named (no app at that route
+  prefix: GET /-/routes lists them); other paths get a JSON 404.
 `ProxyErrors` wraps the proxy's ASGI app (Serve's hook: RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH
 = "deployments.proxy_errors:proxy_middlewares", in the nodes' environment: serve_cli.SERVE_PATH_ENV,
 cluster.yaml) and turns each into a JSON error with a `type`, a `code` and a message written
@@ -43,8 +48,19 @@ def _body(message: str, code: str) -> bytes:
     return json.dumps({"error": {"message": message, "type": "server_error", "param": None, "code": code}}).encode()
 
 
-def rewrite(status: int, text: str, error_id: str) -> tuple[int, bytes]:
-    """(status, JSON body) for Serve's own answer `text` with `status`."""
+NOT_READY_RETRY_AFTER_S = 1  # what the Ingress's not_ready answers say (admission.retry_after_s's default)
+
+
+def rewrite(status: int, text: str, error_id: str, path: str = "") -> tuple[int, bytes]:
+    """(status, JSON body) for Serve's own answer `text` with `status` to a request for `path`."""
+    if status == 404:
+        if path.startswith("/v1/"):
+            message = (
+                f"no application serves {path} yet: the server is starting (retry after the Retry-After "
+                "header's seconds), or no app is deployed at that route prefix (GET /-/routes lists them)"
+            )
+            return 503, _body(message, "not_ready")
+        return 404, _body(f"no route {path} (GET /-/routes lists the applications' route prefixes)", "not_found")
     if status == 408:
         after = re.search(r"after ([0-9.]+)s", text)
         limit = f" ({float(after.group(1)):g} s)" if after else ""
@@ -61,9 +77,9 @@ def rewrite(status: int, text: str, error_id: str) -> tuple[int, bytes]:
 
 
 def _is_servers_text(message: dict) -> bool:
-    """Whether a response start is Serve's own error (not JSON): a 5xx or a 408."""
+    """Whether a response start is Serve's own error (not JSON): a 5xx, a 408 or a 404."""
     status = int(message.get("status", 200))
-    if status < 500 and status != 408:
+    if status < 500 and status not in (408, 404):
         return False
     headers = {k.lower(): v for k, v in message.get("headers", ())}
     return not headers.get(b"content-type", b"").startswith(b"application/json")
@@ -96,7 +112,7 @@ class ProxyErrors:
             if held is not None and message["type"] == "http.response.body":
                 body += message.get("body", b"")
                 if not message.get("more_body", False):
-                    await self._answer(send, held, body.decode("utf-8", "replace"))
+                    await self._answer(send, held, body.decode("utf-8", "replace"), scope.get("path", ""))
                     started = True
                 return
             started = started or message["type"] == "http.response.start"
@@ -114,11 +130,13 @@ class ProxyErrors:
             await self._answer(send, {"status": 500, "headers": []}, f"no answer from the app for {scope.get('path')}")
 
     @staticmethod
-    async def _answer(send, start: dict, text: str) -> None:
+    async def _answer(send, start: dict, text: str, path: str = "") -> None:
         error_id = f"err-{uuid.uuid4().hex[:16]}"
-        status, body = rewrite(int(start["status"]), text, error_id)
+        status, body = rewrite(int(start["status"]), text, error_id, path)
         log.warning("proxy: request %s answered %d, Serve's text %r", error_id, status, text[:500])
         kept = [(k, v) for k, v in start.get("headers", ()) if k.lower() in (b"retry-after", b"x-request-id")]
+        if status == 503 and int(start["status"]) == 404:  # not ready: when to come back, as the Ingress says
+            kept.append((b"retry-after", str(NOT_READY_RETRY_AFTER_S).encode()))
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *kept]
         try:
             await send({"type": "http.response.start", "status": status, "headers": headers})

@@ -106,6 +106,39 @@ def test_the_ingresss_answers_pass_untouched():
     assert response.status_code == 200 and response.text == "data: 1\n\ndata: [DONE]\n\n"
 
 
+def test_the_proxys_404_before_the_ingress_runs_is_a_503_not_ready_on_the_api():
+    """Serve's proxy answers 404 in text while no app routes a path (a start's first seconds,
+    before the Ingress runs): on the API's paths a 503 `not_ready` + Retry-After, as the
+    Ingress answers until its replicas are up; elsewhere a JSON 404. The Ingress's own JSON
+    404s pass untouched."""
+
+    async def no_route(scope, receive, send):  # the proxy's not_found_response
+        text = f"Path '{scope['path']}' not found. Ping http://.../-/routes for available routes."
+        await send({"type": "http.response.start", "status": 404, "headers": [(b"content-type", b"text/plain")]})
+        await send({"type": "http.response.body", "body": text.encode()})
+
+    response = _post(no_route)
+    assert response.status_code == 503 and response.headers["retry-after"] == "1"
+    error = _error(response)
+    assert error["code"] == "not_ready" and "starting" in error["message"] and "/-/routes" in error["message"]
+
+    async def get(path: str) -> httpx.Response:
+        transport = httpx.ASGITransport(app=ProxyErrors(no_route))
+        async with httpx.AsyncClient(transport=transport, base_url="http://proxy") as client:
+            return await client.get(path)
+
+    other = asyncio.run(get("/favicon.ico"))
+    assert other.status_code == 404 and _error(other)["code"] == "not_found" and "retry-after" not in other.headers
+
+    body = json.dumps({"error": {"message": "model nope", "type": "invalid_request_error", "param": None, "code": "x"}})
+
+    async def ingress_404(scope, receive, send):
+        await send({"type": "http.response.start", "status": 404, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": body.encode()})
+
+    assert _post(ingress_404).text == body
+
+
 def test_a_client_that_left_is_sent_nothing():
     sent = []
 
