@@ -13,9 +13,10 @@ How a layer computes (`FP8Linear.kernel`, chosen once at quantisation):
 - "scaled_mm" (W8A8: CUDA with fp8 tensor cores, compute capability >= 8.9): the activations
   are quantised at run time with one scale per 1 x bk block of a row (per token for a
   per-channel or per-tensor weight) and the GEMM runs in fp8 through PyTorch's own
-  `F.scaled_mm` (cuBLAS's blockwise / rowwise scaled GEMM), output in the model's dtype.
-  Probed once a device and block kind at load (`_probe`): a kernel that raises or misses the
-  emulation below is not used (weight-only then, with a warning).
+  `F.scaled_mm` (cuBLAS's blockwise / rowwise scaled GEMM; `torch._scaled_mm` in a torch
+  without it), output in the model's dtype. Probed once a device and block kind at load
+  (`_probe`): a kernel that raises or misses the emulation below is not used (weight-only then,
+  with a warning).
 - "dequantize": the same stored weights dequantised on the fly to the input's dtype and a
   plain `F.linear` (the CPU; a GPU without fp8 tensor cores). With activations "fp8" the
   input is first quantised and dequantised exactly as the W8A8 GEMM reads it: the emulation
@@ -211,21 +212,28 @@ def _weight_scales_for_gemm(layer: FP8Linear) -> torch.Tensor:
 
 
 def w8a8(x: torch.Tensor, layer: FP8Linear) -> torch.Tensor:
-    """x [M, K] -> [M, N] in x's dtype: x quantised per 1 x activation_block, the fp8 GEMM."""
-    from torch.nn.functional import ScalingType
-
+    """x [M, K] -> [M, N] in x's dtype: x quantised per 1 x activation_block, the fp8 GEMM
+    (F.scaled_mm; torch._scaled_mm, its older form, in a torch without it)."""
     q, scale = quantize_activations(x, layer.activation_block)  # [M, K], [M, K/block]
     mat_b = layer.weight.t()  # [K, N], column-major as the GEMM wants it
     bias = None if layer.bias is None else layer.bias.to(x.dtype)
     recipe = layer.recipe()
     if recipe == "blockwise":
         scale_a = torch.empty_strided(scale.shape, (1, scale.shape[0]), device=x.device).copy_(scale)  # stride [1, M]
-        kinds = (ScalingType.BlockWise1x128, ScalingType.BlockWise128x128)
     elif recipe == "rowwise":
-        scale_a, kinds = scale.contiguous(), (ScalingType.RowWise, ScalingType.RowWise)  # [M, 1]
+        scale_a = scale.contiguous()  # [M, 1]
     else:
-        scale_a, kinds = scale.amax().reshape(()), (ScalingType.TensorWise, ScalingType.TensorWise)
+        scale_a = scale.amax().reshape(())
         q = (x.float() / scale_a).clamp(-FP8_MAX, FP8_MAX).to(FP8)  # one scale for the whole input
+    if not hasattr(F, "scaled_mm"):
+        scale_b = layer.weight_scale_inv.t() if recipe == "blockwise" else layer._gemm_scales  # [K/128, N/128]
+        return torch._scaled_mm(q, mat_b, scale_a, scale_b, bias=bias, out_dtype=x.dtype)
+    from torch.nn.functional import ScalingType
+
+    kinds = {
+        "blockwise": (ScalingType.BlockWise1x128, ScalingType.BlockWise128x128),
+        "rowwise": (ScalingType.RowWise, ScalingType.RowWise),
+    }.get(recipe, (ScalingType.TensorWise, ScalingType.TensorWise))
     return F.scaled_mm(q, mat_b, scale_a, kinds[0], layer._gemm_scales, kinds[1], bias=bias, output_dtype=x.dtype)
 
 
@@ -242,7 +250,7 @@ def scaled_mm_works(device: torch.device, recipe: str) -> bool:
 
 
 def _probe(device: torch.device, recipe: str) -> bool:
-    if recipe == "other" or device.type != "cuda" or not hasattr(F, "scaled_mm"):
+    if recipe == "other" or device.type != "cuda":
         return False
     if torch.cuda.get_device_capability(device) < (8, 9):
         log.info("fp8: %s has no fp8 tensor cores: weight-only (dequantised) linear layers", device)

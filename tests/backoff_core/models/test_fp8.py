@@ -169,9 +169,13 @@ def test_engine_with_fp8_large_is_transformers_generate_of_the_same_fp8_model(to
 
 @pytest.mark.parametrize("block", [(128, 128), (1, 512), (256, 512)], ids=["blockwise", "rowwise", "tensorwise"])
 @pytest.mark.parametrize("rows", [1, 17])
-def test_w8a8_call_passes_torchs_checks_of_scaled_mm(block, rows):
-    """The GEMM's operands as F.scaled_mm demands them (shapes, strides, dtypes): torch's own
-    meta function checks them, so a layout the GPU would refuse fails here."""
+@pytest.mark.parametrize("api", ["scaled_mm", "_scaled_mm"])
+def test_w8a8_call_passes_torchs_checks_of_scaled_mm(block, rows, api, monkeypatch):
+    """The GEMM's operands as F.scaled_mm (or, in a torch without it, torch._scaled_mm) demands
+    them (shapes, strides, dtypes): torch's own meta functions check them, so a layout the GPU
+    would refuse fails here."""
+    if api == "_scaled_mm":
+        monkeypatch.delattr(F, "scaled_mm")
     q, scale = quantize_weight(torch.randn(256, 512), block)
     layer = FP8Linear(q, scale, block, torch.randn(256), activations="none").to("meta")
     layer._gemm_scales = _weight_scales_for_gemm(layer)
