@@ -36,6 +36,7 @@ from tests.support.served_app import (  # noqa: E402
     deploy,
     deployment_config,
     in_process_engine,
+    sse_closed_at_first_token,
     stream_noting_first,
 )
 
@@ -145,13 +146,8 @@ GRPC_CANCEL_TOKENS = 60  # >= 1.5 s of catch-up delays: the cancel still arrives
 
 async def _http_closed(http: httpx.AsyncClient) -> None:
     """An SSE stream whose connection is closed at the first token."""
-    async with http.stream("POST", "/v1/completions", json={**CANCEL_BODY, "stream": True}) as response:
-        if response.status_code == 503:
-            raise Refused
-        assert response.status_code == 200, response.status_code
-        async for line in response.aiter_lines():
-            if line.startswith("data:"):
-                return  # first token: leaving the block closes the connection
+    if not await sse_closed_at_first_token(http, {**CANCEL_BODY, "stream": True}):
+        raise Refused
 
 
 async def _client_cancelled(client: AsyncBackoffHTTPClient) -> None:

@@ -18,21 +18,10 @@ import pytest
 from clients.http_client import AsyncBackoffHTTPClient
 from deployments import ingress
 from tests.support.serve_fakes import FakeHandle, LoopThread, ingress_replica, large_replica, serving, small_replica
+from tests.support.served_app import sse_closed_at_first_token
 
 STREAMS = 1000
 BODY = {"prompt": [4, 5, 6], "max_tokens": 200, "temperature": 0, "ignore_eos": True, "router": "always-large"}
-
-
-async def _http_closed(http: httpx.AsyncClient) -> bool:
-    """An SSE stream whose connection is closed at its first token; False if refused for capacity."""
-    async with http.stream("POST", "/v1/completions", json={**BODY, "stream": True}) as response:
-        if response.status_code == 503:
-            return False
-        assert response.status_code == 200, response.status_code
-        async for line in response.aiter_lines():
-            if line.startswith("data:"):
-                return True  # leaving the block closes the connection
-    raise AssertionError("the stream ended before its first token")
 
 
 async def _client_cancelled(client: AsyncBackoffHTTPClient) -> bool:
@@ -80,7 +69,7 @@ def test_a_thousand_cancelled_streams_free_every_session(monkeypatch, pair, toke
             AsyncBackoffHTTPClient(base) as client,
         ):
             ways = {
-                "HTTP stream closed": lambda: _http_closed(http),
+                "HTTP stream closed": lambda: sse_closed_at_first_token(http, {**BODY, "stream": True}),
                 "client task cancelled": lambda: _client_cancelled(client),
             }
             cancelled = {}

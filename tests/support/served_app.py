@@ -227,3 +227,16 @@ async def sse_then_disconnect(base_url: str, body: dict, reads: int = 2) -> int:
                 if done == reads:
                     break
     return done
+
+
+async def sse_closed_at_first_token(http, body: dict) -> bool:
+    """POST a streamed completion (`body` with stream: true) on an httpx.AsyncClient and close
+    the connection at its first token; False if it was refused for capacity (503)."""
+    async with http.stream("POST", "/v1/completions", json=body) as response:
+        if response.status_code == 503:
+            return False
+        assert response.status_code == 200, response.status_code
+        async for line in response.aiter_lines():
+            if line.startswith("data:"):
+                return True  # leaving the block closes the connection
+    raise AssertionError("the stream ended before its first token")
