@@ -44,7 +44,9 @@ class Counted:
     def extend(self, items, hidden_layer=None, last_only=False, **kwargs):
         self.forwards.append((self.step, [len(ids) for _, ids in items], last_only))
         if kwargs.get("scoring") is not None:
-            self.against.append([0 if sc is None or sc.against is None else len(sc.against) for sc in kwargs["scoring"]])
+            self.against.append(
+                [0 if sc is None or sc.against is None else len(sc.against) for sc in kwargs["scoring"]]
+            )
         return self.runner.extend(items, hidden_layer=hidden_layer, last_only=last_only, **kwargs)
 
 
