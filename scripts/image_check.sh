@@ -36,12 +36,12 @@ fi
 "$py" -c "import sys, torch, transformers; print(f'python {sys.version.split()[0]}, torch {torch.__version__}, transformers {transformers.__version__}')"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 for script in benchmarks/gpu_check.py benchmarks/fused_step.py benchmarks/cost_curve.py benchmarks/batch_scaling.py benchmarks/catch_up_anatomy.py \
-    benchmarks/step_timeline.py; do
+    benchmarks/step_timeline.py benchmarks/served_gpu.py benchmarks/paper_pair.py; do
     "$py" "$script" --help >/dev/null || { echo "$script does not start under the GPU image's packages" >&2; exit 1; }
 done
 echo "the stages' scripts start"
 "$py" -m pytest -q -p no:cacheprovider --collect-only -m cuda tests/backoff_core/runners/test_static_cuda.py \
-    tests/backoff_core/runners/test_static_ragged_cuda.py | tail -1
+    tests/backoff_core/runners/test_static_ragged_cuda.py tests/backoff_core/models/test_fp8_cuda.py | tail -1
 
 tok=${GPU_TOKENIZER:-../shared/gpu/tok}
 [ -f "$tok/tokenizer.json" ] || { echo "no $tok/tokenizer.json: ../shared/gpu/ beside the checkout" >&2; exit 2; }

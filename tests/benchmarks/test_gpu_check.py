@@ -166,7 +166,7 @@ def test_gpu_check_saves_each_section_as_it_ends_so_a_cut_keeps_them(tmp_path, m
     chain = types.SimpleNamespace(models=[small, large], tokenizer=tokenizer, context_window=512)
     monkeypatch.setattr(gc, "load_chain", lambda *a, **k: chain)
     monkeypatch.setattr(gc, "logits_error", lambda *a: 0.01)
-    monkeypatch.setattr(gc, "plan", lambda *a: {"models": {}})
+    monkeypatch.setattr(gc, "plan_default", lambda *a: {"models": {}})
     monkeypatch.setattr(gc, "replay_table", lambda runner: [{"ms": 1.0}])
     monkeypatch.setattr(gc, "encode_prompt", lambda *a, **k: [3, 4, 5])
 
