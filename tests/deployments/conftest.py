@@ -1,10 +1,9 @@
 """Fixtures of tests/deployments: the one way a Ray integration module deploys its Serve app.
 
-A module deploys its own app through `serve_app` (Serve and Ray go down after its last
-test), or names a shared one through `shared_app(key, start)`: modules that run one after
-another and ask for the same key (test_app_input*.py: the bad-input app; test_app_e2e*.py:
-the end-to-end app, its live changes last) get the app the
-first of them deployed, and it goes down after the last of them. The modules that start
+A module deploys its own app through `serve_app` (Serve goes down after its last test), or
+names a shared one through `shared_app(key, start)`: modules that run one after another and
+ask for the same key (test_app_input*.py: the bad-input app; test_app_e2e*.py: the
+end-to-end app, its live changes last) get the app the first of them deployed, and it goes down after the last of them. The modules that start
 Ray run one after another on one xdist worker (tests/support/tiers.py), so there is never
 more than one Ray in a process; consecutive ones that ask for the same local Ray share it
 (tests/support/served_app.py's LOCAL), and it goes down after the last Ray module.
@@ -58,7 +57,8 @@ def _starter(stack: contextlib.ExitStack, tmp_path_factory) -> Starter:
 def serve_app(tmp_path_factory):
     """`serve_app(name, models=TINY_PAIR, **overrides) -> ServedApp` (the overrides of
     tests.support.served_app.running_app): this module's app, deployed once by its `served`
-    fixture; Serve and Ray go down after the module's last test."""
+    fixture; Serve goes down after the module's last test, the local Ray when the next
+    module starts none (pytest_runtest_teardown below)."""
     _SHARED.close()  # one Serve app at a time
     with contextlib.ExitStack() as stack:
         yield _starter(stack, tmp_path_factory)

@@ -25,7 +25,7 @@ ray = pytest.importorskip("ray")
 from ray import serve  # noqa: E402
 
 from backoff_core.types import GenerationRequest, RoutingParams, SamplingParams  # noqa: E402
-from clients import OverloadedError, TransportError  # noqa: E402
+from clients import TransportError  # noqa: E402
 from clients.grpc_client import AsyncBackoffGrpcClient, BackoffGrpcClient  # noqa: E402
 from clients.http_client import AsyncBackoffHTTPClient, BackoffHTTPClient  # noqa: E402
 from clients.wire import backoff_pb2 as pb  # noqa: E402
@@ -37,6 +37,7 @@ from tests.support.served_app import (  # noqa: E402
     deployment_config,
     in_process_engine,
     sse_closed_at_first_token,
+    stream_cancelled_at_first_token,
     stream_noting_first,
 )
 
@@ -152,21 +153,9 @@ async def _http_closed(http: httpx.AsyncClient) -> None:
 
 async def _client_cancelled(client: AsyncBackoffHTTPClient) -> None:
     """Our async client's stream, its task cancelled after the first token."""
-    first = asyncio.Event()
-
-    async def consume():
-        async for _ in client.stream(PROMPT, **{k: v for k, v in CANCEL_BODY.items() if k != "prompt"}):
-            first.set()
-
-    task, waiter = asyncio.create_task(consume()), asyncio.create_task(first.wait())
-    await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
-    waiter.cancel()
-    if not first.is_set():  # over before its first token
-        if isinstance(task.exception(), OverloadedError):
-            raise Refused
-        raise AssertionError(f"a stream ended before its first token: {task.exception()!r}")
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
+    fields = {k: v for k, v in CANCEL_BODY.items() if k != "prompt"}
+    if not await stream_cancelled_at_first_token(client, PROMPT, **fields):
+        raise Refused
 
 
 async def _grpc_cancelled(stub) -> None:

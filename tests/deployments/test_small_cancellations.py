@@ -18,30 +18,11 @@ import pytest
 from clients.http_client import AsyncBackoffHTTPClient
 from deployments import ingress
 from tests.support.serve_fakes import FakeHandle, LoopThread, ingress_replica, large_replica, serving, small_replica
-from tests.support.served_app import sse_closed_at_first_token
+from tests.support.served_app import sse_closed_at_first_token, stream_cancelled_at_first_token
 
 STREAMS = 1000
-BODY = {"prompt": [4, 5, 6], "max_tokens": 200, "temperature": 0, "ignore_eos": True, "router": "always-large"}
-
-
-async def _client_cancelled(client: AsyncBackoffHTTPClient) -> bool:
-    """Our async client's stream, its task cancelled after the first token."""
-    first = asyncio.Event()
-
-    async def consume():
-        async for _ in client.stream(BODY["prompt"], **{k: v for k, v in BODY.items() if k != "prompt"}):
-            first.set()
-
-    task = asyncio.create_task(consume())
-    waiter = asyncio.create_task(first.wait())
-    await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
-    waiter.cancel()
-    if not first.is_set():
-        assert "capacity" in str(task.exception()), repr(task.exception())
-        return False
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
-    return True
+FIELDS = {"max_tokens": 200, "temperature": 0, "ignore_eos": True, "router": "always-large"}
+BODY = {"prompt": [4, 5, 6], **FIELDS}
 
 
 @pytest.mark.slow  # ~30 s: a thousand streams over loopback HTTP
@@ -70,7 +51,7 @@ def test_a_thousand_cancelled_streams_free_every_session(monkeypatch, pair, toke
         ):
             ways = {
                 "HTTP stream closed": lambda: sse_closed_at_first_token(http, {**BODY, "stream": True}),
-                "client task cancelled": lambda: _client_cancelled(client),
+                "client task cancelled": lambda: stream_cancelled_at_first_token(client, BODY["prompt"], **FIELDS),
             }
             cancelled = {}
             for name, way in ways.items():

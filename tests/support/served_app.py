@@ -240,3 +240,26 @@ async def sse_closed_at_first_token(http, body: dict) -> bool:
             if line.startswith("data:"):
                 return True  # leaving the block closes the connection
     raise AssertionError("the stream ended before its first token")
+
+
+async def stream_cancelled_at_first_token(client, prompt, **fields) -> bool:
+    """Our async client's stream (HTTP or gRPC), its task cancelled after the first token;
+    False if it was refused for capacity (OverloadedError) before any token."""
+    from clients import OverloadedError
+
+    first = asyncio.Event()
+
+    async def consume():
+        async for _ in client.stream(prompt, **fields):
+            first.set()
+
+    task, waiter = asyncio.create_task(consume()), asyncio.create_task(first.wait())
+    await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    waiter.cancel()
+    if not first.is_set():  # over before its first token
+        if isinstance(task.exception(), OverloadedError):
+            return False
+        raise AssertionError(f"a stream ended before its first token: {task.exception()!r}")
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    return True
