@@ -49,7 +49,7 @@ def pair():
 # every test that carries one of these.
 def pytest_collection_modifyitems(config, items):
     """A test marked `ray`, `real_pair` or `multinode` is `slow` too; the Ray modules run in
-    tiers.RAY_ORDER (tests/support/tiers.py)."""
+    tests/support/tiers.py's order: the first Ray unit first, the late one last."""
     for item in items:
         if any(item.get_closest_marker(m) is not None for m in IMPLY_SLOW):
             item.add_marker(pytest.mark.slow)

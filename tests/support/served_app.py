@@ -4,7 +4,7 @@ packaged config on loopback (deployments.harness.loopback_config) with the modul
 `backoff serve --config` into a local Ray, then wait until every application in the config
 runs. The module-scoped fixture `serve_app` (tests/deployments/conftest.py) wraps
 `running_app`, so Serve goes down after the module's last test. The local Ray stays up for
-the next module if it asks for the same options and environment (LOCAL: tiers.RAY_ORDER runs
+the next module if it asks for the same options and environment (LOCAL: tiers.RAY_UNITS runs
 such modules one after another), and goes down before a module that needs another, and after
 the last (tests/deployments/conftest.py).
 

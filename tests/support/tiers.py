@@ -5,15 +5,21 @@ over its pytest-xdist workers.
   Serve app, or checks that none is up), `real_pair` (it loads the real default pair) or
   `multinode` is slow too (tests/conftest.py adds the mark). `make test-fast` runs `-m "not slow"`.
 - Under `--dist loadscope` a unit of work is a module, kept whole so that its module-scoped
-  fixtures (a compiled model, a loaded pair, a deployed app) are built once, on one worker;
-  every `ray` module is in one unit, so one worker runs them one after another and no two Ray
-  instances compete for the cores. The scheduler runs in xdist's controller, which collects
-  nothing and sees node ids only, so a module's `ray` mark is read from its source (its
-  `pytestmark` line). xdist's own loadgroup cannot do this: it renames node ids through an
-  attribute that pytest 9 no longer reads.
-- Within the Ray unit the modules run in RAY_ORDER: those that start the same local Ray
+  fixtures (a compiled model, a loaded pair, a deployed app) are built once, on one worker.
+  The `ray` modules form RAY_UNITS' two units instead: one worker runs a unit's modules one
+  after another, so a worker never holds two Ray instances, and consecutive modules share
+  what they can (below). The first unit is the queue's first: it starts at once, beside the
+  modules without Ray on the other worker; the second is the queue's last, so that worker
+  takes it once those modules are done, and the two Ray units overlap only at the end
+  (one Ray unit left the other worker idle for two thirds of the run). The scheduler runs in
+  xdist's controller, which collects nothing and sees node ids only, so a module's `ray` mark
+  is read from its source (its `pytestmark` line), and the queue keeps the collection's order
+  (tests/conftest.py: `ray_order`), not xdist's largest-unit-first. xdist's own loadgroup
+  cannot do this: it renames node ids through an attribute that pytest 9 no longer reads.
+- Within a Ray unit the modules run in the order listed: those that start the same local Ray
   (tests/support/served_app.py's LocalRay: same ray.init options and environment) one after
-  another, so they share one instance; a module not listed runs after the listed ones.
+  another, so they share one instance, and those that share an app (tests/deployments/
+  conftest.py's shared_app) likewise.
 """
 
 from __future__ import annotations
@@ -24,27 +30,33 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 IMPLY_SLOW = ("ray", "real_pair", "multinode")
-RAY_UNIT = "ray"
 RAY_MODULE = re.compile(r"^pytestmark\s*=.*\bpytest\.mark\.ray\b", re.M)
-RAY_ORDER = (
-    # the default local Ray (served_app.LOCAL_RAY, LOCAL_ENV): one instance for these five
-    "test_app_coalescing.py",
-    "test_app_eval.py",
-    "test_app_faults.py",
-    "test_app_load.py",
-    "test_app_prefix.py",
-    # their own Ray (Ray's metrics read; the dashboard for `serve deploy`), each app shared
-    # by its modules (tests/deployments/conftest.py's shared_app)
-    "test_app_e2e.py",
-    "test_app_e2e_live.py",
-    "test_app_input.py",
-    "test_app_input_access.py",
-    "test_app_input_fuzz.py",
-    "test_app_input_sizes.py",
-    "test_direct_ingress.py",  # direct ingress: Serve's environment at Ray's start
-    "test_multinode.py",  # a cluster of its own
-    "test_ray_local.py",
-)
+RAY_UNITS: dict[str, tuple[str, ...]] = {
+    "ray": (
+        # the default local Ray (served_app.LOCAL_RAY, LOCAL_ENV): one instance for these five
+        "test_app_coalescing.py",
+        "test_app_eval.py",
+        "test_app_faults.py",
+        "test_app_load.py",
+        "test_app_prefix.py",
+        # a Ray of their own (Ray's metrics read; the dashboard for `serve deploy`), one app
+        # for the four (tests/deployments/conftest.py's shared_app)
+        "test_app_input.py",
+        "test_app_input_access.py",
+        "test_app_input_fuzz.py",
+        "test_app_input_sizes.py",
+        "test_multinode.py",  # a cluster of its own; last, when the other unit is likely done
+    ),
+    "ray-late": (
+        # a Ray of their own (Ray's metrics read), one app for both
+        "test_app_e2e.py",
+        "test_app_e2e_live.py",
+        "test_direct_ingress.py",  # direct ingress: Serve's environment at Ray's start
+        "test_ray_local.py",
+    ),
+}
+RAY_UNIT_OF = {module: name for name, modules in RAY_UNITS.items() for module in modules}
+FIRST_RAY_UNIT, LATE_RAY_UNIT = RAY_UNITS
 
 
 @functools.cache
@@ -55,33 +67,36 @@ def starts_ray(module: str) -> bool:
 
 
 def unit(nodeid: str) -> str:
-    """The unit of work a test belongs to: `ray`, or its module's path."""
+    """The unit of work a test belongs to: its RAY_UNITS unit (`ray` for a Ray module not
+    listed), or its module's path."""
     module = nodeid.split("::", 1)[0]
-    return RAY_UNIT if starts_ray(module) else module
+    return RAY_UNIT_OF.get(Path(module).name, FIRST_RAY_UNIT) if starts_ray(module) else module
 
 
 def ray_order(items: list) -> list:
-    """`items` with the Ray modules' tests in RAY_ORDER (stable: a module's tests keep their
-    order) in the places the Ray tests held; the other tests stay where they were."""
-    ray = [i for i, item in enumerate(items) if starts_ray(item.nodeid.split("::", 1)[0])]
+    """`items` with the first Ray unit's tests first and the last one's last, each unit's
+    modules in RAY_UNITS' order (stable: a module's tests keep their order); the other tests
+    keep theirs, between them."""
 
-    def rank(item) -> int:
-        name = Path(item.nodeid.split("::", 1)[0]).name
-        return RAY_ORDER.index(name) if name in RAY_ORDER else len(RAY_ORDER)
+    def place(item) -> tuple[int, int]:
+        module = item.nodeid.split("::", 1)[0]
+        if not starts_ray(module):
+            return (1, 0)
+        name = Path(module).name
+        modules = RAY_UNITS[unit(module)]
+        first = unit(module) == FIRST_RAY_UNIT
+        return (0 if first else 2, modules.index(name) if name in modules else len(modules))
 
-    ordered = sorted((items[i] for i in ray), key=rank)
-    out = list(items)
-    for place, item in zip(ray, ordered, strict=True):
-        out[place] = item
-    return out
+    return sorted(items, key=place)
 
 
 def scheduler(config, log):
-    """xdist's loadscope scheduling with `unit` as the scope."""
+    """xdist's loadscope scheduling with `unit` as the scope, its queue in collection order."""
     from xdist.scheduler import LoadScopeScheduling
 
     class ModulesAndRay(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return unit(nodeid)
 
+    config.option.loadscopereorder = False  # ray_order's order: the late Ray unit last
     return ModulesAndRay(config, log)
