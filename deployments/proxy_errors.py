@@ -20,14 +20,29 @@ cluster.yaml) and turns each into a JSON error with a `type`, a `code` and a mes
 for the client; Serve's text goes to the proxy's log under the error id the message names.
 A response that is JSON already (the Ingress's) or not an error passes untouched, one that has
 started cannot be changed (an SSE stream reports in-band), and a client that disconnected (a
-499: the proxy answers nothing) is sent nothing. gRPC has no such hook:
-docs/hardening.md says what the gRPC proxy still answers in its own words.
+499: the proxy answers nothing) is sent nothing.
 
-Imported by every proxy at start: the standard library alone (no torch, no pydantic models).
+Ray Serve 2.60's gRPC proxy has no such hook (grpc_util.gRPCGenericServer builds its server with
+interceptors=()). When the call to the Ingress raises, gRPCProxy.send_request_to_replica makes the
+call's status with grpc_util.get_grpc_response_status, imported by name into proxy.py: INTERNAL
+carries str(exc), for a replica lost under the call str(RayActorError) (actor ids, the node's
+address: ray-project/ray#58851), and the other codes Serve's own text. The callback also runs
+`install_grpc()`, in the proxy actor's process, which is the gRPC proxy's too, before that proxy
+is built: it wraps that name in proxy.py's namespace (the narrowest seam), keeps the code Serve
+chose and replaces the details with the sentences above and the request id, Serve's detail going
+to the log under that id. A status the Ingress set itself (a gRPCStatusError with details:
+deployments/grpc_errors.py's words) and a client's cancel pass untouched. If the Ray version's
+internals differ, Serve's words stay, one warning is logged and the proxy starts as before
+(tests/deployments/serving/test_proxy_grpc_errors.py pins the seam to the installed Ray).
+
+Imported by every proxy at start: the standard library and Ray's own modules alone (no torch, no
+pydantic models).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
 import logging
 import re
@@ -40,6 +55,7 @@ def proxy_middlewares() -> list:
     """Serve's HTTP proxy callback: the middlewares it wraps its ASGI app in."""
     from starlette.middleware import Middleware  # Serve's own dependency; the proxy has it
 
+    install_grpc()  # the same process runs the gRPC proxy, which has no hook of its own
     return [Middleware(ProxyErrors)]
 
 
@@ -53,27 +69,32 @@ NOT_READY_RETRY_AFTER_S = 1  # what the Ingress's not_ready answers say (admissi
 
 def rewrite(status: int, text: str, error_id: str, path: str = "") -> tuple[int, bytes]:
     """(status, JSON body) for Serve's own answer `text` with `status` to a request for `path`."""
+    status, message, code = client_error(status, text, error_id, path)
+    return status, _body(message, code)
+
+
+def client_error(status: int, text: str, error_id: str, path: str = "") -> tuple[int, str, str]:
+    """(status, message for the client, code) for Serve's own answer `text` with `status`
+    (the gRPC proxy's statuses are worded with it too: grpc_details)."""
     if status == 404:
         if path.startswith("/v1/"):
             message = (
                 f"no application serves {path} yet: the server is starting (retry after the Retry-After "
                 "header's seconds), or no app is deployed at that route prefix (GET /-/routes lists them)"
             )
-            return 503, _body(message, "not_ready")
-        return 404, _body(f"no route {path} (GET /-/routes lists the applications' route prefixes)", "not_found")
+            return 503, message, "not_ready"
+        return 404, f"no route {path} (GET /-/routes lists the applications' route prefixes)", "not_found"
     if status == 408:
         after = re.search(r"after ([0-9.]+)s", text)
         limit = f" ({float(after.group(1)):g} s)" if after else ""
         message = f"the request took longer than the server's request timeout{limit}; ask for fewer tokens or retry"
-        return 408, _body(message, "request_timeout")
+        return 408, message, "request_timeout"
     if status == 503:
         if "backpressure" in text.lower() or "queued" in text.lower():
-            return 503, _body("the server is overloaded: too many requests are queued; retry later", "overloaded")
-        return 503, _body(
-            "the model is not available right now (starting, or being redeployed); retry later", "unavailable"
-        )
+            return 503, "the server is overloaded: too many requests are queued; retry later", "overloaded"
+        return 503, "the model is not available right now (starting, or being redeployed); retry later", "unavailable"
     message = f"the server failed while handling this request (request {error_id}: the server's log has the detail)"
-    return (status if status >= 500 else 500), _body(f"{message}; retrying may work", "internal_error")
+    return (status if status >= 500 else 500), f"{message}; retrying may work", "internal_error"
 
 
 def _is_servers_text(message: dict) -> bool:
@@ -143,3 +164,72 @@ class ProxyErrors:
             await send({"type": "http.response.body", "body": body})
         except Exception:  # noqa: BLE001 - the client went away (a 499): nothing to answer
             log.debug("proxy: request %s: the client is gone", error_id)
+
+
+# -- the gRPC proxy (no hook: its exception -> status function, wrapped) ---------------------
+
+SEAM = "ray.serve._private.proxy.get_grpc_response_status"
+PARAMETERS = ["exc", "request_timeout_s", "request_id"]
+# Serve's gRPC code -> the HTTP status its HTTP proxy answers for the same cause (else 500)
+HTTP_STATUS = {"DEADLINE_EXCEEDED": 408, "RESOURCE_EXHAUSTED": 503, "UNAVAILABLE": 503}
+
+
+def grpc_details(code_name: str, exc: BaseException, request_id: str, serves_text: str) -> str:
+    """What a client is told for a status Serve's gRPC proxy made of exc (no exception text)."""
+    from ray.exceptions import RayActorError  # the proxy has Ray loaded
+
+    if isinstance(exc, RayActorError):  # the Ingress replica serving the call died or went away
+        where = f"request {request_id}: the server's log has the detail"
+        return f"the server's replica handling this request was lost ({where}); retrying may work"
+    http_status = HTTP_STATUS.get(code_name, 500)
+    _, message, _ = client_error(http_status, serves_text, request_id)
+    return message if http_status == 500 else f"{message} (request {request_id})"
+
+
+def grpc_status(status, exc: BaseException, request_id: str):
+    """Serve's ResponseStatus for exc with its details written for the client (the code kept)."""
+    from ray.serve._private.proxy_request_response import ResponseStatus
+    from ray.serve.exceptions import gRPCStatusError
+
+    code_name = getattr(status.code, "name", str(status.code))
+    if not status.is_error or code_name in ("OK", "CANCELLED"):
+        return status
+    if isinstance(exc, gRPCStatusError) and exc.grpc_details:  # the Ingress's own words (grpc_errors.py)
+        return status
+    cause = getattr(exc, "original_exception", exc)  # a gRPCStatusError without details wraps Ray's
+    details = grpc_details(code_name, cause, request_id, status.message)
+    log.warning("proxy: gRPC request %s answered %s; Serve's detail: %r", request_id, code_name, status.message[:2000])
+    return ResponseStatus(code=status.code, is_error=True, message=details)
+
+
+def _wrap(original):
+    def get_grpc_response_status(exc, request_timeout_s, request_id):
+        status = original(exc, request_timeout_s, request_id)
+        try:
+            return grpc_status(status, exc, request_id)
+        except Exception:  # noqa: BLE001 - never lose the call's status to a bug here
+            log.exception("proxy: gRPC request %s: rewriting its status failed; Serve's detail: %r", request_id, exc)
+            if not status.is_error:
+                return status
+            where = f"request {request_id}: the server's log has the detail"
+            return dataclasses.replace(status, message=f"the server failed ({where}); retrying may work")
+
+    get_grpc_response_status.backoff_original = original
+    return get_grpc_response_status
+
+
+def install_grpc() -> bool:
+    """Wrap Serve's gRPC proxy's exception -> status function; False (one warning) if it moved."""
+    try:
+        from ray.serve._private import proxy
+
+        original = proxy.get_grpc_response_status
+        if getattr(original, "backoff_original", None) is not None:
+            return True  # installed already (the callback ran again in this process)
+        if list(inspect.signature(original).parameters) != PARAMETERS:
+            raise TypeError(f"{SEAM} takes {list(inspect.signature(original).parameters)}, not {PARAMETERS}")
+        proxy.get_grpc_response_status = _wrap(original)
+        return True
+    except Exception as exc:  # noqa: BLE001 - a Ray whose internals differ: the proxy starts as before
+        log.warning("proxy: gRPC errors keep Serve's own details (%s not found as expected in this Ray: %s)", SEAM, exc)
+        return False

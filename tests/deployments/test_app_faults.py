@@ -5,14 +5,16 @@ other serves), TWO LargeModel replicas. Leases are short (lease_s = 3) and every
 is delayed a little (inject_delay_ms = 25) so a long request lasts long enough to kill
 something under it on any machine. In order: 150 cancelled streams (a thousand run through
 the same classes without Ray in test_small_cancellations.py), a LargeModel replica
-killed under a gRPC stream, a SmallModel replica killed under several requests, and last
-a slow M_L (live config) that degrades or fails requests, then recovers.
+killed under a gRPC stream, a SmallModel replica killed under several requests, a slow M_L
+(live config) that degrades or fails requests, then recovers, and last the Ingress replica
+killed under gRPC and HTTP calls (Serve's proxies answer them in words for the client).
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import time
 from dataclasses import dataclass
@@ -432,3 +434,56 @@ def test_slow_large_model_degrades_fails_and_recovers_live(served):
     assert not again.usage.degraded and again.usage.large_tokens == 12 and again.token_ids == healthy.token_ids
     # the calls that timed out landed late, after their close: tombstones, no session left
     asyncio.run(_poll(_all_freed, 60, "sessions after the slow period"))
+
+
+# -- 5. the Ingress replica dies under calls: Serve's proxies answer, in words for the client ------
+
+# what must never reach a client: Ray's exception names and reprs, actor ids, node addresses
+INTERNAL_TEXT = re.compile(
+    r"RayActorError|ActorID|Actor(Died|Unavailable)Error|[0-9a-f]{24,}|\d+\.\d+\.\d+\.\d+|<|\w+\("
+)
+
+
+def test_killed_ingress_under_grpc_and_http_calls_answers_without_internal_text(served):
+    """Last (the app has one Ingress replica, which Serve then restarts). Ray 2.60's gRPC proxy
+    puts str(RayActorError) (actor ids, the node's address) into INTERNAL's details
+    (ray-project/ray#58851); deployments/proxy_errors.install_grpc words it for the client, naming the
+    request id, and the HTTP proxy's empty 500 is a JSON error (proxy_errors.py)."""
+    _settled()
+    body = {**LONG, "max_tokens": 200}  # >= 5 s of catch-up delays: alive when the kill lands
+
+    async def main():
+        async with (
+            httpx.AsyncClient(base_url=served.url, timeout=60) as http,
+            grpc.aio.insecure_channel(served.grpc_target) as channel,
+        ):
+            stub = pb_grpc.BackoffStub(channel)
+            request = pb.GenerateRequest(prompt_ids=PROMPT, **body)
+            stream = stub.GenerateStream(request, metadata=(*METADATA, ("request_id", "kill-stream")))
+            await stream.read()
+            unary = asyncio.ensure_future(stub.Generate(request, metadata=(*METADATA, ("request_id", "kill-unary"))))
+            posted = asyncio.ensure_future(http.post("/v1/completions", json={"prompt": PROMPT, **body}))
+
+            async def all_live() -> bool:
+                return sum(r.live for r in (await _router_infos()).values()) == 3
+
+            await _poll(all_live, 30, "the three calls at the routers")
+            ingress = await serve.get_deployment_handle("Ingress", APP).info.remote()
+            os.kill(ingress.pid, signal.SIGKILL)
+            with pytest.raises(grpc.aio.AioRpcError) as streamed:
+                while await stream.read() != grpc.aio.EOF:
+                    pass
+            with pytest.raises(grpc.aio.AioRpcError) as answered:
+                await unary
+            return streamed.value, answered.value, await posted
+
+    streamed, answered, posted = asyncio.run(main())
+    for err, request_id in ((streamed, "kill-stream"), (answered, "kill-unary")):
+        assert err.code() == grpc.StatusCode.INTERNAL, (err.code(), err.details())
+        assert "replica handling this request was lost" in err.details() and f"(request {request_id}" in err.details()
+        assert not INTERNAL_TEXT.search(err.details()), err.details()
+    assert posted.status_code == 500, posted.text
+    error = posted.json()["error"]
+    assert error["type"] == "server_error" and error["code"] == "internal_error", error
+    assert not INTERNAL_TEXT.search(error["message"]), error["message"]
+    harness.wait_until_running(APP)
