@@ -5,6 +5,7 @@ model stack (deployments/serving/outcomes.py).
 - KVCapacityError: no room in a model's KV storage; nothing changed, retry later (503).
 - SessionLost: a backend no longer holds a session; the step loop re-prefills it elsewhere.
 - LargeUnavailable: a larger model cannot answer in time; its requests degrade or fail.
+- RankFailure: a tensor-parallel rank of a model died (a LargeUnavailable).
 """
 
 from __future__ import annotations
@@ -36,3 +37,7 @@ class LargeUnavailable(RuntimeError):
     def __init__(self, message: str, extensions: dict | None = None) -> None:
         super().__init__(message)
         self.extensions = extensions or {}
+
+
+class RankFailure(LargeUnavailable):
+    """A tensor-parallel rank died or stopped answering: the model is unavailable."""

@@ -24,6 +24,10 @@ of M_L and drives N - 1 rank actors in its placement group of N bundles on one n
 (app.with_ranks, rank_actors.py; without Ray, rank processes of its own); a catch-up is still
 one call to the replica. A rank that dies ends the replica (lose_replica): callers see a lost
 LargeModel, the health check fails, and Serve starts a new replica with all its ranks.
+
+The model stack (torch, transformers, the runners) is imported where a replica loads or
+runs its model, not at module level: Serve's app builder imports this module in a process
+of its own at every deploy and needs only the class (tests/test_layout.py holds it).
 """
 
 from __future__ import annotations
@@ -32,24 +36,25 @@ import asyncio
 import logging
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from backoff_core.engine.gc_heap import GCStats, GCWatch
-from backoff_core.models.kernels import trim_heap
-from backoff_core.parallel.ranks import RankFailure, parallel_runner
+from backoff_core.errors import RankFailure
 from backoff_core.runners.kv_budget import Resolved, describe, kv_evictions, kv_tokens, resolved
 from backoff_core.types import KVSpec, level_names
 from deployments.metrics import LargeMetrics
 from deployments.rank_actors import rank_launcher
-from deployments.serving.batcher import CatchUpBatcher
 from deployments.serving.catchup_wire import CatchUpCall, CatchUpReply, ForwardRecord
 from deployments.serving.config import CatchUpConfig
 from deployments.serving.exposition import Series
-from deployments.serving.models import load_level, rank_device
 from deployments.serving.models_config import ModelsConfig
+
+if TYPE_CHECKING:
+    from deployments.serving.batcher import CatchUpBatcher
 
 log = logging.getLogger(__name__)
 AFFINITY = RequestRouterConfig(request_router_class="deployments.affinity:SessionAffinity")
@@ -62,6 +67,12 @@ def replica_kv(cfg: ModelsConfig, model, name: str) -> KVSpec:
     kv = cfg.kv_spec(model, gpu_share=share)
     print(f"{name}: {describe(kv, model)}", flush=True)  # the replica's log: what `auto` became
     return kv
+
+
+def _trim_heap() -> None:
+    from backoff_core.models.kernels import trim_heap
+
+    trim_heap()
 
 
 def lose_replica(name: str, exc: Exception) -> None:
@@ -112,6 +123,10 @@ class _Registration:
 @serve.deployment(request_router_config=AFFINITY, max_ongoing_requests=256)
 class LargeModel:
     def __init__(self, models: dict, level: int, torch_threads: int | None = None) -> None:
+        from backoff_core.parallel.ranks import parallel_runner
+        from deployments.serving.batcher import CatchUpBatcher
+        from deployments.serving.models import load_level, rank_device
+
         cfg = ModelsConfig.model_validate(models)
         self.name = level_names(cfg.num_levels)[level]
         ranks = cfg.tensor_parallel.size(level, cfg.num_levels)  # > 1: this replica drives N - 1 more ranks
@@ -231,7 +246,7 @@ class LargeModel:
             if orphans:
                 log.warning("%s: freed %d sessions whose router stopped renewing its lease", self.name, len(orphans))
             self._held()
-            await asyncio.get_running_loop().run_in_executor(None, trim_heap)  # RSS follows what is held
+            await asyncio.get_running_loop().run_in_executor(None, _trim_heap)  # RSS follows what is held
 
     def __del__(self) -> None:
         self.batcher.shutdown()

@@ -18,11 +18,11 @@ from prometheus_client import CollectorRegistry
 from ray.serve import metrics
 
 from backoff_core.types import GenerationResult, level_names
-from deployments.serving.catchup_wire import ForwardRecord
 from deployments.serving.exposition import Series, series_of
 
 if TYPE_CHECKING:  # torch: only where a model is loaded
     from backoff_core.runners.prefix_cache import PrefixCacheStats
+    from deployments.serving.catchup_wire import ForwardRecord
 
 _LENGTHS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 1024]
 _SIZES = [1, 2, 4, 8, 16, 32, 64, 128]

@@ -18,13 +18,15 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
+from typing import TYPE_CHECKING
 
 import ray
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from backoff_core.parallel.launch import Launcher, RankLink, spawn_ranks
-from backoff_core.parallel.worker import RankServer, RankSpec
+if TYPE_CHECKING:  # torch: imported where a rank runs (Serve's app builder imports this module)
+    from backoff_core.parallel.launch import Launcher, RankLink
+    from backoff_core.parallel.worker import RankSpec
 
 STRATEGY = "STRICT_PACK"  # every rank on the replica's node: NVLink between them, loopback for the store
 EMPTY_BUNDLE_CPU = 0.01  # a rank that reserves nothing still needs a non-empty bundle (Ray refuses {})
@@ -45,6 +47,8 @@ class RankActor:
     calls run in the order rank 0 made them."""
 
     def __init__(self, spec: RankSpec, port: int) -> None:
+        from backoff_core.parallel.worker import RankServer
+
         self.server = RankServer(spec, port)
 
     def where(self) -> tuple[str, int]:
@@ -132,6 +136,8 @@ def launch_in_placement_group(spec: RankSpec, port: int) -> list[RankLink]:
 def rank_launcher(ranks: int) -> Launcher:
     """The launcher of a replica over `ranks` ranks: its placement group's actors where Serve
     gave it one (app.with_ranks), else processes of its own (Ray not started: the tests' fakes)."""
+    from backoff_core.parallel.launch import spawn_ranks
+
     if ranks > 1 and ray.is_initialized() and get_current_placement_group() is not None:
         return launch_in_placement_group
     return spawn_ranks

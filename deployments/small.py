@@ -13,6 +13,10 @@ alone (or fails it: `on_large_failure`). The sessions this replica holds on the 
 deployments are leased (large.py): a task on the event loop renews the lease of this
 replica on every replica of each larger deployment, so that if this replica dies they are
 freed within `lease_s` instead of the TTL.
+
+The model stack (torch, transformers, the engine and its runners) is imported where a
+replica loads or runs its models, not at module level: Serve's app builder imports this
+module in a process of its own at every deploy and needs only the class (tests/test_layout.py).
 """
 
 from __future__ import annotations
@@ -32,12 +36,7 @@ import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from backoff_core.engine import ahead
-from backoff_core.engine.engine import BackoffEngine
 from backoff_core.engine.gc_heap import GCStats, GCWatch
-from backoff_core.models.prompts import encode_chat, encode_prompt
-from backoff_core.parallel.ranks import parallel_runner
-from backoff_core.routing.routers import build_router
 from backoff_core.runners.kv_budget import Resolved, kv_evictions, kv_tokens, resolved
 from backoff_core.types import GenerationRequest, GenerationResult, KVSpec, TokenEvent, level_names
 from deployments.large import replica_kv
@@ -49,9 +48,7 @@ from deployments.serving.chaos import FaultInjector
 from deployments.serving.config import AdmissionConfig, AppArgs, RoutingConfig, handle_options
 from deployments.serving.engine_loop import EngineLoop
 from deployments.serving.exposition import Series, answers
-from deployments.serving.models import load_small_side
 from deployments.serving.outcomes import Admitted, Failed, Rejected
-from deployments.serving.remote import RemoteLarge
 from deployments.serving.requests import ServeRequest, generation_request, truncated
 from deployments.streams import REPLICA_LOST
 
@@ -130,6 +127,12 @@ class SmallInfo:
 @serve.deployment(max_ongoing_requests=64)
 class SmallModel:
     def __init__(self, args: dict, *levels: DeploymentHandle) -> None:
+        from backoff_core.engine import ahead
+        from backoff_core.engine.engine import BackoffEngine
+        from backoff_core.parallel.ranks import parallel_runner
+        from deployments.serving.models import load_small_side
+        from deployments.serving.remote import RemoteLarge
+
         self.args = AppArgs.model_validate(args)
         # the step thread wakes from the device (or a sleep) needing the GIL while Serve's event
         # loops hold it: at the default 5 ms switch interval a 2 ms step waited up to 5 ms more
@@ -195,6 +198,8 @@ class SmallModel:
     def _config_thresholds(self, policy: RoutingConfig) -> list[float]:
         """The config's thresholds, else its router's defaults: what requests that set none
         start from, published from the start (a config that names none still has them)."""
+        from backoff_core.routing.routers import build_router
+
         if policy.thresholds is not None:
             return list(policy.thresholds)
         try:
@@ -317,6 +322,8 @@ class SmallModel:
 
     # -- engine thread ----------------------------------------------------------------------
     def _admit(self, request: ServeRequest, policy: RoutingConfig) -> GenerationRequest:
+        from backoff_core.models.prompts import encode_chat, encode_prompt
+
         if request.messages is not None:
             ids = encode_chat(self.tokenizer, [{"role": r, "content": c} for r, c in request.messages])
         elif request.prompt is not None:

@@ -34,7 +34,7 @@ from dataclasses import replace
 
 import torch
 
-from backoff_core.errors import LargeUnavailable
+from backoff_core.errors import RankFailure
 from backoff_core.parallel.launch import Launcher, RankLink, spawn_ranks
 from backoff_core.parallel.sharding import Collectives, layout, shards
 from backoff_core.parallel.worker import RankSpec, group, runner
@@ -42,10 +42,6 @@ from backoff_core.runners.factory import make_runner
 from backoff_core.types import KVSpec, PrefixCacheSpec
 
 log = logging.getLogger(__name__)
-
-
-class RankFailure(LargeUnavailable):
-    """A tensor-parallel rank died or stopped answering: the model is unavailable."""
 
 
 class TensorParallelRunner:

@@ -17,8 +17,6 @@ import os
 from dataclasses import dataclass
 from typing import Literal
 
-import torch
-
 from backoff_core.types import KVSpec
 
 GPU_FRACTION = 0.8  # of free device memory: CUDA graphs' pools and activations need the rest
@@ -50,6 +48,8 @@ def auto_budget(model, gpu_share: float = 1.0) -> int:
     """The default budget in tokens for `model` on its device (see the module docstring)."""
     device = next(model.parameters()).device
     if device.type == "cuda":
+        import torch  # here, not at the top: Serve's app builder imports this module, runs no model
+
         free, _ = torch.cuda.mem_get_info(device)
         memory = free * GPU_FRACTION * min(1.0, max(gpu_share, 0.0) or 1.0)
     else:

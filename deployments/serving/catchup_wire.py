@@ -1,16 +1,18 @@
 """What a catch-up call and its reply carry between the router (SmallModel, remote.py) and
 the large model's batcher (LargeModel, batcher.py): plain frozen data that Ray pickles, and
-the batcher's records for metrics."""
+the batcher's records for metrics. torch is imported where rows become tensors: Serve's app
+builder imports this module and runs no model (tests/test_layout.py)."""
 
 from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
-from backoff_core.runners.scoring import Scored, Scoring
+if TYPE_CHECKING:
+    from backoff_core.runners.scoring import Scored, Scoring
 
 
 @dataclass(frozen=True)
@@ -50,10 +52,16 @@ class ScoredRows:
 
     @classmethod
     def of(cls, scored: Scored) -> "ScoredRows":
+        import torch
+
         kl = None if scored.kl is None else scored.kl.numpy()
         return cls(scored.target.numpy(), scored.top_ids.to(torch.int32).numpy(), scored.top.numpy(), kl)
 
     def scored(self) -> Scored:
+        import torch
+
+        from backoff_core.runners.scoring import Scored
+
         return Scored(
             torch.from_numpy(np.array(self.target, dtype=np.float32)),
             torch.from_numpy(np.array(self.top_ids, dtype=np.int64)),

@@ -154,9 +154,10 @@ class FakeHandle:
 def large_replica(monkeypatch, model, level: int = 1, models: dict | None = None, capacity: int = 4096):
     """A LargeModel instance serving `model` (its loading replaced), its multiplexer faked."""
     from deployments import large
+    from deployments.serving import models as loading  # the replica imports its loader when it starts
 
     replica_context(monkeypatch)
-    monkeypatch.setattr(large, "load_level", lambda cfg, lvl, threads=None, host=False: model)
+    monkeypatch.setattr(loading, "load_level", lambda cfg, lvl, threads=None, host=False: model)
     replica = large.LargeModel.func_or_class(models or {}, level)
     replica._register = Multiplexer(replica, capacity)
     return replica
@@ -168,11 +169,11 @@ def small_replica(monkeypatch, model, tokenizer, handles: list, args: dict | Non
     import sys
 
     from deployments import small
-    from deployments.serving.models import SmallSide
+    from deployments.serving import models as loading  # the replica imports its loader when it starts
 
     replica_context(monkeypatch)
-    side = SmallSide(model, tokenizer, model.config.max_position_embeddings, model.config.hidden_size)
-    monkeypatch.setattr(small, "load_small_side", lambda cfg, threads=None: side)
+    side = loading.SmallSide(model, tokenizer, model.config.max_position_embeddings, model.config.hidden_size)
+    monkeypatch.setattr(loading, "load_small_side", lambda cfg, threads=None: side)
     monkeypatch.setattr(sys, "setswitchinterval", lambda s: None)  # a replica's setting, not the test process's
     return small.SmallModel.func_or_class(args or {}, *handles)
 
