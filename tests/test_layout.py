@@ -154,3 +154,44 @@ def test_the_ingress_loads_no_model_stack():
     probe = "import sys, deployments.ingress; print(*sorted({m.split('.')[0] for m in sys.modules}))"
     loaded = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True)
     assert {"torch", "transformers"}.isdisjoint(loaded.stdout.split()), loaded.stdout
+
+
+# STYLE.md 5: a module that passes ~400 lines is split at a natural seam (ingress.py ->
+# ingress_grpc.py, formats.py -> sse.py, engine.py -> lifecycle.py, types.py -> results.py,
+# serve_cli.py -> ray_env.py); generated protobuf stubs aside
+SIZED = (*PACKAGES, "scripts", "benchmarks", "tests/support")
+MAX_MODULE_LINES = 400
+
+
+def test_no_module_is_over_400_lines():
+    sizes = {
+        str(path.relative_to(ROOT)): len(path.read_text().splitlines())
+        for folder in SIZED
+        for path in _source_files(folder)
+    }
+    assert len(sizes) > 100 and "backoff_core/engine/engine.py" in sizes  # the walk found the tree
+    assert {path: n for path, n in sizes.items() if n > MAX_MODULE_LINES} == {}
+
+
+def _methods(path: Path, cls: str) -> dict[str, ast.FunctionDef]:
+    tree = ast.parse((ROOT / path).read_text())
+    body = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == cls).body
+    return {node.name: node for node in body if isinstance(node, ast.FunctionDef)}
+
+
+def test_each_step_function_is_one_screen_and_the_plain_one_checks_no_mode():
+    """One step function per mode (STYLE.md 2), each at most 25 lines over the stages'
+    helpers: the functions settings.py binds, every one of them; the plain step names
+    neither mode (`ahead`, `flights`)."""
+    bind = _methods("backoff_core/engine/settings.py", "LiveSettings")["_bind_step"]
+    # `self._step_fn = engine._step_plain`: the class's functions it assigns
+    bound = {n.value.attr for n in ast.walk(bind) if isinstance(n, ast.Assign) and isinstance(n.value, ast.Attribute)}
+    assert bound == {"_step_plain", "_step_in_flight", "_step_ahead"}
+    steps = {
+        name: fn for name, fn in _methods("backoff_core/engine/engine.py", "BackoffEngine").items() if name in bound
+    }
+    assert set(steps) == bound
+    lengths = {name: fn.end_lineno - fn.lineno + 1 for name, fn in steps.items()}
+    assert all(n <= 25 for n in lengths.values()), lengths
+    names = {n.attr for n in ast.walk(steps["_step_plain"]) if isinstance(n, ast.Attribute)}
+    assert names.isdisjoint({"ahead", "flights"})
