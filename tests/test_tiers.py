@@ -55,13 +55,13 @@ def test_the_first_ray_unit_is_queued_first_and_the_late_one_last_each_in_its_or
     ordered = [item.nodeid for item in ray_order([SimpleNamespace(nodeid=i) for i in ids])]
     assert ordered == [
         "tests/deployments/test_app_coalescing.py::z",  # first of the first unit
+        "tests/deployments/test_ray_local.py::r",
         "tests/deployments/test_multinode.py::m",  # last of it
         "tests/test_tiers.py::a",
         "tests/test_docs.py::b",
         "tests/test_layout.py::c",
         "tests/deployments/test_app_e2e.py::x",  # the late unit, in its order
         "tests/deployments/test_app_e2e.py::y",
-        "tests/deployments/test_ray_local.py::r",
     ]
 
 
