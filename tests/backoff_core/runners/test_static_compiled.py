@@ -263,3 +263,46 @@ def test_a_model_the_compiled_layer_cannot_compute_runs_eager(caplog):
     model.config.hidden_act = "gelu"
     run = StaticRunner(model, "gelu", kv_budget_tokens=2 * MAX_LEN, max_len=MAX_LEN, compile_layers=True)
     assert run._forward.compiled is None and "activation 'gelu', not silu" in caplog.text
+
+
+@pytest.mark.slow  # ten dispatch traces of a whole body: ~25 s on a loaded 2-core machine
+@torch.inference_mode()
+def test_capture_safety_holds_over_the_compiled_step(first):
+    """test_capture_safety's check over the compiled forward: for every kind of bucket the runners
+    capture (test_capture_safety.KEYS: M_S's k 1 and 2 with hidden layers, M_L's every k with
+    last or full logits, dense and gathered), the body a CUDA graph captures (CudaGraphs._body)
+    runs the compiled layers (fullgraph: no graph break, no eager fallback) and gives the eager
+    forward's logits (M_L's: the modules' projections); and the same body, its layers the
+    function inductor compiles (`decoder_layer`, run as Python: dynamo compiles nothing under a
+    dispatch mode), dispatches no op that syncs with the host."""
+    from backoff_core.runners.cuda_graphs import CudaGraphs
+    from tests.backoff_core.runners.test_capture_safety import KEYS, harmless_inputs
+
+    _, compiled = first
+    model = tiny_model(2, hidden=64, layers=4)
+    eager = StaticForward(model, StaticKV(model, 4 * MAX_LEN, MAX_LEN))  # M_L's eager forward
+    assert eager.fused is None and compiled.kv.max_len == MAX_LEN
+    eager.kv.storage.copy_(compiled.kv.storage)  # the keys earlier tests wrote: both read the same
+    graphs = {f: CudaGraphs(f, max_rows=4, max_k=16) for f in (compiled, eager)}
+    layers, calls = compiled.compiled, []
+    # the dispatch trace (slow: ~2 s a body) of one key per (read path, k 1 or more, logits, hidden
+    # layer or none): the ops of the glue and of the layers depend on nothing else
+    traced = {(k.dense, k.k == 1, k.last_only, k.hidden_layer is None): k for k in KEYS}.values()
+    inner = layers._fn
+    try:
+        for key in KEYS:
+            for g in graphs.values():
+                harmless_inputs(g, key)
+            if key in traced:
+                layers._fn = decoder_layer
+                with HostSyncs() as trace:
+                    graphs[compiled]._body(key)
+                assert trace.syncs == [] and "index_put_" in trace.ops, (key, trace.syncs)
+            layers._fn = lambda *args, **kwargs: calls.append(1) or inner(*args, **kwargs)
+            graphs[compiled]._body(key)
+            assert len(calls) == 4, (key, len(calls))  # the compiled function, a call a layer
+            del calls[:]
+            graphs[eager]._body(key)
+            torch.testing.assert_close(graphs[compiled].logits, graphs[eager].logits, **TOL, msg=str(key))
+    finally:
+        layers._fn = inner
