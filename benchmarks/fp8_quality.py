@@ -10,18 +10,24 @@ on held-out text (the corpus' held-out split: stdlib sources, docstrings, pydoc 
 KL(full || fp8) and its 99th percentile. Two fp8 forms, each figure from the same stored weights:
   w8a8         activations quantised per 1 x 128 as the GPU's fp8 GEMM reads them (emulated on the
                CPU: `models`, the figures the goals are read against: the GPU runs this)
-  weight_only  the activations in float32 (what the CPU runs: `weight_only`)
+  weight_only  the activations in float32 (what the CPU runs, and the GPU too for layers whose
+               sizes are not multiples of 128, all of SmolLM2-135M's: `weight_only`)
+each for two choices of the same format's e4m3 values: round-to-nearest (`quantize: fp8`,
+fp8.quantize_model: `models`, `weight_only`) and GPTQ (fp8_gptq.gptq_quantize_model, calibrated
+on `--calib-windows` windows of 128 tokens a source of the corpus' train split: `gptq`).
 Then the shipped task set (frontier_spec.TASKS, `--task-limit` items a task) through the
 `backoff` lm-eval model (backoff lm-eval's, in this process) with always-large, float32 against
-fp8 (w8a8), as the frontier scores a row (evaluation/frontier.py evaluate_row), the CPU's tok/s
+fp8 (w8a8, round-to-nearest; `fp8_gptq`: GPTQ's), as the frontier scores a row (evaluation/frontier.py evaluate_row), the CPU's tok/s
 of each beside it. Writes
     {"models": {"large": {"top1_agreement", "mean_kl", "p99_kl"}, "small": {...}},
-     "weight_only": {...}, "tasks": {"full": mean accuracy, "fp8": mean accuracy, ...}, ...}
+     "weight_only": {...}, "gptq": {"models": {...}, "weight_only": {...}},
+     "tasks": {"full": mean accuracy, "fp8": mean accuracy, "fp8_gptq": ..., ...}, ...}
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 import time
@@ -33,9 +39,11 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the checkout importable
 from backoff_core.engine.engine import BackoffEngine
 from backoff_core.evaluation.frontier import LARGE_ALONE, FrontierConfig, evaluate_row
+from backoff_core.learning import corpus
 from backoff_core.models.fp8 import BLOCK, keep_dequantized, set_activations
+from backoff_core.models.fp8_gptq import ACT_ORDER, DAMP, gptq_quantize_model
 from backoff_core.models.loading import LoadSpec, load_chain
-from scripts.eval_small import heldout_windows
+from scripts.eval_small import evenly_spaced_windows, heldout_windows, token_stream
 
 OUT = Path("benchmarks/results/fp8_quality.json")
 FORMS = {"w8a8": "fp8", "weight_only": "none"}  # the result's key -> FP8Linear.activations
@@ -59,11 +67,37 @@ def compare(full, fp8, windows: torch.Tensor, desc: str) -> dict:
     }
 
 
-def tasks(full_chain, fp8_chain, limit: int | None, speed_tokens: int) -> dict:
-    """The task set, always-large, float32 and fp8: the mean accuracy of each (and per task)."""
+def calibration_windows(tokenizer, per_source: int, seq_len: int = 128, texts_per_source: int = 400) -> torch.Tensor:
+    """[n, seq_len] windows of the corpus' train split (never the held-out text measured
+    here), evenly spread over at most texts_per_source texts of each source: GPTQ's inputs."""
+    windows = []
+    for texts in corpus.corpus_texts("train").values():
+        step = max(1, len(texts) // texts_per_source)
+        windows.append(evenly_spaced_windows(token_stream(tokenizer, texts[::step]), seq_len, per_source))
+    return torch.cat(windows)
+
+
+def measure(fp8, full, windows: torch.Tensor, tag: str) -> dict:
+    """{"models": w8a8 figures, "weight_only": ...} of an fp8 chain against the full one."""
+    result = {}
+    for form, activations in FORMS.items():
+        for model in fp8.models:
+            set_activations(model, activations)
+        key = "models" if form == "w8a8" else form
+        result[key] = {
+            name: compare(full.models[level], fp8.models[level], windows, f"{tag} {form} {name}")
+            for level, name in ((1, "large"), (0, "small"))
+        }
+    for model in fp8.models:
+        set_activations(model, "fp8")  # the tasks: the GPU's numbers
+    return result
+
+
+def tasks(full_chain, fp8_chains: dict, limit: int | None, speed_tokens: int) -> dict:
+    """The task set, always-large, float32 and each fp8 chain: the mean accuracy of each (and per task)."""
     config = FrontierConfig(pair="default", limit=limit, speed_tokens=speed_tokens)
     out = {}
-    for name, chain in (("full", full_chain), ("fp8", fp8_chain)):
+    for name, chain in (("full", full_chain), *fp8_chains.items()):
         start = time.perf_counter()
         row = evaluate_row(BackoffEngine.from_chain(chain), LARGE_ALONE, config)
         out[name] = round(row["mean_accuracy"], 4)
@@ -81,28 +115,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seq-len", type=int, default=64, help="tokens a window")
     p.add_argument("--task-limit", type=int, default=25, help="items a task (0: no tasks, -1: all)")
     p.add_argument("--speed-tokens", type=int, default=8, help="tokens a stream of the tok/s beside each task row")
+    p.add_argument("--calib-windows", type=int, default=24, help="GPTQ's calibration windows per corpus source")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: fastest on a loaded 2-core machine)")
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     full = load_chain(None, None, spec=LoadSpec(cpu_kernels="default"))
     fp8 = load_chain(None, None, spec=LoadSpec(cpu_kernels="default", quantize_small="fp8", quantize_large="fp8"))
-    for model in fp8.models:  # dequantised once, not at every forward: the same numbers, faster here
+    gptq = copy.deepcopy(full)  # its own pair (the unquantised default pair is the process's cached one)
+    calib = calibration_windows(full.tokenizer, args.calib_windows)  # [n, 128]
+    for model in gptq.models:
+        gptq_quantize_model(model, calib)
+    for model in (*fp8.models, *gptq.models):  # dequantised once, not at every forward: the same numbers, faster here
         keep_dequantized(model)
     windows = torch.cat(list(heldout_windows(full.tokenizer, args.seq_len, args.windows).values()))  # [n, T]
-    result: dict = {}
-    for form, activations in FORMS.items():
-        for model in fp8.models:
-            set_activations(model, activations)
-        key = "models" if form == "w8a8" else form
-        result[key] = {
-            name: compare(full.models[level], fp8.models[level], windows, f"{form} {name}")
-            for level, name in ((1, "large"), (0, "small"))
-        }
-    for model in fp8.models:
-        set_activations(model, "fp8")  # the tasks: the GPU's numbers
+    result: dict = measure(fp8, full, windows, "rtn")
+    result["gptq"] = measure(gptq, full, windows, "gptq")
     if args.task_limit:
-        result["tasks"] = tasks(full, fp8, None if args.task_limit < 0 else args.task_limit, args.speed_tokens)
+        limit = None if args.task_limit < 0 else args.task_limit
+        result["tasks"] = tasks(full, {"fp8": fp8, "fp8_gptq": gptq}, limit, args.speed_tokens)
     result["setup"] = {
         "pair": "default (M_L SmolLM2-135M-Instruct, M_S the 5-layer student)",
         "block": list(BLOCK),
@@ -111,6 +142,13 @@ def main(argv: list[str] | None = None) -> int:
         "held_out": "corpus heldout split: stdlib_source, stdlib_docstrings, pydoc_topics",
         "reference": "float32 on the CPU",
         "tasks_fp8": "w8a8 (activations quantised per 1x128 as the GPU's GEMM reads them)",
+        "gptq": {
+            "calibration": "corpus train split",
+            "windows": int(calib.shape[0]),
+            "seq_len": 128,
+            "damp": DAMP,
+            "act_order": ACT_ORDER,
+        },
         "command": "python benchmarks/fp8_quality.py " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

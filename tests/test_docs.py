@@ -292,3 +292,27 @@ def test_the_readmes_live_reload_commands_carry_what_rays_cli_needs(capsys):
     other = shlex.split(lines[deploy].split("# or: ")[1])
     assert other[:2] == [".venv/bin/backoff", "serve"] and "auto" in other
     serve_cli._parser().parse_args(other[2:])
+
+
+def test_fp8_quality_tables_are_fp8_quality_json():
+    quality, page = load("fp8_quality.json"), (ROOT / "docs" / "fp8.md").read_text()
+    rows = [
+        [c.strip().replace("**", "") for c in line.strip().strip("|").split("|")]
+        for line in page[page.index("## Quality on the real pair") :].splitlines()
+        if line.startswith("|")
+    ]
+
+    def cells(*words: str) -> list[str]:
+        """The numbers of the one row whose first cell starts with words[0] and holds the rest."""
+        found = [r[1:] for r in rows if r[0].startswith(words[0]) and all(w in r[0] for w in words[1:])]
+        assert len(found) == 1, f"docs/fp8.md: {len(found)} rows {words}"
+        return found[0]
+
+    for model, label in (("large", "M_L"), ("small", "M_S")):
+        for method, figures in (("GPTQ", quality["gptq"]), ("round-to-nearest", quality)):
+            for form, key in (("weight-only", "weight_only"), ("W8A8", "models")):
+                r, shown = figures[key][model], cells(label, method, form)
+                assert agree(shown[0], r["top1_agreement"]), (label, method, form)
+                assert agree(shown[1], r["mean_kl"]) and agree(shown[2], r["p99_kl"]), (label, method, form)
+    tasks = cells("mean accuracy")
+    assert all(agree(p, quality["tasks"][k]) for p, k in zip(tasks, ("full", "fp8", "fp8_gptq"), strict=False))
