@@ -160,6 +160,8 @@ def measure(
     rows: list[str] | None = None,
     after_row: Callable[[dict, dict], None] | None = None,
     checks: dict | None = None,
+    repeats_one: int | None = None,
+    until: float | None = None,
 ) -> tuple[dict[str, dict[str, dict]], dict[str, str]]:
     """The rows of ROUTINGS (`rows`, in its order; default every one) at every n (each row warmed up first:
     allocator growth, lazy initialisation): ({label: {n: throughput's figures}}, {label: the
@@ -167,11 +169,16 @@ def measure(
     reported, not measured, and its requests cancelled, so one failing row (a first run on
     new hardware) does not cost the others; after a failure that leaves the engine unclean,
     the rows left are skipped, with that reason. The first ragged row first puts the ragged
-    catch-up's logits against the padded path's in `checks` ("ragged_rel_err")."""
+    catch-up's logits against the padded path's in `checks` ("ragged_rel_err"). repeats_one:
+    the repeats of a cell at one stream (default `repeats`); until: a time.perf_counter() past
+    which a row is not started (in errors: "skipped: past the deadline")."""
     runs, errors = {}, {}
     checks = {} if checks is None else checks
     picked = {label: ROUTINGS[label] for label in rows} if rows is not None else ROUTINGS
     for label, (routing, _, flight) in tqdm(picked.items(), desc="routings"):
+        if until is not None and time.perf_counter() > until:
+            errors[label] = "skipped: past the deadline"
+            continue
         if errors and engine.has_work():
             errors[label] = f"skipped: the engine still had work after {next(iter(errors))!r} failed"
             continue
@@ -183,7 +190,17 @@ def measure(
             ahead = launched_ahead(label)
             throughput(engine, prompt_ids, 2, 4, routing, 1, waits[label], flight, ahead)
             runs[label] = {
-                str(n): throughput(engine, prompt_ids, n, tokens, routing, repeats, waits[label], flight, ahead)
+                str(n): throughput(
+                    engine,
+                    prompt_ids,
+                    n,
+                    tokens,
+                    routing,
+                    cell_repeats(n, repeats, repeats_one),
+                    waits[label],
+                    flight,
+                    ahead,
+                )
                 for n in tqdm(streams, desc=label, leave=False)
             }
         except Exception as exc:  # noqa: BLE001 - reported in the results, the other rows go on
@@ -195,6 +212,12 @@ def measure(
     _ragged(engine, "auto")
     engine.launch_ahead = False
     return runs, errors
+
+
+def cell_repeats(n: int, repeats: int, repeats_one: int | None) -> int:
+    """A cell's repeats: one stream's tok/s moves most run to run (a 64-token request is ~0.1 s
+    on a GPU), so its cells repeat repeats_one times (16 by default in the stage)."""
+    return repeats_one if n == 1 and repeats_one is not None else repeats
 
 
 def _ragged(engine, mode: str, prompt_ids=(), checks: dict | None = None) -> None:
@@ -266,6 +289,8 @@ def main() -> None:
     ap.add_argument("--streams", default="1,4,16,64", help="comma-separated concurrency levels n")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats-one", type=int, default=16, help="repeats of a cell at one stream (median)")
+    ap.add_argument("--deadline", type=float, default=None, help="seconds from the start: later rows skipped")
     ap.add_argument("--kv-budget", type=int, default=None, help="static KV storage of this many tokens per model")
     ap.add_argument("--max-len", type=int, default=1024, help="positions per static KV slot")
     ap.add_argument("--no-cuda-graphs", action="store_true")
@@ -288,6 +313,7 @@ def main() -> None:
         ap.error(f"unknown rows {unknown}; the rows are {list(ROUTINGS)}")
     transformers.logging.set_verbosity_error()
 
+    t0 = time.perf_counter()
     chain = load_chain(args.small, args.large, (), LoadSpec(args.device, args.dtype))
     kv = KVSpec(args.kv_budget, args.max_len, not args.no_cuda_graphs) if args.kv_budget else None
     start = time.perf_counter()
@@ -309,7 +335,10 @@ def main() -> None:
         (out / f"{stem}.json").write_text(json.dumps(report, indent=2))
         return report
 
-    runs, errors = measure(engine, prompt_ids, streams, args.tokens, args.repeats, waits, rows, save, checks)
+    until = None if args.deadline is None else t0 + args.deadline
+    runs, errors = measure(
+        engine, prompt_ids, streams, args.tokens, args.repeats, waits, rows, save, checks, args.repeats_one, until
+    )
     report = save(runs, errors)
     print_report(report, streams)
     plot_report(report, streams, out / f"{stem}.png")

@@ -19,12 +19,14 @@ def results(args, kv, load_s: float, waits: dict, streams: list[int], runs: dict
         "dtype": args.dtype,
         "tokens": args.tokens,
         "repeats": args.repeats,
+        "repeats_one": getattr(args, "repeats_one", args.repeats),  # at one stream
         "kv": None
         if kv is None
         else {"budget_tokens": kv.budget_tokens, "max_len": kv.max_len, "cuda_graphs": kv.cuda_graphs},
         "engine_load_s": load_s,
         "catch_up_wait_ms": waits,
         "tok_per_s": table,
+        "routed_share": pick("routed_share"),  # the realised share of tokens a larger model gave
         "catch_up_forwards_per_100_tokens": pick("forwards_per_100_tokens"),
         "itl_median_ms": pick("itl_median_ms"),
         "itl_p99_ms": pick("itl_p99_ms"),

@@ -7,8 +7,15 @@ assisted generation, all in one run (DESIGN.md §3).
         --dtype bfloat16 --kv-budget 65536 --max-len 1024 --tag h100   # -> results/gpu/cost_curve-h100.*
 
 Prints a table and saves benchmarks/results/cost_curve[-TAG].{json,png}. Every figure is a
-median over repeats; c_S, c_r and P_L(k) are measured in the same run as the throughput, and
-the ideal of the cost model C(b) = c_S + c_r + (1-b)·P_L(1/(1-b)) is printed beside it.
+median over repeats: each engine row (one stream) over --repeats generations (16 by default,
+the prompts in turn) with its realised routed share (the share of tokens a larger model gave),
+the HF baselines over --hf-repeats each prompt; c_S, c_r and P_L(k) (k 1..20 and PL_LONG, one
+forward each: no cliff past 16) are measured in the same run as the throughput, and the ideal
+of the cost model C(b) = c_S + c_r + (1-b)·P_L(1/(1-b)) is printed beside it, and on a GPU
+also the ideal at the bandwidth floor (each catch-up one read of M_L's weights at the card's
+spec bandwidth) and M_L alone over the card's spec bandwidth (M_L_alone_over_peak). With
+--deadline (seconds from the start) an HF baseline that would start past it is skipped and
+named in "skipped".
 """
 
 from __future__ import annotations
@@ -39,11 +46,13 @@ PROMPTS = [
     "Give three tips for writing readable code, with one sentence each.",
 ]
 RATES = (0.0, 0.5, 0.8, 0.9, 0.95, 1.0)
+PL_LONG = (24, 32, 33, 64, 128)  # catch-ups past the largest k bucket (16): one forward each too
 
 
-def measure_primitives(engine, prompt_ids, repeats, max_k=20):
-    """c_S (one M_S token), P_L(k) (M_L over k new tokens), on a cache holding the prompt,
-    through the engine's own runners (static KV + CUDA graphs where it has them)."""
+def measure_primitives(engine, prompt_ids, repeats, max_k=20, long=PL_LONG):
+    """c_S (one M_S token), P_L(k) (M_L over k new tokens: 1..max_k, then `long`), on a cache
+    holding the prompt, through the engine's own runners (static KV + CUDA graphs where it
+    has them)."""
     small, large = engine.models[0], engine.models[-1]
 
     def step_cost(runner, k):
@@ -62,7 +71,8 @@ def measure_primitives(engine, prompt_ids, repeats, max_k=20):
         return statistics.median(times)
 
     c_s = statistics.median(step_cost(small, 1) for _ in range(3))
-    p_l = {k: step_cost(large, k) for k in tqdm(range(1, max_k + 1), desc="P_L(k)", leave=False)}
+    ks = [*range(1, max_k + 1), *long]
+    p_l = {k: step_cost(large, k) for k in tqdm(ks, desc="P_L(k)", leave=False)}
     return c_s, p_l
 
 
@@ -106,17 +116,21 @@ def bandwidth_floors(chain) -> dict:
     }
 
 
-def run_engine(engine, prompt_ids, max_tokens, routing, repeats):
+def run_engine(engine, prompts, max_tokens, routing, repeats):
+    """One stream, `repeats` generations, the prompts in turn (seed i for the i-th): the median
+    seconds a token (prefill excluded), the realised routed share (tokens a larger model gave,
+    over every generated token) and the results."""
     per_token, results = [], []
     for i in range(repeats):
         req = GenerationRequest(
-            tuple(prompt_ids), SamplingParams(max_tokens=max_tokens, seed=i, ignore_eos=True), routing
+            tuple(prompts[i % len(prompts)]), SamplingParams(max_tokens=max_tokens, seed=i, ignore_eos=True), routing
         )
         start = time.perf_counter()
         result = engine.generate(req)
         per_token.append((time.perf_counter() - start - result.timings.prefill) / len(result.token_ids))
         results.append(result)
-    return statistics.median(per_token), results
+    routed = sum(s > 0 for r in results for s in r.sources) / sum(len(r.sources) for r in results)
+    return statistics.median(per_token), routed, results
 
 
 def run_hf(model, prompt_ids, max_tokens, repeats, assistant=None, static=False):
@@ -142,7 +156,11 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--cpu-kernels", default="mkldnn", choices=["mkldnn", "default"])
     ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--repeats", type=int, default=16, help="generations of an engine row (one stream), the prompts in turn"
+    )
+    ap.add_argument("--hf-repeats", type=int, default=3, help="generations of an HF baseline, each prompt")
+    ap.add_argument("--deadline", type=float, default=None, help="seconds from the start: later HF baselines skipped")
     ap.add_argument("--draft-tokens", type=int, default=4)
     ap.add_argument("--kv-budget", type=int, default=None, help="static KV storage of this many tokens per model")
     ap.add_argument("--max-len", type=int, default=1024, help="positions per static KV slot")
@@ -152,22 +170,24 @@ def main() -> None:
     args = ap.parse_args()
     transformers.logging.set_verbosity_error()
 
+    t0 = time.perf_counter()
     chain = load_chain(args.small, args.large, (), LoadSpec(args.device, args.dtype, cpu_kernels=args.cpu_kernels))
     kv = KVSpec(args.kv_budget, args.max_len, not args.no_cuda_graphs) if args.kv_budget else None
     start = time.perf_counter()
     engine = BackoffEngine.from_chain(chain, kv=kv)
     load_s = time.perf_counter() - start
     gpu = args.device.startswith("cuda")
-    prompt_ids = encode_prompt(chain.tokenizer, PROMPTS[0], chat=bool(chain.tokenizer.chat_template))
-    n, reps = args.max_tokens, args.repeats
+    prompts = [encode_prompt(chain.tokenizer, t, chat=bool(chain.tokenizer.chat_template)) for t in PROMPTS]
+    prompt_ids = prompts[0]
+    n, reps, hf_reps = args.max_tokens, args.repeats, args.hf_repeats
 
     # warm-up: first calls pay for allocator growth and lazy initialisation
     for router in ("always-large", "always-small"):
-        run_engine(engine, prompt_ids, 4, RoutingParams(router=router), 1)
+        run_engine(engine, prompts, 4, RoutingParams(router=router), 1)
     run_hf(chain.models[-1], prompt_ids, 4, 1, chain.models[0])
-    c_s, p_l = measure_primitives(engine, prompt_ids, max(5, reps))
+    c_s, p_l = measure_primitives(engine, prompt_ids, 5)
     c_r = measure_router_costs(chain)
-    rows = {}
+    rows, routed, skipped = {}, {}, []
     configs = [(f"random b={b}", RoutingParams(router="random", rate=b)) for b in RATES]
     configs += [
         ("M_S alone (always-small)", RoutingParams(router="always-small")),
@@ -179,25 +199,23 @@ def main() -> None:
     ]
     spec_results = []
     for name, routing in tqdm(configs, desc="engine configs"):
-        per_prompt = []
-        for text in PROMPTS:
-            ids = encode_prompt(chain.tokenizer, text, chat=bool(chain.tokenizer.chat_template))
-            sec, results = run_engine(engine, ids, n, routing, reps)
-            per_prompt.append(sec)
-            if routing.router == "draft":
-                spec_results += results
-        rows[name] = statistics.median(per_prompt)
+        rows[name], routed[name], results = run_engine(engine, prompts, n, routing, reps)
+        if routing.router == "draft":
+            spec_results += results
     baselines = [("HF generate M_L", None, False), ("HF assisted (M_S drafts)", chain.models[0], False)]
     if gpu:  # compiling on a CPU takes longer than the whole benchmark
         baselines.append(("HF generate M_L (static cache + compile)", None, True))
     for name, assistant, static in tqdm(baselines, desc="HF baselines"):
-        ids = [encode_prompt(chain.tokenizer, t, chat=bool(chain.tokenizer.chat_template)) for t in PROMPTS]
+        if args.deadline is not None and time.perf_counter() - t0 > args.deadline:
+            skipped.append(name)
+            continue
+        ids = prompts
         if static:
             # torch.compile specialises on the static cache's shape (prompt + max_new_tokens):
             # one prompt only, compiled by an untimed first call of exactly the timed shape
             ids = ids[:1]
             run_hf(chain.models[-1], ids[0], n, 1, static=True)
-        rows[name] = statistics.median(run_hf(chain.models[-1], i, n, reps, assistant, static) for i in ids)
+        rows[name] = statistics.median(run_hf(chain.models[-1], i, n, hf_reps, assistant, static) for i in ids)
 
     floors = bandwidth_floors(chain) if gpu else None
     proposed = sum(r.sources.count(0) + r.rollbacks for r in spec_results)
@@ -207,12 +225,15 @@ def main() -> None:
         k_bar = 1 / (1 - b) if b < 1 else None
         k = min(max(p_l), round(k_bar)) if k_bar else None
         ideal[b] = c_s + c_r["random"] + ((1 - b) * p_l[k] if k else 0.0)
+    peak = spec_bandwidth(torch.cuda.get_device_name()) if gpu else None
+    floor_ideal = bandwidth_ideal(c_s + c_r["random"], read_bytes(chain.models[-1]), peak, routed)
     report = {
         "device": args.device,
         "gpu": torch.cuda.get_device_name() if gpu else None,
         "dtype": args.dtype,
         "max_tokens": n,
         "repeats": reps,
+        "hf_repeats": hf_reps,
         "engine_load_s": load_s,
         "kv": None
         if kv is None
@@ -221,16 +242,27 @@ def main() -> None:
         "c_r_s": c_r,
         "P_L_s": p_l,
         "cost_ratio_P_L1_over_c_S": p_l[1] / c_s,
+        "P_L17_over_P_L16": p_l[17] / p_l[16],  # ~1: a catch-up of 17 is one forward, as of 16
         "per_token_s": rows,
+        "routed_share": routed,  # the realised share of tokens a larger model gave, engine rows
         "ideal_per_token_s": {f"random b={b}": v for b, v in ideal.items()},
         "measured_over_ideal_throughput": {f"random b={b}": ideal[b] / rows[f"random b={b}"] for b in RATES},
+        # the ideal with every catch-up at M_L's bandwidth floor (its weights once at the card's spec
+        # bandwidth), at the row's realised routed share
+        "spec_bandwidth": peak,
+        "ideal_at_bandwidth_floor_per_token_s": floor_ideal,
+        "measured_over_bandwidth_ideal": None
+        if floor_ideal is None
+        else {name: floor_ideal[name] / rows[name] for name in floor_ideal},
         "speculative_acceptance_rate": acceptance,
         "bandwidth": floors,
         "M_L_alone_over_floor": rows["M_L alone (always-large)"] / floors["floor_s"]["M_L"] if floors else None,
         # the share of the card's spec HBM bandwidth M_L alone reads its weights at (fused_step's rule)
-        "M_L_alone_over_peak": _over_peak(chain, rows["M_L alone (always-large)"]) if gpu else None,
+        "M_L_alone_over_peak": over_peak(read_bytes(chain.models[-1]), peak, rows["M_L alone (always-large)"]),
         "c_S_over_floor": c_s / floors["floor_s"]["M_S"] if floors else None,
         "router_overhead_vs_c_S": {k: v / c_s for k, v in c_r.items()},
+        "skipped": skipped,
+        "wall_s": time.perf_counter() - t0,
     }
     _print(report)
     out = Path(args.out or ("benchmarks/results/gpu" if gpu else "benchmarks/results"))
@@ -241,10 +273,20 @@ def main() -> None:
     print(f"saved {out / stem}.json and .png")
 
 
-def _over_peak(chain, seconds_per_token: float) -> float | None:
-    """Weights' bytes a token reads / the card's spec bandwidth / the measured time a token."""
-    bandwidth = spec_bandwidth(torch.cuda.get_device_name())
-    return None if bandwidth is None else read_bytes(chain.models[-1]) / bandwidth / seconds_per_token
+def over_peak(weights_bytes: int, bandwidth: float | None, seconds_per_token: float) -> float | None:
+    """Weights' bytes a token reads / the card's spec bandwidth / the measured time a token
+    (None off a card with a spec bandwidth: SPEC_BANDWIDTH)."""
+    return None if bandwidth is None else weights_bytes / bandwidth / seconds_per_token
+
+
+def bandwidth_ideal(c_small: float, weights_bytes: int, bandwidth: float | None, routed: dict) -> dict | None:
+    """Seconds a token of each random-b row would take were every catch-up at M_L's bandwidth
+    floor: c_S + c_r + routed share x (M_L's weights / the spec bandwidth), at the row's
+    realised share (a routed token is one catch-up at one stream)."""
+    if bandwidth is None:
+        return None
+    floor = weights_bytes / bandwidth
+    return {name: c_small + share * floor for name, share in routed.items() if name.startswith("random b=")}
 
 
 def _print(r) -> None:
@@ -265,6 +307,18 @@ def _print(r) -> None:
         extra = f"{ideal * 1e3:9.2f} {r['measured_over_ideal_throughput'][name]:10.2f}" if ideal else ""
         print(f"{name:34s} {sec * 1e3:9.2f} {1 / sec:7.1f} {base / sec:6.2f}x {extra}")
     print(f"\nour speculative mode: acceptance rate {r['speculative_acceptance_rate']:.2f}")
+    print(
+        f"P_L(17) / P_L(16) {r['P_L17_over_P_L16']:.2f}; routed share: "
+        + ", ".join(f"{name} {share:.3f}" for name, share in r["routed_share"].items() if name.startswith("random"))
+    )
+    if r["M_L_alone_over_peak"] is not None:
+        over = r["measured_over_bandwidth_ideal"]
+        print(
+            f"M_L alone at {r['M_L_alone_over_peak']:.0%} of the card's spec bandwidth; measured / ideal at "
+            "the bandwidth floor: " + ", ".join(f"{name} {v:.2f}" for name, v in over.items())
+        )
+    if r["skipped"]:
+        print(f"skipped past the deadline: {', '.join(r['skipped'])}")
     if r["bandwidth"]:
         f = r["bandwidth"]
         print(
@@ -291,6 +345,8 @@ def _plot(r, path: Path) -> None:
         "HF assisted (M_S drafts)": (0, (5, 2)),
     }
     for name, style in styles.items():
+        if name not in r["per_token_s"]:  # an HF baseline skipped past the deadline
+            continue
         ax.axhline(r["per_token_s"][name] * 1e3, linestyle=style, color="grey", label=name)
     spec = next(k for k in r["per_token_s"] if k.startswith("ours speculative"))
     ax.axhline(r["per_token_s"][spec] * 1e3, color="tab:green", label=spec)

@@ -7,10 +7,12 @@
 #                                           # tests (FlexAttention)
 #   bash scripts/gpu_bench.sh fused [TAG]   # benchmarks/fused_step.py: compiled decoder layers vs eager,
 #                                           # replays, kernel tables, rows at 1/16/64 streams, the goals
-#   bash scripts/gpu_bench.sh cost  [TAG]   # benchmarks/cost_curve.py: c_S, P_L(k), C(b), baselines
-#   bash scripts/gpu_bench.sh batch [TAG]   # benchmarks/batch_scaling.py: n = 1, 4, 16, 64, seven rows
-#                                           # (ROWS=all: every row), then catch_up_anatomy.py: every
-#                                           # M_L forward of 64 streams
+#   bash scripts/gpu_bench.sh cost  [TAG]   # benchmarks/cost_curve.py: c_S, P_L(k) (k 1..20 and 24..128),
+#                                           # C(b), every engine row 16 times with its routed share,
+#                                           # M_L alone over the card's spec bandwidth, HF baselines
+#   bash scripts/gpu_bench.sh batch [TAG]   # benchmarks/batch_scaling.py: n = 1 (16 repeats), 4, 16, 64,
+#                                           # seven rows (ROWS=all: every row), then catch_up_anatomy.py:
+#                                           # every M_L forward of 64 streams
 #   bash scripts/gpu_bench.sh timeline    # benchmarks/step_timeline.py: where 64 streams' wall time
 #                                           # goes (forwards' device time, device idle, host profile)
 #   bash scripts/gpu_bench.sh served [TAG]  # benchmarks/served_gpu.py: the Ray Serve app (SmallModel and
@@ -21,9 +23,10 @@
 #                                           # -70B shapes, random weights built in process straight into
 #                                           # fp8: no /tmp/pair), c_S, P_L(k), the cost curve with M_S fp8
 #                                           # and bf16, 16 streams; then the fp8 CUDA tests (docs/fp8.md)
-#   bash scripts/gpu_bench.sh all   [TAG]   # one device call: batch, then tests, then timeline with
-#                                           # what is left of DEADLINE seconds (default 570, under a
-#                                           # call's 600); over 8 files, the logs packed in one archive
+#   bash scripts/gpu_bench.sh all   [TAG]   # one device call: fused (compiled replays and kernel tables),
+#                                           # cost, batch, then tests and timeline, each with what is
+#                                           # left of DEADLINE seconds (default 540: under 9 minutes);
+#                                           # over 8 files, the logs packed in one archive
 #
 # TAG names the GPU in the file names (default: its model from nvidia-smi, h100 or h200, say; a
 # GPU without such a name: gpu), so an H200's run never overwrites an H100's figures. Every
@@ -35,7 +38,8 @@
 # defaults). PAIR (a pair already built),
 # DEVICE, DTYPE, KV_BUDGET, MAX_LEN and TOKENS override the defaults: scripts/image_check.sh
 # runs `cost`, `batch` and `timeline` so, on the CPU with a tiny pair, before a GPU's time is
-# spent on them. REPEATS: the batch stage's repeats of each cell (default 2; the median is kept).
+# spent on them. REPEATS: the batch stage's repeats of a cell past one stream (default 2; the
+# median is kept); REPEATS_ONE: of a one-stream cell, there and in cost (default 16).
 set -euo pipefail
 self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 cd "$(dirname "$0")/.."
@@ -126,28 +130,39 @@ fused)
     # streams, the goals (docs/gpu.md, "Compiled layers"); parts past FUSED_DEADLINE s are skipped
     nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version --format=csv >"$out/gpu.txt" || true
     python3 benchmarks/fused_step.py "${common[@]}" --tokens "$tokens" --tag "$tag" --out "$out" \
-        --deadline "${FUSED_DEADLINE:-420}" 2>&1 | progress_out | tee "$out/fused_step-$tag.txt" | tail -60
+        --modes "${FUSED_MODES:-on,off}" --repeats-one "${REPEATS_ONE:-16}" --deadline "${FUSED_DEADLINE:-420}" 2>&1 |
+        progress_out | tee "$out/fused_step-$tag.txt" | tail -60
     ;;
 cost)
-    python3 benchmarks/cost_curve.py "${common[@]}" --max-tokens "$tokens" --repeats 3 --tag "$tag" --out "$out" 2>&1 |
-        progress_out | tee "$out/cost_curve-$tag.txt" | tail -30
+    # the engine's rows first (each REPEATS_ONE generations, one stream), then the HF baselines,
+    # each skipped where it would start past COST_DEADLINE s (none by default)
+    python3 benchmarks/cost_curve.py "${common[@]}" --max-tokens "$tokens" --repeats "${REPEATS_ONE:-16}" \
+        --hf-repeats 3 ${COST_DEADLINE:+--deadline "$COST_DEADLINE"} --tag "$tag" --out "$out" 2>&1 |
+        progress_out | tee "$out/cost_curve-$tag.txt" | tail -32
     ;;
 batch)
     # in this order, each row saved as it ends (a call cut short keeps the rows before): the goal's
     # row (the default: M_L's catch-ups ragged where their graphs were timed faster, which the load
-    # captured, compiling FlexAttention, and checked), then the lever never run on a GPU (M_S's
-    # steps launched ahead), then its two choices alone (padded: the third run's successor; ragged
-    # wherever they apply), then the bounds three runs measured alike, always-small launched ahead
-    # last (ROWS=all: every row of ROUTINGS, in flight among them)
-    rows=("random b=0.9" "random b=0.9, launched ahead" "random b=0.9, padded" "random b=0.9, ragged"
-        "always-large" "always-small" "always-small, launched ahead")
+    # captured, compiling FlexAttention, and checked), the same launched ahead (what `backoff
+    # serve` runs on CUDA), then always-large (the goals under load are b=0.9 over it), then the
+    # default's two choices alone (padded; ragged wherever they apply), then always-small and
+    # always-small launched ahead (ROWS=all: every row of ROUTINGS, in flight among them). A row
+    # that would start past BATCH_DEADLINE s is skipped (in the JSON's errors), and the anatomy
+    # (a second load) runs only where ANATOMY_S (default 90) are left before it
+    rows=("random b=0.9" "random b=0.9, launched ahead" "always-large" "random b=0.9, padded" "random b=0.9, ragged"
+        "always-small" "always-small, launched ahead")
     [ "${ROWS:-}" = all ] && rows=()
-    python3 benchmarks/batch_scaling.py "${common[@]}" --tokens "$tokens" --repeats "${REPEATS:-2}" --tag "$tag" --out "$out" \
+    python3 benchmarks/batch_scaling.py "${common[@]}" --tokens "$tokens" --repeats "${REPEATS:-2}" \
+        --repeats-one "${REPEATS_ONE:-16}" ${BATCH_DEADLINE:+--deadline "$BATCH_DEADLINE"} --tag "$tag" --out "$out" \
         ${rows[@]:+--rows "${rows[@]}"} 2>&1 | progress_out | tee "$out/batch_scaling-$tag.txt" | tail -14
     grep -h "relative error" "$out/batch_scaling-$tag.txt" || true # the ragged check, printed before the table
-    # the shapes, real tokens and times of M_L's forwards behind the b=0.9 row (a second load)
-    python3 benchmarks/catch_up_anatomy.py "${common[@]}" --out "$out" 2>&1 | progress_out |
-        tee "$out/catch_up_anatomy.txt" | grep -v '^[DG][0-9]' | tail -8
+    if [ -n "${BATCH_DEADLINE:-}" ] && [ $((SECONDS - start)) -gt $((BATCH_DEADLINE - ${ANATOMY_S:-90})) ]; then
+        echo "no time left for catch_up_anatomy.py (BATCH_DEADLINE $BATCH_DEADLINE s): run the batch stage alone"
+    else
+        # the shapes, real tokens and times of M_L's forwards behind the b=0.9 row (a second load)
+        python3 benchmarks/catch_up_anatomy.py "${common[@]}" --out "$out" 2>&1 | progress_out |
+            tee "$out/catch_up_anatomy.txt" | grep -v '^[DG][0-9]' | tail -8
+    fi
     ;;
 timeline)
     python3 benchmarks/step_timeline.py "${common[@]}" --tokens "$tokens" --out "$out" 2>&1 | progress_out |
@@ -167,24 +182,37 @@ served)
     ;;
 all)
     # one device call (a loan's 15 minutes hold one call of 10 and the machine's start, and it goes
-    # back 30 s after a call; a second call's start may take what is left): fused first (the
-    # goals: both models against the card's limits; its parts past FUSED_DEADLINE, 240 s here,
-    # skipped), then batch, then tests, then timeline, each with what is left of DEADLINE seconds, the
-    # pair's build included. Each stage runs under `timeout`, which stops its whole process
-    # group; each writes as it goes, so a stage cut short keeps what it wrote. The device hands
-    # back at most MAX_FILES (8) files of $OUT: where the call wrote more, its text logs and plots
-    # go into one archive, all-TAG.tar.gz (`tar xzf` it), and the JSON files stay as they are.
-    deadline=${DEADLINE:-570} min_left=${MIN_LEFT:-60} rc=0
+    # back 30 s after a call; a second call's start may take what is left), each stage with what is
+    # left of DEADLINE seconds, the pair's build included (docs/gpu.md, "Measuring on a GPU"):
+    #   1. fused, the compiled layers alone (FUSED_MODES=on; the eager A/B is `fused` alone), its
+    #      engine rows skipped (FUSED_DEADLINE 60: cost and batch measure them): the pair's build,
+    #      the cold compiles (their time), the step graphs' replays and kernel tables, the logits
+    #      against HF; saved as fused_step-TAG-compiled.json, beside `fused`'s A/B;
+    #   2. cost, its HF baselines skipped past COST_DEADLINE (120 s of its start): c_S, P_L(k),
+    #      the b sweep and M_L alone, 16 generations a row, M_L alone over the spec bandwidth;
+    #   3. batch, its rows to BATCH_DEADLINE (what is left less 30 s; the anatomy only with
+    #      ANATOMY_S left): b=0.9, launched ahead, always-large first;
+    #   4. tests and timeline with what is left (none under MIN_LEFT, 60 s): run them alone.
+    # The inductor cache (.inductor-cache) the first stage fills serves the later stages' loads.
+    # Each stage runs under `timeout`, which stops its whole process group; each writes as it
+    # goes, so a stage cut short keeps what it wrote. The device hands back at most MAX_FILES (8)
+    # files of $OUT: where the call wrote more, its text logs and plots go into one archive,
+    # all-TAG.tar.gz (`tar xzf` it), and the JSON files stay as they are.
+    deadline=${DEADLINE:-540} min_left=${MIN_LEFT:-60} rc=0
     stamp=$(mktemp) # what this call writes is newer
-    FUSED_DEADLINE=${FUSED_DEADLINE:-240} timeout --kill-after=10 $((deadline > SECONDS ? deadline - SECONDS : 1)) \
-        bash "$self" fused "$tag" || rc=$?
-    for next in batch tests timeline; do
-        left=$((deadline - SECONDS))
-        if [ "$left" -ge "$min_left" ]; then
-            timeout --kill-after=10 "$left" bash "$self" "$next" "$tag" || rc=$?
-        else
+    for next in fused cost batch tests timeline; do
+        left=$((deadline - SECONDS)) name=$tag
+        if [ "$left" -lt "$min_left" ]; then
             echo "no time left for the $next stage ($left s of $deadline): run it alone"
+            continue
         fi
+        settings=()
+        case $next in
+        fused) settings=(FUSED_MODES=on FUSED_DEADLINE="${FUSED_DEADLINE:-60}") name=$tag-compiled ;;
+        cost) settings=(COST_DEADLINE="${COST_DEADLINE:-120}") ;;
+        batch) settings=(BATCH_DEADLINE="${BATCH_DEADLINE:-$((left - 30))}") ;;
+        esac
+        env "${settings[@]}" timeout --kill-after=10 "$left" bash "$self" "$next" "$name" || rc=$?
     done
     [ "$rc" = 124 ] && echo "a stage was cut at the deadline ($deadline s): what it wrote is kept"
     mapfile -t written < <(find "$out" -maxdepth 1 -type f -newer "$stamp" -printf '%f\n' | sort)

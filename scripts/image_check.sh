@@ -6,10 +6,13 @@
 #
 #   1. every script the stages of scripts/gpu_bench.sh run starts (--help: its imports);
 #   2. the CUDA tests the `tests` stage runs are collected (they skip here: no GPU);
-#   3. the stages `cost`, `batch` and `timeline` of gpu_bench.sh run end to end, the script
-#      itself, on the CPU over a tiny random pair with the GPU pair's tokenizer
-#      (../shared/gpu/tok), 16 tokens: every row of the batch stage measured, none in its
-#      `errors`, and every row of the timeline;
+#   3. the stages `fused`, `cost`, `batch` and `timeline` of gpu_bench.sh, in the order `all`
+#      runs them (`tests` needs a GPU), run end to end, the script itself, on the CPU over a tiny
+#      random pair with the GPU pair's tokenizer (../shared/gpu/tok), 16 tokens, 2 repeats at
+#      one stream: fused's compiled layers (inductor's C++ here) as `all` runs them (their rows
+#      skipped) with HF's logits, every engine row of cost with
+#      its routed share, every row of the batch stage measured with its routed share, none in
+#      its `errors`, and every row of the timeline;
 #   4. the runners' and the benchmarks' tests pass, ragged catch-ups with FlexAttention
 #      compiled by inductor among them (tests that need Ray skip).
 #
@@ -67,9 +70,10 @@ for name, shape in shapes.items():
     LlamaForCausalLM(config).save_pretrained(f"{sys.argv[2]}/{name}")
     tok.save_pretrained(f"{sys.argv[2]}/{name}")
 PY
-for stage in cost batch timeline; do
+for stage in fused cost batch timeline; do
     PATH=$venv/bin:$PATH PAIR=$dry/pair OUT=$dry/out DEVICE=cpu DTYPE=float32 KV_BUDGET=16384 MAX_LEN=256 TOKENS=16 \
-        bash scripts/gpu_bench.sh "$stage" dry >"$dry/$stage.txt" 2>&1 || { cat "$dry/$stage.txt"; exit 1; }
+        REPEATS_ONE=2 FUSED_MODES=on FUSED_DEADLINE=1 bash scripts/gpu_bench.sh "$stage" dry >"$dry/$stage.txt" 2>&1 ||
+        { cat "$dry/$stage.txt"; exit 1; }
     tail -1 "$dry/$stage.txt"
 done
 "$py" - "$dry/out" <<'PY'
@@ -81,9 +85,17 @@ batch = json.load(open(f"{out}/batch_scaling-dry.json"))
 assert not batch["errors"], batch["errors"]
 assert all(len(row) == 4 for row in batch["tok_per_s"].values()) and len(batch["tok_per_s"]) == 7, batch["tok_per_s"]
 assert batch["ragged_rel_err"] < 1e-4, batch["ragged_rel_err"]  # float32: ragged logits are the padded path's
-assert json.load(open(f"{out}/catch_up_anatomy.json")) and json.load(open(f"{out}/cost_curve-dry.json"))
+assert set(batch["routed_share"]) == set(batch["tok_per_s"]) and batch["repeats_one"] == 2, batch["routed_share"]
+assert json.load(open(f"{out}/catch_up_anatomy.json"))
+cost = json.load(open(f"{out}/cost_curve-dry.json"))
+assert set(cost["routed_share"]) == {k for k in cost["per_token_s"] if not k.startswith("HF")} and cost["repeats"] == 2
+assert {"17", "33", "128"} <= set(cost["P_L_s"]) and not cost["skipped"], cost["P_L_s"].keys()
+fused = json.load(open(f"{out}/fused_step-dry.json"))
+on = fused["modes"]["on"]  # as `all` runs it: the compiled layers alone, their rows skipped
+assert on["compiled_after_rows"]["large"]["compiles"] > 0 and len(fused["skipped"]) == 12, fused
+assert max(on["logits_rel_err"].values()) < 1e-4, on["logits_rel_err"]  # float32: HF's logits
 timeline = json.load(open(f"{out}/step_timeline.json"))
 assert all(row["x_first"] for row in timeline["rows"].values()) and len(timeline["rows"]) == 5, timeline["rows"].keys()
-print(f"dry run of cost, batch and timeline: {len(batch['tok_per_s'])} rows at n = 1 / 4 / 16 / 64, no errors")
+print(f"dry run of fused, cost, batch and timeline: {len(batch['tok_per_s'])} rows at n = 1 / 4 / 16 / 64, no errors")
 PY
 "$py" -m pytest -q -p no:cacheprovider --tb=short tests/backoff_core/runners tests/benchmarks "$@"

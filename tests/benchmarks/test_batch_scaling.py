@@ -216,3 +216,34 @@ def test_the_report_names_m_ls_graphs_at_load_and_row_by_row():
     assert checks["large_graphs"] == dict(zip(picked, [at_load, grown, grown]))
     caches = BackoffEngine([runners[0], ModelRunner(large.model, "large")], engine.tokenizer)
     assert _large_graphs(caches) is None  # per-session caches: no graphs
+
+
+def test_one_streams_cells_repeat_repeats_one_and_rows_past_the_deadline_are_skipped(monkeypatch):
+    """The stage's n = 1 cells repeat 16 times (a one-stream cell moves most run to run) and the
+    others --repeats; a row that would start past `until` is skipped, named in errors, and the
+    rows before it kept (gpu_bench.sh all gives each stage what is left of one device call)."""
+    import time
+
+    import benchmarks.batch_scaling as batch_scaling
+
+    (small, large), tokenizer = tiny_pair()
+    engine = BackoffEngine([ModelRunner(small, "small"), ModelRunner(large, "large")], tokenizer)
+    calls = []
+
+    def fake(engine, prompt_ids, n, tokens, routing, repeats, *rest):
+        calls.append((n, repeats))
+        return {"tok_per_s": 1.0}
+
+    monkeypatch.setattr(batch_scaling, "throughput", fake)
+    picked = ["random b=0.9", "always-large", "always-small"]
+    until = time.perf_counter() + 0.5
+
+    def after_row(runs, errors):  # the first row takes past the deadline
+        time.sleep(max(0.0, until - time.perf_counter()) + 0.05)
+
+    runs, errors = measure(
+        engine, [5, 6, 7], [1, 4], 6, 2, dict.fromkeys(ROUTINGS, 40.0), picked, after_row, None, 16, until
+    )
+    assert list(runs) == ["random b=0.9"] and runs["random b=0.9"] == {"1": {"tok_per_s": 1.0}, "4": {"tok_per_s": 1.0}}
+    assert errors == dict.fromkeys(picked[1:], "skipped: past the deadline")
+    assert calls == [(2, 1), (1, 16), (4, 2)]  # the row's warm-up, then its cells

@@ -77,3 +77,22 @@ def test_a_dry_run_saves_every_row_with_its_routed_share(tmp_path, monkeypatch):
     assert 0 < rows["random b=0.9"]["64"]["routed_share"] < 0.3
     assert report["modes"]["off"]["logits_rel_err"]["large"] < 1e-4  # float32: HF's logits
     assert report["goals"]["off"]["b09_over_always_large_n64"] is not None and report["skipped"] == []
+
+
+def test_past_the_deadline_the_first_mode_still_loads_replays_and_checks_its_logits(tmp_path, monkeypatch):
+    """`gpu_bench.sh all` runs fused with FUSED_DEADLINE 60, under the compiled load's time: the
+    first mode's load and logits (and, on a GPU, replays and kernel tables) run, every row and
+    any later mode are skipped and named."""
+    for name, (seed, hidden, layers) in {"small": (1, 32, 2), "large": (2, 64, 2)}.items():
+        tiny_model(seed, hidden=hidden, layers=layers).save_pretrained(tmp_path / name)
+        tiny_tokenizer().save_pretrained(tmp_path / name)
+    argv = ["fused_step.py", "--small", str(tmp_path / "small"), "--large", str(tmp_path / "large")]
+    argv += ["--device", "cpu", "--dtype", "float32", "--kv-budget", "8192", "--max-len", "128", "--deadline", "0"]
+    argv += ["--modes", "off,on", "--tag", "cut", "--out", str(tmp_path / "out")]
+    monkeypatch.setattr(sys, "argv", argv)
+    fused_step.main()
+    report = json.loads((tmp_path / "out" / "fused_step-cut.json").read_text())
+    assert list(report["modes"]) == ["off"] and report["modes"]["off"]["rows"] == {}
+    assert report["modes"]["off"]["logits_rel_err"]["large"] < 1e-4
+    rows = [f"off: {label} at n={n}" for n in (1, 16, 64) for label in fused_step.ROWS]
+    assert report["skipped"] == [*rows, "on: load"]

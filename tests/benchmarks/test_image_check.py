@@ -51,7 +51,18 @@ def test_gpu_bench_takes_every_setting_the_dry_run_gives_it():
     check = (SCRIPTS / "image_check.sh").read_text()
     given = re.search(r"\n\s*(PATH=.*?)bash scripts/gpu_bench\.sh", check, re.S).group(1)
     names = set(re.findall(r"\b([A-Z_]+)=", given)) - {"PATH"}
-    assert names == {"PAIR", "OUT", "DEVICE", "DTYPE", "KV_BUDGET", "MAX_LEN", "TOKENS"}
+    assert names == {
+        "PAIR",
+        "OUT",
+        "DEVICE",
+        "DTYPE",
+        "KV_BUDGET",
+        "MAX_LEN",
+        "TOKENS",
+        "REPEATS_ONE",
+        "FUSED_MODES",
+        "FUSED_DEADLINE",
+    }
     for name in names:
         assert "${" + name + ":-" in stages, name
 
@@ -88,6 +99,7 @@ def stand_ins(tmp_path, gpu: str, fail: str) -> dict[str, str]:
 
 SCRIPTS_OF_ALL = [
     "fused_step",
+    "cost_curve",
     "batch_scaling",
     "catch_up_anatomy",
     "test_static_cuda",
@@ -161,16 +173,23 @@ def _running(pid: str) -> bool:
     [
         (None, "570", SCRIPTS_OF_ALL, 2),  # every stage whole
         ("fused_step.py", "3", ["fused_step"], 0),  # fused cut at the deadline: no time for the rest
-        ("batch_scaling.py", "3", SCRIPTS_OF_ALL[:2], 0),  # batch cut at the deadline: no time for tests
-        ("gpu_check.py", "6", SCRIPTS_OF_ALL[:5], 1),  # tests cut in gpu_check: the padded tests kept
+        ("cost_curve.py", "3", SCRIPTS_OF_ALL[:2], 0),  # cost cut at the deadline: no time for batch
+        ("batch_scaling.py", "3", SCRIPTS_OF_ALL[:3], 0),  # batch cut at the deadline: no time for tests
+        ("gpu_check.py", "6", SCRIPTS_OF_ALL[:6], 1),  # tests cut in gpu_check: the padded tests kept
     ],
-    ids=["whole", "fused-cut", "batch-cut", "tests-cut"],
+    ids=["whole", "fused-cut", "cost-cut", "batch-cut", "tests-cut"],
 )
-def test_all_runs_fused_batch_then_tests_to_a_deadline_in_one_call(tmp_path, slow, deadline, called, kept):
-    """`gpu_bench.sh all` over stand-ins: fused, batch, then tests, then timeline with what is left of
-    DEADLINE; a stage past it is stopped, the python it started included (no orphan holds the
-    GPU), and the stage's files so far are kept; the call then fails with timeout's 124."""
-    env = stand_ins(tmp_path, "NVIDIA H200", "nothing to fail") | {"DEADLINE": deadline, "MIN_LEFT": "1"}
+def test_all_runs_fused_cost_batch_then_tests_to_a_deadline_in_one_call(tmp_path, slow, deadline, called, kept):
+    """`gpu_bench.sh all` over stand-ins: fused (compiled alone, rows skipped), cost, batch, then tests,
+    then timeline with what is left of DEADLINE; a stage past it is stopped, the python it
+    started included (no orphan holds the GPU), and the stage's files so far are kept; the call
+    then fails with timeout's 124. (BATCH_DEADLINE set: at these deadlines the batch stage's
+    own, what is left less 30 s, would leave no time for its anatomy.)"""
+    env = stand_ins(tmp_path, "NVIDIA H200", "nothing to fail") | {
+        "DEADLINE": deadline,
+        "MIN_LEFT": "1",
+        "BATCH_DEADLINE": "100",
+    }
     if slow:
         env["SLOW"] = slow
     log = tmp_path / "log"
@@ -180,19 +199,45 @@ def test_all_runs_fused_batch_then_tests_to_a_deadline_in_one_call(tmp_path, slo
     assert _called(tmp_path) == called
     assert done.returncode == (0 if slow is None else 124), said
     out = tmp_path / "out"
-    assert (out / "fused_step-h200.txt").exists()
-    assert (out / "batch_scaling-h200.txt").exists() == (slow != "fused_step.py")
+    assert (out / "fused_step-h200-compiled.txt").exists()  # beside `fused`'s A/B, not over it
+    assert (out / "batch_scaling-h200.txt").exists() == (slow not in ("fused_step.py", "cost_curve.py"))
     tests_log = out / "cuda_tests.txt"
     assert (tests_log.read_text().count("passed") if tests_log.exists() else 0) == kept
     assert stopped  # the stage's python went with it
     assert ("cut at the deadline" in said) == bool(slow)
-    assert ("no time left for the tests stage" in said) == (slow in ("fused_step.py", "batch_scaling.py"))
-    assert ("no time left for the batch stage" in said) == (slow == "fused_step.py")
+    assert ("no time left for the tests stage" in said) == (
+        slow in ("fused_step.py", "cost_curve.py", "batch_scaling.py")
+    )
+    assert ("no time left for the batch stage" in said) == (slow in ("fused_step.py", "cost_curve.py"))
+    assert ("no time left for the cost stage" in said) == (slow == "fused_step.py")
+
+
+def test_all_gives_each_stage_its_share_of_the_call(tmp_path):
+    """What `all` hands each script: fused the compiled layers alone with its rows past 60 s
+    skipped (cost and batch measure them), cost its HF baselines past 120 s skipped, every
+    engine row at one stream 16 times, batch what is left of DEADLINE less 30 s; and the
+    anatomy skipped where the batch stage has under ANATOMY_S left of its own deadline."""
+    env = stand_ins(tmp_path, "NVIDIA H200", "nothing to fail") | {"DEADLINE": "400", "MIN_LEFT": "1"}
+    done = subprocess.run(["bash", str(SCRIPTS / "gpu_bench.sh"), "all"], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    calls = {re.search(r"(\w+)\.py", c).group(1): c + " " for c in (tmp_path / "calls").read_text().splitlines()}
+    assert (
+        "--modes on --repeats-one 16 --deadline 60 " in calls["fused_step"]
+        and "--tag h200-compiled " in calls["fused_step"]
+    )
+    assert "--repeats 16 --hf-repeats 3 --deadline 120 " in calls["cost_curve"]
+    batch_deadline = int(re.search(r"--deadline (\d+)", calls["batch_scaling"]).group(1))
+    assert 360 <= batch_deadline <= 370 and "--repeats-one 16 " in calls["batch_scaling"]
+    assert "catch_up_anatomy" in calls
+    env |= {"BATCH_DEADLINE": "50", "ANATOMY_S": "60"}  # under 60 s left of the batch stage's 50
+    (tmp_path / "calls").unlink()
+    done = subprocess.run(["bash", str(SCRIPTS / "gpu_bench.sh"), "all"], env=env, capture_output=True, text=True)
+    assert "no time left for catch_up_anatomy.py" in done.stdout and "catch_up_anatomy" not in _called(tmp_path)
 
 
 @pytest.mark.parametrize("max_files", [8, 3])
 def test_all_packs_its_logs_where_it_wrote_more_files_than_a_device_call_hands_back(tmp_path, max_files):
-    """The stand-ins' run of `all` writes seven text files (and a file from before the call
+    """The stand-ins' run of `all` writes eight text files (and a file from before the call
     stays as it is): under the device's 8 nothing is packed; over MAX_FILES the call's logs go
     into all-TAG.tar.gz, JSON files and what was there before untouched."""
     env = stand_ins(tmp_path, "NVIDIA H200", "nothing to fail") | {"MAX_FILES": str(max_files), "MIN_LEFT": "1"}
@@ -203,7 +248,8 @@ def test_all_packs_its_logs_where_it_wrote_more_files_than_a_device_call_hands_b
     done = subprocess.run(["bash", str(SCRIPTS / "gpu_bench.sh"), "all"], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
     logs = {
-        "fused_step-h200.txt",
+        "fused_step-h200-compiled.txt",
+        "cost_curve-h200.txt",
         "batch_scaling-h200.txt",
         "catch_up_anatomy.txt",
         "cuda_tests.txt",
@@ -218,4 +264,4 @@ def test_all_packs_its_logs_where_it_wrote_more_files_than_a_device_call_hands_b
     with tarfile.open(out / "all-h200.tar.gz") as archive:
         assert set(archive.getnames()) == logs
         assert b"1 passed" in archive.extractfile("step_timeline.txt").read()
-    assert "7 files written, over the 3 a device call hands back: 7 packed into all-h200.tar.gz" in done.stdout
+    assert "8 files written, over the 3 a device call hands back: 8 packed into all-h200.tar.gz" in done.stdout
