@@ -26,7 +26,7 @@ def test_the_modules_that_start_ray_and_only_they_are_the_ray_unit():
 def test_a_tests_unit_is_its_module_or_its_ray_unit():
     assert unit("tests/deployments/test_app_e2e.py::test_http_unary_and_stream") == LATE_RAY_UNIT
     assert unit("tests/deployments/test_app_input.py::test_x[a::b-c]") == FIRST_RAY_UNIT
-    assert unit("tests/deployments/test_multinode.py::test_y") == FIRST_RAY_UNIT
+    assert unit("tests/deployments/test_multinode.py::test_y") == LATE_RAY_UNIT
     assert unit("tests/backoff_core/test_types.py::test_y[p]") == "tests/backoff_core/test_types.py"
     assert unit("tests/deployments/test_small.py::test_z") == "tests/deployments/test_small.py"
     assert not starts_ray("tests/no_such_module.py")
@@ -55,13 +55,13 @@ def test_the_first_ray_unit_is_queued_first_and_the_late_one_last_each_in_its_or
     ordered = [item.nodeid for item in ray_order([SimpleNamespace(nodeid=i) for i in ids])]
     assert ordered == [
         "tests/deployments/test_app_coalescing.py::z",  # first of the first unit
-        "tests/deployments/test_ray_local.py::r",
-        "tests/deployments/test_multinode.py::m",  # last of it
+        "tests/deployments/test_ray_local.py::r",  # last of it
         "tests/test_tiers.py::a",
         "tests/test_docs.py::b",
         "tests/test_layout.py::c",
         "tests/deployments/test_app_e2e.py::x",  # the late unit, in its order
         "tests/deployments/test_app_e2e.py::y",
+        "tests/deployments/test_multinode.py::m",
     ]
 
 
