@@ -276,7 +276,7 @@ def test_capture_safety_holds_over_the_compiled_step(first):
     function inductor compiles (`decoder_layer`, run as Python: dynamo compiles nothing under a
     dispatch mode), dispatches no op that syncs with the host."""
     from backoff_core.runners.cuda_graphs import CudaGraphs
-    from tests.backoff_core.runners.test_capture_safety import KEYS, harmless_inputs
+    from tests.support.capture_keys import KEYS, harmless_inputs
 
     _, compiled = first
     model = tiny_model(2, hidden=64, layers=4)
