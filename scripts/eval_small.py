@@ -32,6 +32,7 @@ if not __package__:  # run as a script: the checkout's packages (scripts, backof
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from backoff_core.learning import corpus
+from backoff_core.learning.corpus import evenly_spaced_windows, token_stream
 from backoff_core.models.default_pair import STUDENT_DIR, load_default_large, load_default_small
 from backoff_core.runners.dynamic import cache_keyword
 
@@ -43,22 +44,6 @@ CHAT_SOURCE = "chat"
 # ---------------------------------------------------------------------------------------
 # Held-out data
 # ---------------------------------------------------------------------------------------
-
-
-def token_stream(tokenizer, texts: list[str]) -> torch.Tensor:
-    """Texts tokenised and concatenated, each followed by EOS so no window hides a seam."""
-    eos = tokenizer.eos_token_id
-    ids: list[int] = []
-    for enc in tokenizer(texts, add_special_tokens=False).input_ids:
-        ids += enc + [eos]
-    return torch.tensor(ids, dtype=torch.long)  # [N]
-
-
-def evenly_spaced_windows(stream: torch.Tensor, seq_len: int, n: int) -> torch.Tensor:
-    """n non-overlapping windows spread over the whole stream: [n', seq_len], n' ≤ n."""
-    n = min(n, len(stream) // seq_len)
-    starts = torch.linspace(0, len(stream) - seq_len, n).long()
-    return torch.stack([stream[s : s + seq_len] for s in starts.tolist()])
 
 
 def heldout_windows(tokenizer, seq_len: int, n_per_source: int) -> dict[str, torch.Tensor]:

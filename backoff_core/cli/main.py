@@ -82,6 +82,9 @@ def _parser() -> argparse.ArgumentParser:
     from backoff_core.cli.frontier import register as register_frontier  # frontier (needs the eval extra to run)
 
     register_frontier(sub)
+    from backoff_core.cli.quantize import register as register_quantize  # quantize (an fp8 checkpoint)
+
+    register_quantize(sub)
     sub.add_parser("lm-eval", help="lm-eval's own CLI with `--model backoff` registered (`backoff lm-eval --help`)")
     return parser
 

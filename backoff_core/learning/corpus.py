@@ -23,6 +23,8 @@ import pathlib
 import sysconfig
 from typing import Literal
 
+import torch
+
 Split = Literal["train", "heldout"]
 
 # 1 file in 20 is held out. Small enough to leave most text for training, large enough
@@ -297,3 +299,19 @@ def stdlib_notes_texts(split: Split = "train") -> list[str]:
         if len(text.strip()) >= 200:
             texts.append(text)
     return texts
+
+
+def token_stream(tokenizer, texts: list[str]) -> torch.Tensor:
+    """Texts tokenised and concatenated, each followed by EOS so no window hides a seam."""
+    eos = tokenizer.eos_token_id
+    ids: list[int] = []
+    for enc in tokenizer(texts, add_special_tokens=False).input_ids:
+        ids += enc + [eos]
+    return torch.tensor(ids, dtype=torch.long)  # [N]
+
+
+def evenly_spaced_windows(stream: torch.Tensor, seq_len: int, n: int) -> torch.Tensor:
+    """n non-overlapping windows spread over the whole stream: [n', seq_len], n' ≤ n."""
+    n = min(n, len(stream) // seq_len)
+    starts = torch.linspace(0, len(stream) - seq_len, n).long()
+    return torch.stack([stream[s : s + seq_len] for s in starts.tolist()])

@@ -35,6 +35,7 @@ import logging
 import torch
 import torch.nn.functional as F
 from torch import nn
+from tqdm import tqdm
 
 log = logging.getLogger(__name__)
 
@@ -290,10 +291,12 @@ def decoder_linears(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
 
 
 @torch.no_grad()
-def quantize_model(model: nn.Module, block: tuple[int, int] = BLOCK, activations: str = "auto") -> nn.Module:
+def quantize_model(
+    model: nn.Module, block: tuple[int, int] = BLOCK, activations: str = "auto", progress: bool = False
+) -> nn.Module:
     """Every linear layer of the decoder as an FP8Linear, in place, one layer at a time on its
     own device (its float32 copy is the only extra memory); returns the model."""
-    for parent, name, linear in decoder_linears(model):
+    for parent, name, linear in tqdm(decoder_linears(model), desc="fp8", unit="linear", disable=not progress):
         q, scale = quantize_weight(linear.weight, block)
         bias = None if linear.bias is None else linear.bias
         setattr(parent, name, FP8Linear(q, scale, block, bias, activations))

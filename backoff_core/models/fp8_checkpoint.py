@@ -53,10 +53,32 @@ def compressed_fp8_config(where: str | Path) -> dict | None:
     return qc
 
 
-def block_scales(weight_shape: torch.Size, scale: torch.Tensor) -> tuple[tuple[int, int], torch.Tensor]:
-    """A compressed-tensors weight_scale as (block, scales [N/bn, K/bk] float32)."""
+def block_structure(qc: dict) -> tuple[int, int] | None:
+    """The weights' block_structure [bn, bk] of a quantization_config's block groups (None: not
+    given, or groups that differ): the scales' shape alone cannot tell it where N or K is not a
+    multiple of the block (576 / 5 blocks of 128 would read as blocks of 116)."""
+    found = {
+        tuple(w["block_structure"])
+        for g in (qc.get("config_groups") or {}).values()
+        if (w := g.get("weights") or {}).get("strategy") == "block" and w.get("block_structure")
+    }
+    return found.pop() if len(found) == 1 else None
+
+
+def block_scales(
+    weight_shape: torch.Size, scale: torch.Tensor, block: tuple[int, int] | None = None
+) -> tuple[tuple[int, int], torch.Tensor]:
+    """A compressed-tensors weight_scale as (block, scales [N/bn, K/bk] float32); `block`: the
+    config's block_structure, for scales per block."""
     n, k = weight_shape
     scale = scale.float()
+    if scale.dim() == 2 and block is not None:  # the config's blocks (one may span the whole weight)
+        bn, bk = block
+        if scale.shape != (-(-n // bn), -(-k // bk)):
+            raise ValueError(
+                f"a weight_scale of shape {tuple(scale.shape)} does not cut {tuple(weight_shape)} in {block}"
+            )
+        return (bn, bk), scale
     if scale.numel() == 1:  # per tensor
         return (n, k), scale.reshape(1, 1)
     if scale.dim() == 2 and scale.shape == (n, 1):  # per channel
@@ -104,6 +126,7 @@ def load_compressed_fp8(where: str | Path, dtype: torch.dtype, device: str) -> P
     config = AutoConfig.from_pretrained(where)
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # transformers would ask for the compressed-tensors package
+    configured = block_structure(compressed_fp8_config(where) or {})  # None: read from each scale
     model = empty_model(config, dtype, device)
     modules = dict(model.named_modules())
     tensors = dict(_tensors(where, device))
@@ -115,7 +138,7 @@ def load_compressed_fp8(where: str | Path, dtype: torch.dtype, device: str) -> P
         tensors.pop(f"{name}.input_scale", None)
         if weight.dtype != FP8:
             raise ValueError(f"{where}: {name}.weight is {weight.dtype}, not {FP8}")
-        block, scales = block_scales(weight.shape, scale)
+        block, scales = block_scales(weight.shape, scale, configured)
         bias = tensors.pop(f"{name}.bias", None)
         parent, _, attr = name.rpartition(".")
         layer = FP8Linear(weight, scales, block, None if bias is None else bias.to(dtype))
