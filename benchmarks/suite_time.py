@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "suite_time.json"
 TIERS = {"fast": "test-fast", "full": "test"}  # tier -> make target
 GOALS_MIN = {"fast": 3.0, "full": 12.0}
+FAILURE_CHARS = 2000  # of a failed test's message, kept in the record
 SUMMARY = re.compile(r"(\d+) (passed|failed|skipped|errors?|deselected)")
 
 
@@ -50,6 +51,7 @@ def run_tier(tier: str, workers: int) -> dict:
         wall = time.perf_counter() - start
         sys.stdout.write(done.stdout[-3000:])
         cases = _cases(xml) if xml.exists() else []
+        failures = _failures(xml) if xml.exists() else []
     tail = next((line for line in reversed(done.stdout.splitlines()) if SUMMARY.search(line) and " in " in line), "")
     counts = {kind.rstrip("s") if kind.startswith("error") else kind: int(n) for n, kind in SUMMARY.findall(tail)}
     modules = Counter()
@@ -66,6 +68,7 @@ def run_tier(tier: str, workers: int) -> dict:
         "load_average_at_start": round(load, 2),
         "counts": counts,
         "test_seconds_sum": round(sum(s for s, _ in cases), 1),
+        "failures": failures,
         "slowest": [{"test": n, "s": round(s, 2)} for s, n in sorted(cases, reverse=True)[:25]],
         "modules": [{"module": m, "s": round(s, 1)} for m, s in modules.most_common(25)],
     }
@@ -78,6 +81,19 @@ def _cases(xml: Path) -> list[tuple[float, str]]:
         path = case.get("classname", "").replace(".", "/")
         cases.append((float(case.get("time", 0)), f"{path}.py::{case.get('name')}"))
     return cases
+
+
+def _failures(xml: Path) -> list[dict[str, str]]:
+    """Each failed or erred test case and the first FAILURE_CHARS of its message (make's output
+    keeps only its tail: a failure's reason would otherwise be lost with the run)."""
+    found = []
+    for case in ET.parse(xml).getroot().iter("testcase"):
+        for outcome in ("failure", "error"):
+            for node in case.iter(outcome):
+                path = case.get("classname", "").replace(".", "/")
+                text = node.get("message") or node.text or ""
+                found.append({"test": f"{path}.py::{case.get('name')}", outcome: text[:FAILURE_CHARS]})
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,16 +15,21 @@ JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="py
 <testcase classname="tests.a.test_x" name="test_two[p]" time="1.0"/>
 <testcase classname="tests.b.test_y" name="test_three" time="4.0"/>
 </testsuite></testsuites>"""
+FAILED = JUNIT.replace(
+    '<testcase classname="tests.b.test_y" name="test_three" time="4.0"/>',
+    '<testcase classname="tests.b.test_y" name="test_three" time="4.0">'
+    '<failure message="AssertionError: assert 3.4 &lt;= 3.0">trace</failure></testcase>',
+)
 
 
-def fake_make(returncode: int, tail: str):
+def fake_make(returncode: int, tail: str, junit: str = JUNIT):
     calls = []
 
     def run(cmd, cwd, env, **kwargs):
         calls.append((cmd, env["PYTEST_ADDOPTS"]))
         xml = env["PYTEST_ADDOPTS"].split()[0].removeprefix("--junitxml=")
         with open(xml, "w") as f:
-            f.write(JUNIT)
+            f.write(junit)
         make = "make: *** [Makefile:30: test] Error 1\n" if returncode else ""
         return subprocess.CompletedProcess(cmd, returncode, stdout=f"....\n{tail}\n{make}")
 
@@ -44,15 +49,19 @@ def test_a_tier_records_counts_slowest_tests_and_modules(monkeypatch):
     ]
     assert row["modules"] == [{"module": "tests/b/test_y.py", "s": 4.0}, {"module": "tests/a/test_x.py", "s": 3.5}]
     assert row["test_seconds_sum"] == 7.5 and row["goal_min"] == 3.0 and row["met"] is True
+    assert row["failures"] == []
 
 
 def test_a_failed_tier_is_not_met_and_main_says_so(monkeypatch, tmp_path):
-    run, _ = fake_make(1, "1 failed, 2 passed, 1 error in 3.00s")
+    run, _ = fake_make(1, "1 failed, 2 passed, 1 error in 3.00s", FAILED)
     monkeypatch.setattr(suite_time.subprocess, "run", run)
     out = tmp_path / "suite.json"
     assert suite_time.main(["--tiers", "full", "--out", str(out)]) == 1
     row = json.loads(out.read_text())["tiers"]["full"]
     assert row["counts"] == {"failed": 1, "passed": 2, "error": 1} and row["met"] is False
+    assert row["failures"] == [
+        {"test": "tests/b/test_y.py::test_three", "failure": "AssertionError: assert 3.4 <= 3.0"}
+    ]
     assert row["target"] == "make test"
 
 
