@@ -69,12 +69,6 @@ def replica_kv(cfg: ModelsConfig, model, name: str) -> KVSpec:
     return kv
 
 
-def _trim_heap() -> None:
-    from backoff_core.models.kernels import trim_heap
-
-    trim_heap()
-
-
 def lose_replica(name: str, exc: Exception) -> None:
     """A tensor-parallel rank died (ranks.py): the replica goes as a whole. Its callers see a
     lost LargeModel (a transport error: they re-prefill on another replica, or degrade), as
@@ -238,6 +232,8 @@ class LargeModel:
             self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
 
     async def _sweep(self) -> None:
+        from backoff_core.models.kernels import trim_heap
+
         while True:
             cfg = self.config
             await asyncio.sleep(min(cfg.session_ttl_s / 4, cfg.lease_s / 4, 30.0))
@@ -246,7 +242,7 @@ class LargeModel:
             if orphans:
                 log.warning("%s: freed %d sessions whose router stopped renewing its lease", self.name, len(orphans))
             self._held()
-            await asyncio.get_running_loop().run_in_executor(None, _trim_heap)  # RSS follows what is held
+            await asyncio.get_running_loop().run_in_executor(None, trim_heap)  # RSS follows what is held
 
     def __del__(self) -> None:
         self.batcher.shutdown()
