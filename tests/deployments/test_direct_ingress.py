@@ -29,6 +29,7 @@ from tests.support.served_app import ServedApp, sse_then_disconnect  # noqa: E40
 
 pytestmark = pytest.mark.ray  # starts a local Ray and the Serve app (slow, one at a time)
 PROMPT = [3, 7, 11]
+DRAIN = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1"}
 
 
 def _standin(config: dict, dirs) -> None:
@@ -37,7 +38,9 @@ def _standin(config: dict, dirs) -> None:
 
 @pytest.fixture(scope="module")
 def served(serve_app) -> ServedApp:
-    return serve_app("direct", edit=_standin, direct_ingress=True)  # benchmarks.standin: LOCAL_ENV
+    # benchmarks.standin: LOCAL_ENV; Serve's shutdown waits out the replica's draining
+    # period (30 s by default, the module's teardown: nothing is left to drain by then)
+    return serve_app("direct", edit=_standin, direct_ingress=True, env=DRAIN)
 
 
 @pytest.fixture(scope="module")
