@@ -9,11 +9,8 @@ other worker a preempted step alone passed it.
 
 The bad-input app of test_app_input*.py (one Ray and Serve, tests/support/input_app.py) gets
 a second application here, `long` at /long (tests/support/long_app.py: tiny models with the
-default pair's vocabulary and an 8,192-position context) that scores a prompt in windows of
-SCORED_ROWS rows, twice the benchmark's: chunking is what is proven here, and each window is
-a step's fixed costs (the streams' steps, M_L's calls): the test took 71 s with 500 windows
-against 95 s with 1,000, the module alone on a quiet machine. It is removed after the
-module, which runs last of the group.
+default pair's vocabulary and an 8,192-position context, chunks of 8 rows). It is removed
+after the module, which runs last of the group.
 """
 
 from __future__ import annotations
@@ -35,8 +32,7 @@ pytestmark = pytest.mark.ray  # starts a local Ray and the Serve app (slow, one 
 SHARED_APP = input_app.SHARED_KEY  # the app of test_app_input*.py, deployed once for the four
 
 # text a client must never see: exception reprs and gRPC status strings
-MIN_PIECES = 20  # the scoring cut into at least this many steps shared with the streams (500 here)
-SCORED_ROWS = 2 * long_app.CHUNK  # a window's rows (benchmarks/answer_sizes_served.py: CHUNK, the ITL goal's)
+MIN_PIECES = 20  # the scoring cut into at least this many steps shared with the streams (1,000 here)
 INTERNAL = ("AioRpcError", "RESOURCE_EXHAUSTED", "Traceback", "Error:", "StatusCode.", "Received message larger")
 
 
@@ -45,7 +41,7 @@ def served(shared_app, tmp_path_factory) -> ServedApp:
     base = shared_app(SHARED_APP, input_app.start)
     dirs = long_app.save_models(tmp_path_factory.mktemp("long-models"))
     both = json.loads(json.dumps(base.config))
-    both["applications"].append(long_app.application(base.config["applications"][0], dirs, chunk=SCORED_ROWS))
+    both["applications"].append(long_app.application(base.config["applications"][0], dirs))
     started = time.monotonic()
     deploy(both, base.config_path.with_name("sizes.yaml"), "backoff", "long")
     print(f"the long app deployed in {time.monotonic() - started:.0f} s")
@@ -135,8 +131,8 @@ def test_an_8000_token_prompt_scored_with_logprobs_20_beside_two_streams(served)
     """The issue's third case (the step loop held ~45 s, then a 500 for a 4.4 MB result): an
     8,000-token prompt scored with 20 alternatives per token (max_tokens 0) while two
     streams run is answered whole, over HTTP and gRPC, and the streams' gaps while it is
-    scored (500 windows of 16 rows) are the steps they share with it: the longest is under
-    1/MIN_PIECES of the scoring's time (quiet: 0.2 s of 38 s; unchunked, one gap is the whole
+    scored (1,000 windows of 8 rows) are the steps they share with it: the longest is under
+    1/MIN_PIECES of the scoring's time (quiet: 0.2 s of 61 s; unchunked, one gap is the whole
     scoring). Their p99 / median is printed; its goal (<= 3) is answer_sizes_served.py's."""
     scored, figures = long_app.score_beside_streams(_url(served), auth())
     print(f"8000 tokens scored beside 2 streams: {json.dumps(figures)}")
@@ -145,7 +141,7 @@ def test_an_8000_token_prompt_scored_with_logprobs_20_beside_two_streams(served)
     logprobs = scored.json()["choices"][0]["logprobs"]
     assert len(logprobs["token_logprobs"]) == 8000 and all(len(t) >= 20 for t in logprobs["top_logprobs"][1:])
     assert figures["stream_tokens"] == [300, 300]
-    # most of the streams' lives fell while it was scored (500 windows, 280 steps of theirs)
+    # most of the streams' lives fell while it was scored (1,000 windows of 8 rows)
     assert figures["gaps_during_scoring"] >= 0.8 * figures["gaps"], figures
     assert figures["itl_max_ms"] / 1e3 < figures["scoring_s"] / MIN_PIECES, figures
     with BackoffGrpcClient(served.grpc_target, application="long", api_key=KEY, timeout=600) as rpc:
