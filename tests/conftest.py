@@ -21,9 +21,9 @@ import torch  # noqa: E402
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // WORKERS))
 # inductor compiles a graph's kernels in a pool of processes (each importing torch) unless
-# told otherwise; on a machine with no core to spare that only adds work: cold, in one
-# process on 2 cores, tests/backoff_core/runners/test_static_ragged.py took 94 s and 134 CPU-s
-# in process against 106 s and 148 CPU-s with the pool
+# told otherwise; with no core to spare that only adds work: tests/backoff_core/runners/
+# test_static_ragged.py alone, cold, on 2 cores: 94 s and 134 CPU-s compiling in process,
+# 106 s and 148 CPU-s with the pool
 if (os.cpu_count() or 1) <= 2 * WORKERS:
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
