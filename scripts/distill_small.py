@@ -70,7 +70,7 @@ from scripts.eval_small import heldout_windows
 SESSION_OPTIONS = ("steps", "threads", "eval_every", "ckpt_every", "stop_after_minutes", "run_dir", "resume", "device")
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=600, help="student optimiser steps")
     p.add_argument("--teacher-windows", type=int, default=2048, help="training windows labelled once by M_L")
@@ -102,7 +102,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--resume", action="store_true", help="continue the run in --run-dir")
     p.add_argument("--out", type=pathlib.Path, default=STUDENT_DIR)
     p.add_argument("--device", default="auto", help="auto: cuda if available, else cpu")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     args.run_dir = args.run_dir or args.out.with_name(args.out.name + ".run")
     return args
 
@@ -236,8 +236,9 @@ def resume_command(args) -> str:
 # ---------------------------------------------------------------------------------------
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    """The script, with `argv` for the command line (sys.argv[1:] when None)."""
+    args = parse_args(argv)
     ckpt_path = args.run_dir / "ckpt.pt"
     ckpt = torch.load(ckpt_path, weights_only=False) if args.resume and ckpt_path.is_file() else None
     if args.resume and ckpt is None and not (args.run_dir / "teacher.pt").is_file():

@@ -5,18 +5,15 @@ stopped and resumed from its checkpoint that ends on the weights of an uninterru
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
-import sys
+import signal
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from scripts import distill_small
 from scripts.distill_small import add_more_labels, evenly_spaced, init_student
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_evenly_spaced_layers_include_both_ends():
@@ -91,6 +88,9 @@ def test_a_grown_student_starts_as_the_student_it_grows_from():
 
 
 def _distill(run_dir: Path, *extra: str) -> None:
+    """One session of the script, in this process (as `python -m scripts.distill_small` would
+    run it): what it sets for the process -- torch's threads and seed, a SIGTERM handler
+    that checkpoints -- is put back after."""
     tiny_run = ["--steps", "4", "--teacher-windows", "6", "--chat-samples", "0", "--seq-len", "32", "--batch-size", "2"]
     tiny_run += [
         "--eval-every",
@@ -105,11 +105,13 @@ def _distill(run_dir: Path, *extra: str) -> None:
         "2",
     ]
     tiny_run += ["--keep-weight", "1", "--threads", "1", "--device", "cpu"]
-    cmd = [sys.executable, "-m", "scripts.distill_small", *tiny_run, "--run-dir", str(run_dir)]
-    cmd += ["--out", str(run_dir / "final"), *extra]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
+    threads, rng, sigterm = torch.get_num_threads(), torch.get_rng_state(), signal.getsignal(signal.SIGTERM)
+    try:
+        distill_small.main([*tiny_run, "--run-dir", str(run_dir), "--out", str(run_dir / "final"), *extra])
+    finally:
+        torch.set_num_threads(threads)
+        torch.set_rng_state(rng)
+        signal.signal(signal.SIGTERM, sigterm)
 
 
 @pytest.mark.real_pair  # its runs distill from the default M_L
