@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from backoff_core.cli.main import main
 from backoff_core.models.loading import (
     LoadSpec,
     TokenizerMismatch,
@@ -49,9 +50,20 @@ def model_dirs(tmp_path_factory, pair, tokenizer):
 
 
 def _cli(*args):
+    """`python -m backoff_core.cli.main ARGS`, the entry point itself (a process of its own)."""
     return subprocess.run(
         [sys.executable, "-m", "backoff_core.cli.main", *args], capture_output=True, text=True, timeout=300
     )
+
+
+def _main(capsys, *args) -> tuple[int, str, str]:
+    """backoff_core.cli.main.main(ARGS) in this process: (exit code, stdout, stderr)."""
+    try:
+        code = main(list(args))
+    except SystemExit as exit_:
+        code = exit_.code
+    out = capsys.readouterr()
+    return code or 0, out.out, out.err
 
 
 def test_generate_json(model_dirs, pair):
@@ -79,8 +91,9 @@ def test_generate_json(model_dirs, pair):
         assert key in data
 
 
-def test_generate_speculative_and_human_view(model_dirs):
-    out = _cli(
+def test_generate_speculative_and_human_view(model_dirs, capsys):
+    code, stdout, stderr = _main(
+        capsys,
         "generate",
         "--small",
         model_dirs["small"],
@@ -95,12 +108,13 @@ def test_generate_speculative_and_human_view(model_dirs):
         "--draft-tokens",
         "3",
     )
-    assert out.returncode == 0, out.stderr
-    assert "backoff rate" in out.stdout and "\033[" in out.stdout
+    assert code == 0, stderr
+    assert "backoff rate" in stdout and "\033[" in stdout
 
 
-def test_bad_arguments_give_a_clear_error(model_dirs):
-    out = _cli(
+def test_bad_arguments_give_a_clear_error(model_dirs, capsys):
+    code, _, stderr = _main(
+        capsys,
         "generate",
         "--small",
         model_dirs["small"],
@@ -111,9 +125,9 @@ def test_bad_arguments_give_a_clear_error(model_dirs):
         "--router",
         "nonsense",
     )
-    assert out.returncode == 2 and "unknown router 'nonsense'" in out.stderr
-    out = _cli("generate", "--small", model_dirs["small"], "--prompt", "w3")
-    assert out.returncode == 2 and "name both --small and --large" in out.stderr
+    assert code == 2 and "unknown router 'nonsense'" in stderr
+    code, _, stderr = _main(capsys, "generate", "--small", model_dirs["small"], "--prompt", "w3")
+    assert code == 2 and "name both --small and --large" in stderr
 
 
 def test_mismatched_tokenizers_are_refused(model_dirs):
