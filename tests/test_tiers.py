@@ -24,7 +24,8 @@ def test_the_modules_that_start_ray_and_only_they_are_the_ray_unit():
 
 
 def test_a_tests_unit_is_its_module_or_its_ray_unit():
-    assert unit("tests/deployments/test_app_e2e.py::test_http_unary_and_stream") == LATE_RAY_UNIT
+    assert unit("tests/deployments/test_direct_ingress.py::test_the_replica_serves") == LATE_RAY_UNIT
+    assert unit("tests/deployments/test_app_e2e.py::test_http_unary_and_stream") == FIRST_RAY_UNIT
     assert unit("tests/deployments/test_app_input.py::test_x[a::b-c]") == FIRST_RAY_UNIT
     assert unit("tests/deployments/test_multinode.py::test_y") == LATE_RAY_UNIT
     assert unit("tests/backoff_core/test_types.py::test_y[p]") == "tests/backoff_core/test_types.py"
@@ -44,24 +45,30 @@ def test_the_first_ray_unit_is_queued_first_and_the_late_one_last_each_in_its_or
     assert ray_modules == set(listed) and len(listed) == len(set(listed))
     ids = [
         "tests/test_tiers.py::a",
-        "tests/deployments/test_app_e2e.py::x",
-        "tests/deployments/test_app_e2e.py::y",
+        "tests/deployments/test_multinode.py::x",
+        "tests/deployments/test_multinode.py::y",
         "tests/test_docs.py::b",
-        "tests/deployments/test_multinode.py::m",
+        "tests/deployments/test_app_e2e_live.py::e",
+        "tests/deployments/test_direct_ingress.py::m",
+        "tests/deployments/test_app_load.py::l",
         "tests/deployments/test_app_coalescing.py::z",
         "tests/deployments/test_ray_local.py::r",
+        "tests/deployments/test_app_e2e.py::f",
         "tests/test_layout.py::c",
     ]
     ordered = [item.nodeid for item in ray_order([SimpleNamespace(nodeid=i) for i in ids])]
     assert ordered == [
         "tests/deployments/test_app_coalescing.py::z",  # first of the first unit
+        "tests/deployments/test_app_e2e.py::f",  # the end-to-end app's three, in their order
+        "tests/deployments/test_app_load.py::l",
+        "tests/deployments/test_app_e2e_live.py::e",
         "tests/deployments/test_ray_local.py::r",  # last of it
         "tests/test_tiers.py::a",
         "tests/test_docs.py::b",
         "tests/test_layout.py::c",
-        "tests/deployments/test_app_e2e.py::x",  # the late unit, in its order
-        "tests/deployments/test_app_e2e.py::y",
-        "tests/deployments/test_multinode.py::m",
+        "tests/deployments/test_direct_ingress.py::m",  # the late unit, in its order
+        "tests/deployments/test_multinode.py::x",
+        "tests/deployments/test_multinode.py::y",
     ]
 
 
@@ -99,7 +106,7 @@ def test_two_workers_start_on_the_first_ray_unit_and_the_other_modules_and_the_l
         "tests/backoff_core/test_types.py::b",
         "tests/test_docs.py::c",
         "tests/test_layout.py::d",
-        *[f"tests/deployments/test_app_e2e.py::t{i}" for i in range(9)],
+        *[f"tests/deployments/test_multinode.py::t{i}" for i in range(9)],
     ]
     gw0, gw1 = _Node("gw0"), _Node("gw1")
     for node in (gw0, gw1):

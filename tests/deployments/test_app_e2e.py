@@ -2,9 +2,10 @@
 
 One application for the whole module, deployed the way `backoff serve` / `serve run`
 deploy it (the packaged config with overrides): Ingress, one SmallModel, TWO LargeModel
-replicas (every test goes through session affinity), beside a chain of three
-(tests/support/e2e_app.py). The tests that change the live config or kill a replica are
-test_app_e2e_live.py, which runs next on the same app (SHARED_APP): no test here sees them.
+replicas (every test goes through session affinity), beside a chain of three and
+test_app_load.py's `tight` (tests/support/e2e_app.py). The tests that change the live config
+or kill a replica are test_app_load.py's and test_app_e2e_live.py's, which run next on the
+same app (SHARED_APP): no test here sees them.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from tests.support.playground_page import PlaygroundPage, browser_missing  # noq
 from tests.support.served_app import ServedApp, in_process_engine  # noqa: E402
 
 pytestmark = pytest.mark.ray  # starts a local Ray and the Serve app (slow, one at a time)
-SHARED_APP = e2e_app.SHARED_KEY  # the app of test_app_e2e*.py, deployed once for both
+SHARED_APP = e2e_app.SHARED_KEY  # the app of test_app_e2e*.py and test_app_load.py, deployed once
 CHAIN_THRESHOLDS = e2e_app.CHAIN_THRESHOLDS
 APP = (("application", "backoff"),)  # gRPC: which of the two applications
 

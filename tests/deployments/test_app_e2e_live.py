@@ -1,8 +1,9 @@
 """The Serve application end to end, changed while it serves (tiny models, a local CPU Ray
-cluster; what it shares with test_app.py: tests/support/e2e_app.py): a live config change
+cluster; what it shares with test_app_e2e.py: tests/support/e2e_app.py): a live config change
 with the threshold (`backoff serve` again) and with a fault injected into the step loop, and
 a LargeModel replica killed mid-generation. It runs on test_app_e2e.py's app, after all of
-that module's tests (SHARED_APP), so no other module's tests see the changes.
+that module's tests and test_app_load.py's (SHARED_APP), so no other module's tests see the
+changes.
 """
 
 from __future__ import annotations

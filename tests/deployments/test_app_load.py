@@ -1,10 +1,12 @@
 """Load, live reload and backpressure on a real (local, CPU) Ray Serve app with tiny models.
 
-Two applications, deployed the way `backoff serve` deploys them (the packaged config with
-overrides): `backoff` with the default limits (Ingress, one SmallModel, two LargeModel
-replicas) and `tight` (/tight) whose limits are tiny: 2 live + 1 waiting requests per
+The end-to-end modules' app (tests/support/e2e_app.py, SHARED_APP: deployed by
+test_app_e2e.py, which runs first; test_app_e2e_live.py runs next), deployed the way
+`backoff serve` deploys it (the packaged config with overrides). Two of its applications:
+`backoff` with the default limits (Ingress, one SmallModel, two LargeModel replicas, entropy
+at e2e_app.THRESHOLD) and `tight` (/tight) whose limits are tiny: 2 live + 1 waiting requests per
 SmallModel replica, 4 ongoing and 2 queued in Serve. The reload test changes the live
-config, so it runs last.
+config, so it runs last, and deploys the config as it found it after.
 """
 
 from __future__ import annotations
@@ -28,27 +30,17 @@ from clients.http_client import AsyncBackoffHTTPClient, BackoffHTTPClient  # noq
 from clients.wire import backoff_pb2 as pb  # noqa: E402
 from clients.wire import backoff_pb2_grpc as pb_grpc  # noqa: E402
 from deployments import harness  # noqa: E402
+from tests.support import e2e_app  # noqa: E402
 from tests.support.served_app import ServedApp, deploy, deployment_config, wait_until  # noqa: E402
 
 pytestmark = pytest.mark.ray  # starts a local Ray and the Serve app (slow, one at a time)
-THRESHOLD = 0.4  # entropy threshold of `backoff`: both sources occur
-ALL_SMALL = 50.0  # nothing is that uncertain: every token from M_S
-RETRY_AFTER_S = 2.0  # `tight`'s Retry-After
-
-
-def _edit(config: dict, dirs) -> None:
-    deployment_config(config, "SmallModel")["user_config"] = {"router": "entropy", "threshold": [THRESHOLD]}
-    tight = json.loads(json.dumps(config["applications"][0]))
-    tight.update(name="tight", route_prefix="/tight")
-    tight["args"]["large"]["num_replicas"] = 1
-    tight["args"]["small"].update(max_ongoing_requests=4, max_queued_requests=2)
-    tight["args"]["admission"] = {"max_live_requests": 2, "max_waiting_requests": 1, "retry_after_s": RETRY_AFTER_S}
-    config["applications"].append(tight)
+SHARED_APP = e2e_app.SHARED_KEY  # the app of test_app_e2e*.py and this module, deployed once
+ALL_SMALL = 50.0  # nothing is that uncertain: every token from M_S (`backoff`: entropy at 0.4)
 
 
 @pytest.fixture(scope="module")
-def served(serve_app) -> ServedApp:
-    return serve_app("serve_load", replicas={"large": 2}, edit=_edit)
+def served(shared_app) -> ServedApp:
+    return shared_app(SHARED_APP, e2e_app.start_with_chain)
 
 
 def _info(deployment: str, app: str = "backoff"):
@@ -126,7 +118,7 @@ def test_a_full_app_refuses_with_503_and_retry_after_then_recovers(served):
     assert refused, codes
     assert 200 in codes or grpc.StatusCode.OK in [code for code, _, _ in rpcs]  # which transport won varies
     for r in refused:
-        assert r.headers["retry-after"] == "2"
+        assert r.headers["retry-after"] == f"{e2e_app.TIGHT_RETRY_AFTER_S:g}"
         error = r.json()["error"]
         assert set(error) == {"message", "type", "param", "code"} and error["code"] == "overloaded"
     for r in responses:
@@ -141,7 +133,7 @@ def test_a_full_app_refuses_with_503_and_retry_after_then_recovers(served):
     for code, trailing, why in rpcs:
         # Serve's gRPC proxy keeps a streaming method's trailing metadata only with a message
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED and why.startswith("unary"):
-            assert trailing.get("retry-after") == "2", trailing
+            assert trailing.get("retry-after") == f"{e2e_app.TIGHT_RETRY_AFTER_S:g}", trailing
     # both bounds refused: the SmallModel's admission gate and Serve's queue in the Ingress
     messages = [r.json()["error"]["message"] for r in refused] + [why for _, _, why in rpcs]
     assert any("the server is at capacity" in m for m in messages), messages
@@ -251,3 +243,5 @@ def test_32_streams_through_a_live_threshold_change(served):
     assert _replica_pids() == pids  # no replica was restarted
     harness.wait_until_running("backoff")
     _wait_idle("backoff")
+    deploy(served.config, served.config_path.with_name("restored.yaml"))  # as test_app_e2e_live.py expects it
+    wait_until(lambda: _info("SmallModel").policy.thresholds == [e2e_app.THRESHOLD], "the threshold restored", 120.0)
