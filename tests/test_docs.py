@@ -319,3 +319,17 @@ def test_fp8_quality_tables_are_fp8_quality_json():
     tasks = cells("mean accuracy")
     keys = ("full", "fp8", "fp8_gptq", "fp8_gptq_weight_only")
     assert all(agree(p, quality["tasks"][k]) for p, k in zip(tasks, keys, strict=False))
+
+
+def test_the_testing_pages_cpu_by_module_is_module_cpu_json():
+    record = load("module_cpu.json")
+    page = (ROOT / "docs" / "testing.md").read_text()
+    by_name = {Path(m["module"]).name: m for m in record["modules"]}
+    rows = re.findall(r"^\| `(test_\w+\.py)` \| (\d+\.\d) \| (\d+\.\d) \|$", page, re.M)
+    assert len(rows) >= 5, "docs/testing.md's CPU-by-module table"
+    assert [name for name, *_ in rows] == [Path(m["module"]).name for m in record["modules"][: len(rows)]]
+    for name, cpu, wall in rows:
+        assert float(cpu) == by_name[name]["cpu_s"] and float(wall) == by_name[name]["wall_s"], name
+    m = re.search(r"at (\w+), before .*? took ([\d,]+)\s+CPU-s in ([\d,]+) s", page, re.S)
+    assert m and m.group(1) == record["commit"], "the run's commit"
+    assert agree(m.group(2).replace(",", ""), record["cpu_s"]) and agree(m.group(3).replace(",", ""), record["wall_s"])
