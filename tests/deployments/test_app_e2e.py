@@ -2,8 +2,8 @@
 
 One application for the whole module, deployed the way `backoff serve` / `serve run`
 deploy it (the packaged config with overrides): Ingress, one SmallModel, TWO LargeModel
-replicas (every test goes through session affinity), beside a chain of three and
-test_app_load.py's `tight` (tests/support/e2e_app.py). The tests that change the live config
+replicas (every test goes through session affinity), beside a chain of three (whose tiny
+limits are test_app_load.py's; tests/support/e2e_app.py). The tests that change the live config
 or kill a replica are test_app_load.py's and test_app_e2e_live.py's, which run next on the
 same app (SHARED_APP): no test here sees them.
 """

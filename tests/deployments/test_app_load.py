@@ -2,11 +2,12 @@
 
 The end-to-end modules' app (tests/support/e2e_app.py, SHARED_APP: deployed by
 test_app_e2e.py, which runs first; test_app_e2e_live.py runs next), deployed the way
-`backoff serve` deploys it (the packaged config with overrides). Two of its applications:
+`backoff serve` deploys it (the packaged config with overrides). Both of its applications:
 `backoff` with the default limits (Ingress, one SmallModel, two LargeModel replicas, entropy
-at e2e_app.THRESHOLD) and `tight` (/tight) whose limits are tiny: 2 live + 1 waiting requests per
-SmallModel replica, 4 ongoing and 2 queued in Serve. The reload test changes the live
-config, so it runs last, and deploys the config as it found it after.
+at e2e_app.THRESHOLD) and the chain of three (/chain) whose limits are tiny: 2 live + 1
+waiting requests per SmallModel replica, 4 ongoing and 2 queued in Serve (the full app
+here). The reload test changes the live config, so it runs last, and deploys the config as
+it found it after.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from tests.support.served_app import ServedApp, deploy, deployment_config, wait_
 
 pytestmark = pytest.mark.ray  # starts a local Ray and the Serve app (slow, one at a time)
 SHARED_APP = e2e_app.SHARED_KEY  # the app of test_app_e2e*.py and this module, deployed once
+FULL = "chain"  # the application with tiny limits (e2e_app.edit_with_chain), at /chain
 ALL_SMALL = 50.0  # nothing is that uncertain: every token from M_S (`backoff`: entropy at 0.4)
 
 
@@ -91,7 +93,7 @@ async def _grpc_burst(target: str, n: int) -> list[tuple[grpc.StatusCode, dict, 
 
         async def one(i: int) -> tuple[grpc.StatusCode, dict, str]:
             request = pb.GenerateRequest(prompt_ids=[5 + i, 7], max_tokens=64, temperature=0, ignore_eos=True)
-            metadata = (("application", "tight"),)
+            metadata = (("application", FULL),)
             try:
                 if i % 2:
                     [c async for c in stub.GenerateStream(request, metadata=metadata)]
@@ -106,10 +108,10 @@ async def _grpc_burst(target: str, n: int) -> list[tuple[grpc.StatusCode, dict, 
 
 
 def test_a_full_app_refuses_with_503_and_retry_after_then_recovers(served):
-    tight = f"{served.url}/tight"
+    full = f"{served.url}/{FULL}"
 
     async def burst():
-        return await asyncio.gather(_http_burst(tight, 24), _grpc_burst(served.grpc_target, 8))
+        return await asyncio.gather(_http_burst(full, 24), _grpc_burst(served.grpc_target, 8))
 
     responses, rpcs = asyncio.run(burst())
     codes = [r.status_code for r in responses]
@@ -118,7 +120,7 @@ def test_a_full_app_refuses_with_503_and_retry_after_then_recovers(served):
     assert refused, codes
     assert 200 in codes or grpc.StatusCode.OK in [code for code, _, _ in rpcs]  # which transport won varies
     for r in refused:
-        assert r.headers["retry-after"] == f"{e2e_app.TIGHT_RETRY_AFTER_S:g}"
+        assert r.headers["retry-after"] == f"{e2e_app.CHAIN_RETRY_AFTER_S:g}"
         error = r.json()["error"]
         assert set(error) == {"message", "type", "param", "code"} and error["code"] == "overloaded"
     for r in responses:
@@ -133,20 +135,20 @@ def test_a_full_app_refuses_with_503_and_retry_after_then_recovers(served):
     for code, trailing, why in rpcs:
         # Serve's gRPC proxy keeps a streaming method's trailing metadata only with a message
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED and why.startswith("unary"):
-            assert trailing.get("retry-after") == f"{e2e_app.TIGHT_RETRY_AFTER_S:g}", trailing
+            assert trailing.get("retry-after") == f"{e2e_app.CHAIN_RETRY_AFTER_S:g}", trailing
     # both bounds refused: the SmallModel's admission gate and Serve's queue in the Ingress
     messages = [r.json()["error"]["message"] for r in refused] + [why for _, _, why in rpcs]
     assert any("the server is at capacity" in m for m in messages), messages
     assert any("Request dropped due to backpressure" in m for m in messages), messages
 
-    _wait_idle("tight")  # every slot was given back
-    with BackoffHTTPClient(tight) as http, BackoffGrpcClient(served.grpc_target, application="tight") as rpc:
+    _wait_idle(FULL)  # every slot was given back
+    with BackoffHTTPClient(full) as http, BackoffGrpcClient(served.grpc_target, application=FULL) as rpc:
         for client in (http, rpc):
             assert len(client.complete([3, 4], max_tokens=8, ignore_eos=True).token_ids) == 8
 
     async def patient():  # a client that retries gets through a burst, bounded
         retry = Retry(attempts=40, max_wait_s=0.25)
-        async with AsyncBackoffHTTPClient(tight, retry=retry) as client:
+        async with AsyncBackoffHTTPClient(full, retry=retry) as client:
             return await asyncio.gather(
                 *[client.complete([3 + i, 4], max_tokens=16, ignore_eos=True) for i in range(10)]
             )

@@ -1,7 +1,7 @@
 """What the end-to-end modules share (tests/deployments/test_app_e2e.py, test_app_load.py,
 then test_app_e2e_live.py, on the same deployed app, SHARED_KEY): the application (entropy
-at THRESHOLD, two LargeModel replicas), beside a chain of three and the load module's
-`tight` one; the in-process reference, and the replicas' info.
+at THRESHOLD, two LargeModel replicas), beside a chain of three whose limits are tiny (the
+load module's full app); the in-process reference, and the replicas' info.
 
 Ray is imported lazily, as in served_app.py: collecting the modules must not need it.
 """
@@ -22,7 +22,7 @@ THRESHOLD = 0.4  # entropy threshold of the deployed config: both sources occur
 CHAIN_THRESHOLDS = (0.4, 0.7)  # the chain's random router over three levels: ~40 / 30 / 30 %
 MODELS = {**TINY_PAIR, "medium": functools.partial(tiny_model, 3, hidden=48, layers=3, sharpness=30)}
 SHARED_KEY = "e2e"  # the modules' SHARED_APP (tests/deployments/conftest.py's `shared_app`)
-TIGHT_RETRY_AFTER_S = 2.0  # `tight`'s Retry-After
+CHAIN_RETRY_AFTER_S = 2.0  # `chain`'s Retry-After (its tiny limits: edit_with_chain)
 
 
 def edit_entropy(config: dict, dirs) -> None:
@@ -32,39 +32,30 @@ def edit_entropy(config: dict, dirs) -> None:
 
 def edit_with_chain(config: dict, dirs) -> None:
     """edit_entropy, and beside it a chain of three: one more LargeModel-like deployment
-    (MediumModel1), by config only, as the application `chain` under /chain; and `tight`
-    (add_tight)."""
+    (MediumModel1), by config only, as the application `chain` under /chain, one replica of
+    each model. Its limits are tiny, for test_app_load.py's backpressure cases (the
+    end-to-end tests send it one request at a time): 2 live + 1 waiting requests per
+    SmallModel replica, 4 ongoing and 2 queued in Serve."""
     edit_entropy(config, dirs)
     chain = json.loads(json.dumps(config["applications"][0]))
     chain.update(name="chain", route_prefix="/chain")
     chain["args"]["models"]["medium"] = [dirs["medium"]]
     chain["args"]["large"]["num_replicas"] = 1
+    chain["args"]["small"].update(max_ongoing_requests=4, max_queued_requests=2)
+    chain["args"]["admission"] = {
+        "max_live_requests": 2,
+        "max_waiting_requests": 1,
+        "retry_after_s": CHAIN_RETRY_AFTER_S,
+    }
     config["applications"].append(chain)
     deployment_config(config, "SmallModel", app=1)["user_config"] = {
         "router": "random",
         "threshold": list(CHAIN_THRESHOLDS),
     }
-    add_tight(config)  # of `backoff` as edit_entropy left it
-
-
-def add_tight(config: dict) -> None:
-    """test_app_load.py's application `tight` (/tight), a copy of the first whose limits are
-    tiny: 2 live + 1 waiting requests per SmallModel replica, 4 ongoing and 2 queued in
-    Serve, one LargeModel replica."""
-    tight = json.loads(json.dumps(config["applications"][0]))
-    tight.update(name="tight", route_prefix="/tight")
-    tight["args"]["large"]["num_replicas"] = 1
-    tight["args"]["small"].update(max_ongoing_requests=4, max_queued_requests=2)
-    tight["args"]["admission"] = {
-        "max_live_requests": 2,
-        "max_waiting_requests": 1,
-        "retry_after_s": TIGHT_RETRY_AFTER_S,
-    }
-    config["applications"].append(tight)
 
 
 def start_with_chain(serve_app: Callable[..., ServedApp]) -> ServedApp:
-    """The end-to-end modules' app: `backoff` (start's), the chain of three and `tight`."""
+    """The end-to-end modules' app: `backoff` (start's) and the chain of three."""
     return start(serve_app, "serve-e2e", MODELS, edit=edit_with_chain)
 
 

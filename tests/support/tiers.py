@@ -33,10 +33,11 @@ IMPLY_SLOW = ("ray", "real_pair", "multinode")
 RAY_MODULE = re.compile(r"^pytestmark\s*=.*\bpytest\.mark\.ray\b", re.M)
 RAY_UNITS: dict[str, tuple[str, ...]] = {
     "ray": (
-        # the default local Ray (served_app.LOCAL_RAY, LOCAL_ENV): one instance for these three
+        # the default local Ray (served_app.LOCAL_RAY, LOCAL_ENV): one instance for these four
         "test_app_coalescing.py",
         "test_app_eval.py",
         "test_app_faults.py",
+        "test_app_prefix.py",
         # a Ray of their own (Ray's metrics read; the dashboard for `serve deploy`), one app
         # for the four (tests/deployments/conftest.py's shared_app)
         "test_app_input.py",
@@ -50,11 +51,11 @@ RAY_UNITS: dict[str, tuple[str, ...]] = {
         "test_app_e2e_live.py",
         "test_ray_local.py",
     ),
-    # ~370 s, so that the other worker (~650 s of modules without Ray first) ends with the first
-    # unit (a run of 2,137 test-seconds: the first unit 1,002 s, the other worker 1,136 s, when
-    # the end-to-end modules ran here and direct ingress and prefix in the first)
+    # ~340 s, so that the other worker (~660 s of modules without Ray first) ends with the first
+    # unit. A run of 2,143 test-seconds with prefix routing here too (its Ray started again,
+    # beside the first unit's: its setup 122 s against 21 s alone): the first unit ~1,010 s,
+    # the other worker ~1,130 s
     "ray-late": (
-        "test_app_prefix.py",  # the default local Ray, started again
         "test_direct_ingress.py",  # direct ingress: Serve's environment at Ray's start
         "test_multinode.py",  # a cluster of its own
     ),
