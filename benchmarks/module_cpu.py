@@ -35,8 +35,13 @@ CGROUPS = Path("/sys/fs/cgroup/cpuacct")
 _current: dict = {"module": None, "t": 0.0, "cpu": 0.0}
 
 
+def _usage_s(usage: Path) -> float:
+    """A cpuacct.usage file's CPU-seconds (it counts nanoseconds)."""
+    return int(usage.read_text()) / 1e9
+
+
 def _cpu_s() -> float:
-    return int(Path(os.environ["MODULE_CPU_USAGE"]).read_text()) / 1e9
+    return _usage_s(Path(os.environ["MODULE_CPU_USAGE"]))
 
 
 def _flush(now: float, cpu: float) -> None:
@@ -87,9 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ, MODULE_CPU_USAGE=str(usage), MODULE_CPU_OUT=str(figures))
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "benchmarks.module_cpu"]
     cmd += pytest_args or ["tests"]
-    start, cpu0 = time.monotonic(), int(usage.read_text()) / 1e9
+    start, cpu0 = time.monotonic(), _usage_s(usage)
     done = subprocess.run(cmd, cwd=ROOT, env=env)
-    wall, cpu = time.monotonic() - start, int(usage.read_text()) / 1e9 - cpu0
+    wall, cpu = time.monotonic() - start, _usage_s(usage) - cpu0
     rows = [line.split("\t") for line in figures.read_text().splitlines()] if figures.exists() else []
     modules = sorted(
         ({"module": m, "wall_s": float(w), "cpu_s": float(c)} for m, w, c in rows), key=lambda r: -r["cpu_s"]

@@ -3,9 +3,10 @@
 A module deploys its own app through `serve_app` (Serve goes down after its last test), or
 names a shared one through `shared_app(key, start)`: modules that run one after another and
 ask for the same key (test_app_input*.py: the bad-input app; test_app_e2e*.py and
-test_app_load.py: the end-to-end app, its live changes last) get the app the first of them deployed, and it goes down after the last of them. The modules that start
-Ray run one after another on one xdist worker (tests/support/tiers.py), so there is never
-more than one Ray in a process; consecutive ones that ask for the same local Ray share it
+test_app_load.py: the end-to-end app, its live changes last) get the app the first of them
+deployed, and it goes down after the last of them. The modules that start Ray run one
+after another on one xdist worker (tests/support/tiers.py), so there is never more than one
+Ray in a process; consecutive ones that ask for the same local Ray share it
 (tests/support/served_app.py's LOCAL), and it goes down after the last Ray module.
 """
 
