@@ -1,5 +1,5 @@
-"""Where the suite's CPU goes, by module: the tests run serially (no xdist) inside a cpuacct
-cgroup, so the CPU of every process a module starts -- Ray's daemons, its replicas, the
+"""Where the suite's CPU goes, by module and by test: the tests run serially (no xdist) inside a
+cpuacct cgroup, so the CPU of every process a module starts -- Ray's daemons, its replicas, the
 subprocesses of a CLI test -- is counted against it, beside its wall time.
 
     sudo python benchmarks/module_cpu.py                          # tests/ -> benchmarks/results/module_cpu.json
@@ -9,7 +9,10 @@ subprocesses of a CLI test -- is counted against it, beside its wall time.
 of them), so a module's CPU-seconds, not its wall time under xdist, say what it costs the
 run. A module's figure runs from its first test's setup to the next module's first (its
 module-scoped teardown, a Serve app going down, falls in the next); a shared Ray or app is
-counted where it starts. Needs a writable cgroup v1 cpuacct hierarchy (root).
+counted where it starts. A test's figure likewise runs from its setup to the next test's, its
+setup's CPU apart (a module's first test carries the module's app deploy or compile). The
+record's `floor_min` is the CPU over the cores: the shortest the suite can take on this
+machine with every core busy all the time. Needs a writable cgroup v1 cpuacct hierarchy (root).
 
 The same file is the pytest plugin that records the figures (`-p benchmarks.module_cpu`,
 reading MODULE_CPU_USAGE and MODULE_CPU_OUT from the environment).
@@ -25,14 +28,20 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
+from tests.support.tiers import starts_ray
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "module_cpu.json"
 CGROUPS = Path("/sys/fs/cgroup/cpuacct")
+TEST_MIN_CPU_S = 1.0  # the record lists the tests that cost this much or more
 
 
 # -- the plugin (in the pytest process) ----------------------------------------------------------
 
 _current: dict = {"module": None, "t": 0.0, "cpu": 0.0}
+_test: dict = {"id": None, "t": 0.0, "cpu": 0.0, "setup": 0.0}
 
 
 def _usage_s(usage: Path) -> float:
@@ -44,22 +53,40 @@ def _cpu_s() -> float:
     return _usage_s(Path(os.environ["MODULE_CPU_USAGE"]))
 
 
+def _write(*fields) -> None:
+    with open(os.environ["MODULE_CPU_OUT"], "a") as out:
+        out.write("\t".join(map(str, fields)) + "\n")
+
+
 def _flush(now: float, cpu: float) -> None:
     if _current["module"] is not None:
-        with open(os.environ["MODULE_CPU_OUT"], "a") as out:
-            out.write(f"{_current['module']}\t{now - _current['t']:.1f}\t{cpu - _current['cpu']:.1f}\n")
+        _write("module", _current["module"], f"{now - _current['t']:.1f}", f"{cpu - _current['cpu']:.1f}")
 
 
-def pytest_runtest_setup(item) -> None:
+def _flush_test(now: float, cpu: float) -> None:
+    if _test["id"] is not None:
+        _write("test", _test["id"], f"{now - _test['t']:.2f}", f"{cpu - _test['cpu']:.2f}", f"{_test['setup']:.2f}")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    """A test's figures run from its setup to the next test's (its teardown, a module-scoped
+    fixture's included, falls in it); its setup's CPU apart (a module's app deploy, a compile)."""
+    now, cpu = time.monotonic(), _cpu_s()
+    _flush_test(now, cpu)
     module = item.nodeid.split("::", 1)[0]
     if module != _current["module"]:
-        now, cpu = time.monotonic(), _cpu_s()
         _flush(now, cpu)
         _current.update(module=module, t=now, cpu=cpu)
+    _test.update(id=item.nodeid, t=now, cpu=cpu, setup=0.0)
+    yield
+    _test["setup"] = _cpu_s() - cpu
 
 
 def pytest_sessionfinish(session) -> None:
-    _flush(time.monotonic(), _cpu_s())
+    now, cpu = time.monotonic(), _cpu_s()
+    _flush_test(now, cpu)
+    _flush(now, cpu)
 
 
 # -- the run ---------------------------------------------------------------------------------------
@@ -80,6 +107,34 @@ def _commit() -> str:
     return done.stdout.strip() or "unknown"
 
 
+def summary(rows: list[list[str]], cpus: int) -> dict:
+    """The plugin's rows as the record's figures: modules by CPU; the tests of TEST_MIN_CPU_S
+    or more (their setup's CPU apart); totals of the Ray modules (tests/support/tiers.py) and
+    of every test's setup; the shortest wall the CPU allows with every core busy."""
+    modules = sorted(
+        ({"module": m, "wall_s": float(w), "cpu_s": float(c)} for kind, m, w, c, *_ in rows if kind == "module"),
+        key=lambda r: -r["cpu_s"],
+    )
+    tests = [
+        {"test": t, "wall_s": float(w), "cpu_s": float(c), "setup_cpu_s": float(s)}
+        for kind, t, w, c, s in (r for r in rows if r[0] == "test")
+    ]
+    ray = [t for t in tests if starts_ray(t["test"].split("::", 1)[0])]
+    total = sum(t["cpu_s"] for t in tests)
+
+    def cpu(of: list[dict], key: str = "cpu_s") -> float:
+        return round(sum(t[key] for t in of), 1)
+
+    return {
+        "floor_min": round(total / cpus / 60, 2),
+        "tests_cpu_s": round(total, 1),
+        "setup_cpu_s": cpu(tests, "setup_cpu_s"),
+        "ray": {"tests": len(ray), "cpu_s": cpu(ray), "setup_cpu_s": cpu(ray, "setup_cpu_s")},
+        "modules": modules,
+        "tests": sorted((t for t in tests if t["cpu_s"] >= TEST_MIN_CPU_S), key=lambda t: -t["cpu_s"]),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -96,9 +151,6 @@ def main(argv: list[str] | None = None) -> int:
     done = subprocess.run(cmd, cwd=ROOT, env=env)
     wall, cpu = time.monotonic() - start, _usage_s(usage) - cpu0
     rows = [line.split("\t") for line in figures.read_text().splitlines()] if figures.exists() else []
-    modules = sorted(
-        ({"module": m, "wall_s": float(w), "cpu_s": float(c)} for m, w, c in rows), key=lambda r: -r["cpu_s"]
-    )
     record = {
         "commit": _commit(),
         "command": " ".join(["python benchmarks/module_cpu.py", *(pytest_args or [])]),
@@ -106,12 +158,14 @@ def main(argv: list[str] | None = None) -> int:
         "returncode": done.returncode,
         "wall_s": round(wall, 1),
         "cpu_s": round(cpu, 1),
-        "modules": modules,
+        **summary(rows, os.cpu_count() or 1),
     }
     args.out.write_text(json.dumps(record, indent=1) + "\n")
     figures.unlink(missing_ok=True)
-    print(f"{wall:.0f} s, {cpu:.0f} CPU-s; the most CPU:")
-    for row in modules[:15]:
+    print(
+        f"{wall:.0f} s, {cpu:.0f} CPU-s (on {record['cpus']} cores at least {record['floor_min']} min); the most CPU:"
+    )
+    for row in record["modules"][:15]:
         print(f"  {row['cpu_s']:7.1f} CPU-s {row['wall_s']:7.1f} s  {row['module']}")
     print(f"saved {args.out}")
     return done.returncode
