@@ -30,7 +30,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.tiers import starts_ray
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # as a script: the checkout's packages
+from tests.support.tiers import starts_ray  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "module_cpu.json"
