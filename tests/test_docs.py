@@ -321,7 +321,7 @@ def test_fp8_quality_tables_are_fp8_quality_json():
     assert all(agree(p, quality["tasks"][k]) for p, k in zip(tasks, keys, strict=False))
 
 
-def test_the_testing_pages_cpu_by_module_is_module_cpu_json():
+def test_the_testing_pages_cpu_by_module_and_by_test_is_module_cpu_json():
     record = load("module_cpu.json")
     page = (ROOT / "docs" / "testing.md").read_text()
     by_name = {Path(m["module"]).name: m for m in record["modules"]}
@@ -330,6 +330,17 @@ def test_the_testing_pages_cpu_by_module_is_module_cpu_json():
     assert [name for name, *_ in rows] == [Path(m["module"]).name for m in record["modules"][: len(rows)]]
     for name, cpu, wall in rows:
         assert float(cpu) == by_name[name]["cpu_s"] and float(wall) == by_name[name]["wall_s"], name
-    m = re.search(r"at (\w+), before .*? took ([\d,]+)\s+CPU-s in ([\d,]+) s", page, re.S)
+    tests = re.findall(r"^\| `(test_\w+\.py::[^`]+)` \| (\d+\.\d+) \| (\d+\.\d+) \|$", page, re.M)
+    assert len(tests) >= 5, "docs/testing.md's CPU-by-test table"
+    for (name, cpu, setup), t in zip(tests, record["tests"], strict=False):
+        assert name == t["test"].rsplit("/", 1)[-1] and float(cpu) == t["cpu_s"] and float(setup) == t["setup_cpu_s"]
+    m = re.search(r"\(tests/, at (\w+),.*? took ([\d,]+)\s+CPU-s in ([\d,]+) s", page, re.S)
     assert m and m.group(1) == record["commit"], "the run's commit"
     assert agree(m.group(2).replace(",", ""), record["cpu_s"]) and agree(m.group(3).replace(",", ""), record["wall_s"])
+    floor = re.search(r"a\s+floor\s+of\s+([\d.]+)\s+min", page)
+    assert floor and float(floor.group(1)) == record["floor_min"], "the floor"
+    ray = re.search(r"the (\d+) tests of the Ray modules took ([\d,]+) CPU-s, ([\d,]+) of them in\s+their setups", page)
+    assert ray, "the Ray modules' share"
+    cpu, setup = (g.replace(",", "") for g in ray.group(2, 3))
+    assert int(ray.group(1)) == record["ray"]["tests"]
+    assert agree(cpu, record["ray"]["cpu_s"]) and agree(setup, record["ray"]["setup_cpu_s"])
