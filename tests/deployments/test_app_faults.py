@@ -2,7 +2,7 @@
 
 One application for the module: Ingress, TWO SmallModel replicas (one can die while the
 other serves), TWO LargeModel replicas. Leases are short (lease_s = 3) and every catch-up
-is delayed a little (inject_delay_ms = 25) so a long request lasts long enough to kill
+is delayed (inject_delay_ms = 100) so a long request lasts long enough to kill
 something under it on any machine. In order: 150 cancelled streams (a thousand run through
 the same classes without Ray in test_small_cancellations.py), a LargeModel replica
 killed under a gRPC stream, a SmallModel replica killed under several requests, a slow M_L
@@ -47,8 +47,10 @@ pytestmark = pytest.mark.ray  # starts a local Ray and the Serve app (slow, one 
 APP = "backoff"
 METADATA = (("application", APP),)
 LEASE_S = 3.0
-DELAY_MS = 25.0  # per catch-up: a 400-token always-large request lasts >= 10 s
-LONG = dict(max_tokens=400, temperature=0, ignore_eos=True, router="always-large")
+# per catch-up: a long request lasts while its steps cost little CPU (LONG, always-large: >= 15 s
+# in 150 steps; it was 400 steps at 25 ms: 10 s)
+DELAY_MS = 100.0
+LONG = dict(max_tokens=150, temperature=0, ignore_eos=True, router="always-large")
 PROMPT = [4, 5, 6]
 
 
@@ -143,8 +145,8 @@ def _deploy(served: ServedApp, router: dict | None = None, large: dict | None = 
 
 # -- 3. cancellations free every session ---------------------------------------------------------
 
-CANCEL_BODY = dict(prompt=PROMPT, max_tokens=200, temperature=0, ignore_eos=True, router="always-large")
-GRPC_CANCEL_TOKENS = 60  # >= 1.5 s of catch-up delays: the cancel still arrives long before the end
+CANCEL_BODY = dict(prompt=PROMPT, max_tokens=50, temperature=0, ignore_eos=True, router="always-large")  # >= 5 s
+GRPC_CANCEL_TOKENS = 15  # >= 1.5 s of catch-up delays: the cancel still arrives long before the end
 
 
 async def _http_closed(http: httpx.AsyncClient) -> None:
@@ -241,14 +243,14 @@ def test_cancelled_streams_through_serves_proxies_leave_no_session(served):
     assert sum(count for count, *_ in report.values()) == n
     for name in ("HTTP stream closed", "async client task cancelled"):
         count, ended, *_ = report[name]
-        assert ended >= 0.95 * count, report  # the rest finished (200 tokens) before their cancel arrived
+        assert ended >= 0.95 * count, report  # the rest finished (50 tokens) before their cancel arrived
 
 
 # -- 1. a LargeModel replica dies under a gRPC stream -----------------------------------------------
 
 
 def test_killed_large_replica_mid_grpc_stream_still_completes(served, reference):
-    n = 300
+    n = 100  # >= 10 s
     _settled()
     with BackoffGrpcClient(served.grpc_target, application=APP) as client:
         stream = client.stream(PROMPT, **{**LONG, "max_tokens": n})

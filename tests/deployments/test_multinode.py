@@ -52,7 +52,10 @@ pytestmark = [pytest.mark.multinode, pytest.mark.ray]
 APP = "backoff"
 PROMPT = [4, 5, 6]
 THRESHOLD = 0.4  # entropy: a mix of small and large steps on the tiny pair
-LONG = dict(max_tokens=300, temperature=0, ignore_eos=True, router="always-large")  # >= 7.5 s (25 ms a catch-up)
+# every catch-up waits DELAY_MS (LargeModel's inject_delay_ms), so a stream lasts without the
+# CPU of its steps: LONG >= 10 s in 100 steps (it was 300 steps at 25 ms: 7.5 s, three times the catch-ups)
+DELAY_MS = 100.0
+LONG = dict(max_tokens=100, temperature=0, ignore_eos=True, router="always-large")  # >= 10 s
 AUTOSCALE = dict(
     min_replicas=1,
     max_replicas=2,
@@ -62,6 +65,7 @@ AUTOSCALE = dict(
     look_back_period_s=3.0,
 )  # shorter flaps when a new replica joins
 BURST_MAX_S, BURST_TAIL_S = 60.0, 3.0  # the autoscaling test's burst: until both scaled up, then the tail
+BURST_TOKENS = 40  # a burst request: >= 4 s (DELAY_MS a catch-up); fewer, longer requests: less CPU per second
 
 
 def _edit(config: dict, dirs) -> None:
@@ -78,7 +82,7 @@ def _edit(config: dict, dirs) -> None:
     args["prefix_routing"] = {"max_imbalance": 1}
     small = deployment_config(config, "SmallModel")
     small["user_config"] = {"router": "entropy", "threshold": [THRESHOLD], "large_timeout_s": 30.0}
-    deployment_config(config, "LargeModel")["user_config"].update(lease_s=3.0, inject_delay_ms=25.0)
+    deployment_config(config, "LargeModel")["user_config"].update(lease_s=3.0, inject_delay_ms=DELAY_MS)
     # Serve's autoscaling options (delays, look-back) in the config's `deployments:` section, from
     # the start: the first autoscaling_config there changes the app's code version (a redeploy of
     # every replica), a later change of its numbers is a live update
@@ -380,7 +384,7 @@ def test_autoscaling_follows_a_burst(served, tmp_path):
                             "/v1/completions",
                             json={
                                 "prompt": [3 + i % 7, 4],
-                                "max_tokens": 80,
+                                "max_tokens": BURST_TOKENS,
                                 "temperature": 0,
                                 "ignore_eos": True,
                                 "router": "always-large",
@@ -404,7 +408,7 @@ def test_autoscaling_follows_a_burst(served, tmp_path):
         "burst_s": round(rec.marks["end of burst"] - rec.marks["burst"], 1),
         "completed": completed,
         "refused": refused,
-        "request": "80 tokens, always-large, 25 ms delay per catch-up",
+        "request": f"{BURST_TOKENS} tokens, always-large, {DELAY_MS:g} ms delay per catch-up",
         "autoscaling_config": AUTOSCALE,
         "nodes": {"head": "2 CPUs", "small_gpu": 2, "large_gpu": 2},
     }
