@@ -30,10 +30,10 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # as a script: the checkout's packages
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # as a script: the checkout's packages
 from tests.support.tiers import starts_ray  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "module_cpu.json"
 CGROUPS = Path("/sys/fs/cgroup/cpuacct")
 TEST_MIN_CPU_S = 1.0  # the record lists the tests that cost this much or more
