@@ -344,3 +344,19 @@ def test_the_testing_pages_cpu_by_module_and_by_test_is_module_cpu_json():
     cpu, setup = (g.replace(",", "") for g in ray.group(2, 3))
     assert int(ray.group(1)) == record["ray"]["tests"]
     assert agree(cpu, record["ray"]["cpu_s"]) and agree(setup, record["ray"]["setup_cpu_s"])
+
+
+def test_the_cluster_pages_autoscaling_figures_are_autoscaling_json():
+    record = load("autoscaling.json")
+    meta, page = record["meta"], " ".join((ROOT / "docs" / "cluster.md").read_text().split())  # one line
+    m = re.search(
+        r"(\d+) concurrent always-large requests \((\d+) tokens each, every catch-up delayed (\d+) ms\)", page
+    )
+    assert m and int(m.group(1)) == meta["streams"], "the burst's requests"
+    assert meta["request"] == f"{m.group(2)} tokens, always-large, {m.group(3)} ms delay per catch-up"
+    m = re.search(r"then 3 s more: ([\d.]+) s, (\d+) completed, (\d+) refused", page)
+    assert (
+        m
+        and agree(m.group(1), meta["burst_s"])
+        and [int(g) for g in m.groups()[1:]] == [meta["completed"], meta["refused"]]
+    )
