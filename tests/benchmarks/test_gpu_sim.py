@@ -88,7 +88,9 @@ def test_launched_ahead_the_host_hides_behind_m_ss_forwards(sim):
         finally:
             sim.engine.launch_ahead = False
         assert ahead["seconds"] < plain["seconds"]
-        assert 1e3 * ahead["seconds"] >= ahead["small_ms"] + ahead["large_ms"]
+        # the device's bound; it can be met exactly, so within float rounding (the clock's seconds
+        # are a difference of two absolute times, whose last bits depend on the tests run before)
+        assert 1e3 * ahead["seconds"] >= ahead["small_ms"] + ahead["large_ms"] - 1e-6  # as one_gpu below
         if label == "always-small":
             assert ahead["steps"] == plain["steps"] and ahead["small_forwards"] == plain["small_forwards"] + 1
         else:
