@@ -334,12 +334,13 @@ def test_the_testing_pages_cpu_by_module_and_by_test_is_module_cpu_json():
     assert len(tests) >= 5, "docs/testing.md's CPU-by-test table"
     for (name, cpu, setup), t in zip(tests, record["tests"], strict=False):
         assert name == t["test"].rsplit("/", 1)[-1] and float(cpu) == t["cpu_s"] and float(setup) == t["setup_cpu_s"]
-    m = re.search(r"\(tests/, at (\w+),.*? took ([\d,]+)\s+CPU-s in ([\d,]+) s", page, re.S)
+    prose = " ".join(page.split())  # the paragraphs as one line: a rewrap breaks no pattern
+    m = re.search(r"\(tests/, at (\w+),.*? took ([\d,]+) CPU-s in ([\d,]+) s", prose)
     assert m and m.group(1) == record["commit"], "the run's commit"
     assert agree(m.group(2).replace(",", ""), record["cpu_s"]) and agree(m.group(3).replace(",", ""), record["wall_s"])
-    floor = re.search(r"a\s+floor\s+of\s+([\d.]+)\s+min", page)
+    floor = re.search(r"a floor of ([\d.]+) min", prose)
     assert floor and float(floor.group(1)) == record["floor_min"], "the floor"
-    ray = re.search(r"the (\d+) tests of the Ray modules took ([\d,]+) CPU-s, ([\d,]+) of them in\s+their setups", page)
+    ray = re.search(r"the (\d+) tests of the Ray modules took ([\d,]+) CPU-s, ([\d,]+) of them in their setups", prose)
     assert ray, "the Ray modules' share"
     cpu, setup = (g.replace(",", "") for g in ray.group(2, 3))
     assert int(ray.group(1)) == record["ray"]["tests"]
